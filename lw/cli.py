@@ -1,0 +1,35 @@
+"""The `lw` command line: one entry point, subcommands loaded on demand."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, help); each module has main(argv) -> int
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("lw.demo", "run a local P/D cluster and report (default: real vLLM engines)"),
+    "check": ("lw.sim.cli", "model-check the protocol (exhaustive or random)"),
+    "diagrams": ("lw.diagrams", "regenerate or --check docs/diagrams"),
+    "proxy": ("lw.vllm_adapter.proxy", "run the D-first proxy in front of vLLM servers"),
+}
+
+
+def usage() -> str:
+    """Help text listing the subcommands."""
+    lines = ["usage: lw <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {desc}" for name, (_, desc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``lw <command> ...`` to the command's module."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    cmd, rest = args[0], args[1:]
+    if cmd not in COMMANDS:
+        print(f"lw: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[cmd][0])
+    return int(module.main(rest) or 0)

@@ -1,0 +1,44 @@
+"""lw's sans-I/O core: declared per-request lifecycles and the endpoints that drive them.
+
+Nothing in this package does I/O, starts threads or reads a clock: events in, effects out.
+"""
+
+from lw.fsm.decode import DecodeConfig, DecodeEndpoint, check_lease
+from lw.fsm.effects import (
+    ArmTimer,
+    CancelTimer,
+    Effect,
+    Quarantine,
+    RecvDone,
+    RecvFailed,
+    Send,
+    SendFinished,
+    WriteLayer,
+)
+from lw.fsm.lifecycles import decode_declaration, prefill_declaration
+from lw.fsm.machine import STAY, Declaration, ProtocolError, Transition
+from lw.fsm.prefill import PrefillConfig, PrefillEndpoint, PrefillRequest
+
+__all__ = [
+    "STAY",
+    "ArmTimer",
+    "CancelTimer",
+    "DecodeConfig",
+    "DecodeEndpoint",
+    "Declaration",
+    "Effect",
+    "PrefillConfig",
+    "PrefillEndpoint",
+    "PrefillRequest",
+    "ProtocolError",
+    "Quarantine",
+    "RecvDone",
+    "RecvFailed",
+    "Send",
+    "SendFinished",
+    "Transition",
+    "WriteLayer",
+    "check_lease",
+    "decode_declaration",
+    "prefill_declaration",
+]

@@ -1,0 +1,371 @@
+"""The decode-side endpoint: D's requests whose blocks were allocated before prefill started.
+
+D accepts P senders per request (MetaRequest), counts their DONE messages and reports the request
+finished only when every expected sender has written every layer. A failed request's blocks are
+quarantined until every accepted sender confirmed it stopped, or until a lease expires.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from lw.fsm.effects import (
+    ArmTimer,
+    CancelTimer,
+    Effect,
+    Quarantine,
+    RecvDone,
+    RecvFailed,
+    Send,
+    TimerKey,
+)
+from lw.fsm.lifecycles import DONE, FAILED, PREFILL_REQUESTED, decode_declaration
+from lw.fsm.machine import ProtocolError
+from lw.transport.wire import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortAck,
+    Ack,
+    DoneSending,
+    FailedSending,
+    KVLayout,
+    Message,
+    MetaReply,
+    MetaRequest,
+    Sender,
+)
+
+_FINAL = (DONE, FAILED)
+SenderKey = tuple[str, int]  # (engine_id, rank)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Deadlines of a D worker (seconds)."""
+
+    prefill_timeout_s: float = 60.0  # from allocation to every sender's DONE
+    lease_s: float = 90.0  # quarantine bound; must exceed P's request timeout + transfer timeout
+    finished_memory: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_timeout_s", "lease_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"DecodeConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.finished_memory < 1:
+            raise ValueError("DecodeConfig.finished_memory must be >= 1")
+
+
+def check_lease(
+    decode: DecodeConfig, p_request_timeout_s: float, transfer_timeout_s: float
+) -> None:
+    """Refuse deadlines under which a P write could land after D released a quarantine."""
+    need = p_request_timeout_s + transfer_timeout_s
+    if decode.lease_s <= need:
+        raise ValueError(
+            f"decode lease_s={decode.lease_s} must exceed P request_timeout_s + transfer timeout "
+            f"= {p_request_timeout_s} + {transfer_timeout_s} = {need}"
+        )
+
+
+class _Req:
+    """Mutable per-request record of the decode lifecycle."""
+
+    __slots__ = ("req_id", "state", "blocks", "expected", "claimers", "done", "stopped", "reason")
+
+    def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int) -> None:
+        self.req_id = req_id
+        self.state = PREFILL_REQUESTED
+        self.blocks = blocks
+        self.expected = expected
+        self.claimers: dict[SenderKey, Sender] = {}
+        self.done: set[SenderKey] = set()
+        self.stopped: set[SenderKey] = set()
+        self.reason = ""
+
+
+class DecodeEndpoint:
+    """Protocol logic of one D worker (events in, effects out; time is an argument)."""
+
+    def __init__(self, me: Sender, layout: KVLayout, config: DecodeConfig | None = None) -> None:
+        if layout.engine_id != me.engine_id or layout.incarnation != me.incarnation:
+            raise ValueError("layout must belong to this worker (engine id and incarnation)")
+        self.me = me
+        self.layout = layout
+        self.config = config or DecodeConfig()
+        self.declaration = decode_declaration()
+        self._table = self.declaration.compile()
+        self._reqs: dict[str, _Req] = {}
+        self._finished: OrderedDict[str, str] = OrderedDict()
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "done": 0,
+            "failed": 0,
+            "deadlines": 0,
+            "leases_expired": 0,
+            "stale_messages": 0,
+            "refused": 0,
+        }
+
+    # ----------------------------------------------------------------------------- inspection
+    def state_of(self, req_id: str) -> str | None:
+        """Current state of a live request, or its final state if recently finished."""
+        rec = self._reqs.get(req_id)
+        return rec.state if rec is not None else self._finished.get(req_id)
+
+    def live_requests(self) -> list[str]:
+        """Requests whose blocks are still held by lw (receiving or quarantined)."""
+        return list(self._reqs)
+
+    def quarantined(self) -> dict[str, tuple[int, ...]]:
+        """Failed requests whose blocks must not be touched yet."""
+        return {r.req_id: r.blocks for r in self._reqs.values() if r.state == FAILED}
+
+    def snapshot(self) -> tuple:
+        """A canonical, hashable summary of the endpoint's protocol state (for the checker)."""
+        reqs = tuple(
+            sorted(
+                (
+                    r.req_id,
+                    r.state,
+                    tuple(sorted(r.claimers)),
+                    tuple(sorted(r.done)),
+                    tuple(sorted(r.stopped)),
+                )
+                for r in self._reqs.values()
+            )
+        )
+        return reqs, tuple(sorted(self._finished.items()))
+
+    # ----------------------------------------------------------------------------- dispatch
+    def _fire(self, rec: _Req, event: str) -> str:
+        try:
+            nxt = self._table[(rec.state, event)]
+        except KeyError:
+            raise ProtocolError("decode", rec.req_id, rec.state, event) from None
+        rec.state = nxt
+        return nxt
+
+    # ----------------------------------------------------------------------------- events
+    def add_request(
+        self, req_id: str, block_ids: tuple[int, ...], expected_senders: int, now: float
+    ) -> list[Effect]:
+        """Blocks were allocated for a request whose prefill is about to be requested."""
+        if req_id in self._reqs:
+            raise ValueError(f"request {req_id!r} is already live on D {self.me.engine_id}")
+        if expected_senders < 1:
+            raise ValueError(f"request {req_id!r}: expected_senders must be >= 1")
+        self._finished.pop(req_id, None)
+        self._reqs[req_id] = _Req(req_id, tuple(block_ids), expected_senders)
+        self.counters["requests"] += 1
+        return [ArmTimer(("deadline", req_id), now + self.config.prefill_timeout_s)]
+
+    def on_message(self, msg: Message, now: float) -> list[Effect]:
+        """A side-channel message from a P worker arrived."""
+        out: list[Effect] = []
+        if isinstance(msg, MetaRequest):
+            self._on_meta_request(msg, out)
+        elif isinstance(msg, DoneSending):
+            self._on_done(msg, now, out)
+        elif isinstance(msg, FailedSending):
+            self._on_failed(msg, now, out)
+        elif isinstance(msg, AbortAck):
+            self._on_abort_ack(msg, out)
+        else:
+            raise ProtocolError(
+                "decode", getattr(msg, "req_id", "?"), "-", type(msg).__name__,
+                "a D worker only accepts MetaRequest, DoneSending, FailedSending and AbortAck",
+            )
+        return out
+
+    def on_timer(self, key: TimerKey, now: float) -> list[Effect]:
+        """A timer armed by an earlier ArmTimer effect fired."""
+        kind, rid = key
+        out: list[Effect] = []
+        rec = self._reqs.get(rid)
+        if rec is None:
+            return out
+        if kind == "deadline":
+            if rec.state not in _FINAL:
+                self.counters["deadlines"] += 1
+                self._fail(rec, f"prefill deadline of {self.config.prefill_timeout_s}s passed",
+                           now, out)
+        elif kind == "lease":
+            self._fire(rec, "lease_expired")
+            self.counters["leases_expired"] += 1
+            self._release(rec, out)
+        else:
+            raise ValueError(f"unknown timer kind {kind!r} for request {rid!r}")
+        return out
+
+    def abort(self, req_id: str, reason: str, now: float) -> list[Effect]:
+        """The local scheduler aborted a request whose KV had not fully arrived."""
+        out: list[Effect] = []
+        rec = self._reqs.get(req_id)
+        if rec is not None and rec.state not in _FINAL:
+            self._fail(rec, f"aborted locally: {reason}", now, out)
+        return out
+
+    def peer_lost(self, engine_id: str, reason: str, now: float) -> list[Effect]:
+        """A P engine died or restarted: its senders write nothing any more."""
+        out: list[Effect] = []
+        for rec in list(self._reqs.values()):
+            lost = [k for k in rec.claimers if k[0] == engine_id]
+            if not lost:
+                continue
+            rec.stopped.update(lost)
+            if rec.state in _FINAL:
+                self._fire(rec, "sender_stopped")
+                self._maybe_release(rec, out)
+            else:
+                self._fail(rec, f"prefill engine {engine_id} lost: {reason}", now, out)
+        return out
+
+    # ----------------------------------------------------------------------------- messages
+    def _reply(self, msg: MetaRequest, status: str, reason: str = "",
+               layout: KVLayout | None = None) -> Send:
+        return Send(msg.sender.addr, MetaReply(PROTOCOL_VERSION, msg.req_id, status, self.me,
+                                               layout, reason[:1024]))
+
+    def _on_meta_request(self, msg: MetaRequest, out: list[Effect]) -> None:
+        rec = self._reqs.get(msg.req_id)
+        if rec is None:
+            if msg.req_id in self._finished:
+                self.counters["refused"] += 1
+                fin = self._finished[msg.req_id]
+                out.append(self._reply(msg, "refused", f"request already {fin}"))
+            else:
+                # Not allocated here (yet, or ever): never authorises a write.
+                out.append(self._reply(msg, "unknown", "no such request on this decode worker"))
+            return
+        key = (msg.sender.engine_id, msg.sender.rank)
+        layout = self.layout if msg.want_layout else None
+        if key in rec.claimers:
+            self._fire(rec, "claim")
+            if rec.state == FAILED and key not in rec.stopped:
+                out.append(self._reply(msg, "refused", rec.reason))
+            else:
+                out.append(self._reply(msg, "accepted", layout=layout))
+            return
+        if rec.state in _FINAL:
+            self._fire(rec, "claim")
+            self.counters["refused"] += 1
+            out.append(self._reply(msg, "refused", f"request is {rec.state}: {rec.reason}"))
+            return
+        if len(rec.claimers) >= rec.expected:
+            self.counters["refused"] += 1
+            out.append(self._reply(msg, "refused",
+                                   f"request already has its {rec.expected} expected senders"))
+            return
+        rec.claimers[key] = msg.sender
+        self._fire(rec, "claim")
+        out.append(self._reply(msg, "accepted", layout=layout))
+
+    def _ack(self, msg: DoneSending | FailedSending, of: str, accepted: bool) -> Send:
+        return Send(msg.sender.addr, Ack(PROTOCOL_VERSION, msg.req_id, of, self.me, accepted))
+
+    def _on_done(self, msg: DoneSending, now: float, out: list[Effect]) -> None:
+        rec = self._reqs.get(msg.req_id)
+        if rec is None:
+            fin = self._stale(msg)
+            out.append(self._ack(msg, "done", fin == DONE))
+            return
+        key = (msg.sender.engine_id, msg.sender.rank)
+        if key not in rec.claimers:
+            raise ProtocolError("decode", msg.req_id, rec.state, "sender_done",
+                                f"sender {key} was never accepted for this request")
+        if msg.num_layers != len(self.layout.layers):
+            self._fail(rec, f"sender {key} reports {msg.num_layers} layers, we have "
+                       f"{len(self.layout.layers)}", now, out)
+        if rec.state == FAILED:
+            self._fire(rec, "sender_done")
+            rec.stopped.add(key)
+            out.append(self._ack(msg, "done", False))
+            self._maybe_release(rec, out)
+            return
+        self._fire(rec, "sender_done")
+        rec.done.add(key)
+        out.append(self._ack(msg, "done", True))
+        if rec.state != DONE and len(rec.done) == rec.expected:
+            self._fire(rec, "all_done")
+            out.append(CancelTimer(("deadline", rec.req_id)))
+            out.append(RecvDone(rec.req_id))
+            self.counters["done"] += 1
+            self._forget(rec)
+
+    def _on_failed(self, msg: FailedSending, now: float, out: list[Effect]) -> None:
+        rec = self._reqs.get(msg.req_id)
+        if rec is None:
+            self._stale(msg)
+            out.append(self._ack(msg, "failed", False))
+            return
+        key = (msg.sender.engine_id, msg.sender.rank)
+        if key not in rec.claimers:
+            raise ProtocolError("decode", msg.req_id, rec.state, "fail",
+                                f"FailedSending from {key}, which was never accepted")
+        rec.stopped.add(key)
+        if rec.state in _FINAL:
+            self._fire(rec, "sender_stopped" if rec.state == FAILED else "fail")
+            out.append(self._ack(msg, "failed", False))
+            self._maybe_release(rec, out)
+            return
+        out.append(self._ack(msg, "failed", True))
+        self._fail(rec, f"prefill sender {key} failed: {msg.reason}", now, out)
+
+    def _on_abort_ack(self, msg: AbortAck, out: list[Effect]) -> None:
+        rec = self._reqs.get(msg.req_id)
+        if rec is None:
+            self._stale(msg)
+            return
+        key = (msg.sender.engine_id, msg.sender.rank)
+        if rec.state != FAILED:
+            raise ProtocolError("decode", msg.req_id, rec.state, "sender_stopped",
+                                "AbortAck for a request we did not abort")
+        self._fire(rec, "sender_stopped")
+        rec.stopped.add(key)
+        self._maybe_release(rec, out)
+
+    # ----------------------------------------------------------------------------- helpers
+    def _stale(self, msg: Message) -> str:
+        rid = getattr(msg, "req_id", "?")
+        fin = self._finished.get(rid)
+        if fin is None:
+            raise ProtocolError("decode", rid, "UNKNOWN", type(msg).__name__,
+                                f"no such request on D {self.me.engine_id}")
+        self.counters["stale_messages"] += 1
+        return fin
+
+    def _fail(self, rec: _Req, reason: str, now: float, out: list[Effect]) -> None:
+        if rec.state in _FINAL:
+            self._fire(rec, "fail")
+            return
+        self._fire(rec, "fail")
+        rec.reason = reason
+        out.append(CancelTimer(("deadline", rec.req_id)))
+        pending = [s for k, s in rec.claimers.items() if k not in rec.stopped]
+        if not pending:
+            self._release(rec, out)
+            return
+        out.append(Quarantine(rec.req_id, rec.blocks, reason))
+        for sender in pending:
+            abort = Abort(PROTOCOL_VERSION, rec.req_id, self.me, reason[:1024])
+            out.append(Send(sender.addr, abort))
+        out.append(ArmTimer(("lease", rec.req_id), now + self.config.lease_s))
+
+    def _maybe_release(self, rec: _Req, out: list[Effect]) -> None:
+        if rec.state == FAILED and all(k in rec.stopped for k in rec.claimers):
+            out.append(CancelTimer(("lease", rec.req_id)))
+            self._release(rec, out)
+
+    def _release(self, rec: _Req, out: list[Effect]) -> None:
+        if self._reqs.get(rec.req_id) is not rec:
+            return
+        self.counters["failed"] += 1
+        out.append(RecvFailed(rec.req_id, rec.blocks, rec.reason))
+        self._forget(rec)
+
+    def _forget(self, rec: _Req) -> None:
+        del self._reqs[rec.req_id]
+        self._finished[rec.req_id] = rec.state
+        while len(self._finished) > self.config.finished_memory:
+            self._finished.popitem(last=False)

@@ -1,0 +1,105 @@
+"""The two per-request lifecycles of lw, declared as data.
+
+Prefill side (per request and P worker rank)::
+
+    AWAIT_DECODER_META -> META_READY -> LAYER_0_SENT -> ... -> LAYER_{L-1}_SENT -> DONE
+    (FAILED from every non-final state)
+
+Decode side (per request)::
+
+    PREFILL_REQUESTED -> RECEIVING -> DONE      (FAILED from every non-final state)
+
+Rows whose destination is STAY are *declared* no-ops: duplicates, late completions and events
+after a final state. A (state, event) pair with no row is a protocol error.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from lw.fsm.machine import STAY, Declaration, rows
+
+AWAIT_DECODER_META = "AWAIT_DECODER_META"
+META_READY = "META_READY"
+DONE = "DONE"
+FAILED = "FAILED"
+
+
+def layer_sent(k: int) -> str:
+    """Name of the prefill state reached when layers 0..k have been written to D."""
+    return f"LAYER_{k}_SENT"
+
+
+@lru_cache(maxsize=64)
+def prefill_declaration(num_layers: int) -> Declaration:
+    """The prefill-side lifecycle of one request on one P worker, for a model of L layers."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    sent = [layer_sent(k) for k in range(num_layers)]
+    last = sent[-1]
+    live = (AWAIT_DECODER_META, META_READY, *sent)
+    return Declaration(
+        name="prefill",
+        states=(*live, DONE, FAILED),
+        initial=AWAIT_DECODER_META,
+        finals=frozenset({DONE, FAILED}),
+        transitions=(
+            # D accepted this sender for the request (its layout is cached or came with the reply).
+            rows("meta_accepted", [AWAIT_DECODER_META], META_READY),
+            rows("meta_accepted", [META_READY, *sent, DONE, FAILED], STAY, "duplicate reply"),
+            # D does not know the request yet: ask again on the next retry tick.
+            rows("meta_unknown", [AWAIT_DECODER_META], STAY, "retry later"),
+            rows("meta_unknown", [META_READY, *sent, DONE, FAILED], STAY, "stale reply"),
+            # The forward pass finished a layer: remembered, never waited for.
+            rows("layer_computed", [AWAIT_DECODER_META, META_READY, *sent[:-1]], STAY),
+            rows("layer_computed", [FAILED], STAY, "computation goes on; nothing is sent"),
+            # A layer write completed (in layer order).
+            rows("layer_sent", [META_READY], sent[0]),
+            *(rows("layer_sent", [sent[k]], sent[k + 1]) for k in range(num_layers - 1)),
+            rows("layer_sent", [FAILED], STAY, "write that was in flight when we failed"),
+            # A retry tick while waiting for D's metadata or for the DONE acknowledgement.
+            rows("meta_timer", [AWAIT_DECODER_META], STAY, "resend MetaRequest"),
+            rows("meta_timer", [META_READY, *sent, DONE, FAILED], STAY, "stale timer"),
+            rows("ack_timer", [last], STAY, "resend DoneSending"),
+            rows("ack_timer", [DONE, FAILED], STAY, "stale timer"),
+            # D acknowledged DONE.
+            rows("ack", [last], DONE),
+            rows("ack", [DONE, FAILED], STAY, "duplicate or late acknowledgement"),
+            # Failure: transfer error, D refused or aborted, deadline, local abort, peer lost.
+            rows("fail", live, FAILED),
+            rows("fail", [DONE, FAILED], STAY, "already final"),
+        ),
+    )
+
+
+PREFILL_REQUESTED = "PREFILL_REQUESTED"
+RECEIVING = "RECEIVING"
+
+
+@lru_cache(maxsize=1)
+def decode_declaration() -> Declaration:
+    """The decode-side lifecycle of one request on D (blocks allocated before prefill starts)."""
+    live = (PREFILL_REQUESTED, RECEIVING)
+    return Declaration(
+        name="decode",
+        states=(*live, DONE, FAILED),
+        initial=PREFILL_REQUESTED,
+        finals=frozenset({DONE, FAILED}),
+        transitions=(
+            # A P sender was accepted (MetaRequest): from now on its writes may land in our blocks.
+            rows("claim", [PREFILL_REQUESTED], RECEIVING),
+            rows("claim", [RECEIVING], STAY, "another or a duplicate sender"),
+            rows("claim", [DONE, FAILED], STAY, "answered refused or as duplicate"),
+            # One accepted sender reported every layer written; all of them: DONE.
+            rows("sender_done", [RECEIVING], STAY, "still waiting for other senders"),
+            rows("sender_done", [DONE], STAY, "duplicate DONE"),
+            rows("sender_done", [FAILED], STAY, "late DONE: that sender has stopped"),
+            rows("all_done", [RECEIVING], DONE),
+            # Failure: a sender failed, our deadline fired, local abort, peer lost.
+            rows("fail", live, FAILED),
+            rows("fail", [DONE, FAILED], STAY, "already final"),
+            # While FAILED, the blocks are quarantined until every sender stopped or the lease ends.
+            rows("sender_stopped", [FAILED], STAY, "quarantine shrinks"),
+            rows("lease_expired", [FAILED], STAY, "quarantine ends"),
+        ),
+    )

@@ -1,0 +1,476 @@
+"""The prefill-side endpoint: one P worker rank's requests, driven by events, returning effects.
+
+Nothing here blocks or does I/O. ``layer_computed`` is the hot path: it is called once per layer
+with the requests in the batch and only records the layer or emits writes for it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from lw.fsm.effects import (
+    ArmTimer,
+    CancelTimer,
+    Effect,
+    Send,
+    SendFinished,
+    TimerKey,
+    WriteLayer,
+)
+from lw.fsm.lifecycles import AWAIT_DECODER_META, DONE, FAILED, prefill_declaration
+from lw.fsm.machine import ProtocolError
+from lw.transport.wire import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortAck,
+    Ack,
+    DoneSending,
+    FailedSending,
+    KVLayout,
+    Message,
+    MetaReply,
+    MetaRequest,
+    Sender,
+)
+
+_FINAL = (DONE, FAILED)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Deadlines and retry budgets of a P worker (seconds)."""
+
+    meta_retry_s: float = 0.5  # resend MetaRequest after this long without an answer
+    meta_attempts: int = 20  # give up (FAILED) after this many unanswered or "unknown" replies
+    ack_retry_s: float = 0.5
+    ack_attempts: int = 10
+    request_timeout_s: float = 30.0  # whole transfer, from add_request; D's lease must exceed it
+    tombstone_ttl_s: float = 300.0  # remember D's aborts for requests we have not seen yet
+    finished_memory: int = 4096  # finished requests remembered to recognise late duplicates
+
+    def __post_init__(self) -> None:
+        for name in ("meta_retry_s", "ack_retry_s", "request_timeout_s", "tombstone_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"PrefillConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("meta_attempts", "ack_attempts", "finished_memory"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PrefillConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """What the P scheduler knows of a request whose prefill completes in this step."""
+
+    req_id: str
+    decoder_addr: str  # side-channel address of the D worker that allocated the blocks
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
+    expected_senders: int = 1
+
+
+class _Req:
+    """Mutable per-request record of the prefill lifecycle (state + the data the table needs)."""
+
+    __slots__ = (
+        "req",
+        "state",
+        "computed",
+        "submitted",
+        "sent",
+        "out_of_order",
+        "inflight",
+        "layout",
+        "claimed",
+        "meta_tries",
+        "ack_tries",
+        "reason",
+        "abort_acks",
+    )
+
+    def __init__(self, req: PrefillRequest, state: str) -> None:
+        self.req = req
+        self.state = state
+        self.computed = 0  # layers 0..computed-1 have been computed by the forward pass
+        self.submitted = 0  # layers 0..submitted-1 have been handed to the data plane
+        self.sent = 0  # layers 0..sent-1 have been written (completions, in order)
+        self.out_of_order: set[int] = set()
+        self.inflight = 0
+        self.layout: KVLayout | None = None
+        self.claimed = False  # D accepted us as a sender: it expects DONE or FAILED from us
+        self.meta_tries = 0
+        self.ack_tries = 0
+        self.reason = ""
+        self.abort_acks: list[str] = []  # D addresses waiting for our AbortAck
+
+
+class PrefillEndpoint:
+    """Protocol logic of one P worker rank (events in, effects out; time is an argument)."""
+
+    def __init__(self, me: Sender, num_layers: int, config: PrefillConfig | None = None) -> None:
+        self.me = me
+        self.num_layers = num_layers
+        self.config = config or PrefillConfig()
+        self.declaration = prefill_declaration(num_layers)
+        self._table = self.declaration.compile()
+        self._reqs: dict[str, _Req] = {}
+        self._layouts: dict[str, KVLayout] = {}  # per D worker address
+        self._tombstones: dict[str, float] = {}  # req_id -> expiry (aborted by D before we saw it)
+        self._finished: OrderedDict[str, str] = OrderedDict()  # req_id -> final state
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "done": 0,
+            "failed": 0,
+            "deadlines": 0,
+            "stale_messages": 0,
+            "layer_writes": 0,
+        }
+
+    # ----------------------------------------------------------------------------- inspection
+    def state_of(self, req_id: str) -> str | None:
+        """Current lifecycle state of a live request, or its final state if recently finished."""
+        rec = self._reqs.get(req_id)
+        if rec is not None:
+            return rec.state
+        return self._finished.get(req_id)
+
+    def live_requests(self) -> list[str]:
+        """Requests not yet released to the scheduler."""
+        return list(self._reqs)
+
+    def inflight_writes(self, req_id: str) -> int:
+        """Writes handed to the data plane for this request and not completed yet."""
+        rec = self._reqs.get(req_id)
+        return rec.inflight if rec is not None else 0
+
+    def snapshot(self) -> tuple:
+        """A canonical, hashable summary of the endpoint's protocol state (for the checker)."""
+        reqs = tuple(
+            sorted(
+                (
+                    r.req.req_id,
+                    r.state,
+                    r.computed,
+                    r.submitted,
+                    r.sent,
+                    r.inflight,
+                    r.claimed,
+                    r.meta_tries,
+                    r.ack_tries,
+                    tuple(r.abort_acks),
+                    tuple(sorted(r.out_of_order)),
+                )
+                for r in self._reqs.values()
+            )
+        )
+        return (
+            reqs,
+            tuple(sorted(self._layouts)),
+            tuple(sorted(self._tombstones)),
+            tuple(sorted(self._finished.items())),
+        )
+
+    # ----------------------------------------------------------------------------- dispatch
+    def _fire(self, rec: _Req, event: str) -> str:
+        try:
+            nxt = self._table[(rec.state, event)]
+        except KeyError:
+            raise ProtocolError("prefill", rec.req.req_id, rec.state, event) from None
+        rec.state = nxt
+        return nxt
+
+    # ----------------------------------------------------------------------------- events
+    def add_request(self, req: PrefillRequest, now: float) -> list[Effect]:
+        """The scheduler hands us a request to push to D (its prefill completes in this step)."""
+        if req.req_id in self._reqs:
+            raise ValueError(f"request {req.req_id!r} is already live on {self._who()}")
+        if len(req.local_blocks) != len(req.remote_blocks):
+            raise ValueError(
+                f"request {req.req_id!r}: {len(req.local_blocks)} local blocks but "
+                f"{len(req.remote_blocks)} remote blocks"
+            )
+        self._finished.pop(req.req_id, None)
+        rec = _Req(req, AWAIT_DECODER_META)
+        self._reqs[req.req_id] = rec
+        self.counters["requests"] += 1
+        out: list[Effect] = []
+        if req.req_id in self._tombstones:
+            del self._tombstones[req.req_id]
+            out.append(CancelTimer(("tomb", req.req_id)))
+            self._fail(rec, "decoder aborted the request before it reached this worker", now, out)
+            return out
+        out.append(ArmTimer(("deadline", req.req_id), now + self.config.request_timeout_s))
+        self._send_meta_request(rec, now, out)
+        return out
+
+    def layer_computed(self, layer: int, req_ids: Iterable[str], now: float) -> list[Effect]:
+        """The forward pass finished ``layer`` for these requests (hot path; never waits)."""
+        out: list[Effect] = []
+        reqs = self._reqs
+        table = self._table
+        for rid in req_ids:
+            rec = reqs.get(rid)
+            if rec is None:
+                continue  # not a request we push (or already released after an abort)
+            st = rec.state
+            if (st, "layer_computed") not in table:
+                raise ProtocolError("prefill", rid, st, "layer_computed", f"layer {layer}")
+            if layer != rec.computed:
+                raise ProtocolError(
+                    "prefill", rid, st, "layer_computed",
+                    f"layer {layer} computed but {rec.computed} was expected next",
+                )
+            rec.computed = layer + 1
+            if st != AWAIT_DECODER_META and st != FAILED:
+                self._submit_ready(rec, out)
+        return out
+
+    def transfer_done(
+        self, req_id: str, layer: int, ok: bool, reason: str, now: float
+    ) -> list[Effect]:
+        """The data plane finished writing ``layer`` of a request (``ok`` false: it failed)."""
+        out: list[Effect] = []
+        rec = self._reqs.get(req_id)
+        if rec is None:
+            raise ProtocolError("prefill", req_id, "UNKNOWN", "layer_sent", "no such live request")
+        if rec.inflight <= 0:
+            raise ProtocolError("prefill", req_id, rec.state, "layer_sent", "no write in flight")
+        rec.inflight -= 1
+        if not ok:
+            self._fail(rec, f"layer {layer} write failed: {reason}", now, out)
+        elif rec.state == FAILED:
+            self._fire(rec, "layer_sent")
+        else:
+            rec.out_of_order.add(layer)
+            while rec.sent in rec.out_of_order:
+                rec.out_of_order.discard(rec.sent)
+                self._fire(rec, "layer_sent")
+                rec.sent += 1
+            if rec.sent == self.num_layers and not rec.out_of_order:
+                out.append(self._done_msg(rec))
+                out.append(ArmTimer(("ack", req_id), now + self.config.ack_retry_s))
+        self._maybe_release(rec, out)
+        return out
+
+    def on_message(self, msg: Message, now: float) -> list[Effect]:
+        """A side-channel message from a D worker arrived."""
+        out: list[Effect] = []
+        if isinstance(msg, MetaReply):
+            self._on_meta_reply(msg, now, out)
+        elif isinstance(msg, Ack):
+            self._on_ack(msg, now, out)
+        elif isinstance(msg, Abort):
+            self._on_abort(msg, now, out)
+        else:
+            raise ProtocolError(
+                "prefill", getattr(msg, "req_id", "?"), "-", type(msg).__name__,
+                "a P worker only accepts MetaReply, Ack and Abort",
+            )
+        return out
+
+    def on_timer(self, key: TimerKey, now: float) -> list[Effect]:
+        """A timer armed by an earlier ArmTimer effect fired."""
+        kind, rid = key
+        out: list[Effect] = []
+        if kind == "tomb":
+            self._tombstones.pop(rid, None)
+            return out
+        rec = self._reqs.get(rid)
+        if rec is None:
+            return out  # timer of a released request: nothing depends on it any more
+        if kind == "deadline":
+            if rec.state not in _FINAL:
+                self.counters["deadlines"] += 1
+                self._fail(rec, f"deadline of {self.config.request_timeout_s}s passed", now, out)
+        elif kind == "meta":
+            self._fire(rec, "meta_timer")
+            if rec.state == AWAIT_DECODER_META:
+                if rec.meta_tries >= self.config.meta_attempts:
+                    self.counters["deadlines"] += 1
+                    self._fail(
+                        rec, f"decoder at {rec.req.decoder_addr} did not accept the request "
+                        f"after {rec.meta_tries} MetaRequests", now, out,
+                    )
+                else:
+                    self._send_meta_request(rec, now, out)
+        elif kind == "ack":
+            self._fire(rec, "ack_timer")
+            if rec.state not in _FINAL:
+                if rec.ack_tries >= self.config.ack_attempts:
+                    self.counters["deadlines"] += 1
+                    self._fail(rec, f"no acknowledgement of DONE after {rec.ack_tries} tries",
+                               now, out)
+                else:
+                    out.append(self._done_msg(rec))
+                    out.append(ArmTimer(("ack", rid), now + self.config.ack_retry_s))
+        else:
+            raise ValueError(f"unknown timer kind {kind!r} for request {rid!r}")
+        return out
+
+    def abort(self, req_id: str, reason: str, now: float) -> list[Effect]:
+        """The local scheduler aborted a request (client gone, preemption, shutdown)."""
+        out: list[Effect] = []
+        rec = self._reqs.get(req_id)
+        if rec is not None:
+            self._fail(rec, f"aborted locally: {reason}", now, out)
+        return out
+
+    def peer_lost(self, decoder_addr: str, reason: str, now: float) -> list[Effect]:
+        """The D worker at ``decoder_addr`` is gone or restarted: fail what it was to receive."""
+        out: list[Effect] = []
+        self._layouts.pop(decoder_addr, None)
+        for rec in list(self._reqs.values()):
+            if rec.req.decoder_addr == decoder_addr and rec.state not in _FINAL:
+                rec.claimed = False  # nobody there to tell
+                self._fail(rec, f"decoder lost: {reason}", now, out)
+        return out
+
+    # ----------------------------------------------------------------------------- messages
+    def _on_meta_reply(self, msg: MetaReply, now: float, out: list[Effect]) -> None:
+        rec = self._reqs.get(msg.req_id)
+        if rec is None:
+            self._stale(msg)
+            return
+        if msg.status == "refused":
+            if rec.state == AWAIT_DECODER_META:
+                self._fail(rec, f"decoder refused the request: {msg.reason}", now, out)
+            else:
+                self._fire(rec, "meta_unknown")  # late refusal of an earlier try: stale
+            return
+        if msg.status == "unknown":
+            self._fire(rec, "meta_unknown")
+            return
+        if rec.state != AWAIT_DECODER_META:
+            self._fire(rec, "meta_accepted")  # declared duplicate
+            return
+        layout = msg.layout or self._layouts.get(rec.req.decoder_addr)
+        if layout is None or layout.incarnation != msg.responder.incarnation:
+            # D restarted since we cached its layout (or never sent one): ask again with the layout.
+            self._layouts.pop(rec.req.decoder_addr, None)
+            rec.claimed = True
+            self._send_meta_request(rec, now, out)
+            return
+        if len(layout.layers) != self.num_layers:
+            rec.claimed = True
+            self._fail(rec, f"decoder has {len(layout.layers)} layers, we have "
+                       f"{self.num_layers}", now, out)
+            return
+        bad = [b for b in rec.req.remote_blocks if b >= layout.layers[0].num_blocks]
+        if bad:
+            rec.claimed = True
+            self._fail(rec, f"remote block ids {bad[:4]} outside decoder's "
+                       f"{layout.layers[0].num_blocks} blocks", now, out)
+            return
+        self._layouts[rec.req.decoder_addr] = layout
+        rec.layout = layout
+        rec.claimed = True
+        out.append(CancelTimer(("meta", rec.req.req_id)))
+        self._fire(rec, "meta_accepted")
+        self._submit_ready(rec, out)
+
+    def _on_ack(self, msg: Ack, now: float, out: list[Effect]) -> None:
+        rec = self._reqs.get(msg.req_id)
+        if rec is None:
+            self._stale(msg)
+            return
+        if msg.of == "failed":
+            return  # D has our FailedSending; nothing waits on it
+        if rec.state == FAILED or rec.state == DONE:
+            self._fire(rec, "ack")
+            return
+        if not msg.accepted:
+            self._fail(rec, "decoder had already failed the request", now, out)
+            return
+        self._fire(rec, "ack")
+        out.append(CancelTimer(("ack", rec.req.req_id)))
+        self._finish(rec, out)
+        self._maybe_release(rec, out)
+
+    def _on_abort(self, msg: Abort, now: float, out: list[Effect]) -> None:
+        rid = msg.req_id
+        rec = self._reqs.get(rid)
+        if rec is None:
+            if rid not in self._finished:
+                # D gave up before the request reached us: make sure we never start it.
+                self._tombstones[rid] = now + self.config.tombstone_ttl_s
+                out.append(ArmTimer(("tomb", rid), now + self.config.tombstone_ttl_s))
+            out.append(Send(msg.responder.addr, AbortAck(PROTOCOL_VERSION, rid, self.me,
+                                                         known=rid in self._finished)))
+            return
+        rec.abort_acks.append(msg.responder.addr)
+        rec.claimed = False  # D initiated: no need to tell it we failed
+        self._fail(rec, f"decoder aborted: {msg.reason}", now, out)
+        self._maybe_release(rec, out)
+
+    # ----------------------------------------------------------------------------- helpers
+    def _who(self) -> str:
+        return f"P {self.me.engine_id} rank {self.me.rank}"
+
+    def _stale(self, msg: Message) -> None:
+        rid = getattr(msg, "req_id", "?")
+        if rid in self._finished:
+            self.counters["stale_messages"] += 1
+            return
+        raise ProtocolError("prefill", rid, "UNKNOWN", type(msg).__name__,
+                            f"no such request on {self._who()}")
+
+    def _send_meta_request(self, rec: _Req, now: float, out: list[Effect]) -> None:
+        rec.meta_tries += 1
+        want = rec.req.decoder_addr not in self._layouts
+        out.append(Send(rec.req.decoder_addr,
+                        MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me, want)))
+        out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
+
+    def _done_msg(self, rec: _Req) -> Send:
+        rec.ack_tries += 1
+        msg = DoneSending(PROTOCOL_VERSION, rec.req.req_id, self.me, rec.req.expected_senders,
+                          self.num_layers)
+        return Send(rec.req.decoder_addr, msg)
+
+    def _submit_ready(self, rec: _Req, out: list[Effect]) -> None:
+        layout = rec.layout
+        assert layout is not None
+        while rec.submitted < rec.computed:
+            out.append(WriteLayer(rec.req.req_id, rec.submitted, layout, rec.req.local_blocks,
+                                  rec.req.remote_blocks))
+            rec.submitted += 1
+            rec.inflight += 1
+            self.counters["layer_writes"] += 1
+
+    def _fail(self, rec: _Req, reason: str, now: float, out: list[Effect]) -> None:
+        if rec.state in _FINAL:
+            self._fire(rec, "fail")
+            return
+        self._fire(rec, "fail")
+        rec.reason = reason
+        rid = rec.req.req_id
+        out.append(CancelTimer(("meta", rid)))
+        out.append(CancelTimer(("ack", rid)))
+        out.append(CancelTimer(("deadline", rid)))
+        if rec.claimed:
+            out.append(Send(rec.req.decoder_addr, FailedSending(
+                PROTOCOL_VERSION, rid, self.me, rec.req.expected_senders, reason[:1024])))
+        self._maybe_release(rec, out)
+
+    def _finish(self, rec: _Req, out: list[Effect]) -> None:
+        rid = rec.req.req_id
+        out.append(CancelTimer(("deadline", rid)))
+        out.append(CancelTimer(("meta", rid)))
+
+    def _maybe_release(self, rec: _Req, out: list[Effect]) -> None:
+        """Hand the blocks back only when final and no write can still read them."""
+        if rec.state not in _FINAL or rec.inflight > 0:
+            return
+        rid = rec.req.req_id
+        if self._reqs.get(rid) is not rec:
+            return
+        del self._reqs[rid]
+        ok = rec.state == DONE
+        self.counters["done" if ok else "failed"] += 1
+        out.append(SendFinished(rid, ok, rec.reason))
+        for addr in rec.abort_acks:
+            out.append(Send(addr, AbortAck(PROTOCOL_VERSION, rid, self.me, known=True)))
+        self._finished[rid] = rec.state
+        while len(self._finished) > self.config.finished_memory:
+            self._finished.popitem(last=False)

