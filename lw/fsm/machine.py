@@ -88,7 +88,7 @@ class Declaration:
         )
         for t in self.transitions:
             if t.dest == STAY:
-                m.add_transition(t.event, list(t.sources), None, internal=True)
+                m.add_transition(t.event, list(t.sources), None)  # dest None: internal
             else:
                 m.add_transition(t.event, list(t.sources), t.dest)
         return m
