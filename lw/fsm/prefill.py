@@ -331,7 +331,16 @@ class PrefillEndpoint:
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             self._stale(msg)
+            if msg.status == "accepted" and self._finished.get(msg.req_id) == FAILED:
+                # D took us as a sender after we gave up: tell it now, not at its deadline.
+                out.append(Send(msg.responder.addr, FailedSending(
+                    PROTOCOL_VERSION, msg.req_id, self.me, 1, "sender had already failed")))
             return
+        if msg.status == "accepted" and rec.state == FAILED and not rec.claimed:
+            rec.claimed = True
+            out.append(Send(rec.req.decoder_addr, FailedSending(
+                PROTOCOL_VERSION, rec.req.req_id, self.me, rec.req.expected_senders,
+                rec.reason[:1024])))
         if msg.status == "refused":
             if rec.state == AWAIT_DECODER_META:
                 self._fail(rec, f"decoder refused the request: {msg.reason}", now, out)

@@ -201,3 +201,16 @@ def test_decoder_restart_invalidates_cached_layout() -> None:
     pair.deliver_all()  # accepted, but incarnation differs -> re-ask with want_layout
     assert pair.ps[0].state_of("r2") == "META_READY"
     assert pair.writes == [] or all(w.layout.incarnation == 2 for _, w in pair.writes)
+
+
+def test_late_acceptance_after_prefill_gave_up_is_answered_with_failure() -> None:
+    pair = make_pair(pcfg=PrefillConfig(request_timeout_s=1.0))
+    start(pair)
+    pending = list(pair.queue)  # the MetaRequest is delayed in the network
+    pair.queue.clear()
+    pair.advance(2.0)  # P's deadline: FAILED before D accepted anything
+    assert pair.ps[0].state_of("r1") == "FAILED"
+    pair.queue.extend(pending)
+    pair.deliver_all()  # D accepts the stale claim; P answers FailedSending at once
+    assert pair.d.state_of("r1") == "FAILED"
+    assert [type(r) for r in pair.recv] == [RecvFailed]
