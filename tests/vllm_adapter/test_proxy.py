@@ -1,0 +1,617 @@
+"""End-to-end tests of the D-first proxy against fake prefill and decode servers (no vLLM).
+
+Every server (proxy, fake P, fake D) is a uvicorn server on a free loopback port in its own thread.
+The fake D behaves like a decode node with an lw connector: it posts to the proxy's metaserver,
+waits until the fake P has served the prefill for that transfer, then answers. Prompt keywords
+steer the fakes: ``hang`` (P never answers), ``fail`` (P answers 500), ``slowfail`` (P fails after
+0.3 s), ``early`` (D streams one chunk before waiting for the prefill), ``nowait`` (D does not wait
+for the prefill), ``dhang`` (D never answers), ``twice`` (D posts to the metaserver twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
+
+from lw.vllm_adapter.proxy import (  # noqa: E402
+    build_app,
+    build_decode_body,
+    build_prefill_body,
+    main,
+    normalize_url,
+    validate_request,
+)
+
+TOKENS = [" t0", " t1", " t2"]
+D_PARAMS = {"remote_host": "127.0.0.1", "remote_port": 5555, "remote_block_ids": [3, 4],
+            "remote_dp_rank": 0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Fakes
+
+
+@dataclass
+class World:
+    """What the fake servers saw, shared across their threads."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    bodies: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    headers: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    prefill_done: set[str] = field(default_factory=set)
+    meta_replies: dict[str, list[tuple[int, dict[str, Any]]]] = field(default_factory=dict)
+    release: threading.Event = field(default_factory=threading.Event)
+
+    def record(self, kind: str, server: str, tid: str) -> None:
+        with self.lock:
+            self.events.append((kind, server, tid))
+
+    def has(self, kind: str, server: str | None = None, tid: str | None = None) -> bool:
+        with self.lock:
+            return any(k == kind and server in (None, s) and tid in (None, t)
+                       for k, s, t in self.events)
+
+    def servers(self, kind: str) -> list[str]:
+        with self.lock:
+            return [s for k, s, _ in self.events if k == kind]
+
+    def tids(self, kind: str) -> list[str]:
+        with self.lock:
+            return [t for k, _, t in self.events if k == kind]
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll ``pred`` until true; fail the test after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    if "prompt" in body:
+        return str(body["prompt"])
+    return " ".join(str(m.get("content", "")) for m in body.get("messages", []))
+
+
+async def _poll_until(request: Request, cond: Callable[[], bool], deadline_s: float) -> str:
+    """Wait for ``cond``: 'ok', 'disconnected' or 'deadline'."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if cond():
+            return "ok"
+        if await request.is_disconnected():
+            return "disconnected"
+        await asyncio.sleep(0.01)
+    return "deadline"
+
+
+def fake_prefill(name: str, world: World) -> FastAPI:
+    """A prefill server: records the request, marks the transfer's KV as sent, answers."""
+    app = FastAPI()
+
+    async def serve(request: Request) -> Response:
+        body = await request.json()
+        tid = body["kv_transfer_params"]["transfer_id"]
+        with world.lock:
+            world.bodies[("p", tid)] = body
+            world.headers[("p", tid)] = dict(request.headers)
+        world.record("p_request", name, tid)
+        prompt = _prompt(body)
+        if "slowfail" in prompt:
+            await asyncio.sleep(0.3)
+            world.record("p_failed", name, tid)
+            return JSONResponse({"error": "slow boom"}, 500)
+        if "fail" in prompt:
+            world.record("p_failed", name, tid)
+            return JSONResponse({"error": "boom"}, 500)
+        if "hang" in prompt and "dhang" not in prompt:
+            outcome = await _poll_until(request, world.release.is_set, 30)
+            if outcome == "disconnected":
+                world.record("p_cancelled", name, tid)
+                return Response(status_code=499)
+        with world.lock:
+            world.prefill_done.add(tid)
+        world.record("p_done", name, tid)
+        return JSONResponse({"id": "cmpl-" + tid, "choices": [{"index": 0, "text": "x"}]})
+
+    app.post("/v1/completions")(serve)
+    app.post("/v1/chat/completions")(serve)
+    app.get("/health")(lambda: {"ok": True})
+    return app
+
+
+def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
+    """A decode server: calls the metaserver, waits for the prefill, then answers or streams."""
+    app = FastAPI()
+
+    async def serve(request: Request) -> Response:
+        body = await request.json()
+        params = body["kv_transfer_params"]
+        tid = params["transfer_id"]
+        with world.lock:
+            world.bodies[("d", tid)] = body
+            world.headers[("d", tid)] = dict(request.headers)
+        world.record("d_request", name, tid)
+        prompt = _prompt(body)
+        if "dhang" in prompt:
+            if await _poll_until(request, world.release.is_set, 30) == "disconnected":
+                world.record("d_cancelled", name, tid)
+            return Response(status_code=499)
+        msg = {"transfer_id": tid, "kv_transfer_params": {**D_PARAMS, "remote_engine_id": name}}
+        async with httpx.AsyncClient(timeout=5) as client:
+            for _ in range(2 if "twice" in prompt else 1):
+                r = await client.post(params["metaserver"], json=msg)
+                with world.lock:
+                    world.meta_replies.setdefault(tid, []).append((r.status_code, r.json()))
+
+        def prefilled() -> bool:
+            with world.lock:
+                return "nowait" in prompt or tid in world.prefill_done
+
+        if not body.get("stream"):
+            outcome = await _poll_until(request, prefilled, deadline_s)
+            if outcome == "disconnected":
+                world.record("d_cancelled", name, tid)
+                return Response(status_code=499)
+            if outcome == "deadline":
+                world.record("d_deadline", name, tid)
+                return JSONResponse({"error": "prefill never arrived"}, 500)
+            world.record("d_done", name, tid)
+            return JSONResponse({"id": "cmpl-" + tid, "server": name,
+                                 "choices": [{"index": 0, "text": "".join(TOKENS)}]})
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                if "early" in prompt:
+                    yield b'data: {"choices": [{"index": 0, "text": ""}]}\n\n'
+                end = time.monotonic() + deadline_s
+                while not prefilled():
+                    if time.monotonic() > end:
+                        world.record("d_deadline", name, tid)
+                        yield b'data: {"error": {"message": "prefill never arrived"}}\n\n'
+                        return
+                    await asyncio.sleep(0.01)
+                for tok in TOKENS:
+                    chunk = {"id": "cmpl-" + tid, "choices": [{"index": 0, "text": tok}]}
+                    yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                    await asyncio.sleep(0.01)
+                yield b"data: [DONE]\n\n"
+                world.record("d_done", name, tid)
+            except (asyncio.CancelledError, GeneratorExit):
+                world.record("d_cancelled", name, tid)
+                raise
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app.post("/v1/completions")(serve)
+    app.post("/v1/chat/completions")(serve)
+    app.get("/health")(lambda: {"ok": True})
+    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "tiny", "server": name}]})
+    return app
+
+
+class ServerThread:
+    """A uvicorn server for ``app`` on a free loopback port, run in a daemon thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1,
+                                lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        wait_for(lambda: self.server.started, timeout=10)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+def closed_port_url() -> str:
+    """A loopback URL nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class Cluster:
+    """Proxy + fakes, and what the fakes saw."""
+
+    url: str
+    world: World
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    servers: list[ServerThread]
+
+    def metrics(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/metrics-json", timeout=5).json()
+
+
+@contextlib.contextmanager
+def cluster(n_prefill: int = 1, n_decode: int = 1, *, prefill_urls: list[str] | None = None,
+            decode_urls: list[str] | None = None, d_deadline_s: float = 5.0,
+            **proxy_kwargs: Any) -> Iterator[Cluster]:
+    """Start fakes (unless URLs are given) and a proxy in front of them."""
+    world = World()
+    servers: list[ServerThread] = []
+    try:
+        if prefill_urls is None:
+            ps = [ServerThread(fake_prefill(f"p{i}", world)).start() for i in range(n_prefill)]
+            servers += ps
+            prefill_urls = [s.url for s in ps]
+        if decode_urls is None:
+            ds = [ServerThread(fake_decode(f"d{i}", world, d_deadline_s)).start()
+                  for i in range(n_decode)]
+            servers += ds
+            decode_urls = [s.url for s in ds]
+        proxy_kwargs.setdefault("timeout_s", 10.0)
+        proxy = ServerThread(build_app(prefill_urls, decode_urls, **proxy_kwargs)).start()
+        servers.append(proxy)
+        yield Cluster(proxy.url, world, prefill_urls, decode_urls, servers)
+    finally:
+        world.release.set()
+        for s in servers:
+            s.server.should_exit = True
+        for s in servers:
+            s.stop()
+
+
+def completion(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 8, **extra}
+
+
+def sse_text(raw: str) -> str:
+    """Concatenated ``text`` of the SSE events in ``raw``."""
+    out = []
+    for line in raw.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event = json.loads(line[len("data: "):])
+            for choice in event.get("choices", []):
+                out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def test_build_prefill_body_one_token_no_stream_merged_params() -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True, "min_tokens": 3,
+            "stream_options": {"include_usage": True}, "temperature": 0}
+    out = build_prefill_body(body, {**D_PARAMS, "do_remote_prefill": True}, "tid")
+    assert out["max_tokens"] == 1 and out["stream"] is False
+    assert "min_tokens" not in out and "stream_options" not in out
+    assert out["temperature"] == 0 and out["prompt"] == "hi"
+    assert out["kv_transfer_params"] == {**D_PARAMS, "do_remote_decode": True,
+                                         "do_remote_prefill": False, "transfer_id": "tid"}
+    assert body["max_tokens"] == 50 and body["stream"] is True  # input untouched
+    chat = build_prefill_body({"model": "m", "messages": [], "max_completion_tokens": 9}, {}, "t")
+    assert chat["max_completion_tokens"] == 1
+
+
+def test_build_decode_body_sets_proxy_params() -> None:
+    out = build_decode_body({"model": "m", "prompt": "p"}, "rid", "http://x/v1/metaserver")
+    assert out["kv_transfer_params"] == {"do_remote_prefill": True, "do_remote_decode": False,
+                                         "metaserver": "http://x/v1/metaserver",
+                                         "transfer_id": "rid"}
+
+
+def test_normalize_url() -> None:
+    assert normalize_url("127.0.0.1:8000") == "http://127.0.0.1:8000"
+    assert normalize_url("http://h:1/v1/") == "http://h:1"
+    assert normalize_url(" https://h:1/ ") == "https://h:1"
+
+
+@pytest.mark.parametrize(
+    "api,body,fragment",
+    [
+        ("/v1/completions", [1, 2], "JSON object"),
+        ("/v1/completions", {"prompt": "x"}, "'model'"),
+        ("/v1/completions", {"model": "m"}, "'prompt'"),
+        ("/v1/completions", {"model": "m", "prompt": 3}, "'prompt'"),
+        ("/v1/chat/completions", {"model": "m", "prompt": "x"}, "'messages'"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "stream": "yes"}, "'stream'"),
+    ],
+)
+def test_validate_request_rejects(api: str, body: Any, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        validate_request(api, body)
+
+
+def test_main_rejects_wildcard_host_without_metaserver_url() -> None:
+    with pytest.raises(SystemExit):
+        main(["--prefill", "h:1", "--decode", "h:2", "--host", "0.0.0.0"])
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end
+
+
+def test_non_stream_flow() -> None:
+    with cluster() as c:
+        r = httpx.post(c.url + "/v1/completions", json=completion("hello world"), timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "".join(TOKENS)
+        rid = r.headers["x-request-id"]
+        w = c.world
+        d_body, p_body = w.bodies[("d", rid)], w.bodies[("p", rid)]
+        assert d_body["kv_transfer_params"] == {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "metaserver": c.url + "/v1/metaserver", "transfer_id": rid}
+        assert w.headers[("d", rid)]["x-request-id"] == rid
+        assert w.headers[("p", rid)]["x-request-id"] == rid
+        assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+        assert p_body["prompt"] == "hello world"
+        assert p_body["kv_transfer_params"] == {**D_PARAMS, "remote_engine_id": "d0",
+                                                "do_remote_decode": True,
+                                                "do_remote_prefill": False, "transfer_id": rid}
+        [(status, reply)] = w.meta_replies[rid]
+        assert status == 202
+        assert reply["status"] == "ok" and reply["prefill_url"] == c.prefill_urls[0]
+        m = c.metrics()
+        assert m["requests"] == 1 and m["errors"] == 0 and m["in_flight"] == 0
+        assert m["decode"][0]["requests"] == 1 and m["decode"][0]["in_flight"] == 0
+        assert m["prefill"][0]["requests"] == 1 and m["metaserver_calls"] == 1
+
+
+def test_stream_flow_passes_sse_through() -> None:
+    with cluster() as c:
+        body = completion("hello", stream=True, min_tokens=2,
+                          stream_options={"include_usage": True})
+        with httpx.stream("POST", c.url + "/v1/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            raw = r.read().decode()
+            rid = r.headers["x-request-id"]
+        assert sse_text(raw) == "".join(TOKENS)
+        assert raw.rstrip().endswith("data: [DONE]")
+        p_body = c.world.bodies[("p", rid)]
+        assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+        assert "min_tokens" not in p_body and "stream_options" not in p_body
+        d_body = c.world.bodies[("d", rid)]
+        assert d_body["stream"] is True and d_body["min_tokens"] == 2
+        assert c.world.has("d_done", tid=rid)
+
+
+def test_chat_stream_flow() -> None:
+    with cluster() as c:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
+                "max_completion_tokens": 5, "stream": True}
+        with httpx.stream("POST", c.url + "/v1/chat/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            raw = r.read().decode()
+            rid = r.headers["x-request-id"]
+        assert sse_text(raw) == "".join(TOKENS)
+        p_body = c.world.bodies[("p", rid)]
+        assert p_body["max_completion_tokens"] == 1 and p_body["max_tokens"] == 1
+        assert p_body["messages"] == body["messages"]
+
+
+def test_client_kv_transfer_params_are_replaced() -> None:
+    with cluster() as c:
+        body = completion("hello", kv_transfer_params={"do_remote_prefill": False, "x": 1})
+        r = httpx.post(c.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 200
+        params = c.world.bodies[("d", r.headers["x-request-id"])]["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and "x" not in params
+
+
+def test_least_loaded_decode_and_prefill() -> None:
+    with cluster(n_prefill=2, n_decode=2) as c:
+        w = c.world
+        results: dict[str, Any] = {}
+
+        def busy() -> None:
+            results["busy"] = httpx.post(c.url + "/v1/completions", json=completion("hang"),
+                                         timeout=20)
+
+        t = threading.Thread(target=busy)
+        t.start()
+        wait_for(lambda: len(w.servers("p_request")) == 1)
+        busy_d, busy_p = w.servers("d_request")[0], w.servers("p_request")[0]
+        m = c.metrics()
+        assert sum(d["in_flight"] for d in m["decode"]) == 1
+        assert sum(p["in_flight"] for p in m["prefill"]) == 1
+        for _ in range(3):
+            r = httpx.post(c.url + "/v1/completions", json=completion("ok"), timeout=10)
+            assert r.status_code == 200
+        assert w.servers("d_request")[1:] == [d for d in ["d0", "d1"] if d != busy_d] * 3
+        assert w.servers("p_request")[1:] == [p for p in ["p0", "p1"] if p != busy_p] * 3
+        w.release.set()
+        t.join(10)
+        assert results["busy"].status_code == 200
+        wait_for(lambda: c.metrics()["in_flight"] == 0)
+
+
+def test_decode_unreachable_gives_502_quickly() -> None:
+    dead = closed_port_url()
+    with cluster(decode_urls=[dead]) as c:
+        t0 = time.monotonic()
+        r = httpx.post(c.url + "/v1/completions", json=completion("hello"), timeout=10)
+        assert time.monotonic() - t0 < 3
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["stage"] == "decode" and err["server"] == dead
+        assert dead in err["message"] and "unreachable" in err["message"]
+        m = c.metrics()
+        assert m["errors"] == 1 and m["decode"][0]["errors"] == 1 and m["in_flight"] == 0
+
+
+def test_decode_timeout_gives_504_and_cancels_decode() -> None:
+    with cluster(timeout_s=0.5) as c:
+        t0 = time.monotonic()
+        r = httpx.post(c.url + "/v1/completions", json=completion("dhang"), timeout=10)
+        assert time.monotonic() - t0 < 3
+        assert r.status_code == 504
+        assert r.json()["error"]["type"] == "timeout"
+        wait_for(lambda: c.world.has("d_cancelled"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_failure_reaches_client_and_cancels_decode(stream: bool) -> None:
+    with cluster() as c:
+        r = httpx.post(c.url + "/v1/completions", json=completion("fail", stream=stream),
+                       timeout=10)
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["stage"] == "prefill" and err["server"] == c.prefill_urls[0]
+        assert "HTTP 500" in err["message"] and c.prefill_urls[0] in err["message"]
+        wait_for(lambda: c.world.has("d_cancelled"))
+        assert not c.world.has("d_deadline")
+        m = c.metrics()
+        assert m["prefill_failures"] == 1 and m["prefill"][0]["errors"] == 1
+        assert m["in_flight"] == 0
+
+
+def test_prefill_unreachable_gives_502() -> None:
+    dead = closed_port_url()
+    with cluster(prefill_urls=[dead]) as c:
+        t0 = time.monotonic()
+        r = httpx.post(c.url + "/v1/completions", json=completion("hello"), timeout=10)
+        assert time.monotonic() - t0 < 3
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["stage"] == "prefill" and err["server"] == dead
+
+
+def test_late_prefill_failure_after_stream_started_is_ignored() -> None:
+    with cluster() as c:
+        body = completion("early nowait slowfail", stream=True)
+        with httpx.stream("POST", c.url + "/v1/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            raw = r.read().decode()
+        assert sse_text(raw) == "".join(TOKENS)
+        wait_for(lambda: c.metrics()["prefill_failures"] == 1)
+
+
+def test_client_disconnect_mid_stream_cancels_decode_and_prefill() -> None:
+    with cluster() as c:
+        body = completion("early hang", stream=True)
+        with httpx.stream("POST", c.url + "/v1/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            chunks = r.iter_bytes()  # keep a reference: dropping the iterator closes the stream
+            assert next(chunks).startswith(b"data: ")
+            wait_for(lambda: c.world.has("p_request"))
+            assert not c.world.has("d_cancelled") and not c.world.has("p_cancelled")
+        # leaving the block closed the connection mid-stream
+        wait_for(lambda: c.world.has("d_cancelled"))
+        wait_for(lambda: c.world.has("p_cancelled"))
+        assert not c.world.has("d_done") and not c.world.has("p_done")
+        wait_for(lambda: c.metrics()["in_flight"] == 0)
+        m = c.metrics()
+        assert m["client_disconnects"] == 1
+        assert m["decode"][0]["in_flight"] == 0 and m["prefill"][0]["in_flight"] == 0
+
+
+def test_client_disconnect_non_stream_cancels_decode_and_prefill() -> None:
+    with cluster() as c:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(c.url + "/v1/completions", json=completion("hang"), timeout=0.5)
+        wait_for(lambda: c.world.has("d_cancelled"))
+        wait_for(lambda: c.world.has("p_cancelled"))
+        wait_for(lambda: c.metrics()["in_flight"] == 0)
+        assert c.metrics()["client_disconnects"] == 1
+
+
+def test_metaserver_is_idempotent_per_transfer() -> None:
+    with cluster() as c:
+        r = httpx.post(c.url + "/v1/completions", json=completion("twice"), timeout=10)
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        replies = c.world.meta_replies[rid]
+        assert [s for s, _ in replies] == [202, 202]
+        assert replies[0][1]["prefill_url"] == replies[1][1]["prefill_url"]
+        assert "already" in replies[1][1]["detail"]
+        assert c.world.tids("p_request") == [rid]
+
+
+def test_metaserver_rejects_unknown_and_malformed() -> None:
+    with cluster() as c:
+        url = c.url + "/v1/metaserver"
+        r = httpx.post(url, json={"transfer_id": "nope", "kv_transfer_params": {}})
+        assert r.status_code == 404 and r.json()["status"] == "error"
+        r = httpx.post(url, content=b"{not json")
+        assert r.status_code == 400 and r.json()["status"] == "error"
+        r = httpx.post(url, json={"kv_transfer_params": {}})
+        assert r.status_code == 400
+        r = httpx.post(url, json={"transfer_id": "x", "kv_transfer_params": [1]})
+        assert r.status_code == 400
+
+
+def test_health_reports_reachability() -> None:
+    with cluster() as c:
+        r = httpx.get(c.url + "/health", timeout=10)
+        assert r.status_code == 200
+        h = r.json()
+        assert h["status"] == "ok"
+        assert [p["reachable"] for p in h["prefill"] + h["decode"]] == [True, True]
+    dead = closed_port_url()
+    with cluster(decode_urls=[dead]) as c:
+        h = httpx.get(c.url + "/health", timeout=10).json()
+        assert h["status"] == "degraded"
+        assert h["prefill"][0]["reachable"] is True
+        assert h["decode"][0] == {**h["decode"][0], "url": dead, "reachable": False}
+        assert "error" in h["decode"][0]
+
+
+def test_models_passthrough() -> None:
+    with cluster() as c:
+        r = httpx.get(c.url + "/v1/models", timeout=10)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+    with cluster(decode_urls=[closed_port_url()]) as c:
+        r = httpx.get(c.url + "/v1/models", timeout=10)
+        assert r.status_code == 502 and "error" in r.json()
+
+
+@pytest.mark.parametrize(
+    "path,content,fragment",
+    [
+        ("/v1/completions", b"{not json", "not JSON"),
+        ("/v1/completions", b'"just a string"', "JSON object"),
+        ("/v1/completions", json.dumps({"prompt": "x"}).encode(), "'model'"),
+        ("/v1/completions", json.dumps({"model": "m"}).encode(), "'prompt'"),
+        ("/v1/chat/completions", json.dumps({"model": "m"}).encode(), "'messages'"),
+    ],
+)
+def test_bad_input_gives_400(path: str, content: bytes, fragment: str) -> None:
+    with cluster() as c:
+        r = httpx.post(c.url + path, content=content,
+                       headers={"content-type": "application/json"}, timeout=10)
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert fragment in err["message"] and err["type"] == "invalid_request_error"
+        assert not c.world.has("d_request")
+        m = c.metrics()
+        assert m["bad_requests"] == 1 and m["requests"] == 0
