@@ -303,7 +303,8 @@ class DecodeEndpoint:
         if key not in rec.claimers:
             raise ProtocolError("decode", msg.req_id, rec.state, "fail",
                                 f"FailedSending from {key}, which was never accepted")
-        rec.stopped.add(key)
+        if not msg.in_doubt:  # in doubt: a timed-out write may still land; the lease decides
+            rec.stopped.add(key)
         if rec.state in _FINAL:
             self._fire(rec, "sender_stopped" if rec.state == FAILED else "fail")
             out.append(self._ack(msg, "failed", False))
@@ -322,7 +323,8 @@ class DecodeEndpoint:
             raise ProtocolError("decode", msg.req_id, rec.state, "sender_stopped",
                                 "AbortAck for a request we did not abort")
         self._fire(rec, "sender_stopped")
-        rec.stopped.add(key)
+        if not msg.in_doubt:
+            rec.stopped.add(key)
         self._maybe_release(rec, out)
 
     # ----------------------------------------------------------------------------- helpers

@@ -87,6 +87,7 @@ class _Req:
         "ack_tries",
         "reason",
         "abort_acks",
+        "in_doubt",
     )
 
     def __init__(self, req: PrefillRequest, state: str) -> None:
@@ -103,6 +104,7 @@ class _Req:
         self.ack_tries = 0
         self.reason = ""
         self.abort_acks: list[str] = []  # D addresses waiting for our AbortAck
+        self.in_doubt = False  # a write failed in a way that may still deliver bytes later
 
 
 class PrefillEndpoint:
@@ -118,6 +120,7 @@ class PrefillEndpoint:
         self._layouts: dict[str, KVLayout] = {}  # per D worker address
         self._tombstones: dict[str, float] = {}  # req_id -> expiry (aborted by D before we saw it)
         self._finished: OrderedDict[str, str] = OrderedDict()  # req_id -> final state
+        self._in_doubt: set[str] = set()  # finished requests with a write whose bytes may land
         self.counters: dict[str, int] = {
             "requests": 0,
             "done": 0,
@@ -160,6 +163,7 @@ class PrefillEndpoint:
                     r.ack_tries,
                     tuple(r.abort_acks),
                     tuple(sorted(r.out_of_order)),
+                    r.in_doubt,
                 )
                 for r in self._reqs.values()
             )
@@ -169,6 +173,7 @@ class PrefillEndpoint:
             tuple(sorted(self._layouts)),
             tuple(sorted(self._tombstones)),
             tuple(sorted(self._finished.items())),
+            tuple(sorted(self._in_doubt)),
         )
 
     # ----------------------------------------------------------------------------- dispatch
@@ -227,9 +232,10 @@ class PrefillEndpoint:
         return out
 
     def transfer_done(
-        self, req_id: str, layer: int, ok: bool, reason: str, now: float
+        self, req_id: str, layer: int, ok: bool, reason: str, now: float, in_doubt: bool = False
     ) -> list[Effect]:
-        """The data plane finished writing ``layer`` of a request (``ok`` false: it failed)."""
+        """The data plane finished writing ``layer`` of a request (``ok`` false: it failed;
+        ``in_doubt``: it failed after handing bytes to the transport, which may still land)."""
         out: list[Effect] = []
         rec = self._reqs.get(req_id)
         if rec is None:
@@ -237,6 +243,8 @@ class PrefillEndpoint:
         if rec.inflight <= 0:
             raise ProtocolError("prefill", req_id, rec.state, "layer_sent", "no write in flight")
         rec.inflight -= 1
+        if not ok and in_doubt:
+            rec.in_doubt = True
         if not ok:
             self._fail(rec, f"layer {layer} write failed: {reason}", now, out)
         elif rec.state == FAILED:
@@ -334,13 +342,14 @@ class PrefillEndpoint:
             if msg.status == "accepted" and self._finished.get(msg.req_id) == FAILED:
                 # D took us as a sender after we gave up: tell it now, not at its deadline.
                 out.append(Send(msg.responder.addr, FailedSending(
-                    PROTOCOL_VERSION, msg.req_id, self.me, 1, "sender had already failed")))
+                    PROTOCOL_VERSION, msg.req_id, self.me, 1, "sender had already failed",
+                    msg.req_id in self._in_doubt)))
             return
         if msg.status == "accepted" and rec.state == FAILED and not rec.claimed:
             rec.claimed = True
             out.append(Send(rec.req.decoder_addr, FailedSending(
                 PROTOCOL_VERSION, rec.req.req_id, self.me, rec.req.expected_senders,
-                rec.reason[:1024])))
+                rec.reason[:1024], rec.in_doubt)))
         if msg.status == "refused":
             if rec.state == AWAIT_DECODER_META:
                 self._fail(rec, f"decoder refused the request: {msg.reason}", now, out)
@@ -405,7 +414,8 @@ class PrefillEndpoint:
                 self._tombstones[rid] = now + self.config.tombstone_ttl_s
                 out.append(ArmTimer(("tomb", rid), now + self.config.tombstone_ttl_s))
             out.append(Send(msg.responder.addr, AbortAck(PROTOCOL_VERSION, rid, self.me,
-                                                         known=rid in self._finished)))
+                                                         known=rid in self._finished,
+                                                         in_doubt=rid in self._in_doubt)))
             return
         rec.abort_acks.append(msg.responder.addr)
         rec.claimed = False  # D initiated: no need to tell it we failed
@@ -459,7 +469,8 @@ class PrefillEndpoint:
         out.append(CancelTimer(("deadline", rid)))
         if rec.claimed:
             out.append(Send(rec.req.decoder_addr, FailedSending(
-                PROTOCOL_VERSION, rid, self.me, rec.req.expected_senders, reason[:1024])))
+                PROTOCOL_VERSION, rid, self.me, rec.req.expected_senders, reason[:1024],
+                rec.in_doubt)))
         self._maybe_release(rec, out)
 
     def _finish(self, rec: _Req, out: list[Effect]) -> None:
@@ -479,7 +490,10 @@ class PrefillEndpoint:
         self.counters["done" if ok else "failed"] += 1
         out.append(SendFinished(rid, ok, rec.reason))
         for addr in rec.abort_acks:
-            out.append(Send(addr, AbortAck(PROTOCOL_VERSION, rid, self.me, known=True)))
+            out.append(Send(addr, AbortAck(PROTOCOL_VERSION, rid, self.me, known=True,
+                                           in_doubt=rec.in_doubt)))
         self._finished[rid] = rec.state
+        if rec.in_doubt:
+            self._in_doubt.add(rid)
         while len(self._finished) > self.config.finished_memory:
-            self._finished.popitem(last=False)
+            self._in_doubt.discard(self._finished.popitem(last=False)[0])

@@ -99,6 +99,7 @@ class FailedSending(_Msg, tag="failed"):
     sender: Sender
     expected_senders: _Count
     reason: _Text
+    in_doubt: bool = False  # a write timed out: its bytes may still land, D must wait its lease
 
 
 class Ack(_Msg, tag="ack"):
@@ -124,6 +125,7 @@ class AbortAck(_Msg, tag="abort_ack"):
     req_id: _Id
     sender: Sender
     known: bool
+    in_doubt: bool = False  # a write of ours timed out: its bytes may still land (lease applies)
 
 
 Message = MetaRequest | MetaReply | DoneSending | FailedSending | Ack | Abort | AbortAck

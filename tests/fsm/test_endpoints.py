@@ -214,3 +214,21 @@ def test_late_acceptance_after_prefill_gave_up_is_answered_with_failure() -> Non
     pair.deliver_all()  # D accepts the stale claim; P answers FailedSending at once
     assert pair.d.state_of("r1") == "FAILED"
     assert [type(r) for r in pair.recv] == [RecvFailed]
+
+
+def test_write_in_doubt_keeps_decoder_quarantine_until_lease() -> None:
+    pair = make_pair(dcfg=DecodeConfig(prefill_timeout_s=50, lease_s=100))
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    rank, w0 = pair.writes.pop(0)
+    pair.absorb(0, pair.ps[0].transfer_done("r1", 0, False, "timeout", 0.0, in_doubt=True))
+    pair.complete_writes()
+    assert [f.ok for f in pair.finished] == [False]  # P's blocks: nothing reads them any more
+    pair.deliver_all()  # FailedSending(in_doubt) reaches D
+    assert pair.d.state_of("r1") == "FAILED"
+    assert pair.recv == []  # the timed-out write may still land: quarantined
+    pair.advance(99.0)
+    assert pair.recv == []
+    pair.advance(101.0)
+    assert [type(r) for r in pair.recv] == [RecvFailed]
