@@ -210,23 +210,23 @@ class PrefillEndpoint:
         return out
 
     def layer_computed(self, layer: int, req_ids: Iterable[str], now: float) -> list[Effect]:
-        """The forward pass finished ``layer`` for these requests (hot path; never waits)."""
-        out: list[Effect] = []
+        """The forward pass finished ``layer`` for these requests (hot path; never waits).
+
+        All or nothing: the batch is checked before any request changes, so a ProtocolError for
+        one request loses no effect of the others."""
         reqs = self._reqs
         table = self._table
-        for rid in req_ids:
-            rec = reqs.get(rid)
-            if rec is None:
-                continue  # not a request we push (or already released after an abort)
-            st = rec.state
-            if (st, "layer_computed") not in table:
-                raise ProtocolError("prefill", rid, st, "layer_computed", f"layer {layer}")
-            if layer != rec.computed:
+        recs = [rec for rid in req_ids if (rec := reqs.get(rid)) is not None]
+        for rec in recs:
+            if layer != rec.computed or (rec.state, "layer_computed") not in table:
                 raise ProtocolError(
-                    "prefill", rid, st, "layer_computed",
+                    "prefill", rec.req.req_id, rec.state, "layer_computed",
                     f"layer {layer} computed but {rec.computed} was expected next",
                 )
+        out: list[Effect] = []
+        for rec in recs:
             rec.computed = layer + 1
+            st = rec.state
             if st != AWAIT_DECODER_META and st != FAILED:
                 self._submit_ready(rec, out)
         return out

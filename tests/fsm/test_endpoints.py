@@ -232,3 +232,15 @@ def test_write_in_doubt_keeps_decoder_quarantine_until_lease() -> None:
     assert pair.recv == []
     pair.advance(101.0)
     assert [type(r) for r in pair.recv] == [RecvFailed]
+
+
+def test_bad_request_in_batch_changes_nothing() -> None:
+    """layer_computed is all or nothing: one out-of-order request loses no other's write."""
+    pair = make_pair()
+    start(pair, "a")
+    start(pair, "b")
+    pair.deliver_all()
+    pair.absorb(0, pair.ps[0].layer_computed(0, ["a"], 0.0))  # "b" has not computed layer 0
+    with pytest.raises(ProtocolError, match="layer 1 computed but 0 was expected"):
+        pair.ps[0].layer_computed(1, ["a", "b"], 0.0)
+    assert pair.ps[0].inflight_writes("a") == 1 and len(pair.writes) == 1

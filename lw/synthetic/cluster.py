@@ -1,0 +1,567 @@
+"""The synthetic cluster: a D-first proxy/coordinator that runs P DP ranks and a decoder.
+
+:func:`run_cluster` starts the workers (OS processes with the Mooncake data plane, threads with
+the in-process one), feeds requests to the decoder (which allocates first and asks for the
+prefill), routes each prefill to a live P rank, injects the configured fault, waits until every
+request is accounted for and every held block came back, and returns a :class:`ClusterResult`.
+Every worker it started is stopped or killed before it returns.
+
+Worker processes are started with ``spawn``: a script that calls :func:`run_cluster` needs the
+usual ``if __name__ == "__main__":`` guard. Worker stderr (Mooncake's logs) goes to files in
+``ClusterConfig.log_dir``; ``LW_DEBUG=1`` prints the coordinator's events as they happen.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from lw.synthetic.config import DECODER_RESTARTS, FAILURES_EXPECTED, ClusterConfig
+from lw.synthetic.workers import barrier_action, decode_main, prefill_main
+
+_NUMBERS = re.compile(r"\d[\w.:/-]*")
+ProgressFn = Callable[["ClusterResult"], None]
+
+
+@dataclass
+class ClusterResult:
+    """What a run did: outcomes, bytes, latencies, step times, leaks and counters."""
+
+    config: ClusterConfig
+    done: int = 0
+    failed: int = 0
+    corrupt: int = 0
+    bytes_moved: int = 0
+    elapsed_s: float = 0.0  # first request to last outcome
+    latencies_s: list[float] = field(default_factory=list)  # D: allocation -> verified
+    max_outcome_s: float = 0.0  # D: allocation -> final report, over done and failed requests
+    tails_s: list[float] = field(default_factory=list)  # P: last layer hook -> last write done
+    max_step_s: float = 0.0
+    max_busy_step_s: float = 0.0
+    busy_steps_s: list[float] = field(default_factory=list)  # every step that had requests
+    max_hook_s: float = 0.0  # longest forward-hook call (WorkerLoop.layer_computed)
+    hooks_s: list[float] = field(default_factory=list)  # every forward-hook call
+    steps: int = 0
+    leaked_p: int = 0
+    leaked_d: int = 0
+    p_unreported: int = 0  # requests a live P rank never released (SendFinished)
+    reasons: Counter = field(default_factory=Counter)
+    counters: Counter = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)
+    double_reports: int = 0
+    decoder_generations: int = 1
+    dead_ranks: list[int] = field(default_factory=list)
+    log_dir: str = ""
+
+    @property
+    def accounted(self) -> int:
+        """Requests with a final outcome."""
+        return self.done + self.failed + self.corrupt
+
+    @property
+    def leaked(self) -> int:
+        """Blocks still held at the end on P (live ranks) and D (live decoder)."""
+        return self.leaked_p + self.leaked_d
+
+    @property
+    def ok(self) -> bool:
+        """Every request accounted for, nothing leaked or corrupt, no worker error, and no
+        failure unless the fault makes failures expected."""
+        cfg = self.config
+        return (
+            self.accounted == cfg.requests
+            and self.leaked == 0
+            and self.corrupt == 0
+            and self.double_reports == 0
+            and not self.errors
+            and (self.failed == 0 or cfg.fault in FAILURES_EXPECTED)
+        )
+
+    @property
+    def gbps(self) -> float:
+        """Bytes moved per second of the run, in GB/s (10^9)."""
+        return self.bytes_moved / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
+
+    def summary_line(self) -> str:
+        """The machine-readable last line of ``lw demo``."""
+        return (f"summary done={self.done} failed={self.failed} "
+                f"leaked_blocks={self.leaked} corrupt={self.corrupt}")
+
+
+@dataclass
+class _Worker:
+    role: str  # "p" or "d"
+    index: int  # rank, or decoder generation
+    cmd: Connection  # coordinator -> worker
+    events: Connection  # worker -> coordinator
+    proc: Any  # multiprocessing Process or threading.Thread
+    alive: bool = True
+    ready: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] | None = None
+    final: dict[str, Any] | None = None
+    frozen: bool = False
+
+    @property
+    def pid(self) -> int | None:
+        return getattr(self.proc, "pid", None)
+
+
+class _Cluster:
+    """Coordinator state and the proxy's routing; one instance per run."""
+
+    def __init__(self, cfg: ClusterConfig, progress: ProgressFn | None) -> None:
+        self.cfg = cfg
+        self.progress = progress
+        self.as_process = cfg.data_plane == "mooncake"
+        self.ctx = mp.get_context("spawn") if self.as_process else None
+        self.res = ClusterResult(cfg)
+        self.own_log_dir = cfg.log_dir is None
+        if cfg.log_dir is None:
+            cfg.log_dir = tempfile.mkdtemp(prefix="lw-synthetic-")
+        os.makedirs(cfg.log_dir, exist_ok=True)
+        self.res.log_dir = cfg.log_dir
+        # one barrier for every lock-step wait; flags[0] = stop requested, flags[1] = stop now
+        if self.as_process:
+            assert self.ctx is not None
+            self.flags = self.ctx.RawArray("i", 2)
+            self.barrier = self.ctx.Barrier(cfg.prefill_dp, action=_Action(self.flags))
+        else:
+            self.flags = [0, 0]
+            self.barrier = threading.Barrier(cfg.prefill_dp, action=_Action(self.flags))
+        self.ranks: list[_Worker] = []
+        self.decoder: _Worker | None = None
+        self.d_port = 0
+        self.d_generation = 0
+        self.req_ids = [f"req-{i}" for i in range(cfg.requests)]
+        self.next_req = 0
+        self.at_d: dict[str, int] = {}  # request -> decoder generation it was sent to
+        self.outcome: dict[str, str] = {}
+        self.assigned: dict[str, int] = {}  # request -> P rank (until SendFinished)
+        self.ghosts: list[threading.Thread] = []
+        self.fault_fired = False
+        self.thaw_at: float | None = None
+        self.t_first = 0.0
+        self.t_last = 0.0
+
+    # ------------------------------------------------------------------- workers
+    def _spawn(self, target: Callable[..., None], make_args: Callable[..., tuple],
+               name: str) -> tuple[Any, Connection, Connection]:
+        """Start a worker as a process (Mooncake) or a thread (in-process data plane)."""
+        ctx: Any = self.ctx if self.as_process else mp
+        cmd_r, cmd_w = ctx.Pipe(duplex=False)
+        ev_r, ev_w = ctx.Pipe(duplex=False)
+        args = make_args(cmd_r, ev_w, self.as_process)
+        if self.as_process:
+            proc = ctx.Process(target=target, args=args, name=name, daemon=True)
+            proc.start()
+            cmd_r.close()  # the child has its own copies
+            ev_w.close()
+        else:
+            proc = threading.Thread(target=target, args=args, name=name, daemon=True)
+            proc.start()
+        return proc, cmd_w, ev_r
+
+    def start_rank(self, rank: int) -> None:
+        cfg, barrier, flags, inc = self.cfg, self.barrier, self.flags, time.time_ns()
+        proc, cmd, ev = self._spawn(
+            prefill_main,
+            lambda c, e, p: (cfg, rank, c, e, barrier, flags, inc, p),
+            f"lw-prefill-dp{rank}")
+        self.ranks.append(_Worker("p", rank, cmd, ev, proc))
+
+    def start_decoder(self) -> None:
+        self.d_generation += 1
+        cfg, port, gen, inc = self.cfg, self.d_port, self.d_generation, time.time_ns()
+        proc, cmd, ev = self._spawn(
+            decode_main,
+            lambda c, e, p: (cfg, c, e, port, inc, gen, p),
+            f"lw-decode-gen{gen}")
+        self.decoder = _Worker("d", gen, cmd, ev, proc)
+        self.res.decoder_generations = gen
+
+    def workers(self) -> list[_Worker]:
+        ws = [w for w in self.ranks if w.alive]
+        if self.decoder is not None and self.decoder.alive:
+            ws.append(self.decoder)
+        return ws
+
+    def send(self, w: _Worker, item: tuple) -> None:
+        if not w.alive or w.frozen:
+            return
+        try:
+            w.cmd.send(item)
+        except (OSError, EOFError, ValueError):
+            self.lost(w, "command pipe closed")
+
+    # ------------------------------------------------------------------- events
+    def pump(self, timeout: float) -> None:
+        """Handle worker events and deaths for up to ``timeout`` seconds (one wait)."""
+        conns: dict[Any, _Worker] = {}
+        for w in self.workers():
+            conns[w.events] = w
+            if self.as_process:
+                conns[w.proc.sentinel] = w
+        if not conns:
+            time.sleep(timeout)
+            return
+        for obj in wait(list(conns), timeout):
+            w = conns[obj]
+            if obj is w.events:
+                self._drain(w)
+            elif w.alive:
+                self._drain(w)
+                if w.final is not None:
+                    w.alive = False  # exited normally after its final report
+                else:
+                    self.lost(w, f"process exited with {w.proc.exitcode}")
+
+    def _drain(self, w: _Worker) -> None:
+        try:
+            while w.alive and w.events.poll():
+                self.on_event(w, w.events.recv())
+        except (EOFError, OSError, ValueError):
+            if self.as_process:
+                return  # the sentinel reports the death
+            if w.final is not None:
+                w.alive = False  # a worker thread that finished normally
+            else:
+                self.lost(w, "event pipe closed")
+        except Exception as exc:  # a half-written event from a killed worker
+            self.res.counters["torn_events"] += 1
+            del exc
+
+    def on_event(self, w: _Worker, ev: tuple) -> None:
+        kind = ev[0]
+        if _DEBUG and kind not in ("stats", "final"):
+            print(f"[lw] {time.monotonic():.3f} {w.role}{w.index}: {ev}", flush=True)
+        if kind == "ready":
+            w.ready = ev[3]
+            if w.role == "d":
+                self.d_port = ev[3]["port"]
+        elif kind == "start_prefill":
+            _, rid, d_addr, blocks = ev
+            live = [r for r in self.ranks if r.alive]
+            if not live:
+                return  # nobody to prefill: D's deadline fails the request
+            rank = min(live, key=lambda r: (sum(1 for v in self.assigned.values()
+                                                if v == r.index), r.index))
+            self.assigned[rid] = rank.index
+            self.send(rank, ("prefill", rid, d_addr, blocks))
+        elif kind == "p_finished":
+            _, _rank, rid, ok, reason = ev
+            self.assigned.pop(rid, None)
+            if not ok:
+                self.res.reasons[f"P: {_short(reason)}"] += 1
+        elif kind == "d_result":
+            _, rid, outcome, reason, latency = ev
+            self.at_d.pop(rid, None)
+            self.record(rid, outcome, reason, latency)
+        elif kind == "stats":
+            w.stats = ev[3]
+        elif kind == "final":
+            w.final = ev[3]
+            w.stats = ev[3]
+        elif kind == "freezing":
+            w.frozen = True
+            self.thaw_at = time.monotonic() + self.cfg.freeze_s
+        elif kind == "error":
+            self.res.errors.append(f"{ev[1]}: {ev[2].strip().splitlines()[-1]}")
+
+    def record(self, rid: str, outcome: str, reason: str, latency: float | None) -> None:
+        if rid in self.outcome:
+            self.res.double_reports += 1
+            return
+        self.outcome[rid] = outcome
+        self.t_last = time.monotonic()
+        if latency is not None:
+            self.res.max_outcome_s = max(self.res.max_outcome_s, latency)
+        if outcome == "done":
+            self.res.done += 1
+            if latency is not None:
+                self.res.latencies_s.append(latency)
+        elif outcome == "corrupt":
+            self.res.corrupt += 1
+            self.res.reasons[f"corrupt: {reason}"] += 1
+        else:
+            self.res.failed += 1
+            self.res.reasons[f"D: {_short(reason)}"] += 1
+        if self.progress is not None:
+            self.progress(self.res)
+
+    def lost(self, w: _Worker, why: str) -> None:
+        if not w.alive:
+            return
+        if _DEBUG:
+            print(f"[lw] {time.monotonic():.3f} lost {w.role}{w.index}: {why}", flush=True)
+        w.alive = False
+        if w.role == "d":
+            # Everything the dead decoder held is lost: account for it once, here.
+            for rid, gen in list(self.at_d.items()):
+                if gen == w.index:
+                    del self.at_d[rid]
+                    self.record(rid, "failed", f"decoder died ({why})", None)
+            if self.cfg.fault in DECODER_RESTARTS and self.d_generation < 2:
+                self.start_decoder()
+        else:
+            self.res.dead_ranks.append(w.index)
+            for rid, rank in list(self.assigned.items()):
+                if rank == w.index:
+                    del self.assigned[rid]
+            # A dead rank's place in the lock step is taken by a dummy stepper.
+            ghost = threading.Thread(target=_ghost, args=(self.barrier,),
+                                     name=f"lw-ghost-dp{w.index}", daemon=True)
+            ghost.start()
+            self.ghosts.append(ghost)
+
+    # ------------------------------------------------------------------- driving
+    def feed(self) -> None:
+        d = self.decoder
+        if d is None or not d.alive or not d.ready or d.frozen:
+            return
+        window = self.cfg.window or self.cfg.d_capacity
+        while self.next_req < len(self.req_ids) and len(self.at_d) < window:
+            rid = self.req_ids[self.next_req]
+            self.next_req += 1
+            self.at_d[rid] = d.index
+            if not self.t_first:
+                self.t_first = time.monotonic()
+            self.send(d, ("request", rid))
+
+    def inject(self) -> None:
+        cfg = self.cfg
+        d = self.decoder
+        now = time.monotonic()
+        if self.thaw_at is not None and now >= self.thaw_at and d is not None:
+            self.thaw_at = None
+            if d.alive and d.pid:
+                # frozen -> killed: the sentinel reports the death and a new incarnation starts
+                sig = signal.SIGKILL if cfg.fault == "freeze-kill-decoder" else signal.SIGCONT
+                os.kill(d.pid, sig)
+            d.frozen = False
+        if self.fault_fired:
+            return
+        trigger = max(1, cfg.requests // 4)
+        if cfg.fault == "freeze-decoder-before-contact":
+            if d is not None and d.ready:
+                self.send(d, ("freeze_after_alloc",))
+                self.fault_fired = True
+        elif self.res.done >= trigger and d is not None and d.alive and d.pid:
+            if cfg.fault == "kill-decoder":
+                os.kill(d.pid, signal.SIGKILL)
+                self.fault_fired = True
+            elif cfg.fault in ("freeze-decoder-mid-transfer", "freeze-kill-decoder"):
+                os.kill(d.pid, signal.SIGSTOP)
+                d.frozen = True
+                self.thaw_at = now + cfg.freeze_s
+                self.fault_fired = True
+            elif cfg.fault == "kill-prefill-rank":
+                if _DEBUG:
+                    print(f"[lw] {now:.3f} arming crash", flush=True)
+                victim = self.ranks[-1]
+                if victim.alive:
+                    self.send(victim, ("crash",))
+                self.fault_fired = True
+
+    def poll_stats(self) -> None:
+        for w in self.workers():
+            w.stats = None
+            self.send(w, ("stats",))
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(
+            w.stats is None and not w.frozen for w in self.workers()
+        ):
+            self.pump(0.05)
+
+    def settled(self) -> bool:
+        """Every live worker reports no live request and no held block."""
+        self.poll_stats()
+        for w in self.workers():
+            s = w.stats
+            if s is None or s["held_blocks"] or s["live_requests"]:
+                return False
+        return True
+
+
+class _Action:
+    """Picklable barrier action: publish the stop request (see workers.barrier_action)."""
+
+    def __init__(self, flags: Any) -> None:
+        self.flags = flags
+
+    def __call__(self) -> None:
+        barrier_action(self.flags)
+
+
+def _ghost(barrier: Any) -> None:
+    """Dummy steps for a dead rank: take its turn in every lock-step wait until the barrier is
+    aborted at the end (it cannot tell a step's first wait from the others, so it never leaves
+    on its own: the live ranks leave at a step start and the ghost is then alone)."""
+    while True:
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            return
+
+
+def _short(reason: str) -> str:
+    """A failure reason without numbers and addresses, for grouping."""
+    return _NUMBERS.sub("#", reason)[:72]
+
+
+def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None) -> ClusterResult:
+    """Run the synthetic cluster for ``cfg`` and return what happened (workers always reaped)."""
+    cl = _Cluster(cfg, progress)
+    t_start = time.monotonic()
+    try:
+        cl.start_decoder()
+        for rank in range(cfg.prefill_dp):
+            cl.start_rank(rank)
+        deadline = time.monotonic() + 60
+        while not all(w.ready for w in cl.workers()) or len(cl.workers()) < cfg.prefill_dp + 1:
+            dead = [w for w in cl.ranks + [cl.decoder] if w is not None and not w.alive]
+            if time.monotonic() > deadline or cl.res.errors or dead:
+                cl.res.errors.append("workers did not start" + (
+                    f" ({len(dead)} died; logs in {cfg.log_dir})" if dead else ""))
+                return cl.res
+            cl.pump(0.05)
+        run_deadline = time.monotonic() + cfg.run_timeout_s
+        while len(cl.outcome) < cfg.requests:
+            if time.monotonic() > run_deadline:
+                cl.res.errors.append(f"run timeout: {len(cl.outcome)}/{cfg.requests} accounted")
+                break
+            cl.inject()
+            cl.feed()
+            cl.pump(0.02)
+            if cl.decoder is None or (not cl.decoder.alive
+                                      and cfg.fault not in DECODER_RESTARTS):
+                # decoder gone for good: every request not yet sent fails with it
+                for rid in cl.req_ids[cl.next_req:]:
+                    cl.record(rid, "failed", "no decoder", None)
+                cl.next_req = len(cl.req_ids)
+        cl.res.elapsed_s = (cl.t_last or time.monotonic()) - (cl.t_first or t_start)
+        # thaw a still frozen decoder before settling
+        while cl.thaw_at is not None:
+            cl.inject()
+            cl.pump(0.05)
+        settle_deadline = time.monotonic() + cfg.settle_timeout_s
+        _debug(cl, "settling")
+        while not cl.settled() and time.monotonic() < settle_deadline:
+            cl.pump(0.2)
+        _debug(cl, "stopping")
+        _stop(cl)
+        _debug(cl, "collecting")
+        _collect(cl)
+        return cl.res
+    finally:
+        _reap(cl)
+        if cl.own_log_dir and cl.res.ok and not _DEBUG:
+            shutil.rmtree(cfg.log_dir, ignore_errors=True)  # kept when something went wrong
+            cl.res.log_dir = ""
+            cfg.log_dir = None
+
+
+_DEBUG = bool(os.environ.get("LW_DEBUG"))
+
+
+def _debug(cl: _Cluster, what: str) -> None:
+    if _DEBUG:
+        print(f"[lw] {time.monotonic():.3f} {what}: " + ", ".join(
+            f"{w.role}{w.index} alive={w.alive} stats={None if w.stats is None else {k: w.stats.get(k) for k in ('held_blocks', 'live_requests')}}"  # noqa: E501
+            for w in cl.ranks + ([cl.decoder] if cl.decoder else [])), flush=True)
+
+
+def _stop(cl: _Cluster) -> None:
+    """Stop the P ranks at the same step (barrier action) and the decoder; wait for finals."""
+    cl.flags[0] = 1
+    if cl.decoder is not None:
+        cl.send(cl.decoder, ("stop",))
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(w.final is None for w in cl.workers()):
+        cl.pump(0.05)
+
+
+def _collect(cl: _Cluster) -> None:
+    res = cl.res
+    for w in cl.ranks:
+        s = w.final or w.stats
+        if not w.alive and w.final is None:
+            continue  # a dead rank's memory died with it
+        if s is None:
+            res.errors.append(f"P rank {w.index} sent no final stats")
+            continue
+        res.leaked_p += s["held_blocks"]
+        res.bytes_moved += int(s.get("dp.bytes", 0))
+        res.tails_s.extend(s.get("tails", []))
+        res.max_step_s = max(res.max_step_s, s["max_step_s"])
+        res.max_busy_step_s = max(res.max_busy_step_s, s["max_busy_step_s"])
+        res.busy_steps_s.extend(s.get("busy_step_s", []))
+        res.max_hook_s = max(res.max_hook_s, s.get("max_hook_s", 0.0))
+        res.hooks_s.extend(s.get("hook_s", []))
+        res.steps = max(res.steps, s["steps"])
+        _add_counters(res.counters, s, "p")
+    res.p_unreported = sum(1 for r in cl.assigned.values() if r not in res.dead_ranks)
+    d = cl.decoder
+    if d is not None and (d.alive or d.final is not None):
+        s = d.final or d.stats
+        if s is None:
+            res.errors.append("decoder sent no final stats")
+        else:
+            res.leaked_d += s["held_blocks"]
+            _add_counters(res.counters, s, "d")
+
+
+_INTERESTING = ("side.unauthenticated", "side.forged", "side.wire_errors", "side.replayed",
+                "side.injected_drops", "side.injected_duplicates", "side.injected_garbage",
+                "loop.protocol_errors", "loop.core_errors", "loop.effect_errors",
+                "core.stale_messages", "core.deadlines", "core.leases_expired",
+                "loop.transfers_failed", "side.send_dropped", "loop.peer_restarts",
+                "side.replies_matched")
+
+
+def _add_counters(total: Counter, stats: dict[str, Any], role: str) -> None:
+    for k in _INTERESTING:
+        v = stats.get(k)
+        if v:
+            total[f"{role}.{k}"] += int(v)
+
+
+def _reap(cl: _Cluster) -> None:
+    """Kill whatever is still running (processes: SIGCONT first, then SIGKILL)."""
+    cl.flags[0] = 1
+    cl.flags[1] = 1
+    try:
+        cl.barrier.abort()
+    except Exception:
+        pass
+    all_workers = list(cl.ranks) + ([cl.decoder] if cl.decoder is not None else [])
+    if cl.as_process:
+        for w in all_workers:
+            p = w.proc
+            p.join(timeout=0 if not w.alive else 3)
+            if p.is_alive():
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                p.kill()
+                p.join(5)
+    else:
+        for w in all_workers:
+            w.proc.join(timeout=10)
+    for w in all_workers:
+        for c in (w.cmd, w.events):
+            try:
+                c.close()
+            except OSError:
+                pass

@@ -1,0 +1,118 @@
+"""Configuration of a synthetic P/D cluster run and the faults it can inject."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lw.fsm import DecodeConfig, PrefillConfig, check_lease
+from lw.transport.sidechannel import parse_cluster_key
+
+FAULTS: dict[str, str] = {
+    "none": "no fault",
+    "kill-decoder": "SIGKILL the decoder mid-transfer, then start a new incarnation on its port",
+    "freeze-decoder-before-contact": "decoder SIGSTOPs itself after allocating, before any P "
+    "contact; SIGCONT later",
+    "freeze-decoder-mid-transfer": "SIGSTOP the decoder while layers are in flight; SIGCONT later",
+    "freeze-kill-decoder": "SIGSTOP the decoder while layers are in flight; SIGKILL it later and "
+    "start a new incarnation",
+    "kill-prefill-rank": "the last P DP rank SIGKILLs itself in the middle of a step",
+    "drop-messages": "every side channel drops 15% of its outgoing frames",
+    "duplicate-messages": "every side channel sends 30% of its messages twice",
+    "garbage-messages": "every side channel replaces 10% of its payloads by garbage",
+    "no-cluster-key": "the last P DP rank has no cluster key (the others and D have one)",
+}
+ALIASES = {"drop": "drop-messages", "duplicate": "duplicate-messages",
+           "garbage": "garbage-messages", "no-key": "no-cluster-key"}
+PROCESS_FAULTS = frozenset({"kill-decoder", "freeze-decoder-before-contact",
+                            "freeze-decoder-mid-transfer", "freeze-kill-decoder",
+                            "kill-prefill-rank"})
+DECODER_RESTARTS = frozenset({"kill-decoder", "freeze-kill-decoder"})
+# Faults after which failed requests are expected (every request must still be accounted for).
+FAILURES_EXPECTED = frozenset({"kill-decoder", "freeze-decoder-before-contact",
+                               "freeze-decoder-mid-transfer", "freeze-kill-decoder",
+                               "kill-prefill-rank",
+                               "drop-messages", "garbage-messages", "no-cluster-key"})
+
+
+def canonical_fault(name: str) -> str:
+    """The fault's full name; ValueError for unknown names."""
+    name = ALIASES.get(name, name)
+    if name not in FAULTS:
+        raise ValueError(f"unknown fault {name!r}; choose from {', '.join(FAULTS)}")
+    return name
+
+
+@dataclass
+class ClusterConfig:
+    """Shape, deadlines and fault of one synthetic cluster run (picklable for spawned workers)."""
+
+    requests: int = 40
+    prefill_dp: int = 2
+    layers: int = 8
+    blocks_per_request: int = 4
+    block_bytes: int = 64 * 1024
+    d_blocks: int = 64  # the decoder's finite block pool
+    p_blocks: int = 64  # per P rank
+    max_batch: int = 4  # new requests a P rank admits per step
+    layer_ms: float = 2.0  # simulated compute per layer (the forward pass sleeps, GIL released)
+    data_plane: str = "mooncake"  # or "inprocess" (every worker a thread of this process)
+    fault: str = "none"
+    cluster_key: bytes | None = None
+    seed: int = 0
+    window: int = 0  # requests outstanding at D at once (0: what its pool can hold)
+    # deadlines (short, so that faults resolve in seconds)
+    meta_retry_s: float = 0.2
+    meta_attempts: int = 15
+    ack_retry_s: float = 0.2
+    ack_attempts: int = 10
+    p_request_timeout_s: float = 4.0
+    d_prefill_timeout_s: float = 6.0
+    transfer_timeout_s: float = 5.0  # Mooncake's MC_TRANSFER_TIMEOUT (5 is its minimum)
+    lease_margin_s: float = 1.0
+    freeze_s: float = 6.0  # how long a frozen decoder stays stopped
+    run_timeout_s: float = 180.0
+    settle_timeout_s: float = 30.0  # after the last request: wait for blocks to come back
+    barrier_timeout_s: float = 60.0
+    log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        self.fault = canonical_fault(self.fault)
+        self.cluster_key = parse_cluster_key(self.cluster_key)
+        if self.fault == "no-cluster-key" and self.cluster_key is None:
+            raise ValueError("fault no-cluster-key needs a cluster key")
+        if self.data_plane not in ("mooncake", "inprocess"):
+            raise ValueError(f"data_plane must be mooncake or inprocess, got {self.data_plane!r}")
+        if self.data_plane == "inprocess" and self.fault in PROCESS_FAULTS:
+            raise ValueError(f"fault {self.fault} kills or stops processes: it needs "
+                             "--data-plane mooncake")
+        if self.fault == "no-cluster-key" and self.prefill_dp < 2:
+            raise ValueError("no-cluster-key needs --prefill-dp >= 2 (one keyed rank must remain)")
+        if self.fault == "kill-prefill-rank" and self.prefill_dp < 2:
+            raise ValueError("kill-prefill-rank needs --prefill-dp >= 2")
+        if self.requests < 1 or self.prefill_dp < 1 or self.layers < 1:
+            raise ValueError("requests, prefill_dp and layers must be >= 1")
+        if self.blocks_per_request > min(self.d_blocks, self.p_blocks):
+            raise ValueError("blocks_per_request exceeds a block pool")
+        if self.block_bytes % 8:
+            raise ValueError("block_bytes must be a multiple of 8")
+        check_lease(self.decode_config(), self.p_request_timeout_s, self.transfer_timeout_s)
+
+    @property
+    def d_capacity(self) -> int:
+        """Requests the decoder's pool holds at once."""
+        return self.d_blocks // self.blocks_per_request
+
+    def prefill_config(self) -> PrefillConfig:
+        """Deadlines of every P rank."""
+        return PrefillConfig(
+            meta_retry_s=self.meta_retry_s,
+            meta_attempts=self.meta_attempts,
+            ack_retry_s=self.ack_retry_s,
+            ack_attempts=self.ack_attempts,
+            request_timeout_s=self.p_request_timeout_s,
+        )
+
+    def decode_config(self) -> DecodeConfig:
+        """Deadlines of the decoder; the lease covers P's deadline plus the transfer timeout."""
+        lease = self.p_request_timeout_s + self.transfer_timeout_s + self.lease_margin_s
+        return DecodeConfig(prefill_timeout_s=self.d_prefill_timeout_s, lease_s=lease)

@@ -1,0 +1,820 @@
+"""The event loop of one worker: runs a sans-I/O endpoint on the side channel and the data plane.
+
+A :class:`WorkerLoop` owns one endpoint (a P rank's :class:`~lw.fsm.PrefillEndpoint` or a D
+worker's :class:`~lw.fsm.DecodeEndpoint`), its :class:`~lw.transport.sidechannel.SideChannel`, its
+data plane and its timers, all on one thread. Engine threads talk to it only through non-blocking
+entry points (:meth:`WorkerLoop.layer_computed`, :meth:`WorkerLoop.call`,
+:meth:`WorkerLoop.drain_reports`, :meth:`WorkerLoop.stats`): they append to a queue and, at most
+once per loop turn, write one byte to a pipe. Nothing an engine thread calls waits on the network,
+on the data plane or on the loop.
+
+The loop performs the core's effects: ``Send`` goes to the side channel (answers travel back on the
+connection the question came in on), ``WriteLayer`` becomes one data-plane transfer per destination
+session per core call (addresses from the local layout and D's ``KVLayout``), ``ArmTimer`` /
+``CancelTimer`` edit a heap, and ``SendFinished`` / ``RecvDone`` / ``RecvFailed`` / ``Quarantine``
+become reports for the engine. A message from the network that the core refuses
+(``ProtocolError``) is counted and dropped; no message can stop the loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from lw.fsm import (
+    ArmTimer,
+    CancelTimer,
+    DecodeEndpoint,
+    Effect,
+    PrefillEndpoint,
+    ProtocolError,
+    Quarantine,
+    RecvDone,
+    RecvFailed,
+    Send,
+    SendFinished,
+    WriteLayer,
+)
+from lw.fsm.lifecycles import DONE, FAILED
+from lw.transport.sidechannel import Inbound, SideChannel
+from lw.transport.wire import (
+    Abort,
+    AbortAck,
+    Ack,
+    DoneSending,
+    FailedSending,
+    KVLayout,
+    LayerLayout,
+    MetaReply,
+    MetaRequest,
+    Sender,
+)
+
+__all__ = ["WorkerLoop", "hook_cost_report", "measure_hook_cost"]
+
+log = logging.getLogger("lw.runtime")
+
+
+def _gil_holding_write() -> Callable[[int, bytes, int], int] | None:
+    """libc ``write`` called WITHOUT releasing the GIL (ctypes.PyDLL), or None if unavailable.
+
+    ``os.write`` releases the GIL; the loop thread, woken by that very byte, then grabs the GIL
+    and the forward hook waits for the loop's whole turn before it can return (a convoy of up to
+    a millisecond at 256 requests, measured). Writing one byte to a non-blocking pipe cannot
+    block, so keeping the GIL is safe and the hook returns at once.
+    """
+    try:
+        fn = ctypes.PyDLL(None).write
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+_raw_write = _gil_holding_write()
+
+Entry = tuple[int, int, int]
+_REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's connection
+_REQUESTS = (MetaRequest, DoneSending, FailedSending, Abort)  # questions: correlated
+_CALLS = frozenset({"add_request", "abort", "peer_lost"})
+_REPORTS = (SendFinished, RecvDone, RecvFailed, Quarantine)
+
+# inbox item kinds
+_LAYER = 0
+_CALL = 1
+_FN = 2
+
+
+class WorkerLoop:
+    """One worker's protocol thread: endpoint + side channel + data plane + timers.
+
+    ``local_layout`` (P only) gives, per layer, where this worker's KV blocks live in memory
+    registered with ``data_plane``; ``entries_for`` may replace the address computation (a
+    ``WriteLayer`` -> ``[(src, dst, len)]`` function). ``on_report`` is called on the loop thread
+    for every report, in addition to queueing it for :meth:`drain_reports`.
+    """
+
+    def __init__(
+        self,
+        endpoint: PrefillEndpoint | DecodeEndpoint,
+        side: SideChannel,
+        data_plane: Any | None = None,
+        *,
+        local_layout: Sequence[LayerLayout] | None = None,
+        entries_for: Callable[[WriteLayer], list[Entry]] | None = None,
+        on_report: Callable[[Effect], None] | None = None,
+        detect_restarts: bool = True,
+        owns_side: bool = True,
+        owns_data_plane: bool = True,
+        max_inbox: int = 1_000_000,
+        tail_samples: int = 65536,
+        hot_poll_s: float = 0.001,
+        hot_window_s: float = 0.05,
+        name: str = "lw-loop",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.endpoint = endpoint
+        self.is_prefill = isinstance(endpoint, PrefillEndpoint)
+        self.side = side
+        self.data_plane = data_plane
+        self._local = list(local_layout) if local_layout is not None else None
+        self._entries_for = entries_for
+        self._on_report = on_report
+        self._detect_restarts = detect_restarts and not self.is_prefill
+        self._owns_side = owns_side
+        self._owns_dp = owns_data_plane
+        self._max_inbox = max_inbox
+        # After a layer event the loop polls every hot_poll_s for hot_window_s, and hooks skip
+        # the wake-up write: a write wakes the loop thread, and on a busy machine the context
+        # switch it triggers costs the forward thread tens of microseconds per layer.
+        self._hot_poll_ms = max(0, round(hot_poll_s * 1000))
+        self._hot_window_s = hot_window_s if self._hot_poll_ms else 0.0
+        self._hot_until = 0.0
+        self._clock = clock
+        self._name = name
+        if self.is_prefill and entries_for is None:
+            if self._local is None:
+                raise ValueError("a prefill WorkerLoop needs local_layout (or entries_for)")
+            if len(self._local) != endpoint.num_layers:
+                raise ValueError(f"local_layout has {len(self._local)} layers, endpoint has "
+                                 f"{endpoint.num_layers}")
+        self._local_uniform = self._uniform(self._local) if self._local else None
+        self._num_layers = endpoint.num_layers if self.is_prefill else 0
+        # engine -> loop
+        self._inbox: deque[tuple] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_pending = False
+        # loop -> engine
+        self._reports: deque[Effect] = deque()
+        # timers: key -> (at, seq); heap of (at, seq, key) with lazy deletion
+        self._timers: dict[tuple[str, str], tuple[float, int]] = {}
+        self._heap: list[tuple[float, int, tuple[str, str]]] = []
+        self._seq = 0
+        # transfers
+        self._runs: dict[str, tuple[tuple, list[Entry]]] = {}  # req_id -> (key, offset runs)
+        self._remote_uniform: dict[tuple[str, int], tuple[int, int] | None] = {}
+        self._sessions: dict[str, str] = {}  # decoder side-channel addr -> te_session
+        self._hinted: set[str] = set()
+        self._last_layer_t: dict[str, float] = {}
+        self._tails: deque[float] = deque(maxlen=tail_samples)
+        self._rtts: deque[float] = deque(maxlen=tail_samples)
+        self._incarnations: dict[tuple[str, int], int] = {}
+        self.counters: dict[str, int | float] = dict.fromkeys(
+            (
+                "turns",
+                "layer_events",
+                "calls",
+                "messages",
+                "protocol_errors",
+                "core_errors",
+                "effect_errors",
+                "call_errors",
+                "timers_fired",
+                "transfers_submitted",
+                "transfers_ok",
+                "transfers_failed",
+                "layer_writes",
+                "write_setup_failures",
+                "bytes_ok",
+                "connects",
+                "peer_restarts",
+                "inbox_overflow",
+                "reports",
+            ),
+            0,
+        )
+        self.counters["layer_event_s"] = 0.0
+        self._stopping = False
+        self._finished = False
+        self._thread: threading.Thread | None = None
+        self.crashed: BaseException | None = None
+
+    # ============================================================ engine-thread entry points
+    def start(self) -> WorkerLoop:
+        """Start the loop thread (the side channel already listens; peers may send at once)."""
+        if self._thread is not None:
+            raise RuntimeError("WorkerLoop already started")
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def addr(self) -> str:
+        """Side-channel address peers send to (give it to the proxy / put it in requests)."""
+        return self.side.addr
+
+    @property
+    def me(self) -> Sender:
+        """This worker's identity as the endpoint announces it."""
+        return self.endpoint.me
+
+    def layer_computed(self, layer: int, req_ids: Iterable[str]) -> None:
+        """Forward hook: ``layer`` is computed for ``req_ids``. O(batch) copy, never waits."""
+        inbox = self._inbox
+        if len(inbox) >= self._max_inbox:  # a dead loop must not grow memory without bound
+            self.counters["inbox_overflow"] += 1
+            return
+        inbox.append((_LAYER, layer, tuple(req_ids), time.monotonic()))
+        if not self._wake_pending:
+            self._wake()
+
+    def call(self, method: str, *args: Any) -> Future:
+        """Run ``endpoint.<method>(*args, now)`` on the loop (add_request, abort, peer_lost).
+
+        Returns a Future with the method's effects (or its exception); never waits.
+        """
+        if method not in _CALLS:
+            raise ValueError(f"WorkerLoop.call: {method!r} is not one of {sorted(_CALLS)}")
+        fut: Future = Future()
+        self._enqueue((_CALL, method, args, fut))
+        return fut
+
+    def run(self, fn: Callable[[WorkerLoop], Any]) -> Future:
+        """Run ``fn(loop)`` on the loop thread (inspection, tests); its result in a Future."""
+        fut: Future = Future()
+        self._enqueue((_FN, fn, None, fut))
+        return fut
+
+    def _enqueue(self, item: tuple) -> None:
+        self._inbox.append(item)
+        if self._finished:  # the loop is gone: fail now instead of never
+            self._fail_inbox()
+        elif not self._wake_pending:
+            self._wake()
+
+    def drain_reports(self) -> list[Effect]:
+        """Reports since the last call: SendFinished, RecvDone, RecvFailed, Quarantine."""
+        out: list[Effect] = []
+        pop = self._reports.popleft
+        try:
+            while True:
+                out.append(pop())
+        except IndexError:
+            return out
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the loop, the core, the side channel and the data plane, plus the
+        transfer tail (last layer's hook -> last write done) and side-channel round trips."""
+        out: dict[str, Any] = {f"loop.{k}": v for k, v in self.counters.items()}
+        out["loop.inbox"] = len(self._inbox)
+        out["loop.timers"] = len(self._timers)
+        out["loop.crashed"] = repr(self.crashed) if self.crashed else ""
+        out["live_requests"] = len(self.endpoint.live_requests())
+        for k, v in dict(self.endpoint.counters).items():
+            out[f"core.{k}"] = v
+        for k, v in self.side.stats().items():
+            out[f"side.{k}"] = v
+        if self.data_plane is not None:
+            try:
+                for k, v in self.data_plane.stats().items():
+                    out[f"dp.{k}"] = v
+            except Exception:  # a closed plane may refuse; stats are best effort
+                pass
+        for name, samples in (("tail", self._tails), ("rtt", self._rtts)):
+            xs = sorted(samples)
+            if xs:
+                out[f"{name}_p50_s"] = xs[len(xs) // 2]
+                out[f"{name}_p99_s"] = xs[min(len(xs) - 1, int(len(xs) * 0.99))]
+                out[f"{name}_max_s"] = xs[-1]
+        return out
+
+    def tail_samples(self) -> list[float]:
+        """Per request: seconds from the last layer's hook to its last write completing (P)."""
+        return list(self._tails)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread and close what it owns (waits up to ``timeout``)."""
+        self._stopping = True
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        elif self._thread is None:
+            self._finished = True
+            self._close_owned()
+
+    def __enter__(self) -> WorkerLoop:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        for fd in (getattr(self, "_wake_r", -1), getattr(self, "_wake_w", -1)):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _wake(self) -> None:
+        self._wake_pending = True
+        if _raw_write is not None:
+            _raw_write(self._wake_w, b"\x00", 1)  # -1 (pipe full: already readable) is fine
+            return
+        try:
+            os.write(self._wake_w, b"\x00")
+        except (BlockingIOError, OSError):  # pipe full (already readable) or closed at stop
+            pass
+
+    # ============================================================ loop thread
+    def _run(self) -> None:
+        fds = [self._wake_r]
+        dp_fd = -1
+        if self.data_plane is not None:
+            dp_fd = self.data_plane.fileno()
+            fds.append(dp_fd)
+        try:
+            while not self._stopping:
+                self.counters["turns"] += 1
+                inbound, ready = self.side.poll(self._timeout_ms(), fds)
+                if self._wake_r in ready:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                # Clear before draining: a hook that appends after the drain writes the pipe again.
+                self._wake_pending = False
+                self._drain_inbox()
+                for item in inbound:
+                    self._on_inbound(item)
+                if dp_fd in ready:
+                    self._on_completions()
+                self._fire_timers()
+        except BaseException as exc:  # infrastructure failure (zmq); events never get here
+            self.crashed = exc
+            log.exception("%s crashed", self._name)
+        finally:
+            self._finished = True
+            self._fail_inbox()
+            self._close_owned()
+
+    def _close_owned(self) -> None:
+        if self._owns_side:
+            try:
+                self.side.close()
+            except Exception:
+                log.exception("closing side channel")
+        if self._owns_dp and self.data_plane is not None:
+            try:
+                self.data_plane.close()
+            except Exception:
+                log.exception("closing data plane")
+        # The wake pipe stays open until the object goes away: an engine thread may still call
+        # a hook, and writing to a closed (possibly reused) fd number would hit another file.
+
+    def _fail_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.popleft()
+            except IndexError:
+                return
+            if item[0] in (_CALL, _FN) and item[3].set_running_or_notify_cancel():
+                item[3].set_exception(RuntimeError("WorkerLoop stopped"))
+
+    def _timeout_ms(self) -> int:
+        cap = 200
+        if self._hot_until and time.monotonic() < self._hot_until:
+            self._wake_pending = True  # set before the inbox check: hooks need not write
+            cap = self._hot_poll_ms
+        if self._inbox:
+            return 0
+        if not self._heap:
+            return cap
+        wait = self._heap[0][0] - self._clock()
+        return 0 if wait <= 0 else min(cap, int(wait * 1000) + 1)
+
+    # ------------------------------------------------------------ engine events
+    def _drain_inbox(self) -> None:
+        inbox = self._inbox
+        ep = self.endpoint
+        while inbox:
+            item = inbox.popleft()
+            kind = item[0]
+            if kind == _LAYER:
+                _, layer, ids, t = item
+                started = time.perf_counter()
+                self.counters["layer_events"] += 1
+                if self._hot_window_s:
+                    self._hot_until = time.monotonic() + self._hot_window_s
+                try:
+                    effects = ep.layer_computed(layer, ids, self._clock())
+                except Exception as exc:
+                    self._core_error("layer_computed", exc)
+                    continue
+                if layer == self._num_layers - 1:
+                    for rid in ids:
+                        st = ep.state_of(rid)
+                        if st is not None and st != DONE and st != FAILED:
+                            self._last_layer_t[rid] = t
+                if effects:
+                    self._execute(effects, None)
+                self.counters["layer_event_s"] += time.perf_counter() - started
+            elif kind == _CALL:
+                _, method, args, fut = item
+                self.counters["calls"] += 1
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    effects = getattr(ep, method)(*args, self._clock())
+                except BaseException as exc:
+                    self.counters["call_errors"] += 1
+                    fut.set_exception(exc)
+                    continue
+                self._execute(effects, None)
+                fut.set_result(effects)
+            else:
+                _, fn, _, fut = item
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn(self))
+                except BaseException as exc:
+                    fut.set_exception(exc)
+
+    def _core_error(self, what: str, exc: Exception) -> None:
+        if isinstance(exc, ProtocolError):
+            self.counters["protocol_errors"] += 1
+            log.debug("%s: %s refused: %s", self._name, what, exc)
+        else:
+            self.counters["core_errors"] += 1
+            log.error("%s: %s raised %r", self._name, what, exc, exc_info=exc)
+
+    # ------------------------------------------------------------ network events
+    def _on_inbound(self, ib: Inbound) -> None:
+        msg = ib.msg
+        self.counters["messages"] += 1
+        if ib.rtt_s is not None:
+            self._rtts.append(ib.rtt_s)
+        now = self._clock()
+        if self._detect_restarts and hasattr(msg, "sender"):
+            self._note_sender(msg.sender, now)
+        try:
+            effects = self.endpoint.on_message(msg, now)
+        except Exception as exc:  # a message must never stop the loop
+            self._core_error(type(msg).__name__, exc)
+            return
+        if self.is_prefill and isinstance(msg, MetaReply) and msg.status == "accepted":
+            self._warm_up(msg)
+        self._execute(effects, ib)
+
+    def _note_sender(self, sender: Sender, now: float) -> None:
+        """D: a higher incarnation of a P worker means the old one is gone: fail its claims."""
+        key = (sender.engine_id, sender.rank)
+        prev = self._incarnations.get(key)
+        if prev is None or sender.incarnation <= prev:
+            if prev is None and len(self._incarnations) < 65536:
+                self._incarnations[key] = sender.incarnation
+            return
+        self._incarnations[key] = sender.incarnation
+        self.counters["peer_restarts"] += 1
+        try:
+            effects = self.endpoint.peer_lost(
+                sender.engine_id, f"restarted (incarnation {prev} -> {sender.incarnation})", now)
+        except Exception as exc:
+            self._core_error("peer_lost", exc)
+            return
+        self._execute(effects, None)
+
+    def _warm_up(self, msg: MetaReply) -> None:
+        """The side channel proved D alive: open its transfer-engine segment off the hot path."""
+        addr = msg.responder.addr
+        if msg.layout is not None:
+            self._sessions[addr] = msg.layout.te_session
+        session = self._sessions.get(addr)
+        if session is None or self.data_plane is None:
+            return
+        if msg.layout is not None and session not in self._hinted:
+            hint = getattr(self.data_plane, "hint_remote_regions", None)
+            if hint is not None:
+                # One region per layer: never merge entries across two layers' registrations.
+                hint(session, [(lay.base_addr, lay.block_stride * lay.num_blocks)
+                               for lay in msg.layout.layers])
+            self._hinted.add(session)
+        try:
+            self.data_plane.connect(session)
+            self.counters["connects"] += 1
+        except Exception as exc:
+            self.counters["effect_errors"] += 1
+            log.warning("%s: connect(%s) raised %r", self._name, session, exc)
+
+    def _on_completions(self) -> None:
+        assert self.data_plane is not None
+        ep = self.endpoint
+        last = self._num_layers - 1
+        try:
+            completions = self.data_plane.poll()
+        except Exception as exc:  # a broken plane must not stop the loop (timers still run)
+            self.counters["effect_errors"] += 1
+            log.error("%s: data plane poll raised %r", self._name, exc)
+            return
+        for c in completions:
+            pairs = c.xfer_id
+            if not isinstance(pairs, tuple):
+                continue  # not ours (a plane shared with something else)
+            if c.ok:
+                self.counters["transfers_ok"] += 1
+                self.counters["bytes_ok"] += c.nbytes
+            else:
+                self.counters["transfers_failed"] += 1
+            now = self._clock()
+            for rid, layer in pairs:
+                try:
+                    effects = ep.transfer_done(rid, layer, c.ok, c.reason, now, c.in_doubt)
+                except Exception as exc:
+                    self._core_error("transfer_done", exc)
+                    continue
+                if layer == last and c.ok:
+                    t0 = self._last_layer_t.pop(rid, None)
+                    if t0 is not None:
+                        self._tails.append(time.monotonic() - t0)
+                if effects:
+                    self._execute(effects, None)
+
+    def _fire_timers(self) -> None:
+        heap = self._heap
+        timers = self._timers
+        now = self._clock()
+        while heap and heap[0][0] <= now:
+            at, seq, key = heapq.heappop(heap)
+            cur = timers.get(key)
+            if cur is None or cur[1] != seq:
+                continue  # replaced or cancelled
+            del timers[key]
+            self.counters["timers_fired"] += 1
+            try:
+                effects = self.endpoint.on_timer(key, now)
+            except Exception as exc:
+                self._core_error(f"timer {key}", exc)
+                continue
+            self._execute(effects, None)
+        if len(heap) > 2 * len(timers) + 1024:  # drop cancelled entries now and then
+            self._heap = [(at, seq, key) for key, (at, seq) in timers.items()]
+            heapq.heapify(self._heap)
+
+    # ------------------------------------------------------------ effects
+    def _execute(self, effects: list[Effect], ib: Inbound | None) -> None:
+        """Perform effects; synthesized write failures feed back until nothing is left."""
+        work: deque[list[Effect]] = deque([effects])
+        while work:
+            batch = work.popleft()
+            writes: list[WriteLayer] = []
+            for e in batch:
+                try:
+                    if isinstance(e, Send):
+                        self._send(e, ib)
+                    elif isinstance(e, WriteLayer):
+                        writes.append(e)
+                    elif isinstance(e, ArmTimer):
+                        self._seq += 1
+                        self._timers[e.key] = (e.at, self._seq)
+                        heapq.heappush(self._heap, (e.at, self._seq, e.key))
+                    elif isinstance(e, CancelTimer):
+                        self._timers.pop(e.key, None)
+                    elif isinstance(e, _REPORTS):
+                        self._report(e)
+                    else:
+                        raise TypeError(f"unknown effect {e!r}")
+                except Exception as exc:
+                    self.counters["effect_errors"] += 1
+                    log.error("%s: effect %r failed: %r", self._name, e, exc, exc_info=exc)
+            if writes:
+                for failed in self._submit(writes):
+                    work.append(failed)
+
+    def _send(self, e: Send, ib: Inbound | None) -> None:
+        msg = e.msg
+        if ib is not None and isinstance(msg, _REPLIES):
+            src = ib.msg
+            origin = getattr(src, "sender", None) or getattr(src, "responder", None)
+            if origin is not None and origin.addr == e.dest:
+                self.side.reply(ib, e.dest, msg)
+                return
+        self.side.send(e.dest, msg, expect_reply=isinstance(msg, _REQUESTS))
+
+    def _report(self, e: Effect) -> None:
+        self.counters["reports"] += 1
+        if isinstance(e, SendFinished):
+            self._runs.pop(e.req_id, None)
+            self._last_layer_t.pop(e.req_id, None)
+        self._reports.append(e)
+        if self._on_report is not None:
+            try:
+                self._on_report(e)
+            except Exception:
+                log.exception("%s: on_report callback raised", self._name)
+
+    def _submit(self, writes: list[WriteLayer]) -> list[list[Effect]]:
+        """One data-plane transfer per destination session; returns effects of setup failures."""
+        groups: dict[str, tuple[list[tuple[str, int]], list[Entry]]] = {}
+        failed: list[tuple[str, int, str]] = []
+        for w in writes:
+            self.counters["layer_writes"] += 1
+            try:
+                entries = self._entries(w)
+            except Exception as exc:  # bad layout or block ids: this write fails, nothing else
+                failed.append((w.req_id, w.layer, f"cannot address blocks: {exc}"))
+                continue
+            session = w.layout.te_session
+            g = groups.get(session)
+            if g is None:
+                g = groups[session] = ([], [])
+            g[0].append((w.req_id, w.layer))
+            g[1].extend(entries)
+        dp = self.data_plane
+        for session, (pairs, entries) in groups.items():
+            if dp is None:
+                failed.extend((r, k, "no data plane") for r, k in pairs)
+                continue
+            try:
+                dp.submit(tuple(pairs), session, entries)
+                self.counters["transfers_submitted"] += 1
+            except Exception as exc:
+                failed.extend((r, k, f"data plane refused the transfer: {exc}") for r, k in pairs)
+        out: list[list[Effect]] = []
+        now = self._clock()
+        for rid, layer, reason in failed:
+            self.counters["write_setup_failures"] += 1
+            try:
+                out.append(self.endpoint.transfer_done(rid, layer, False, reason, now))
+            except Exception as exc:
+                self._core_error("transfer_done", exc)
+        return out
+
+    @staticmethod
+    def _uniform(layers: Sequence[LayerLayout] | None) -> tuple[int, int] | None:
+        """(stride, len) when every layer has the same block geometry, else None."""
+        if not layers:
+            return None
+        first = layers[0]
+        for lay in layers:
+            if lay.block_stride != first.block_stride or lay.block_len != first.block_len:
+                return None
+        return first.block_stride, first.block_len
+
+    def _entries(self, w: WriteLayer) -> list[Entry]:
+        """(src, dst, len) for one layer of one request; contiguous block runs pre-merged."""
+        if self._entries_for is not None:
+            return self._entries_for(w)
+        assert self._local is not None
+        loc = self._local[w.layer]
+        rem = w.layout.layers[w.layer]
+        if loc.block_len != rem.block_len:
+            raise ValueError(f"local block_len {loc.block_len} != remote {rem.block_len} "
+                             f"(layer {w.layer})")
+        runs = self._runs_for(w)
+        if runs is not None:
+            lb, rb = loc.base_addr, rem.base_addr
+            return [(lb + lo, rb + ro, n) for lo, ro, n in runs]
+        n_loc = loc.num_blocks
+        out = []
+        for lblk, rblk in zip(w.local_blocks, w.remote_blocks, strict=True):
+            if not 0 <= lblk < n_loc or not 0 <= rblk < rem.num_blocks:
+                raise ValueError(f"block {lblk}->{rblk} outside layer {w.layer}")
+            out.append((loc.base_addr + lblk * loc.block_stride,
+                        rem.base_addr + rblk * rem.block_stride, loc.block_len))
+        return out
+
+    def _runs_for(self, w: WriteLayer) -> list[Entry] | None:
+        """Per-request (local offset, remote offset, len) runs, valid for every layer, cached."""
+        lu = self._local_uniform
+        if lu is None:
+            return None
+        lay = w.layout
+        rkey = (lay.te_session, lay.incarnation)
+        ru = self._remote_uniform.get(rkey, False)
+        if ru is False:
+            ru = self._uniform(lay.layers)
+            if len(self._remote_uniform) > 4096:
+                self._remote_uniform.clear()
+            self._remote_uniform[rkey] = ru
+        if ru is None or ru[1] != lu[1]:
+            return None
+        key = (rkey, w.local_blocks, w.remote_blocks)
+        cached = self._runs.get(w.req_id)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        lstride, blen = lu
+        rstride = ru[0]
+        n_loc = self._local[0].num_blocks  # type: ignore[index]
+        n_rem = lay.layers[0].num_blocks
+        runs: list[Entry] = []
+        plb = prb = -2
+        for lblk, rblk in zip(w.local_blocks, w.remote_blocks, strict=True):
+            if not 0 <= lblk < n_loc or not 0 <= rblk < n_rem:
+                raise ValueError(f"block {lblk}->{rblk} outside the {n_loc}/{n_rem} blocks")
+            if (runs and lblk == plb + 1 and rblk == prb + 1
+                    and lstride == blen and rstride == blen):
+                lo, ro, n = runs[-1]
+                runs[-1] = (lo, ro, n + blen)
+            else:
+                runs.append((lblk * lstride, rblk * rstride, blen))
+            plb, prb = lblk, rblk
+        self._runs[w.req_id] = (key, runs)
+        return runs
+
+
+# ================================================================ hook cost (benchmark helper)
+def hook_cost_report(
+    n_requests: int,
+    layers: int = 61,
+    *,
+    blocks_per_request: int = 4,
+    block_bytes: int = 256,
+    compute_s: float = 0.002,
+    steps: int = 3,
+) -> dict[str, float]:
+    """Cost of ``WorkerLoop.layer_computed`` with ``n_requests`` in the batch, on a live loop.
+
+    Builds a P loop and a D loop in this process (real ZMQ sockets on loopback, in-process data
+    plane), gets every request accepted by D, then runs ``steps`` forward passes of ``layers``
+    layers, timing each hook call while the loop thread emits and submits the writes (the forward
+    sleeps ``compute_s`` per layer, as a GPU kernel would release the GIL). Returns seconds.
+    """
+    import numpy as np
+
+    from lw.fsm import DecodeConfig, PrefillConfig, PrefillRequest
+    from lw.transport.dataplane import InProcessDataPlane
+
+    nblk = n_requests * blocks_per_request
+    p_mem = np.zeros((layers, nblk, block_bytes), dtype=np.uint8)
+    d_mem = np.zeros((layers, nblk, block_bytes), dtype=np.uint8)
+
+    def layout_of(mem: np.ndarray) -> list[LayerLayout]:
+        base = mem.ctypes.data
+        return [LayerLayout(base + i * nblk * block_bytes, block_bytes, block_bytes, nblk)
+                for i in range(layers)]
+
+    p_dp = InProcessDataPlane()
+    d_dp = InProcessDataPlane()
+    p_dp.register_memory(p_mem.ctypes.data, p_mem.nbytes)
+    d_dp.register_memory(d_mem.ctypes.data, d_mem.nbytes)
+    d_side, p_side = SideChannel(), SideChannel()
+    d_me = Sender("bench-d", 0, 1, d_side.addr)
+    d_layout = KVLayout("bench-d", 1, d_dp.session, layout_of(d_mem))
+    big = 3600.0
+    d_loop = WorkerLoop(DecodeEndpoint(d_me, d_layout, DecodeConfig(big, 2 * big + 60)),
+                        d_side, d_dp)
+    p_cfg = PrefillConfig(request_timeout_s=big, meta_retry_s=1.0, ack_retry_s=1.0)
+    p_loop = WorkerLoop(PrefillEndpoint(Sender("bench-p", 0, 1, p_side.addr), layers, p_cfg),
+                        p_side, p_dp, local_layout=layout_of(p_mem))
+    costs: list[float] = []
+    loop_s = 0.0
+    try:
+        d_loop.start()
+        p_loop.start()
+        for step in range(steps):
+            ids = [f"s{step}-r{i}" for i in range(n_requests)]
+            for i, rid in enumerate(ids):
+                blocks = tuple(range(i * blocks_per_request, (i + 1) * blocks_per_request))
+                d_loop.call("add_request", rid, blocks, 1).result(10)
+                p_loop.call("add_request",
+                            PrefillRequest(rid, d_side.addr, blocks, blocks, 1)).result(10)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # measure the steady state: writes emitted
+                states = p_loop.run(lambda lp, ids=ids: [lp.endpoint.state_of(r) for r in ids])
+                if all(s == "META_READY" for s in states.result(10)):
+                    break
+                time.sleep(0.005)
+            before = p_loop.counters["layer_event_s"]
+            for layer in range(layers):
+                t0 = time.perf_counter()
+                p_loop.layer_computed(layer, ids)
+                costs.append(time.perf_counter() - t0)
+                time.sleep(compute_s)
+            deadline = time.monotonic() + 60
+            while p_loop.endpoint.live_requests() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            loop_s += float(p_loop.counters["layer_event_s"]) - before
+            p_loop.drain_reports()
+            d_loop.drain_reports()
+    finally:
+        p_loop.stop()
+        d_loop.stop()
+    costs.sort()
+    n = len(costs)
+    return {
+        "requests": float(n_requests),
+        "layers": float(layers),
+        "hook_mean_s": sum(costs) / n,
+        "hook_p50_s": costs[n // 2],
+        "hook_p99_s": costs[min(n - 1, int(n * 0.99))],
+        "hook_max_s": costs[-1],
+        "loop_per_layer_s": loop_s / n,
+    }
+
+
+def measure_hook_cost(n_requests: int, layers: int = 61) -> float:
+    """Mean seconds per forward-hook call (one layer) with ``n_requests`` in the batch."""
+    return hook_cost_report(n_requests, layers)["hook_mean_s"]

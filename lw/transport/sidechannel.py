@@ -1,0 +1,487 @@
+"""The side channel of one worker: a ZMQ ROUTER that listens, one DEALER per peer it talks to.
+
+Every message travels as one multipart ZMQ message ``[header, payload, mac?]``:
+
+* ``header`` (32 bytes): magic ``b"LW"``, frame version, flags, a random per-channel epoch, a
+  message id, the id of the message it answers (0 if none) and the sender's wall clock (ns).
+* ``payload``: one :mod:`lw.transport.wire` message (at most ``wire.MAX_MESSAGE_BYTES``).
+* ``mac``: HMAC-SHA256 over header + payload, present when the sender has a cluster key.
+
+A channel with a cluster key drops (and counts) every frame without a valid MAC, every frame whose
+timestamp is outside ``replay_window_s`` and every exact replay of a frame seen in that window:
+such frames never reach the caller. Oversized, malformed and undecodable frames are dropped and
+counted too; nothing a peer sends can raise out of :meth:`SideChannel.poll`.
+
+Replies can travel back on the connection the request came in on (:meth:`SideChannel.reply`
+through the ROUTER to the asking DEALER); the asker matches them by ``reply_to`` (request
+correlation) and learns the round-trip time. No REQ sockets: a timed-out REQ socket is wedged,
+a DEALER never is. Sends never block: a full queue drops the frame and counts it (the protocol
+retries what matters).
+
+A SideChannel is not thread-safe: one thread (a :class:`lw.transport.runtime.WorkerLoop`) owns it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hmac
+import os
+import random
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from lw.transport.wire import MAX_MESSAGE_BYTES, Message, WireError, decode, encode
+
+__all__ = ["FaultInjection", "Inbound", "SideChannel", "parse_cluster_key"]
+
+_MAGIC = b"LW"
+_FRAME_VERSION = 1
+_FLAG_MAC = 0x01
+# magic, frame version, flags, epoch, msg_id, reply_to, timestamp (ns since the epoch)
+_HEADER = struct.Struct("!2sBBIQQQ")
+_MAC_LEN = 32
+# ZMQ disconnects a peer whose frame exceeds this before allocating it; between the wire limit
+# and this, the frame is received and counted as oversize.
+_ZMQ_MAXMSGSIZE = MAX_MESSAGE_BYTES + 4096
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def parse_cluster_key(value: str | bytes | None) -> bytes | None:
+    """A cluster key from config: bytes as is, ``hex:...`` decoded, other text UTF-8 encoded."""
+    if value is None or value == "" or value == b"":
+        return None
+    if isinstance(value, bytes):
+        key = value
+    elif value.startswith("hex:"):
+        key = bytes.fromhex(value[4:])
+    else:
+        key = value.encode()
+    if len(key) < 16:
+        raise ValueError(f"cluster key must be at least 16 bytes, got {len(key)}")
+    return key
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test-only faults applied to outgoing frames (probabilities per frame, seeded)."""
+
+    drop: float = 0.0  # the frame is not sent
+    duplicate: float = 0.0  # the message is sent twice (as two frames with distinct ids)
+    garbage: float = 0.0  # the payload is replaced by bytes that are no valid message
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("drop", "duplicate", "garbage"):
+            p = getattr(self, name)
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"FaultInjection.{name} must be in [0, 1], got {p}")
+
+    @property
+    def active(self) -> bool:
+        """True when any fault has a non-zero probability."""
+        return self.drop > 0 or self.duplicate > 0 or self.garbage > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """One accepted message and where it came from (for replies and correlation)."""
+
+    msg: Message
+    msg_id: int
+    reply_to: int
+    route: bytes | None  # ROUTER identity of the asking DEALER; None when it came on our DEALER
+    peer: str | None  # the dest address of our DEALER it came back on (None: via the ROUTER)
+    rtt_s: float | None  # round trip when it answered a message we sent with expect_reply
+
+
+_COUNTERS = (
+    "sent",
+    "replies_sent",
+    "received",
+    "send_dropped",  # queue full (peer slow or frozen): dropped, the protocol retries
+    "send_errors",
+    "bad_dest",
+    "encode_errors",
+    "oversize_out",
+    "oversize",
+    "malformed",
+    "unauthenticated",  # keyed channel got a frame without a MAC
+    "forged",  # MAC present but wrong
+    "stale_frames",  # timestamp outside the replay window
+    "replayed",
+    "wire_errors",
+    "replies_matched",
+    "replies_unmatched",
+    "route_fallbacks",
+    "dealers_opened",
+    "dealers_evicted",
+    "injected_drops",
+    "injected_duplicates",
+    "injected_garbage",
+)
+
+
+class SideChannel:
+    """ROUTER listener + one DEALER per peer, authenticated frames, bounded and non-blocking."""
+
+    def __init__(
+        self,
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        cluster_key: bytes | None = None,
+        advertise_host: str | None = None,
+        max_peers: int = 1024,
+        replay_window_s: float | None = 60.0,
+        replay_cache_size: int = 1 << 18,
+        hwm: int = 10_000,
+        heartbeat_s: float = 1.0,
+        faults: FaultInjection | None = None,
+        burst: int = 256,
+    ) -> None:
+        if cluster_key is not None and len(cluster_key) < 16:
+            raise ValueError("cluster_key must be at least 16 bytes")
+        if max_peers < 1:
+            raise ValueError("max_peers must be >= 1")
+        self._key = cluster_key
+        self._max_peers = max_peers
+        self._window_ns = None if replay_window_s is None else int(replay_window_s * 1e9)
+        self._replay_cap = replay_cache_size
+        self._hwm = hwm
+        self._heartbeat_ms = int(heartbeat_s * 1000)
+        self._faults = faults if faults is not None and faults.active else None
+        self._rng = random.Random(faults.seed if faults is not None else None)
+        self._burst = burst
+        self._epoch = int.from_bytes(os.urandom(4), "big")
+        self._next_id = 0
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self._seen: dict[bytes, int] = {}  # mac -> expiry (ns), insertion ordered
+        self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()  # msg_id -> (dest, t)
+        self._ctx = zmq.Context(io_threads=1)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._tune(self._router)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown route: error, not silence
+        try:
+            if port:
+                self._router.bind(f"tcp://{bind_host}:{port}")
+            else:
+                self._router.bind(f"tcp://{bind_host}:*")
+        except zmq.ZMQError:
+            self._router.close(0)
+            self._ctx.term()
+            raise
+        endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.port = int(endpoint.rsplit(":", 1)[1])
+        host = advertise_host or bind_host
+        if host in ("0.0.0.0", "*", "::"):
+            raise ValueError(f"binding {bind_host} needs an advertise_host peers can reach")
+        self.addr = f"tcp://{host}:{self.port}"
+        self._dealers: OrderedDict[str, zmq.Socket] = OrderedDict()  # LRU by dest
+        self._dealer_dest: dict[zmq.Socket, str] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._fds: set[int] = set()
+        self._closed = False
+
+    # ----------------------------------------------------------------------------- sockets
+    def _tune(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.LINGER, 0)  # close never waits for a dead peer
+        sock.setsockopt(zmq.SNDHWM, self._hwm)
+        sock.setsockopt(zmq.RCVHWM, self._hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, _ZMQ_MAXMSGSIZE)
+        if self._heartbeat_ms > 0:
+            # ZMTP heartbeats notice a dead or frozen peer and make the DEALER reconnect.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self._heartbeat_ms)
+
+    def _dealer(self, dest: str) -> zmq.Socket | None:
+        sock = self._dealers.get(dest)
+        if sock is not None:
+            self._dealers.move_to_end(dest)
+            return sock
+        if not isinstance(dest, str) or not dest.startswith(_SCHEMES) or len(dest) > 1024:
+            self.counters["bad_dest"] += 1
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        self._tune(sock)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        try:
+            sock.connect(dest)
+        except zmq.ZMQError:
+            sock.close(0)
+            self.counters["bad_dest"] += 1
+            return None
+        self._dealers[dest] = sock
+        self._dealer_dest[sock] = dest
+        self._poller.register(sock, zmq.POLLIN)
+        self.counters["dealers_opened"] += 1
+        while len(self._dealers) > self._max_peers:
+            old_dest, old = self._dealers.popitem(last=False)
+            self._drop_dealer(old)
+            self.counters["dealers_evicted"] += 1
+            del old_dest
+        return sock
+
+    def _drop_dealer(self, sock: zmq.Socket) -> None:
+        self._poller.unregister(sock)
+        self._dealer_dest.pop(sock, None)
+        sock.close(0)
+
+    def forget_peer(self, dest: str) -> None:
+        """Close the DEALER to ``dest`` (queued frames are dropped); the next send reopens it."""
+        sock = self._dealers.pop(dest, None)
+        if sock is not None:
+            self._drop_dealer(sock)
+
+    # ----------------------------------------------------------------------------- sending
+    def _frame(self, payload: bytes, reply_to: int) -> tuple[int, list[bytes]]:
+        self._next_id += 1
+        msg_id = self._next_id
+        flags = _FLAG_MAC if self._key is not None else 0
+        header = _HEADER.pack(_MAGIC, _FRAME_VERSION, flags, self._epoch, msg_id, reply_to,
+                              time.time_ns())
+        if self._key is None:
+            return msg_id, [header, payload]
+        return msg_id, [header, payload, hmac.digest(self._key, header + payload, "sha256")]
+
+    def _inject(self, payload: bytes) -> list[bytes]:
+        """Apply test faults: the payloads to actually send (0, 1 or 2 of them)."""
+        f = self._faults
+        assert f is not None
+        rng = self._rng
+        if f.drop and rng.random() < f.drop:
+            self.counters["injected_drops"] += 1
+            return []
+        if f.garbage and rng.random() < f.garbage:
+            self.counters["injected_garbage"] += 1
+            if rng.random() < 0.5 and len(payload) > 1:
+                return [payload[: rng.randrange(1, len(payload))]]  # truncated msgpack
+            return [rng.randbytes(rng.randrange(1, 64))]
+        if f.duplicate and rng.random() < f.duplicate:
+            self.counters["injected_duplicates"] += 1
+            return [payload, payload]
+        return [payload]
+
+    def send(self, dest: str, msg: Message, *, reply_to: int = 0,
+             expect_reply: bool = False) -> int:
+        """Queue ``msg`` for the worker listening at ``dest``; its id, or 0 when dropped."""
+        try:
+            payload = encode(msg)
+        except (WireError, TypeError, ValueError):
+            self.counters["encode_errors"] += 1
+            return 0
+        return self.send_bytes(dest, payload, reply_to=reply_to, expect_reply=expect_reply)
+
+    def send_bytes(self, dest: str, payload: bytes, *, reply_to: int = 0,
+                   expect_reply: bool = False) -> int:
+        """Send an already encoded payload (tests use it to send garbage); id or 0."""
+        if len(payload) > MAX_MESSAGE_BYTES:
+            self.counters["oversize_out"] += 1
+            return 0
+        sock = self._dealer(dest)
+        if sock is None:
+            return 0
+        payloads = [payload] if self._faults is None else self._inject(payload)
+        last = 0
+        for p in payloads:
+            msg_id, frames = self._frame(p, reply_to)
+            if self._push(sock, frames):
+                self.counters["sent"] += 1
+                last = msg_id
+        if last and expect_reply:
+            self._pending[last] = (dest, time.monotonic())
+            while len(self._pending) > 65536:
+                self._pending.popitem(last=False)
+        return last
+
+    def _push(self, sock: zmq.Socket, frames: list[bytes]) -> bool:
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.counters["send_dropped"] += 1
+        except zmq.ZMQError:
+            self.counters["send_errors"] += 1
+        return False
+
+    def reply(self, to: Inbound, dest: str, msg: Message) -> int:
+        """Answer ``to`` on the connection it came in on; falls back to a DEALER to ``dest``."""
+        if to.route is None:
+            return self.send(dest, msg, reply_to=to.msg_id)
+        try:
+            payload = encode(msg)
+        except (WireError, TypeError, ValueError):
+            self.counters["encode_errors"] += 1
+            return 0
+        payloads = [payload] if self._faults is None else self._inject(payload)
+        last = 0
+        for p in payloads:
+            msg_id, frames = self._frame(p, to.msg_id)
+            try:
+                self._router.send_multipart([to.route, *frames], flags=zmq.NOBLOCK)
+                self.counters["replies_sent"] += 1
+                last = msg_id
+            except zmq.Again:
+                self.counters["send_dropped"] += 1
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EHOSTUNREACH:
+                    self.counters["send_errors"] += 1
+                    continue
+                # The asker's connection is gone (it reconnected or died): use its listener.
+                self.counters["route_fallbacks"] += 1
+                sock = self._dealer(dest)
+                if sock is not None and self._push(sock, frames):
+                    self.counters["sent"] += 1
+                    last = msg_id
+        return last
+
+    # ----------------------------------------------------------------------------- receiving
+    def poll(self, timeout_ms: int, fds: Iterable[int] = ()) -> tuple[list[Inbound], set[int]]:
+        """Wait up to ``timeout_ms`` for messages or readable ``fds``; return both (no raise)."""
+        for fd in fds:
+            if fd not in self._fds:
+                self._poller.register(fd, zmq.POLLIN)
+                self._fds.add(fd)
+        try:
+            events = self._poller.poll(timeout_ms)
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EINTR:
+                return [], set()
+            raise
+        inbound: list[Inbound] = []
+        ready: set[int] = set()
+        for sock, _ev in events:
+            if isinstance(sock, int):
+                ready.add(sock)
+            elif sock is self._router:
+                self._drain(sock, True, inbound)
+            else:
+                self._drain(sock, False, inbound)
+        return inbound, ready
+
+    def unregister_fd(self, fd: int) -> None:
+        """Stop polling an fd given to :meth:`poll` (before closing it)."""
+        if fd in self._fds:
+            self._poller.unregister(fd)
+            self._fds.discard(fd)
+
+    def _drain(self, sock: zmq.Socket, via_router: bool, out: list[Inbound]) -> None:
+        for _ in range(self._burst):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                self.counters["malformed"] += 1
+                return
+            if via_router:
+                route, frames = parts[0], parts[1:]
+                item = self._accept(frames, route, None)
+            else:
+                item = self._accept(parts, None, self._dealer_dest.get(sock))
+            if item is not None:
+                out.append(item)
+
+    def _accept(self, frames: list[bytes], route: bytes | None, peer: str | None
+                ) -> Inbound | None:
+        """Check one frame set (size, framing, MAC, freshness, replay, wire); count rejects."""
+        n = len(frames)
+        if n not in (2, 3):
+            self.counters["malformed"] += 1
+            return None
+        header, payload = frames[0], frames[1]
+        if len(payload) > MAX_MESSAGE_BYTES:
+            self.counters["oversize"] += 1
+            return None
+        if len(header) != _HEADER.size:
+            self.counters["malformed"] += 1
+            return None
+        magic, version, flags, _epoch, msg_id, reply_to, ts_ns = _HEADER.unpack(header)
+        if magic != _MAGIC or version != _FRAME_VERSION or (n == 3) != bool(flags & _FLAG_MAC):
+            self.counters["malformed"] += 1
+            return None
+        key = self._key
+        if key is not None:
+            if n != 3:
+                self.counters["unauthenticated"] += 1
+                return None
+            mac = frames[2]
+            if len(mac) != _MAC_LEN or not hmac.compare_digest(
+                mac, hmac.digest(key, header + payload, "sha256")
+            ):
+                self.counters["forged"] += 1
+                return None
+            if self._window_ns is not None:
+                now_ns = time.time_ns()
+                if abs(now_ns - ts_ns) > self._window_ns:
+                    self.counters["stale_frames"] += 1
+                    return None
+                if mac in self._seen:
+                    self.counters["replayed"] += 1
+                    return None
+                self._remember(mac, ts_ns + self._window_ns, now_ns)
+        try:
+            msg = decode(payload)
+        except WireError:
+            self.counters["wire_errors"] += 1
+            return None
+        self.counters["received"] += 1
+        rtt = None
+        if reply_to:
+            sent = self._pending.pop(reply_to, None)
+            if sent is not None:
+                self.counters["replies_matched"] += 1
+                rtt = time.monotonic() - sent[1]
+            else:
+                self.counters["replies_unmatched"] += 1
+        return Inbound(msg, msg_id, reply_to, route, peer, rtt)
+
+    def _remember(self, mac: bytes, expiry_ns: int, now_ns: int) -> None:
+        seen = self._seen
+        # Insertion order is roughly expiry order: prune expired entries from the front.
+        while seen:
+            first = next(iter(seen))
+            if seen[first] > now_ns and len(seen) < self._replay_cap:
+                break
+            del seen[first]
+        seen[mac] = expiry_ns
+
+    # ----------------------------------------------------------------------------- misc
+    def stats(self) -> dict[str, int]:
+        """Counters plus open DEALERs and pending correlations."""
+        out = dict(self.counters)
+        out["dealers"] = len(self._dealers)
+        out["pending_replies"] = len(self._pending)
+        return out
+
+    @property
+    def keyed(self) -> bool:
+        """True when this channel signs and requires a cluster key."""
+        return self._key is not None
+
+    def close(self) -> None:
+        """Close every socket and the context (drops queued frames)."""
+        if self._closed:
+            return
+        self._closed = True
+        for fd in list(self._fds):
+            self.unregister_fd(fd)
+        for sock in list(self._dealers.values()):
+            sock.close(0)
+        self._dealers.clear()
+        self._dealer_dest.clear()
+        self._router.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> SideChannel:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,171 @@
+"""The synthetic cluster under faults: real processes, real sockets, real Mooncake transfers.
+
+Each case checks the issue's promises: every request is accounted for (done or failed) within its
+deadlines, no request finishes with wrong bytes, every block returns to its pool, and no P rank's
+step waits on the network (the longest step stays far below the fault's duration).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lw.synthetic import ClusterConfig, ClusterResult, run_cluster
+
+from .conftest import needs_mooncake
+
+KEY = b"synthetic-cluster-key-0123456789"
+ROOT = Path(__file__).resolve().parents[2]
+
+# Short deadlines: Mooncake's transfer timeout cannot go below 5 s, so the lease is >= 7.5 s.
+FAST = dict(
+    requests=16,
+    prefill_dp=2,
+    layers=4,
+    blocks_per_request=2,
+    block_bytes=16 * 1024,
+    d_blocks=16,
+    p_blocks=16,
+    layer_ms=2.0,
+    meta_retry_s=0.1,
+    meta_attempts=10,
+    ack_retry_s=0.1,
+    p_request_timeout_s=2.0,
+    d_prefill_timeout_s=3.0,
+    transfer_timeout_s=5.0,
+    lease_margin_s=0.5,
+    freeze_s=4.0,
+    cluster_key=KEY,
+    run_timeout_s=60.0,
+)
+STEP_BOUND_S = 3.0  # below every fault's duration (>= 4 s); generous for a loaded 2-core box
+
+
+def run(fault: str, data_plane: str = "mooncake", **kw: object) -> ClusterResult:
+    cfg = ClusterConfig(**{**FAST, "fault": fault, "data_plane": data_plane, **kw})  # type: ignore[arg-type]
+    res = run_cluster(cfg)
+    assert not res.errors, (res.errors, res.log_dir)
+    assert res.accounted == cfg.requests, res
+    assert res.double_reports == 0
+    assert res.corrupt == 0, res.reasons
+    assert res.leaked == 0, (res.leaked_p, res.leaked_d)
+    assert res.p_unreported == 0
+    assert res.max_step_s < STEP_BOUND_S, res.max_step_s
+    dcfg = cfg.decode_config()
+    # every request the decoder reported on ended within its deadline (+ quarantine lease)
+    assert res.max_outcome_s < dcfg.prefill_timeout_s + dcfg.lease_s + 2.0
+    assert res.ok
+    return res
+
+
+# ----------------------------------------------------------------------------- in-process
+@pytest.mark.parametrize("fault", ["none", "drop-messages", "duplicate-messages",
+                                   "garbage-messages", "no-cluster-key"])
+def test_inprocess_cluster(fault: str) -> None:
+    res = run(fault, "inprocess", transfer_timeout_s=1.0, requests=12)
+    if fault in ("none", "duplicate-messages"):
+        assert res.done == 12 and res.failed == 0
+    if fault == "no-cluster-key":
+        assert res.counters["d.side.unauthenticated"] > 0 and res.done > 0
+
+
+def test_inprocess_refuses_process_faults() -> None:
+    with pytest.raises(ValueError, match="mooncake"):
+        ClusterConfig(fault="kill-decoder", data_plane="inprocess")
+
+
+# ----------------------------------------------------------------------------- processes
+@pytest.mark.slow
+@needs_mooncake
+def test_mooncake_cluster_no_fault() -> None:
+    res = run("none")
+    assert res.done == 16 and res.failed == 0
+    assert res.bytes_moved == 16 * 4 * 2 * 16 * 1024
+
+
+@pytest.mark.slow
+@needs_mooncake
+def test_kill_decoder_mid_transfer() -> None:
+    res = run("kill-decoder")
+    assert res.decoder_generations == 2  # the new incarnation served the rest
+    assert res.failed > 0 and res.done > 4
+
+
+@pytest.mark.slow
+@needs_mooncake
+def test_freeze_decoder_before_contact() -> None:
+    res = run("freeze-decoder-before-contact")
+    assert res.failed > 0 and res.done > 0
+
+
+@pytest.mark.slow
+@needs_mooncake
+def test_freeze_decoder_mid_transfer() -> None:
+    res = run("freeze-decoder-mid-transfer", freeze_s=6.0)  # past Mooncake's 5 s timeout
+    assert res.done > 0
+
+
+@pytest.mark.slow
+@needs_mooncake
+def test_freeze_then_kill_decoder() -> None:
+    res = run("freeze-kill-decoder", freeze_s=6.0)  # writes to the frozen peer time out first
+    assert res.decoder_generations == 2 and res.failed > 0 and res.done > 0
+
+
+@pytest.mark.slow
+@needs_mooncake
+def test_kill_prefill_rank() -> None:
+    res = run("kill-prefill-rank")
+    assert res.dead_ranks == [1]
+    assert res.done > 0
+
+
+@pytest.mark.slow
+@needs_mooncake
+@pytest.mark.parametrize("fault", ["drop-messages", "duplicate-messages", "garbage-messages",
+                                   "no-cluster-key"])
+def test_side_channel_faults_between_processes(fault: str) -> None:
+    res = run(fault, requests=10)
+    if fault == "duplicate-messages":
+        assert res.done == 10
+    if fault == "garbage-messages":
+        assert res.counters["p.side.wire_errors"] + res.counters["d.side.wire_errors"] > 0
+    if fault == "no-cluster-key":
+        assert res.counters["d.side.unauthenticated"] > 0
+
+
+@pytest.mark.slow
+@needs_mooncake
+def test_demo_command_line() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "lw", "demo", "--engine", "synthetic", "--requests", "8",
+         "--prefill-dp", "2", "--layers", "4", "--quiet"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == (
+        "summary done=8 failed=0 leaked_blocks=0 corrupt=0")
+
+
+def test_demo_main_inprocess(capsys: pytest.CaptureFixture[str]) -> None:
+    from lw.demo import main
+
+    rc = main(["--engine", "synthetic", "--data-plane", "inprocess", "--requests", "6",
+               "--layers", "3", "--fault", "duplicate", "--quiet"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0, "\n".join(out)
+    assert out[-1] == "summary done=6 failed=0 leaked_blocks=0 corrupt=0"
+    assert any("blocks held at end: P / D" in line and line.endswith("0 / 0") for line in out)
+    assert main(["--engine", "synthetic", "--fault", "no-such-fault"]) == 2
+
+
+def test_vllm_engine_gets_its_own_options() -> None:
+    from lw.demo import _without_engine
+
+    assert _without_engine(["--engine", "vllm", "--requests", "3"]) == ["--requests", "3"]
+    assert _without_engine(["--engine=vllm", "--keep"]) == ["--keep"]

@@ -1,0 +1,264 @@
+"""Side channel: delivery, correlation, authentication, garbage, size limits, reconnects."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+
+import pytest
+import zmq
+
+from lw.transport.sidechannel import (
+    _HEADER,
+    _MAGIC,
+    FaultInjection,
+    Inbound,
+    SideChannel,
+    parse_cluster_key,
+)
+from lw.transport.wire import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    MetaReply,
+    MetaRequest,
+    Sender,
+    encode,
+)
+
+KEY = b"k" * 32
+Factory = Callable[..., SideChannel]
+
+
+def meta(rid: str = "r1", addr: str = "tcp://127.0.0.1:1") -> MetaRequest:
+    return MetaRequest(PROTOCOL_VERSION, rid, Sender("P", 0, 1, addr), True)
+
+
+def recv(ch: SideChannel, n: int = 1, timeout: float = 3.0) -> list[Inbound]:
+    """Poll until ``n`` messages arrived or ``timeout`` passed."""
+    out: list[Inbound] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        got, _ = ch.poll(20)
+        out += got
+    return out
+
+
+def settle(ch: SideChannel, seconds: float = 0.3) -> list[Inbound]:
+    """Poll for a while and return whatever arrived (to prove that nothing does)."""
+    out: list[Inbound] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        got, _ = ch.poll(20)
+        out += got
+    return out
+
+
+def raw_dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(addr)
+    return s
+
+
+@pytest.fixture
+def ctx() -> zmq.Context:
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def test_binds_loopback_by_default_and_refuses_unadvertised_wildcard(channels: Factory) -> None:
+    ch = channels()
+    assert ch.addr.startswith("tcp://127.0.0.1:") and ch.port > 0
+    with pytest.raises(ValueError, match="advertise_host"):
+        SideChannel(bind_host="0.0.0.0")
+
+
+def test_roundtrip_and_reply_correlation(channels: Factory) -> None:
+    a, b = channels(), channels()
+    mid = a.send(b.addr, meta(addr=a.addr), expect_reply=True)
+    assert mid > 0
+    [ib] = recv(b)
+    assert ib.msg == meta(addr=a.addr) and ib.msg_id == mid and ib.route is not None
+    reply = MetaReply(PROTOCOL_VERSION, "r1", "unknown", Sender("D", 0, 1, b.addr))
+    assert b.reply(ib, a.addr, reply) > 0
+    [back] = recv(a)
+    assert back.msg == reply
+    assert back.reply_to == mid and back.peer == b.addr and back.route is None
+    assert back.rtt_s is not None and 0 <= back.rtt_s < 3
+    assert a.counters["replies_matched"] == 1
+    assert b.counters["replies_sent"] == 1 and b.counters["dealers_opened"] == 0
+    # a reply to something never asked is delivered (the core decides) but counted
+    b.reply(ib, a.addr, reply)
+    assert len(recv(a)) == 1 and a.counters["replies_unmatched"] == 1
+
+
+def test_reply_falls_back_to_listener_when_route_is_gone(channels: Factory) -> None:
+    a, b = channels(), channels()
+    a.send(b.addr, meta(addr=a.addr))
+    [ib] = recv(b)
+    a.forget_peer(b.addr)  # the asking DEALER is gone
+    time.sleep(0.1)
+    reply = MetaReply(PROTOCOL_VERSION, "r1", "unknown", Sender("D", 0, 1, b.addr))
+    b.reply(ib, a.addr, reply)
+    [back] = recv(a)
+    assert back.msg == reply and back.route is not None  # came in through a's ROUTER
+    assert b.counters["route_fallbacks"] == 1
+
+
+def test_keyed_channels_talk_and_keyless_sender_is_dropped(channels: Factory) -> None:
+    keyed_a, keyed_b = channels(cluster_key=KEY), channels(cluster_key=KEY)
+    keyless, plain = channels(), channels()
+    keyed_a.send(keyed_b.addr, meta())
+    assert len(recv(keyed_b)) == 1
+    keyless.send(keyed_b.addr, meta())
+    assert settle(keyed_b) == []
+    assert keyed_b.counters["unauthenticated"] == 1
+    # a keyless receiver accepts signed frames (it cannot check them)
+    keyed_a.send(plain.addr, meta())
+    assert len(recv(plain)) == 1
+
+
+def test_wrong_key_and_tampered_frames_are_counted_as_forged(channels: Factory,
+                                                             ctx: zmq.Context) -> None:
+    b = channels(cluster_key=KEY)
+    other = channels(cluster_key=b"x" * 32)
+    other.send(b.addr, meta())
+    assert settle(b) == [] and b.counters["forged"] == 1
+    # capture a genuine frame, then tamper with its payload but keep the MAC
+    sniff = ctx.socket(zmq.ROUTER)
+    sniff.setsockopt(zmq.LINGER, 0)
+    port = sniff.bind_to_random_port("tcp://127.0.0.1")
+    a = channels(cluster_key=KEY)
+    a.send(f"tcp://127.0.0.1:{port}", meta("r1"))
+    assert sniff.poll(3000)
+    _ident, header, payload, mac = sniff.recv_multipart()
+    d = raw_dealer(ctx, b.addr)
+    d.send_multipart([header, encode(meta("r2")), mac])
+    assert settle(b) == [] and b.counters["forged"] == 2
+    # the untouched frame is accepted once; replaying it is refused
+    d.send_multipart([header, payload, mac])
+    d.send_multipart([header, payload, mac])
+    assert len(settle(b)) == 1
+    assert b.counters["replayed"] == 1
+
+
+def test_stale_timestamp_is_refused(channels: Factory, ctx: zmq.Context) -> None:
+    b = channels(cluster_key=KEY, replay_window_s=5.0)
+    payload = encode(meta())
+    old = time.time_ns() - 60 * 10**9
+    header = _HEADER.pack(_MAGIC, 1, 1, 7, 1, 0, old)
+    mac = hmac.digest(KEY, header + payload, "sha256")
+    d = raw_dealer(ctx, b.addr)
+    d.send_multipart([header, payload, mac])
+    assert settle(b) == [] and b.counters["stale_frames"] == 1
+
+
+def test_garbage_and_malformed_frames_are_counted_never_raised(channels: Factory,
+                                                               ctx: zmq.Context) -> None:
+    a, b = channels(), channels()
+    a.send_bytes(b.addr, b"\xc1 definitely not msgpack")
+    a.send_bytes(b.addr, encode(meta())[:10])
+    d = raw_dealer(ctx, b.addr)
+    d.send(b"one part only")
+    d.send_multipart([b"short header", b"x"])
+    d.send_multipart([b"XX" + b"\x00" * 30, encode(meta())])  # wrong magic
+    d.send_multipart([b"a", b"b", b"c", b"d"])
+    assert settle(b, 0.5) == []
+    assert b.counters["wire_errors"] == 2
+    assert b.counters["malformed"] == 4
+    a.send(b.addr, meta())  # still alive and well
+    assert len(recv(b)) == 1
+
+
+def test_size_limit(channels: Factory, ctx: zmq.Context) -> None:
+    a, b = channels(), channels()
+    assert a.send_bytes(b.addr, b"\x00" * (MAX_MESSAGE_BYTES + 1)) == 0
+    assert a.counters["oversize_out"] == 1
+    d = raw_dealer(ctx, b.addr)
+    header = _HEADER.pack(_MAGIC, 1, 0, 7, 1, 0, time.time_ns())
+    d.send_multipart([header, b"\x00" * (MAX_MESSAGE_BYTES + 1)])  # refused before parsing
+    assert settle(b) == [] and b.counters["oversize"] == 1
+    huge = raw_dealer(ctx, b.addr)
+    huge.send_multipart([header, b"\x00" * (4 * MAX_MESSAGE_BYTES)])  # ZMQ drops the peer
+    assert settle(b) == []
+    a.send(b.addr, meta())
+    assert len(recv(b)) == 1
+
+
+def test_dealer_reconnects_to_a_restarted_listener(channels: Factory) -> None:
+    a = channels()
+    b = SideChannel()
+    port = b.port
+    a.send(b.addr, meta("before"))
+    assert len(recv(b)) == 1
+    b.close()
+    a.send(f"tcp://127.0.0.1:{port}", meta("while-down"))  # queued or lost, never blocks
+    b2 = channels(port=port)
+    time.sleep(0.2)
+    a.send(b2.addr, meta("after"))
+    got = {ib.msg.req_id for ib in recv(b2, 2, timeout=5)}
+    assert "after" in got
+
+
+def test_send_never_blocks_when_the_peer_is_absent(channels: Factory) -> None:
+    a = channels(hwm=10)
+    t0 = time.monotonic()
+    for _ in range(1000):
+        a.send("tcp://127.0.0.1:9", meta())  # nothing listens on port 9
+    assert time.monotonic() - t0 < 2.0
+    assert a.counters["send_dropped"] > 0
+
+
+def test_bad_destinations_and_peer_eviction(channels: Factory) -> None:
+    a = channels(max_peers=2)
+    assert a.send("not-a-url", meta()) == 0
+    assert a.send("tcp://no such host:x", meta()) == 0
+    assert a.counters["bad_dest"] == 2
+    bs = [channels() for _ in range(3)]
+    for b in bs:
+        a.send(b.addr, meta())
+    assert a.stats()["dealers"] == 2 and a.counters["dealers_evicted"] == 1
+
+
+@pytest.mark.parametrize(
+    ("faults", "expect"),
+    [
+        (FaultInjection(drop=1.0, seed=1), 0),
+        (FaultInjection(duplicate=1.0, seed=1), 2),
+        (FaultInjection(garbage=1.0, seed=1), 0),
+    ],
+)
+def test_fault_injection(channels: Factory, faults: FaultInjection, expect: int) -> None:
+    a, b = channels(faults=faults, cluster_key=KEY), channels(cluster_key=KEY)
+    a.send(b.addr, meta())
+    got = settle(b, 0.5)
+    assert len(got) == expect
+    if expect == 2:
+        assert got[0].msg == got[1].msg and got[0].msg_id != got[1].msg_id
+    if faults.garbage:
+        assert b.counters["wire_errors"] == 1  # garbage is signed: it reaches the decoder
+
+
+def test_poll_reports_ready_fds(channels: Factory) -> None:
+    import os
+
+    a = channels()
+    r, w = os.pipe()
+    try:
+        os.write(w, b"x")
+        got, ready = a.poll(1000, [r])
+        assert got == [] and ready == {r}
+        a.unregister_fd(r)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_parse_cluster_key() -> None:
+    assert parse_cluster_key(None) is None and parse_cluster_key("") is None
+    assert parse_cluster_key("hex:" + "ab" * 16) == b"\xab" * 16
+    assert parse_cluster_key("a" * 20) == b"a" * 20
+    with pytest.raises(ValueError):
+        parse_cluster_key("short")
