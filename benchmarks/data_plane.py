@@ -34,6 +34,7 @@ import numpy as np
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from lw.transport.dataplane import Entry, MooncakeDataPlane  # noqa: E402
+from lw.transport.runtime import hook_cost_report  # noqa: E402
 
 MiB = 1 << 20
 
@@ -332,9 +333,16 @@ def section_tcp_socket(ctx: Ctx) -> None:
         ctx.add("python socket sendall/recv_into", time.perf_counter() - t0)
 
 
-# Later: "forward-hook cost per layer" (time of lw's save_kv_layer hook per layer) is added here
-# as another section function (one trial per call; ctx.add() for timed samples, which also show
-# in the table, or ctx.figures for key: value lines) and listed in SECTIONS.
+def hook_costs(ctx: Ctx) -> None:
+    """(e) Forward-hook cost per layer (WorkerLoop.layer_computed on a live P/D loop pair)."""
+    for n in (64, 256):
+        r = hook_cost_report(n, layers=61)
+        ctx.figures[f"hook_{n}req_mean_us"] = round(r["hook_mean_s"] * 1e6, 2)
+        ctx.figures[f"hook_{n}req_p99_us"] = round(r["hook_p99_s"] * 1e6, 2)
+        ctx.figures[f"loop_work_{n}req_per_layer_us"] = round(r["loop_per_layer_s"] * 1e6, 1)
+    ctx.figures["hook_256req_vs_goal_50us"] = round(ctx.figures["hook_256req_mean_us"] / 50, 3)
+
+
 SECTIONS: list[Callable[[Ctx], None]] = [
     section_mooncake_best,
     section_layerwise,
@@ -496,6 +504,7 @@ def main() -> None:
             mode.collector.wait(["check"])
             verified.append(ctx.peer.ask(f"sha 0 {total}") == ctx.expected_sha)
         ctx.notes["verified"] = str(all(verified)).lower()
+        hook_costs(ctx)
         report(ctx)
     finally:
         for mode in modes:
