@@ -345,11 +345,8 @@ class PrefillEndpoint:
                     PROTOCOL_VERSION, msg.req_id, self.me, 1, "sender had already failed",
                     msg.req_id in self._in_doubt)))
             return
-        if msg.status == "accepted" and rec.state == FAILED and not rec.claimed:
-            rec.claimed = True
-            out.append(Send(rec.req.decoder_addr, FailedSending(
-                PROTOCOL_VERSION, rec.req.req_id, self.me, rec.req.expected_senders,
-                rec.reason[:1024], rec.in_doubt)))
+        if msg.status == "accepted" and rec.state == FAILED:
+            rec.claimed = True  # D expects a word from us: FailedSending once drained
         if msg.status == "refused":
             if rec.state == AWAIT_DECODER_META:
                 self._fail(rec, f"decoder refused the request: {msg.reason}", now, out)
@@ -467,10 +464,9 @@ class PrefillEndpoint:
         out.append(CancelTimer(("meta", rid)))
         out.append(CancelTimer(("ack", rid)))
         out.append(CancelTimer(("deadline", rid)))
-        if rec.claimed:
-            out.append(Send(rec.req.decoder_addr, FailedSending(
-                PROTOCOL_VERSION, rid, self.me, rec.req.expected_senders, reason[:1024],
-                rec.in_doubt)))
+        # FailedSending tells D "this sender stopped": it waits in _maybe_release until no
+        # write is in flight (found by the model checker: sent earlier, D freed blocks that a
+        # write still landed in).
         self._maybe_release(rec, out)
 
     def _finish(self, rec: _Req, out: list[Effect]) -> None:
@@ -489,6 +485,10 @@ class PrefillEndpoint:
         ok = rec.state == DONE
         self.counters["done" if ok else "failed"] += 1
         out.append(SendFinished(rid, ok, rec.reason))
+        if not ok and rec.claimed:
+            out.append(Send(rec.req.decoder_addr, FailedSending(
+                PROTOCOL_VERSION, rid, self.me, rec.req.expected_senders, rec.reason[:1024],
+                rec.in_doubt)))
         for addr in rec.abort_acks:
             out.append(Send(addr, AbortAck(PROTOCOL_VERSION, rid, self.me, known=True,
                                            in_doubt=rec.in_doubt)))
