@@ -1,0 +1,229 @@
+"""lw's connector configuration: ``kv_connector_extra_config`` validated once, at engine start.
+
+Every key is optional; unknown keys, wrong types, out-of-range values and unsupported layouts
+(kv_role ``kv_both``, pipeline parallelism, prefill TP != decode TP) raise :class:`ConfigError`
+naming the key and what was expected, so a bad deployment fails before its first request.
+
+Ports: the side channel of worker (dp_rank, tp_rank) listens on
+``kv_port + dp_rank * tp_size + tp_rank`` (see :func:`side_channel_port`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lw.fsm import DecodeConfig, PrefillConfig, check_lease
+from lw.transport.sidechannel import parse_cluster_key
+
+__all__ = ["ConfigError", "LwConfig", "side_channel_port", "PRODUCER", "CONSUMER"]
+
+PRODUCER = "kv_producer"
+CONSUMER = "kv_consumer"
+
+
+class ConfigError(ValueError):
+    """A kv_transfer_config lw cannot run with; the message names the key and the fix."""
+
+
+def side_channel_port(kv_port: int, dp_rank: int, tp_size: int, tp_rank: int) -> int:
+    """Port of the side channel of worker (dp_rank, tp_rank): ``kv_port + dp*tp_size + tp``."""
+    return kv_port + dp_rank * tp_size + tp_rank
+
+
+@dataclass(frozen=True)
+class LwConfig:
+    """Validated connector settings (extra-config keys are the field names below)."""
+
+    role: str  # kv_producer (prefill) or kv_consumer (decode)
+    engine_id: str
+    kv_port: int
+    tp_size: int
+    dp_size: int
+    dp_rank: int
+    load_failure_policy: str
+    # ---- keys of kv_connector_extra_config -------------------------------------------------
+    host: str = ""  # address peers reach this engine at (side channel + transfer engine)
+    bind_host: str = ""  # side-channel listen address; "" = host (e.g. 0.0.0.0 in containers)
+    peer_tp_size: int = 0  # TP of the other side; 0 = same as ours (must be equal)
+    cluster_key: str = ""  # side-channel HMAC key shared by P and D ("hex:..." or text, >= 16 B)
+    # prefill (P) deadlines
+    request_timeout_s: float = 30.0
+    meta_retry_s: float = 0.5
+    meta_attempts: int = 20
+    ack_retry_s: float = 0.5
+    ack_attempts: int = 10
+    # decode (D) deadlines
+    prefill_timeout_s: float = 60.0
+    lease_s: float = 90.0
+    peer_request_timeout_s: float = 30.0  # P's request_timeout_s, for the lease check on D
+    # data plane
+    data_plane: str = "mooncake"  # "mooncake" or "inprocess" (single-process tests only)
+    transfer_timeout_s: float = 30.0  # Mooncake MC_TRANSFER_TIMEOUT (whole seconds, >= 5)
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    mooncake_metadata_server: str = "P2PHANDSHAKE"
+    # metaserver calls (D)
+    metaserver_timeout_s: float = 5.0
+    metaserver_attempts: int = 3
+
+    @property
+    def is_producer(self) -> bool:
+        """True on a prefill engine."""
+        return self.role == PRODUCER
+
+    def prefill_config(self) -> PrefillConfig:
+        """The core's P deadlines."""
+        return PrefillConfig(meta_retry_s=self.meta_retry_s, meta_attempts=self.meta_attempts,
+                             ack_retry_s=self.ack_retry_s, ack_attempts=self.ack_attempts,
+                             request_timeout_s=self.request_timeout_s)
+
+    def decode_config(self) -> DecodeConfig:
+        """The core's D deadlines."""
+        return DecodeConfig(prefill_timeout_s=self.prefill_timeout_s, lease_s=self.lease_s)
+
+    def port(self, tp_rank: int, dp_rank: int | None = None) -> int:
+        """Side-channel port of one of this engine's workers."""
+        dp = self.dp_rank if dp_rank is None else dp_rank
+        return side_channel_port(self.kv_port, dp, self.tp_size, tp_rank)
+
+    # ------------------------------------------------------------------------- construction
+    @classmethod
+    def extra_keys(cls) -> tuple[str, ...]:
+        """Names accepted in kv_connector_extra_config."""
+        fixed = {"role", "engine_id", "kv_port", "tp_size", "dp_size", "dp_rank",
+                 "load_failure_policy"}
+        return tuple(f.name for f in fields(cls) if f.name not in fixed)
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> LwConfig:
+        """Validate a VllmConfig's kv_transfer_config and parallel layout for lw."""
+        ktc = vllm_config.kv_transfer_config
+        if ktc is None:
+            raise ConfigError("lw's connector needs --kv-transfer-config")
+        par = vllm_config.parallel_config
+        dp_rank = getattr(par, "data_parallel_index", None)
+        if dp_rank is None:
+            dp_rank = par.data_parallel_rank
+        return cls.build(
+            role=ktc.kv_role, engine_id=str(ktc.engine_id), kv_port=ktc.kv_port,
+            tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size,
+            dp_size=par.data_parallel_size, dp_rank=dp_rank,
+            load_failure_policy=getattr(ktc, "kv_load_failure_policy", "fail"),
+            extra=dict(ktc.kv_connector_extra_config or {}),
+        )
+
+    @classmethod
+    def build(cls, *, role: str | None, engine_id: str, kv_port: int, tp_size: int,
+              pp_size: int, dp_size: int, dp_rank: int, load_failure_policy: str,
+              extra: dict[str, Any]) -> LwConfig:
+        """Validate everything and return the config, or raise ConfigError."""
+        if role not in (PRODUCER, CONSUMER):
+            raise ConfigError(
+                f"kv_role={role!r} is not supported by lw: use 'kv_producer' on prefill engines "
+                "and 'kv_consumer' on decode engines ('kv_both' is not supported)")
+        if pp_size != 1:
+            raise ConfigError(f"lw does not support pipeline parallelism (pipeline_parallel_size"
+                              f"={pp_size}); run P and D with pipeline_parallel_size=1")
+        if load_failure_policy not in ("fail", "recompute"):
+            raise ConfigError(f"kv_load_failure_policy={load_failure_policy!r}: expected "
+                              "'fail' or 'recompute'")
+        valid = cls.extra_keys()
+        unknown = [k for k in extra if k not in valid]
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(str(k), valid, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(f"unknown kv_connector_extra_config key(s) {', '.join(hints)}; "
+                              f"lw accepts: {', '.join(valid)}")
+        defaults = {f.name: f.default for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key in valid:
+            values[key] = _coerce(key, extra.get(key, defaults[key]), defaults[key])
+        for key in ("request_timeout_s", "meta_retry_s", "ack_retry_s", "prefill_timeout_s",
+                    "lease_s", "peer_request_timeout_s", "metaserver_timeout_s"):
+            if not values[key] > 0:
+                raise ConfigError(f"kv_connector_extra_config.{key} must be > 0, "
+                                  f"got {values[key]}")
+        for key in ("meta_attempts", "ack_attempts", "metaserver_attempts"):
+            if values[key] < 1:
+                raise ConfigError(f"kv_connector_extra_config.{key} must be >= 1, "
+                                  f"got {values[key]}")
+        if values["transfer_timeout_s"] < 5:
+            raise ConfigError("kv_connector_extra_config.transfer_timeout_s must be >= 5 "
+                              f"(Mooncake's minimum), got {values['transfer_timeout_s']}")
+        if values["data_plane"] not in ("mooncake", "inprocess"):
+            raise ConfigError(f"kv_connector_extra_config.data_plane="
+                              f"{values['data_plane']!r}: expected 'mooncake' or 'inprocess'")
+        if values["peer_tp_size"] < 0:
+            raise ConfigError("kv_connector_extra_config.peer_tp_size must be >= 0")
+        if values["peer_tp_size"] and values["peer_tp_size"] != tp_size:
+            p_tp, d_tp = ((tp_size, values["peer_tp_size"]) if role == PRODUCER
+                          else (values["peer_tp_size"], tp_size))
+            raise ConfigError(
+                f"prefill TP ({p_tp}) != decode TP ({d_tp}): lw only supports equal tensor "
+                "parallel sizes on prefill and decode engines (set the same "
+                "--tensor-parallel-size on both, and kv_connector_extra_config.peer_tp_size "
+                "to it)")
+        if not 1 <= kv_port or kv_port + dp_size * tp_size > 65535:
+            raise ConfigError(f"kv_port={kv_port}: the side-channel ports kv_port .. kv_port + "
+                              f"dp_size*tp_size-1 = {kv_port + dp_size * tp_size - 1} must be "
+                              "valid TCP ports")
+        if not 0 <= dp_rank < max(dp_size, 1):
+            raise ConfigError(f"data parallel rank {dp_rank} outside data_parallel_size "
+                              f"{dp_size}")
+        if values["cluster_key"]:
+            try:
+                parse_cluster_key(values["cluster_key"])
+            except ValueError as exc:
+                raise ConfigError(f"kv_connector_extra_config.cluster_key: {exc}") from None
+        if not values["host"]:
+            values["host"] = _default_host()
+        cfg = cls(role=role, engine_id=engine_id, kv_port=kv_port, tp_size=tp_size,
+                  dp_size=dp_size, dp_rank=dp_rank, load_failure_policy=load_failure_policy,
+                  **values)
+        try:
+            cfg.prefill_config()
+            dec = cfg.decode_config()
+            if role == CONSUMER:
+                check_lease(dec, cfg.peer_request_timeout_s, cfg.transfer_timeout_s)
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config deadlines: {exc}") from None
+        return cfg
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Check ``value`` has the type of ``default`` (ints accepted for floats; strings parsed)."""
+    want = type(default)
+    if isinstance(value, bool) or value is None:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a {want.__name__}, "
+                          f"got {value!r}")
+    if want is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"kv_connector_extra_config.{key} must be a string, got {value!r}")
+        return value
+    try:
+        if want is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a {want.__name__}, "
+                          f"got {value!r}") from None
+
+
+def _default_host() -> str:
+    """VLLM_HOST_IP, else vLLM's guess of this host's address, else loopback."""
+    env = os.environ.get("VLLM_HOST_IP")
+    if env:
+        return env
+    try:
+        from vllm.utils.network_utils import get_ip
+
+        return str(get_ip())
+    except Exception:  # noqa: BLE001 - any failure: fall back to loopback
+        return "127.0.0.1"

@@ -1,0 +1,503 @@
+"""``lw demo --engine vllm``: a local P/D cluster on a tiny model, checked against one engine.
+
+It makes the tiny random model, starts a reference ``vllm serve`` (no connector), a prefill and a
+decode server (lw's connector, Mooncake over TCP) and the D-first proxy, sends prompts of several
+lengths (one block .. long enough for chunked prefill) to both, prints the outputs side by side
+with time-to-first-token and transfer figures, checks that no KV block is left held on either
+server, shuts everything down and ends with
+``summary done=<n> failed=<n> leaked_blocks=<n> mismatched=<n>`` (exit 0 iff all done, none
+leaked, none mismatched).
+
+The process management here (:class:`Server`, :class:`LocalCluster`) is also what the end-to-end
+tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LocalCluster", "Server", "complete", "main", "make_prompt", "metrics"]
+
+MODEL_NAME = "tiny"
+BLOCK_SIZE = 32
+MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
+PROMPT_LENGTHS = (12, 90, 300, 700)  # words ~ tokens: 1 block, 3, 10, 22 (chunked)
+_WORDS = ("the of and to a in is it you that he was for on are with as his they be at one have "
+          "this from or had by hot word but what some we can out other were all there when up use "
+          "your how said an each she which do their time if will way about many then them write "
+          "would like so these her long make thing see him two has look more day could go come "
+          "did number sound no most people my over know water than call first who may down side "
+          "been now find any new work part take get place made live where after back little only "
+          "round man year came show every good me give our under name very through just form "
+          "sentence great think say help low line").split()
+
+
+def make_prompt(n_words: int, seed: int) -> str:
+    """A deterministic prompt of ``n_words`` words the tiny model's tokenizer knows."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(n_words))
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_port_range(n: int, lo: int = 20000, hi: int = 29000) -> int:
+    """The first of ``n`` consecutive loopback ports free right now."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(lo, hi - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports in {lo}..{hi}")
+
+
+# ------------------------------------------------------------------------------------ servers
+class Server:
+    """One child process in its own session (so it and its children can be killed together)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str,
+                 log_path: Path, health: str = "/health") -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.url = url
+        self.log_path = log_path
+        self.health = health
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Spawn (non-blocking)."""
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+
+    @property
+    def alive(self) -> bool:
+        """The top process has not exited."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def ready(self) -> bool:
+        """Health endpoint answers 200."""
+        import httpx
+
+        try:
+            return httpx.get(self.url + self.health, timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def tail(self, lines: int = 30) -> str:
+        """The end of the server's log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the server's whole process group."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the group, then SIGKILL what is left."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal(signal.SIGKILL)  # children (engine core) of an exited parent too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+
+def wait_ready(servers: Sequence[Server], timeout: float) -> None:
+    """Wait until every server is healthy; RuntimeError with its log if one dies or times out."""
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            if not s.alive:
+                raise RuntimeError(f"{s.name} exited with {s.proc.returncode if s.proc else '?'}"
+                                   f":\n{s.tail()}")
+            if s.ready():
+                pending.remove(s)
+        if pending:
+            if time.monotonic() > deadline:
+                names = ", ".join(s.name for s in pending)
+                raise RuntimeError(f"{names} not healthy after {timeout:.0f}s:\n"
+                                   f"{pending[0].tail()}")
+            time.sleep(0.5)
+
+
+def kv_transfer_config(role: str, kv_port: int, engine_id: str,
+                       extra: dict[str, Any] | None = None,
+                       policy: str = "fail") -> dict[str, Any]:
+    """The --kv-transfer-config for lw's connector."""
+    return {"kv_connector": "LwConnector", "kv_connector_module_path": "lw.vllm_adapter",
+            "kv_role": role, "kv_port": kv_port, "engine_id": engine_id,
+            "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"host": "127.0.0.1", **(extra or {})}}
+
+
+@dataclass
+class LocalCluster:
+    """Reference engine (optional) + prefill + decode ``vllm serve`` + the proxy, on loopback."""
+
+    model: Path
+    workdir: Path
+    reference: bool = True
+    p_extra: dict[str, Any] = field(default_factory=dict)
+    d_extra: dict[str, Any] = field(default_factory=dict)
+    policy: str = "fail"
+    servers: dict[str, Server] = field(default_factory=dict)
+
+    def _engine(self, name: str, core: str, kv: dict[str, Any] | None) -> Server:
+        port = free_port()
+        env = dict(os.environ)
+        env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                   VLLM_CPU_OMP_THREADS_BIND=core, PYTHONUNBUFFERED="1",
+                   VLLM_HOST_IP="127.0.0.1", TOKENIZERS_PARALLELISM="false")
+        argv = [sys.executable, "-m", "lw.vllm_adapter.serve", str(self.model),
+                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
+                "--dtype", "bfloat16", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
+                "--max-model-len", "2048", "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
+                "--max-num-seqs", "16", "--seed", "0"]
+        if kv is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv)]
+        return Server(name, argv, env, f"http://127.0.0.1:{port}",
+                      self.workdir / f"{name}.log")
+
+    def start(self, timeout: float = 240.0) -> None:
+        """Start every server (engines in parallel) and wait until all are healthy."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        kv_p, kv_d = free_port_range(4), free_port_range(4)
+        if self.reference:
+            self.servers["reference"] = self._engine("reference", "0", None)
+        self.servers["prefill"] = self._engine(
+            "prefill", "0", kv_transfer_config("kv_producer", kv_p, "prefill", self.p_extra))
+        self.servers["decode"] = self._engine(
+            "decode", "1", kv_transfer_config("kv_consumer", kv_d, "decode", self.d_extra,
+                                              self.policy))
+        engines = list(self.servers.values())
+        for s in engines:
+            s.start()
+        try:
+            wait_ready(engines, timeout)
+            self.start_proxy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_proxy(self, timeout: float = 60.0) -> None:
+        """(Re)start the proxy in front of the prefill and decode servers."""
+        old = self.servers.pop("proxy", None)
+        if old is not None:
+            old.stop()
+        port = free_port()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        argv = [sys.executable, "-m", "lw.vllm_adapter.proxy",
+                "--prefill", self.servers["prefill"].url, "--decode", self.servers["decode"].url,
+                "--host", "127.0.0.1", "--port", str(port), "--timeout", "120",
+                "--log-level", "warning"]
+        proxy = Server("proxy", argv, env, f"http://127.0.0.1:{port}",
+                       self.workdir / "proxy.log")
+        proxy.start()
+        self.servers["proxy"] = proxy
+        wait_ready([proxy], timeout)
+
+    def url(self, name: str) -> str:
+        """Base URL of a server."""
+        return self.servers[name].url
+
+    def stop(self) -> None:
+        """Stop everything this cluster started (proxy first)."""
+        for name in ("proxy", "decode", "prefill", "reference"):
+            s = self.servers.get(name)
+            if s is not None:
+                s.stop()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ------------------------------------------------------------------------------------ client
+@dataclass
+class Result:
+    """One completion: text, time to first token, total time, error (if any)."""
+
+    text: str = ""
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    error: str = ""
+    finish_reason: str | None = None
+
+
+def complete(base_url: str, prompt: str, max_tokens: int = 16, stream: bool = True,
+             timeout: float = 120.0, extra: dict[str, Any] | None = None) -> Result:
+    """Greedy /v1/completions; TTFT is measured on the first streamed text."""
+    import httpx
+
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": stream, **(extra or {})}
+    res = Result()
+    t0 = time.perf_counter()
+    try:
+        with httpx.Client(timeout=timeout) as client:
+            if not stream:
+                r = client.post(base_url + "/v1/completions", json=body)
+                res.total_s = time.perf_counter() - t0
+                if r.status_code != 200:
+                    res.error = f"HTTP {r.status_code}: {r.text[:300]}"
+                    return res
+                choice = r.json()["choices"][0]
+                res.text, res.finish_reason = choice["text"], choice.get("finish_reason")
+                res.ttft_s = res.total_s
+                return res
+            with client.stream("POST", base_url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    res.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}"
+                    return res
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        res.error = json.dumps(event["error"])[:300]
+                        break
+                    for choice in event.get("choices", ()):
+                        if choice.get("text"):
+                            if res.ttft_s is None:
+                                res.ttft_s = time.perf_counter() - t0
+                            res.text += choice["text"]
+                        if choice.get("finish_reason"):
+                            res.finish_reason = choice["finish_reason"]
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    res.total_s = time.perf_counter() - t0
+    return res
+
+
+_METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    """Prometheus text from /metrics, summed over label sets: name -> value."""
+    import httpx
+
+    out: dict[str, float] = {}
+    text = httpx.get(base_url + "/metrics", timeout=10.0).text
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m is None or line.startswith("#"):
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+        if name.endswith("_created"):
+            continue
+        if name == "vllm:cache_config_info":
+            nb = re.search(r'num_gpu_blocks="(\d+)"', labels)
+            if nb:
+                out["num_gpu_blocks"] = float(nb.group(1))
+            continue
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def blocks_in_use(base_url: str) -> int:
+    """KV blocks held on a server now (vLLM's kv cache usage x its block count)."""
+    m = metrics(base_url)
+    return round(m.get("vllm:kv_cache_usage_perc", 0.0) * m.get("num_gpu_blocks", 0.0))
+
+
+def wait_blocks_released(urls: Sequence[str], timeout: float = 10.0) -> int:
+    """Blocks still in use on ``urls`` once they reach 0 or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = sum(blocks_in_use(u) for u in urls)
+        if held == 0 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.25)
+
+
+# ------------------------------------------------------------------------------------ report
+def _bar(done: int, total: int, width: int = 30) -> str:
+    filled = width * done // max(total, 1)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+
+
+def _progress(label: str, done: int, total: int) -> None:
+    end = "\n" if done == total else ""
+    print(f"\r{label:<22} {_bar(done, total)}", end=end, flush=True)
+
+
+def _ms(x: float | None) -> str:
+    return "   -  " if x is None else f"{x * 1000:6.0f}"
+
+
+def _short(text: str, n: int = 34) -> str:
+    text = text.replace("\n", " ").strip()
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; exit 0 iff every request is done, none leaked blocks, none mismatched."""
+    ap = argparse.ArgumentParser(prog="lw demo --engine vllm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=8, help="number of prompts (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="model and server logs (default: a temporary folder)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    ap.add_argument("--timeout", type=float, default=300.0, help="server start timeout, s")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.requests < 1:
+        ap.error("--requests must be >= 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.mkdtemp(prefix="lw-demo-")
+        args.workdir = Path(tmp)
+    try:
+        return _run(args)
+    finally:
+        if tmp is not None and not args.keep:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from lw.vllm_adapter.tiny_model import make_tiny_model
+
+    n = args.requests
+    print(f"lw demo: {n} prompts, vLLM on CPU, tiny random model, Mooncake over TCP")
+    model = make_tiny_model(args.workdir / "tiny-model")
+    print(f"model      {model}")
+    prompts = [make_prompt(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)], seed=i) for i in range(n)]
+    cluster = LocalCluster(model=model, workdir=args.workdir / "logs")
+    t0 = time.monotonic()
+    print("starting   reference engine, prefill and decode servers (vllm serve), proxy ...",
+          flush=True)
+    failed_start = ""
+    try:
+        cluster.start(timeout=args.timeout)
+    except RuntimeError as exc:
+        failed_start = str(exc)
+    if failed_start:
+        print(f"error: {failed_start}", file=sys.stderr)
+        print(f"summary done=0 failed={n} leaked_blocks=0 mismatched=0")
+        return 1
+    try:
+        print(f"started    in {time.monotonic() - t0:.0f}s; logs in {cluster.workdir}")
+        for name in ("reference", "prefill", "decode", "proxy"):
+            print(f"  {name:<10} {cluster.url(name)}")
+        ref: list[Result] = []
+        for i, p in enumerate(prompts):
+            ref.append(complete(cluster.url("reference"), p, args.max_tokens))
+            _progress("single engine", i + 1, n)
+        pd: list[Result] = []
+        before = metrics(cluster.url("prefill"))
+        for i, p in enumerate(prompts):
+            pd.append(complete(cluster.url("proxy"), p, args.max_tokens))
+            _progress("P/D via proxy", i + 1, n)
+        leaked = wait_blocks_released([cluster.url("prefill"), cluster.url("decode")])
+        after_p = metrics(cluster.url("prefill"))
+        after_d = metrics(cluster.url("decode"))
+    finally:
+        cluster.stop()
+    return _report(prompts, ref, pd, leaked, before, after_p, after_d)
+
+
+def _report(prompts: list[str], ref: list[Result], pd: list[Result], leaked: int,
+            before: dict[str, float], after_p: dict[str, float],
+            after_d: dict[str, float]) -> int:
+    print()
+    print(f"{'#':>2} {'words':>5} {'TTFT 1 eng':>10} {'TTFT P/D':>9}  {'single engine':<34} "
+          f"{'P/D':<34} same")
+    done = failed = mismatched = 0
+    for i, (p, r, d) in enumerate(zip(prompts, ref, pd, strict=True)):
+        ok = not d.error and d.finish_reason is not None
+        same = ok and not r.error and r.text == d.text
+        done += ok
+        failed += not ok
+        mismatched += ok and not same
+        right = d.error if d.error else d.text
+        print(f"{i:>2} {len(p.split()):>5} {_ms(r.ttft_s):>7} ms {_ms(d.ttft_s):>6} ms  "
+              f"{_short(r.text if not r.error else r.error):<34} {_short(right):<34} "
+              f"{'yes' if same else 'NO'}")
+    ok_r = [r.ttft_s for r in ref if r.ttft_s is not None]
+    ok_d = [d.ttft_s for d in pd if d.ttft_s is not None]
+    if ok_r and ok_d:
+        mean_r, mean_d = sum(ok_r) / len(ok_r), sum(ok_d) / len(ok_d)
+        print(f"TTFT mean  single engine {mean_r * 1000:.0f} ms, P/D {mean_d * 1000:.0f} ms "
+              f"(x{mean_d / mean_r:.2f}; P/D adds the proxy hop, the D-first round trip and the "
+              "transfer)")
+
+    def delta(key: str) -> float:
+        return after_p.get(key, 0.0) - before.get(key, 0.0)
+
+    nbytes, secs = delta("lw_transfer_bytes_total"), delta("lw_transfer_seconds_total")
+    writes = delta("lw_transfers_total")
+    if done:
+        rate = f", {nbytes / secs / 1e6:.0f} MB/s over push time" if secs > 0 else ""
+        print(f"transfers  P wrote {nbytes / 2**20:.2f} MiB in {writes:.0f} transfers "
+              f"({nbytes / done / 1024:.0f} KiB per request); push time {secs * 1000 / done:.1f} "
+              f"ms per request (first layer computed -> DONE acknowledged, later layers' compute "
+              f"included){rate}")
+        print(f"lw core    P: done={delta('lw_requests_done_total'):.0f} "
+              f"failed={delta('lw_requests_failed_total'):.0f} "
+              f"deadlines={delta('lw_deadlines_fired_total'):.0f}; D: done="
+              f"{after_d.get('lw_requests_done_total', 0):.0f} failed="
+              f"{after_d.get('lw_requests_failed_total', 0):.0f} deadlines="
+              f"{after_d.get('lw_deadlines_fired_total', 0):.0f}")
+    print(f"blocks     held after the run: {leaked} (prefill + decode, from vLLM's kv cache usage)")
+    print(f"summary done={done} failed={failed} leaked_blocks={leaked} mismatched={mismatched}")
+    return 0 if failed == 0 and leaked == 0 and mismatched == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

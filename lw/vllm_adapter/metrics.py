@@ -1,0 +1,119 @@
+"""lw's transfer statistics for vLLM: a ``KVConnectorStats`` and Prometheus metrics.
+
+Workers report *deltas* of counters since their previous report plus current gauges. vLLM
+combines reports with :meth:`LwKVConnectorStats.aggregate` both across the workers of a step and
+across the steps of a logging interval, so counters are summed and gauges take the maximum (the
+busiest worker; over an interval, the peak). :meth:`LwKVConnectorStats.reduce` makes vLLM's
+periodic log line; :class:`LwPromMetrics` feeds the ``lw_*`` series on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+__all__ = ["COUNTERS", "GAUGES", "LwKVConnectorStats", "LwPromMetrics"]
+
+COUNTERS: dict[str, str] = {
+    "transfers": "Layer writes completed (one per request, plane and P worker)",
+    "transfer_failures": "Layer writes that failed",
+    "transfer_bytes": "Bytes written by completed layer writes",
+    "transfer_seconds": "Seconds from a request's first layer write to its last completion",
+    "requests_done": "Requests whose transfer completed (P: acknowledged; D: all layers in)",
+    "requests_failed": "Requests whose transfer failed or was aborted",
+    "deadlines_fired": "Deadlines that fired (P meta/ack/request; D prefill)",
+    "leases_expired": "D quarantines ended by their lease rather than by P's confirmation",
+    "quarantines": "D requests whose blocks were quarantined after a failure",
+    "metaserver_failures": "D requests whose prefill could not be requested from the proxy",
+    "protocol_errors": "Messages or events the core refused (counted and dropped, never raised)",
+}
+GAUGES: dict[str, str] = {
+    "live_requests": "Requests lw holds blocks for (P: sending; D: receiving or quarantined), "
+                     "busiest worker",
+    "held_blocks": "Blocks lw keeps from the scheduler (same requests), busiest worker",
+}
+
+
+class LwKVConnectorStats(KVConnectorStats):
+    """Counters (deltas, summed) and gauges (maximum over workers and steps)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        """Zero counters and gauges."""
+        self.data = dict.fromkeys((*COUNTERS, *GAUGES), 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Add another worker's (or interval's) figures to ours."""
+        for key, value in (other.data or {}).items():
+            if key in COUNTERS:
+                self.data[key] = self.data.get(key, 0) + value
+            elif key in GAUGES:
+                self.data[key] = max(self.data.get(key, 0), value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Figures for vLLM's periodic log line."""
+        d = self.data
+        n = d.get("transfers", 0)
+        secs = d.get("transfer_seconds", 0.0)
+        mb = d.get("transfer_bytes", 0) / 2**20
+        return {
+            "transfers": n,
+            "MiB": round(mb, 3),
+            "MB/s": round(mb / secs, 1) if secs > 0 else 0,
+            "failures": d.get("transfer_failures", 0),
+            "done": d.get("requests_done", 0),
+            "failed": d.get("requests_failed", 0),
+            "deadlines": d.get("deadlines_fired", 0),
+            "live": d.get("live_requests", 0),
+            "held_blocks": d.get("held_blocks", 0),
+        }
+
+    def is_empty(self) -> bool:
+        """True when nothing happened and nothing is held."""
+        return not any(self.data.get(k, 0) for k in (*COUNTERS, *GAUGES))
+
+
+class LwPromMetrics(KVConnectorPromMetrics):
+    """``lw_<counter>_total`` counters and ``lw_<gauge>`` gauges per engine."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for key, doc in COUNTERS.items():
+            metric = self._counter_cls(name=f"lw_{key}", documentation=doc,
+                                       labelnames=labelnames)
+            self._counters[key] = self._per_engine(metric)
+        for key, doc in GAUGES.items():
+            metric = self._gauge_cls(name=f"lw_{key}", documentation=doc,
+                                     labelnames=labelnames, multiprocess_mode="mostrecent")
+            self._gauges[key] = self._per_engine(metric)
+
+    def _per_engine(self, metric: Any) -> dict[int, Any]:
+        return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one interval's aggregated figures."""
+        for key, per_engine in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value > 0 and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)
+        for key, per_engine in self._gauges.items():
+            if key in transfer_stats_data and engine_idx in per_engine:
+                per_engine[engine_idx].set(transfer_stats_data[key])

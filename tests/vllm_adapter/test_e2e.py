@@ -1,0 +1,297 @@
+"""End to end on real engines: ``vllm serve`` prefill + decode with lw's connector (Mooncake over
+TCP), the D-first proxy, and a reference ``vllm serve`` without connector, on a tiny random model.
+
+Servers start once for the module (about a minute on 2 cores) and are killed in the finalizer.
+Checked: greedy P/D outputs equal the single engine's (one block, many blocks, chunked prefill;
+streaming and not; completions and chat; concurrent requests); no block stays held on either
+server (vLLM's kv cache usage and lw's own gauges); client aborts at any moment leak nothing;
+a request whose prefill cannot be requested fails fast with an error; killing the decode server
+mid-run gives errors, not hangs, and the prefill server keeps serving and releases its blocks.
+The decode-server kill is the last test: it ends the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("mooncake.engine")
+pytest.importorskip("httpx")
+
+import httpx  # noqa: E402
+
+from lw.vllm_adapter.demo import (  # noqa: E402
+    MODEL_NAME,
+    LocalCluster,
+    blocks_in_use,
+    complete,
+    make_prompt,
+    metrics,
+)
+from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+LENGTHS = {"one_block": 12, "many_blocks": 90, "chunked": 700}  # words ~ tokens; 256/step
+MAX_TOKENS = 16
+# Short deadlines so that failure paths finish within the test; lease > P timeout + transfer.
+P_EXTRA = {"request_timeout_s": 10, "meta_attempts": 10}
+D_EXTRA = {"prefill_timeout_s": 15, "lease_s": 20, "peer_request_timeout_s": 10,
+           "transfer_timeout_s": 5}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    work = tmp_path_factory.mktemp("e2e")
+    model = make_tiny_model(work / "model")
+    c = LocalCluster(model=model, workdir=work / "logs", reference=True, p_extra=P_EXTRA,
+                     d_extra=D_EXTRA)
+    try:
+        c.start(timeout=360)
+        yield c
+    finally:
+        c.stop()
+
+
+_reference: dict[tuple[str, int], str] = {}
+
+
+def reference(c: LocalCluster, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    """The single engine's greedy output (cached per prompt)."""
+    key = (prompt, max_tokens)
+    if key not in _reference:
+        r = complete(c.url("reference"), prompt, max_tokens, stream=False)
+        assert not r.error, r.error
+        _reference[key] = r.text
+    return _reference[key]
+
+
+def held(c: LocalCluster) -> dict[str, float]:
+    """Blocks in use per server (vLLM) and lw's gauges, for assertion messages."""
+    out: dict[str, float] = {}
+    for name in ("prefill", "decode"):
+        m = metrics(c.url(name))
+        out[f"{name}.blocks"] = blocks_in_use(c.url(name))
+        out[f"{name}.lw_live"] = m.get("lw_live_requests", 0.0)
+        out[f"{name}.lw_held"] = m.get("lw_held_blocks", 0.0)
+    return out
+
+
+def wait_idle(c: LocalCluster, timeout: float = 30.0) -> dict[str, float]:
+    """Wait until both servers hold no block (vLLM and lw agree); return the last reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = held(c)
+        if not any(h.values()) or time.monotonic() > deadline:
+            return h
+        time.sleep(0.25)
+
+
+def test_outputs_equal_single_engine(cluster: LocalCluster) -> None:
+    for i, (kind, n) in enumerate(LENGTHS.items()):
+        prompt = make_prompt(n, seed=100 + i)
+        want = reference(cluster, prompt)
+        for stream in (False, True):
+            got = complete(cluster.url("proxy"), prompt, MAX_TOKENS, stream=stream)
+            assert not got.error, f"{kind} stream={stream}: {got.error}"
+            assert got.text == want, f"{kind} stream={stream}"
+            assert got.finish_reason == "length"
+    assert not any((h := wait_idle(cluster)).values()), h
+
+
+def test_chat_completion_equals_single_engine(cluster: LocalCluster) -> None:
+    body = {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": make_prompt(150, seed=7)}]}
+    texts = []
+    for name in ("reference", "proxy"):
+        r = httpx.post(cluster.url(name) + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_transfer_figures_and_blocks_back_to_baseline(cluster: LocalCluster) -> None:
+    p_before, d_before = metrics(cluster.url("prefill")), metrics(cluster.url("decode"))
+    prompt = make_prompt(300, seed=11)  # 300+ tokens: 10 blocks of 32
+    assert complete(cluster.url("proxy"), prompt, MAX_TOKENS).text == reference(cluster, prompt)
+    assert not any((h := wait_idle(cluster)).values()), h
+    p_after, d_after = metrics(cluster.url("prefill")), metrics(cluster.url("decode"))
+
+    def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    nbytes = delta(p_after, p_before, "lw_transfer_bytes_total")
+    block_bytes = 4 * 32 * 128 * 2  # kv heads x block size x (K+V head dims) x bf16
+    assert nbytes % (2 * block_bytes) == 0 and nbytes >= 10 * 2 * block_bytes  # 2 layers
+    assert delta(p_after, p_before, "lw_requests_done_total") == 1
+    assert delta(d_after, d_before, "lw_requests_done_total") == 1
+    assert delta(p_after, p_before, "lw_transfer_failures_total") == 0
+    assert delta(d_after, d_before, "lw_deadlines_fired_total") == 0
+    assert delta(p_after, p_before, "lw_transfer_seconds_total") > 0
+
+
+def test_concurrent_requests(cluster: LocalCluster) -> None:
+    prompts = [make_prompt((12, 90, 300, 700)[i % 4], seed=200 + i) for i in range(8)]
+    want = [reference(cluster, p) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda ip: complete(cluster.url("proxy"), ip[1], MAX_TOKENS,
+                                                stream=ip[0] % 2 == 0), enumerate(prompts)))
+    assert [g.error for g in got] == [""] * 8
+    assert [g.text for g in got] == want
+    assert not any((h := wait_idle(cluster)).values()), h
+
+
+def _raw_abort(url: str, body: dict[str, Any], after_s: float) -> None:
+    """Send a request and drop the connection after ``after_s`` (a client going away)."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        time.sleep(after_s)
+
+
+def test_client_aborts_leak_nothing(cluster: LocalCluster) -> None:
+    proxy = cluster.url("proxy")
+    # Mid-decode: the KV has arrived, the client leaves after the first tokens.
+    body = {"model": MODEL_NAME, "prompt": make_prompt(300, seed=31), "max_tokens": 1500,
+            "temperature": 0.0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", proxy + "/v1/completions",
+                                                           json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:") and '"text"' in line:
+                break
+    # At every other moment: before D allocated, while P computes or writes, after.
+    d_before = metrics(cluster.url("decode"))
+    for i, after in enumerate((0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)):
+        _raw_abort(proxy, {**body, "prompt": make_prompt(700, seed=40 + i), "max_tokens": 200,
+                           "stream": i % 2 == 0}, after)
+    assert not any((h := wait_idle(cluster, timeout=40)).values()), h
+    d_after = metrics(cluster.url("decode"))
+    print("aborted while receiving on D:", {k: d_after.get(k, 0) - d_before.get(k, 0) for k in (
+        "lw_requests_failed_total", "lw_quarantines_total", "lw_requests_done_total")})
+    # Both servers still serve correctly.
+    prompt = make_prompt(90, seed=55)
+    assert complete(proxy, prompt, MAX_TOKENS).text == reference(cluster, prompt)
+
+
+def test_prefill_that_cannot_be_requested_fails_fast(cluster: LocalCluster) -> None:
+    """D's metaserver call fails: the request ends in an error at once, not at the deadline."""
+    dead = f"http://127.0.0.1:{_closed_port()}/v1/metaserver"
+    body = {"model": MODEL_NAME, "prompt": make_prompt(90, seed=61), "max_tokens": 4,
+            "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                   "metaserver": dead, "transfer_id": "e2e-dead-metaserver"}}
+    t0 = time.monotonic()
+    r = httpx.post(cluster.url("decode") + "/v1/completions", json=body, timeout=60)
+    took = time.monotonic() - t0
+    assert took < D_EXTRA["prefill_timeout_s"], f"took {took:.1f}s: waited for the deadline"
+    assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] not in (
+        "length", "stop"), r.text
+    assert not any((h := wait_idle(cluster)).values()), h
+    assert metrics(cluster.url("decode")).get("lw_metaserver_failures_total", 0) >= 1
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stream(url: str, prompt: str, max_tokens: int, started: threading.Event,
+            out: list[tuple[str, str | None, float]]) -> None:
+    """Stream a completion; set ``started`` on the first text; append (error, finish, end)."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True}
+    error, finish = "", None
+    try:
+        with httpx.Client(timeout=60) as client, client.stream(
+                "POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                error = f"HTTP {r.status_code}"
+            else:
+                for line in r.iter_lines():
+                    if not line.startswith("data:") or line.endswith("[DONE]"):
+                        continue
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        error = str(event["error"])[:200]
+                        break
+                    choice = event["choices"][0]
+                    if choice.get("text"):
+                        started.set()
+                    finish = choice.get("finish_reason") or finish
+    except (httpx.HTTPError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    started.set()
+    out.append((error, finish, time.monotonic()))
+
+
+def test_decode_server_killed_gives_errors_and_prefill_keeps_serving(
+        cluster: LocalCluster) -> None:
+    proxy = cluster.url("proxy")
+    results: list[tuple[str, str | None, float]] = []
+    # Few streams: on 2 cores the tiny model decodes faster than HTTP can relay many of them.
+    decoding = [threading.Event() for _ in range(3)]
+    threads = [threading.Thread(target=_stream, args=(proxy, make_prompt(12, seed=70 + i), 2000,
+                                                      decoding[i], results), daemon=True)
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for ev in decoding:
+        ev.wait(30)
+    # More requests: allocated on D, prefilling or pushing on P when D dies.
+    p_before = metrics(cluster.url("prefill"))
+    late = [threading.Thread(target=_stream, args=(proxy, make_prompt(700, seed=80 + i), 200,
+                                                   threading.Event(), results), daemon=True)
+            for i in range(3)]
+    for t in late:
+        t.start()
+    deadline = time.monotonic() + 2  # kill once P works on one of them (if it gets there)
+    with httpx.Client(timeout=5) as client:
+        while time.monotonic() < deadline:
+            if client.get(proxy + "/metrics-json").json()["prefill"][0]["in_flight"] > 0:
+                break
+            time.sleep(0.01)
+    killed_at = time.monotonic()
+    os.killpg(cluster.servers["decode"].proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+    for t in threads + late:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads + late), "a client hung after D died"
+    assert time.monotonic() - killed_at < 60
+    # Every request either completed before D died or got an error: none was silently cut.
+    assert len(results) == 6
+    assert all(err or fin == "length" for err, fin, _ in results), results
+    assert sum(bool(err) for err, _, end in results if end > killed_at) >= 3, results
+    # New requests through the proxy fail fast with a clear error.
+    t1 = time.monotonic()
+    r = complete(proxy, make_prompt(12, seed=90), 4, stream=False, timeout=30)
+    assert r.error and time.monotonic() - t1 < 30, r
+    # The prefill server keeps serving and gives back every block it held for D.
+    prompt = make_prompt(90, seed=91)
+    direct = complete(cluster.url("prefill"), prompt, MAX_TOKENS, stream=False)
+    assert not direct.error and direct.text == reference(cluster, prompt)
+    deadline = time.monotonic() + P_EXTRA["request_timeout_s"] + 20
+    while True:
+        m = metrics(cluster.url("prefill"))
+        p_held = blocks_in_use(cluster.url("prefill")), m.get("lw_live_requests", 0.0)
+        if p_held == (0, 0.0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert p_held == (0, 0.0), p_held
+    p_after = metrics(cluster.url("prefill"))
+    gave_up = p_after.get("lw_requests_failed_total", 0) - p_before.get(
+        "lw_requests_failed_total", 0)
+    print(f"prefill pushes that failed with D gone: {gave_up:.0f}")
