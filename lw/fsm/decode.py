@@ -207,17 +207,12 @@ class DecodeEndpoint:
         return out
 
     def peer_lost(self, engine_id: str, reason: str, now: float) -> list[Effect]:
-        """A P engine died or restarted: its senders write nothing any more."""
+        """A P engine died or restarted: fail what it was sending, without waiting for the
+        deadline. Its senders are NOT counted as stopped: bytes it had in flight may still land
+        (found by the model checker), so the blocks stay quarantined until the lease ends."""
         out: list[Effect] = []
         for rec in list(self._reqs.values()):
-            lost = [k for k in rec.claimers if k[0] == engine_id]
-            if not lost:
-                continue
-            rec.stopped.update(lost)
-            if rec.state in _FINAL:
-                self._fire(rec, "sender_stopped")
-                self._maybe_release(rec, out)
-            else:
+            if rec.state not in _FINAL and any(k[0] == engine_id for k in rec.claimers):
                 self._fail(rec, f"prefill engine {engine_id} lost: {reason}", now, out)
         return out
 

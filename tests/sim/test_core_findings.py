@@ -1,0 +1,92 @@
+"""What the checker found in the core (lw/fsm): regression tests, and failing tests for open ones.
+
+Finding 1 (fixed in 5d40564): P sent FailedSending while a write of the request was still in
+flight; D took it as "this sender stopped", released the blocks, and the write landed in another
+request's KV. Found by `lw check --design d-first --dp 1 --requests 1 --layers 1 --faults`.
+
+Finding 2 (fixed: peer_lost no longer counts lost senders as stopped): ``DecodeEndpoint.peer_lost``
+released a claimed request's blocks at once (RecvFailed), but the lost P may have had a write
+fail "in doubt" (its bytes may still land; the core itself makes D wait for the lease in that
+case) and never got to say so. Minimal trace (10 steps):
+D allocates r0, P computes layer 0, D accepts P, the layer-0 write times out (in doubt), the P
+engine crashes before its FailedSending(in_doubt) is delivered, D learns that P is gone and frees
+block 0 while the timed-out write's bytes may still land. With ``crash_zombies`` (bytes a
+crashed process handed to the transport may still land) 9 steps suffice: no timeout needed.
+Suggested fix: in ``peer_lost`` do not count lost senders as stopped; fail the request so that it
+is quarantined until the lease expires (the Abort to the dead peer is harmless).
+"""
+
+from __future__ import annotations
+
+from lw.fsm import (
+    DecodeEndpoint,
+    PrefillEndpoint,
+    PrefillRequest,
+    Quarantine,
+    RecvFailed,
+    Send,
+    WriteLayer,
+)
+from lw.sim.explorer import explore
+from lw.sim.world import WorldConfig
+from lw.transport.wire import FailedSending, KVLayout, LayerLayout, MetaRequest, Sender
+
+
+def _pair() -> tuple[PrefillEndpoint, DecodeEndpoint]:
+    layout = KVLayout("D", 1, "d0-te:1", [LayerLayout(0x1000, 4096, 4096, 4)])
+    p = PrefillEndpoint(Sender("P", 0, 1, "p0"), 1)
+    d = DecodeEndpoint(Sender("D", 0, 1, "d0"), layout)
+    return p, d
+
+
+def _claimed_with_a_write_in_flight() -> tuple[PrefillEndpoint, DecodeEndpoint]:
+    p, d = _pair()
+    d.add_request("r0", (0,), 1, 0.0)
+    out = p.add_request(PrefillRequest("r0", "d0", (0,), (0,), 1), 0.0)
+    meta_req = next(e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, MetaRequest))
+    reply = next(e.msg for e in d.on_message(meta_req, 0.0) if isinstance(e, Send))
+    p.on_message(reply, 0.0)  # accepted: P may write now
+    writes = [e for e in p.layer_computed(0, ["r0"], 0.0) if isinstance(e, WriteLayer)]
+    assert len(writes) == 1 and p.inflight_writes("r0") == 1
+    return p, d
+
+
+def test_finding_1_failed_sending_waits_for_writes_in_flight() -> None:
+    """Regression: FailedSending only once no write of the request is in flight."""
+    p, d = _claimed_with_a_write_in_flight()
+    out = p.abort("r0", "client gone", 0.0)
+    assert not [e for e in out if isinstance(e, Send) and isinstance(e.msg, FailedSending)]
+    out = p.transfer_done("r0", 0, True, "", 1.0)  # the write ends: now D may be told
+    failed = [e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, FailedSending)]
+    assert len(failed) == 1 and p.inflight_writes("r0") == 0
+    assert any(isinstance(e, RecvFailed) for e in d.on_message(failed[0], 1.0))
+
+
+def test_finding_1_explorer_regression() -> None:
+    """The faults that found finding 1 (aborts, failed writes) find nothing any more."""
+    cfg = WorldConfig(design="d-first", dp=1, requests=1, layers=2, faults=True,
+                      fault_kinds=("write", "abort"))
+    res = explore(cfg)
+    assert res.counterexample is None, res.counterexample.violation.headline()
+
+
+def test_finding_2_peer_lost_must_not_release_before_the_lease() -> None:
+    """A lost sender may have a write in doubt: D must quarantine, not free, the blocks."""
+    p, d = _claimed_with_a_write_in_flight()
+    p.transfer_done("r0", 0, False, "mooncake timeout", 10.0, in_doubt=True)
+    # ... and the P engine dies before its FailedSending(in_doubt) is delivered.
+    out = d.peer_lost("P", "P engine restarted", 11.0)
+    released = [e for e in out if isinstance(e, RecvFailed)]
+    assert not released, (
+        f"D released block(s) {released[0].block_ids} on peer_lost although the lost sender's "
+        "timed-out write may still land (expected a Quarantine until the lease expires)")
+    assert any(isinstance(e, Quarantine) for e in out)
+
+
+def test_finding_2_found_by_the_explorer() -> None:
+    """d-first with faults (crashes, timeouts) must hold; it does not while finding 2 is open."""
+    cfg = WorldConfig(design="d-first", dp=1, requests=1, layers=1, faults=True,
+                      crash_zombies=False)
+    res = explore(cfg)
+    ce = res.counterexample
+    assert ce is None, ce.violation.headline() if ce else ""
