@@ -62,7 +62,7 @@ def main() -> int:
     done_when = _timed(WorldConfig(design="d-first", dp=2, requests=2, layers=2))
     assert done_when.counterexample is None and done_when.complete
     fcfg = WorldConfig(design="d-first", dp=1, requests=1, layers=1 if args.quick else 2,
-                       faults=True, p_loss_detection=False)
+                       faults=True)
     faults = _timed(fcfg)
     assert faults.counterexample is None and faults.complete
     print(f"d-first faults {fcfg.bounds()}: {faults.states} states in {faults.seconds:.2f} s")
@@ -72,8 +72,6 @@ def main() -> int:
         ("p_first_deadlock", WorldConfig(design="p-first", dp=2, requests=2, layers=2)),
         ("eager_free_use_after_free", WorldConfig(design="eager-free", dp=2, requests=2,
                                                   layers=2)),
-        ("core_finding_2", WorldConfig(design="d-first", dp=1, requests=1, layers=1,
-                                       faults=True, crash_zombies=False)),
     ):
         res = _timed(cfg)
         ce = res.counterexample
