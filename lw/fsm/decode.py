@@ -97,7 +97,9 @@ class DecodeEndpoint:
         self._table = self.declaration.compile()
         self._reqs: dict[str, _Req] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
+        self._incarnations: dict[SenderKey, int] = {}  # newest incarnation seen per P worker
         self.counters: dict[str, int] = {
+            "peer_restarts": 0,
             "requests": 0,
             "done": 0,
             "failed": 0,
@@ -163,6 +165,9 @@ class DecodeEndpoint:
     def on_message(self, msg: Message, now: float) -> list[Effect]:
         """A side-channel message from a P worker arrived."""
         out: list[Effect] = []
+        sender = getattr(msg, "sender", None)
+        if sender is not None:
+            self._note_incarnation(sender, now, out)
         if isinstance(msg, MetaRequest):
             self._on_meta_request(msg, out)
         elif isinstance(msg, DoneSending):
@@ -215,6 +220,21 @@ class DecodeEndpoint:
             if rec.state not in _FINAL and any(k[0] == engine_id for k in rec.claimers):
                 self._fail(rec, f"prefill engine {engine_id} lost: {reason}", now, out)
         return out
+
+    def _note_incarnation(self, sender: Sender, now: float, out: list[Effect]) -> None:
+        """A higher incarnation of a P worker means the old process is gone: fail its claims."""
+        key = (sender.engine_id, sender.rank)
+        prev = self._incarnations.get(key)
+        if prev is None:
+            if len(self._incarnations) < 65536:  # bounded: forged senders cannot grow it forever
+                self._incarnations[key] = sender.incarnation
+            return
+        if sender.incarnation <= prev:
+            return
+        self._incarnations[key] = sender.incarnation
+        self.counters["peer_restarts"] += 1
+        out += self.peer_lost(sender.engine_id,
+                              f"restarted (incarnation {prev} -> {sender.incarnation})", now)
 
     # ----------------------------------------------------------------------------- messages
     def _reply(self, msg: MetaRequest, status: str, reason: str = "",

@@ -398,8 +398,7 @@ class PrefillEndpoint:
             self._fail(rec, "decoder had already failed the request", now, out)
             return
         self._fire(rec, "ack")
-        out.append(CancelTimer(("ack", rec.req.req_id)))
-        self._finish(rec, out)
+        self._cancel_timers(rec.req.req_id, out)
         self._maybe_release(rec, out)
 
     def _on_abort(self, msg: Abort, now: float, out: list[Effect]) -> None:
@@ -461,18 +460,17 @@ class PrefillEndpoint:
         self._fire(rec, "fail")
         rec.reason = reason
         rid = rec.req.req_id
-        out.append(CancelTimer(("meta", rid)))
-        out.append(CancelTimer(("ack", rid)))
-        out.append(CancelTimer(("deadline", rid)))
+        self._cancel_timers(rid, out)
         # FailedSending tells D "this sender stopped": it waits in _maybe_release until no
         # write is in flight (found by the model checker: sent earlier, D freed blocks that a
         # write still landed in).
         self._maybe_release(rec, out)
 
-    def _finish(self, rec: _Req, out: list[Effect]) -> None:
-        rid = rec.req.req_id
-        out.append(CancelTimer(("deadline", rid)))
-        out.append(CancelTimer(("meta", rid)))
+    @staticmethod
+    def _cancel_timers(rid: str, out: list[Effect]) -> None:
+        """A final request waits for nothing: drop its retry and deadline timers."""
+        for kind in ("meta", "ack", "deadline"):
+            out.append(CancelTimer((kind, rid)))
 
     def _maybe_release(self, rec: _Req, out: list[Effect]) -> None:
         """Hand the blocks back only when final and no write can still read them."""

@@ -525,7 +525,7 @@ _INTERESTING = ("side.unauthenticated", "side.forged", "side.wire_errors", "side
                 "side.injected_drops", "side.injected_duplicates", "side.injected_garbage",
                 "loop.protocol_errors", "loop.core_errors", "loop.effect_errors",
                 "core.stale_messages", "core.deadlines", "core.leases_expired",
-                "loop.transfers_failed", "side.send_dropped", "loop.peer_restarts",
+                "loop.transfers_failed", "side.send_dropped", "core.peer_restarts",
                 "side.replies_matched")
 
 

@@ -112,7 +112,6 @@ class WorkerLoop:
         local_layout: Sequence[LayerLayout] | None = None,
         entries_for: Callable[[WriteLayer], list[Entry]] | None = None,
         on_report: Callable[[Effect], None] | None = None,
-        detect_restarts: bool = True,
         owns_side: bool = True,
         owns_data_plane: bool = True,
         max_inbox: int = 1_000_000,
@@ -129,7 +128,6 @@ class WorkerLoop:
         self._local = list(local_layout) if local_layout is not None else None
         self._entries_for = entries_for
         self._on_report = on_report
-        self._detect_restarts = detect_restarts and not self.is_prefill
         self._owns_side = owns_side
         self._owns_dp = owns_data_plane
         self._max_inbox = max_inbox
@@ -169,7 +167,6 @@ class WorkerLoop:
         self._last_layer_t: dict[str, float] = {}
         self._tails: deque[float] = deque(maxlen=tail_samples)
         self._rtts: deque[float] = deque(maxlen=tail_samples)
-        self._incarnations: dict[tuple[str, int], int] = {}
         self.counters: dict[str, int | float] = dict.fromkeys(
             (
                 "turns",
@@ -188,7 +185,6 @@ class WorkerLoop:
                 "write_setup_failures",
                 "bytes_ok",
                 "connects",
-                "peer_restarts",
                 "inbox_overflow",
                 "reports",
             ),
@@ -458,8 +454,6 @@ class WorkerLoop:
         if ib.rtt_s is not None:
             self._rtts.append(ib.rtt_s)
         now = self._clock()
-        if self._detect_restarts and hasattr(msg, "sender"):
-            self._note_sender(msg.sender, now)
         try:
             effects = self.endpoint.on_message(msg, now)
         except Exception as exc:  # a message must never stop the loop
@@ -468,24 +462,6 @@ class WorkerLoop:
         if self.is_prefill and isinstance(msg, MetaReply) and msg.status == "accepted":
             self._warm_up(msg)
         self._execute(effects, ib)
-
-    def _note_sender(self, sender: Sender, now: float) -> None:
-        """D: a higher incarnation of a P worker means the old one is gone: fail its claims."""
-        key = (sender.engine_id, sender.rank)
-        prev = self._incarnations.get(key)
-        if prev is None or sender.incarnation <= prev:
-            if prev is None and len(self._incarnations) < 65536:
-                self._incarnations[key] = sender.incarnation
-            return
-        self._incarnations[key] = sender.incarnation
-        self.counters["peer_restarts"] += 1
-        try:
-            effects = self.endpoint.peer_lost(
-                sender.engine_id, f"restarted (incarnation {prev} -> {sender.incarnation})", now)
-        except Exception as exc:
-            self._core_error("peer_lost", exc)
-            return
-        self._execute(effects, None)
 
     def _warm_up(self, msg: MetaReply) -> None:
         """The side channel proved D alive: open its transfer-engine segment off the hot path."""

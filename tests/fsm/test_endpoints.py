@@ -15,7 +15,7 @@ from lw.fsm import (
     RecvDone,
     RecvFailed,
 )
-from lw.transport.wire import PROTOCOL_VERSION, Ack, MetaReply
+from lw.transport.wire import PROTOCOL_VERSION, Ack, MetaReply, MetaRequest, Sender
 
 from .harness import D_ADDR, Pair, d_layout, d_sender, p_sender
 
@@ -244,3 +244,16 @@ def test_bad_request_in_batch_changes_nothing() -> None:
     with pytest.raises(ProtocolError, match="layer 1 computed but 0 was expected"):
         pair.ps[0].layer_computed(1, ["a", "b"], 0.0)
     assert pair.ps[0].inflight_writes("a") == 1 and len(pair.writes) == 1
+
+
+def test_prefill_restart_fails_its_claims_on_decoder() -> None:
+    """A higher incarnation of a P worker means the old one is gone: its claims are failed."""
+    pair = make_pair()
+    start(pair)
+    pair.deliver_all()  # claim of incarnation 1 accepted
+    old = p_sender()
+    newer = Sender(old.engine_id, old.rank, 2, old.addr)
+    pair.absorb("d", pair.d.add_request("r2", (9,), 1, 0.0))
+    pair.absorb("d", pair.d.on_message(MetaRequest(PROTOCOL_VERSION, "r2", newer, False), 0.0))
+    assert pair.d.state_of("r1") == "FAILED" and pair.d.counters["peer_restarts"] == 1
+    assert any(isinstance(e, Quarantine) and e.req_id == "r1" for e in pair.other)

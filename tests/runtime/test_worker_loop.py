@@ -264,7 +264,7 @@ def test_decoder_fails_claims_of_a_restarted_prefill_engine(pair: Pair) -> None:
         [rep] = pair.d_reports
         # quarantined, not freed: bytes the old incarnation handed to the transport may land
         assert isinstance(rep, Quarantine) and rep.req_id == "old" and "restarted" in rep.reason
-        assert pair.d.stats()["loop.peer_restarts"] == 1
+        assert pair.d.stats()["core.peer_restarts"] == 1
         assert pair.d.run(lambda lp: lp.endpoint.state_of("new")).result(5) == "RECEIVING"
     finally:
         rogue.close()
