@@ -1,0 +1,397 @@
+"""The Mooncake data plane: real transfers through ``mooncake.engine.TransferEngine``.
+
+:class:`MooncakeDataPlane` wraps ``mooncake.engine.TransferEngine`` (P2P handshake, TCP when
+there is no RDMA card). Two ways to wait for Mooncake, both off the caller's thread:
+``wait="poll"`` (default) submits each entry with ``transfer_submit_write`` and polls
+``transfer_check_status`` with short sleeps, keeping up to ``max_batch_entries`` entries of
+successive transfers in flight (layer k+1 is on the wire while layer k finishes);
+``wait="spin"`` writes each batch with ``batch_transfer_sync_write``, which busy-waits a core
+inside Mooncake. On a 2-core machine the spinning core starves Mooncake's own I/O threads (and
+would starve a CPU forward pass): in benchmarks/data_plane.py poll mode keeps the layerwise tail
+near one layer's transfer time where spin mode falls tens of layers behind.
+
+Mooncake facts this module relies on (measured with mooncake-transfer-engine-non-cuda 0.3.13.post1
+on loopback TCP): a batch of more than ~2048 entries fails (and can poison the next call), so
+entries are coalesced and split into batches (spin) or in-flight windows (poll) of at most
+``max_batch_entries`` (1024); an entry whose remote range spans two *separately registered* remote
+regions fails even when they are adjacent, so when a transfer that contains merged entries fails
+fast it is retried once uncoalesced (callers that know the remote layout can pass it to
+:meth:`MooncakeDataPlane.hint_remote_regions` instead); an empty batch performs the first contact
+with a peer (its ``openSegment``) and nothing else, which is what ``connect`` uses; Mooncake does
+not check that local source addresses are registered on TCP, so the plane checks them itself;
+``transfer_submit_write`` returns 0 when it cannot open the peer's segment.
+
+Residual risks (honest list):
+
+* Mooncake takes one engine-wide mutex while it opens a segment to a new peer, and every write
+  takes the same mutex to look up its cached segment handle. If a peer is frozen (alive socket,
+  no answers) when first contact happens, that contact blocks for the handshake timeout (60 s
+  measured) and *every* write of this engine, to every peer, waits behind it. ``connect`` moves
+  first contact off the forward pass and into the peer's own thread, but it cannot stop the lock
+  from stalling other peers' sender threads. lw only calls ``connect`` after the side channel has
+  proved the peer alive, which makes the window small, not zero. The same applies when Mooncake
+  re-opens a segment after a failed write (it closes the segment when its status check fails).
+* A write to a peer frozen *after* first contact fails only after ``MC_TRANSFER_TIMEOUT`` (30 s by
+  default, 5 s minimum; see ``timeout_s``) plus 1 s per GiB; writes to other peers go on meanwhile
+  (measured). Completions are reported only when Mooncake has resolved every entry or the deadline
+  passed, never earlier, because an earlier report would let the caller free blocks that Mooncake
+  may still be reading. After a timeout, though, Mooncake may still hold the entry (a poll-mode id
+  is deliberately leaked, a spin-mode batch is freed by Mooncake with slices possibly in flight),
+  and a peer that wakes up can still receive those bytes: a failed completion means "this engine
+  gave up", not a proof that no byte will move later. The protocol above must treat the remote
+  blocks of a failed transfer as tainted (quarantine on D), which lw's design already requires.
+* ``close`` cannot interrupt a write that is inside Mooncake; it waits up to ``join_timeout_s`` and
+  then leaves the engine alive (its thread reports the outcome when Mooncake returns).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from lw.transport.dataplane.base import (
+    DEFAULT_MAX_BATCH_ENTRIES,
+    Entry,
+    _fmt_range,
+    _Job,
+    _Peer,
+    _QueuedDataPlane,
+    coalesce,
+    split_batches,
+)
+
+__all__ = ["MooncakeDataPlane"]
+
+_FAST_FAIL_S = 0.5
+"""A failed batch that returned faster than this was rejected up front (not a timeout)."""
+
+_MIN_NAP_S = 2e-5
+"""First sleep of the poll-mode sender when nothing progressed (doubles up to the interval)."""
+
+_BAD_BATCH_IDS = frozenset({0, -1, (1 << 64) - 1})
+"""What Mooncake's transfer_submit_write returns when it could not submit."""
+
+
+class _Flight:
+    """A transfer in the pipelined (poll mode) sender: its plan and the Mooncake ids in flight."""
+
+    __slots__ = (
+        "job",
+        "plan",
+        "next",
+        "pending",
+        "failure",
+        "started",
+        "deadline",
+        "retried",
+        "first_failure",
+    )
+
+    def __init__(self, job: _Job, plan: list[Entry]) -> None:
+        self.job = job
+        self.plan = plan
+        self.next = 0
+        self.pending: list[int] = []
+        self.failure = ""
+        self.started = 0.0
+        self.deadline = math.inf
+        self.retried = False
+        self.first_failure = ""
+
+
+class MooncakeDataPlane(_QueuedDataPlane):
+    """Data plane over Mooncake's transfer engine (P2P handshake; TCP without an RDMA card).
+
+    ``wait``: ``"poll"`` (default) pipelines per-entry submits and polls their status with sleeps
+    of at most ``poll_interval_s``; ``"spin"`` writes batch by batch with the busy-waiting
+    ``batch_transfer_sync_write`` (see the module docstring). ``timeout_s`` (if given) sets
+    ``MC_TRANSFER_TIMEOUT`` (whole seconds, Mooncake's minimum 5, which bounds spin mode) and is
+    the poll-mode deadline as given (plus 1 s per GiB, as Mooncake does; 30 s when not given);
+    ``env`` sets other
+    ``MC_*`` variables. Both are written to ``os.environ`` (process-wide) before the engine is
+    created; with neither, the environment is left alone.
+    """
+
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        timeout_s: float | None = None,
+        *,
+        wait: Literal["spin", "poll"] = "poll",
+        env: Mapping[str, str] | None = None,
+        max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES,
+        coalesce_entries: bool = True,
+        poll_interval_s: float = 0.0002,
+        join_timeout_s: float = 5.0,
+        metadata_server: str = "P2PHANDSHAKE",
+        protocol: str = "tcp",
+        device_name: str = "",
+    ) -> None:
+        super().__init__(max_batch_entries=max_batch_entries, join_timeout_s=join_timeout_s)
+        if wait not in ("spin", "poll"):
+            raise ValueError(f"wait must be 'spin' or 'poll', got {wait!r}")
+        if timeout_s is not None:
+            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, math.ceil(timeout_s)))
+        for key, value in (env or {}).items():
+            os.environ[key] = value
+        from mooncake.engine import TransferEngine  # deferred: optional dependency
+
+        self.timeout_s = timeout_s
+        self.wait = wait
+        self._deadline_s = float(timeout_s) if timeout_s is not None else 30.0
+        self._poll_interval_s = poll_interval_s
+        self._coalesce = coalesce_entries
+        self._remote_bounds: dict[str, frozenset[int]] = {}
+        self._engine: Any = TransferEngine()
+        rc = self._engine.initialize(hostname, metadata_server, protocol, device_name)
+        if rc != 0:
+            raise RuntimeError(
+                f"mooncake TransferEngine.initialize({hostname!r}, {metadata_server!r}, "
+                f"{protocol!r}, {device_name!r}) returned {rc}"
+            )
+        self._session = f"{hostname}:{self._engine.get_rpc_port()}"
+
+    @property
+    def session(self) -> str:
+        """``host:rpc_port`` of this engine, as peers pass it to their writes."""
+        return self._session
+
+    @property
+    def engine(self) -> Any:
+        """The underlying ``mooncake.engine.TransferEngine`` (for benchmarks and probes)."""
+        return self._engine
+
+    def _in_doubt(self, reason: str) -> bool:
+        """A failure after entries reached Mooncake (timeout, peer error, close mid-write) may
+        still deliver bytes later (measured: a resumed frozen peer receives them)."""
+        return reason.startswith(("mooncake ", "closed after", "internal error"))
+
+    def hint_remote_regions(self, session: str, regions: Iterable[tuple[int, int]]) -> None:
+        """Tell the plane how ``session`` registered its memory ((addr, length) per region),
+        so coalescing never merges entries across two remote registrations."""
+        self._remote_bounds[session] = frozenset(addr for addr, _len in regions)
+
+    # -- backend hooks -------------------------------------------------------------------------
+
+    def _backend_register(self, addr: int, length: int) -> None:
+        """Register with the engine; RuntimeError when Mooncake refuses."""
+        rc = self._engine.register_memory(addr, length)
+        if rc != 0:
+            raise RuntimeError(f"mooncake register_memory({addr:#x}, {length}) returned {rc}")
+
+    def _backend_connect(self, session: str) -> str:
+        """An empty batch makes Mooncake open (handshake and cache) the peer's segment."""
+        started = time.monotonic()
+        rc = self._engine.batch_transfer_sync_write(session, [], [], [])
+        if rc != 0:
+            return (
+                f"mooncake first contact (empty batch_transfer_sync_write) returned {rc} "
+                f"to {session} after {time.monotonic() - started:.2f}s"
+            )
+        return ""
+
+    def _backend_transfer(self, session: str, job: _Job) -> str:
+        """Coalesce, check local ranges, write batch by batch; retry uncoalesced on fast failure."""
+        if self._coalesce:
+            plan = coalesce(job.entries, self._remote_bounds.get(session, ()))
+        else:
+            plan = job.entries
+        reason = self._check_local(plan)
+        if reason:
+            return reason
+        reason, fast = self._write_all(session, plan)
+        if reason and fast and len(plan) != len(job.entries) and not self._closed:
+            # A merged entry may span two separately registered remote regions (Mooncake
+            # rejects that at once); writes are idempotent, so resend the original entries.
+            self._count(uncoalesced_retries=1)
+            retry_reason, _ = self._write_all(session, job.entries)
+            if not retry_reason:
+                return ""
+            reason = f"{retry_reason} (also failed coalesced: {reason})"
+        return reason
+
+    def _write_all(self, session: str, plan: list[Entry]) -> tuple[str, bool]:
+        """Write ``plan`` in batches; return (reason or "", whether a failure came back fast)."""
+        batches = split_batches(plan, self._max_batch)
+        write = self._write_spin
+        for i, batch in enumerate(batches):
+            if self._closed and i > 0:
+                return f"closed after {i}/{len(batches)} batches", False
+            started = time.monotonic()
+            what = write(session, batch)
+            elapsed = time.monotonic() - started
+            self._count(batches=1, entries_sent=len(batch))
+            if what:
+                return (
+                    f"mooncake {what} to {session} after {elapsed:.2f}s (batch {i + 1}/"
+                    f"{len(batches)}, {len(batch)} entries, {sum(e[2] for e in batch)} bytes)"
+                ), elapsed < _FAST_FAIL_S
+        return "", False
+
+    def _write_spin(self, session: str, batch: list[Entry]) -> str:
+        """One batch_transfer_sync_write (busy-waits inside Mooncake); "" or what failed."""
+        rc = self._engine.batch_transfer_sync_write(
+            session, [e[0] for e in batch], [e[1] for e in batch], [e[2] for e in batch]
+        )
+        return "" if rc == 0 else f"batch_transfer_sync_write returned {rc}"
+
+    def _worker(self, peer: _Peer) -> None:
+        """Sender thread for one destination: spin mode runs jobs one by one; poll mode
+        pipelines them (see :meth:`_pipelined_worker`)."""
+        if self.wait == "spin":
+            super()._worker(peer)
+            return
+        flights: deque[_Flight] = deque()
+        try:
+            self._pipelined_worker(peer, flights)
+        except Exception as exc:  # never leave submitters waiting on a dead thread
+            with peer.cond:
+                dropped = [job for job in peer.queue if not job.is_connect]
+                peer.queue.clear()
+                peer.dead = True
+            with self._lock:
+                if self._peers.get(peer.session) is peer:
+                    del self._peers[peer.session]  # the next submit starts a fresh sender
+            for job in [f.job for f in flights] + dropped:
+                self._complete(job, f"internal error in data plane sender: {exc!r}")
+            raise
+
+    def _pipelined_worker(self, peer: _Peer, flights: deque[_Flight]) -> None:
+        """Poll mode: keep up to ``max_batch_entries`` entries of successive transfers in flight
+        (so layer k+1 is on the wire while layer k finishes) and report transfers strictly in
+        submission order, each only once Mooncake has resolved every one of its entries."""
+        submit = self._engine.transfer_submit_write
+        check = self._engine.transfer_check_status
+        session = peer.session
+        inflight = 0
+        nap = _MIN_NAP_S
+        while True:
+            # 1. Take new jobs (block only when there is nothing in flight).
+            with peer.cond:
+                if not flights:
+                    while not peer.queue and not self._closed:
+                        peer.cond.wait()
+                    if not peer.queue:
+                        return
+                new_jobs = list(peer.queue)
+                peer.queue.clear()
+            for job in new_jobs:
+                if job.is_connect:
+                    self._do_connect(peer)
+                else:
+                    flights.append(self._new_flight(session, job))
+            # 2. Submit entries, oldest transfer first, while there is room.
+            now = time.monotonic()
+            for f in flights:
+                if inflight >= self._max_batch:
+                    break
+                if f.failure or f.next >= len(f.plan) or self._closed:
+                    continue
+                if f.next == 0:
+                    f.started = now
+                    f.deadline = now + self._deadline_s + f.job.nbytes / (1 << 30)
+                    self._count(batches=1)
+                first = f.next
+                while f.next < len(f.plan) and inflight < self._max_batch:
+                    s, d, n = f.plan[f.next]
+                    bid = submit(session, s, d, n)
+                    if bid in _BAD_BATCH_IDS:
+                        f.failure = f"transfer_submit_write returned {bid} for {_fmt_range(d, n)}"
+                        break
+                    f.pending.append(bid)
+                    f.next += 1
+                    inflight += 1
+                self._count(entries_sent=f.next - first)
+            # 3. Poll in submission order, stopping at the first entry still in flight: reports
+            #    are FIFO anyway, and this keeps a poll round O(entries resolved + 1).
+            progressed = False
+            now = time.monotonic()
+            for f in flights:
+                resolved = 0
+                for bid in f.pending:
+                    rc = check(bid)
+                    if rc == 0:
+                        break
+                    resolved += 1
+                    if rc != 1 and not f.failure:
+                        f.failure = f"transfer_check_status returned {rc}"
+                if resolved:
+                    progressed = True
+                    inflight -= resolved
+                    del f.pending[:resolved]
+                if f.pending and now > f.deadline:
+                    # Mooncake still owns these ids; freeing them is unsafe: leaked on purpose.
+                    f.failure = f.failure or (
+                        f"timeout: {len(f.pending)} entries unfinished after "
+                        f"{self._deadline_s:g}s (transfer_check_status polling)"
+                    )
+                    inflight -= len(f.pending)
+                    f.pending = []
+                    progressed = True
+                if f.pending:
+                    break
+            # 4. Report finished transfers in submission order.
+            while flights and not flights[0].pending:
+                f = flights[0]
+                if not f.failure and f.next < len(f.plan) and not self._closed:
+                    break  # not fully submitted yet
+                elapsed = time.monotonic() - f.started
+                if (
+                    f.failure
+                    and f.started
+                    and not f.retried
+                    and elapsed < _FAST_FAIL_S
+                    and len(f.plan) != len(f.job.entries)
+                    and not self._closed
+                ):
+                    # Fast failure with merged entries: maybe a merge spanned two remote
+                    # registrations. Writes are idempotent: resend the original entries.
+                    self._count(uncoalesced_retries=1)
+                    f.first_failure = f.failure
+                    f.plan, f.next, f.failure, f.retried = f.job.entries, 0, "", True
+                    progressed = True
+                    break
+                if f.failure and f.started:
+                    reason = (
+                        f"mooncake {f.failure} to {session} after {elapsed:.2f}s "
+                        f"({len(f.plan)} entries, {f.job.nbytes} bytes)"
+                    )
+                    if f.retried:
+                        reason += f" (retried uncoalesced; merged entries: {f.first_failure})"
+                elif f.failure:
+                    reason = f.failure  # rejected before anything was sent
+                elif f.next < len(f.plan):
+                    reason = f"closed after {f.next}/{len(f.plan)} entries were sent"
+                else:
+                    reason = ""
+                flights.popleft()
+                self._complete(f.job, reason)
+            # 5. Nothing moved: wait a little (a new submit wakes us at once).
+            if progressed:
+                nap = _MIN_NAP_S
+            elif flights:
+                with peer.cond:
+                    if not peer.queue:
+                        peer.cond.wait(nap)
+                nap = min(nap * 2, self._poll_interval_s)
+
+    def _new_flight(self, session: str, job: _Job) -> _Flight:
+        """Plan a transfer for the pipelined worker (coalesce, check local ranges)."""
+        if not job.entries:
+            return _Flight(job, [])
+        if self._coalesce:
+            plan = coalesce(job.entries, self._remote_bounds.get(session, ()))
+        else:
+            plan = job.entries
+        flight = _Flight(job, plan)
+        flight.failure = self._check_local(plan)
+        return flight
+
+    def _backend_close(self, all_joined: bool) -> None:
+        """Drop the engine (frees its ports) unless a sender thread may still be inside it."""
+        if all_joined:
+            self._engine = None
