@@ -8,6 +8,7 @@ quarantined until every accepted sender confirmed it stopped, or until a lease e
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from lw.fsm.effects import (
@@ -20,9 +21,10 @@ from lw.fsm.effects import (
     Send,
     TimerKey,
 )
+from lw.fsm.kvmap import pair_problem
 from lw.fsm.lifecycles import DONE, FAILED, PREFILL_REQUESTED, decode_declaration
 from lw.fsm.machine import ProtocolError
-from lw.transport.wire import (
+from lw.fsm.messages import (
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
@@ -71,13 +73,17 @@ def check_lease(
 class _Req:
     """Mutable per-request record of the decode lifecycle."""
 
-    __slots__ = ("req_id", "state", "blocks", "expected", "claimers", "done", "stopped", "reason")
+    __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
+                 "stopped", "reason")
 
-    def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int) -> None:
+    def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
+                 ranks: frozenset[int] | None) -> None:
         self.req_id = req_id
         self.state = PREFILL_REQUESTED
         self.blocks = blocks
         self.expected = expected
+        self.ranks = ranks  # the P TP ranks that write into us; None: any ``expected`` senders
+        self.by_rank: dict[int, SenderKey] = {}  # P TP rank -> the sender that claimed it
         self.claimers: dict[SenderKey, Sender] = {}
         self.done: set[SenderKey] = set()
         self.stopped: set[SenderKey] = set()
@@ -133,6 +139,7 @@ class DecodeEndpoint:
                     tuple(sorted(r.claimers)),
                     tuple(sorted(r.done)),
                     tuple(sorted(r.stopped)),
+                    tuple(sorted(r.by_rank.items())),
                 )
                 for r in self._reqs.values()
             )
@@ -150,15 +157,24 @@ class DecodeEndpoint:
 
     # ----------------------------------------------------------------------------- events
     def add_request(
-        self, req_id: str, block_ids: tuple[int, ...], expected_senders: int, now: float
+        self, req_id: str, block_ids: tuple[int, ...],
+        expected_senders: int | Collection[int], now: float,
     ) -> list[Effect]:
-        """Blocks were allocated for a request whose prefill is about to be requested."""
+        """Blocks were allocated for a request whose prefill is about to be requested.
+
+        ``expected_senders`` is the set of P TP ranks that write into this worker (each claims
+        with its format and sends one DONE), or just how many senders, of any rank."""
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} is already live on D {self.me.engine_id}")
-        if expected_senders < 1:
+        if isinstance(expected_senders, int):
+            ranks, count = None, expected_senders
+        else:
+            ranks = frozenset(expected_senders)
+            count = len(ranks)
+        if count < 1:
             raise ValueError(f"request {req_id!r}: expected_senders must be >= 1")
         self._finished.pop(req_id, None)
-        self._reqs[req_id] = _Req(req_id, tuple(block_ids), expected_senders)
+        self._reqs[req_id] = _Req(req_id, tuple(block_ids), count, ranks)
         self.counters["requests"] += 1
         return [ArmTimer(("deadline", req_id), now + self.config.prefill_timeout_s)]
 
@@ -267,14 +283,33 @@ class DecodeEndpoint:
             self.counters["refused"] += 1
             out.append(self._reply(msg, "refused", f"request is {rec.state}: {rec.reason}"))
             return
-        if len(rec.claimers) >= rec.expected:
+        why = self._claim_problem(rec, msg)
+        if why:
             self.counters["refused"] += 1
-            out.append(self._reply(msg, "refused",
-                                   f"request already has its {rec.expected} expected senders"))
+            out.append(self._reply(msg, "refused", why))
             return
+        if rec.ranks is not None:
+            rec.by_rank[msg.fmt.tp_rank] = key
         rec.claimers[key] = msg.sender
         self._fire(rec, "claim")
         out.append(self._reply(msg, "accepted", layout=layout))
+
+    def _claim_problem(self, rec: _Req, msg: MetaRequest) -> str:
+        """Why a new sender may not write into this request's blocks ("" if it may)."""
+        why = pair_problem(msg.fmt, self.layout.fmt)
+        if why:
+            return why
+        if rec.ranks is None:
+            if len(rec.claimers) >= rec.expected:
+                return f"request already has its {rec.expected} expected senders"
+            return ""
+        rank = msg.fmt.tp_rank
+        if rank not in rec.ranks:
+            return (f"P TP rank {rank} (of {msg.fmt.tp_size}) is not a sender of this D worker, "
+                    f"which expects P TP ranks {sorted(rec.ranks)}")
+        if rank in rec.by_rank:
+            return f"P TP rank {rank} was already claimed by sender {rec.by_rank[rank]}"
+        return ""
 
     def _ack(self, msg: DoneSending | FailedSending, of: str, accepted: bool) -> Send:
         return Send(msg.sender.addr, Ack(PROTOCOL_VERSION, msg.req_id, of, self.me, accepted))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lw.transport.wire import KVLayout, Message
+from lw.fsm.messages import KVLayout, Message
 
 TimerKey = tuple[str, str]  # (kind, req_id), e.g. ("meta", "req-7")
 
@@ -27,6 +27,9 @@ class WriteLayer:
     layout: KVLayout  # D's layout: transfer-engine session and per-layer addresses
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
+    # Byte runs (src offset, dst offset, length) of each block that go to this D worker, from the
+    # two head formats (lw.fsm.kvmap); None: the whole block, as long on both sides.
+    segments: tuple[tuple[int, int, int], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

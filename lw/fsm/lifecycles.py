@@ -44,8 +44,10 @@ def prefill_declaration(num_layers: int) -> Declaration:
         initial=AWAIT_DECODER_META,
         finals=frozenset({DONE, FAILED}),
         transitions=(
-            # D accepted this sender for the request (its layout is cached or came with the reply).
+            # Every target D worker accepted this sender (its layout is cached or came with it).
             rows("meta_accepted", [AWAIT_DECODER_META], META_READY),
+            # This rank holds nothing any D rank takes from it (MLA: another P rank writes it).
+            rows("no_target", [AWAIT_DECODER_META], DONE),
             rows("meta_accepted", [META_READY, *sent, DONE, FAILED], STAY, "duplicate reply"),
             # D does not know the request yet: ask again on the next retry tick.
             rows("meta_unknown", [AWAIT_DECODER_META], STAY, "retry later"),

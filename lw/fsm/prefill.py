@@ -2,6 +2,13 @@
 
 Nothing here blocks or does I/O. ``layer_computed`` is the hot path: it is called once per layer
 with the requests in the batch and only records the layer or emits writes for it.
+
+A request has one or more *targets*: the D workers (TP ranks) this P rank writes into. Each target
+is claimed separately (MetaRequest / MetaReply), receives its own per-layer writes (the byte runs
+of each block that carry the heads both hold, see :mod:`lw.fsm.kvmap`) and its own DoneSending.
+The request's lifecycle moves as one: META_READY once every target accepted, LAYER_k_SENT once
+layer k reached every target, DONE once every target acknowledged. A rank with no target (MLA
+with more P ranks than D ranks) has nothing to send and finishes at once.
 """
 
 from __future__ import annotations
@@ -19,15 +26,17 @@ from lw.fsm.effects import (
     TimerKey,
     WriteLayer,
 )
+from lw.fsm.kvmap import LayoutMismatch, Segment, block_segments
 from lw.fsm.lifecycles import AWAIT_DECODER_META, DONE, FAILED, prefill_declaration
 from lw.fsm.machine import ProtocolError
-from lw.transport.wire import (
+from lw.fsm.messages import (
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
     Ack,
     DoneSending,
     FailedSending,
+    KVFormat,
     KVLayout,
     Message,
     MetaReply,
@@ -61,13 +70,36 @@ class PrefillConfig:
 
 @dataclass(frozen=True)
 class PrefillRequest:
-    """What the P scheduler knows of a request whose prefill completes in this step."""
+    """What the P scheduler knows of a request whose prefill completes in this step.
+
+    ``decoder_addr`` is the side-channel address of the D worker that allocated the blocks, or a
+    tuple of them when this rank writes into several D TP ranks (empty: nothing to send)."""
 
     req_id: str
-    decoder_addr: str  # side-channel address of the D worker that allocated the blocks
+    decoder_addr: str | tuple[str, ...]
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
     expected_senders: int = 1
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The D workers this rank writes into, in a fixed order."""
+        a = self.decoder_addr
+        return (a,) if isinstance(a, str) else tuple(a)
+
+
+class _Target:
+    """One D worker a request is written into: its claim, layout, byte runs and acknowledgement."""
+
+    __slots__ = ("addr", "accepted", "claimed", "acked", "layout", "segs")
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.accepted = False
+        self.claimed = False  # D accepted us: it expects DONE or FAILED from us
+        self.acked = False
+        self.layout: KVLayout | None = None
+        self.segs: tuple[tuple[Segment, ...] | None, ...] = ()  # per layer; None: whole blocks
 
 
 class _Req:
@@ -76,13 +108,13 @@ class _Req:
     __slots__ = (
         "req",
         "state",
+        "targets",
         "computed",
         "submitted",
         "sent",
         "out_of_order",
+        "pending",
         "inflight",
-        "layout",
-        "claimed",
         "meta_tries",
         "ack_tries",
         "reason",
@@ -93,31 +125,47 @@ class _Req:
     def __init__(self, req: PrefillRequest, state: str) -> None:
         self.req = req
         self.state = state
+        self.targets = [_Target(a) for a in req.targets]
         self.computed = 0  # layers 0..computed-1 have been computed by the forward pass
         self.submitted = 0  # layers 0..submitted-1 have been handed to the data plane
-        self.sent = 0  # layers 0..sent-1 have been written (completions, in order)
+        self.sent = 0  # layers 0..sent-1 have been written to every target (in order)
         self.out_of_order: set[int] = set()
+        self.pending: dict[int, int] = {}  # layer -> target writes not completed yet
         self.inflight = 0
-        self.layout: KVLayout | None = None
-        self.claimed = False  # D accepted us as a sender: it expects DONE or FAILED from us
         self.meta_tries = 0
         self.ack_tries = 0
         self.reason = ""
         self.abort_acks: list[str] = []  # D addresses waiting for our AbortAck
         self.in_doubt = False  # a write failed in a way that may still deliver bytes later
 
+    def target(self, addr: str) -> _Target | None:
+        for t in self.targets:
+            if t.addr == addr:
+                return t
+        return None
+
 
 class PrefillEndpoint:
-    """Protocol logic of one P worker rank (events in, effects out; time is an argument)."""
+    """Protocol logic of one P worker rank (events in, effects out; time is an argument).
 
-    def __init__(self, me: Sender, num_layers: int, config: PrefillConfig | None = None) -> None:
+    ``local`` describes this rank's own KV memory (per-layer block bytes and head format); with
+    it, writes carry the byte runs computed from both formats. Without it blocks are opaque and
+    copied whole (both sides must then have the same block bytes)."""
+
+    def __init__(self, me: Sender, num_layers: int, config: PrefillConfig | None = None,
+                 local: KVLayout | None = None) -> None:
+        if local is not None and len(local.layers) != num_layers:
+            raise ValueError(f"local layout has {len(local.layers)} layers, not {num_layers}")
         self.me = me
         self.num_layers = num_layers
         self.config = config or PrefillConfig()
+        self.local = local
+        self.fmt = local.fmt if local is not None else KVFormat()
         self.declaration = prefill_declaration(num_layers)
         self._table = self.declaration.compile()
         self._reqs: dict[str, _Req] = {}
         self._layouts: dict[str, KVLayout] = {}  # per D worker address
+        self._segs: dict[tuple[str, int], tuple[tuple[Segment, ...] | None, ...]] = {}
         self._tombstones: dict[str, float] = {}  # req_id -> expiry (aborted by D before we saw it)
         self._finished: OrderedDict[str, str] = OrderedDict()  # req_id -> final state
         self._in_doubt: set[str] = set()  # finished requests with a write whose bytes may land
@@ -128,6 +176,7 @@ class PrefillEndpoint:
             "deadlines": 0,
             "stale_messages": 0,
             "layer_writes": 0,
+            "no_target": 0,
         }
 
     # ----------------------------------------------------------------------------- inspection
@@ -158,7 +207,7 @@ class PrefillEndpoint:
                     r.submitted,
                     r.sent,
                     r.inflight,
-                    r.claimed,
+                    tuple((t.addr, t.accepted, t.claimed, t.acked) for t in r.targets),
                     r.meta_tries,
                     r.ack_tries,
                     tuple(r.abort_acks),
@@ -195,6 +244,9 @@ class PrefillEndpoint:
                 f"request {req.req_id!r}: {len(req.local_blocks)} local blocks but "
                 f"{len(req.remote_blocks)} remote blocks"
             )
+        if len(set(req.targets)) != len(req.targets):
+            raise ValueError(f"request {req.req_id!r}: a decoder is named twice in "
+                             f"{req.targets}")
         self._finished.pop(req.req_id, None)
         rec = _Req(req, AWAIT_DECODER_META)
         self._reqs[req.req_id] = rec
@@ -205,8 +257,14 @@ class PrefillEndpoint:
             out.append(CancelTimer(("tomb", req.req_id)))
             self._fail(rec, "decoder aborted the request before it reached this worker", now, out)
             return out
+        if not rec.targets:
+            # This rank holds no KV that any D rank takes from it (MLA: another rank sends).
+            self.counters["no_target"] += 1
+            self._fire(rec, "no_target")
+            self._maybe_release(rec, out)
+            return out
         out.append(ArmTimer(("deadline", req.req_id), now + self.config.request_timeout_s))
-        self._send_meta_request(rec, now, out)
+        self._send_meta_requests(rec, now, out)
         return out
 
     def layer_computed(self, layer: int, req_ids: Iterable[str], now: float) -> list[Effect]:
@@ -234,29 +292,36 @@ class PrefillEndpoint:
     def transfer_done(
         self, req_id: str, layer: int, ok: bool, reason: str, now: float, in_doubt: bool = False
     ) -> list[Effect]:
-        """The data plane finished writing ``layer`` of a request (``ok`` false: it failed;
-        ``in_doubt``: it failed after handing bytes to the transport, which may still land)."""
+        """The data plane finished writing ``layer`` of a request to one target (``ok`` false:
+        it failed; ``in_doubt``: it failed after handing bytes over, which may still land)."""
         out: list[Effect] = []
         rec = self._reqs.get(req_id)
         if rec is None:
             raise ProtocolError("prefill", req_id, "UNKNOWN", "layer_sent", "no such live request")
-        if rec.inflight <= 0:
-            raise ProtocolError("prefill", req_id, rec.state, "layer_sent", "no write in flight")
+        left = rec.pending.get(layer, 0)
+        if rec.inflight <= 0 or left <= 0:
+            raise ProtocolError("prefill", req_id, rec.state, "layer_sent",
+                                f"no write of layer {layer} in flight")
         rec.inflight -= 1
+        if left == 1:
+            del rec.pending[layer]
+        else:
+            rec.pending[layer] = left - 1
         if not ok and in_doubt:
             rec.in_doubt = True
         if not ok:
             self._fail(rec, f"layer {layer} write failed: {reason}", now, out)
         elif rec.state == FAILED:
-            self._fire(rec, "layer_sent")
-        else:
+            if left == 1:
+                self._fire(rec, "layer_sent")
+        elif left == 1:  # the layer reached every target
             rec.out_of_order.add(layer)
             while rec.sent in rec.out_of_order:
                 rec.out_of_order.discard(rec.sent)
                 self._fire(rec, "layer_sent")
                 rec.sent += 1
             if rec.sent == self.num_layers and not rec.out_of_order:
-                out.append(self._done_msg(rec))
+                self._send_done(rec, out)
                 out.append(ArmTimer(("ack", req_id), now + self.config.ack_retry_s))
         self._maybe_release(rec, out)
         return out
@@ -296,12 +361,13 @@ class PrefillEndpoint:
             if rec.state == AWAIT_DECODER_META:
                 if rec.meta_tries >= self.config.meta_attempts:
                     self.counters["deadlines"] += 1
+                    waiting = [t.addr for t in rec.targets if not t.accepted]
                     self._fail(
-                        rec, f"decoder at {rec.req.decoder_addr} did not accept the request "
+                        rec, f"decoder at {', '.join(waiting)} did not accept the request "
                         f"after {rec.meta_tries} MetaRequests", now, out,
                     )
                 else:
-                    self._send_meta_request(rec, now, out)
+                    self._send_meta_requests(rec, now, out)
         elif kind == "ack":
             self._fire(rec, "ack_timer")
             if rec.state not in _FINAL:
@@ -310,7 +376,7 @@ class PrefillEndpoint:
                     self._fail(rec, f"no acknowledgement of DONE after {rec.ack_tries} tries",
                                now, out)
                 else:
-                    out.append(self._done_msg(rec))
+                    self._send_done(rec, out)
                     out.append(ArmTimer(("ack", rid), now + self.config.ack_retry_s))
         else:
             raise ValueError(f"unknown timer kind {kind!r} for request {rid!r}")
@@ -327,66 +393,96 @@ class PrefillEndpoint:
     def peer_lost(self, decoder_addr: str, reason: str, now: float) -> list[Effect]:
         """The D worker at ``decoder_addr`` is gone or restarted: fail what it was to receive."""
         out: list[Effect] = []
-        self._layouts.pop(decoder_addr, None)
+        self._forget_layout(decoder_addr)
         for rec in list(self._reqs.values()):
-            if rec.req.decoder_addr == decoder_addr and rec.state not in _FINAL:
-                rec.claimed = False  # nobody there to tell
+            t = rec.target(decoder_addr)
+            if t is not None and rec.state not in _FINAL:
+                t.claimed = False  # nobody there to tell
                 self._fail(rec, f"decoder lost: {reason}", now, out)
         return out
 
     # ----------------------------------------------------------------------------- messages
     def _on_meta_reply(self, msg: MetaReply, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
-        if rec is None:
+        t = rec.target(msg.responder.addr) if rec is not None else None
+        if rec is None or t is None:
             self._stale(msg)
-            if msg.status == "accepted" and self._finished.get(msg.req_id) == FAILED:
-                # D took us as a sender after we gave up: tell it now, not at its deadline.
+            if msg.status == "accepted" and (rec is not None or self._finished.get(
+                    msg.req_id) == FAILED):
+                # D took us as a sender after we gave up (or never asked it): tell it now.
                 out.append(Send(msg.responder.addr, FailedSending(
                     PROTOCOL_VERSION, msg.req_id, self.me, 1, "sender had already failed",
                     msg.req_id in self._in_doubt)))
             return
         if msg.status == "accepted" and rec.state == FAILED:
-            rec.claimed = True  # D expects a word from us: FailedSending once drained
+            t.claimed = True  # D expects a word from us: FailedSending once drained
         if msg.status == "refused":
             if rec.state == AWAIT_DECODER_META:
-                self._fail(rec, f"decoder refused the request: {msg.reason}", now, out)
+                self._fail(rec, f"decoder {t.addr} refused the request: {msg.reason}", now, out)
             else:
                 self._fire(rec, "meta_unknown")  # late refusal of an earlier try: stale
             return
         if msg.status == "unknown":
             self._fire(rec, "meta_unknown")
             return
-        if rec.state != AWAIT_DECODER_META:
+        if rec.state != AWAIT_DECODER_META or t.accepted:
             self._fire(rec, "meta_accepted")  # declared duplicate
             return
-        layout = msg.layout or self._layouts.get(rec.req.decoder_addr)
+        t.claimed = True
+        layout = msg.layout or self._layouts.get(t.addr)
         if layout is None or layout.incarnation != msg.responder.incarnation:
-            # D restarted since we cached its layout (or never sent one): ask again with the layout.
-            self._layouts.pop(rec.req.decoder_addr, None)
-            rec.claimed = True
-            self._send_meta_request(rec, now, out)
+            # D restarted since we cached its layout (or never sent one): ask again with it.
+            self._forget_layout(t.addr)
+            self._send_meta_request(rec, t, now, out)
             return
+        problem = self._accept_layout(rec, t, layout)
+        if problem:
+            self._fail(rec, problem, now, out)
+            return
+        self._layouts[t.addr] = layout
+        t.layout = layout
+        t.accepted = True
+        if all(x.accepted for x in rec.targets):
+            out.append(CancelTimer(("meta", rec.req.req_id)))
+            self._fire(rec, "meta_accepted")
+            self._submit_ready(rec, out)
+
+    def _accept_layout(self, rec: _Req, t: _Target, layout: KVLayout) -> str:
+        """Check D's layout for this request and fix the byte runs; "" or why it cannot work."""
         if len(layout.layers) != self.num_layers:
-            rec.claimed = True
-            self._fail(rec, f"decoder has {len(layout.layers)} layers, we have "
-                       f"{self.num_layers}", now, out)
-            return
+            return f"decoder {t.addr} has {len(layout.layers)} layers, we have {self.num_layers}"
         bad = [b for b in rec.req.remote_blocks if b >= layout.layers[0].num_blocks]
         if bad:
-            rec.claimed = True
-            self._fail(rec, f"remote block ids {bad[:4]} outside decoder's "
-                       f"{layout.layers[0].num_blocks} blocks", now, out)
-            return
-        self._layouts[rec.req.decoder_addr] = layout
-        rec.layout = layout
-        rec.claimed = True
-        out.append(CancelTimer(("meta", rec.req.req_id)))
-        self._fire(rec, "meta_accepted")
-        self._submit_ready(rec, out)
+            return (f"remote block ids {bad[:4]} outside decoder's "
+                    f"{layout.layers[0].num_blocks} blocks")
+        key = (t.addr, layout.incarnation)
+        segs = self._segs.get(key)
+        if segs is None:
+            try:
+                segs = self._segments_for(layout)
+            except LayoutMismatch as exc:
+                return str(exc)
+            if len(self._segs) > 4096:
+                self._segs.clear()
+            self._segs[key] = segs
+        t.segs = segs
+        return ""
+
+    def _segments_for(self, layout: KVLayout) -> tuple[tuple[Segment, ...] | None, ...]:
+        """Per layer: the byte runs of a local block that go into a D block (None: all of it)."""
+        if self.local is None:
+            return (None,) * self.num_layers
+        out: list[tuple[Segment, ...] | None] = []
+        for mine, theirs in zip(self.local.layers, layout.layers, strict=True):
+            segs = block_segments(self.fmt, mine.block_len, layout.fmt, theirs.block_len)
+            whole = segs == ((0, 0, mine.block_len),) and mine.block_len == theirs.block_len
+            out.append(None if whole else segs)
+        return tuple(out)
 
     def _on_ack(self, msg: Ack, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
-        if rec is None:
+        t = rec.target(msg.responder.addr) if rec is not None else None
+        if rec is None or t is None:
             self._stale(msg)
             return
         if msg.of == "failed":
@@ -395,11 +491,16 @@ class PrefillEndpoint:
             self._fire(rec, "ack")
             return
         if not msg.accepted:
-            self._fail(rec, "decoder had already failed the request", now, out)
+            self._fail(rec, f"decoder {t.addr} had already failed the request", now, out)
             return
-        self._fire(rec, "ack")
-        self._cancel_timers(rec.req.req_id, out)
-        self._maybe_release(rec, out)
+        if rec.sent < self.num_layers:
+            raise ProtocolError("prefill", rec.req.req_id, rec.state, "ack",
+                                f"acknowledgement from {t.addr} before DONE was sent")
+        t.acked = True
+        if all(x.acked for x in rec.targets):
+            self._fire(rec, "ack")
+            self._cancel_timers(rec.req.req_id, out)
+            self._maybe_release(rec, out)
 
     def _on_abort(self, msg: Abort, now: float, out: list[Effect]) -> None:
         rid = msg.req_id
@@ -414,7 +515,9 @@ class PrefillEndpoint:
                                                          in_doubt=rid in self._in_doubt)))
             return
         rec.abort_acks.append(msg.responder.addr)
-        rec.claimed = False  # D initiated: no need to tell it we failed
+        t = rec.target(msg.responder.addr)
+        if t is not None:
+            t.claimed = False  # D initiated: the AbortAck tells it we stopped
         self._fail(rec, f"decoder aborted: {msg.reason}", now, out)
         self._maybe_release(rec, out)
 
@@ -424,34 +527,52 @@ class PrefillEndpoint:
 
     def _stale(self, msg: Message) -> None:
         rid = getattr(msg, "req_id", "?")
-        if rid in self._finished:
+        if rid in self._finished or rid in self._reqs:
             self.counters["stale_messages"] += 1
             return
         raise ProtocolError("prefill", rid, "UNKNOWN", type(msg).__name__,
                             f"no such request on {self._who()}")
 
-    def _send_meta_request(self, rec: _Req, now: float, out: list[Effect]) -> None:
+    def _forget_layout(self, addr: str) -> None:
+        self._layouts.pop(addr, None)
+
+    def _send_meta_requests(self, rec: _Req, now: float, out: list[Effect]) -> None:
+        """(Re)send MetaRequest to every target that has not accepted yet; one retry timer."""
         rec.meta_tries += 1
-        want = rec.req.decoder_addr not in self._layouts
-        out.append(Send(rec.req.decoder_addr,
-                        MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me, want)))
+        for t in rec.targets:
+            if not t.accepted:
+                out.append(Send(t.addr, MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me,
+                                                    t.addr not in self._layouts, self.fmt)))
         out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
 
-    def _done_msg(self, rec: _Req) -> Send:
+    def _send_meta_request(self, rec: _Req, t: _Target, now: float, out: list[Effect]) -> None:
+        """Ask one target again (its layout is needed); the retry timer covers the others."""
+        rec.meta_tries += 1
+        out.append(Send(t.addr, MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me,
+                                            True, self.fmt)))
+        out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
+
+    def _send_done(self, rec: _Req, out: list[Effect]) -> None:
         rec.ack_tries += 1
         msg = DoneSending(PROTOCOL_VERSION, rec.req.req_id, self.me, rec.req.expected_senders,
                           self.num_layers)
-        return Send(rec.req.decoder_addr, msg)
+        for t in rec.targets:
+            if not t.acked:
+                out.append(Send(t.addr, msg))
 
     def _submit_ready(self, rec: _Req, out: list[Effect]) -> None:
-        layout = rec.layout
-        assert layout is not None
+        req = rec.req
+        n = len(rec.targets)
         while rec.submitted < rec.computed:
-            out.append(WriteLayer(rec.req.req_id, rec.submitted, layout, rec.req.local_blocks,
-                                  rec.req.remote_blocks))
+            layer = rec.submitted
+            for t in rec.targets:
+                assert t.layout is not None
+                out.append(WriteLayer(req.req_id, layer, t.layout, req.local_blocks,
+                                      req.remote_blocks, t.segs[layer]))
+            rec.pending[layer] = n
             rec.submitted += 1
-            rec.inflight += 1
-            self.counters["layer_writes"] += 1
+            rec.inflight += n
+            self.counters["layer_writes"] += n
 
     def _fail(self, rec: _Req, reason: str, now: float, out: list[Effect]) -> None:
         if rec.state in _FINAL:
@@ -483,10 +604,12 @@ class PrefillEndpoint:
         ok = rec.state == DONE
         self.counters["done" if ok else "failed"] += 1
         out.append(SendFinished(rid, ok, rec.reason))
-        if not ok and rec.claimed:
-            out.append(Send(rec.req.decoder_addr, FailedSending(
-                PROTOCOL_VERSION, rid, self.me, rec.req.expected_senders, rec.reason[:1024],
-                rec.in_doubt)))
+        if not ok:
+            for t in rec.targets:
+                if t.claimed:
+                    out.append(Send(t.addr, FailedSending(
+                        PROTOCOL_VERSION, rid, self.me, rec.req.expected_senders,
+                        rec.reason[:1024], rec.in_doubt)))
         for addr in rec.abort_acks:
             out.append(Send(addr, AbortAck(PROTOCOL_VERSION, rid, self.me, known=True,
                                            in_doubt=rec.in_doubt)))

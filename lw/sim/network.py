@@ -6,7 +6,7 @@ decision reads, so they are counted as copies of one message (a sound merge).
 
 from __future__ import annotations
 
-from lw.transport.wire import (
+from lw.fsm.messages import (
     Abort,
     AbortAck,
     Ack,

@@ -33,3 +33,14 @@ def test_fsm_sources_import_nothing_forbidden() -> None:
                 names = [node.module]
             for name in names:
                 assert name.split(".")[0] not in FORBIDDEN, f"{path.name} imports {name}"
+
+
+def test_fsm_imports_nothing_of_lw_above_it() -> None:
+    for path in FSM_DIR.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lw"):
+                assert node.module.startswith("lw.fsm"), f"{path.name} imports {node.module}"
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    assert not a.name.startswith("lw") or a.name.startswith("lw.fsm"), a.name

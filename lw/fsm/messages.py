@@ -1,0 +1,145 @@
+"""The protocol's vocabulary: side-channel messages between prefill (P) and decode (D) workers.
+
+Plain ``msgspec`` Structs (tagged, frozen, versioned) with bounds that make absurd values a decode
+error rather than a problem for the core. They are the core's language; their byte encoding lives
+in :mod:`lw.transport.wire`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 2  # 2: KVFormat in layouts and claims (heterogeneous TP, MLA)
+
+# Bounds that make absurd values a decode error rather than a problem for the core.
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+_Text = Annotated[str, msgspec.Meta(max_length=1024)]
+_Rank = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+_Count = Annotated[int, msgspec.Meta(ge=1, le=65536)]
+_Addr = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # msgspec bounds are int64
+_Len = Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
+_NBlocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 32)]
+_Incarnation = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=True):
+    """Base of every side-channel message."""
+
+    version: int
+
+
+class Sender(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Who sent a message: engine, worker rank within it, incarnation and reply address."""
+
+    engine_id: _Id
+    rank: _Rank
+    incarnation: _Incarnation
+    addr: _Text  # side-channel address where this worker listens, e.g. tcp://10.0.0.2:5600
+
+
+class LayerLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where one attention layer's KV blocks live in a worker's registered memory."""
+
+    base_addr: _Addr
+    block_stride: _Len  # bytes between block b and block b+1
+    block_len: _Len  # bytes to copy per block (<= block_stride)
+    num_blocks: _NBlocks
+
+
+class KVFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a worker's blocks hold the model's KV heads: what head-sliced writes are computed from.
+
+    The defaults describe an opaque block (one "head", one rank): whole blocks are copied."""
+
+    dtype: _Text = "bytes"
+    block_tokens: _Count = 1  # tokens per block
+    order: Literal["HND", "NHD"] = "HND"  # inside a block: heads outermost, or tokens outermost
+    total_heads: _Count = 1  # KV heads of the model (1 for MLA's latent vector)
+    head_lo: _Rank = 0  # this worker holds global heads [head_lo, head_hi)
+    head_hi: _Count = 1
+    tp_rank: _Rank = 0
+    tp_size: _Count = 1
+    mla: bool = False  # latent KV, identical on every TP rank
+
+
+class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A worker's KV-cache description: transfer-engine session, per-layer layout, head format."""
+
+    engine_id: _Id
+    incarnation: _Incarnation
+    te_session: _Text  # transfer-engine address, host:rpc_port
+    layers: Annotated[list[LayerLayout], msgspec.Meta(min_length=1, max_length=4096)]
+    fmt: KVFormat = msgspec.field(default_factory=KVFormat)
+
+
+class MetaRequest(_Msg, tag="meta_req"):
+    """P asks D to accept it as a sender for a request (and for D's layout when not cached)."""
+
+    req_id: _Id
+    sender: Sender
+    want_layout: bool
+    fmt: KVFormat = msgspec.field(default_factory=KVFormat)  # the heads this sender holds
+
+
+MetaStatus = Literal["accepted", "refused", "unknown"]
+
+
+class MetaReply(_Msg, tag="meta_rep"):
+    """D's answer to MetaRequest: only ``accepted`` allows P to write into D's blocks."""
+
+    req_id: _Id
+    status: MetaStatus
+    responder: Sender
+    layout: KVLayout | None = None
+    reason: _Text = ""
+
+
+class DoneSending(_Msg, tag="done"):
+    """P tells D that every layer write of this sender for a request has completed."""
+
+    req_id: _Id
+    sender: Sender
+    expected_senders: _Count
+    num_layers: _Count
+
+
+class FailedSending(_Msg, tag="failed"):
+    """P tells D that it stopped sending a request without completing it, and why."""
+
+    req_id: _Id
+    sender: Sender
+    expected_senders: _Count
+    reason: _Text
+    in_doubt: bool = False  # a write timed out: its bytes may still land, D must wait its lease
+
+
+class Ack(_Msg, tag="ack"):
+    """D acknowledges a DoneSending or FailedSending (``accepted`` false: D had failed it)."""
+
+    req_id: _Id
+    of: Literal["done", "failed"]
+    responder: Sender
+    accepted: bool
+
+
+class Abort(_Msg, tag="abort"):
+    """D tells a P sender to stop writing a request (deadline, local abort, failure)."""
+
+    req_id: _Id
+    responder: Sender
+    reason: _Text
+
+
+class AbortAck(_Msg, tag="abort_ack"):
+    """P confirms that no write of this request from this sender is or will be in flight."""
+
+    req_id: _Id
+    sender: Sender
+    known: bool
+    in_doubt: bool = False  # a write of ours timed out: its bytes may still land (lease applies)
+
+
+Message = MetaRequest | MetaReply | DoneSending | FailedSending | Ack | Abort | AbortAck
+
