@@ -46,6 +46,8 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 import lw.vllm_adapter.connector as conn_mod  # noqa: E402
+import lw.vllm_adapter.scheduler_side as sched_mod  # noqa: E402
+import lw.vllm_adapter.worker_side as worker_mod  # noqa: E402
 from lw.vllm_adapter.config import ConfigError, LwConfig, side_channel_port  # noqa: E402
 from lw.vllm_adapter.connector import LwConnectorMetadata, kv_geometry  # noqa: E402
 from lw.vllm_adapter.demo import free_port_range  # noqa: E402
@@ -95,7 +97,7 @@ class FakePoster:
 @pytest.fixture(autouse=True)
 def fake_poster(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakePoster]]:
     FakePoster.instances = []
-    monkeypatch.setattr(conn_mod, "_MetaserverPoster", FakePoster)
+    monkeypatch.setattr(sched_mod, "MetaserverPoster", FakePoster)
     yield FakePoster
 
 
@@ -193,7 +195,7 @@ def decoder_params(s_d: Scheduler | None = None, tid: str = "t1", n: int = 100,
          "remote_engine_id": "kv_consumer", "remote_host": "127.0.0.1", "remote_port": 21000,
          "remote_block_ids": list(range(40, 40 + blocks - first)), "remote_first_block": first,
          "remote_dp_rank": 0, "remote_tp_size": 1, "lw_geometry": kv_geometry(kv_cache_config()),
-         "lw_params_version": conn_mod.PARAMS_VERSION}
+         "lw_params_version": sched_mod.PARAMS_VERSION}
     p.update(over)
     return p
 
@@ -817,7 +819,7 @@ def test_ready_gate_orders_layers_after_the_device_and_aborts_on_device_errors()
             self.events.append((method, args[0], None))
 
     loop = FakeLoop()
-    gate = conn_mod._ReadyGate(loop)  # type: ignore[arg-type]
+    gate = worker_mod.ReadyGate(loop)  # type: ignore[arg-type]
     waited: list[int] = []
 
     def bad() -> None:

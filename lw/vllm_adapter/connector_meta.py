@@ -1,0 +1,63 @@
+"""What lw's connector halves share: per-step metadata, the params version, the KV geometry."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from lw.vllm_adapter.config import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["PARAMS_VERSION", "LwConnectorMetadata", "RecvSpec", "SendSpec", "kv_geometry", "log"]
+
+log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
+
+PARAMS_VERSION = 1
+"""Version of the kv_transfer_params D posts to the metaserver (``lw_params_version``)."""
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """P: push this request's KV (its prefill completes in this step)."""
+
+    transfer_id: str
+    req_id: str
+    decoder_host: str
+    decoder_port: int  # D's side-channel port for tp rank 0 of its DP rank
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """D: blocks were allocated for this request; its prefill is being requested."""
+
+    transfer_id: str
+    req_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class LwConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side tells every worker for one step."""
+
+    sends: list[SendSpec] = field(default_factory=list)
+    recvs: list[RecvSpec] = field(default_factory=list)
+    aborts: list[tuple[str, str, str]] = field(default_factory=list)  # (transfer, req, reason)
+
+
+def kv_geometry(kv_cache_config: KVCacheConfig) -> str:
+    """What P and D must share to exchange blocks: layers, block size, page bytes, dtype."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"lw supports models with one KV cache group, this one has "
+                          f"{len(groups)} (hybrid attention / HMA is not supported)")
+    spec = groups[0].kv_cache_spec
+    dtype = str(getattr(spec, "dtype", "?")).removeprefix("torch.")
+    return (f"layers={len(groups[0].layer_names)} block_size={spec.block_size} "
+            f"page_bytes={spec.page_size_bytes} dtype={dtype}")

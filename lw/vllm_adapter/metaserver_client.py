@@ -1,0 +1,84 @@
+"""D's background caller of the proxy's metaserver: asks for a prefill without blocking vLLM."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from lw.vllm_adapter.config import LwConfig
+from lw.vllm_adapter.connector_meta import log
+
+__all__ = ["MetaserverPoster"]
+
+
+class MetaserverPoster:
+    """D: one background thread POSTing prefill requests to the proxy's metaserver."""
+
+    def __init__(self, cfg: LwConfig) -> None:
+        self.cfg = cfg
+        self._q: queue.Queue[tuple[str, str, str, dict[str, Any]] | None] = queue.Queue()
+        self._cancelled: set[str] = set()
+        self._failures: deque[tuple[str, str, str]] = deque()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="lw-metaserver", daemon=True)
+        self._thread.start()
+
+    def post(self, rid: str, tid: str, url: str, params: dict[str, Any]) -> None:
+        """Queue one call (never blocks)."""
+        self._q.put((rid, tid, url, params))
+
+    def cancel(self, rid: str) -> None:
+        """Skip a queued call for a request that ended."""
+        with self._lock:
+            self._cancelled.add(rid)
+
+    def take_failures(self) -> list[tuple[str, str, str]]:
+        """(req id, transfer id, reason) of calls that failed for good."""
+        out = []
+        while self._failures:
+            out.append(self._failures.popleft())
+        return out
+
+    def close(self) -> None:
+        """Stop after the call in progress."""
+        self._q.put(None)
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=self.cfg.metaserver_timeout_s) as client:
+            while True:
+                item = self._q.get()
+                if item is None:
+                    return
+                rid, tid, url, params = item
+                with self._lock:
+                    if rid in self._cancelled:
+                        self._cancelled.discard(rid)
+                        continue
+                reason = self._call(client, url, tid, params)
+                if reason:
+                    log.error("lw: prefill request for %s (transfer %s) failed: %s", rid, tid,
+                              reason)
+                    self._failures.append((rid, tid, f"metaserver: {reason}"))
+
+    def _call(self, client: Any, url: str, tid: str, params: dict[str, Any]) -> str:
+        body = {"transfer_id": tid, "kv_transfer_params": params}
+        reason = ""
+        for attempt in range(self.cfg.metaserver_attempts):
+            if attempt:
+                time.sleep(min(2.0, 0.2 * 2 ** attempt))
+            try:
+                resp = client.post(url, json=body)
+            except Exception as exc:  # noqa: BLE001 - any transport error: retry, then report
+                reason = f"POST {url}: {type(exc).__name__}: {exc}"
+                continue
+            if resp.status_code < 300:
+                return ""
+            reason = f"POST {url} answered {resp.status_code}: {resp.text[:300]}"
+            if resp.status_code < 500:
+                return reason  # 4xx: unknown transfer or bad body; retrying changes nothing
+        return reason

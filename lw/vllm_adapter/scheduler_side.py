@@ -1,0 +1,285 @@
+"""The scheduler-role half of lw's connector: tracks requests, builds per-step metadata.
+
+P: validates the decoder's params and pushes a request in the step its prefill completes.
+D: allocates first, then asks the proxy's metaserver (in the background) to start the prefill.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lw.vllm_adapter.config import LwConfig
+from lw.vllm_adapter.connector_meta import (
+    PARAMS_VERSION,
+    LwConnectorMetadata,
+    RecvSpec,
+    SendSpec,
+    log,
+)
+from lw.vllm_adapter.metaserver_client import MetaserverPoster
+from lw.vllm_adapter.metrics import LwKVConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from lw.vllm_adapter.connector import LwConnector
+
+__all__ = ["SchedulerSide"]
+
+_NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
+
+
+@dataclass
+class _PReq:
+    """P: a request to push once its prefill completes."""
+
+    request: Any
+    transfer_id: str
+    host: str
+    port: int
+    remote_blocks: tuple[int, ...]
+    first_block: int
+    pushed: bool = False
+
+
+@dataclass
+class _DReq:
+    """D: a request whose blocks are allocated and whose KV is awaited."""
+
+    transfer_id: str
+    aborted: bool = False
+
+
+class SchedulerSide:
+    """Scheduler-role half: tracks requests, builds per-step metadata, calls the metaserver."""
+
+    def __init__(self, cfg: LwConfig, vllm_config: Any, geometry: str,
+                 owner: LwConnector) -> None:
+        self.cfg = cfg
+        self.owner = owner
+        self.geometry = geometry
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self._p: dict[str, _PReq] = {}  # vLLM req id -> tracked (P)
+        self._pushed: dict[str, str] = {}  # vLLM req id -> transfer id, until finished sending
+        self._d: dict[str, _DReq] = {}  # vLLM req id -> receiving (D)
+        self._d_seen: set[str] = set()  # D requests already handled (never load twice)
+        self._meta = LwConnectorMetadata()
+        self._to_post: list[tuple[str, str, str, dict[str, Any]]] = []
+        self._poster: MetaserverPoster | None = None
+        self._lock = threading.Lock()
+        self._counts = {"metaserver_failures": 0}
+        self._bad_params: set[str] = set()
+        if not cfg.is_producer:  # started now: the first prefill request pays no thread start
+            self._poster = MetaserverPoster(cfg)
+
+    # ------------------------------------------------------------------------------- P side
+    def on_new_request(self, request: Request) -> None:
+        """P: validate the decoder's params and track the request."""
+        params = request.kv_transfer_params or {}
+        if not self.cfg.is_producer or not params.get("do_remote_decode"):
+            return
+        rid = request.request_id
+        try:
+            self._p[rid] = self._parse_decoder_params(request, params)
+        except ValueError as exc:
+            log.error("lw: request %s (transfer %s) will not be pushed: %s", rid,
+                      params.get("transfer_id"), exc)
+            self._bad_params.add(rid)
+            return
+        if request.max_tokens != 1:
+            # A pushed request must finish in its prefill step: vLLM frees a preempted
+            # request's blocks without asking the connector, under a write still reading them.
+            log.warning("lw: prefill request %s asked for max_tokens=%s; P computes 1 token",
+                        rid, request.max_tokens)
+            request.max_tokens = 1
+
+    def _parse_decoder_params(self, request: Request, params: dict[str, Any]) -> _PReq:
+        tid = params.get("transfer_id")
+        if not isinstance(tid, str) or not tid:
+            raise ValueError("kv_transfer_params has no transfer_id")
+        version = params.get("lw_params_version")
+        if version != PARAMS_VERSION:
+            raise ValueError(f"kv_transfer_params lw_params_version={version!r}, this prefill "
+                             f"engine speaks {PARAMS_VERSION} (is the decode engine running "
+                             "lw's connector?)")
+        host, port = params.get("remote_host"), params.get("remote_port")
+        blocks = params.get("remote_block_ids")
+        first = params.get("remote_first_block", 0)
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"bad remote_host {host!r}")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(f"bad remote_port {port!r}")
+        if (not isinstance(blocks, list) or not blocks
+                or not all(isinstance(b, int) and b >= 0 for b in blocks)):
+            raise ValueError("remote_block_ids must be a non-empty list of block ids")
+        if not isinstance(first, int) or first < 0:
+            raise ValueError(f"bad remote_first_block {first!r}")
+        tp = params.get("remote_tp_size")
+        if tp != self.cfg.tp_size:
+            raise ValueError(f"decode TP {tp} != prefill TP {self.cfg.tp_size}: lw needs "
+                             "equal tensor parallel sizes")
+        geo = params.get("lw_geometry")
+        if geo != self.geometry:
+            raise ValueError(f"KV geometry differs: decode has {geo!r}, prefill has "
+                             f"{self.geometry!r}")
+        need = -(-request.num_prompt_tokens // self.block_size)
+        if first + len(blocks) != need:
+            raise ValueError(f"{first}+{len(blocks)} remote blocks for a prompt of "
+                             f"{request.num_prompt_tokens} tokens ({need} blocks)")
+        return _PReq(request, tid, host, port, tuple(blocks), first)
+
+    def _push_if_complete(self, rid: str, num_scheduled: int) -> None:
+        tr = self._p.get(rid)
+        if tr is None or tr.pushed:
+            return
+        req = tr.request
+        if req.num_computed_tokens + num_scheduled < req.num_prompt_tokens:
+            return  # an earlier chunk: nothing is sent before the prefill completes
+        manager = self.owner._kv_cache_manager
+        assert manager is not None, "bind_kv_cache_manager was not called"
+        (block_ids,) = manager.get_block_ids(rid)
+        local = tuple(block_ids[tr.first_block:tr.first_block + len(tr.remote_blocks)])
+        if len(local) != len(tr.remote_blocks):
+            log.error("lw: request %s has %d blocks, %d expected; not pushed", rid,
+                      len(block_ids), tr.first_block + len(tr.remote_blocks))
+            del self._p[rid]
+            return
+        tr.pushed = True
+        self._pushed[rid] = tr.transfer_id
+        self._meta.sends.append(SendSpec(tr.transfer_id, rid, tr.host, tr.port, local,
+                                         tr.remote_blocks))
+
+    def has_pending_pushes(self) -> bool:
+        """Pushed requests not yet reported finished sending."""
+        return bool(self._pushed)
+
+    # ------------------------------------------------------------------------------- D side
+    def _remote_prefill(self, request: Request) -> dict[str, Any] | None:
+        params = request.kv_transfer_params
+        if (self.cfg.is_producer or not params or not params.get("do_remote_prefill")
+                or request.request_id in self._d_seen):
+            return None
+        if not isinstance(params.get("transfer_id"), str) or not isinstance(
+                params.get("metaserver"), str):
+            if request.request_id not in self._bad_params:
+                self._bad_params.add(request.request_id)
+                log.error("lw: request %s has do_remote_prefill but no transfer_id/metaserver;"
+                          " computing its prefill locally", request.request_id)
+            return None
+        return params
+
+    def num_new_matched_tokens(self, request: Request, n: int) -> tuple[int, bool]:
+        """D: (uncached prompt tokens, async) for a fresh remote-prefill request; else (0, F)."""
+        if self._remote_prefill(request) is None:
+            return 0, False
+        count = request.num_prompt_tokens - n
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        """D: the blocks for the remote tokens exist: register them and ask for the prefill."""
+        if num_external == 0:
+            return  # second call after the load, or nothing to load
+        params = self._remote_prefill(request)
+        if params is None:
+            return
+        rid = request.request_id
+        self._d_seen.add(rid)
+        (block_ids,) = blocks.get_block_ids()
+        first = (request.num_prompt_tokens - num_external) // self.block_size
+        need = -(-request.num_prompt_tokens // self.block_size)
+        remote = tuple(block_ids[first:need])
+        tid = params["transfer_id"]
+        self._d[rid] = _DReq(tid)
+        self._meta.recvs.append(RecvSpec(tid, rid, remote))
+        post = {
+            "remote_engine_id": self.cfg.engine_id,
+            "remote_host": self.cfg.host,
+            "remote_port": self.cfg.port(tp_rank=0),
+            "remote_block_ids": list(remote),
+            "remote_first_block": first,
+            "remote_dp_rank": self.cfg.dp_rank,
+            "remote_tp_size": self.cfg.tp_size,
+            "lw_geometry": self.geometry,
+            "lw_params_version": PARAMS_VERSION,
+        }
+        self._to_post.append((rid, tid, params["metaserver"], post))
+
+    # ------------------------------------------------------------------------------- common
+    def build_meta(self, so: SchedulerOutput) -> LwConnectorMetadata:
+        """Collect this step's metadata and reset."""
+        if self.cfg.is_producer:
+            for rid, n in so.num_scheduled_tokens.items():
+                self._push_if_complete(rid, n)
+        else:
+            for rid, tid, reason in self._take_post_failures():
+                dr = self._d.get(rid)
+                if dr is not None and not dr.aborted:
+                    dr.aborted = True
+                    self._meta.aborts.append((tid, rid, reason))
+        meta, self._meta = self._meta, LwConnectorMetadata()
+        if self._to_post:
+            # Posted after the worker has the request in this step's metadata: P's first
+            # MetaRequest normally finds it registered (if not, D answers "unknown" and P retries).
+            if self._poster is None:
+                self._poster = MetaserverPoster(self.cfg)
+            for item in self._to_post:
+                self._poster.post(*item)
+            self._to_post = []
+        return meta
+
+    def request_finished(self, request: Request) -> bool:
+        """Whether the blocks must outlive the request (P: pushed); queue aborts for workers."""
+        rid = request.request_id
+        self._bad_params.discard(rid)
+        if self.cfg.is_producer:
+            tr = self._p.pop(rid, None)
+            if tr is None or not tr.pushed:
+                return False
+            if request.status.name not in _NORMAL_FINISH:
+                self._meta.aborts.append((tr.transfer_id, rid,
+                                          f"request {request.status.name}"))
+            return True
+        self._d_seen.discard(rid)
+        dr = self._d.get(rid)
+        if dr is not None and not dr.aborted:
+            # Still receiving: the core stops P and releases (or quarantines) the blocks; vLLM
+            # keeps them until the worker reports the request finished receiving.
+            dr.aborted = True
+            self._meta.aborts.append((dr.transfer_id, rid, f"request {request.status.name}"))
+            if self._poster is not None:
+                self._poster.cancel(rid)
+        return False
+
+    def update_output(self, out: KVConnectorOutput) -> None:
+        """Requests released by the workers."""
+        for rid in out.finished_sending or ():
+            self._pushed.pop(rid, None)
+        for rid in out.finished_recving or ():
+            self._d.pop(rid, None)
+
+    def _take_post_failures(self) -> list[tuple[str, str, str]]:
+        if self._poster is None:
+            return []
+        failures = self._poster.take_failures()
+        self._counts["metaserver_failures"] += len(failures)
+        return failures
+
+    def stats(self) -> LwKVConnectorStats | None:
+        """Scheduler-side counters (metaserver failures) since the last call."""
+        with self._lock:
+            if not any(self._counts.values()):
+                return None
+            out = LwKVConnectorStats()
+            out.data.update(self._counts)
+            self._counts = dict.fromkeys(self._counts, 0)
+            return out
+
+    def close(self) -> None:
+        """Stop the metaserver thread."""
+        if self._poster is not None:
+            self._poster.close()

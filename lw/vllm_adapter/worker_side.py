@@ -1,0 +1,394 @@
+"""The worker-role half of lw's connector: owns the WorkerLoop and translates vLLM's hooks.
+
+vLLM calls become core events (add_request, layer_computed, abort); core effects become vLLM
+results (finished sending / receiving, failed receiving, load-error blocks).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from lw.vllm_adapter.config import ConfigError, LwConfig
+from lw.vllm_adapter.connector_meta import LwConnectorMetadata, log
+from lw.vllm_adapter.metrics import LwKVConnectorStats
+
+if TYPE_CHECKING:
+    from lw.transport.runtime import WorkerLoop
+
+__all__ = ["ReadyGate", "WorkerSide"]
+
+
+def _layer_order(name: str) -> tuple[tuple[int, ...], str]:
+    """Sort key of a layer name: the integers in it (model.layers.<i>...), then the name."""
+    return tuple(int(p) for p in name.split(".") if p.isdigit()), name
+
+
+class ReadyGate:
+    """cuda/npu: forwards a layer's event to the loop once its kernels have finished."""
+
+    def __init__(self, loop: WorkerLoop) -> None:
+        self._loop = loop
+        self._q: queue.SimpleQueue[tuple[Any, tuple[int, ...], list[str]] | None] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._run, name="lw-ready-gate", daemon=True)
+        self._thread.start()
+
+    def put(self, wait: Any, planes: tuple[int, ...], tids: list[str]) -> None:
+        """Queue (never blocks)."""
+        self._q.put((wait, planes, tids))
+
+    def close(self) -> None:
+        """Stop after the queued items."""
+        self._q.put(None)
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            wait, planes, tids = item
+            try:
+                if wait is not None:
+                    wait()
+            except Exception as exc:  # noqa: BLE001 - the layer may be incomplete: never send it
+                log.error("lw: waiting for layer planes %s failed: %r; aborting %d pushes",
+                          planes, exc, len(tids))
+                for tid in tids:
+                    self._loop.call("abort", tid, f"device wait failed: {exc!r}")
+                continue
+            for i in planes:
+                self._loop.layer_computed(i, tids)
+
+
+_STAT_MAP = {  # our stats key -> WorkerLoop.stats() key (monotonic counters)
+    "transfers": "loop.transfers_ok",
+    "transfer_bytes": "loop.bytes_ok",
+    "requests_done": "core.done",
+    "requests_failed": "core.failed",
+    "deadlines_fired": "core.deadlines",
+    "leases_expired": "core.leases_expired",
+    "protocol_errors": "loop.protocol_errors",
+}
+
+
+class WorkerSide:
+    """Worker-role half: owns the WorkerLoop (endpoint, side channel, data plane, timers)."""
+
+    def __init__(self, cfg: LwConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.cfg = cfg
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.tp_rank = int(get_tensor_model_parallel_rank())
+        except Exception:  # noqa: BLE001 - no TP group (tests, single worker): rank 0
+            self.tp_rank = 0
+        self.rank = cfg.dp_rank * cfg.tp_size + self.tp_rank
+        self.incarnation = time.time_ns()
+        self.loop: WorkerLoop | None = None
+        self.planes: list[Any] = []
+        self._plane_idx: dict[str, tuple[int, ...]] = {}
+        self._gate: ReadyGate | None = None
+        self._sample: Any = None
+        self._step_sends: list[str] = []
+        self._step_planes = 0
+        self._rid: dict[str, str] = {}  # transfer id -> vLLM request id (live in the core)
+        self._held: dict[str, int] = {}  # transfer id -> blocks held for it
+        self._aborted: set[str] = set()  # transfer ids aborted by our scheduler (for logs)
+        self._ours: set[str] = set()  # P: request ids pushed and not yet reported
+        self._sched_finished: set[str] = set()
+        self._pending_sending: set[str] = set()
+        self._pending_recving: set[str] = set()
+        self._pending_failed: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._t0: dict[str, float] = {}  # P: transfer id -> first layer hook time
+        self._lock = threading.Lock()  # guards the pending sets (Future callbacks)
+        self._last: dict[str, float] = {}
+        self._extra = dict.fromkeys(("transfer_seconds", "quarantines"), 0.0)
+        self._last_stats_t = 0.0
+        self._dirty = False
+        self._reported_gauges: tuple[int, int] = (0, 0)
+
+    # ---------------------------------------------------------------------------- start
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        """Planes from the KV tensors, data plane + registration, endpoint, loop thread."""
+        from lw.fsm import DecodeEndpoint, PrefillEndpoint
+        from lw.transport.runtime import WorkerLoop
+        from lw.transport.sidechannel import SideChannel, parse_cluster_key
+        from lw.transport.wire import KVLayout, LayerLayout, Sender
+        from lw.vllm_adapter.device import (
+            merged_regions,
+            planes_of,
+            prepare_device,
+            ready_marker,
+        )
+
+        if self.loop is not None:
+            raise RuntimeError("register_kv_caches called twice")
+        seen: dict[int, str] = {}
+        for name in sorted(kv_caches, key=_layer_order):
+            kv = kv_caches[name]
+            first = kv[0] if isinstance(kv, (tuple, list)) else kv
+            ptr = int(first.data_ptr())
+            if ptr in seen:  # a layer sharing another layer's KV: transferred once
+                self._plane_idx[name] = ()
+                continue
+            seen[ptr] = name
+            ps = planes_of(kv, self.num_blocks, name)
+            self._plane_idx[name] = tuple(range(len(self.planes), len(self.planes) + len(ps)))
+            self.planes.extend(ps)
+            self._sample = first
+        if not self.planes:
+            raise ConfigError("lw: register_kv_caches got no KV cache tensors")
+        prepared = prepare_device(self._sample)
+        layout = [LayerLayout(p.base_addr, p.block_stride, p.block_len, p.num_blocks)
+                  for p in self.planes]
+        dp = self._data_plane()
+        try:
+            for addr, length in merged_regions(self.planes):
+                dp.register_memory(addr, length)
+            side = SideChannel(self.cfg.bind_host or self.cfg.host, self.cfg.port(self.tp_rank),
+                               cluster_key=parse_cluster_key(self.cfg.cluster_key or None),
+                               advertise_host=self.cfg.host)
+        except Exception:
+            dp.close()
+            raise
+        me = Sender(self.cfg.engine_id, self.rank, self.incarnation, side.addr)
+        name = f"lw-{'p' if self.cfg.is_producer else 'd'}{self.rank}"
+        if self.cfg.is_producer:
+            ep: Any = PrefillEndpoint(me, len(self.planes), self.cfg.prefill_config())
+            self.loop = WorkerLoop(ep, side, dp, local_layout=layout, name=name)
+        else:
+            kv_layout = KVLayout(self.cfg.engine_id, self.incarnation, dp.session, layout)
+            ep = DecodeEndpoint(me, kv_layout, self.cfg.decode_config())
+            self.loop = WorkerLoop(ep, side, dp, name=name)
+        self.loop.start()
+        if ready_marker(self._sample) is not None:
+            self._gate = ReadyGate(self.loop)
+        log.info("lw %s: side channel %s, transfer engine %s, %d planes x %d blocks of %d "
+                 "bytes, %d registered regions%s", name, side.addr, dp.session, len(self.planes),
+                 self.num_blocks, self.planes[0].block_len, len(merged_regions(self.planes)),
+                 f"; {prepared}" if prepared else "")
+
+    def _data_plane(self) -> Any:
+        from lw.transport.dataplane import InProcessDataPlane, MooncakeDataPlane
+
+        if self.cfg.data_plane == "inprocess":
+            return InProcessDataPlane()
+        return MooncakeDataPlane(hostname=self.cfg.host, timeout_s=self.cfg.transfer_timeout_s,
+                                 metadata_server=self.cfg.mooncake_metadata_server,
+                                 protocol=self.cfg.mooncake_protocol,
+                                 device_name=self.cfg.mooncake_device)
+
+    # ---------------------------------------------------------------------------- per step
+    def _call(self, method: str, *args: Any, rid: str, tid: str) -> None:
+        assert self.loop is not None
+        fut = self.loop.call(method, *args)
+        fut.add_done_callback(lambda f: self._call_done(f, method, rid, tid))
+
+    def _call_done(self, fut: Any, method: str, rid: str, tid: str) -> None:
+        exc = fut.exception()
+        if exc is None:
+            return
+        log.error("lw: %s(%s) refused by the core: %r", method, tid, exc)
+        if method == "add_request":
+            self._give_back(rid, tid, f"core refused the request: {exc}")
+
+    def _give_back(self, rid: str, tid: str, reason: str) -> None:
+        """Report a request the core never took (so vLLM frees its blocks)."""
+        with self._lock:
+            if self._rid.get(tid) == rid:
+                del self._rid[tid]
+                self._held.pop(tid, None)
+            if self.cfg.is_producer:
+                self._pending_sending.add(rid)
+            else:
+                self._pending_recving.add(rid)
+                self._pending_failed.add(rid)
+        log.error("lw: request %s (transfer %s) not transferred: %s", rid, tid, reason)
+
+    def bind(self, meta: LwConnectorMetadata) -> None:
+        """New receives/pushes and aborts to the core, in order, before the forward pass."""
+        from lw.fsm import PrefillRequest
+
+        self._step_sends = []
+        self._step_planes = 0
+        if self.loop is None:
+            if meta.sends or meta.recvs:
+                raise RuntimeError("lw: connector metadata before register_kv_caches")
+            return
+        for r in meta.recvs:
+            if r.transfer_id in self._rid:
+                self._give_back(r.req_id, r.transfer_id, "transfer id already in use")
+                continue
+            with self._lock:
+                self._rid[r.transfer_id] = r.req_id
+                self._held[r.transfer_id] = len(r.block_ids)
+            self._call("add_request", r.transfer_id, r.block_ids, 1, rid=r.req_id,
+                       tid=r.transfer_id)
+        for s in meta.sends:
+            if s.transfer_id in self._rid:
+                with self._lock:
+                    self._ours.add(s.req_id)
+                self._give_back(s.req_id, s.transfer_id, "transfer id already in use")
+                continue
+            with self._lock:
+                self._rid[s.transfer_id] = s.req_id
+                self._held[s.transfer_id] = len(s.local_blocks)
+                self._ours.add(s.req_id)
+            addr = f"tcp://{s.decoder_host}:{s.decoder_port + self.tp_rank}"
+            self._call("add_request", PrefillRequest(s.transfer_id, addr, s.local_blocks,
+                                                     s.remote_blocks, 1),
+                       rid=s.req_id, tid=s.transfer_id)
+            self._step_sends.append(s.transfer_id)
+        for tid, rid, reason in meta.aborts:
+            if self._rid.get(tid) != rid:
+                continue  # finished already, or never taken (a transfer id used twice)
+            self._aborted.add(tid)
+            self._call("abort", tid, reason, rid=rid, tid=tid)
+
+    def layer_done(self, layer_name: str, kv_layer: Any) -> None:
+        """Forward hook: enqueue "layer computed" for this step's pushes; never waits."""
+        tids = self._step_sends
+        if not tids:
+            return
+        planes = self._plane_idx.get(layer_name)
+        if not planes:
+            return
+        loop = self.loop
+        assert loop is not None
+        if planes[0] == 0:
+            now = time.monotonic()
+            for tid in tids:
+                self._t0.setdefault(tid, now)
+        self._step_planes += len(planes)
+        if self._gate is not None:
+            from lw.vllm_adapter.device import ready_marker
+
+            self._gate.put(ready_marker(kv_layer), planes, tids)
+            return
+        for i in planes:
+            loop.layer_computed(i, tids)
+
+    def end_of_forward(self) -> None:
+        """A step whose forward skipped layer hooks cannot send: fail its pushes now."""
+        if self._step_sends and self._step_planes != len(self.planes):
+            for tid in self._step_sends:
+                rid = self._rid.get(tid)
+                if rid is not None:
+                    self._call("abort", tid, f"only {self._step_planes} of {len(self.planes)} "
+                               "layer hooks ran in the prefill step (CUDA graphs?)",
+                               rid=rid, tid=tid)
+        self._step_sends = []
+
+    def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Core reports -> vLLM: finished sending (once vLLM finished the request), finished /
+        failed receiving, load-error blocks."""
+        from lw.fsm import Quarantine, RecvDone, RecvFailed, SendFinished
+
+        loop = self.loop
+        if loop is None:
+            return KVConnectorTransferResults()
+        now = time.monotonic()
+        for e in loop.drain_reports():
+            self._dirty = True
+            tid = e.req_id
+            with self._lock:
+                rid = self._rid.get(tid)
+                if rid is None:
+                    continue
+                if isinstance(e, Quarantine):
+                    self._extra["quarantines"] += 1
+                    log.warning("lw: %s (transfer %s) failed, blocks quarantined: %s", rid, tid,
+                                e.reason)
+                    continue
+                del self._rid[tid]
+                self._held.pop(tid, None)
+                if isinstance(e, SendFinished):
+                    self._pending_sending.add(rid)
+                    t0 = self._t0.pop(tid, None)
+                    if e.ok and t0 is not None:
+                        self._extra["transfer_seconds"] += now - t0
+                    if not e.ok:
+                        log.warning("lw: push of %s (transfer %s) failed: %s", rid, tid,
+                                    e.reason)
+                elif isinstance(e, RecvDone):
+                    self._pending_recving.add(rid)
+                elif isinstance(e, RecvFailed):
+                    # Always reported as failed: vLLM ignores the failure of a request it already
+                    # finished, and a request still waiting must never decode on partial KV.
+                    self._pending_recving.add(rid)
+                    self._pending_failed.add(rid)
+                    self._load_errors.update(e.block_ids)
+                    if tid not in self._aborted:
+                        log.warning("lw: receive of %s (transfer %s) failed: %s", rid, tid,
+                                    e.reason)
+                self._aborted.discard(tid)
+        if loop.crashed is not None:
+            self._fail_everything(f"lw worker loop crashed: {loop.crashed!r}")
+        with self._lock:
+            self._sched_finished.update(r for r in finished_req_ids if r in self._ours)
+            sending = self._pending_sending & self._sched_finished
+            self._pending_sending -= sending
+            self._sched_finished -= sending
+            self._ours -= sending
+            recving, self._pending_recving = self._pending_recving, set()
+            failed, self._pending_failed = self._pending_failed & recving, (
+                self._pending_failed - recving)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def _fail_everything(self, reason: str) -> None:
+        with self._lock:
+            live = list(self._rid.items())
+        for tid, rid in live:
+            self._give_back(rid, tid, reason)
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks of failed receives since the last call."""
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    def stats(self) -> LwKVConnectorStats | None:
+        """Deltas of the loop's counters since the last report, plus gauges (only on change)."""
+        loop = self.loop
+        if loop is None:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            gauges = (len(self._rid), sum(self._held.values()))
+        # Every counter change ends in a report drained by results() (which sets _dirty) or
+        # shows in the gauges; the periodic refresh catches the rest (e.g. protocol errors).
+        if not self._dirty and gauges == self._reported_gauges and now - self._last_stats_t < 1:
+            return None
+        self._dirty = False
+        self._last_stats_t = now
+        raw = loop.stats()
+        data: dict[str, float] = {}
+        for key, src in _STAT_MAP.items():
+            cur = float(raw.get(src, 0) or 0)
+            data[key] = cur - self._last.get(key, 0.0)
+            self._last[key] = cur
+        fails = float(raw.get("loop.transfers_failed", 0)) + float(
+            raw.get("loop.write_setup_failures", 0))
+        data["transfer_failures"] = fails - self._last.get("transfer_failures", 0.0)
+        self._last["transfer_failures"] = fails
+        with self._lock:
+            data["transfer_seconds"] = self._extra["transfer_seconds"]
+            data["quarantines"] = self._extra["quarantines"]
+            self._extra["transfer_seconds"] = self._extra["quarantines"] = 0.0
+        if not any(data.values()) and gauges == self._reported_gauges:
+            return None
+        self._reported_gauges = gauges
+        data["live_requests"], data["held_blocks"] = gauges
+        return LwKVConnectorStats(data=data)
+
+    def close(self) -> None:
+        """Stop the loop (closes side channel and data plane)."""
+        if self._gate is not None:
+            self._gate.close()
+        if self.loop is not None:
+            self.loop.stop()
