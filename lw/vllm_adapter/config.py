@@ -1,8 +1,9 @@
 """lw's connector configuration: ``kv_connector_extra_config`` validated once, at engine start.
 
 Every key is optional; unknown keys, wrong types, out-of-range values and unsupported layouts
-(kv_role ``kv_both``, pipeline parallelism, prefill TP != decode TP) raise :class:`ConfigError`
-naming the key and what was expected, so a bad deployment fails before its first request.
+(kv_role ``kv_both``, pipeline parallelism, a peer TP that cannot shard the model) raise
+:class:`ConfigError` naming the key and what was expected, so a bad deployment fails before its
+first request.
 
 Ports: the side channel of worker (dp_rank, tp_rank) listens on
 ``kv_port + dp_rank * tp_size + tp_rank`` (see :func:`side_channel_port`).
@@ -16,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from lw.fsm import DecodeConfig, PrefillConfig, check_lease
+from lw.fsm.kvmap import tp_problem
 from lw.transport.sidechannel import parse_cluster_key
 
 __all__ = ["ConfigError", "LwConfig", "side_channel_port", "PRODUCER", "CONSUMER"]
@@ -47,7 +49,7 @@ class LwConfig:
     # ---- keys of kv_connector_extra_config -------------------------------------------------
     host: str = ""  # address peers reach this engine at (side channel + transfer engine)
     bind_host: str = ""  # side-channel listen address; "" = host (e.g. 0.0.0.0 in containers)
-    peer_tp_size: int = 0  # TP of the other side; 0 = same as ours (must be equal)
+    peer_tp_size: int = 0  # TP of the other side; 0 = same as ours (D counts senders with it)
     cluster_key: str = ""  # side-channel HMAC key shared by P and D ("hex:..." or text, >= 16 B)
     # prefill (P) deadlines
     request_timeout_s: float = 30.0
@@ -113,12 +115,13 @@ class LwConfig:
             dp_size=par.data_parallel_size, dp_rank=dp_rank,
             load_failure_policy=getattr(ktc, "kv_load_failure_policy", "fail"),
             extra=dict(ktc.kv_connector_extra_config or {}),
+            heads=_model_heads(vllm_config),
         )
 
     @classmethod
     def build(cls, *, role: str | None, engine_id: str, kv_port: int, tp_size: int,
               pp_size: int, dp_size: int, dp_rank: int, load_failure_policy: str,
-              extra: dict[str, Any]) -> LwConfig:
+              extra: dict[str, Any], heads: tuple[int, bool] | None = None) -> LwConfig:
         """Validate everything and return the config, or raise ConfigError."""
         if role not in (PRODUCER, CONSUMER):
             raise ConfigError(
@@ -160,14 +163,14 @@ class LwConfig:
                               f"{values['data_plane']!r}: expected 'mooncake' or 'inprocess'")
         if values["peer_tp_size"] < 0:
             raise ConfigError("kv_connector_extra_config.peer_tp_size must be >= 0")
-        if values["peer_tp_size"] and values["peer_tp_size"] != tp_size:
-            p_tp, d_tp = ((tp_size, values["peer_tp_size"]) if role == PRODUCER
-                          else (values["peer_tp_size"], tp_size))
-            raise ConfigError(
-                f"prefill TP ({p_tp}) != decode TP ({d_tp}): lw only supports equal tensor "
-                "parallel sizes on prefill and decode engines (set the same "
-                "--tensor-parallel-size on both, and kv_connector_extra_config.peer_tp_size "
-                "to it)")
+        if values["peer_tp_size"] and heads is not None:
+            total, mla = heads
+            why = tp_problem(values["peer_tp_size"], total, mla)
+            if why:
+                side = "decode" if role == PRODUCER else "prefill"
+                raise ConfigError(f"kv_connector_extra_config.peer_tp_size="
+                                  f"{values['peer_tp_size']}: the {side} engine cannot shard "
+                                  f"this model's KV that way ({why})")
         if not 1 <= kv_port or kv_port + dp_size * tp_size > 65535:
             raise ConfigError(f"kv_port={kv_port}: the side-channel ports kv_port .. kv_port + "
                               f"dp_size*tp_size-1 = {kv_port + dp_size * tp_size - 1} must be "
@@ -193,6 +196,16 @@ class LwConfig:
         except ValueError as exc:
             raise ConfigError(f"kv_connector_extra_config deadlines: {exc}") from None
         return cfg
+
+
+def _model_heads(vllm_config: Any) -> tuple[int, bool] | None:
+    """(total KV heads, MLA) of the served model, or None when there is no model config."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None:
+        return None
+    if getattr(mc, "use_mla", False):
+        return 1, True
+    return int(mc.get_total_num_kv_heads()), False
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:

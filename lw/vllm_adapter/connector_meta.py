@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from lw.vllm_adapter.config import ConfigError
+from lw.vllm_adapter.config import ConfigError, _model_heads
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["PARAMS_VERSION", "LwConnectorMetadata", "RecvSpec", "SendSpec", "kv_geometry", "log"]
+__all__ = ["PARAMS_VERSION", "LwConnectorMetadata", "ModelHeads", "RecvSpec", "SendSpec",
+           "kv_geometry", "log", "model_heads"]
 
 log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
 
@@ -31,6 +32,7 @@ class SendSpec:
     decoder_port: int  # D's side-channel port for tp rank 0 of its DP rank
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
+    decoder_tp: int = 1  # D's tensor-parallel size: which of its ranks this P rank writes into
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,28 @@ class LwConnectorMetadata(KVConnectorMetadata):
 
 
 def kv_geometry(kv_cache_config: KVCacheConfig) -> str:
-    """What P and D must share to exchange blocks: layers, block size, page bytes, dtype."""
+    """What P and D must share to exchange blocks, whatever their TP sizes: layers, block size,
+    bytes of one KV head in one block, dtype (heads per rank are matched at the claim)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(f"lw supports models with one KV cache group, this one has "
                           f"{len(groups)} (hybrid attention / HMA is not supported)")
     spec = groups[0].kv_cache_spec
     dtype = str(getattr(spec, "dtype", "?")).removeprefix("torch.")
+    heads = int(getattr(spec, "num_kv_heads", 1) or 1)
     return (f"layers={len(groups[0].layer_names)} block_size={spec.block_size} "
-            f"page_bytes={spec.page_size_bytes} dtype={dtype}")
+            f"head_bytes={spec.page_size_bytes // heads} dtype={dtype}")
+
+
+@dataclass(frozen=True)
+class ModelHeads:
+    """The model's KV heads as both sides must agree on: total KV heads, and whether MLA."""
+
+    total: int
+    mla: bool
+
+
+def model_heads(vllm_config: Any) -> ModelHeads:
+    """Total KV heads of the served model (1 for MLA's latent vector) and whether it is MLA."""
+    found = _model_heads(vllm_config)
+    return ModelHeads(*found) if found is not None else ModelHeads(1, False)

@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "Plane",
+    "block_order",
     "device_type",
     "merged_regions",
     "planes_of",
@@ -105,6 +106,26 @@ def planes_of(kv: Any, num_blocks: int, name: str = "kv cache") -> list[Plane]:
         return [_plane(kv[0], num_blocks, f"{name}[K]"), _plane(kv[1], num_blocks, f"{name}[V]")]
     raise ValueError(f"{name}: cannot find the block dimension of shape {shape} for "
                      f"{num_blocks} blocks (expected (num_blocks, ...) or (2, num_blocks, ...))")
+
+
+def block_order(kv: Any, num_blocks: int, heads: int, block_tokens: int) -> str:
+    """Where the heads sit inside one block of a layer's KV: "HND" (heads outermost, each head one
+    contiguous run, vLLM's CPU layout) or "NHD" (tokens outermost, FlashAttention's layout)."""
+    t = kv[0] if isinstance(kv, (tuple, list)) else kv
+    if t.shape[0] == 2 and t.dim() > 1 and t.shape[1] % num_blocks == 0 and num_blocks != 2:
+        t = t[0]  # (2, num_blocks, ...): K and V planes share one layout
+    inner = tuple(t.shape[1:])
+    if heads == 1:
+        return "HND"
+    if t.shape[0] != num_blocks:
+        raise ValueError(f"{t.shape[0] // num_blocks} kernel blocks per block: heads are not "
+                         "contiguous inside a block, KV cannot be split by head")
+    if len(inner) >= 2 and inner[0] == heads and inner[1] == block_tokens:
+        return "HND"
+    if len(inner) >= 2 and inner[0] == block_tokens and inner[1] == heads:
+        return "NHD"
+    raise ValueError(f"cannot find the {heads} heads and {block_tokens} tokens in a block of "
+                     f"shape {inner}")
 
 
 def merged_regions(planes: Iterable[Plane]) -> list[tuple[int, int]]:

@@ -44,6 +44,7 @@ class _PReq:
     port: int
     remote_blocks: tuple[int, ...]
     first_block: int
+    decoder_tp: int = 1
     pushed: bool = False
 
 
@@ -120,9 +121,12 @@ class SchedulerSide:
         if not isinstance(first, int) or first < 0:
             raise ValueError(f"bad remote_first_block {first!r}")
         tp = params.get("remote_tp_size")
-        if tp != self.cfg.tp_size:
-            raise ValueError(f"decode TP {tp} != prefill TP {self.cfg.tp_size}: lw needs "
-                             "equal tensor parallel sizes")
+        if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= 65536:
+            raise ValueError(f"bad remote_tp_size {tp!r}")
+        if tp != (self.cfg.peer_tp_size or self.cfg.tp_size):
+            raise ValueError(f"decode TP {tp} but this prefill engine was configured for decode "
+                             f"TP {self.cfg.peer_tp_size or self.cfg.tp_size} "
+                             "(kv_connector_extra_config.peer_tp_size)")
         geo = params.get("lw_geometry")
         if geo != self.geometry:
             raise ValueError(f"KV geometry differs: decode has {geo!r}, prefill has "
@@ -131,7 +135,7 @@ class SchedulerSide:
         if first + len(blocks) != need:
             raise ValueError(f"{first}+{len(blocks)} remote blocks for a prompt of "
                              f"{request.num_prompt_tokens} tokens ({need} blocks)")
-        return _PReq(request, tid, host, port, tuple(blocks), first)
+        return _PReq(request, tid, host, port, tuple(blocks), first, tp)
 
     def _push_if_complete(self, rid: str, num_scheduled: int) -> None:
         tr = self._p.get(rid)
@@ -152,7 +156,7 @@ class SchedulerSide:
         tr.pushed = True
         self._pushed[rid] = tr.transfer_id
         self._meta.sends.append(SendSpec(tr.transfer_id, rid, tr.host, tr.port, local,
-                                         tr.remote_blocks))
+                                         tr.remote_blocks, tr.decoder_tp))
 
     def has_pending_pushes(self) -> bool:
         """Pushed requests not yet reported finished sending."""

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from lw.fsm.kvmap import describe, expected_senders, targets_of
 from lw.vllm_adapter.config import ConfigError, LwConfig
-from lw.vllm_adapter.connector_meta import LwConnectorMetadata, log
+from lw.vllm_adapter.connector_meta import LwConnectorMetadata, log, model_heads
 from lw.vllm_adapter.metrics import LwKVConnectorStats
 
 if TYPE_CHECKING:
@@ -79,6 +80,9 @@ class WorkerSide:
     def __init__(self, cfg: LwConfig, vllm_config: Any, kv_cache_config: Any) -> None:
         self.cfg = cfg
         self.num_blocks = int(kv_cache_config.num_blocks)
+        self.kv_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.heads = model_heads(vllm_config)
+        self.fmt: Any = None
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -143,6 +147,7 @@ class WorkerSide:
         if not self.planes:
             raise ConfigError("lw: register_kv_caches got no KV cache tensors")
         prepared = prepare_device(self._sample)
+        self.fmt = self._format(kv_caches[min(seen.values(), key=_layer_order)])
         layout = [LayerLayout(p.base_addr, p.block_stride, p.block_len, p.num_blocks)
                   for p in self.planes]
         dp = self._data_plane()
@@ -157,20 +162,48 @@ class WorkerSide:
             raise
         me = Sender(self.cfg.engine_id, self.rank, self.incarnation, side.addr)
         name = f"lw-{'p' if self.cfg.is_producer else 'd'}{self.rank}"
+        kv_layout = KVLayout(self.cfg.engine_id, self.incarnation, dp.session, layout, self.fmt)
         if self.cfg.is_producer:
-            ep: Any = PrefillEndpoint(me, len(self.planes), self.cfg.prefill_config())
+            ep: Any = PrefillEndpoint(me, len(self.planes), self.cfg.prefill_config(),
+                                      local=kv_layout)
             self.loop = WorkerLoop(ep, side, dp, local_layout=layout, name=name)
         else:
-            kv_layout = KVLayout(self.cfg.engine_id, self.incarnation, dp.session, layout)
             ep = DecodeEndpoint(me, kv_layout, self.cfg.decode_config())
             self.loop = WorkerLoop(ep, side, dp, name=name)
         self.loop.start()
         if ready_marker(self._sample) is not None:
             self._gate = ReadyGate(self.loop)
         log.info("lw %s: side channel %s, transfer engine %s, %d planes x %d blocks of %d "
-                 "bytes, %d registered regions%s", name, side.addr, dp.session, len(self.planes),
-                 self.num_blocks, self.planes[0].block_len, len(merged_regions(self.planes)),
+                 "bytes, %d registered regions, %s%s", name, side.addr, dp.session,
+                 len(self.planes), self.num_blocks, self.planes[0].block_len,
+                 len(merged_regions(self.planes)), describe(self.fmt),
                  f"; {prepared}" if prepared else "")
+
+    def _format(self, kv: Any) -> Any:
+        """This rank's head format: which of the model's KV heads its blocks hold, and how."""
+        from lw.fsm.kvmap import make_format
+        from lw.vllm_adapter.device import block_order
+
+        spec = self.kv_spec
+        heads = int(getattr(spec, "num_kv_heads", 1) or 1)
+        tokens = int(spec.block_size)
+        try:
+            order = "HND" if self.heads.mla else block_order(kv, self.num_blocks, heads, tokens)
+        except ValueError as exc:
+            if self.cfg.peer_tp_size in (0, self.cfg.tp_size):
+                order = "HND"  # equal TP: whole blocks are copied, the order does not matter
+            else:
+                raise ConfigError(f"lw: prefill and decode TP differ but this KV cache cannot "
+                                  f"be split by head: {exc}") from None
+        fmt = make_format(tp_rank=self.tp_rank, tp_size=self.cfg.tp_size,
+                          total_heads=self.heads.total, block_tokens=tokens,
+                          dtype=str(spec.dtype).removeprefix("torch."), order=order,
+                          mla=self.heads.mla)
+        if not self.heads.mla and fmt.head_hi - fmt.head_lo != heads:
+            raise ConfigError(f"lw: TP rank {self.tp_rank} of {self.cfg.tp_size} holds {heads} "
+                              f"KV heads, but {self.heads.total} heads over TP "
+                              f"{self.cfg.tp_size} give {fmt.head_hi - fmt.head_lo}")
+        return fmt
 
     def _data_plane(self) -> Any:
         from lw.transport.dataplane import InProcessDataPlane, MooncakeDataPlane
@@ -226,7 +259,8 @@ class WorkerSide:
             with self._lock:
                 self._rid[r.transfer_id] = r.req_id
                 self._held[r.transfer_id] = len(r.block_ids)
-            self._call("add_request", r.transfer_id, r.block_ids, 1, rid=r.req_id,
+            senders = expected_senders(self.fmt, self.cfg.peer_tp_size or self.cfg.tp_size)
+            self._call("add_request", r.transfer_id, r.block_ids, senders, rid=r.req_id,
                        tid=r.transfer_id)
         for s in meta.sends:
             if s.transfer_id in self._rid:
@@ -238,8 +272,10 @@ class WorkerSide:
                 self._rid[s.transfer_id] = s.req_id
                 self._held[s.transfer_id] = len(s.local_blocks)
                 self._ours.add(s.req_id)
-            addr = f"tcp://{s.decoder_host}:{s.decoder_port + self.tp_rank}"
-            self._call("add_request", PrefillRequest(s.transfer_id, addr, s.local_blocks,
+            # D's TP rank j listens on its rank-0 port + j; which ranks we feed follows the heads.
+            addrs = tuple(f"tcp://{s.decoder_host}:{s.decoder_port + j}"
+                          for j in targets_of(self.fmt, s.decoder_tp))
+            self._call("add_request", PrefillRequest(s.transfer_id, addrs, s.local_blocks,
                                                      s.remote_blocks, 1),
                        rid=s.req_id, tid=s.transfer_id)
             self._step_sends.append(s.transfer_id)

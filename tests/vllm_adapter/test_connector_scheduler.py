@@ -501,7 +501,7 @@ def _build(**over: Any) -> LwConfig:
     ({"extra": {"transfer_timeout_s": 1}}, "Mooncake's minimum"),
     ({"extra": {"data_plane": "nixl"}}, "data_plane"),
     ({"extra": {"lease_s": 10}}, "lease_s=10.0 must exceed"),
-    ({"tp_size": 2, "extra": {"peer_tp_size": 1}}, "prefill TP (1) != decode TP (2)"),
+    ({"extra": {"peer_tp_size": 3}, "heads": (4, False)}, "cannot shard this model's KV"),
     ({"kv_port": 65535, "dp_size": 2, "tp_size": 1, "extra": {}}, "valid TCP ports"),
     ({"load_failure_policy": "retry"}, "kv_load_failure_policy"),
 ])
@@ -519,9 +519,11 @@ def test_config_defaults_and_ports() -> None:
     assert "host" in LwConfig.extra_keys() and "role" not in LwConfig.extra_keys()
 
 
-def test_engine_refuses_tp_mismatch_at_start(model_dir: str) -> None:
-    with pytest.raises(ConfigError, match="equal tensor"):
-        make_scheduler(model_dir, "kv_producer", extra={"peer_tp_size": 2})
+def test_config_accepts_heterogeneous_tp() -> None:
+    for peer in (1, 2, 4, 8):  # 4 heads: split, or replicated when TP > heads
+        cfg = _build(tp_size=2, extra={"peer_tp_size": peer}, heads=(4, False))
+        assert cfg.peer_tp_size == peer
+    assert _build(extra={"peer_tp_size": 3}, heads=(1, True)).peer_tp_size == 3  # MLA: any TP
 
 
 def test_engine_refuses_unknown_key_at_start(model_dir: str) -> None:
