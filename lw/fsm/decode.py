@@ -306,7 +306,8 @@ class DecodeEndpoint:
         rank = msg.fmt.tp_rank
         if rank not in rec.ranks:
             return (f"P TP rank {rank} (of {msg.fmt.tp_size}) is not a sender of this D worker, "
-                    f"which expects P TP ranks {sorted(rec.ranks)}")
+                    f"which expects P TP ranks {sorted(rec.ranks)} (does it know the prefill "
+                    "TP size?)")
         if rank in rec.by_rank:
             return f"P TP rank {rank} was already claimed by sender {rec.by_rank[rank]}"
         return ""
