@@ -2,7 +2,9 @@
 
 ``--engine vllm`` (the default) runs real vLLM engines (:mod:`lw.vllm_adapter.demo`);
 ``--engine synthetic`` runs :mod:`lw.synthetic`: P DP-rank processes in lock step over numpy KV
-caches, a decoder that verifies every byte, real ZMQ side channels and real Mooncake transfers.
+caches, a decoder that verifies every byte, real ZMQ side channels and real Mooncake transfers;
+``--prefill-tp`` / ``--decode-tp`` / ``--mla`` give both sides tensor-parallel workers that move
+head slices.
 Exit status 0 iff every request is accounted for, no block leaked and nothing was corrupt.
 """
 
@@ -22,9 +24,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("synthetic", "vllm"), default="vllm")
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--prefill-dp", type=int, default=2, help="P data-parallel ranks")
+    p.add_argument("--prefill-tp", type=int, default=1,
+                   help="P tensor-parallel workers per DP rank (each holds its KV heads)")
+    p.add_argument("--decode-tp", type=int, default=1,
+                   help="decoder tensor-parallel workers (one shared block pool)")
+    p.add_argument("--kv-heads", type=int, default=0,
+                   help="KV heads of the model (default: the larger TP size)")
+    p.add_argument("--mla", action="store_true",
+                   help="latent KV (MLA): replicated on every TP rank, one writer per D rank")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--blocks-per-request", type=int, default=4)
-    p.add_argument("--block-kib", type=int, default=64, help="bytes per block per layer, KiB")
+    p.add_argument("--block-kib", type=int, default=64,
+                   help="bytes per block per layer (all KV heads), KiB")
     p.add_argument("--decoder-blocks", type=int, default=64, help="the decoder's block pool")
     p.add_argument("--layer-ms", type=float, default=2.0, help="simulated compute per layer")
     p.add_argument("--fault", default="none",
@@ -78,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = ClusterConfig(
                 requests=args.requests,
                 prefill_dp=args.prefill_dp,
+                prefill_tp=args.prefill_tp,
+                decode_tp=args.decode_tp,
+                kv_heads=args.kv_heads,
+                mla=args.mla,
                 layers=args.layers,
                 blocks_per_request=args.blocks_per_request,
                 block_bytes=args.block_kib * 1024,
@@ -171,6 +186,9 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
         f"  {cfg.requests} requests, {cfg.prefill_dp} P DP ranks in lock step, {cfg.layers} "
         f"layers, {cfg.blocks_per_request} blocks x {cfg.block_bytes // 1024} KiB per layer "
         f"({mib:.1f} MiB per request), decoder pool {cfg.d_blocks} blocks",
+        f"  tensor parallel: P TP {cfg.prefill_tp} x D TP {cfg.decode_tp}, "
+        + ("MLA latent KV (replicated)" if cfg.mla else f"{cfg.kv_heads} KV heads")
+        + ", HND blocks",
         "",
         f"  {'requests done / failed / corrupt':<40} {res.done} / {res.failed} / {res.corrupt}",
         f"  {'bytes moved':<40} {res.bytes_moved / 2**20:.1f} MiB",

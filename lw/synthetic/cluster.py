@@ -141,7 +141,7 @@ class _Cluster:
             self.barrier = threading.Barrier(cfg.prefill_dp, action=_Action(self.flags))
         self.ranks: list[_Worker] = []
         self.decoder: _Worker | None = None
-        self.d_port = 0
+        self.d_ports: list[int] = [0] * cfg.decode_tp  # kept across decoder restarts
         self.d_generation = 0
         self.req_ids = [f"req-{i}" for i in range(cfg.requests)]
         self.next_req = 0
@@ -182,10 +182,10 @@ class _Cluster:
 
     def start_decoder(self) -> None:
         self.d_generation += 1
-        cfg, port, gen, inc = self.cfg, self.d_port, self.d_generation, time.time_ns()
+        cfg, ports, gen, inc = self.cfg, list(self.d_ports), self.d_generation, time.time_ns()
         proc, cmd, ev = self._spawn(
             decode_main,
-            lambda c, e, p: (cfg, c, e, port, inc, gen, p),
+            lambda c, e, p: (cfg, c, e, ports, inc, gen, p),
             f"lw-decode-gen{gen}")
         self.decoder = _Worker("d", gen, cmd, ev, proc)
         self.res.decoder_generations = gen
@@ -248,16 +248,16 @@ class _Cluster:
         if kind == "ready":
             w.ready = ev[3]
             if w.role == "d":
-                self.d_port = ev[3]["port"]
+                self.d_ports = list(ev[3]["ports"])
         elif kind == "start_prefill":
-            _, rid, d_addr, blocks = ev
+            _, rid, d_addrs, blocks = ev  # one side-channel address per D TP worker
             live = [r for r in self.ranks if r.alive]
             if not live:
                 return  # nobody to prefill: D's deadline fails the request
             rank = min(live, key=lambda r: (sum(1 for v in self.assigned.values()
                                                 if v == r.index), r.index))
             self.assigned[rid] = rank.index
-            self.send(rank, ("prefill", rid, d_addr, blocks))
+            self.send(rank, ("prefill", rid, d_addrs, blocks))
         elif kind == "p_finished":
             _, _rank, rid, ok, reason = ev
             self.assigned.pop(rid, None)

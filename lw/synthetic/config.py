@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lw.fsm import DecodeConfig, PrefillConfig, check_lease
+from lw.fsm.kvmap import make_format, tp_problem
+from lw.fsm.messages import KVFormat
 from lw.transport.sidechannel import parse_cluster_key
 
 FAULTS: dict[str, str] = {
@@ -48,9 +50,13 @@ class ClusterConfig:
 
     requests: int = 40
     prefill_dp: int = 2
+    prefill_tp: int = 1  # TP worker threads per P DP rank, each holding its KV heads
+    decode_tp: int = 1  # TP worker threads of the decoder, sharing one block pool
+    mla: bool = False  # latent KV: one vector per token, identical on every TP rank
+    kv_heads: int = 0  # KV heads of the model (0: max(prefill_tp, decode_tp); 1 with MLA)
     layers: int = 8
     blocks_per_request: int = 4
-    block_bytes: int = 64 * 1024
+    block_bytes: int = 64 * 1024  # one block of one layer, all KV heads (MLA: the latent)
     d_blocks: int = 64  # the decoder's finite block pool
     p_blocks: int = 64  # per P rank
     max_batch: int = 4  # new requests a P rank admits per step
@@ -93,9 +99,39 @@ class ClusterConfig:
             raise ValueError("requests, prefill_dp and layers must be >= 1")
         if self.blocks_per_request > min(self.d_blocks, self.p_blocks):
             raise ValueError("blocks_per_request exceeds a block pool")
-        if self.block_bytes % 8:
-            raise ValueError("block_bytes must be a multiple of 8")
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError("prefill_tp and decode_tp must be >= 1")
+        if self.mla:
+            self.kv_heads = 1
+        elif self.kv_heads < 1:
+            self.kv_heads = max(self.prefill_tp, self.decode_tp)
+        for side, tp in (("prefill", self.prefill_tp), ("decode", self.decode_tp)):
+            problem = tp_problem(tp, self.kv_heads, self.mla)
+            if problem:
+                raise ValueError(f"{side}: {problem}")
+        if self.block_bytes % (8 * self.kv_heads):
+            raise ValueError(f"block_bytes must be a multiple of 8 bytes per KV head "
+                             f"({8 * self.kv_heads})")
         check_lease(self.decode_config(), self.p_request_timeout_s, self.transfer_timeout_s)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head in one block of one layer."""
+        return self.block_bytes // self.kv_heads
+
+    def p_format(self, tp_rank: int) -> KVFormat:
+        """Head format of P TP rank ``tp_rank`` (HND blocks, like vLLM's CPU KV cache)."""
+        return make_format(tp_rank=tp_rank, tp_size=self.prefill_tp, total_heads=self.kv_heads,
+                           block_tokens=16, dtype="uint8", order="HND", mla=self.mla)
+
+    def d_format(self, tp_rank: int) -> KVFormat:
+        """Head format of D TP rank ``tp_rank``."""
+        return make_format(tp_rank=tp_rank, tp_size=self.decode_tp, total_heads=self.kv_heads,
+                           block_tokens=16, dtype="uint8", order="HND", mla=self.mla)
+
+    def rank_block_bytes(self, fmt: KVFormat) -> int:
+        """Bytes of one block of one layer held by the TP rank of ``fmt``."""
+        return (fmt.head_hi - fmt.head_lo) * self.head_bytes
 
     @property
     def d_capacity(self) -> int:

@@ -1,4 +1,4 @@
-"""Verifiable KV contents: every (request, layer, block index) gets its own byte pattern."""
+"""Verifiable KV contents: each (request, layer, block index, KV head) has its own byte pattern."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import hashlib
 import numpy as np
 
 
-def word(req_id: str, layer: int, index: int) -> int:
-    """64-bit seed of the block ``index`` (position within the request) of ``layer``."""
-    digest = hashlib.blake2b(f"{req_id}|{layer}|{index}".encode(), digest_size=8).digest()
+def word(req_id: str, layer: int, index: int, head: int = 0) -> int:
+    """64-bit seed of global KV ``head`` of block ``index`` (position within the request)."""
+    digest = hashlib.blake2b(f"{req_id}|{layer}|{index}|{head}".encode(),
+                             digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
 class Pattern:
-    """Fills and checks blocks of ``block_bytes``: word XOR the 8-byte position, so every byte
-    depends on the request, the layer, the block's index in the request and its offset."""
+    """Fills and checks one head's slice of a block (``block_bytes`` per head): word XOR the 8-byte
+    position, so every byte depends on the request, layer, block index, head and offset."""
 
     def __init__(self, block_bytes: int) -> None:
         if block_bytes <= 0 or block_bytes % 8:
@@ -23,11 +24,27 @@ class Pattern:
         self.block_bytes = block_bytes
         self._ramp = np.arange(block_bytes // 8, dtype=np.uint64)
 
-    def fill(self, block: np.ndarray, req_id: str, layer: int, index: int) -> None:
-        """Write the pattern into ``block`` (a contiguous uint8 view of one block)."""
-        np.bitwise_xor(self._ramp, np.uint64(word(req_id, layer, index)), out=block.view(np.uint64))
+    def fill(self, block: np.ndarray, req_id: str, layer: int, index: int, head: int = 0) -> None:
+        """Write the pattern into ``block`` (a contiguous uint8 view of one head's slice)."""
+        np.bitwise_xor(self._ramp, np.uint64(word(req_id, layer, index, head)),
+                       out=block.view(np.uint64))
 
-    def check(self, block: np.ndarray, req_id: str, layer: int, index: int) -> bool:
+    def check(self, block: np.ndarray, req_id: str, layer: int, index: int,
+              head: int = 0) -> bool:
         """True when every byte of ``block`` holds the pattern."""
-        expected = np.bitwise_xor(self._ramp, np.uint64(word(req_id, layer, index)))
+        expected = np.bitwise_xor(self._ramp, np.uint64(word(req_id, layer, index, head)))
         return bool(np.array_equal(block.view(np.uint64), expected))
+
+    def fill_heads(self, block: np.ndarray, req_id: str, layer: int, index: int, head_lo: int,
+                   head_hi: int) -> None:
+        """Fill a TP rank's HND block holding global heads [head_lo, head_hi)."""
+        n = self.block_bytes
+        for k, head in enumerate(range(head_lo, head_hi)):
+            self.fill(block[k * n:(k + 1) * n], req_id, layer, index, head)
+
+    def check_heads(self, block: np.ndarray, req_id: str, layer: int, index: int, head_lo: int,
+                    head_hi: int) -> bool:
+        """True when every head slice of a TP rank's HND block holds its own pattern."""
+        n = self.block_bytes
+        return all(self.check(block[k * n:(k + 1) * n], req_id, layer, index, head)
+                   for k, head in enumerate(range(head_lo, head_hi)))

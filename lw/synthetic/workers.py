@@ -1,9 +1,11 @@
 """The synthetic engine's workers: P DP ranks stepping in lock step, and the decoder.
 
-Each worker runs one :class:`~lw.transport.runtime.WorkerLoop` and talks to the coordinator
-(:mod:`lw.synthetic.cluster`) through two one-way pipes: commands in, events out. A worker is an
-OS process (Mooncake data plane) or a thread of the coordinator's process (in-process data plane);
-the code is the same.
+A worker is an engine: a P DP rank (with its scheduler) or the decoder (with its block pool). It
+has one TP worker per tensor-parallel rank, each with its own KV memory (its KV heads of every
+block, HND), data plane, side channel and :class:`~lw.transport.runtime.WorkerLoop`, and talks to
+the coordinator (:mod:`lw.synthetic.cluster`) through two one-way pipes: commands in, events out.
+An engine is an OS process (Mooncake data plane) or a thread of the coordinator's process
+(in-process data plane); its TP workers are its loops' threads; the code is the same.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from lw.fsm import (
     DecodeEndpoint,
+    Effect,
     PrefillEndpoint,
     PrefillRequest,
     Quarantine,
@@ -31,6 +34,8 @@ from lw.fsm import (
     RecvFailed,
     SendFinished,
 )
+from lw.fsm.kvmap import expected_senders, targets_of
+from lw.fsm.messages import KVFormat
 from lw.synthetic.config import ClusterConfig
 from lw.synthetic.pattern import Pattern
 from lw.transport.runtime import WorkerLoop
@@ -100,6 +105,32 @@ def _layouts(kv: np.ndarray) -> list[LayerLayout]:
     return [LayerLayout(base + i * nblk * blen, blen, blen, nblk) for i in range(layers)]
 
 
+class _TP:
+    """One TP worker of an engine: its head format, KV memory (layers, blocks, bytes) and loop."""
+
+    def __init__(self, fmt: KVFormat, kv: np.ndarray, loop: WorkerLoop) -> None:
+        self.fmt = fmt
+        self.kv = kv
+        self.loop = loop
+
+
+def _merged_stats(tps: list[_TP]) -> dict[str, Any]:
+    """The TP workers' loop stats as one engine's: counts summed, percentiles their maximum."""
+    out: dict[str, Any] = {}
+    for tp in tps:
+        for k, v in tp.loop.stats().items():
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                if v and not out.get(k):
+                    out[k] = v
+                else:
+                    out.setdefault(k, v)
+            elif k.endswith(("_p50_s", "_p99_s", "_max_s")):
+                out[k] = max(out.get(k, 0.0), v)
+            else:
+                out[k] = out.get(k, 0) + v
+    return out
+
+
 class _Outbox:
     """Events to the coordinator, sent by a thread so a worker never waits on the pipe."""
 
@@ -153,104 +184,147 @@ def prefill_main(cfg: ClusterConfig, rank: int, cmd: Connection, out: Connection
         outbox.close()
 
 
-def _prefill(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outbox, barrier: Any,
-             flags: Any, incarnation: int) -> None:
-    L = cfg.layers
-    pattern = Pattern(cfg.block_bytes)
-    kv = np.zeros((L, cfg.p_blocks, cfg.block_bytes), dtype=np.uint8)
-    dp = _data_plane(cfg, f"p{rank}")
+def _prefill_tp(cfg: ClusterConfig, rank: int, t: int, incarnation: int) -> _TP:
+    """TP worker ``t`` of P DP rank ``rank``: its heads of every block, and its loop."""
+    fmt = cfg.p_format(t)
+    kv = np.zeros((cfg.layers, cfg.p_blocks, cfg.rank_block_bytes(fmt)), dtype=np.uint8)
+    dp = _data_plane(cfg, f"p{rank}t{t}")
     dp.register_memory(kv.ctypes.data, kv.nbytes)
     keyless = cfg.fault == "no-cluster-key" and rank == cfg.prefill_dp - 1
     side = SideChannel(cluster_key=None if keyless else cfg.cluster_key,
-                       faults=_faults(cfg, 1 + rank))
-    me = Sender(p_engine(rank), 0, incarnation, side.addr)
-    loop = WorkerLoop(PrefillEndpoint(me, L, cfg.prefill_config()), side, dp,
-                      local_layout=_layouts(kv), name=f"lw-loop-p{rank}").start()
+                       faults=_faults(cfg, 1 + rank + 1000 * t))
+    me = Sender(p_engine(rank), t, incarnation, side.addr)
+    local = KVLayout(me.engine_id, incarnation, dp.session, _layouts(kv), fmt)
+    ep = PrefillEndpoint(me, cfg.layers, cfg.prefill_config(), local=local)
+    loop = WorkerLoop(ep, side, dp, local_layout=local.layers, name=f"lw-loop-p{rank}t{t}")
+    return _TP(fmt, kv, loop.start())
+
+
+def _prefill(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outbox, barrier: Any,
+             flags: Any, incarnation: int) -> None:
+    L = cfg.layers
+    pattern = Pattern(cfg.head_bytes)
+    tps: list[_TP] = []
+    try:
+        for t in range(cfg.prefill_tp):
+            tps.append(_prefill_tp(cfg, rank, t, incarnation))
+        _prefill_steps(cfg, rank, cmd, outbox, barrier, flags, tps, pattern, L)
+    finally:
+        for tp in tps:
+            tp.loop.stop()
+
+
+def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outbox,
+                   barrier: Any, flags: Any, tps: list[_TP], pattern: Pattern, L: int) -> None:
+    """The DP rank's scheduler and forward pass: one block allocation per request for all TP
+    workers, blocks freed once every TP worker released them."""
+    # Per TP worker: the D TP ranks it writes into, and how many P ranks write into each.
+    targets = [targets_of(tp.fmt, cfg.decode_tp) for tp in tps]
+    n_senders = [max((len(expected_senders(cfg.d_format(j), cfg.prefill_tp)) for j in tg),
+                     default=1) for tg in targets]
     free = deque(range(cfg.p_blocks))
     held: dict[str, tuple[int, ...]] = {}
-    waiting: deque[tuple[str, str, tuple[int, ...]]] = deque()
+    unreleased: dict[str, set[int]] = {}  # request -> TP workers that still hold its blocks
+    failures: dict[str, str] = {}  # request -> first failure reason of a TP worker
+    waiting: deque[tuple[str, tuple[str, ...], tuple[int, ...]]] = deque()
     steps = busy_steps = 0
     max_step = max_busy_step = max_hook = 0.0
     busy_times: list[float] = []  # durations of steps that had requests (bounded below)
     hook_times: list[float] = []
     crash_armed = False
-    outbox.put(("ready", "p", rank, {"pid": os.getpid(), "addr": side.addr}))
+    outbox.put(("ready", "p", rank, {"pid": os.getpid(), "addr": tps[0].loop.addr,
+                                     "addrs": [tp.loop.addr for tp in tps]}))
 
     def stats() -> dict[str, Any]:
         return {"rank": rank, "held_blocks": cfg.p_blocks - len(free), "steps": steps,
                 "busy_steps": busy_steps, "max_step_s": max_step, "busy_step_s": busy_times[:],
                 "max_hook_s": max_hook, "hook_s": hook_times[:],
                 "max_busy_step_s": max_busy_step, "waiting": len(waiting),
-                "tails": loop.tail_samples(), **loop.stats()}
+                "tails": [x for tp in tps for x in tp.loop.tail_samples()],
+                **_merged_stats(tps)}
 
-    try:
-        while True:
-            while cmd.poll():
-                c = cmd.recv()
-                if c[0] == "prefill":
-                    waiting.append((c[1], c[2], tuple(c[3])))
-                elif c[0] == "stats":
-                    outbox.put(("stats", "p", rank, stats()))
-                elif c[0] == "crash":
-                    crash_armed = True
-            for rep in loop.drain_reports():
-                if isinstance(rep, SendFinished):
-                    free.extend(held.pop(rep.req_id, ()))
-                    outbox.put(("p_finished", rank, rep.req_id, rep.ok, rep.reason))
-            barrier.wait(cfg.barrier_timeout_s)  # step start; the action publishes "stop"
-            if flags[1]:
-                break
-            t0 = time.monotonic()
-            batch: list[tuple[str, tuple[int, ...], int]] = []
-            while waiting and len(batch) < cfg.max_batch and len(free) >= len(waiting[0][2]):
-                rid, d_addr, remote = waiting.popleft()
-                local = tuple(free.popleft() for _ in remote)
-                held[rid] = local
-                loop.call("add_request", PrefillRequest(rid, d_addr, local, remote, 1))
-                batch.append((rid, local, len(remote)))
-            ids = [b[0] for b in batch]
-            layer_s = cfg.layer_ms / 1000
-            for layer in range(L):
-                t_layer = time.monotonic()
-                if batch:
-                    for rid, local, _n in batch:  # "compute" the layer: write its KV
+    def drain() -> None:
+        for t, tp in enumerate(tps):
+            for rep in tp.loop.drain_reports():
+                if not isinstance(rep, SendFinished) or rep.req_id not in unreleased:
+                    continue
+                rid = rep.req_id
+                if not rep.ok:
+                    failures.setdefault(rid, rep.reason or "failed")
+                left = unreleased[rid]
+                left.discard(t)
+                if not left:
+                    del unreleased[rid]
+                    free.extend(held.pop(rid, ()))
+                    reason = failures.pop(rid, None)
+                    outbox.put(("p_finished", rank, rid, reason is None, reason or ""))
+
+    while True:
+        while cmd.poll():
+            c = cmd.recv()
+            if c[0] == "prefill":
+                addrs = (c[2],) if isinstance(c[2], str) else tuple(c[2])
+                waiting.append((c[1], addrs, tuple(c[3])))
+            elif c[0] == "stats":
+                outbox.put(("stats", "p", rank, stats()))
+            elif c[0] == "crash":
+                crash_armed = True
+        drain()
+        barrier.wait(cfg.barrier_timeout_s)  # step start; the action publishes "stop"
+        if flags[1]:
+            break
+        t0 = time.monotonic()
+        batch: list[tuple[str, tuple[int, ...]]] = []
+        while waiting and len(batch) < cfg.max_batch and len(free) >= len(waiting[0][2]):
+            rid, d_addrs, remote = waiting.popleft()
+            local = tuple(free.popleft() for _ in remote)
+            held[rid] = local
+            unreleased[rid] = set(range(len(tps)))
+            for t, tp in enumerate(tps):
+                addrs = tuple(d_addrs[j] for j in targets[t])
+                tp.loop.call("add_request",
+                             PrefillRequest(rid, addrs, local, remote, n_senders[t]))
+            batch.append((rid, local))
+        ids = [b[0] for b in batch]
+        layer_s = cfg.layer_ms / 1000
+        for layer in range(L):
+            t_layer = time.monotonic()
+            if batch:
+                for tp in tps:  # "compute" the layer on every TP worker: write its heads' KV
+                    lo, hi = tp.fmt.head_lo, tp.fmt.head_hi
+                    for rid, local in batch:
                         for j, blk in enumerate(local):
-                            pattern.fill(kv[layer, blk], rid, layer, j)
+                            pattern.fill_heads(tp.kv[layer, blk], rid, layer, j, lo, hi)
                     t_hook = time.perf_counter()
-                    loop.layer_computed(layer, ids)  # the forward hook: enqueue, never wait
+                    tp.loop.layer_computed(layer, ids)  # the forward hook: enqueue, never wait
                     hook_s = time.perf_counter() - t_hook
                     max_hook = max(max_hook, hook_s)
                     if len(hook_times) < 100_000:
                         hook_times.append(hook_s)
-                    if crash_armed and layer == L // 2:
-                        os.kill(os.getpid(), signal.SIGKILL)  # a crash in mid-step
-                rest = layer_s - (time.monotonic() - t_layer)
-                if rest > 0:
-                    time.sleep(rest)
-                barrier.wait(cfg.barrier_timeout_s)
-            dt = time.monotonic() - t0
-            steps += 1
-            max_step = max(max_step, dt)
-            if batch:
-                busy_steps += 1
-                if len(busy_times) < 100_000:
-                    busy_times.append(dt)
-                max_busy_step = max(max_busy_step, dt)
-        # stopped: give in-flight work a moment, then report what is still held
-        deadline = time.monotonic() + 2.0
-        while loop.endpoint.live_requests() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for rep in loop.drain_reports():
-            if isinstance(rep, SendFinished):
-                free.extend(held.pop(rep.req_id, ()))
-                outbox.put(("p_finished", rank, rep.req_id, rep.ok, rep.reason))
-        outbox.put(("final", "p", rank, stats()))
-    finally:
-        loop.stop()
+                if crash_armed and layer == L // 2:
+                    os.kill(os.getpid(), signal.SIGKILL)  # a crash in mid-step
+            rest = layer_s - (time.monotonic() - t_layer)
+            if rest > 0:
+                time.sleep(rest)
+            barrier.wait(cfg.barrier_timeout_s)
+        dt = time.monotonic() - t0
+        steps += 1
+        max_step = max(max_step, dt)
+        if batch:
+            busy_steps += 1
+            if len(busy_times) < 100_000:
+                busy_times.append(dt)
+            max_busy_step = max(max_busy_step, dt)
+    # stopped: give in-flight work a moment, then report what is still held
+    deadline = time.monotonic() + 2.0
+    while any(tp.loop.endpoint.live_requests() for tp in tps) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    drain()
+    outbox.put(("final", "p", rank, stats()))
 
 
 # ----------------------------------------------------------------------------- decoder
-def decode_main(cfg: ClusterConfig, cmd: Connection, out: Connection, port: int,
+def decode_main(cfg: ClusterConfig, cmd: Connection, out: Connection, ports: list[int],
                 incarnation: int, generation: int, as_process: bool) -> None:
     """The decoder: allocate first, ask for the prefill, verify every byte, free the blocks."""
     name = f"decode-gen{generation}"
@@ -258,7 +332,7 @@ def decode_main(cfg: ClusterConfig, cmd: Connection, out: Connection, port: int,
         _as_process(name, cfg)
     outbox = _Outbox(out)
     try:
-        _decode(cfg, cmd, outbox, port, incarnation, generation)
+        _decode(cfg, cmd, outbox, ports, incarnation, generation)
     except BaseException:
         outbox.put(("error", name, traceback.format_exc()))
         raise
@@ -266,88 +340,142 @@ def decode_main(cfg: ClusterConfig, cmd: Connection, out: Connection, port: int,
         outbox.close()
 
 
-def _decode(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, port: int, incarnation: int,
-            generation: int) -> None:
-    L = cfg.layers
-    pattern = Pattern(cfg.block_bytes)
-    kv = np.zeros((L, cfg.d_blocks, cfg.block_bytes), dtype=np.uint8)
-    dp = _data_plane(cfg, f"d{generation}")
+def _decode_tp(cfg: ClusterConfig, j: int, port: int, incarnation: int, generation: int,
+               wake: threading.Event) -> _TP:
+    """TP worker ``j`` of the decoder: its heads of every block of the shared pool, its loop."""
+    fmt = cfg.d_format(j)
+    kv = np.zeros((cfg.layers, cfg.d_blocks, cfg.rank_block_bytes(fmt)), dtype=np.uint8)
+    dp = _data_plane(cfg, f"d{generation}t{j}")
     dp.register_memory(kv.ctypes.data, kv.nbytes)
-    side = SideChannel(port=port, cluster_key=cfg.cluster_key, faults=_faults(cfg, 0))
-    me = Sender(D_ENGINE, 0, incarnation, side.addr)
-    layout = KVLayout(D_ENGINE, incarnation, dp.session, _layouts(kv))
-    wake = threading.Event()
+    side = SideChannel(port=port, cluster_key=cfg.cluster_key, faults=_faults(cfg, 1000 * j))
+    me = Sender(D_ENGINE, j, incarnation, side.addr)
+    layout = KVLayout(D_ENGINE, incarnation, dp.session, _layouts(kv), fmt)
     loop = WorkerLoop(DecodeEndpoint(me, layout, cfg.decode_config()), side, dp,
-                      on_report=lambda _e: wake.set(), name="lw-loop-d").start()
+                      on_report=lambda _e: wake.set(), name=f"lw-loop-d{j}")
+    return _TP(fmt, kv, loop.start())
+
+
+def _decode(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, ports: list[int],
+            incarnation: int, generation: int) -> None:
+    wake = threading.Event()
+    tps: list[_TP] = []
+    try:
+        for j in range(cfg.decode_tp):
+            tps.append(_decode_tp(cfg, j, ports[j], incarnation, generation, wake))
+        _decode_steps(cfg, cmd, outbox, generation, tps, wake)
+    finally:
+        for tp in tps:
+            tp.loop.stop()
+
+
+def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generation: int,
+                  tps: list[_TP], wake: threading.Event) -> None:
+    """The decoder's scheduler: one allocation per request for every TP worker; a request is
+    finished when every TP worker reported it, and its blocks are freed only then."""
+    L = cfg.layers
+    pattern = Pattern(cfg.head_bytes)
+    senders = [expected_senders(tp.fmt, cfg.prefill_tp) for tp in tps]
     free = deque(range(cfg.d_blocks))
     alloc: dict[str, tuple[tuple[int, ...], float]] = {}
+    unreported: dict[str, set[int]] = {}  # request -> TP workers that have not finished it
+    bad: dict[str, set[tuple[int, int]]] = {}  # request -> (layer, block index) with a bad head
+    failures: dict[str, str] = {}  # request -> first failure of a TP worker
     quarantined: set[str] = set()
     waiting: deque[str] = deque()
     counts = {"done": 0, "failed": 0, "corrupt": 0}
     freeze_armed = False
     stopping = False
-    outbox.put(("ready", "d", generation, {"pid": os.getpid(), "addr": side.addr,
-                                           "port": side.port, "session": dp.session}))
+    outbox.put(("ready", "d", generation, {
+        "pid": os.getpid(), "addr": tps[0].loop.addr, "addrs": [tp.loop.addr for tp in tps],
+        "ports": [tp.loop.side.port for tp in tps],
+        "sessions": [tp.loop.data_plane.session for tp in tps]}))
 
     def stats() -> dict[str, Any]:
         return {"held_blocks": cfg.d_blocks - len(free), "quarantined": len(quarantined),
-                "waiting": len(waiting), "generation": generation, **counts, **loop.stats()}
+                "waiting": len(waiting), "generation": generation, **counts,
+                **_merged_stats(tps)}
 
-    def verify(rid: str, blocks: tuple[int, ...]) -> int:
-        bad = 0
-        for layer in range(L):
-            for j, blk in enumerate(blocks):
-                if not pattern.check(kv[layer, blk], rid, layer, j):
-                    bad += 1
-        return bad
+    def verify(j: int, rid: str, blocks: tuple[int, ...]) -> set[tuple[int, int]]:
+        tp = tps[j]
+        lo, hi = tp.fmt.head_lo, tp.fmt.head_hi
+        return {(layer, i) for layer in range(L) for i, blk in enumerate(blocks)
+                if not pattern.check_heads(tp.kv[layer, blk], rid, layer, i, lo, hi)}
 
-    try:
-        while not stopping:
-            if cmd.poll(0.002 if not wake.is_set() else 0):
-                while cmd.poll():
-                    c = cmd.recv()
-                    if c[0] == "request":
-                        waiting.append(c[1])
-                    elif c[0] == "stats":
-                        outbox.put(("stats", "d", generation, stats()))
-                    elif c[0] == "freeze_after_alloc":
-                        freeze_armed = True
-                    elif c[0] == "stop":
-                        stopping = True
-            wake.clear()
-            for rep in loop.drain_reports():
-                if isinstance(rep, RecvDone):
-                    blocks, t0 = alloc.pop(rep.req_id)
-                    bad = verify(rep.req_id, blocks)
-                    outcome = "corrupt" if bad else "done"
-                    counts[outcome] += 1
-                    free.extend(blocks)  # "decoded": the blocks go back to the pool
-                    outbox.put(("d_result", rep.req_id, outcome,
-                                f"{bad} of {L * len(blocks)} blocks wrong" if bad else "",
-                                time.monotonic() - t0))
-                elif isinstance(rep, RecvFailed):
-                    blocks, t0 = alloc.pop(rep.req_id)
-                    quarantined.discard(rep.req_id)
-                    counts["failed"] += 1
-                    free.extend(blocks)
-                    outbox.put(("d_result", rep.req_id, "failed", rep.reason,
-                                time.monotonic() - t0))
-                elif isinstance(rep, Quarantine):
-                    quarantined.add(rep.req_id)
-            started = 0
-            while waiting and len(free) >= cfg.blocks_per_request:
-                rid = waiting.popleft()
-                blocks = tuple(free.popleft() for _ in range(cfg.blocks_per_request))
-                alloc[rid] = (blocks, time.monotonic())
-                # D first: the endpoint knows the request before anyone may ask about it.
-                loop.call("add_request", rid, blocks, 1).result(10)
-                outbox.put(("start_prefill", rid, side.addr, blocks))
-                started += 1
-            if freeze_armed and started:
-                outbox.put(("freezing", generation))
-                outbox.flush()  # the coordinator has the requests: P will contact us now
-                os.kill(os.getpid(), signal.SIGSTOP)
-                freeze_armed = False
-        outbox.put(("final", "d", generation, stats()))
-    finally:
-        loop.stop()
+    def fail(j: int, rid: str, reason: str) -> None:
+        if rid in failures:
+            return
+        failures[rid] = reason
+        for k in unreported.get(rid, ()):  # the request failed: stop the other TP workers
+            if k != j:
+                tps[k].loop.call("abort", rid, f"D TP rank {j} failed: {reason}"[:512])
+
+    def finish(j: int, rid: str) -> None:
+        left = unreported.get(rid)
+        if left is None or j not in left:
+            return
+        left.discard(j)
+        if left:
+            return
+        del unreported[rid]
+        blocks, t0 = alloc.pop(rid)
+        quarantined.discard(rid)
+        wrong = bad.pop(rid, set())
+        reason = failures.pop(rid, None)
+        if reason is not None:
+            outcome = "failed"
+        elif wrong:
+            outcome, reason = "corrupt", f"{len(wrong)} of {L * len(blocks)} blocks wrong"
+        else:
+            outcome, reason = "done", ""
+        counts[outcome] += 1
+        free.extend(blocks)  # "decoded" (or failed and released): back to the pool
+        outbox.put(("d_result", rid, outcome, reason, time.monotonic() - t0))
+
+    def on_report(j: int, rep: Effect) -> None:
+        if isinstance(rep, RecvDone):
+            rid = rep.req_id
+            if rid in alloc:
+                bad.setdefault(rid, set()).update(verify(j, rid, alloc[rid][0]))
+            finish(j, rid)
+        elif isinstance(rep, RecvFailed):
+            fail(j, rep.req_id, rep.reason)
+            finish(j, rep.req_id)
+        elif isinstance(rep, Quarantine):
+            quarantined.add(rep.req_id)
+            fail(j, rep.req_id, rep.reason)
+
+    while not stopping:
+        if cmd.poll(0.002 if not wake.is_set() else 0):
+            while cmd.poll():
+                c = cmd.recv()
+                if c[0] == "request":
+                    waiting.append(c[1])
+                elif c[0] == "stats":
+                    outbox.put(("stats", "d", generation, stats()))
+                elif c[0] == "freeze_after_alloc":
+                    freeze_armed = True
+                elif c[0] == "stop":
+                    stopping = True
+        wake.clear()
+        for j, tp in enumerate(tps):
+            for rep in tp.loop.drain_reports():
+                on_report(j, rep)
+        started = 0
+        while waiting and len(free) >= cfg.blocks_per_request:
+            rid = waiting.popleft()
+            blocks = tuple(free.popleft() for _ in range(cfg.blocks_per_request))
+            alloc[rid] = (blocks, time.monotonic())
+            unreported[rid] = set(range(len(tps)))
+            # D first: every TP worker knows the request before anyone may ask about it.
+            futs = [tp.loop.call("add_request", rid, blocks, senders[j])
+                    for j, tp in enumerate(tps)]
+            for f in futs:
+                f.result(10)
+            outbox.put(("start_prefill", rid, tuple(tp.loop.addr for tp in tps), blocks))
+            started += 1
+        if freeze_armed and started:
+            outbox.put(("freezing", generation))
+            outbox.flush()  # the coordinator has the requests: P will contact us now
+            os.kill(os.getpid(), signal.SIGSTOP)
+            freeze_armed = False
+    outbox.put(("final", "d", generation, stats()))

@@ -10,7 +10,8 @@ on the data plane or on the loop.
 
 The loop performs the core's effects: ``Send`` goes to the side channel (answers travel back on the
 connection the question came in on), ``WriteLayer`` becomes one data-plane transfer per destination
-session per core call (addresses from the local layout and D's ``KVLayout``), ``ArmTimer`` /
+session per core call (addresses from the local layout and D's ``KVLayout``; only the byte runs
+of each block that ``WriteLayer.segments`` names, for head-sliced TP layouts), ``ArmTimer`` /
 ``CancelTimer`` edit a heap, and ``SendFinished`` / ``RecvDone`` / ``RecvFailed`` / ``Quarantine``
 become reports for the engine. A message from the network that the core refuses
 (``ProtocolError``) is counted and dropped; no message can stop the loop.
@@ -160,7 +161,8 @@ class WorkerLoop:
         self._heap: list[tuple[float, int, tuple[str, str]]] = []
         self._seq = 0
         # transfers
-        self._runs: dict[str, tuple[tuple, list[Entry]]] = {}  # req_id -> (key, offset runs)
+        # req_id -> [(key, offset runs)], one per target D worker
+        self._runs: dict[str, list[tuple[tuple, list[Entry]]]] = {}
         self._remote_uniform: dict[tuple[str, int], tuple[int, int] | None] = {}
         self._sessions: dict[str, str] = {}  # decoder side-channel addr -> te_session
         self._hinted: set[str] = set()
@@ -640,30 +642,25 @@ class WorkerLoop:
         return first.block_stride, first.block_len
 
     def _entries(self, w: WriteLayer) -> list[Entry]:
-        """(src, dst, len) for one layer of one request; contiguous block runs pre-merged."""
+        """(src, dst, len) for one layer of one request (head-sliced when ``w.segments``);
+        runs adjacent on both sides are pre-merged."""
         if self._entries_for is not None:
             return self._entries_for(w)
         assert self._local is not None
         loc = self._local[w.layer]
         rem = w.layout.layers[w.layer]
-        if loc.block_len != rem.block_len:
-            raise ValueError(f"local block_len {loc.block_len} != remote {rem.block_len} "
-                             f"(layer {w.layer})")
+        _check_segments(w.segments, loc.block_len, rem.block_len, w.layer)
         runs = self._runs_for(w)
-        if runs is not None:
-            lb, rb = loc.base_addr, rem.base_addr
-            return [(lb + lo, rb + ro, n) for lo, ro, n in runs]
-        n_loc = loc.num_blocks
-        out = []
-        for lblk, rblk in zip(w.local_blocks, w.remote_blocks, strict=True):
-            if not 0 <= lblk < n_loc or not 0 <= rblk < rem.num_blocks:
-                raise ValueError(f"block {lblk}->{rblk} outside layer {w.layer}")
-            out.append((loc.base_addr + lblk * loc.block_stride,
-                        rem.base_addr + rblk * rem.block_stride, loc.block_len))
-        return out
+        if runs is None:
+            runs = _block_runs(w.local_blocks, w.remote_blocks, loc.block_stride,
+                               rem.block_stride, loc.block_len, w.segments, loc.num_blocks,
+                               rem.num_blocks)
+        lb, rb = loc.base_addr, rem.base_addr
+        return [(lb + lo, rb + ro, n) for lo, ro, n in runs]
 
     def _runs_for(self, w: WriteLayer) -> list[Entry] | None:
-        """Per-request (local offset, remote offset, len) runs, valid for every layer, cached."""
+        """Per-request (local offset, remote offset, len) runs, valid for every layer, cached
+        per (D layout, blocks, segments); None when a side's block geometry varies by layer."""
         lu = self._local_uniform
         if lu is None:
             return None
@@ -675,30 +672,61 @@ class WorkerLoop:
             if len(self._remote_uniform) > 4096:
                 self._remote_uniform.clear()
             self._remote_uniform[rkey] = ru
-        if ru is None or ru[1] != lu[1]:
+        if ru is None:
             return None
-        key = (rkey, w.local_blocks, w.remote_blocks)
+        key = (rkey, w.local_blocks, w.remote_blocks, w.segments)
         cached = self._runs.get(w.req_id)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        lstride, blen = lu
-        rstride = ru[0]
-        n_loc = self._local[0].num_blocks  # type: ignore[index]
-        n_rem = lay.layers[0].num_blocks
-        runs: list[Entry] = []
-        plb = prb = -2
-        for lblk, rblk in zip(w.local_blocks, w.remote_blocks, strict=True):
-            if not 0 <= lblk < n_loc or not 0 <= rblk < n_rem:
-                raise ValueError(f"block {lblk}->{rblk} outside the {n_loc}/{n_rem} blocks")
-            if (runs and lblk == plb + 1 and rblk == prb + 1
-                    and lstride == blen and rstride == blen):
-                lo, ro, n = runs[-1]
-                runs[-1] = (lo, ro, n + blen)
-            else:
-                runs.append((lblk * lstride, rblk * rstride, blen))
-            plb, prb = lblk, rblk
-        self._runs[w.req_id] = (key, runs)
+        if cached is None:
+            cached = self._runs[w.req_id] = []
+        for k, runs in cached:  # one entry per target D worker: a short list
+            if k == key:
+                return runs
+        runs = _block_runs(w.local_blocks, w.remote_blocks, lu[0], ru[0], lu[1], w.segments,
+                           self._local[0].num_blocks,  # type: ignore[index]
+                           lay.layers[0].num_blocks)
+        if len(cached) >= 16:  # the same request re-addressed many times: keep it bounded
+            cached.clear()
+        cached.append((key, runs))
         return runs
+
+
+def _check_segments(segments: tuple[tuple[int, int, int], ...] | None, local_len: int,
+                    remote_len: int, layer: int) -> None:
+    """Raise ValueError unless every byte run fits in a block on both sides."""
+    if segments is None:
+        if local_len != remote_len:
+            raise ValueError(f"local block_len {local_len} != remote {remote_len} "
+                             f"(layer {layer})")
+        return
+    if not segments:
+        raise ValueError(f"no byte run to write (layer {layer})")
+    for src, dst, n in segments:
+        if n <= 0 or src < 0 or dst < 0 or src + n > local_len or dst + n > remote_len:
+            raise ValueError(f"byte run {(src, dst, n)} outside the blocks "
+                             f"({local_len} local, {remote_len} remote bytes; layer {layer})")
+
+
+def _block_runs(local_blocks: Sequence[int], remote_blocks: Sequence[int], lstride: int,
+                rstride: int, blen: int, segments: tuple[tuple[int, int, int], ...] | None,
+                n_loc: int, n_rem: int) -> list[Entry]:
+    """(local offset, remote offset, len) of every block pair (and byte run), each merged into
+    the previous one when it continues it on both sides."""
+    segs = ((0, 0, blen),) if segments is None else segments
+    runs: list[Entry] = []
+    plo = pro = pn = -1
+    for lblk, rblk in zip(local_blocks, remote_blocks, strict=True):
+        if not 0 <= lblk < n_loc or not 0 <= rblk < n_rem:
+            raise ValueError(f"block {lblk}->{rblk} outside the {n_loc}/{n_rem} blocks")
+        lbase, rbase = lblk * lstride, rblk * rstride
+        for src, dst, n in segs:
+            lo, ro = lbase + src, rbase + dst
+            if pn > 0 and plo + pn == lo and pro + pn == ro:
+                pn += n
+                runs[-1] = (plo, pro, pn)
+            else:
+                plo, pro, pn = lo, ro, n
+                runs.append((lo, ro, n))
+    return runs
 
 
 # ================================================================ hook cost (benchmark helper)

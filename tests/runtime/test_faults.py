@@ -78,6 +78,55 @@ def test_inprocess_refuses_process_faults() -> None:
         ClusterConfig(fault="kill-decoder", data_plane="inprocess")
 
 
+# ----------------------------------------------------------------------------- tensor parallel
+@pytest.mark.parametrize(("p_tp", "d_tp", "mla"), [(4, 2, False), (1, 2, False), (2, 4, False),
+                                                   (4, 2, True), (1, 2, True)])
+def test_inprocess_tensor_parallel(p_tp: int, d_tp: int, mla: bool) -> None:
+    """Every D TP worker gets exactly its head slices (MLA: the whole latent, one writer)."""
+    res = run("none", "inprocess", transfer_timeout_s=1.0, requests=12, prefill_tp=p_tp,
+              decode_tp=d_tp, mla=mla)
+    assert res.done == 12 and res.failed == 0
+    per_request = FAST["layers"] * FAST["blocks_per_request"] * FAST["block_bytes"]  # type: ignore[operator]
+    assert res.bytes_moved == 12 * per_request * (d_tp if mla else 1)
+
+
+@pytest.mark.parametrize("fault", ["drop-messages", "duplicate-messages"])
+def test_inprocess_tensor_parallel_under_faults(fault: str) -> None:
+    res = run(fault, "inprocess", transfer_timeout_s=1.0, requests=12, prefill_tp=2,
+              decode_tp=2)
+    if fault == "duplicate-messages":
+        assert res.done == 12
+
+
+def test_a_wrong_head_slice_is_corrupt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P fills its two heads swapped: each D TP worker gets one wrong head, every block counts."""
+    from lw.synthetic.pattern import Pattern
+
+    real = Pattern.fill_heads
+
+    def swapped(self: Pattern, block: object, rid: str, layer: int, index: int, lo: int,
+                hi: int) -> None:
+        real(self, block, rid, layer, index, lo, hi)  # type: ignore[arg-type]
+        if hi - lo == 2:
+            n = self.block_bytes
+            self.fill(block[:n], rid, layer, index, lo + 1)  # type: ignore[index]
+
+    monkeypatch.setattr(Pattern, "fill_heads", swapped)
+    cfg = ClusterConfig(**{**FAST, "data_plane": "inprocess", "transfer_timeout_s": 1.0,  # type: ignore[arg-type]
+                           "requests": 4, "prefill_tp": 1, "decode_tp": 2})
+    res = run_cluster(cfg)
+    assert res.corrupt == 4 and res.done == 0 and res.leaked == 0, res
+    blocks = FAST["layers"] * FAST["blocks_per_request"]  # type: ignore[operator]
+    assert res.reasons[f"corrupt: {blocks} of {blocks} blocks wrong"] == 4
+
+
+def test_tensor_parallel_shapes_are_checked() -> None:
+    with pytest.raises(ValueError, match="decode: 3 KV heads do not split evenly over TP 2"):
+        ClusterConfig(prefill_tp=3, decode_tp=2)
+    assert ClusterConfig(prefill_tp=4, decode_tp=2, mla=True).kv_heads == 1
+    assert ClusterConfig(prefill_tp=1, decode_tp=4, kv_heads=2).head_bytes == 32 * 1024
+
+
 # ----------------------------------------------------------------------------- processes
 @pytest.mark.slow
 @needs_mooncake
@@ -140,6 +189,14 @@ def test_side_channel_faults_between_processes(fault: str) -> None:
 
 @pytest.mark.slow
 @needs_mooncake
+@pytest.mark.parametrize("fault", ["kill-decoder", "freeze-decoder-before-contact"])
+def test_process_faults_with_tensor_parallel(fault: str) -> None:
+    res = run(fault, prefill_tp=2, decode_tp=2, requests=12)
+    assert res.failed > 0 and res.done > 0
+
+
+@pytest.mark.slow
+@needs_mooncake
 def test_demo_command_line() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
@@ -148,6 +205,22 @@ def test_demo_command_line() -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == (
+        "summary done=8 failed=0 leaked_blocks=0 corrupt=0")
+
+
+@pytest.mark.slow
+@needs_mooncake
+def test_demo_command_line_tensor_parallel() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "lw", "demo", "--engine", "synthetic", "--requests", "8",
+         "--prefill-dp", "2", "--prefill-tp", "4", "--decode-tp", "2", "--layers", "4",
+         "--quiet"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "P TP 4 x D TP 2" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == (
         "summary done=8 failed=0 leaked_blocks=0 corrupt=0")
 
