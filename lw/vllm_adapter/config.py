@@ -70,6 +70,9 @@ class LwConfig:
     # metaserver calls (D)
     metaserver_timeout_s: float = 5.0
     metaserver_attempts: int = 3
+    # prefix-cache hits (D): a remainder of at most this many tokens after D's cached prefix is
+    # computed by D itself (no round trip); -1 = one block (block_size), 0 = always ask P
+    local_tail_tokens: int = -1
 
     @property
     def is_producer(self) -> bool:
@@ -109,10 +112,13 @@ class LwConfig:
         dp_rank = getattr(par, "data_parallel_index", None)
         if dp_rank is None:
             dp_rank = par.data_parallel_rank
+        # Dense models run DP ranks as independent engines: vLLM then reports each engine core
+        # as DP size 1, rank 0, and keeps the real rank only in data_parallel_index.
+        dp_size = max(int(par.data_parallel_size), int(dp_rank) + 1)
         return cls.build(
             role=ktc.kv_role, engine_id=str(ktc.engine_id), kv_port=ktc.kv_port,
             tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size,
-            dp_size=par.data_parallel_size, dp_rank=dp_rank,
+            dp_size=dp_size, dp_rank=dp_rank,
             load_failure_policy=getattr(ktc, "kv_load_failure_policy", "fail"),
             extra=dict(ktc.kv_connector_extra_config or {}),
             heads=_model_heads(vllm_config),
@@ -161,6 +167,9 @@ class LwConfig:
         if values["data_plane"] not in ("mooncake", "inprocess"):
             raise ConfigError(f"kv_connector_extra_config.data_plane="
                               f"{values['data_plane']!r}: expected 'mooncake' or 'inprocess'")
+        if values["local_tail_tokens"] < -1:
+            raise ConfigError("kv_connector_extra_config.local_tail_tokens must be >= 0 "
+                              f"(or -1: one block), got {values['local_tail_tokens']}")
         if values["peer_tp_size"] < 0:
             raise ConfigError("kv_connector_extra_config.peer_tp_size must be >= 0")
         if values["peer_tp_size"] and heads is not None:

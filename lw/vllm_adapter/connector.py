@@ -12,7 +12,8 @@ blocks. ``request_finished`` keeps the blocks (delay_free) until the core's ``Se
 Decode (``kv_consumer``): blocks are allocated first (``get_num_new_matched_tokens`` returns the
 whole uncached prompt, loaded asynchronously); the prefill is requested from the proxy's
 metaserver by a background thread; the request decodes when the core reports ``RecvDone``.
-The core's request id is the proxy's ``transfer_id`` (vLLM's request ids differ on P and D).
+The core's request id is a transfer id D derives per vLLM request from the proxy's
+``transfer_id`` (vLLM's request ids differ on P and D; one HTTP request may make several).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class LwConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        """D: the whole uncached prompt arrives asynchronously; P: nothing to load."""
+        """D: the uncached prompt arrives asynchronously (a short tail is computed); P: none."""
         assert self._sched is not None
         return self._sched.num_new_matched_tokens(request, num_computed_tokens)
 

@@ -18,8 +18,11 @@ __all__ = ["PARAMS_VERSION", "LwConnectorMetadata", "ModelHeads", "RecvSpec", "S
 
 log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
 
-PARAMS_VERSION = 1
-"""Version of the kv_transfer_params D posts to the metaserver (``lw_params_version``)."""
+PARAMS_VERSION = 2
+"""Version of the kv_transfer_params D posts to the metaserver (``lw_params_version``).
+
+2: the transfer id is per vLLM request (the proxy's id + ``@`` + D's request id) and P's prompt
+is D's prompt token ids (posted with the params); 1: the proxy's id and the client's body."""
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,11 @@ server, shuts everything down and ends with
 ``summary done=<n> failed=<n> leaked_blocks=<n> mismatched=<n>`` (exit 0 iff all done, none
 leaked, none mismatched).
 
+``--shared-prefix`` sends prompts that share long prefixes, some repeated, so that the decode
+server's prefix cache hits (partly, and fully: a short tail D computes itself); the summary adds
+``prefix_hit_blocks=<n>`` and the run also fails unless the bytes P wrote equal the blocks D did
+not hold (predicted from the prompts' token ids), times the block bytes of every layer.
+
 The process management here (:class:`Server`, :class:`LocalCluster`) is also what the end-to-end
 tests use.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -26,12 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LocalCluster", "Server", "complete", "main", "make_prompt", "metrics"]
+__all__ = ["LocalCluster", "Server", "complete", "main", "make_prompt", "metrics",
+           "shared_prefix_prompts"]
 
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
@@ -51,6 +58,63 @@ def make_prompt(n_words: int, seed: int) -> str:
     """A deterministic prompt of ``n_words`` words the tiny model's tokenizer knows."""
     rng = random.Random(seed)
     return " ".join(rng.choice(_WORDS) for _ in range(n_words))
+
+
+# (prefix, suffix words, suffix seed): cold, partial hit, full hit (a repeat), ... in turn.
+_SHARED = ((0, 40, 1), (0, 40, 2), (0, 40, 1), (1, 70, 3), (1, 70, 4), (0, 40, 2), (1, 70, 3),
+           (0, 100, 5))
+_PREFIX_WORDS = (160, 224)  # 5 and 7 blocks of 32 tokens
+
+
+def shared_prefix_prompts(n: int) -> list[str]:
+    """``n`` prompts sharing two long prefixes, several repeated word for word."""
+    prefixes = [make_prompt(w, seed=1000 + i) for i, w in enumerate(_PREFIX_WORDS)]
+    out = []
+    for i in range(n):
+        pre, words, seed = _SHARED[i % len(_SHARED)]
+        out.append(prefixes[pre] + " " + make_prompt(words, seed=2000 + seed))
+    return out
+
+
+def predict_prefix_hits(token_ids: Sequence[Sequence[int]], block_size: int,
+                        local_tail_tokens: int) -> list[tuple[int, bool, int]]:
+    """(blocks D holds, computed locally, blocks P sends) per prompt sent in order to one D.
+
+    D's prefix cache keeps every full prompt block (nothing is evicted in the demo's cache);
+    vLLM counts a hit up to the prompt minus one token, in whole blocks.
+    """
+    cached: set[tuple[int, ...]] = set()
+    out = []
+    for ids in token_ids:
+        cap = (len(ids) - 1) // block_size
+        held = 0
+        while held < cap and tuple(ids[:(held + 1) * block_size]) in cached:
+            held += 1
+        local = held > 0 and len(ids) - held * block_size <= local_tail_tokens
+        sent = 0 if local else -(-len(ids) // block_size) - held
+        out.append((held, local, sent))
+        for k in range(1, len(ids) // block_size + 1):
+            cached.add(tuple(ids[:k * block_size]))
+    return out
+
+
+def block_layer_bytes(model: Path) -> tuple[int, int]:
+    """(bytes of one block in one layer, layers) of the tiny model's bf16 KV cache on CPU."""
+    cfg = json.loads((model / "config.json").read_text())
+    heads = int(cfg["num_key_value_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    # vLLM CPU: one plane per layer, (blocks, kv heads, block size, K+V head dims), bf16.
+    return heads * BLOCK_SIZE * 2 * head_dim * 2, int(cfg["num_hidden_layers"])
+
+
+def tokenize(base_url: str, prompt: str) -> list[int]:
+    """The prompt's token ids, from a server's /tokenize."""
+    import httpx
+
+    r = httpx.post(base_url + "/tokenize", json={"model": MODEL_NAME, "prompt": prompt},
+                   timeout=30.0)
+    r.raise_for_status()
+    return [int(t) for t in r.json()["tokens"]]
 
 
 def free_port() -> int:
@@ -393,6 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="model and server logs (default: a temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     ap.add_argument("--timeout", type=float, default=300.0, help="server start timeout, s")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="prompts sharing long prefixes, repeated: D's prefix cache hits; "
+                         "check that only the blocks D did not hold move")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.requests < 1:
         ap.error("--requests must be >= 1")
@@ -414,10 +481,15 @@ def _run(args: argparse.Namespace) -> int:
     from lw.vllm_adapter.tiny_model import make_tiny_model
 
     n = args.requests
-    print(f"lw demo: {n} prompts, vLLM on CPU, tiny random model, Mooncake over TCP")
+    kind = "prompts sharing prefixes" if args.shared_prefix else "prompts"
+    print(f"lw demo: {n} {kind}, vLLM on CPU, tiny random model, Mooncake over TCP")
     model = make_tiny_model(args.workdir / "tiny-model")
     print(f"model      {model}")
-    prompts = [make_prompt(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)], seed=i) for i in range(n)]
+    if args.shared_prefix:
+        prompts = shared_prefix_prompts(n)
+    else:
+        prompts = [make_prompt(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)], seed=i)
+                   for i in range(n)]
     cluster = LocalCluster(model=model, workdir=args.workdir / "logs")
     t0 = time.monotonic()
     print("starting   reference engine, prefill and decode servers (vllm serve), proxy ...",
@@ -439,22 +511,79 @@ def _run(args: argparse.Namespace) -> int:
         for i, p in enumerate(prompts):
             ref.append(complete(cluster.url("reference"), p, args.max_tokens))
             _progress("single engine", i + 1, n)
+        token_ids = ([tokenize(cluster.url("reference"), p) for p in prompts]
+                     if args.shared_prefix else [])
         pd: list[Result] = []
         before = metrics(cluster.url("prefill"))
+        before_d = metrics(cluster.url("decode"))
         for i, p in enumerate(prompts):
             pd.append(complete(cluster.url("proxy"), p, args.max_tokens))
             _progress("P/D via proxy", i + 1, n)
         leaked = wait_blocks_released([cluster.url("prefill"), cluster.url("decode")])
-        after_p = metrics(cluster.url("prefill"))
-        after_d = metrics(cluster.url("decode"))
+        after_p, after_d = _settled_metrics(cluster, before, before_d, n)
     finally:
         cluster.stop()
-    return _report(prompts, ref, pd, leaked, before, after_p, after_d)
+    prefix = None
+    if args.shared_prefix:
+        prefix = functools.partial(_report_prefix, model, token_ids, before, after_p,
+                                   before_d, after_d)
+    return _report(prompts, ref, pd, leaked, before, after_p, after_d, prefix)
+
+
+def _settled_metrics(cluster: LocalCluster, before_p: dict[str, float],
+                     before_d: dict[str, float], n: int,
+                     timeout: float = 30.0) -> tuple[dict[str, float], dict[str, float]]:
+    """P's and D's /metrics once D accounted for every request (stats arrive on vLLM's log
+    interval, not with the response): received or computed locally, and P done as often."""
+    deadline = time.monotonic() + timeout
+    while True:
+        after_p, after_d = metrics(cluster.url("prefill")), metrics(cluster.url("decode"))
+
+        def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+            return after.get(key, 0.0) - before.get(key, 0.0)
+
+        d_done = delta(after_d, before_d, "lw_requests_done_total")
+        d_failed = delta(after_d, before_d, "lw_requests_failed_total")
+        tails = delta(after_d, before_d, "lw_local_tails_total")
+        p_done = delta(after_p, before_p, "lw_requests_done_total")
+        if (d_done + d_failed + tails >= n and p_done >= d_done) or time.monotonic() > deadline:
+            return after_p, after_d
+        time.sleep(0.5)
+
+
+def _report_prefix(model: Path, token_ids: list[list[int]], before_p: dict[str, float],
+                   after_p: dict[str, float], before_d: dict[str, float],
+                   after_d: dict[str, float]) -> tuple[bool, str]:
+    """Prefix-hit figures against the prediction: (all as predicted, summary line addition)."""
+    plan = predict_prefix_hits(token_ids, BLOCK_SIZE, BLOCK_SIZE)
+    want_hits = sum(held for held, _, _ in plan)
+    want_tails = sum(local for _, local, _ in plan)
+    want_blocks = sum(sent for _, _, sent in plan)
+    block_bytes, layers = block_layer_bytes(model)
+    want_bytes = want_blocks * block_bytes * layers
+    hits = round(after_d.get("lw_prefix_hit_blocks_total", 0) - before_d.get(
+        "lw_prefix_hit_blocks_total", 0))
+    tails = round(after_d.get("lw_local_tails_total", 0) - before_d.get(
+        "lw_local_tails_total", 0))
+    nbytes = round(after_p.get("lw_transfer_bytes_total", 0) - before_p.get(
+        "lw_transfer_bytes_total", 0))
+    print("prefix     per prompt (tokens: D held blocks, sent blocks): " + ", ".join(
+        f"{len(ids)}: {held}{' local' if local else ''}/{sent}"
+        for ids, (held, local, sent) in zip(token_ids, plan, strict=True)))
+    print(f"prefix     D held {hits} blocks (expected {want_hits}), computed {tails} tails "
+          f"itself (expected {want_tails}); P wrote {nbytes} bytes, expected {want_bytes} = "
+          f"{want_blocks} blocks D did not hold x {block_bytes} B x {layers} layers")
+    ok = hits == want_hits and tails == want_tails and nbytes == want_bytes
+    if not ok:
+        print("prefix     MISMATCH: the bytes moved are not the blocks D did not hold",
+              file=sys.stderr)
+    return ok and hits > 0, f" prefix_hit_blocks={hits}"
 
 
 def _report(prompts: list[str], ref: list[Result], pd: list[Result], leaked: int,
             before: dict[str, float], after_p: dict[str, float],
-            after_d: dict[str, float]) -> int:
+            after_d: dict[str, float],
+            prefix: Callable[[], tuple[bool, str]] | None = None) -> int:
     print()
     print(f"{'#':>2} {'words':>5} {'TTFT 1 eng':>10} {'TTFT P/D':>9}  {'single engine':<34} "
           f"{'P/D':<34} same")
@@ -495,8 +624,10 @@ def _report(prompts: list[str], ref: list[Result], pd: list[Result], leaked: int
               f"{after_d.get('lw_requests_failed_total', 0):.0f} deadlines="
               f"{after_d.get('lw_deadlines_fired_total', 0):.0f}")
     print(f"blocks     held after the run: {leaked} (prefill + decode, from vLLM's kv cache usage)")
-    print(f"summary done={done} failed={failed} leaked_blocks={leaked} mismatched={mismatched}")
-    return 0 if failed == 0 and leaked == 0 and mismatched == 0 else 1
+    prefix_ok, extra = prefix() if prefix is not None else (True, "")
+    print(f"summary done={done} failed={failed} leaked_blocks={leaked} mismatched={mismatched}"
+          + extra)
+    return 0 if failed == 0 and leaked == 0 and mismatched == 0 and prefix_ok else 1
 
 
 if __name__ == "__main__":

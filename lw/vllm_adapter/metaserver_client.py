@@ -26,9 +26,9 @@ class MetaserverPoster:
         self._thread = threading.Thread(target=self._run, name="lw-metaserver", daemon=True)
         self._thread.start()
 
-    def post(self, rid: str, tid: str, url: str, params: dict[str, Any]) -> None:
-        """Queue one call (never blocks)."""
-        self._q.put((rid, tid, url, params))
+    def post(self, rid: str, tid: str, url: str, body: dict[str, Any]) -> None:
+        """Queue one call: POST ``body`` to ``url`` for request ``rid`` (transfer ``tid``)."""
+        self._q.put((rid, tid, url, body))
 
     def cancel(self, rid: str) -> None:
         """Skip a queued call for a request that ended."""
@@ -54,19 +54,18 @@ class MetaserverPoster:
                 item = self._q.get()
                 if item is None:
                     return
-                rid, tid, url, params = item
+                rid, tid, url, body = item
                 with self._lock:
                     if rid in self._cancelled:
                         self._cancelled.discard(rid)
                         continue
-                reason = self._call(client, url, tid, params)
+                reason = self._call(client, url, body)
                 if reason:
                     log.error("lw: prefill request for %s (transfer %s) failed: %s", rid, tid,
                               reason)
                     self._failures.append((rid, tid, f"metaserver: {reason}"))
 
-    def _call(self, client: Any, url: str, tid: str, params: dict[str, Any]) -> str:
-        body = {"transfer_id": tid, "kv_transfer_params": params}
+    def _call(self, client: Any, url: str, body: dict[str, Any]) -> str:
         reason = ""
         for attempt in range(self.cfg.metaserver_attempts):
             if attempt:

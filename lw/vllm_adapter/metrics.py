@@ -31,6 +31,8 @@ COUNTERS: dict[str, str] = {
     "leases_expired": "D quarantines ended by their lease rather than by P's confirmation",
     "quarantines": "D requests whose blocks were quarantined after a failure",
     "metaserver_failures": "D requests whose prefill could not be requested from the proxy",
+    "prefix_hit_blocks": "D: prompt blocks D already held in its prefix cache (not sent by P)",
+    "local_tails": "D: requests whose uncached tail D computed itself (no prefill requested)",
     "protocol_errors": "Messages or events the core refused (counted and dropped, never raised)",
 }
 GAUGES: dict[str, str] = {
@@ -76,6 +78,8 @@ class LwKVConnectorStats(KVConnectorStats):
             "deadlines": d.get("deadlines_fired", 0),
             "live": d.get("live_requests", 0),
             "held_blocks": d.get("held_blocks", 0),
+            "prefix_hit_blocks": d.get("prefix_hit_blocks", 0),
+            "local_tails": d.get("local_tails", 0),
         }
 
     def is_empty(self) -> bool:

@@ -15,35 +15,48 @@ Contract (the KV connectors on both sides rely on it)
    and the header ``X-Request-Id: <request_id>`` (vLLM then names the request
    ``cmpl-<request_id>`` / ``chatcmpl-<request_id>``). A client-supplied ``kv_transfer_params`` is
    dropped.
-3. D's connector (scheduler side, once it has allocated the blocks) -> ``POST /v1/metaserver``
-   with ``{"transfer_id": str, "kv_transfer_params": {...}}``, where the params are whatever P needs
-   to push the KV (``remote_engine_id``, ``remote_host``, ``remote_port``, ``remote_block_ids``,
-   ``remote_dp_rank``, ...). Replies:
+3. One client request becomes several vLLM requests on D (``n`` > 1 children, each prompt of a
+   ``prompt`` list), all carrying the proxy's ``transfer_id``; a *sub-transfer* is one of them.
+   For each vLLM request whose prefill it wants, D's connector (scheduler side, once it has
+   allocated the blocks) -> ``POST /v1/metaserver`` with::
 
-   - ``202 {"status": "ok", "transfer_id", "prefill_url", "detail"}``: the prefill request was
-     started (or had already been started: repeated posts for one transfer are idempotent and start
-     nothing new).
+       {"transfer_id": <request_id>, "sub_transfer_id": str, "prompt_token_ids": [int, ...],
+        "kv_transfer_params": {...}}
+
+   ``sub_transfer_id`` is unique per vLLM request (lw: ``<request_id>@<D's vLLM request id>``,
+   at most 256 characters), ``prompt_token_ids`` are that request's prompt tokens, and the params
+   are whatever P needs to push the KV (``remote_engine_id``, ``remote_host``, ``remote_port``,
+   ``remote_block_ids``, ``remote_first_block``, ``remote_dp_rank``, ...). D posts nothing for a
+   request it computes itself (e.g. a prefix-cache hit with a short tail): a client request may
+   have zero, one or several sub-transfers. Replies:
+
+   - ``202 {"status": "ok", "transfer_id", "sub_transfer_id", "prefill_url", "detail"}``: the
+     prefill request of that sub-transfer was started (or had already been started: repeated
+     posts for one sub-transfer are idempotent and start nothing new).
    - ``404 {"status": "error", ...}``: unknown transfer (the client request already ended).
    - ``400 {"status": "error", ...}``: malformed body.
 
    **The reply does not wait for the prefill.** The prefill request runs in a background task:
    the connector's scheduler-side call must stay short, and the outcome of the transfer reaches D
    through the KV connector itself (DONE from P, or D's own deadline), not through this reply.
-4. Proxy -> prefill server (P), picked by fewest outstanding requests: the client's original body
-   with ``max_tokens: 1`` (and ``max_completion_tokens: 1`` if present), ``stream: false``, no
-   ``stream_options`` / ``min_tokens``, and ``kv_transfer_params`` = D's params updated with
-   ``{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": <request_id>}``;
-   header ``X-Request-Id: <request_id>``.
-5. Failures. If the prefill request fails (connection error, timeout, non-2xx) the proxy records
+4. Proxy -> prefill server (P), one request per sub-transfer, each picked by fewest outstanding
+   requests: ``POST /v1/completions`` with ``{"model": <client's model>, "prompt":
+   <prompt_token_ids>, "max_tokens": 1, "n": 1, "stream": false, "kv_transfer_params": ...}``
+   (plus the client's ``cache_salt`` / ``priority`` if given), so P computes exactly D's tokens
+   whatever the client's API (chat, ``n`` > 1, prompt lists); ``kv_transfer_params`` = D's params
+   updated with ``{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id":
+   <sub_transfer_id>}``; header ``X-Request-Id: <request_id>``.
+5. Failures. If a prefill request fails (connection error, timeout, non-2xx) the proxy records
    it; if D's answer has not started yet, the proxy abandons the D request (closing the connection
    makes vLLM abort it) and answers the client 502 (504 if the prefill timed out) naming the
-   prefill server. Once D's answer has started the KV has arrived, so a late prefill error is only
-   logged. D unreachable -> 502; D timing out -> 504; D answering 5xx -> 502; D answering 4xx ->
-   passed through unchanged. An error after a stream has started is sent as a final SSE event
-   ``data: {"error": {...}}``. Every outgoing call has a timeout.
-6. Client disconnect (streaming or not) -> the D request is closed (vLLM aborts it) and an
-   in-flight prefill request is cancelled (closed, so P aborts it too). A prefill still running
-   when D's answer completed normally is left to finish.
+   prefill server. Once D's answer has started a prefill error is only logged: either that KV had
+   arrived, or (another choice of the same answer streaming) D's own deadline fails the vLLM
+   request whose KV never comes. D unreachable -> 502; D timing out -> 504; D answering 5xx ->
+   502; D answering 4xx -> passed through unchanged. An error after a stream has started is sent
+   as a final SSE event ``data: {"error": {...}}``. Every outgoing call has a timeout.
+6. Client disconnect (streaming or not) -> the D request is closed (vLLM aborts it) and every
+   in-flight prefill request of the client request is cancelled (closed, so P aborts it too).
+   Prefills still running when D's answer completed normally are left to finish.
 
 Other endpoints: ``GET /health`` (proxy alive + per-server reachability; always 200, ``status`` is
 ``ok`` or ``degraded``), ``GET /v1/models`` (passed through from a decode server),
@@ -72,6 +85,7 @@ from fastapi.responses import JSONResponse, Response
 __all__ = [
     "Backend",
     "ProxyState",
+    "SubPrefill",
     "Transfer",
     "build_app",
     "build_decode_body",
@@ -84,6 +98,8 @@ log = logging.getLogger("lw.proxy")
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+MAX_TRANSFER_ID = 256
+"""Longest sub-transfer id accepted (the KV connectors' transfer id limit)."""
 MAX_ERROR_BODY = 2000
 """Characters of an upstream error body quoted in our error messages."""
 
@@ -146,17 +162,20 @@ def build_decode_body(body: dict[str, Any], request_id: str, metaserver: str) ->
     return out
 
 
+PREFILL_KEPT = ("cache_salt", "priority")
+"""Client fields that still matter to P's prefill of token ids (cache isolation, scheduling)."""
+
+
 def build_prefill_body(
-    body: dict[str, Any], decode_params: dict[str, Any], transfer_id: str
+    body: dict[str, Any], decode_params: dict[str, Any], transfer_id: str,
+    prompt_token_ids: list[int],
 ) -> dict[str, Any]:
-    """The body sent to P: one token, not streamed, carrying D's params + ``do_remote_decode``."""
-    out = copy.deepcopy(body)
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out.pop("stream_options", None)
-    out.pop("min_tokens", None)
+    """The body P gets (``/v1/completions``): D's token ids, one token, not streamed, D's params."""
+    out: dict[str, Any] = {"model": body["model"], "prompt": list(prompt_token_ids),
+                           "max_tokens": 1, "n": 1, "stream": False}
+    for key in PREFILL_KEPT:
+        if key in body:
+            out[key] = copy.deepcopy(body[key])
     params = dict(decode_params)
     params.update(do_remote_decode=True, do_remote_prefill=False, transfer_id=transfer_id)
     out["kv_transfer_params"] = params
@@ -221,8 +240,18 @@ class Backend:
 
 
 @dataclass(eq=False)
+class SubPrefill:
+    """The prefill of one vLLM request of a client request (one sub-transfer)."""
+
+    sub_id: str
+    backend: Backend
+    task: asyncio.Task[None] | None = None
+    state: str = "running"  # running -> done | failed | cancelled
+
+
+@dataclass(eq=False)
 class Transfer:
-    """One client request in flight: its D request, and the prefill D asked for."""
+    """One client request in flight: its D request, and the prefills D asked for."""
 
     request_id: str
     api: str
@@ -231,11 +260,10 @@ class Transfer:
     headers: dict[str, str]
     metaserver: str
     decode: Backend
-    prefill: Backend | None = None
-    prefill_task: asyncio.Task[None] | None = None
-    prefill_state: str = "waiting"  # waiting -> running -> done | failed | cancelled
-    prefill_error: str | None = None
+    prefills: dict[str, SubPrefill] = field(default_factory=dict)  # sub-transfer id -> prefill
+    prefill_error: str | None = None  # the first failure
     prefill_error_status: int = 502
+    prefill_error_server: str | None = None
     prefill_failed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -273,6 +301,7 @@ class ProxyState:
             "bad_requests": 0,
             "client_disconnects": 0,
             "metaserver_calls": 0,
+            "prefills": 0,
             "prefill_failures": 0,
         }
 
@@ -313,12 +342,12 @@ class ProxyState:
 # Prefill (started by the metaserver)
 
 
-async def _run_prefill(state: ProxyState, tr: Transfer, backend: Backend, body: dict[str, Any]
+async def _run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: dict[str, Any]
                        ) -> None:
-    """POST the prefill request to ``backend``; record success or failure on ``tr``."""
-    url = backend.url + tr.api
+    """POST one sub-transfer's prefill request; record success or failure on ``tr``."""
+    backend = sub.backend
+    url = backend.url + COMPLETIONS
     headers = {**tr.headers, "X-Request-Id": tr.request_id}
-    tr.prefill_state = "running"
     backend.in_flight += 1
     backend.requests += 1
     status = 502
@@ -327,33 +356,36 @@ async def _run_prefill(state: ProxyState, tr: Transfer, backend: Backend, body: 
             resp = await state.client.post(url, json=body, headers=headers)
         except httpx.TimeoutException as exc:
             status = 504
-            error = f"prefill server {backend.url} timed out on {tr.api}: {_describe(exc)}"
+            error = f"prefill server {backend.url} timed out on {COMPLETIONS}: {_describe(exc)}"
         except httpx.HTTPError as exc:
-            error = f"prefill server {backend.url} failed on {tr.api}: {_describe(exc)}"
+            error = f"prefill server {backend.url} failed on {COMPLETIONS}: {_describe(exc)}"
         else:
             if resp.is_success:
-                tr.prefill_state = "done"
+                sub.state = "done"
                 return
             error = (f"prefill server {backend.url} returned HTTP {resp.status_code} on "
-                     f"{tr.api}: {_quote(resp.content)}")
+                     f"{COMPLETIONS}: {_quote(resp.content)}")
         backend.errors += 1
         state.counters["prefill_failures"] += 1
-        tr.prefill_state = "failed"
-        tr.prefill_error = error
-        tr.prefill_error_status = status
+        sub.state = "failed"
+        if tr.prefill_error is None:
+            tr.prefill_error = error
+            tr.prefill_error_status = status
+            tr.prefill_error_server = backend.url
         tr.prefill_failed.set()
-        log.warning("request %s: %s", tr.request_id, error)
+        log.warning("request %s (sub-transfer %s): %s", tr.request_id, sub.sub_id, error)
     except asyncio.CancelledError:
-        tr.prefill_state = "cancelled"
+        sub.state = "cancelled"
         raise
     finally:
         backend.in_flight -= 1
 
 
-def _cancel_prefill(tr: Transfer) -> None:
-    """Cancel the prefill request of ``tr`` if it is still running (closes its connection)."""
-    if tr.prefill_task is not None and not tr.prefill_task.done():
-        tr.prefill_task.cancel()
+def _cancel_prefills(tr: Transfer) -> None:
+    """Cancel every prefill request of ``tr`` still running (closes their connections)."""
+    for sub in tr.prefills.values():
+        if sub.task is not None and not sub.task.done():
+            sub.task.cancel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,7 +438,7 @@ class _Exchange(Response):
                         await _cancel_and_wait(run)
                         await self._error(send, tr.prefill_error_status,
                                           tr.prefill_error or "prefill failed", stage="prefill",
-                                          server=tr.prefill.url if tr.prefill else None)
+                                          server=tr.prefill_error_server)
                         break
         finally:
             for task in (run, disconnect, prefill_failed):
@@ -419,7 +451,7 @@ class _Exchange(Response):
         tr.decode.in_flight -= 1
         self.state.transfers.pop(tr.request_id, None)
         if not self.ok:
-            _cancel_prefill(tr)
+            _cancel_prefills(tr)
 
     async def _start(self, send: Send, status: int, content_type: str) -> None:
         """Send the response head to the client."""
@@ -511,6 +543,23 @@ class _Exchange(Response):
                           server=tr.decode.url)
 
 
+def _metaserver_problem(msg: Any) -> str:
+    """Why a metaserver body is malformed, or "" if it is well formed."""
+    if not isinstance(msg, dict):
+        return "body must be a JSON object"
+    for key in ("transfer_id", "sub_transfer_id"):
+        value = msg.get(key)
+        if not isinstance(value, str) or not value or len(value) > MAX_TRANSFER_ID:
+            return f"'{key}' (string of 1..{MAX_TRANSFER_ID} characters) required"
+    ids = msg.get("prompt_token_ids")
+    if (not isinstance(ids, list) or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+        return "'prompt_token_ids' (non-empty list of token ids) required"
+    if not isinstance(msg.get("kv_transfer_params", {}), dict):
+        return "'kv_transfer_params' must be an object"
+    return ""
+
+
 async def _cancel_and_wait(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and wait until it has finished its cleanup."""
     task.cancel()
@@ -589,34 +638,35 @@ def build_app(
 
     @app.post("/v1/metaserver", name="metaserver")
     async def metaserver(request: Request) -> JSONResponse:
-        """Called by D's connector once its blocks are allocated: start the prefill."""
+        """Called by D's connector once a vLLM request's blocks are allocated: start its prefill."""
         state.counters["metaserver_calls"] += 1
         try:
             msg = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as exc:
             return JSONResponse({"status": "error", "detail": f"body is not JSON: {exc}"}, 400)
-        if not isinstance(msg, dict) or not isinstance(msg.get("transfer_id"), str):
-            return JSONResponse({"status": "error", "detail": "'transfer_id' (string) required"},
-                                400)
-        params = msg.get("kv_transfer_params", {})
-        if not isinstance(params, dict):
-            return JSONResponse({"status": "error",
-                                 "detail": "'kv_transfer_params' must be an object"}, 400)
-        tid = msg["transfer_id"]
+        problem = _metaserver_problem(msg)
+        if problem:
+            return JSONResponse({"status": "error", "detail": problem}, 400)
+        tid, sub_id = msg["transfer_id"], msg["sub_transfer_id"]
         tr = state.transfers.get(tid)
         if tr is None:
-            return JSONResponse({"status": "error", "transfer_id": tid, "prefill_url": None,
+            return JSONResponse({"status": "error", "transfer_id": tid,
+                                 "sub_transfer_id": sub_id, "prefill_url": None,
                                  "detail": "unknown transfer_id (request finished or never "
                                            "seen)"}, 404)
-        if tr.prefill is not None:
-            return JSONResponse({"status": "ok", "transfer_id": tid, "prefill_url": tr.prefill.url,
-                                 "detail": f"prefill already {tr.prefill_state}"}, 202)
-        backend = state.pick(state.prefills)
-        tr.prefill = backend
-        body = build_prefill_body(tr.body, params, tid)
-        tr.prefill_task = state.spawn(_run_prefill(state, tr, backend, body))
-        return JSONResponse({"status": "ok", "transfer_id": tid, "prefill_url": backend.url,
-                             "detail": "prefill started"}, 202)
+        sub = tr.prefills.get(sub_id)
+        if sub is not None:
+            return JSONResponse({"status": "ok", "transfer_id": tid, "sub_transfer_id": sub_id,
+                                 "prefill_url": sub.backend.url,
+                                 "detail": f"prefill already {sub.state}"}, 202)
+        sub = SubPrefill(sub_id, state.pick(state.prefills))
+        tr.prefills[sub_id] = sub
+        state.counters["prefills"] += 1
+        body = build_prefill_body(tr.body, msg.get("kv_transfer_params", {}), sub_id,
+                                  msg["prompt_token_ids"])
+        sub.task = state.spawn(_run_prefill(state, tr, sub, body))
+        return JSONResponse({"status": "ok", "transfer_id": tid, "sub_transfer_id": sub_id,
+                             "prefill_url": sub.backend.url, "detail": "prefill started"}, 202)
 
     @app.get("/health")
     async def health() -> JSONResponse:

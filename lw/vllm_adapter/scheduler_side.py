@@ -1,11 +1,15 @@
 """The scheduler-role half of lw's connector: tracks requests, builds per-step metadata.
 
 P: validates the decoder's params and pushes a request in the step its prefill completes.
-D: allocates first, then asks the proxy's metaserver (in the background) to start the prefill.
+D: allocates first, then asks the proxy's metaserver (in the background) to start the prefill of
+exactly this vLLM request's prompt tokens, under a transfer id of its own (one per vLLM request:
+n > 1 children and the prompts of a list share the proxy's id); a short uncached tail after a
+prefix-cache hit is computed locally instead.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,9 +33,19 @@ if TYPE_CHECKING:
 
     from lw.vllm_adapter.connector import LwConnector
 
-__all__ = ["SchedulerSide"]
+__all__ = ["SchedulerSide", "sub_transfer_id"]
 
 _NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
+MAX_TRANSFER_ID = 256  # the core's id limit (lw.fsm.messages)
+
+
+def sub_transfer_id(transfer_id: str, request_id: str) -> str:
+    """The transfer id of one vLLM request of a proxy transfer: deterministic, <= 256 chars."""
+    sub = f"{transfer_id}@{request_id}"
+    if len(sub) <= MAX_TRANSFER_ID:
+        return sub
+    digest = hashlib.blake2b(f"{transfer_id}\0{request_id}".encode(), digest_size=16).hexdigest()
+    return f"{transfer_id[:MAX_TRANSFER_ID - len(digest) - 1]}@{digest}"
 
 
 @dataclass
@@ -69,11 +83,14 @@ class SchedulerSide:
         self._pushed: dict[str, str] = {}  # vLLM req id -> transfer id, until finished sending
         self._d: dict[str, _DReq] = {}  # vLLM req id -> receiving (D)
         self._d_seen: set[str] = set()  # D requests already handled (never load twice)
+        self._tails: dict[str, int] = {}  # D: req -> cached blocks, tail to compute locally
+        tail = cfg.local_tail_tokens
+        self.local_tail_tokens = self.block_size if tail < 0 else tail
         self._meta = LwConnectorMetadata()
         self._to_post: list[tuple[str, str, str, dict[str, Any]]] = []
         self._poster: MetaserverPoster | None = None
         self._lock = threading.Lock()
-        self._counts = {"metaserver_failures": 0}
+        self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0}
         self._bad_params: set[str] = set()
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
@@ -123,10 +140,9 @@ class SchedulerSide:
         tp = params.get("remote_tp_size")
         if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= 65536:
             raise ValueError(f"bad remote_tp_size {tp!r}")
-        if tp != (self.cfg.peer_tp_size or self.cfg.tp_size):
+        if self.cfg.peer_tp_size and tp != self.cfg.peer_tp_size:
             raise ValueError(f"decode TP {tp} but this prefill engine was configured for decode "
-                             f"TP {self.cfg.peer_tp_size or self.cfg.tp_size} "
-                             "(kv_connector_extra_config.peer_tp_size)")
+                             f"TP {self.cfg.peer_tp_size} (kv_connector_extra_config.peer_tp_size)")
         geo = params.get("lw_geometry")
         if geo != self.geometry:
             raise ValueError(f"KV geometry differs: decode has {geo!r}, prefill has "
@@ -178,29 +194,53 @@ class SchedulerSide:
         return params
 
     def num_new_matched_tokens(self, request: Request, n: int) -> tuple[int, bool]:
-        """D: (uncached prompt tokens, async) for a fresh remote-prefill request; else (0, F)."""
+        """D: (uncached prompt tokens, async) for a fresh remote-prefill request; else (0, F).
+
+        ``n`` is D's own prefix-cache hit (whole blocks, at most the prompt minus one token):
+        a remainder of at most ``local_tail_tokens`` after a hit is computed here instead.
+        """
         if self._remote_prefill(request) is None:
             return 0, False
+        rid = request.request_id
         count = request.num_prompt_tokens - n
+        if n > 0 and count <= self.local_tail_tokens:
+            self._tails[rid] = n // self.block_size  # counted once allocated (after_alloc)
+            return 0, False
+        self._tails.pop(rid, None)  # the hit changed since an earlier, unallocated call
+        if request.prompt_token_ids is None:
+            if rid not in self._bad_params:
+                self._bad_params.add(rid)
+                log.error("lw: request %s has no prompt token ids (prompt embeddings?); "
+                          "computing its prefill locally", rid)
+            return 0, False
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         """D: the blocks for the remote tokens exist: register them and ask for the prefill."""
+        rid = request.request_id
         if num_external == 0:
-            return  # second call after the load, or nothing to load
+            # Second call after a load, a plain request, or a local tail now scheduled.
+            held = self._tails.pop(rid, None)
+            if held is not None and rid not in self._d_seen:
+                self._d_seen.add(rid)  # a preempted tail is recomputed, not loaded
+                with self._lock:
+                    self._counts["local_tails"] += 1
+                    self._counts["prefix_hit_blocks"] += held
+            return
         params = self._remote_prefill(request)
         if params is None:
             return
-        rid = request.request_id
         self._d_seen.add(rid)
         (block_ids,) = blocks.get_block_ids()
         first = (request.num_prompt_tokens - num_external) // self.block_size
         need = -(-request.num_prompt_tokens // self.block_size)
         remote = tuple(block_ids[first:need])
-        tid = params["transfer_id"]
+        tid = sub_transfer_id(params["transfer_id"], rid)
         self._d[rid] = _DReq(tid)
         self._meta.recvs.append(RecvSpec(tid, rid, remote))
-        post = {
+        with self._lock:
+            self._counts["prefix_hit_blocks"] += first
+        kv = {
             "remote_engine_id": self.cfg.engine_id,
             "remote_host": self.cfg.host,
             "remote_port": self.cfg.port(tp_rank=0),
@@ -211,7 +251,10 @@ class SchedulerSide:
             "lw_geometry": self.geometry,
             "lw_params_version": PARAMS_VERSION,
         }
-        self._to_post.append((rid, tid, params["metaserver"], post))
+        body = {"transfer_id": params["transfer_id"], "sub_transfer_id": tid,
+                "prompt_token_ids": list(request.prompt_token_ids or ()),
+                "kv_transfer_params": kv}
+        self._to_post.append((rid, tid, params["metaserver"], body))
 
     # ------------------------------------------------------------------------------- common
     def build_meta(self, so: SchedulerOutput) -> LwConnectorMetadata:
@@ -220,11 +263,11 @@ class SchedulerSide:
             for rid, n in so.num_scheduled_tokens.items():
                 self._push_if_complete(rid, n)
         else:
-            for rid, tid, reason in self._take_post_failures():
+            for rid, _tid, reason in self._take_post_failures():
                 dr = self._d.get(rid)
                 if dr is not None and not dr.aborted:
                     dr.aborted = True
-                    self._meta.aborts.append((tid, rid, reason))
+                    self._meta.aborts.append((dr.transfer_id, rid, reason))
         meta, self._meta = self._meta, LwConnectorMetadata()
         if self._to_post:
             # Posted after the worker has the request in this step's metadata: P's first
@@ -249,6 +292,7 @@ class SchedulerSide:
                                           f"request {request.status.name}"))
             return True
         self._d_seen.discard(rid)
+        self._tails.pop(rid, None)
         dr = self._d.get(rid)
         if dr is not None and not dr.aborted:
             # Still receiving: the core stops P and releases (or quarantines) the blocks; vLLM
@@ -270,11 +314,12 @@ class SchedulerSide:
         if self._poster is None:
             return []
         failures = self._poster.take_failures()
-        self._counts["metaserver_failures"] += len(failures)
+        with self._lock:
+            self._counts["metaserver_failures"] += len(failures)
         return failures
 
     def stats(self) -> LwKVConnectorStats | None:
-        """Scheduler-side counters (metaserver failures) since the last call."""
+        """Scheduler-side counters (metaserver failures, prefix hits) since the last call."""
         with self._lock:
             if not any(self._counts.values()):
                 return None

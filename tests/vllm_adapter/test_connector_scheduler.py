@@ -80,8 +80,8 @@ class FakePoster:
         self.cancelled: list[str] = []
         FakePoster.instances.append(self)
 
-    def post(self, rid: str, tid: str, url: str, params: dict[str, Any]) -> None:
-        self.posts.append((rid, tid, url, params))
+    def post(self, rid: str, tid: str, url: str, body: dict[str, Any]) -> None:
+        self.posts.append((rid, tid, url, body))
 
     def cancel(self, rid: str) -> None:
         self.cancelled.append(rid)
@@ -268,7 +268,7 @@ def test_p_refuses_params_it_cannot_honour(model_dir: str) -> None:
     d = Driver(s)
     bad = [
         decoder_params(tid="a", lw_geometry="layers=3 block_size=16 page_bytes=1 dtype=x"),
-        decoder_params(tid="b", remote_tp_size=2),
+        decoder_params(tid="b", remote_tp_size=0),
         decoder_params(tid="c", lw_params_version=None),
         decoder_params(tid="d", remote_block_ids=[1, 2]),  # too few for 100 tokens
         decoder_params(tid="e", remote_port="x"),
@@ -313,10 +313,13 @@ def test_d_allocates_first_posts_and_decodes_after_recv(model_dir: str,
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert free_blocks(s) == BASELINE - 7
     (spec,) = d.meta.recvs
-    assert spec.transfer_id == "t1" and len(spec.block_ids) == 7
+    assert spec.transfer_id == "t1@r1" and len(spec.block_ids) == 7
     (poster,) = fake_poster.instances
-    ((rid, tid, url, params),) = poster.posts
-    assert (rid, tid, url) == ("r1", "t1", "http://127.0.0.1:9/v1/metaserver")
+    ((rid, tid, url, body),) = poster.posts
+    assert (rid, tid, url) == ("r1", "t1@r1", "http://127.0.0.1:9/v1/metaserver")
+    assert (body["transfer_id"], body["sub_transfer_id"]) == ("t1", "t1@r1")
+    assert body["prompt_token_ids"] == list(range(10, 110))
+    params = body["kv_transfer_params"]
     assert params["remote_block_ids"] == list(spec.block_ids)
     assert params["remote_first_block"] == 0
     assert params["remote_port"] == side_channel_port(21000, 0, 1, 0)
@@ -350,12 +353,128 @@ def test_d_local_prefix_hit_requests_only_the_rest(model_dir: str,
     s.add_request(make_request("r2", 100, params=remote_prefill_params("t2"), tokens=tokens))
     d.step()
     (poster,) = fake_poster.instances
-    params = poster.posts[-1][3]
+    params = poster.posts[-1][3]["kv_transfer_params"]
     assert params["remote_first_block"] == 4 and len(params["remote_block_ids"]) == 3
     assert d.meta.recvs[0].block_ids == tuple(params["remote_block_ids"])
     d.step(KVConnectorOutput(finished_recving={"r2"}))
     while "r2" not in d.finished:
         d.step()
+    assert free_blocks(s) == BASELINE
+
+
+def test_d_each_vllm_request_of_one_proxy_transfer_gets_its_own_transfer(
+        model_dir: str, fake_poster: type[FakePoster]) -> None:
+    """vLLM's n=2 children and the prompts of a list all carry the proxy's one transfer id."""
+    s = make_scheduler(model_dir, "kv_consumer")
+    d = Driver(s)
+    same = list(range(10, 60))
+    rids = {"0_cmpl-X-0-ab12cd34": same, "1_cmpl-X-0-ab12cd34": same,
+            "cmpl-X-1-ef56ab78": list(range(300, 340))}
+    for rid, toks in rids.items():
+        s.add_request(make_request(rid, len(toks), params=remote_prefill_params("X"),
+                                   tokens=toks))
+    d.step()
+    specs = {spec.req_id: spec for spec in d.meta.recvs}
+    assert {rid: spec.transfer_id for rid, spec in specs.items()} == {
+        rid: f"X@{rid}" for rid in rids}
+    (poster,) = fake_poster.instances
+    assert len(poster.posts) == 3
+    for rid, tid, _url, body in poster.posts:
+        assert tid == body["sub_transfer_id"] == f"X@{rid}" and body["transfer_id"] == "X"
+        assert body["prompt_token_ids"] == rids[rid]
+        assert body["kv_transfer_params"]["remote_block_ids"] == list(specs[rid].block_ids)
+    d.step(KVConnectorOutput(finished_recving=set(rids)))
+    while len(d.finished) < 3:
+        d.step()
+    assert free_blocks(s) == BASELINE
+
+
+def test_sub_transfer_id_is_deterministic_and_bounded() -> None:
+    assert sched_mod.sub_transfer_id("abc", "cmpl-abc-0-1234") == "abc@cmpl-abc-0-1234"
+    for tid in ("t" * 200, "t" * 300):
+        long = sched_mod.sub_transfer_id(tid, "r" * 100)
+        assert len(long) <= 256 and long == sched_mod.sub_transfer_id(tid, "r" * 100)
+        assert long != sched_mod.sub_transfer_id(tid, "r" * 99 + "s")
+
+
+def _run_remote(s: Scheduler, d: Driver, rid: str, tokens: list[int], tid: str) -> None:
+    """One remote-prefill request through D until it finished (its blocks then cached)."""
+    s.add_request(make_request(rid, len(tokens), params=remote_prefill_params(tid),
+                               tokens=tokens))
+    d.step()
+    d.step(KVConnectorOutput(finished_recving={rid}))
+    while rid not in d.finished:
+        d.step()
+
+
+def _total(d: Driver, key: str) -> int:
+    return sum(st.get(key, 0) for st in d.stats)
+
+
+def test_d_short_tail_after_a_prefix_hit_is_computed_locally(
+        model_dir: str, fake_poster: type[FakePoster]) -> None:
+    s = make_scheduler(model_dir, "kv_consumer")
+    d = Driver(s)
+    _run_remote(s, d, "r1", list(range(10, 110)), "t1")  # 100 tokens: 6 full blocks cached
+    (poster,) = fake_poster.instances
+    # Same 96 first tokens, 4 new ones: D holds 6 blocks, a 4-token tail <= one block.
+    s.add_request(make_request("r2", 100, params=remote_prefill_params("t2"),
+                               tokens=list(range(10, 106)) + [900, 901, 902, 903]))
+    so = d.step()
+    assert so.num_scheduled_tokens == {"r2": 4}  # computed here: no wait for a remote KV
+    assert not d.meta.recvs and len(poster.posts) == 1
+    while "r2" not in d.finished:
+        d.step()
+    assert _total(d, "local_tails") == 1 and _total(d, "prefix_hit_blocks") == 6
+    assert free_blocks(s) == BASELINE and len(poster.posts) == 1
+
+
+@pytest.mark.parametrize("tail", [-1, 0, 32])
+def test_d_full_prefix_hit_never_strands_the_request(
+        model_dir: str, fake_poster: type[FakePoster], tail: int) -> None:
+    """vLLM caps a hit at prompt-1 tokens: the last block is computed locally or fetched."""
+    s = make_scheduler(model_dir, "kv_consumer", extra={"local_tail_tokens": tail})
+    d = Driver(s)
+    tokens = list(range(10, 106))  # 96 tokens: exactly 6 blocks
+    _run_remote(s, d, "r1", tokens, "t1")
+    (poster,) = fake_poster.instances
+    s.add_request(make_request("r2", 96, params=remote_prefill_params("t2"), tokens=tokens,
+                               max_tokens=3))
+    so = d.step()
+    if tail != 0:  # default: one block (16 tokens) is a local tail
+        assert so.num_scheduled_tokens == {"r2": 16} and len(poster.posts) == 1
+        assert _total(d, "local_tails") == 1
+    else:  # always ask P: only the last block moves
+        assert so.num_scheduled_tokens == {}
+        params = poster.posts[-1][3]["kv_transfer_params"]
+        assert params["remote_first_block"] == 5 and len(params["remote_block_ids"]) == 1
+        assert d.meta.recvs[0].block_ids == tuple(params["remote_block_ids"])
+        d.step(KVConnectorOutput(finished_recving={"r2"}))
+        assert _total(d, "local_tails") == 0
+    for _ in range(10):
+        if "r2" in d.finished:
+            break
+        d.step()
+    assert str(d.finished["r2"]) in ("length", "FinishReason.LENGTH")
+    assert _total(d, "prefix_hit_blocks") == 5
+    assert free_blocks(s) == BASELINE
+
+
+def test_d_tail_threshold_longer_tail_goes_remote(model_dir: str,
+                                                  fake_poster: type[FakePoster]) -> None:
+    s = make_scheduler(model_dir, "kv_consumer", extra={"local_tail_tokens": 8})
+    d = Driver(s)
+    _run_remote(s, d, "r1", list(range(10, 110)), "t1")
+    # 6 blocks held, 10 tokens left > 8: the round trip, for the last block only.
+    s.add_request(make_request("r2", 106, params=remote_prefill_params("t2"),
+                               tokens=list(range(10, 106)) + list(range(700, 710))))
+    d.step()
+    params = fake_poster.instances[0].posts[-1][3]["kv_transfer_params"]
+    assert params["remote_first_block"] == 6 and len(params["remote_block_ids"]) == 1
+    d.step(KVConnectorOutput(finished_recving={"r2"}))
+    while "r2" not in d.finished:
+        d.step()
+    assert _total(d, "local_tails") == 0 and _total(d, "prefix_hit_blocks") == 6
     assert free_blocks(s) == BASELINE
 
 
@@ -400,7 +519,7 @@ def test_d_abort_while_receiving_holds_blocks_until_the_core_releases(
     s.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
     assert free_blocks(s) == BASELINE - 7  # P may still be writing: quarantined by vLLM
     d.step()
-    assert d.meta.aborts == [("t1", "r1", "request FINISHED_ABORTED")]
+    assert d.meta.aborts == [("t1@r1", "r1", "request FINISHED_ABORTED")]
     assert fake_poster.instances[0].cancelled == ["r1"]
     for _ in range(3):  # the core holds them (quarantine) until P confirms or the lease ends
         d.step()
@@ -440,9 +559,9 @@ def test_d_metaserver_failure_aborts_in_the_core(model_dir: str,
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=remote_prefill_params()))
     d.step()
-    fake_poster.instances[0].failures.append(("r1", "t1", "metaserver: 404"))
+    fake_poster.instances[0].failures.append(("r1", "t1@r1", "metaserver: 404"))
     d.step()
-    assert d.meta.aborts == [("t1", "r1", "metaserver: 404")]
+    assert d.meta.aborts == [("t1@r1", "r1", "metaserver: 404")]
     assert sum(st.get("metaserver_failures", 0) for st in d.stats) == 1
     d.step(KVConnectorOutput(finished_recving={"r1"}, failed_recving={"r1"}))
     assert free_blocks(s) == BASELINE
@@ -500,6 +619,7 @@ def _build(**over: Any) -> LwConfig:
     ({"extra": {"prefill_timeout_s": -1}}, "prefill_timeout_s must be > 0"),
     ({"extra": {"transfer_timeout_s": 1}}, "Mooncake's minimum"),
     ({"extra": {"data_plane": "nixl"}}, "data_plane"),
+    ({"extra": {"local_tail_tokens": -2}}, "local_tail_tokens must be >= 0"),
     ({"extra": {"lease_s": 10}}, "lease_s=10.0 must exceed"),
     ({"extra": {"peer_tp_size": 3}, "heads": (4, False)}, "cannot shard this model's KV"),
     ({"kv_port": 65535, "dp_size": 2, "tp_size": 1, "extra": {}}, "valid TCP ports"),
@@ -695,11 +815,12 @@ class Cluster:
             return
         posts = FakePoster.instances[0].posts
         while self.relayed < len(posts):
-            rid, tid, _url, params = posts[self.relayed]
+            rid, tid, _url, msg = posts[self.relayed]
             self.relayed += 1
-            body = {**params, "do_remote_decode": True, "do_remote_prefill": False,
-                    "transfer_id": tid}
-            toks = self.prompts[rid]
+            assert tid == msg["sub_transfer_id"]
+            body = {**msg["kv_transfer_params"], "do_remote_decode": True,
+                    "do_remote_prefill": False, "transfer_id": tid}
+            toks = msg["prompt_token_ids"]  # exactly D's tokens, as the proxy sends them to P
             self.p.sched.add_request(make_request(f"p-{rid}", len(toks), tokens=list(toks),
                                                   params=body))
 
@@ -797,14 +918,17 @@ def test_cluster_write_failure(cluster_factory: Callable[..., Cluster], policy: 
     assert "r1" not in c.verified
 
 
-def test_cluster_duplicate_transfer_id_fails_one_and_leaks_nothing(
+def test_cluster_vllm_requests_sharing_a_proxy_transfer_each_get_their_kv(
         cluster_factory: Callable[..., Cluster]) -> None:
+    """n=2 children (same prompt) and a prompt list (other prompts) under one proxy id."""
     c = cluster_factory()
-    c.add("a", list(range(5000, 5040)), tid="same")
-    c.add("b", list(range(6000, 6040)), tid="same")
-    c.run_until(lambda: len(c.d.finished) == 2 and c.idle())
-    assert sorted(c.d.finished.values()) == ["error", "length"]
-    assert list(c.verified.values()) == [True]
+    c.add("0_cmpl-same-0-aa", list(range(5000, 5040)), tid="same")
+    c.add("1_cmpl-same-0-aa", list(range(5000, 5040)), tid="same")
+    c.add("cmpl-same-1-bb", list(range(6000, 6070)), tid="same")
+    c.run_until(lambda: len(c.d.finished) == 3 and c.idle())
+    assert set(c.d.finished.values()) == {"length"}
+    assert c.verified == dict.fromkeys(c.prompts, True)
+    assert c.p.total("requests_done") == 3 and c.d.total("requests_done") == 3
 
 
 def test_ready_gate_orders_layers_after_the_device_and_aborts_on_device_errors() -> None:

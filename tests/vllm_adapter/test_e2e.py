@@ -6,7 +6,10 @@ Checked: greedy P/D outputs equal the single engine's (one block, many blocks, c
 streaming and not; completions and chat; concurrent requests); no block stays held on either
 server (vLLM's kv cache usage and lw's own gauges); client aborts at any moment leak nothing;
 a request whose prefill cannot be requested fails fast with an error; killing the decode server
-mid-run gives errors, not hangs, and the prefill server keeps serving and releases its blocks.
+mid-run gives errors, not hangs, and the prefill server keeps serving and releases its blocks;
+the official ``openai`` client's ``n=2`` (completions and chat, streaming and not) and a
+two-prompt list get as many choices as from the single engine (one transfer per vLLM request);
+a repeated prompt is served from D's prefix cache (its tail computed on D, nothing moved).
 The decode-server kill is the last test: it ends the cluster.
 """
 
@@ -158,6 +161,81 @@ def test_concurrent_requests(cluster: LocalCluster) -> None:
                                                 stream=ip[0] % 2 == 0), enumerate(prompts)))
     assert [g.error for g in got] == [""] * 8
     assert [g.text for g in got] == want
+    assert not any((h := wait_idle(cluster)).values()), h
+
+
+def _choices(client: Any, api: str, stream: bool, **kw: Any) -> dict[int, tuple[str, str]]:
+    """index -> (text, finish_reason) of every choice, streamed or not (openai client)."""
+    create = (client.chat.completions.create if api == "chat"
+              else client.completions.create)
+    out: dict[int, tuple[str, str]] = {}
+    if not stream:
+        for c in create(stream=False, **kw).choices:
+            text = c.message.content if api == "chat" else c.text
+            out[c.index] = (text or "", c.finish_reason or "")
+        return out
+    for chunk in create(stream=True, **kw):
+        for c in chunk.choices:
+            text = (c.delta.content if api == "chat" else c.text) or ""
+            old_text, old_finish = out.get(c.index, ("", ""))
+            out[c.index] = (old_text + text, c.finish_reason or old_finish)
+    return out
+
+
+def test_openai_client_n2_and_prompt_lists_like_single_engine(cluster: LocalCluster) -> None:
+    openai = pytest.importorskip("openai")
+    clients = {name: openai.OpenAI(base_url=cluster.url(name) + "/v1", api_key="none",
+                                   max_retries=0, timeout=120)
+               for name in ("reference", "proxy")}
+    prompt = make_prompt(90, seed=301)
+    sampled = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 1.0, "n": 2,
+               "extra_body": {"ignore_eos": True}}  # sampling may draw EOS: keep "length"
+    cases: list[tuple[str, bool, dict[str, Any]]] = []
+    for stream in (False, True):
+        cases.append(("completions", stream, {**sampled, "prompt": prompt}))
+        cases.append(("chat", stream, {**sampled,
+                                        "messages": [{"role": "user", "content": prompt}]}))
+        # lm-eval-harness's local-completions: a list of prompts, greedy.
+        cases.append(("completions", stream, {
+            "model": MODEL_NAME, "max_tokens": 8, "temperature": 0.0,
+            "extra_body": {"ignore_eos": True},
+            "prompt": [make_prompt(40, seed=302 + stream), make_prompt(120, seed=304)]}))
+    for api, stream, kw in cases:
+        want = _choices(clients["reference"], api, stream, **kw)
+        got = _choices(clients["proxy"], api, stream, **kw)
+        what = f"{api} stream={stream} n={kw.get('n', 1)}"
+        assert sorted(got) == sorted(want) and len(got) == 2, what
+        assert {fin for _, fin in got.values()} == {"length"}, (what, got)
+        if kw["temperature"] == 0.0:
+            assert got == want, what
+    assert not any((h := wait_idle(cluster)).values()), h
+
+
+def test_repeated_prompt_tail_computed_on_decode(cluster: LocalCluster) -> None:
+    """D holds all but the prompt's last block: it computes that itself, P moves nothing."""
+    prompt = make_prompt(150, seed=311)
+    want = reference(cluster, prompt)
+    assert complete(cluster.url("proxy"), prompt, MAX_TOKENS, stream=False).text == want
+    assert not any((h := wait_idle(cluster)).values()), h
+    d_before = metrics(cluster.url("decode"))
+    calls = httpx.get(cluster.url("proxy") + "/metrics-json", timeout=10).json()
+    got = complete(cluster.url("proxy"), prompt, MAX_TOKENS, stream=True)
+    assert got.text == want and not got.error
+    after = httpx.get(cluster.url("proxy") + "/metrics-json", timeout=10).json()
+    # D asked for no prefill: no metaserver call, so P computed and moved nothing.
+    assert after["metaserver_calls"] == calls["metaserver_calls"]
+    assert after["requests"] == calls["requests"] + 1
+    deadline = time.monotonic() + 30  # stats reach /metrics on vLLM's logging interval
+    while True:
+        d_after = metrics(cluster.url("decode"))
+        tails = d_after.get("lw_local_tails_total", 0) - d_before.get("lw_local_tails_total", 0)
+        if tails >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert tails >= 1
+    hits = (d_after.get("lw_prefix_hit_blocks_total", 0)
+            - d_before.get("lw_prefix_hit_blocks_total", 0))
+    assert hits >= 4  # 150+ tokens: at least 4 full blocks of 32 held
     assert not any((h := wait_idle(cluster)).values()), h
 
 

@@ -5,7 +5,10 @@ The fake D behaves like a decode node with an lw connector: it posts to the prox
 waits until the fake P has served the prefill for that transfer, then answers. Prompt keywords
 steer the fakes: ``hang`` (P never answers), ``fail`` (P answers 500), ``slowfail`` (P fails after
 0.3 s), ``early`` (D streams one chunk before waiting for the prefill), ``nowait`` (D does not wait
-for the prefill), ``dhang`` (D never answers), ``twice`` (D posts to the metaserver twice).
+for the prefill), ``dhang`` (D never answers), ``twice`` (D posts to the metaserver twice),
+``local`` (D computes the prompt itself: no post). Like vLLM, the fake D makes one sub-request per
+prompt of a ``prompt`` list and per ``n`` (sub-transfer ``<id>@<k>``) and posts one character
+code per "token"; the fake P reads its keywords back from those ids.
 """
 
 from __future__ import annotations
@@ -91,8 +94,18 @@ def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> None:
 
 def _prompt(body: dict[str, Any]) -> str:
     if "prompt" in body:
-        return str(body["prompt"])
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return "".join(chr(t) for t in prompt)  # the fake D's "token ids"
+        return " ".join(prompt) if isinstance(prompt, list) else str(prompt)
     return " ".join(str(m.get("content", "")) for m in body.get("messages", []))
+
+
+def _sub_prompts(body: dict[str, Any]) -> list[str]:
+    """The prompts of the vLLM requests D makes of ``body`` (one per list item and per n)."""
+    prompt = body.get("prompt")
+    texts = list(prompt) if isinstance(prompt, list) else [_prompt(body)]
+    return [t for t in texts for _ in range(int(body.get("n", 1)))]
 
 
 async def _poll_until(request: Request, cond: Callable[[], bool], deadline_s: float) -> str:
@@ -159,16 +172,22 @@ def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
             if await _poll_until(request, world.release.is_set, 30) == "disconnected":
                 world.record("d_cancelled", name, tid)
             return Response(status_code=499)
-        msg = {"transfer_id": tid, "kv_transfer_params": {**D_PARAMS, "remote_engine_id": name}}
+        subs = {f"{tid}@{k}": text for k, text in enumerate(_sub_prompts(body))}
+        if "local" in prompt:
+            subs = {}
         async with httpx.AsyncClient(timeout=5) as client:
-            for _ in range(2 if "twice" in prompt else 1):
-                r = await client.post(params["metaserver"], json=msg)
-                with world.lock:
-                    world.meta_replies.setdefault(tid, []).append((r.status_code, r.json()))
+            for sub, text in subs.items():
+                msg = {"transfer_id": tid, "sub_transfer_id": sub,
+                       "prompt_token_ids": [ord(ch) for ch in text],
+                       "kv_transfer_params": {**D_PARAMS, "remote_engine_id": name}}
+                for _ in range(2 if "twice" in prompt else 1):
+                    r = await client.post(params["metaserver"], json=msg)
+                    with world.lock:
+                        world.meta_replies.setdefault(sub, []).append((r.status_code, r.json()))
 
         def prefilled() -> bool:
             with world.lock:
-                return "nowait" in prompt or tid in world.prefill_done
+                return "nowait" in prompt or all(sub in world.prefill_done for sub in subs)
 
         if not body.get("stream"):
             outcome = await _poll_until(request, prefilled, deadline_s)
@@ -307,18 +326,19 @@ def sse_text(raw: str) -> str:
 # Pure helpers
 
 
-def test_build_prefill_body_one_token_no_stream_merged_params() -> None:
-    body = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True, "min_tokens": 3,
-            "stream_options": {"include_usage": True}, "temperature": 0}
-    out = build_prefill_body(body, {**D_PARAMS, "do_remote_prefill": True}, "tid")
-    assert out["max_tokens"] == 1 and out["stream"] is False
-    assert "min_tokens" not in out and "stream_options" not in out
-    assert out["temperature"] == 0 and out["prompt"] == "hi"
-    assert out["kv_transfer_params"] == {**D_PARAMS, "do_remote_decode": True,
-                                         "do_remote_prefill": False, "transfer_id": "tid"}
+def test_build_prefill_body_token_ids_one_token_no_stream_merged_params() -> None:
+    body = {"model": "m", "prompt": ["hi", "yo"], "max_tokens": 50, "stream": True, "n": 3,
+            "min_tokens": 3, "stream_options": {"include_usage": True}, "temperature": 1,
+            "cache_salt": "s"}
+    out = build_prefill_body(body, {**D_PARAMS, "do_remote_prefill": True}, "tid@1", [5, 6, 7])
+    assert out == {"model": "m", "prompt": [5, 6, 7], "max_tokens": 1, "n": 1, "stream": False,
+                   "cache_salt": "s",
+                   "kv_transfer_params": {**D_PARAMS, "do_remote_decode": True,
+                                          "do_remote_prefill": False, "transfer_id": "tid@1"}}
     assert body["max_tokens"] == 50 and body["stream"] is True  # input untouched
-    chat = build_prefill_body({"model": "m", "messages": [], "max_completion_tokens": 9}, {}, "t")
-    assert chat["max_completion_tokens"] == 1
+    chat = build_prefill_body({"model": "m", "messages": [], "max_completion_tokens": 9}, {}, "t",
+                              [1])
+    assert chat["prompt"] == [1] and "messages" not in chat and "max_completion_tokens" not in chat
 
 
 def test_build_decode_body_sets_proxy_params() -> None:
@@ -366,24 +386,26 @@ def test_non_stream_flow() -> None:
         assert r.json()["choices"][0]["text"] == "".join(TOKENS)
         rid = r.headers["x-request-id"]
         w = c.world
-        d_body, p_body = w.bodies[("d", rid)], w.bodies[("p", rid)]
+        d_body, p_body = w.bodies[("d", rid)], w.bodies[("p", rid + "@0")]
         assert d_body["kv_transfer_params"] == {
             "do_remote_prefill": True, "do_remote_decode": False,
             "metaserver": c.url + "/v1/metaserver", "transfer_id": rid}
         assert w.headers[("d", rid)]["x-request-id"] == rid
-        assert w.headers[("p", rid)]["x-request-id"] == rid
-        assert p_body["max_tokens"] == 1 and p_body["stream"] is False
-        assert p_body["prompt"] == "hello world"
+        assert w.headers[("p", rid + "@0")]["x-request-id"] == rid
+        assert p_body["max_tokens"] == 1 and p_body["stream"] is False and p_body["n"] == 1
+        assert p_body["prompt"] == [ord(ch) for ch in "hello world"]
         assert p_body["kv_transfer_params"] == {**D_PARAMS, "remote_engine_id": "d0",
                                                 "do_remote_decode": True,
-                                                "do_remote_prefill": False, "transfer_id": rid}
-        [(status, reply)] = w.meta_replies[rid]
+                                                "do_remote_prefill": False,
+                                                "transfer_id": rid + "@0"}
+        [(status, reply)] = w.meta_replies[rid + "@0"]
         assert status == 202
         assert reply["status"] == "ok" and reply["prefill_url"] == c.prefill_urls[0]
         m = c.metrics()
         assert m["requests"] == 1 and m["errors"] == 0 and m["in_flight"] == 0
         assert m["decode"][0]["requests"] == 1 and m["decode"][0]["in_flight"] == 0
         assert m["prefill"][0]["requests"] == 1 and m["metaserver_calls"] == 1
+        assert m["prefills"] == 1
 
 
 def test_stream_flow_passes_sse_through() -> None:
@@ -397,7 +419,7 @@ def test_stream_flow_passes_sse_through() -> None:
             rid = r.headers["x-request-id"]
         assert sse_text(raw) == "".join(TOKENS)
         assert raw.rstrip().endswith("data: [DONE]")
-        p_body = c.world.bodies[("p", rid)]
+        p_body = c.world.bodies[("p", rid + "@0")]
         assert p_body["max_tokens"] == 1 and p_body["stream"] is False
         assert "min_tokens" not in p_body and "stream_options" not in p_body
         d_body = c.world.bodies[("d", rid)]
@@ -414,9 +436,9 @@ def test_chat_stream_flow() -> None:
             raw = r.read().decode()
             rid = r.headers["x-request-id"]
         assert sse_text(raw) == "".join(TOKENS)
-        p_body = c.world.bodies[("p", rid)]
-        assert p_body["max_completion_tokens"] == 1 and p_body["max_tokens"] == 1
-        assert p_body["messages"] == body["messages"]
+        p_body = c.world.bodies[("p", rid + "@0")]
+        assert p_body["max_tokens"] == 1 and "max_completion_tokens" not in p_body
+        assert p_body["prompt"] == [ord(ch) for ch in "hello"] and "messages" not in p_body
 
 
 def test_client_kv_transfer_params_are_replaced() -> None:
@@ -550,24 +572,88 @@ def test_metaserver_is_idempotent_per_transfer() -> None:
         r = httpx.post(c.url + "/v1/completions", json=completion("twice"), timeout=10)
         assert r.status_code == 200
         rid = r.headers["x-request-id"]
-        replies = c.world.meta_replies[rid]
+        replies = c.world.meta_replies[rid + "@0"]
         assert [s for s, _ in replies] == [202, 202]
         assert replies[0][1]["prefill_url"] == replies[1][1]["prefill_url"]
         assert "already" in replies[1][1]["detail"]
-        assert c.world.tids("p_request") == [rid]
+        assert c.world.tids("p_request") == [rid + "@0"]
 
 
 def test_metaserver_rejects_unknown_and_malformed() -> None:
     with cluster() as c:
         url = c.url + "/v1/metaserver"
-        r = httpx.post(url, json={"transfer_id": "nope", "kv_transfer_params": {}})
+        ok = {"transfer_id": "nope", "sub_transfer_id": "nope@0", "prompt_token_ids": [1, 2],
+              "kv_transfer_params": {}}
+        r = httpx.post(url, json=ok)
         assert r.status_code == 404 and r.json()["status"] == "error"
         r = httpx.post(url, content=b"{not json")
         assert r.status_code == 400 and r.json()["status"] == "error"
-        r = httpx.post(url, json={"kv_transfer_params": {}})
-        assert r.status_code == 400
-        r = httpx.post(url, json={"transfer_id": "x", "kv_transfer_params": [1]})
-        assert r.status_code == 400
+        for bad, fragment in [
+            ({"transfer_id": None}, "'transfer_id'"),
+            ({"sub_transfer_id": None}, "'sub_transfer_id'"),
+            ({"sub_transfer_id": "x" * 257}, "'sub_transfer_id'"),
+            ({"prompt_token_ids": None}, "'prompt_token_ids'"),
+            ({"prompt_token_ids": []}, "'prompt_token_ids'"),
+            ({"prompt_token_ids": [1, "2"]}, "'prompt_token_ids'"),
+            ({"kv_transfer_params": [1]}, "'kv_transfer_params'"),
+        ]:
+            r = httpx.post(url, json={**ok, **bad})
+            assert r.status_code == 400 and fragment in r.json()["detail"], bad
+
+
+def test_one_prefill_per_sub_transfer_for_n_and_prompt_lists() -> None:
+    with cluster(n_prefill=2) as c:
+        body = completion(["first", "second"], n=2)
+        r = httpx.post(c.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        rid = r.headers["x-request-id"]
+        subs = [f"{rid}@{k}" for k in range(4)]
+        assert sorted(c.world.tids("p_request")) == subs
+        for sub, text in zip(subs, ["first", "first", "second", "second"], strict=True):
+            p_body = c.world.bodies[("p", sub)]
+            assert p_body["prompt"] == [ord(ch) for ch in text] and p_body["n"] == 1
+            assert p_body["kv_transfer_params"]["transfer_id"] == sub
+        assert sorted(c.world.servers("p_request")) == ["p0", "p0", "p1", "p1"]
+        m = c.metrics()
+        assert m["prefills"] == 4 and m["metaserver_calls"] == 4 and m["in_flight"] == 0
+        assert sum(p["in_flight"] for p in m["prefill"]) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_failed_sub_prefill_fails_the_request(stream: bool) -> None:
+    with cluster() as c:
+        body = completion(["fine", "fail"], stream=stream)
+        r = httpx.post(c.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["stage"] == "prefill" and err["server"] == c.prefill_urls[0]
+        wait_for(lambda: c.world.has("d_cancelled"))
+        wait_for(lambda: c.metrics()["in_flight"] == 0)
+        assert c.metrics()["prefill_failures"] == 1
+
+
+def test_client_disconnect_cancels_every_sub_prefill() -> None:
+    with cluster() as c:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(c.url + "/v1/completions", json=completion(["hang", "hang"], n=2),
+                       timeout=0.5)
+        wait_for(lambda: len(c.world.tids("p_cancelled")) == 4)
+        wait_for(lambda: c.metrics()["in_flight"] == 0)
+        assert c.metrics()["prefill"][0]["in_flight"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_d_computes_itself_needs_no_prefill(stream: bool) -> None:
+    with cluster() as c:
+        r = httpx.post(c.url + "/v1/completions", json=completion("local", stream=stream),
+                       timeout=10)
+        assert r.status_code == 200
+        assert (sse_text(r.text) if stream else r.json()["choices"][0]["text"]) == "".join(
+            TOKENS)
+        assert not c.world.has("p_request")
+        m = c.metrics()
+        assert m["in_flight"] == 0 and m["prefills"] == 0 and m["metaserver_calls"] == 0
+        assert m["decode"][0]["in_flight"] == 0 and m["errors"] == 0
 
 
 def test_health_reports_reachability() -> None:
