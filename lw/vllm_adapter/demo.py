@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,9 @@ def predict_prefix_hits(token_ids: Sequence[Sequence[int]], block_size: int,
 def block_layer_bytes(model: Path) -> tuple[int, int]:
     """(bytes of one block in one layer, layers) of the tiny model's bf16 KV cache on CPU."""
     cfg = json.loads((model / "config.json").read_text())
+    if "kv_lora_rank" in cfg:  # MLA: one latent vector (+ rope part) per token
+        width = int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
+        return BLOCK_SIZE * width * 2, int(cfg["num_hidden_layers"])
     heads = int(cfg["num_key_value_heads"])
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     # vLLM CPU: one plane per layer, (blocks, kv heads, block size, K+V head dims), bf16.
@@ -248,19 +252,36 @@ class LocalCluster:
     p_extra: dict[str, Any] = field(default_factory=dict)
     d_extra: dict[str, Any] = field(default_factory=dict)
     policy: str = "fail"
+    p_tp: int = 1  # prefill tensor-parallel size
+    d_tp: int = 1
+    p_dp: int = 1  # prefill data-parallel size (dense models: independent engines)
+    d_dp: int = 1
     servers: dict[str, Server] = field(default_factory=dict)
 
-    def _engine(self, name: str, core: str, kv: dict[str, Any] | None) -> Server:
+    def _engine(self, name: str, first_core: int, kv: dict[str, Any] | None, tp: int = 1,
+                dp: int = 1) -> Server:
         port = free_port()
         env = dict(os.environ)
+        # One core per worker, round robin from ``first_core`` (vLLM needs an explicit binding
+        # for more than one worker: "Not enough allowed NUMA nodes" otherwise).
+        cores = "|".join(str((first_core + i) % 2) for i in range(tp * dp))
         env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_CPU_OMP_THREADS_BIND=core, PYTHONUNBUFFERED="1",
+                   VLLM_CPU_OMP_THREADS_BIND=cores, PYTHONUNBUFFERED="1",
                    VLLM_HOST_IP="127.0.0.1", TOKENIZERS_PARALLELISM="false")
+        if self.p_tp * self.p_dp + self.d_tp * self.d_dp > 2:
+            # More workers than cores: an idle worker's OpenMP threads must sleep, not spin on
+            # the core a busy worker needs (D waiting for KV starved P's TP ranks otherwise).
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         argv = [sys.executable, "-m", "lw.vllm_adapter.serve", str(self.model),
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
                 "--dtype", "bfloat16", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
                 "--max-model-len", "2048", "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
                 "--max-num-seqs", "16", "--seed", "0"]
+        if tp > 1:
+            argv += ["--tensor-parallel-size", str(tp)]
+        if dp > 1:  # its RPC port is fixed by default: two DP servers on one host would clash
+            argv += ["--data-parallel-size", str(dp), "--data-parallel-rpc-port",
+                     str(free_port())]
         if kv is not None:
             argv += ["--kv-transfer-config", json.dumps(kv)]
         return Server(name, argv, env, f"http://127.0.0.1:{port}",
@@ -269,23 +290,47 @@ class LocalCluster:
     def start(self, timeout: float = 240.0) -> None:
         """Start every server (engines in parallel) and wait until all are healthy."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        kv_p, kv_d = free_port_range(4), free_port_range(4)
+        kv_p = free_port_range(max(4, self.p_tp * self.p_dp))
+        kv_d = free_port_range(max(4, self.d_tp * self.d_dp))
+        # Each side is told the other's TP: D counts its senders with it, P checks D's.
+        p_extra = {"peer_tp_size": self.d_tp, **self.p_extra}
+        d_extra = {"peer_tp_size": self.p_tp, **self.d_extra}
         if self.reference:
-            self.servers["reference"] = self._engine("reference", "0", None)
+            self.servers["reference"] = self._engine("reference", 0, None)
         self.servers["prefill"] = self._engine(
-            "prefill", "0", kv_transfer_config("kv_producer", kv_p, "prefill", self.p_extra))
+            "prefill", 0, kv_transfer_config("kv_producer", kv_p, "prefill", p_extra),
+            self.p_tp, self.p_dp)
         self.servers["decode"] = self._engine(
-            "decode", "1", kv_transfer_config("kv_consumer", kv_d, "decode", self.d_extra,
-                                              self.policy))
+            "decode", 1, kv_transfer_config("kv_consumer", kv_d, "decode", d_extra,
+                                            self.policy), self.d_tp, self.d_dp)
         engines = list(self.servers.values())
         for s in engines:
             s.start()
         try:
             wait_ready(engines, timeout)
+            self.warm_up(timeout)
             self.start_proxy()
         except BaseException:
             self.stop()
             raise
+
+    def warm_up(self, timeout: float) -> None:
+        """One plain completion on each engine (no transfer): a TP engine's first forward on a
+        busy CPU can take longer than a transfer deadline (lazy imports, shared-memory setup)."""
+        import httpx
+
+        def one(server: Server) -> None:
+            body = {"model": MODEL_NAME, "prompt": make_prompt(12, seed=-1), "max_tokens": 1}
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=timeout)
+            if r.status_code != 200:
+                raise RuntimeError(f"{server.name} warm-up answered {r.status_code}: "
+                                   f"{r.text[:300]}\n{server.tail()}")
+
+        # Not the reference: without lw's connector nothing asks for AMX permission, and a
+        # one-token prompt is what kills vllm-cpu's worker with SIGILL on AMX machines.
+        engines = [self.servers[n] for n in ("prefill", "decode")]
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(one, engines))
 
     def start_proxy(self, timeout: float = 60.0) -> None:
         """(Re)start the proxy in front of the prefill and decode servers."""
@@ -460,9 +505,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shared-prefix", action="store_true",
                     help="prompts sharing long prefixes, repeated: D's prefix cache hits; "
                          "check that only the blocks D did not hold move")
+    ap.add_argument("--prefill-tp", type=int, default=1, help="prefill tensor-parallel size")
+    ap.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel size")
+    ap.add_argument("--prefill-dp", type=int, default=1, help="prefill data-parallel size")
+    ap.add_argument("--decode-dp", type=int, default=1, help="decode data-parallel size")
+    ap.add_argument("--model-kind", choices=("llama", "mla"), default="llama",
+                    help="tiny random Llama, or DeepSeek-V2-style MLA (latent KV)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.requests < 1:
         ap.error("--requests must be >= 1")
+    for flag in ("prefill_tp", "decode_tp", "prefill_dp", "decode_dp"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tmp = None
     if args.workdir is None:
@@ -482,15 +536,19 @@ def _run(args: argparse.Namespace) -> int:
 
     n = args.requests
     kind = "prompts sharing prefixes" if args.shared_prefix else "prompts"
-    print(f"lw demo: {n} {kind}, vLLM on CPU, tiny random model, Mooncake over TCP")
-    model = make_tiny_model(args.workdir / "tiny-model")
+    shape = (f"P TP {args.prefill_tp} DP {args.prefill_dp} -> D TP {args.decode_tp} "
+             f"DP {args.decode_dp}")
+    print(f"lw demo: {n} {kind}, vLLM on CPU, tiny random {args.model_kind} model, {shape}, "
+          "Mooncake over TCP")
+    model = make_tiny_model(args.workdir / f"tiny-{args.model_kind}", kind=args.model_kind)
     print(f"model      {model}")
     if args.shared_prefix:
         prompts = shared_prefix_prompts(n)
     else:
         prompts = [make_prompt(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)], seed=i)
                    for i in range(n)]
-    cluster = LocalCluster(model=model, workdir=args.workdir / "logs")
+    cluster = LocalCluster(model=model, workdir=args.workdir / "logs", p_tp=args.prefill_tp,
+                           d_tp=args.decode_tp, p_dp=args.prefill_dp, d_dp=args.decode_dp)
     t0 = time.monotonic()
     print("starting   reference engine, prefill and decode servers (vllm serve), proxy ...",
           flush=True)
