@@ -49,6 +49,8 @@ def prefill_declaration(num_layers: int) -> Declaration:
             # This rank holds nothing any D rank takes from it (MLA: another P rank writes it).
             rows("no_target", [AWAIT_DECODER_META], DONE),
             rows("meta_accepted", [META_READY, *sent, DONE, FAILED], STAY, "duplicate reply"),
+            # One target D worker accepted (or accepted again) while another has not yet.
+            rows("target_accepted", [AWAIT_DECODER_META], STAY, "other targets pending"),
             # D does not know the request yet: ask again on the next retry tick.
             rows("meta_unknown", [AWAIT_DECODER_META], STAY, "retry later"),
             rows("meta_unknown", [META_READY, *sent, DONE, FAILED], STAY, "stale reply"),

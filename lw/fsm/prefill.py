@@ -425,8 +425,11 @@ class PrefillEndpoint:
         if msg.status == "unknown":
             self._fire(rec, "meta_unknown")
             return
-        if rec.state != AWAIT_DECODER_META or t.accepted:
+        if rec.state != AWAIT_DECODER_META:
             self._fire(rec, "meta_accepted")  # declared duplicate
+            return
+        if t.accepted:  # a duplicate from a target that accepted while others have not yet
+            self._fire(rec, "target_accepted")
             return
         t.claimed = True
         layout = msg.layout or self._layouts.get(t.addr)
@@ -446,6 +449,8 @@ class PrefillEndpoint:
             out.append(CancelTimer(("meta", rec.req.req_id)))
             self._fire(rec, "meta_accepted")
             self._submit_ready(rec, out)
+        else:
+            self._fire(rec, "target_accepted")  # found by the model checker (finding 3)
 
     def _accept_layout(self, rec: _Req, t: _Target, layout: KVLayout) -> str:
         """Check D's layout for this request and fix the byte runs; "" or why it cannot work."""

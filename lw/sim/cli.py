@@ -27,12 +27,24 @@ def parser() -> argparse.ArgumentParser:
                     help="protocol variant (d-first is lw's protocol)")
     ap.add_argument("--dp", type=int, default=2, help="P DP ranks (lock-step)")
     ap.add_argument("--tp", type=int, default=1,
-                    help="P workers per DP rank (each a sender; D expects tp of them)")
+                    help="P TP workers per DP rank (each writes the D TP ranks kvmap assigns it)")
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--d-dp", type=int, default=1, help="D ranks")
-    ap.add_argument("--d-blocks", type=int, default=1, help="blocks per D rank")
+    ap.add_argument("--d-dp", type=int, default=1, help="D engines (DP ranks)")
+    ap.add_argument("--d-tp", type=int, default=1,
+                    help="D TP workers per D engine (one scheduler and block pool per engine)")
+    ap.add_argument("--mla", action="store_true",
+                    help="latent KV (MLA): one P writer per D TP worker, idle P ranks finish at "
+                         "once")
+    ap.add_argument("--kv-heads", type=int, default=0,
+                    help="the model's KV heads (default lcm(tp, d-tp); fewer than --tp: "
+                         "replicated heads)")
+    ap.add_argument("--d-blocks", type=int, default=1, help="blocks per D engine")
     ap.add_argument("--p-blocks", type=int, default=1, help="blocks per P rank")
+    ap.add_argument("--blocks-per-request", type=int, default=1)
+    ap.add_argument("--prefix-hits", type=_hits, default=(), metavar="N,N,...",
+                    help="per request: its first N blocks are in D's prefix cache (never written "
+                         "by P); N = --blocks-per-request is a full hit (nothing to transfer)")
     ap.add_argument("--faults", action="store_true",
                     help="loss, duplication, failed writes, crashes, aborts, arbitrary delays")
     ap.add_argument("--fault-kinds", default=",".join(FAULT_KINDS),
@@ -61,6 +73,15 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _hits(text: str) -> tuple[int, ...]:
+    """Parse --prefix-hits: comma-separated block counts, one per request."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
+                                         ) from None
+
+
 def config_from(args: argparse.Namespace) -> WorldConfig:
     """The world configuration the arguments describe."""
     max_faults = args.max_faults
@@ -69,7 +90,9 @@ def config_from(args: argparse.Namespace) -> WorldConfig:
     kinds = tuple(k for k in args.fault_kinds.split(",") if k)
     return WorldConfig(
         design=args.design, dp=args.dp, tp=args.tp, requests=args.requests, layers=args.layers,
-        d_dp=args.d_dp, d_blocks=args.d_blocks, p_blocks=args.p_blocks, faults=args.faults,
+        d_dp=args.d_dp, d_tp=args.d_tp, d_blocks=args.d_blocks, p_blocks=args.p_blocks,
+        blocks_per_request=args.blocks_per_request, mla=args.mla, heads=args.kv_heads,
+        prefix_hits=args.prefix_hits, faults=args.faults,
         fault_kinds=kinds, max_faults=max_faults, retries=args.retries,
         atomic_layers=not args.no_atomic_layers, crash_zombies=not args.no_crash_zombies,
         p_loss_detection=not args.no_p_loss_detection,

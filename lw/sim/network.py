@@ -6,6 +6,8 @@ decision reads, so they are counted as copies of one message (a sound merge).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from lw.fsm.messages import (
     Abort,
     AbortAck,
@@ -92,9 +94,10 @@ class Network:
         """The network delivers one more copy of this message later."""
         self.counts[key] += 1
 
-    def drop_to(self, dest_prefix: str) -> None:
-        """Forget every message addressed to a dead process (delivery would discard them)."""
-        for key in [k for k in self.counts if k[0].startswith(dest_prefix)]:
+    def drop_to(self, dests: Collection[str]) -> None:
+        """Forget every message addressed to these dead processes (delivery would discard them)."""
+        gone = set(dests)
+        for key in [k for k in self.counts if k[0] in gone]:
             del self.counts[key]
 
     def keys(self) -> list[MsgKey]:

@@ -28,10 +28,14 @@ PROPERTIES: tuple[Property, ...] = (
              "no P or D block is freed or reused while a transfer into or out of it may still "
              "happen (in flight, or still to be submitted by a live request)"),
     Property("write-before-accept", "§2.2", "always",
-             "P writes into D's blocks only after D answered its MetaRequest with 'accepted'"),
+             "P writes into a D worker's blocks only after that worker answered its MetaRequest "
+             "with 'accepted', and only where the sender plan (lw.fsm.kvmap) says it writes"),
+    Property("cached-block-written", "§2.2", "always",
+             "P never writes a D block that D serves from its prefix cache"),
     Property("partial-kv", "§2.3", "always",
              "D reports a request finished only when every expected sender's every layer write "
-             "has landed and none is still in flight"),
+             "has landed and none is still in flight (per D TP worker, and for the engine only "
+             "when every one of its TP workers is DONE)"),
     Property("double-free", "§2.4", "always", "each block is freed exactly once"),
     Property("reported-twice", "§2.4", "always",
              "no request is reported finished (sending or receiving) twice"),
@@ -105,19 +109,21 @@ def explain_stuck(w: World) -> list[str]:
         if q.d_stage == "waiting":
             d = q.d_rank
             holders = sorted({o for o in w.d_pool[d] if o is not None})
-            label[f"meta:{rid}"] = (f"{rid} has no D metadata: it waits in D{d}'s queue for a "
-                                    f"free block (D{d} has {len(w.d_pool[d])} block(s), all "
+            dn = w.dname(d)
+            label[f"meta:{rid}"] = (f"{rid} has no D metadata: it waits in {dn}'s queue for a "
+                                    f"free block ({dn} has {len(w.d_pool[d])} block(s), all "
                                     f"held)" if holders else
-                                    f"{rid} waits in D{d}'s queue for a free block")
+                                    f"{rid} waits in {dn}'s queue for a free block")
             for h in holders:
                 edge(f"meta:{rid}", f"req:r{h}")
         if q.d_stage == "allocated" and q.d_blocks is not None:
             d = q.d_rank
             blocks = list(q.d_blocks)
-            senders = [f"P{wk}" for wk in w.workers_of(q.p_rank)]
-            who = " and ".join(w.wname(wk) for wk in w.workers_of(q.p_rank))
-            label[f"req:{rid}"] = (f"D{d} block(s) {blocks} are held by {rid}, which waits for "
-                                   f"its KV from {who}")
+            writers = sorted({wk for v in w.d_workers_of(d) for wk in w.writers(q, v)})
+            senders = [f"P{wk}" for wk in writers]
+            who = " and ".join(w.wname(wk) for wk in writers) or "nobody"
+            label[f"req:{rid}"] = (f"{w.dname(d)} block(s) {blocks} are held by {rid}, which "
+                                   f"waits for its KV from {who}")
             for node in senders:
                 edge(f"req:{rid}", node)
     cycle = _find_cycle(edges)

@@ -68,13 +68,16 @@ def mermaid(cfg: WorldConfig, ce: Counterexample) -> list[str]:
     steps, v, w = replay_steps(cfg, ce.actions)
     v = v or ce.violation
     nw = cfg.dp * cfg.tp
-    parts = ["Proxy", *(f"P{w}" for w in range(nw)), *(f"D{d}" for d in range(cfg.d_dp))]
+    parts = ["Proxy", *(f"P{w}" for w in range(nw)),
+             *(f"D{v}" for v in range(cfg.d_dp * cfg.d_tp))]
     out = ["sequenceDiagram"]
     for p in parts:
         if p == "Proxy":
             label = "Proxy"
         elif p[0] == "D":
-            label = f"D rank {p[1:]}"
+            dw = int(p[1:])
+            label = (f"D rank {dw}" if cfg.d_tp == 1
+                     else f"D DP {dw // cfg.d_tp} TP {dw % cfg.d_tp}")
         elif cfg.tp == 1:
             label = f"P rank {p[1:]}"
         else:

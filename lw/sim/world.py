@@ -1,8 +1,10 @@
 """The deterministic world the checker explores, around the real ``lw.fsm`` endpoints.
 
 A P node of ``dp`` DP ranks x ``tp`` workers (one :class:`PrefillEndpoint` per worker) steps
-through ``layers`` layers in lock step, a D node of ``d_dp`` ranks (one :class:`DecodeEndpoint`
-each) has a finite block pool, a proxy routes requests, the side channel is a multiset of
+through ``layers`` layers in lock step, a D node of ``d_dp`` engines x ``d_tp`` TP workers (one
+:class:`DecodeEndpoint` per worker; the workers of an engine share its scheduler's finite block
+pool) receives the KV along the sender plan of :mod:`lw.fsm.kvmap` (heads, MLA, prefix-cache
+hits on D), a proxy routes requests, the side channel is a multiset of
 messages, each P worker has a FIFO data plane (writes may fail "in doubt": their bytes may still
 land for a while), and a virtual clock drives the timers the endpoints arm. Actions are tuples;
 :meth:`World.enabled` lists them, :meth:`World.apply` performs one and checks the safety
@@ -11,6 +13,7 @@ properties, raising :class:`~lw.sim.properties.Violation`. No I/O.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lw.fsm import (
@@ -31,7 +34,9 @@ from lw.fsm import (
     WriteLayer,
     check_lease,
 )
+from lw.fsm.kvmap import expected_senders, make_format, targets_of, tp_problem
 from lw.fsm.lifecycles import AWAIT_DECODER_META, DONE, FAILED, META_READY, layer_sent
+from lw.fsm.messages import KVFormat
 from lw.sim.clone import Cloner, Store
 from lw.sim.network import MESSAGE_TYPES, MsgKey, Network, describe_key
 from lw.sim.properties import Violation
@@ -46,9 +51,10 @@ from lw.transport.wire import (
 )
 
 Action = tuple  # ("kind", *args): hashable, replayable
-Owner = tuple[str, int]  # ("p", rank) or ("d", rank)
-# A write in flight: (req index, layer, local blocks, remote blocks, D rank, deadline)
+Owner = tuple[str, int]  # ("p", P worker) or ("d", D worker)
+# A write in flight: (req index, layer, local blocks, remote blocks, D worker, deadline)
 Write = tuple[int, int, tuple[int, ...], tuple[int, ...], int, float]
+HEAD_BYTES = 4096  # bytes of one KV head in one block (layouts only; no bytes are moved)
 
 FAULT_KINDS = ("drop", "dup", "write", "crash", "abort")
 FAULT_ACTIONS = frozenset({"drop", "dup", "fail_write", "crash_p", "crash_d", "abort_d",
@@ -61,13 +67,19 @@ class WorldConfig:
 
     design: str = "d-first"
     dp: int = 2  # P DP ranks
-    tp: int = 1  # P workers per DP rank (TP); each is a sender, D expects tp senders
+    tp: int = 1  # P workers per DP rank (TP); each writes the D TP ranks kvmap.targets_of says
     requests: int = 2
     layers: int = 2
-    d_dp: int = 1  # D ranks; request i goes to D rank i mod d_dp, P rank i mod dp
-    d_blocks: int = 1  # blocks per D rank
+    d_dp: int = 1  # D engines; request i goes to D engine i mod d_dp, P rank i mod dp
+    d_tp: int = 1  # D TP workers per D engine (one scheduler, one block pool, shared block ids)
+    d_blocks: int = 1  # blocks per D engine
     p_blocks: int = 1  # blocks per P rank
     blocks_per_request: int = 1
+    mla: bool = False  # latent KV (one head replicated on every rank): one writer per D worker
+    heads: int = 0  # the model's KV heads; 0: lcm(tp, d_tp) (MLA: the one latent head)
+    # Per request index: how many of its first blocks D already holds in its prefix cache (not
+    # written by P; missing entries 0). blocks_per_request is a full hit: nothing to transfer.
+    prefix_hits: tuple[int, ...] = ()
     faults: bool = False
     fault_kinds: tuple[str, ...] = FAULT_KINDS
     max_faults: int = 1
@@ -90,7 +102,8 @@ class WorldConfig:
     def __post_init__(self) -> None:
         if self.design not in DESIGNS:
             raise ValueError(f"unknown design {self.design!r}; one of {', '.join(DESIGNS)}")
-        for name in ("dp", "tp", "requests", "layers", "d_dp", "blocks_per_request", "retries"):
+        for name in ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "blocks_per_request",
+                     "retries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("d_blocks", "p_blocks"):
@@ -101,6 +114,29 @@ class WorldConfig:
         bad = set(self.fault_kinds) - set(FAULT_KINDS)
         if bad:
             raise ValueError(f"unknown fault kinds {sorted(bad)}; known: {', '.join(FAULT_KINDS)}")
+        if self.heads < 0:
+            raise ValueError(f"heads must be >= 0, got {self.heads}")
+        for side, n in (("P", self.tp), ("D", self.d_tp)):
+            problem = tp_problem(n, self.kv_heads(), self.mla)
+            if problem:
+                raise ValueError(f"{side} TP {n}: {problem}")
+        if len(self.prefix_hits) > self.requests:
+            raise ValueError(f"{len(self.prefix_hits)} prefix hits given for "
+                             f"{self.requests} requests")
+        for h in self.prefix_hits:
+            if not 0 <= h <= self.blocks_per_request:
+                raise ValueError(f"a prefix hit must be 0..blocks_per_request="
+                                 f"{self.blocks_per_request} blocks, got {h}")
+
+    def kv_heads(self) -> int:
+        """The model's KV heads in this world (MLA: one latent head)."""
+        if self.mla:
+            return 1
+        return self.heads or math.lcm(self.tp, self.d_tp)
+
+    def hit(self, idx: int) -> int:
+        """Blocks of request ``idx`` that D already holds in its prefix cache."""
+        return self.prefix_hits[idx] if idx < len(self.prefix_hits) else 0
 
     def prefill_config(self) -> PrefillConfig:
         """The P endpoints' deadlines and retry budgets in this world."""
@@ -117,24 +153,56 @@ class WorldConfig:
         faults = (f"faults {','.join(self.fault_kinds)} (at most {self.max_faults}) + arbitrary "
                   "delays" if self.faults else "no faults")
         tp = f" x TP {self.tp}" if self.tp > 1 else ""
+        d_tp = f" x TP {self.d_tp}" if self.d_tp > 1 else ""
+        extra = ""
+        if self.mla:
+            extra += "MLA, "
+        elif self.heads or self.tp > 1 or self.d_tp > 1:
+            extra += f"{self.kv_heads()} KV head(s), "
+        if any(self.prefix_hits):
+            extra += f"D prefix hits {list(self.prefix_hits)} block(s), "
         return (f"P DP ranks {self.dp}{tp}, requests {self.requests}, layers {self.layers}, "
-                f"D ranks {self.d_dp} x {self.d_blocks} block(s), P {self.p_blocks} block(s)/rank, "
-                f"{self.blocks_per_request} block(s)/request, {faults}")
+                f"D ranks {self.d_dp}{d_tp} x {self.d_blocks} block(s), P {self.p_blocks} "
+                f"block(s)/rank, {self.blocks_per_request} block(s)/request, {extra}{faults}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who writes what (from lw.fsm.kvmap): per TP rank formats, targets and expected senders."""
+
+    p_fmts: tuple[KVFormat, ...]  # per P TP rank
+    d_fmts: tuple[KVFormat, ...]  # per D TP rank
+    targets: tuple[tuple[int, ...], ...]  # per P TP rank: the D TP ranks it writes into
+    senders: tuple[frozenset[int], ...]  # per D TP rank: the P TP ranks that write into it
+
+    @classmethod
+    def of(cls, cfg: WorldConfig) -> Plan:
+        """The sender plan of a world's P and D TP layouts."""
+        def fmt(rank: int, size: int) -> KVFormat:
+            return make_format(tp_rank=rank, tp_size=size, total_heads=cfg.kv_heads(),
+                               block_tokens=1, dtype="bytes", mla=cfg.mla)
+
+        p_fmts = tuple(fmt(t, cfg.tp) for t in range(cfg.tp))
+        d_fmts = tuple(fmt(j, cfg.d_tp) for j in range(cfg.d_tp))
+        return cls(p_fmts, d_fmts, tuple(targets_of(f, cfg.d_tp) for f in p_fmts),
+                   tuple(expected_senders(f, cfg.tp) for f in d_fmts))
 
 
 class Req:
     """The world's view of one request (what the schedulers and the client know)."""
 
-    __slots__ = ("idx", "rid", "p_rank", "d_rank", "d_stage", "p_stage", "d_blocks", "p_blocks",
-                 "started", "p_added", "landed", "send_reports", "send_ok", "recv_reports",
-                 "recv_ok", "accepted", "quarantined", "p_freed", "t_alloc", "t_padd",
-                 "t_dfail")
+    __slots__ = ("idx", "rid", "p_rank", "d_rank", "hit", "d_stage", "p_stage", "d_blocks",
+                 "p_blocks", "started", "p_added", "landed", "send_reports", "send_ok",
+                 "recv_reports", "recv_ok", "accepted", "quarantined", "p_freed", "t_alloc",
+                 "t_padd", "t_dfail")
 
-    def __init__(self, idx: int, p_rank: int, d_rank: int, tp: int) -> None:
+    def __init__(self, idx: int, p_rank: int, d_rank: int, tp: int, d_tp: int = 1,
+                 hit: int = 0) -> None:
         self.idx = idx
         self.rid = f"r{idx}"
         self.p_rank = p_rank
-        self.d_rank = d_rank
+        self.d_rank = d_rank  # the D engine
+        self.hit = hit  # first blocks D serves from its prefix cache (never written by P)
         # D: new, waiting (for blocks), allocated, decoding, done, failed, aborted, lost
         self.d_stage = "new"
         # P: none, queued, scheduled, finished (SendFinished, free pending), released, aborted, lost
@@ -143,12 +211,14 @@ class Req:
         self.p_blocks: tuple[int, ...] | None = None
         self.started = False  # the proxy handed it to P
         self.p_added = False  # PrefillEndpoint.add_request was called
-        self.landed: frozenset[tuple[int, int]] = frozenset()  # (P worker, layer) landed in D
+        # (P worker, D worker, layer) writes that landed in D
+        self.landed: frozenset[tuple[int, int, int]] = frozenset()
         self.send_reports: tuple[int, ...] = (0,) * tp  # SendFinished per TP worker
         self.send_ok: tuple[bool, ...] = (False,) * tp
-        self.recv_reports = 0
-        self.recv_ok = False
-        self.accepted: frozenset[int] = frozenset()  # P workers that got MetaReply "accepted"
+        self.recv_reports: tuple[int, ...] = (0,) * d_tp  # RecvDone/RecvFailed per D TP worker
+        self.recv_ok: tuple[bool, ...] = (False,) * d_tp  # RecvDone per D TP worker
+        # (P worker, D worker) pairs where P got MetaReply "accepted"
+        self.accepted: frozenset[tuple[int, int]] = frozenset()
         self.quarantined = False
         self.p_freed = False
         self.t_alloc: float | None = None
@@ -170,10 +240,29 @@ class Req:
         """D side has nothing more to do for this request."""
         return self.d_stage in ("done", "failed", "aborted", "lost")
 
+    def loads(self) -> bool:
+        """D needs KV from P (not a full prefix-cache hit)."""
+        return self.d_blocks is None or self.hit < len(self.d_blocks)
 
-def d_addr(d: int) -> str:
-    """Side-channel address of D rank ``d``."""
-    return f"d{d}"
+    @property
+    def d_remote(self) -> tuple[int, ...]:
+        """D blocks P writes into (after the prefix-cache hit)."""
+        return (self.d_blocks or ())[self.hit:]
+
+    @property
+    def d_cached(self) -> tuple[int, ...]:
+        """D blocks served from D's prefix cache: P must never write them."""
+        return (self.d_blocks or ())[:self.hit]
+
+    @property
+    def p_local(self) -> tuple[int, ...]:
+        """P blocks whose KV goes to D (those of the tokens D does not hold)."""
+        return (self.p_blocks or ())[self.hit:]
+
+
+def d_addr(v: int) -> str:
+    """Side-channel address of D worker ``v`` (engine v // d_tp, TP rank v % d_tp)."""
+    return f"d{v}"
 
 
 def p_addr(i: int) -> str:
@@ -194,18 +283,23 @@ class World:
         self.timers: dict[tuple[Owner, tuple[str, str]], float] = {}
         self.net = Network(self.store.msgs)
         self.tp = cfg.tp
+        self.d_tp = cfg.d_tp
+        self.plan = Plan.of(cfg)
         nw = cfg.dp * cfg.tp  # P workers: worker w is DP rank w // tp, TP rank w % tp
-        self.p = [PrefillEndpoint(Sender("P", w, 1, p_addr(w)), cfg.layers, pcfg)
+        ndw = cfg.d_dp * cfg.d_tp  # D workers: worker v is engine v // d_tp, TP rank v % d_tp
+        self.p = [PrefillEndpoint(Sender("P", w, 1, p_addr(w)), cfg.layers, pcfg,
+                                  local=_p_layout(cfg, w, self.plan.p_fmts[w % cfg.tp]))
                   for w in range(nw)]
-        self.d = [DecodeEndpoint(Sender("D", d, 1, d_addr(d)), _layout(cfg, d), dcfg)
-                  for d in range(cfg.d_dp)]
+        self.d = [DecodeEndpoint(Sender("D", v, 1, d_addr(v)),
+                                 _layout(cfg, v, self.plan.d_fmts[v % cfg.d_tp]), dcfg)
+                  for v in range(ndw)]
         self.p_alive = True
-        self.d_alive = [True] * cfg.d_dp
-        self.p_lost_seen = [False] * cfg.d_dp  # D rank d called peer_lost for P
-        self.d_lost_seen: set[tuple[int, int]] = set()  # (P worker, D rank) peer_lost called
+        self.d_alive = [True] * cfg.d_dp  # per D engine (a dead TP worker takes its engine)
+        self.p_lost_seen = [False] * ndw  # D worker v called peer_lost for P
+        self.d_lost_seen: set[tuple[int, int]] = set()  # (P worker, D engine) peer_lost called
         self.fifo: list[list[Write]] = [[] for _ in range(nw)]  # per P worker
         # Writes that failed "in doubt" (or were in flight at a P crash): their bytes may still
-        # land in D's blocks until the deadline. (P worker, req, layer, D rank, remote, deadline)
+        # land in D's blocks until the deadline. (P worker, req, layer, D worker, remote, deadline)
         self.zombies: list[tuple[int, int, int, int, tuple[int, ...], float]] = []
         self.p_pool: list[list[int | None]] = [[None] * cfg.p_blocks for _ in range(cfg.dp)]
         self.d_pool: list[list[int | None]] = [[None] * cfg.d_blocks for _ in range(cfg.d_dp)]
@@ -217,7 +311,8 @@ class World:
         self.hooks_done = [False] * nw  # per worker, current layer (non-atomic mode)
         self.collectives = [0] * nw  # collective calls made per worker
         self.steps = 0
-        self.reqs = [Req(i, i % cfg.dp, i % cfg.d_dp, cfg.tp) for i in range(cfg.requests)]
+        self.reqs = [Req(i, i % cfg.dp, i % cfg.d_dp, cfg.tp, cfg.d_tp, cfg.hit(i))
+                     for i in range(cfg.requests)]
         self.arrived = 0
         self.faults_used = 0
         self.draining = False  # fair drain: no more faults, clock only when nothing else
@@ -242,19 +337,19 @@ class World:
             tuple(sorted((z[0], z[1], z[2], z[3], round(z[5] - now, 6)) for z in self.zombies)),
             tuple(q.key(now) for q in self.reqs),
             tuple(ep.snapshot() for ep in self.p) if self.p_alive else None,
-            tuple(ep.snapshot() if alive else None for ep, alive in zip(self.d, self.d_alive,
-                                                                         strict=True)),
+            tuple(ep.snapshot() if self.d_alive[v // self.d_tp] else None
+                  for v, ep in enumerate(self.d)),
         )
 
     def cloner(self) -> Cloner:
         """A fast copier for this world and its descendants (immutable parts by reference)."""
         shared = {
-            World: ("cfg", "design", "store"),
-            PrefillEndpoint: ("declaration", "_table", "config", "me"),
+            World: ("cfg", "design", "store", "plan"),
+            PrefillEndpoint: ("declaration", "_table", "config", "me", "local", "fmt"),
             DecodeEndpoint: ("declaration", "_table", "config", "me", "layout"),
             Network: ("msgs",),
         }
-        by_ref = (Sender, KVLayout, LayerLayout, PrefillRequest, *MESSAGE_TYPES)
+        by_ref = (Sender, KVLayout, LayerLayout, KVFormat, PrefillRequest, *MESSAGE_TYPES)
         return Cloner(self.store, shared, by_ref)
 
     # ------------------------------------------------------------------ queries
@@ -280,11 +375,34 @@ class World:
         """The P workers (TP ranks) of DP rank ``rank``."""
         return range(rank * self.tp, (rank + 1) * self.tp)
 
+    def d_workers_of(self, d: int) -> range:
+        """The D workers (TP ranks) of D engine ``d``."""
+        return range(d * self.d_tp, (d + 1) * self.d_tp)
+
     def wname(self, w: int) -> str:
         """Human name of P worker ``w``."""
         if self.tp == 1:
             return f"P rank {w}"
         return f"P worker {w} (DP {w // self.tp}, TP {w % self.tp})"
+
+    def dname(self, d: int) -> str:
+        """Human name of D engine ``d``."""
+        return f"D{d}" if self.d_tp == 1 else f"D engine {d}"
+
+    def dwname(self, v: int) -> str:
+        """Human name of D worker ``v``."""
+        return f"D{v}" if self.d_tp == 1 else f"D{v} (engine {v // self.d_tp}, TP {v % self.d_tp})"
+
+    def dpart(self, d: int) -> str:
+        """The trace participant that stands for D engine ``d`` (its TP rank 0)."""
+        return f"D{d * self.d_tp}"
+
+    def writers(self, q: Req, v: int) -> list[int]:
+        """The P workers that write request ``q`` into D worker ``v`` (the sender plan)."""
+        if not q.loads():
+            return []
+        ranks = self.plan.senders[v % self.d_tp]
+        return [w for w in self.workers_of(q.p_rank) if w % self.tp in ranks]
 
     def _meta_ready(self, w: int, r: int) -> bool:
         st = self.p[w].state_of(self.reqs[r].rid)
@@ -331,8 +449,8 @@ class World:
             if q.d_stage == "decoding":
                 acts.append(("decode", q.idx))
         if not self.p_alive and cfg.p_loss_detection:
-            acts += [("p_lost", d) for d in range(cfg.d_dp)
-                     if self.d_alive[d] and not self.p_lost_seen[d]]
+            acts += [("p_lost", v) for v in range(len(self.d))
+                     if self.d_alive[v // self.d_tp] and not self.p_lost_seen[v]]
         if self.p_alive:
             acts += [("d_lost", w, d) for w in range(len(self.p)) for d in range(cfg.d_dp)
                      if not self.d_alive[d] and (w, d) not in self.d_lost_seen]
@@ -369,8 +487,10 @@ class World:
         if q.d_stage in ("waiting", "decoding"):
             return True
         if q.d_stage == "allocated" and self.d_alive[q.d_rank]:
-            st = self.d[q.d_rank].state_of(q.rid)
-            return st is not None and st not in (DONE, FAILED)
+            for v in self.d_workers_of(q.d_rank):
+                st = self.d[v].state_of(q.rid)
+                if st is not None and st not in (DONE, FAILED):
+                    return True
         return False
 
     def _p_abortable(self, q: Req) -> bool:
@@ -389,7 +509,7 @@ class World:
         due: list[tuple[float, Action]] = [(at, ("timer", owner, key))
                                            for (owner, key), at in self.timers.items()]
         due += [(f[0][5], ("wto", i)) for i, f in enumerate(self.fifo) if f]
-        due += [(z[5], ("zexp", z[0], z[1], z[2])) for z in self.zombies]
+        due += [(z[5], ("zexp", z[0], z[1], z[2], z[3])) for z in self.zombies]
         if not due:
             return []
         first = min(at for at, _ in due)
@@ -402,13 +522,18 @@ class World:
         if kind == "arrive":
             q = self.reqs[self.arrived]
             if self.design.d_first:
-                return f"client sends {q.rid}; proxy asks D{q.d_rank} to allocate first"
-            return f"client sends {q.rid}; proxy starts it on P DP rank {q.p_rank} and D{q.d_rank}"
+                return f"client sends {q.rid}; proxy asks {self.dname(q.d_rank)} to allocate first"
+            return (f"client sends {q.rid}; proxy starts it on P DP rank {q.p_rank} and "
+                    f"{self.dname(q.d_rank)}")
         if kind == "alloc":
-            r = self.d_queue[a[1]][0]
+            q = self.reqs[self.d_queue[a[1]][0]]
             free = [b for b, o in enumerate(self.d_pool[a[1]]) if o is None]
-            return (f"D{a[1]} allocates block(s) {free[:self.cfg.blocks_per_request]} for "
-                    f"{self.reqs[r].rid}")
+            blocks = free[:self.cfg.blocks_per_request]
+            hit = ""
+            if q.hit:
+                hit = (" (full prefix-cache hit: nothing to load)" if q.hit == len(blocks)
+                       else f" ({blocks[:q.hit]} from its prefix cache)")
+            return f"{self.dname(a[1])} allocates block(s) {blocks} for {q.rid}{hit}"
         if kind == "start":
             q = self.reqs[a[1]]
             return f"proxy starts the prefill of {q.rid} on P DP rank {q.p_rank}"
@@ -428,7 +553,7 @@ class World:
                     "dup": "network DUPLICATES"}[kind]
             return f"{verb} {describe_key(key)} {_who(key[1])} -> {_who(key[0])}"
         if kind == "zexp":
-            z = next(z for z in self.zombies if z[:3] == a[1:])
+            z = next(z for z in self.zombies if z[:4] == a[1:])
             return (f"t={z[5]:g}: the in-doubt bytes of {self.reqs[z[1]].rid} layer {z[2]} from "
                     f"P{z[0]} can no longer land in D{z[3]}")
         if kind in ("complete", "fail_write", "wto"):
@@ -437,25 +562,26 @@ class World:
                    "wto": "times out (in doubt) towards"}[kind]
             if kind == "fail_write" and a[2]:
                 how = "FAILS IN DOUBT (bytes may still land) towards"
-            if kind == "complete" and not self.d_alive[w[4]]:
+            if kind == "complete" and not self.d_alive[w[4] // self.d_tp]:
                 how = "fails (peer dead) towards"
             return (f"{self.wname(a[1])}: write of {self.reqs[w[0]].rid} layer {w[1]} {how} "
                     f"D{w[4]} block(s) {list(w[3])}")
         if kind == "decode":
             q = self.reqs[a[1]]
             blocks = list(q.d_blocks or ())
-            return f"D{q.d_rank} finishes decoding {q.rid} and frees block(s) {blocks}"
+            return f"{self.dname(q.d_rank)} finishes decoding {q.rid} and frees block(s) {blocks}"
         if kind == "timer":
             (ok, oi), (tk, rid) = a[1], a[2]
             return f"t={self.timers[(a[1], a[2])]:g}: {ok.upper()}{oi} timer {tk}({rid}) fires"
         if kind == "p_lost":
-            return f"D{a[1]} detects that the P engine is gone (peer_lost)"
+            return f"{self.dwname(a[1])} detects that the P engine is gone (peer_lost)"
         if kind == "d_lost":
-            return f"{self.wname(a[1])} detects that D{a[2]} is gone (peer_lost)"
+            return f"{self.wname(a[1])} detects that {self.dname(a[2])} is gone (peer_lost)"
         if kind == "crash_p":
             return "P engine CRASHES (all DP ranks: they share collectives)"
         if kind == "crash_d":
-            return f"D{a[1]} CRASHES"
+            return f"{self.dname(a[1])} CRASHES" + (" (all its TP workers)" if self.d_tp > 1
+                                                    else "")
         if kind == "abort_d":
             return f"client aborts {self.reqs[a[1]].rid} on D"
         if kind == "abort_p":
@@ -470,7 +596,8 @@ class World:
         for q in self.reqs:
             pst = ",".join(str(self.p[w].state_of(q.rid)) for w in self.workers_of(q.p_rank)
                            ) if self.p_alive else "-"
-            dst = self.d[q.d_rank].state_of(q.rid) if self.d_alive[q.d_rank] else "-"
+            dst = ",".join(str(self.d[v].state_of(q.rid)) for v in self.d_workers_of(q.d_rank)
+                           ) if self.d_alive[q.d_rank] else "-"
             lines.append(f"{q.rid}: D {q.d_stage} ({dst}), P {q.p_stage} ({pst})")
         lines.append(f"in flight: {len(self.net)} message(s), "
                      f"{sum(len(f) for f in self.fifo)} write(s); timers {len(self.timers)}")
@@ -488,6 +615,9 @@ class World:
             handler(*a[1:])
         except ProtocolError as exc:
             raise Violation("core-protocol-error", str(exc)) from exc
+        except (AssertionError, LookupError, TypeError, ValueError) as exc:
+            raise Violation("core-protocol-error", f"{_where_raised(exc)} raised "
+                                                   f"{type(exc).__name__}: {exc}") from exc
         self.check_safety()
 
     def _note(self, where: str, text: str) -> None:
@@ -505,7 +635,7 @@ class World:
         if self.d_alive[d]:
             self.d_queue[d].append(q.idx)
             q.d_stage = "waiting"
-            self._arrow("Proxy", f"D{d}", f"allocate {q.rid}")
+            self._arrow("Proxy", self.dpart(d), f"allocate {q.rid}")
         else:
             q.d_stage = "lost"
         if not self.design.d_first:
@@ -527,8 +657,19 @@ class World:
         q.d_blocks = blocks
         q.d_stage = "allocated"
         q.t_alloc = self.now
-        self._note(f"D{d}", f"{q.rid} gets block(s) {list(blocks)}")
-        self._effects(("d", d), self.d[d].add_request(q.rid, blocks, self.tp, self.now))
+        if not q.loads():
+            # Every block is in D's prefix cache: nothing to load, D decodes at once (the
+            # stranded request of vLLM #56640 waited here for a transfer that never comes).
+            q.d_stage = "decoding"
+            self.flags.add("done")
+            self._note(self.dpart(d), f"{q.rid} gets block(s) {list(blocks)}: full prefix-cache "
+                                      "hit, decoding")
+        else:
+            cached = f", {list(q.d_cached)} cached" if q.hit else ""
+            self._note(self.dpart(d), f"{q.rid} gets block(s) {list(blocks)}{cached}")
+            for v in self.d_workers_of(d):
+                self._effects(("d", v), self.d[v].add_request(
+                    q.rid, q.d_remote, self.plan.senders[v % self.d_tp], self.now))
         if not self.design.d_first and q.p_stage == "scheduled" and not q.p_added:
             self._p_add(q)
 
@@ -564,9 +705,14 @@ class World:
         assert q.p_blocks is not None and q.d_blocks is not None
         q.p_added = True
         q.t_padd = self.now
-        req = self.store.intern(PrefillRequest(q.rid, d_addr(q.d_rank), q.p_blocks, q.d_blocks,
-                                               self.tp))
+        plan = self.plan
+        base = q.d_rank * self.d_tp
         for w in self.workers_of(q.p_rank):
+            # The D workers this TP rank writes into (none: MLA's idle ranks, a full prefix hit)
+            js = plan.targets[w % self.tp] if q.loads() else ()
+            n = len(plan.senders[js[0]]) if js else 1
+            req = self.store.intern(PrefillRequest(
+                q.rid, tuple(d_addr(base + j) for j in js), q.p_local, q.d_remote, n))
             self._effects(("p", w), self.p[w].add_request(req, self.now))
 
     def _all_p(self) -> str:
@@ -652,10 +798,10 @@ class World:
                 return
             if isinstance(msg, MetaReply) and msg.status == "accepted":
                 q = self.reqs[int(msg.req_id[1:])]
-                q.accepted = q.accepted | {idx}
+                q.accepted = q.accepted | {(idx, int(src[1:]))}
             self._effects(("p", idx), self.p[idx].on_message(msg, self.now))
         else:
-            if not self.d_alive[idx]:
+            if not self.d_alive[idx // self.d_tp]:
                 return
             self._effects(("d", idx), self.d[idx].on_message(msg, self.now))
 
@@ -668,11 +814,11 @@ class World:
         self._note(_who(key[1]), f"network duplicates {describe_key(key)}")
 
     def _do_complete(self, i: int) -> None:
-        r, layer, _local, remote, d, _deadline = self.fifo[i].pop(0)
+        r, layer, _local, remote, v, _deadline = self.fifo[i].pop(0)
         q = self.reqs[r]
-        if self.d_alive[d]:
-            q.landed = q.landed | {(i, layer)}
-            self._arrow(f"P{i}", f"D{d}", f"KV {q.rid} layer {layer} -> block(s) {list(remote)}",
+        if self.d_alive[v // self.d_tp]:
+            q.landed = q.landed | {(i, v, layer)}
+            self._arrow(f"P{i}", f"D{v}", f"KV {q.rid} layer {layer} -> block(s) {list(remote)}",
                         dashed=True)
             self._effects(("p", i), self.p[i].transfer_done(q.rid, layer, True, "", self.now))
         else:
@@ -699,13 +845,13 @@ class World:
         self._effects(("p", i), self.p[i].transfer_done(q.rid, layer, False, "transfer timeout",
                                                         self.now, True))
 
-    def _zombie(self, i: int, r: int, layer: int, d: int, remote: tuple[int, ...]) -> None:
+    def _zombie(self, i: int, r: int, layer: int, v: int, remote: tuple[int, ...]) -> None:
         """Bytes of a failed write that may still land in D's blocks for transfer_timeout_s."""
-        if self.d_alive[d]:
-            self.zombies.append((i, r, layer, d, remote, self.now + self.cfg.transfer_timeout_s))
+        if self.d_alive[v // self.d_tp]:
+            self.zombies.append((i, r, layer, v, remote, self.now + self.cfg.transfer_timeout_s))
 
-    def _do_zexp(self, i: int, r: int, layer: int) -> None:
-        z = next(z for z in self.zombies if z[:3] == (i, r, layer))
+    def _do_zexp(self, i: int, r: int, layer: int, v: int) -> None:
+        z = next(z for z in self.zombies if z[:4] == (i, r, layer, v))
         self.zombies.remove(z)
         self._tick(z[5])
 
@@ -745,11 +891,11 @@ class World:
         pool = self.d_pool[d]
         for b in q.d_blocks or ():
             if pool[b] != q.idx:
-                raise Violation("double-free", f"D{d} frees block {b} of {q.rid} but it is "
-                                               f"owned by {_owner(pool[b])}")
+                raise Violation("double-free", f"{self.dname(d)} frees block {b} of {q.rid} but "
+                                               f"it is owned by {_owner(pool[b])}")
             pool[b] = None
             self.free_why[("D", d, b)] = why
-        self._note(f"D{d}", f"frees block(s) {list(q.d_blocks or ())} of {q.rid} ({why})")
+        self._note(self.dpart(d), f"frees block(s) {list(q.d_blocks or ())} of {q.rid} ({why})")
 
     def _do_crash_p(self) -> None:
         self.p_alive = False
@@ -759,7 +905,7 @@ class World:
                     self._zombie(w, r, layer, d, remote)
         self.fifo = [[] for _ in self.p]  # the processes are gone: no new writes
         self.timers = {k: v for k, v in self.timers.items() if k[0][0] != "p"}
-        self.net.drop_to("p")
+        self.net.drop_to([p_addr(w) for w in range(len(self.p))])
         self.phase = None
         self.p_queue = [[] for _ in range(self.cfg.dp)]
         self.p_batch = [[] for _ in range(self.cfg.dp)]
@@ -771,35 +917,39 @@ class World:
 
     def _do_crash_d(self, d: int) -> None:
         self.d_alive[d] = False
-        self.timers = {k: v for k, v in self.timers.items() if k[0] != ("d", d)}
-        self.net.drop_to(d_addr(d))
-        self.zombies = [z for z in self.zombies if z[3] != d]
+        dead = self.d_workers_of(d)
+        self.timers = {k: t for k, t in self.timers.items()
+                       if not (k[0][0] == "d" and k[0][1] in dead)}
+        self.net.drop_to([d_addr(v) for v in dead])
+        self.zombies = [z for z in self.zombies if z[3] not in dead]
         self.d_queue[d] = []
         for q in self.reqs:
             if q.d_rank == d and not q.d_final():
                 q.d_stage = "lost"
-        self._note(f"D{d}", "crashes")
+        self._note(self.dpart(d), "crashes")
 
-    def _do_p_lost(self, d: int) -> None:
-        self.p_lost_seen[d] = True
-        self._effects(("d", d), self.d[d].peer_lost("P", "P engine crashed", self.now))
+    def _do_p_lost(self, v: int) -> None:
+        self.p_lost_seen[v] = True
+        self._effects(("d", v), self.d[v].peer_lost("P", "P engine crashed", self.now))
 
     def _do_d_lost(self, i: int, d: int) -> None:
         self.d_lost_seen.add((i, d))
-        self._effects(("p", i), self.p[i].peer_lost(d_addr(d), "D crashed", self.now))
+        for v in self.d_workers_of(d):
+            self._effects(("p", i), self.p[i].peer_lost(d_addr(v), "D crashed", self.now))
 
     def _do_abort_d(self, r: int) -> None:
         q = self.reqs[r]
         d = q.d_rank
-        self._note(f"D{d}", f"client aborts {q.rid}")
+        self._note(self.dpart(d), f"client aborts {q.rid}")
         if q.d_stage == "waiting":
             self.d_queue[d].remove(r)
             q.d_stage = "aborted"
         elif q.d_stage == "decoding":
             self._free_d(q, "decode aborted")
             q.d_stage = "done"
-        else:
-            self._effects(("d", d), self.d[d].abort(q.rid, "client gone", self.now))
+        else:  # the scheduler's abort reaches every TP worker of the engine
+            for v in self.d_workers_of(d):
+                self._effects(("d", v), self.d[v].abort(q.rid, "client gone", self.now))
 
     def _do_abort_p(self, r: int) -> None:
         q = self.reqs[r]
@@ -834,6 +984,10 @@ class World:
                 self._on_recv_failed(idx, e)
             elif isinstance(e, Quarantine):
                 q = self.reqs[int(e.req_id[1:])]
+                if tuple(e.block_ids) != q.d_remote:
+                    raise Violation("double-free", f"D{idx} quarantines blocks "
+                                                   f"{list(e.block_ids)} for {q.rid}, which "
+                                                   f"receives into {list(q.d_remote)}")
                 q.quarantined = True
                 q.t_dfail = self.now
                 self._note(f"D{idx}", f"{e.req_id} FAILED, block(s) {list(e.block_ids)} "
@@ -843,16 +997,28 @@ class World:
 
     def _on_write(self, i: int, e: WriteLayer) -> None:
         q = self.reqs[int(e.req_id[1:])]
-        if i not in q.accepted:
+        v = _d_worker_of(e.layout)
+        if (i, v) not in q.accepted:
             raise Violation("write-before-accept",
                             f"{self.wname(i)} submits a write of {q.rid} layer {e.layer} before "
-                            "D accepted it as a sender")
-        if e.local_blocks != q.p_blocks or e.remote_blocks != q.d_blocks:
+                            f"{self.dwname(v)} accepted it as a sender")
+        if v // self.d_tp != q.d_rank or i not in self.writers(q, v):
+            raise Violation("write-before-accept", f"{self.wname(i)} writes {q.rid} layer "
+                                                   f"{e.layer} into "
+                                          f"{self.dwname(v)}, which the sender plan does not "
+                                          "say it feeds")
+        cached = sorted(set(e.remote_blocks) & set(q.d_cached))
+        if cached:
+            raise Violation("cached-block-written",
+                            f"{self.wname(i)} writes {q.rid} layer {e.layer} into D block(s) "
+                            f"{cached}, which D serves from its prefix cache")
+        if e.local_blocks != q.p_local or e.remote_blocks != q.d_remote:
             raise Violation("use-after-free",
                             f"{self.wname(i)} writes {q.rid} from/to blocks other than its own")
-        self.fifo[i].append((q.idx, e.layer, e.local_blocks, e.remote_blocks, q.d_rank,
+        self.fifo[i].append((q.idx, e.layer, e.local_blocks, e.remote_blocks, v,
                              self.now + self.cfg.transfer_timeout_s))
-        self._note(f"P{i}", f"write of {q.rid} layer {e.layer} submitted (in flight)")
+        to = f" to D{v}" if self.d_tp > 1 else ""
+        self._note(f"P{i}", f"write of {q.rid} layer {e.layer}{to} submitted (in flight)")
 
     def _on_send_finished(self, i: int, e: SendFinished) -> None:
         q = self.reqs[int(e.req_id[1:])]
@@ -883,60 +1049,97 @@ class World:
             q.p_stage = "finished"
         if q.p_freed:
             q.p_stage = "released"
-        elif self.phase is None:
+        elif self.phase is None and q.idx not in self.p_batch[i]:
             self._free_p(i, q.idx, "finished_sending")
-        else:
+        else:  # vLLM frees between steps (and never under the step that computes the request)
             self.p_free_pending[i].append(q.idx)
 
-    def _on_recv_done(self, d: int, e: RecvDone) -> None:
+    def _recv_report(self, v: int, q: Req, ok: bool) -> None:
+        """Count one D worker's RecvDone/RecvFailed for ``q`` (each reports exactly once)."""
+        j = v % self.d_tp
+        reports = list(q.recv_reports)
+        reports[j] += 1
+        q.recv_reports = tuple(reports)
+        if reports[j] > 1 or not q.loads():
+            raise Violation("reported-twice", f"D{v} reports {q.rid} finished "
+                                              + ("twice" if q.loads() else
+                                                 "but it had nothing to load"))
+        if ok:
+            oks = list(q.recv_ok)
+            oks[j] = True
+            q.recv_ok = tuple(oks)
+
+    def _missing_kv(self, q: Req, v: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """(P worker, layer) writes of the sender plan not landed in D worker ``v``; and the
+        layers of ``q`` still in flight towards it."""
+        want = {(w, k) for w in self.writers(q, v) for k in range(self.cfg.layers)}
+        missing = sorted(want - {(w, k) for w, x, k in q.landed if x == v})
+        inflight = [w[1] for f in self.fifo for w in f if w[0] == q.idx and w[4] == v]
+        return missing, inflight
+
+    def _on_recv_done(self, v: int, e: RecvDone) -> None:
         q = self.reqs[int(e.req_id[1:])]
-        q.recv_reports += 1
-        if q.recv_reports > 1:
-            raise Violation("reported-twice", f"D{d} reports {q.rid} finished twice")
-        q.recv_ok = True
-        self._check_d_bound(d, q, self.cfg.d_timeout_s)
-        want = {(w, k) for w in self.workers_of(q.p_rank) for k in range(self.cfg.layers)}
-        missing = sorted(want - q.landed)
-        inflight = [w[1] for f in self.fifo for w in f if w[0] == q.idx]
+        self._recv_report(v, q, True)
+        self._check_d_bound(v, q, self.cfg.d_timeout_s)
+        missing, inflight = self._missing_kv(q, v)
         if missing or inflight:
             raise Violation("partial-kv",
-                            f"D{d} reports {q.rid} done but layer writes {missing} have not "
+                            f"D{v} reports {q.rid} done but layer writes {missing} have not "
                             f"landed (in flight: {inflight})")
+        if self.d_tp > 1:
+            self._note(f"D{v}", f"RecvDone({q.rid}): all its layers landed")
+        self._d_settle(q)
+
+    def _d_settle(self, q: Req) -> None:
+        """The engine's scheduler: a request is finished receiving once every TP worker reported
+        (vLLM aggregates finished_recving); DONE only if every worker was DONE."""
+        if min(q.recv_reports) == 0:
+            return
+        if not all(q.recv_ok):
+            self._free_d(q, "failed_recving")
+            q.d_stage = "failed"
+            q.quarantined = False
+            return
+        for v in self.d_workers_of(q.d_rank):
+            missing, inflight = self._missing_kv(q, v)
+            if missing or inflight:
+                raise Violation("partial-kv",
+                                f"{self.dname(q.d_rank)} decodes {q.rid} but layer writes "
+                                f"{missing} have not landed in D{v} (in flight: {inflight})")
         q.d_stage = "decoding"
         self.flags.add("done")
-        self._note(f"D{d}", f"RecvDone({q.rid}): all layers landed; decoding")
+        if self.d_tp == 1:
+            self._note(self.dpart(q.d_rank), f"RecvDone({q.rid}): all layers landed; decoding")
+        else:
+            self._note(self.dpart(q.d_rank), f"{q.rid}: every TP worker is DONE; decoding")
 
-    def _check_d_bound(self, d: int, q: Req, bound: float) -> None:
+    def _check_d_bound(self, v: int, q: Req, bound: float) -> None:
         if self.design.timers and q.t_alloc is not None and self.now - q.t_alloc > bound + 1e-9:
-            raise Violation("request-ends", f"D{d} finished {q.rid} {self.now - q.t_alloc:g} s "
+            raise Violation("request-ends", f"D{v} finished {q.rid} {self.now - q.t_alloc:g} s "
                                             f"after allocation, beyond its bound of {bound:g} s")
 
-    def _on_recv_failed(self, d: int, e: RecvFailed) -> None:
+    def _on_recv_failed(self, v: int, e: RecvFailed) -> None:
         q = self.reqs[int(e.req_id[1:])]
-        q.recv_reports += 1
-        if q.recv_reports > 1:
-            raise Violation("reported-twice", f"D{d} reports {q.rid} finished twice")
-        if tuple(e.block_ids) != q.d_blocks:
-            raise Violation("double-free", f"D{d} releases blocks {list(e.block_ids)} for "
-                                           f"{q.rid}, which owns {list(q.d_blocks or ())}")
-        self._check_d_bound(d, q, self.cfg.d_timeout_s + self.cfg.lease_s)
-        self._note(f"D{d}", f"RecvFailed({q.rid}): {e.reason[:60]}")
-        self._free_d(q, "failed_recving")
-        q.d_stage = "failed"
-        q.quarantined = False
+        self._recv_report(v, q, False)
+        if tuple(e.block_ids) != q.d_remote:
+            raise Violation("double-free", f"D{v} releases blocks {list(e.block_ids)} for "
+                                           f"{q.rid}, which receives into {list(q.d_remote)}")
+        self._check_d_bound(v, q, self.cfg.d_timeout_s + self.cfg.lease_s)
+        self._note(f"D{v}", f"RecvFailed({q.rid}): {e.reason[:60]}")
+        self._d_settle(q)
 
     # ------------------------------------------------------------------ properties
     def check_safety(self) -> None:
         """The 'always' properties on this state; raises Violation."""
         L = self.cfg.layers
-        tp = self.tp
+        tp, d_tp = self.tp, self.d_tp
         for z in self.zombies:
-            self._check_owned(z[0] // tp, z[1], (), z[3], z[4],
+            self._check_owned(z[0] // tp, z[1], (), z[3] // d_tp, z[4],
                               f"in-doubt bytes of its layer {z[2]} write from P worker {z[0]} "
                               f"may land until t={z[5]:g}")
         for i, fifo in enumerate(self.fifo):
             for w in fifo:
-                self._check_owned(i // tp, w[0], w[2], w[4], w[3],
+                self._check_owned(i // tp, w[0], w[2], w[4] // d_tp, w[3],
                                   f"its layer {w[1]} write from P worker {i} is in flight")
         if not self.p_alive:
             return
@@ -969,8 +1172,8 @@ class World:
                 if pool[b] != r:
                     how = self.free_why.get(("D", d, b), "?")
                     raise Violation("use-after-free",
-                                    f"D{d} block {b} was freed ({how}) while {rid} may still "
-                                    f"write into it ({why}); it is now {_owner(pool[b])}")
+                                    f"{self.dname(d)} block {b} was freed ({how}) while {rid} may "
+                                    f"still write into it ({why}); it is now {_owner(pool[b])}")
 
     def check_terminal(self) -> None:
         """The 'eventually' properties at a state where no action is enabled."""
@@ -982,13 +1185,14 @@ class World:
             raise Violation("deadlock", f"no action is enabled but {names} never finished",
                             explain_stuck(self))
         for q in self.reqs:
-            if self.d_alive[q.d_rank] and q.d_blocks is not None and q.recv_reports != 1:
-                raise Violation("request-ends", f"{q.rid} was reported {q.recv_reports} times "
-                                                f"on D{q.d_rank}")
+            once = (1 if q.loads() else 0,) * self.d_tp  # a full prefix hit has nothing to load
+            if self.d_alive[q.d_rank] and q.d_blocks is not None and q.recv_reports != once:
+                raise Violation("request-ends", f"{q.rid} was reported {list(q.recv_reports)} "
+                                                f"times by the workers of {self.dname(q.d_rank)}")
             if self.p_alive and q.p_added and any(n != 1 for n in q.send_reports):
                 raise Violation("request-ends", f"{q.rid} was reported {q.send_reports} times "
                                                 f"by the workers of P DP rank {q.p_rank}")
-            if not self.cfg.faults and not (q.recv_ok and all(q.send_ok)
+            if not self.cfg.faults and not ((all(q.recv_ok) or not q.loads()) and all(q.send_ok)
                                             and q.d_stage == "done"):
                 raise Violation("request-ends", f"{q.rid} did not complete although there "
                                                 "were no faults", self.summary())
@@ -1004,9 +1208,11 @@ class World:
             if not self.d_alive[d]:
                 continue
             if any(o is not None for o in pool):
-                raise Violation("blocks-return", f"D{d} still holds blocks {pool}")
-            if self.d[d].live_requests():
-                raise Violation("blocks-return", f"D{d} still holds {self.d[d].live_requests()}")
+                raise Violation("blocks-return", f"{self.dname(d)} still holds blocks {pool}")
+            for v in self.d_workers_of(d):
+                if self.d[v].live_requests():
+                    raise Violation("blocks-return",
+                                    f"D{v} still holds {self.d[v].live_requests()}")
 
     def _finished_both(self, q: Req) -> bool:
         d_ok = q.d_final() or not self.d_alive[q.d_rank]
@@ -1021,10 +1227,38 @@ class World:
         return d_ok and p_ok
 
 
-def _layout(cfg: WorldConfig, d: int) -> KVLayout:
-    layers = [LayerLayout(0x1000_0000 + k * 0x100_0000, 4096, 4096, cfg.d_blocks)
+def _layout(cfg: WorldConfig, v: int, fmt: KVFormat) -> KVLayout:
+    """D worker ``v``'s KV layout: one block of HEAD_BYTES per head it holds, per layer."""
+    n = HEAD_BYTES * (fmt.head_hi - fmt.head_lo)
+    layers = [LayerLayout(0x1000_0000 + k * 0x100_0000, n, n, cfg.d_blocks)
               for k in range(cfg.layers)]
-    return KVLayout("D", 1, f"d{d}-te:15000", layers)
+    return KVLayout("D", 1, f"d{v}-te:15000", layers, fmt)
+
+
+def _p_layout(cfg: WorldConfig, w: int, fmt: KVFormat) -> KVLayout:
+    """P worker ``w``'s own KV layout (its format is what its MetaRequests carry)."""
+    n = HEAD_BYTES * (fmt.head_hi - fmt.head_lo)
+    layers = [LayerLayout(0x2000_0000 + k * 0x100_0000, n, n, cfg.p_blocks)
+              for k in range(cfg.layers)]
+    return KVLayout("P", 1, f"p{w}-te:16000", layers, fmt)
+
+
+def _where_raised(exc: BaseException) -> str:
+    """Where an exception was raised, as "file:line (function)" relative to the lw package."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "?"
+    code = tb.tb_frame.f_code
+    path = code.co_filename
+    k = path.rfind("/lw/")
+    return f"{path[k + 1:] if k >= 0 else path}:{tb.tb_lineno} ({code.co_name})"
+
+
+def _d_worker_of(layout: KVLayout) -> int:
+    """The D worker a WriteLayer goes to, from its layout's transfer-engine session."""
+    return int(layout.te_session.split("-", 1)[0][1:])
 
 
 def _who(addr: str) -> str:

@@ -63,3 +63,28 @@ def test_gallery_regenerates(tmp_path: Path) -> None:
     assert gallery(tmp_path, check=True) == 0
     (tmp_path / "p-first.md").write_text("edited by hand")
     assert gallery(tmp_path, check=True) == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["--dp", "2", "--tp", "2"],
+    ["--dp", "2", "--d-tp", "2"],
+    ["--tp", "2", "--mla"],
+    ["--d-tp", "2", "--mla"],
+    ["--prefix-hits", "1,0"],
+    ["--dp", "1", "--blocks-per-request", "2", "--d-blocks", "2", "--p-blocks", "2",
+     "--prefix-hits", "1,2"],
+])
+def test_tp_shapes_and_prefix_hits_exit_0(argv: list[str],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--design", "d-first", *argv, "--requests", "2", "--layers", "2",
+                 "--mode", "exhaustive"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "RESULT: all properties hold" in out
+
+
+def test_bad_prefix_hits_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--prefix-hits", "3"]) == 2
+    assert "prefix hit" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--prefix-hits", "x"])

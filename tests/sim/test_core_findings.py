@@ -14,6 +14,19 @@ block 0 while the timed-out write's bytes may still land. With ``crash_zombies``
 crashed process handed to the transport may still land) 9 steps suffice: no timeout needed.
 Suggested fix: in ``peer_lost`` do not count lost senders as stopped; fail the request so that it
 is quarantined until the lease expires (the Abort to the dead peer is harmless).
+
+Finding 3 (fixed): with several targets (one P rank writing into several D TP ranks), a second
+``MetaReply(accepted)`` from a target that had already accepted, while another target has not
+answered yet, fires ``meta_accepted`` in AWAIT_DECODER_META ("declared duplicate" in
+``PrefillEndpoint._on_meta_reply``), which the table maps to META_READY. The request then counts
+as claimed everywhere: the next ``layer_computed`` submits writes to the target that never
+accepted (no layout: ``AssertionError`` in ``_submit_ready``; with ``-O``, a WriteLayer with no
+layout into a D worker that never authorised it). A duplicate reply needs no fault: the meta
+retry timer resends to every target not yet accepted, so a slow D answers twice. Found by
+``lw check --dp 1 --d-tp 2 --requests 1 --layers 1 --faults --no-p-loss-detection`` in 9 steps.
+Fix: an accepted reply that leaves another target pending (first or duplicate) fires the declared
+``target_accepted`` row, which stays in AWAIT_DECODER_META; only the last target's fires
+``meta_accepted``.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ from lw.fsm import (
     Send,
     WriteLayer,
 )
+from lw.fsm.lifecycles import AWAIT_DECODER_META
 from lw.sim.explorer import explore
 from lw.sim.world import WorldConfig
 from lw.transport.wire import FailedSending, KVLayout, LayerLayout, MetaRequest, Sender
@@ -87,6 +101,33 @@ def test_finding_2_found_by_the_explorer() -> None:
     """d-first with faults (crashes, timeouts) must hold; it does not while finding 2 is open."""
     cfg = WorldConfig(design="d-first", dp=1, requests=1, layers=1, faults=True,
                       crash_zombies=False)
+    res = explore(cfg)
+    ce = res.counterexample
+    assert ce is None, ce.violation.headline() if ce else ""
+
+
+def test_finding_3_duplicate_accept_from_one_target_does_not_claim_the_others() -> None:
+    """P writes into D TP ranks d0 and d1; d0's accepted reply arrives twice before d1 answers."""
+    layouts = [KVLayout("D", 1, f"d{j}-te:1", [LayerLayout(0x1000, 4096, 4096, 4)])
+               for j in range(2)]
+    p = PrefillEndpoint(Sender("P", 0, 1, "p0"), 1)
+    d0 = DecodeEndpoint(Sender("D", 0, 1, "d0"), layouts[0])
+    d0.add_request("r0", (0,), 1, 0.0)
+    out = p.add_request(PrefillRequest("r0", ("d0", "d1"), (0,), (0,), 1), 0.0)
+    to_d0 = next(e.msg for e in out if isinstance(e, Send) and e.dest == "d0")
+    reply = next(e.msg for e in d0.on_message(to_d0, 0.0) if isinstance(e, Send))
+    p.on_message(reply, 0.0)
+    p.on_message(reply, 0.1)  # a duplicate (network, or the answer to a retried MetaRequest)
+    assert p.state_of("r0") == AWAIT_DECODER_META, "d1 has not accepted P yet"
+    writes = [e for e in p.layer_computed(0, ["r0"], 0.2) if isinstance(e, WriteLayer)]
+    assert writes == [], "no write before every target accepted"
+
+
+def test_finding_3_found_by_the_explorer() -> None:
+    """d-first with one P rank writing two D TP ranks holds (before the fix a timer-driven
+    MetaRequest retry sufficed to break it: aborts are the only injected faults here)."""
+    cfg = WorldConfig(design="d-first", dp=1, d_tp=2, requests=1, layers=1, faults=True,
+                      fault_kinds=("abort",))
     res = explore(cfg)
     ce = res.counterexample
     assert ce is None, ce.violation.headline() if ce else ""

@@ -77,6 +77,7 @@ def _boundary_states(cfg: WorldConfig) -> set[int]:
 @pytest.mark.parametrize("kw", [
     dict(),
     dict(dp=2, requests=2, layers=2, d_blocks=2),
+    dict(dp=2, tp=2, d_tp=2, mla=True, requests=2, layers=2, prefix_hits=(0, 1)),
     dict(dp=2, requests=1, layers=1, faults=True, fault_kinds=("drop", "write")),
 ])
 def test_atomic_layers_reach_exactly_the_states_of_the_full_model(kw: dict) -> None:
