@@ -20,7 +20,8 @@ from lw.fsm import DecodeConfig, PrefillConfig, check_lease
 from lw.fsm.kvmap import tp_problem
 from lw.transport.sidechannel import parse_cluster_key
 
-__all__ = ["ConfigError", "LwConfig", "side_channel_port", "PRODUCER", "CONSUMER"]
+__all__ = ["ConfigError", "LwConfig", "ModelHeads", "model_heads", "side_channel_port",
+           "PRODUCER", "CONSUMER"]
 
 PRODUCER = "kv_producer"
 CONSUMER = "kv_consumer"
@@ -121,13 +122,13 @@ class LwConfig:
             dp_size=dp_size, dp_rank=dp_rank,
             load_failure_policy=getattr(ktc, "kv_load_failure_policy", "fail"),
             extra=dict(ktc.kv_connector_extra_config or {}),
-            heads=_model_heads(vllm_config),
+            heads=model_heads(vllm_config),
         )
 
     @classmethod
     def build(cls, *, role: str | None, engine_id: str, kv_port: int, tp_size: int,
               pp_size: int, dp_size: int, dp_rank: int, load_failure_policy: str,
-              extra: dict[str, Any], heads: tuple[int, bool] | None = None) -> LwConfig:
+              extra: dict[str, Any], heads: ModelHeads | None = None) -> LwConfig:
         """Validate everything and return the config, or raise ConfigError."""
         if role not in (PRODUCER, CONSUMER):
             raise ConfigError(
@@ -173,8 +174,7 @@ class LwConfig:
         if values["peer_tp_size"] < 0:
             raise ConfigError("kv_connector_extra_config.peer_tp_size must be >= 0")
         if values["peer_tp_size"] and heads is not None:
-            total, mla = heads
-            why = tp_problem(values["peer_tp_size"], total, mla)
+            why = tp_problem(values["peer_tp_size"], heads.total, heads.mla)
             if why:
                 side = "decode" if role == PRODUCER else "prefill"
                 raise ConfigError(f"kv_connector_extra_config.peer_tp_size="
@@ -207,14 +207,22 @@ class LwConfig:
         return cfg
 
 
-def _model_heads(vllm_config: Any) -> tuple[int, bool] | None:
-    """(total KV heads, MLA) of the served model, or None when there is no model config."""
+@dataclass(frozen=True)
+class ModelHeads:
+    """The served model's KV heads, as P and D must agree on them."""
+
+    total: int  # KV heads of the model (1 for MLA's latent vector)
+    mla: bool
+
+
+def model_heads(vllm_config: Any) -> ModelHeads | None:
+    """The served model's KV heads, or None when there is no model config."""
     mc = getattr(vllm_config, "model_config", None)
     if mc is None:
         return None
     if getattr(mc, "use_mla", False):
-        return 1, True
-    return int(mc.get_total_num_kv_heads()), False
+        return ModelHeads(1, True)
+    return ModelHeads(int(mc.get_total_num_kv_heads()), False)
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:

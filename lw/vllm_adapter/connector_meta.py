@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from lw.vllm_adapter.config import ConfigError, _model_heads
+from lw.vllm_adapter.config import ConfigError
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["PARAMS_VERSION", "LwConnectorMetadata", "ModelHeads", "RecvSpec", "SendSpec",
-           "kv_geometry", "log", "model_heads"]
+__all__ = ["PARAMS_VERSION", "LwConnectorMetadata", "RecvSpec", "SendSpec", "kv_geometry", "log"]
 
 log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
 
@@ -68,17 +67,3 @@ def kv_geometry(kv_cache_config: KVCacheConfig) -> str:
     heads = int(getattr(spec, "num_kv_heads", 1) or 1)
     return (f"layers={len(groups[0].layer_names)} block_size={spec.block_size} "
             f"head_bytes={spec.page_size_bytes // heads} dtype={dtype}")
-
-
-@dataclass(frozen=True)
-class ModelHeads:
-    """The model's KV heads as both sides must agree on: total KV heads, and whether MLA."""
-
-    total: int
-    mla: bool
-
-
-def model_heads(vllm_config: Any) -> ModelHeads:
-    """Total KV heads of the served model (1 for MLA's latent vector) and whether it is MLA."""
-    found = _model_heads(vllm_config)
-    return ModelHeads(*found) if found is not None else ModelHeads(1, False)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from lw.fsm.kvmap import describe, expected_senders, targets_of
-from lw.vllm_adapter.config import ConfigError, LwConfig
-from lw.vllm_adapter.connector_meta import LwConnectorMetadata, log, model_heads
+from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
+from lw.vllm_adapter.connector_meta import LwConnectorMetadata, log
 from lw.vllm_adapter.metrics import LwKVConnectorStats
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class WorkerSide:
         self.cfg = cfg
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.kv_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.heads = model_heads(vllm_config)
+        self.heads = model_heads(vllm_config) or ModelHeads(1, False)
         self.fmt: Any = None
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -48,7 +48,12 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 import lw.vllm_adapter.connector as conn_mod  # noqa: E402
 import lw.vllm_adapter.scheduler_side as sched_mod  # noqa: E402
 import lw.vllm_adapter.worker_side as worker_mod  # noqa: E402
-from lw.vllm_adapter.config import ConfigError, LwConfig, side_channel_port  # noqa: E402
+from lw.vllm_adapter.config import (  # noqa: E402
+    ConfigError,
+    LwConfig,
+    ModelHeads,
+    side_channel_port,
+)
 from lw.vllm_adapter.connector import LwConnectorMetadata, kv_geometry  # noqa: E402
 from lw.vllm_adapter.demo import free_port_range  # noqa: E402
 from lw.vllm_adapter.device import merged_regions, planes_of, same_geometry  # noqa: E402
@@ -621,7 +626,7 @@ def _build(**over: Any) -> LwConfig:
     ({"extra": {"data_plane": "nixl"}}, "data_plane"),
     ({"extra": {"local_tail_tokens": -2}}, "local_tail_tokens must be >= 0"),
     ({"extra": {"lease_s": 10}}, "lease_s=10.0 must exceed"),
-    ({"extra": {"peer_tp_size": 3}, "heads": (4, False)}, "cannot shard this model's KV"),
+    ({"extra": {"peer_tp_size": 3}, "heads": ModelHeads(4, False)}, "cannot shard this model's KV"),
     ({"kv_port": 65535, "dp_size": 2, "tp_size": 1, "extra": {}}, "valid TCP ports"),
     ({"load_failure_policy": "retry"}, "kv_load_failure_policy"),
 ])
@@ -641,9 +646,10 @@ def test_config_defaults_and_ports() -> None:
 
 def test_config_accepts_heterogeneous_tp() -> None:
     for peer in (1, 2, 4, 8):  # 4 heads: split, or replicated when TP > heads
-        cfg = _build(tp_size=2, extra={"peer_tp_size": peer}, heads=(4, False))
+        cfg = _build(tp_size=2, extra={"peer_tp_size": peer}, heads=ModelHeads(4, False))
         assert cfg.peer_tp_size == peer
-    assert _build(extra={"peer_tp_size": 3}, heads=(1, True)).peer_tp_size == 3  # MLA: any TP
+    mla = _build(extra={"peer_tp_size": 3}, heads=ModelHeads(1, True))
+    assert mla.peer_tp_size == 3  # MLA: any TP
 
 
 def test_engine_refuses_unknown_key_at_start(model_dir: str) -> None:
