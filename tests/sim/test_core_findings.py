@@ -128,6 +128,7 @@ def test_finding_3_found_by_the_explorer() -> None:
     MetaRequest retry sufficed to break it: aborts are the only injected faults here)."""
     cfg = WorldConfig(design="d-first", dp=1, d_tp=2, requests=1, layers=1, faults=True,
                       fault_kinds=("abort",))
-    res = explore(cfg)
+    # The whole space takes minutes; before the fix BFS met the bug after 1,474 states.
+    res = explore(cfg, max_states=5000)
     ce = res.counterexample
     assert ce is None, ce.violation.headline() if ce else ""
