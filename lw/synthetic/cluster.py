@@ -331,6 +331,10 @@ class _Cluster:
             return
         window = self.cfg.window or self.cfg.d_capacity
         while self.next_req < len(self.req_ids) and len(self.at_d) < window:
+            if not d.alive or d.frozen or d is not self.decoder:
+                # A send below found the decoder dead: its requests were accounted in lost();
+                # the rest wait for the next incarnation (assigning them here stranded them).
+                break
             rid = self.req_ids[self.next_req]
             self.next_req += 1
             self.at_d[rid] = d.index
