@@ -10,7 +10,6 @@ This is the proof for shapes a 2-core machine cannot run on real engines without
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,17 +34,13 @@ from lw.vllm_adapter.demo import free_port_range  # noqa: E402
 from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
 
 from .test_connector_scheduler import (  # noqa: E402
-    BASELINE,
     BS,
     LAYERS,
     NUM_BLOCKS,
     TOKEN,
-    FakePoster,
+    Cluster,
     fake_poster,  # noqa: F401  (autouse fixture: no metaserver thread)
-    free_blocks,
-    make_request,
     make_vllm_config,
-    remote_prefill_params,
 )
 
 HEAD_ELEMS = 128  # K and V of one head, one token (head size 64)
@@ -166,25 +161,20 @@ class TPEngine:
         self.sched.shutdown()
 
 
-class TPCluster:
+class TPCluster(Cluster):
     """P (TP p) + D (TP d) + the proxy's relay; verifies every D rank's heads at RecvDone."""
 
     def __init__(self, model_dir: str, p_tp: int, d_tp: int, heads: int = 4,
                  head_elems: int = HEAD_ELEMS) -> None:
-        self.p = TPEngine(model_dir, "kv_producer", p_tp, d_tp, heads, head_elems)
-        self.d = TPEngine(model_dir, "kv_consumer", d_tp, p_tp, heads, head_elems)
-        self.d.on_recv = self._verify
-        self.prompts: dict[str, list[int]] = {}
-        self.verified: dict[str, bool] = {}
+        self.p = TPEngine(model_dir, "kv_producer", p_tp, d_tp, heads, head_elems)  # type: ignore[assignment]
+        self.d = TPEngine(model_dir, "kv_consumer", d_tp, p_tp, heads, head_elems)  # type: ignore[assignment]
         self.relayed = 0
+        self.relay_enabled = True
+        self.verified: dict[str, bool] = {}
+        self.prompts: dict[str, list[int]] = {}
+        self.d.on_recv = self._verify  # type: ignore[assignment]
 
-    def add(self, rid: str, tokens: list[int]) -> None:
-        self.prompts[rid] = tokens
-        self.d.sched.add_request(make_request(rid, len(tokens), tokens=tokens,
-                                              params=remote_prefill_params(f"t-{rid}"),
-                                              max_tokens=3))
-
-    def _verify(self, d: TPEngine, rid: str) -> None:
+    def _verify(self, d: TPEngine, rid: str) -> None:  # type: ignore[override]
         if d.sched.requests[rid].status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             return
         toks = self.prompts[rid]
@@ -197,34 +187,6 @@ class TPCluster:
                         want = _value(toks[i * BS:(i + 1) * BS], layer, h)
                         ok &= bool((kv[name][b, h - lo] == want).all())
         self.verified[rid] = ok
-
-    def relay(self) -> None:
-        posts = FakePoster.instances[0].posts if FakePoster.instances else []
-        while self.relayed < len(posts):
-            rid, tid, _url, msg = posts[self.relayed]
-            self.relayed += 1
-            body = {**msg["kv_transfer_params"], "do_remote_decode": True,
-                    "do_remote_prefill": False, "transfer_id": tid}
-            toks = list(msg["prompt_token_ids"])
-            self.p.sched.add_request(make_request(f"p-{rid}", len(toks), tokens=toks,
-                                                  params=body))
-
-    def run_until(self, cond: Callable[[], bool], timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, "timed out"
-            self.relay()
-            self.p.step()
-            self.d.step()
-            time.sleep(0.002)
-
-    def idle(self) -> bool:
-        return (free_blocks(self.p.sched) == BASELINE and free_blocks(self.d.sched) == BASELINE
-                and not self.p.sched.requests and not self.d.sched.requests)
-
-    def close(self) -> None:
-        self.p.close()
-        self.d.close()
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +220,7 @@ def test_heterogeneous_tp_moves_every_head_to_its_rank(
     lengths = {"one": 10, "many": 100, "long": 200}  # 1 block; 7 (chunked); 13 (chunked)
     for i, (rid, n) in enumerate(lengths.items()):
         c.add(rid, list(range(1000 * (i + 1), 1000 * (i + 1) + n)))
-    c.run_until(lambda: len(c.d.finished) == 3 and c.idle())
+    c.run_until(lambda: len(c.d.finished) == 3 and c.idle(), timeout=30)
     assert c.verified == {rid: True for rid in lengths}
     assert set(c.d.finished.values()) == {"length"}
 
@@ -268,7 +230,7 @@ def test_mla_one_writer_per_decode_rank(mla_dir: str,
     c = tp_cluster(mla_dir, 2, 1, heads=1, head_elems=576)
     assert c.p.mla and c.d.mla
     c.add("r", list(range(3000, 3100)))
-    c.run_until(lambda: len(c.d.finished) == 1 and c.idle())
+    c.run_until(lambda: len(c.d.finished) == 1 and c.idle(), timeout=30)
     assert c.verified == {"r": True}
     p_loops = [w._worker.loop for w in c.p.workers]
     # P rank 1 holds the same latent KV but D's only rank takes it from P rank 0.
