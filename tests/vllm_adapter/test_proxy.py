@@ -613,7 +613,9 @@ def test_one_prefill_per_sub_transfer_for_n_and_prompt_lists() -> None:
             p_body = c.world.bodies[("p", sub)]
             assert p_body["prompt"] == [ord(ch) for ch in text] and p_body["n"] == 1
             assert p_body["kv_transfer_params"]["transfer_id"] == sub
-        assert sorted(c.world.servers("p_request")) == ["p0", "p0", "p1", "p1"]
+        # Fewest outstanding first: which server gets each depends on which prefills are done.
+        picked = c.world.servers("p_request")
+        assert len(picked) == 4 and set(picked) <= {"p0", "p1"}
         m = c.metrics()
         assert m["prefills"] == 4 and m["metaserver_calls"] == 4 and m["in_flight"] == 0
         assert sum(p["in_flight"] for p in m["prefill"]) == 0
