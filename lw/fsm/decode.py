@@ -35,8 +35,11 @@ from lw.fsm.messages import (
     Message,
     MetaReply,
     MetaRequest,
+    RequestStatus,
     Sender,
 )
+from lw.fsm.status import decode_row, newly_stuck
+from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, Timeline, check_observability
 
 _FINAL = (DONE, FAILED)
 SenderKey = tuple[str, int]  # (engine_id, rank)
@@ -49,6 +52,8 @@ class DecodeConfig:
     prefill_timeout_s: float = 60.0  # from allocation to every sender's DONE
     lease_s: float = 90.0  # quarantine bound; must exceed P's request timeout + transfer timeout
     finished_memory: int = 4096
+    timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
+    stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
 
     def __post_init__(self) -> None:
         for name in ("prefill_timeout_s", "lease_s"):
@@ -56,6 +61,7 @@ class DecodeConfig:
                 raise ValueError(f"DecodeConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.finished_memory < 1:
             raise ValueError("DecodeConfig.finished_memory must be >= 1")
+        check_observability(self)
 
 
 def check_lease(
@@ -74,12 +80,15 @@ class _Req:
     """Mutable per-request record of the decode lifecycle."""
 
     __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
-                 "stopped", "reason")
+                 "stopped", "reason", "since", "deadline", "alarmed")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
-                 ranks: frozenset[int] | None) -> None:
+                 ranks: frozenset[int] | None, now: float, deadline: float) -> None:
         self.req_id = req_id
         self.state = PREFILL_REQUESTED
+        self.since = now  # when the request entered its current state (observability only)
+        self.deadline = deadline  # prefill deadline, then the lease end (observability only)
+        self.alarmed = False  # reported stuck in its current state already
         self.blocks = blocks
         self.expected = expected
         self.ranks = ranks  # the P TP ranks that write into us; None: any ``expected`` senders
@@ -104,6 +113,7 @@ class DecodeEndpoint:
         self._reqs: dict[str, _Req] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._incarnations: dict[SenderKey, int] = {}  # newest incarnation seen per P worker
+        self.timeline = Timeline(self.config.timeline_entries)
         self.counters: dict[str, int] = {
             "peer_restarts": 0,
             "requests": 0,
@@ -146,13 +156,33 @@ class DecodeEndpoint:
         )
         return reqs, tuple(sorted(self._finished.items()))
 
+    def status(self, now: float, req_id: str = "") -> list[RequestStatus]:
+        """``lw status`` rows: every live request (or only ``req_id``), what each waits for."""
+        recs = self._reqs.values() if not req_id else filter(None, [self._reqs.get(req_id)])
+        return [decode_row(self, r, now) for r in recs]
+
+    def stuck(self, now: float) -> list[RequestStatus]:
+        """Requests that just passed ``stuck_fraction`` of their deadline in one state (each
+        reported once per state: the stuck-request alarm)."""
+        return newly_stuck([(r, decode_row(self, r, now)) for r in self._reqs.values()
+                            if not r.alarmed])
+
     # ----------------------------------------------------------------------------- dispatch
-    def _fire(self, rec: _Req, event: str) -> str:
+    def _fire(self, rec: _Req, event: str, now: float, detail: str = "") -> str:
+        src = rec.state
         try:
-            nxt = self._table[(rec.state, event)]
+            nxt = self._table[(src, event)]
         except KeyError:
-            raise ProtocolError("decode", rec.req_id, rec.state, event) from None
-        rec.state = nxt
+            raise ProtocolError("decode", rec.req_id, src, event) from None
+        tl = self.timeline
+        if tl.capacity:
+            tl.record(now, rec.req_id, event, src, nxt, detail)
+            if nxt != src:
+                tl.moved(now, rec.req_id, src, nxt, rec.since)
+        if nxt != src:
+            rec.state = nxt
+            rec.since = now
+            rec.alarmed = False
         return nxt
 
     # ----------------------------------------------------------------------------- events
@@ -174,9 +204,13 @@ class DecodeEndpoint:
         if count < 1:
             raise ValueError(f"request {req_id!r}: expected_senders must be >= 1")
         self._finished.pop(req_id, None)
-        self._reqs[req_id] = _Req(req_id, tuple(block_ids), count, ranks)
+        deadline = now + self.config.prefill_timeout_s
+        self._reqs[req_id] = _Req(req_id, tuple(block_ids), count, ranks, now, deadline)
         self.counters["requests"] += 1
-        return [ArmTimer(("deadline", req_id), now + self.config.prefill_timeout_s)]
+        self.timeline.record(now, req_id, "allocated", "", PREFILL_REQUESTED,
+                             f"{len(block_ids)} blocks, expects P TP ranks "
+                             f"{sorted(ranks) if ranks is not None else count}")
+        return [ArmTimer(("deadline", req_id), deadline)]
 
     def on_message(self, msg: Message, now: float) -> list[Effect]:
         """A side-channel message from a P worker arrived."""
@@ -185,13 +219,13 @@ class DecodeEndpoint:
         if sender is not None:
             self._note_incarnation(sender, now, out)
         if isinstance(msg, MetaRequest):
-            self._on_meta_request(msg, out)
+            self._on_meta_request(msg, now, out)
         elif isinstance(msg, DoneSending):
             self._on_done(msg, now, out)
         elif isinstance(msg, FailedSending):
             self._on_failed(msg, now, out)
         elif isinstance(msg, AbortAck):
-            self._on_abort_ack(msg, out)
+            self._on_abort_ack(msg, now, out)
         else:
             raise ProtocolError(
                 "decode", getattr(msg, "req_id", "?"), "-", type(msg).__name__,
@@ -212,7 +246,7 @@ class DecodeEndpoint:
                 self._fail(rec, f"prefill deadline of {self.config.prefill_timeout_s}s passed",
                            now, out)
         elif kind == "lease":
-            self._fire(rec, "lease_expired")
+            self._fire(rec, "lease_expired", now)
             self.counters["leases_expired"] += 1
             self._release(rec, out)
         else:
@@ -258,7 +292,7 @@ class DecodeEndpoint:
         return Send(msg.sender.addr, MetaReply(PROTOCOL_VERSION, msg.req_id, status, self.me,
                                                layout, reason[:1024]))
 
-    def _on_meta_request(self, msg: MetaRequest, out: list[Effect]) -> None:
+    def _on_meta_request(self, msg: MetaRequest, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             if msg.req_id in self._finished:
@@ -272,14 +306,14 @@ class DecodeEndpoint:
         key = (msg.sender.engine_id, msg.sender.rank)
         layout = self.layout if msg.want_layout else None
         if key in rec.claimers:
-            self._fire(rec, "claim")
+            self._fire(rec, "claim", now)
             if rec.state == FAILED and key not in rec.stopped:
                 out.append(self._reply(msg, "refused", rec.reason))
             else:
                 out.append(self._reply(msg, "accepted", layout=layout))
             return
         if rec.state in _FINAL:
-            self._fire(rec, "claim")
+            self._fire(rec, "claim", now)
             self.counters["refused"] += 1
             out.append(self._reply(msg, "refused", f"request is {rec.state}: {rec.reason}"))
             return
@@ -291,7 +325,7 @@ class DecodeEndpoint:
         if rec.ranks is not None:
             rec.by_rank[msg.fmt.tp_rank] = key
         rec.claimers[key] = msg.sender
-        self._fire(rec, "claim")
+        self._fire(rec, "claim", now, f"P {key[0]} rank {key[1]}")
         out.append(self._reply(msg, "accepted", layout=layout))
 
     def _claim_problem(self, rec: _Req, msg: MetaRequest) -> str:
@@ -329,16 +363,16 @@ class DecodeEndpoint:
             self._fail(rec, f"sender {key} reports {msg.num_layers} layers, we have "
                        f"{len(self.layout.layers)}", now, out)
         if rec.state == FAILED:
-            self._fire(rec, "sender_done")
+            self._fire(rec, "sender_done", now)
             rec.stopped.add(key)
             out.append(self._ack(msg, "done", False))
             self._maybe_release(rec, out)
             return
-        self._fire(rec, "sender_done")
+        self._fire(rec, "sender_done", now, f"P {key[0]} rank {key[1]}")
         rec.done.add(key)
         out.append(self._ack(msg, "done", True))
         if rec.state != DONE and len(rec.done) == rec.expected:
-            self._fire(rec, "all_done")
+            self._fire(rec, "all_done", now)
             out.append(CancelTimer(("deadline", rec.req_id)))
             out.append(RecvDone(rec.req_id))
             self.counters["done"] += 1
@@ -357,14 +391,14 @@ class DecodeEndpoint:
         if not msg.in_doubt:  # in doubt: a timed-out write may still land; the lease decides
             rec.stopped.add(key)
         if rec.state in _FINAL:
-            self._fire(rec, "sender_stopped" if rec.state == FAILED else "fail")
+            self._fire(rec, "sender_stopped" if rec.state == FAILED else "fail", now)
             out.append(self._ack(msg, "failed", False))
             self._maybe_release(rec, out)
             return
         out.append(self._ack(msg, "failed", True))
         self._fail(rec, f"prefill sender {key} failed: {msg.reason}", now, out)
 
-    def _on_abort_ack(self, msg: AbortAck, out: list[Effect]) -> None:
+    def _on_abort_ack(self, msg: AbortAck, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             self._stale(msg)
@@ -373,7 +407,7 @@ class DecodeEndpoint:
         if rec.state != FAILED:
             raise ProtocolError("decode", msg.req_id, rec.state, "sender_stopped",
                                 "AbortAck for a request we did not abort")
-        self._fire(rec, "sender_stopped")
+        self._fire(rec, "sender_stopped", now)
         if not msg.in_doubt:
             rec.stopped.add(key)
         self._maybe_release(rec, out)
@@ -390,9 +424,9 @@ class DecodeEndpoint:
 
     def _fail(self, rec: _Req, reason: str, now: float, out: list[Effect]) -> None:
         if rec.state in _FINAL:
-            self._fire(rec, "fail")
+            self._fire(rec, "fail", now)
             return
-        self._fire(rec, "fail")
+        self._fire(rec, "fail", now, reason)
         rec.reason = reason
         out.append(CancelTimer(("deadline", rec.req_id)))
         pending = [s for k, s in rec.claimers.items() if k not in rec.stopped]
@@ -403,7 +437,8 @@ class DecodeEndpoint:
         for sender in pending:
             abort = Abort(PROTOCOL_VERSION, rec.req_id, self.me, reason[:1024])
             out.append(Send(sender.addr, abort))
-        out.append(ArmTimer(("lease", rec.req_id), now + self.config.lease_s))
+        rec.deadline = now + self.config.lease_s
+        out.append(ArmTimer(("lease", rec.req_id), rec.deadline))
 
     def _maybe_release(self, rec: _Req, out: list[Effect]) -> None:
         if rec.state == FAILED and all(k in rec.stopped for k in rec.claimers):

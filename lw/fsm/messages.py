@@ -141,5 +141,54 @@ class AbortAck(_Msg, tag="abort_ack"):
     in_doubt: bool = False  # a write of ours timed out: its bytes may still land (lease applies)
 
 
-Message = MetaRequest | MetaReply | DoneSending | FailedSending | Ack | Abort | AbortAck
+class RequestStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One live request on one worker, as ``lw status`` shows it: where it is and what it awaits."""
+
+    req_id: _Id
+    state: _Text
+    in_state_s: float  # seconds in the current state
+    waiting_for: _Text  # the event that would move it, and from whom
+    deadline_in_s: float  # seconds until its deadline (D quarantine: the lease); < 0: past
+    blocks: int  # blocks lw holds for it on this worker
+    peers: list[_Text] = msgspec.field(default_factory=list)  # side-channel addresses it awaits
+    layers_done: int = -1  # P: layers written to every target (-1: not known on this side)
+    layers_total: int = 0
+    quarantined: bool = False  # D: failed, blocks kept until every sender stopped or the lease
+    stuck: bool = False  # in this state for longer than the configured fraction of its deadline
+
+
+class TimelineEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One remembered lifecycle event (``t`` on the worker's clock, see StatusReply.now)."""
+
+    t: float
+    req_ids: list[_Id]  # one request, or the batch of a layer_computed milestone
+    event: _Text
+    src: _Text
+    dst: _Text
+    detail: _Text
+
+
+class StatusQuery(_Msg, tag="status_q"):
+    """``lw status`` asks a worker for its live requests (and the newest timeline entries)."""
+
+    asker: _Text  # side-channel address of the asker (replies fall back to it)
+    req_id: str = ""  # only this request (live or in the timeline); "" = every live request
+    timeline: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0  # newest entries wanted
+
+
+class StatusReply(_Msg, tag="status_rep"):
+    """A worker's live requests, its newest lifecycle events and its counters."""
+
+    worker: Sender
+    role: Literal["prefill", "decode"]
+    now: float  # the worker's monotonic clock when it answered (timeline times are on it)
+    wall: float  # the worker's wall clock at the same moment (to merge timelines of workers)
+    requests: list[RequestStatus] = msgspec.field(default_factory=list)
+    timeline: list[TimelineEntry] = msgspec.field(default_factory=list)
+    counters: dict[str, float] = msgspec.field(default_factory=dict)
+    truncated: bool = False  # rows or entries were left out to fit one message
+
+
+Message = (MetaRequest | MetaReply | DoneSending | FailedSending | Ack | Abort | AbortAck
+           | StatusQuery | StatusReply)
 

@@ -41,8 +41,11 @@ from lw.fsm.messages import (
     Message,
     MetaReply,
     MetaRequest,
+    RequestStatus,
     Sender,
 )
+from lw.fsm.status import newly_stuck, prefill_row
+from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, Timeline, check_observability
 
 _FINAL = (DONE, FAILED)
 
@@ -58,6 +61,8 @@ class PrefillConfig:
     request_timeout_s: float = 30.0  # whole transfer, from add_request; D's lease must exceed it
     tombstone_ttl_s: float = 300.0  # remember D's aborts for requests we have not seen yet
     finished_memory: int = 4096  # finished requests remembered to recognise late duplicates
+    timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
+    stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
 
     def __post_init__(self) -> None:
         for name in ("meta_retry_s", "ack_retry_s", "request_timeout_s", "tombstone_ttl_s"):
@@ -66,6 +71,7 @@ class PrefillConfig:
         for name in ("meta_attempts", "ack_attempts", "finished_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PrefillConfig.{name} must be >= 1, got {getattr(self, name)}")
+        check_observability(self)
 
 
 @dataclass(frozen=True)
@@ -120,11 +126,17 @@ class _Req:
         "reason",
         "abort_acks",
         "in_doubt",
+        "since",
+        "deadline",
+        "alarmed",
     )
 
-    def __init__(self, req: PrefillRequest, state: str) -> None:
+    def __init__(self, req: PrefillRequest, state: str, now: float, deadline: float) -> None:
         self.req = req
         self.state = state
+        self.since = now  # when the request entered its current state (observability only)
+        self.deadline = deadline  # when the request deadline fires (observability only)
+        self.alarmed = False  # reported stuck in its current state already
         self.targets = [_Target(a) for a in req.targets]
         self.computed = 0  # layers 0..computed-1 have been computed by the forward pass
         self.submitted = 0  # layers 0..submitted-1 have been handed to the data plane
@@ -169,6 +181,7 @@ class PrefillEndpoint:
         self._tombstones: dict[str, float] = {}  # req_id -> expiry (aborted by D before we saw it)
         self._finished: OrderedDict[str, str] = OrderedDict()  # req_id -> final state
         self._in_doubt: set[str] = set()  # finished requests with a write whose bytes may land
+        self.timeline = Timeline(self.config.timeline_entries)
         self.counters: dict[str, int] = {
             "requests": 0,
             "done": 0,
@@ -225,13 +238,33 @@ class PrefillEndpoint:
             tuple(sorted(self._in_doubt)),
         )
 
+    def status(self, now: float, req_id: str = "") -> list[RequestStatus]:
+        """``lw status`` rows: every live request (or only ``req_id``), what each waits for."""
+        recs = self._reqs.values() if not req_id else filter(None, [self._reqs.get(req_id)])
+        return [prefill_row(self, r, now) for r in recs]
+
+    def stuck(self, now: float) -> list[RequestStatus]:
+        """Requests that just passed ``stuck_fraction`` of their deadline in one state (each
+        reported once per state: the stuck-request alarm)."""
+        return newly_stuck([(r, prefill_row(self, r, now)) for r in self._reqs.values()
+                            if not r.alarmed])
+
     # ----------------------------------------------------------------------------- dispatch
-    def _fire(self, rec: _Req, event: str) -> str:
+    def _fire(self, rec: _Req, event: str, now: float, detail: str = "") -> str:
+        src = rec.state
         try:
-            nxt = self._table[(rec.state, event)]
+            nxt = self._table[(src, event)]
         except KeyError:
-            raise ProtocolError("prefill", rec.req.req_id, rec.state, event) from None
-        rec.state = nxt
+            raise ProtocolError("prefill", rec.req.req_id, src, event) from None
+        tl = self.timeline
+        if tl.capacity:
+            tl.record(now, rec.req.req_id, event, src, nxt, detail)
+            if nxt != src:
+                tl.moved(now, rec.req.req_id, src, nxt, rec.since)
+        if nxt != src:
+            rec.state = nxt
+            rec.since = now
+            rec.alarmed = False
         return nxt
 
     # ----------------------------------------------------------------------------- events
@@ -248,9 +281,11 @@ class PrefillEndpoint:
             raise ValueError(f"request {req.req_id!r}: a decoder is named twice in "
                              f"{req.targets}")
         self._finished.pop(req.req_id, None)
-        rec = _Req(req, AWAIT_DECODER_META)
+        rec = _Req(req, AWAIT_DECODER_META, now, now + self.config.request_timeout_s)
         self._reqs[req.req_id] = rec
         self.counters["requests"] += 1
+        self.timeline.record(now, req.req_id, "admitted", "", AWAIT_DECODER_META,
+                             f"{len(req.local_blocks)} blocks to {', '.join(req.targets)}")
         out: list[Effect] = []
         if req.req_id in self._tombstones:
             del self._tombstones[req.req_id]
@@ -260,7 +295,7 @@ class PrefillEndpoint:
         if not rec.targets:
             # This rank holds no KV that any D rank takes from it (MLA: another rank sends).
             self.counters["no_target"] += 1
-            self._fire(rec, "no_target")
+            self._fire(rec, "no_target", now)
             self._maybe_release(rec, out)
             return out
         out.append(ArmTimer(("deadline", req.req_id), now + self.config.request_timeout_s))
@@ -282,6 +317,9 @@ class PrefillEndpoint:
                     f"layer {layer} computed but {rec.computed} was expected next",
                 )
         out: list[Effect] = []
+        if recs and self.timeline.capacity:
+            self.timeline.record(now, tuple(r.req.req_id for r in recs), "layer_computed",
+                                 "", "", str(layer))
         for rec in recs:
             rec.computed = layer + 1
             st = rec.state
@@ -309,16 +347,19 @@ class PrefillEndpoint:
             rec.pending[layer] = left - 1
         if not ok and in_doubt:
             rec.in_doubt = True
+        if self.timeline.capacity:
+            self.timeline.record(now, req_id, "layer_written" if ok else "write_failed",
+                                 rec.state, "", f"{layer}" if ok else f"{layer}: {reason}")
         if not ok:
             self._fail(rec, f"layer {layer} write failed: {reason}", now, out)
         elif rec.state == FAILED:
             if left == 1:
-                self._fire(rec, "layer_sent")
+                self._fire(rec, "layer_sent", now)
         elif left == 1:  # the layer reached every target
             rec.out_of_order.add(layer)
             while rec.sent in rec.out_of_order:
                 rec.out_of_order.discard(rec.sent)
-                self._fire(rec, "layer_sent")
+                self._fire(rec, "layer_sent", now)
                 rec.sent += 1
             if rec.sent == self.num_layers and not rec.out_of_order:
                 self._send_done(rec, out)
@@ -357,7 +398,7 @@ class PrefillEndpoint:
                 self.counters["deadlines"] += 1
                 self._fail(rec, f"deadline of {self.config.request_timeout_s}s passed", now, out)
         elif kind == "meta":
-            self._fire(rec, "meta_timer")
+            self._fire(rec, "meta_timer", now)
             if rec.state == AWAIT_DECODER_META:
                 if rec.meta_tries >= self.config.meta_attempts:
                     self.counters["deadlines"] += 1
@@ -369,7 +410,7 @@ class PrefillEndpoint:
                 else:
                     self._send_meta_requests(rec, now, out)
         elif kind == "ack":
-            self._fire(rec, "ack_timer")
+            self._fire(rec, "ack_timer", now)
             if rec.state not in _FINAL:
                 if rec.ack_tries >= self.config.ack_attempts:
                     self.counters["deadlines"] += 1
@@ -420,16 +461,16 @@ class PrefillEndpoint:
             if rec.state == AWAIT_DECODER_META:
                 self._fail(rec, f"decoder {t.addr} refused the request: {msg.reason}", now, out)
             else:
-                self._fire(rec, "meta_unknown")  # late refusal of an earlier try: stale
+                self._fire(rec, "meta_unknown", now)  # late refusal of an earlier try: stale
             return
         if msg.status == "unknown":
-            self._fire(rec, "meta_unknown")
+            self._fire(rec, "meta_unknown", now)
             return
         if rec.state != AWAIT_DECODER_META:
-            self._fire(rec, "meta_accepted")  # declared duplicate
+            self._fire(rec, "meta_accepted", now)  # declared duplicate
             return
         if t.accepted:  # a duplicate from a target that accepted while others have not yet
-            self._fire(rec, "target_accepted")
+            self._fire(rec, "target_accepted", now)
             return
         t.claimed = True
         layout = msg.layout or self._layouts.get(t.addr)
@@ -447,10 +488,10 @@ class PrefillEndpoint:
         t.accepted = True
         if all(x.accepted for x in rec.targets):
             out.append(CancelTimer(("meta", rec.req.req_id)))
-            self._fire(rec, "meta_accepted")
+            self._fire(rec, "meta_accepted", now)
             self._submit_ready(rec, out)
         else:
-            self._fire(rec, "target_accepted")  # found by the model checker (finding 3)
+            self._fire(rec, "target_accepted", now)  # found by the model checker (finding 3)
 
     def _accept_layout(self, rec: _Req, t: _Target, layout: KVLayout) -> str:
         """Check D's layout for this request and fix the byte runs; "" or why it cannot work."""
@@ -493,7 +534,7 @@ class PrefillEndpoint:
         if msg.of == "failed":
             return  # D has our FailedSending; nothing waits on it
         if rec.state == FAILED or rec.state == DONE:
-            self._fire(rec, "ack")
+            self._fire(rec, "ack", now)
             return
         if not msg.accepted:
             self._fail(rec, f"decoder {t.addr} had already failed the request", now, out)
@@ -503,7 +544,7 @@ class PrefillEndpoint:
                                 f"acknowledgement from {t.addr} before DONE was sent")
         t.acked = True
         if all(x.acked for x in rec.targets):
-            self._fire(rec, "ack")
+            self._fire(rec, "ack", now)
             self._cancel_timers(rec.req.req_id, out)
             self._maybe_release(rec, out)
 
@@ -581,9 +622,9 @@ class PrefillEndpoint:
 
     def _fail(self, rec: _Req, reason: str, now: float, out: list[Effect]) -> None:
         if rec.state in _FINAL:
-            self._fire(rec, "fail")
+            self._fire(rec, "fail", now)
             return
-        self._fire(rec, "fail")
+        self._fire(rec, "fail", now, reason)
         rec.reason = reason
         rid = rec.req.req_id
         self._cancel_timers(rid, out)

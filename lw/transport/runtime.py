@@ -45,8 +45,11 @@ from lw.fsm import (
     WriteLayer,
 )
 from lw.fsm.lifecycles import DONE, FAILED
+from lw.fsm.status import status_line
 from lw.transport.sidechannel import Inbound, SideChannel
 from lw.transport.wire import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
     Abort,
     AbortAck,
     Ack,
@@ -57,6 +60,10 @@ from lw.transport.wire import (
     MetaReply,
     MetaRequest,
     Sender,
+    StatusQuery,
+    StatusReply,
+    TimelineEntry,
+    encode,
 )
 
 __all__ = ["WorkerLoop", "hook_cost_report", "measure_hook_cost"]
@@ -121,6 +128,7 @@ class WorkerLoop:
         hot_window_s: float = 0.05,
         name: str = "lw-loop",
         clock: Callable[[], float] = time.monotonic,
+        stuck_check_s: float = 1.0,
     ) -> None:
         self.endpoint = endpoint
         self.is_prefill = isinstance(endpoint, PrefillEndpoint)
@@ -169,6 +177,13 @@ class WorkerLoop:
         self._last_layer_t: dict[str, float] = {}
         self._tails: deque[float] = deque(maxlen=tail_samples)
         self._rtts: deque[float] = deque(maxlen=tail_samples)
+        # per-layer write latency (submit -> completion), drained by metrics; keyed by the id of
+        # the transfer's pairs tuple, which the data plane keeps alive until it completes
+        self._submitted_at: dict[int, float] = {}
+        self.write_latencies: deque[float] = deque(maxlen=4096)
+        self._stuck_check_s = stuck_check_s
+        self._next_stuck_check = 0.0
+        self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
         self.counters: dict[str, int | float] = dict.fromkeys(
             (
                 "turns",
@@ -189,6 +204,8 @@ class WorkerLoop:
                 "connects",
                 "inbox_overflow",
                 "reports",
+                "status_queries",
+                "stuck_requests",
             ),
             0,
         )
@@ -456,6 +473,12 @@ class WorkerLoop:
         if ib.rtt_s is not None:
             self._rtts.append(ib.rtt_s)
         now = self._clock()
+        if isinstance(msg, StatusQuery):
+            self._answer_status(ib, msg, now)
+            return
+        if isinstance(msg, StatusReply):
+            self.counters["protocol_errors"] += 1  # only ``lw status`` asks for these
+            return
         try:
             effects = self.endpoint.on_message(msg, now)
         except Exception as exc:  # a message must never stop the loop
@@ -506,6 +529,9 @@ class WorkerLoop:
                 self.counters["bytes_ok"] += c.nbytes
             else:
                 self.counters["transfers_failed"] += 1
+            t0 = self._submitted_at.pop(id(pairs), None)
+            if t0 is not None and c.ok:
+                self.write_latencies.append(time.monotonic() - t0)
             now = self._clock()
             for rid, layer in pairs:
                 try:
@@ -537,9 +563,65 @@ class WorkerLoop:
                 self._core_error(f"timer {key}", exc)
                 continue
             self._execute(effects, None)
+        if self._stuck_check_s > 0 and now >= self._next_stuck_check:
+            self._next_stuck_check = now + self._stuck_check_s
+            self._check_stuck(now)
         if len(heap) > 2 * len(timers) + 1024:  # drop cancelled entries now and then
             self._heap = [(at, seq, key) for key, (at, seq) in timers.items()]
             heapq.heapify(self._heap)
+
+    # ------------------------------------------------------------ observability
+    def _check_stuck(self, now: float) -> None:
+        """Log each request that just spent too long in one state, once, as ``lw status``
+        would print it (the core decides what "too long" is)."""
+        try:
+            rows = self.endpoint.stuck(now)
+        except Exception as exc:
+            self._core_error("stuck", exc)
+            return
+        for row in rows:
+            line = status_line(self._role, self.endpoint.me, row)
+            self.counters["stuck_requests"] += 1
+            self.stuck.append(line)
+            log.warning("lw stuck request: %s", line)
+
+    @property
+    def _role(self) -> str:
+        return "prefill" if self.is_prefill else "decode"
+
+    def status_reply(self, req_id: str = "", timeline: int = 0) -> StatusReply:
+        """This worker's live requests (or one), its newest timeline entries and counters,
+        trimmed to fit one side-channel message. Loop thread only."""
+        ep = self.endpoint
+        now = self._clock()
+        rows = ep.status(now, req_id)
+        entries: list = []
+        if timeline:
+            src = ep.timeline.of(req_id) if req_id else ep.timeline.last(timeline)
+            entries = [TimelineEntry(t, [r] if isinstance(r, str) else list(r), ev, a, b, d)
+                       for t, r, ev, a, b, d in src[-timeline:]]
+        counters = {f"loop.{k}": float(v) for k, v in self.counters.items()}
+        counters.update({f"core.{k}": float(v) for k, v in ep.counters.items()})
+        truncated = False
+        while True:
+            reply = StatusReply(PROTOCOL_VERSION, ep.me, self._role, now, time.time(), rows,
+                                entries, counters, truncated)
+            if len(encode(reply)) <= MAX_MESSAGE_BYTES - 4096 or not (rows or entries):
+                return reply
+            truncated = True
+            if len(entries) > len(rows):
+                entries = entries[len(entries) // 2:]  # keep the newest
+            else:
+                rows = rows[: len(rows) // 2]
+
+    def _answer_status(self, ib: Inbound, q: StatusQuery, now: float) -> None:
+        self.counters["status_queries"] += 1
+        try:
+            reply = self.status_reply(q.req_id, q.timeline)
+        except Exception as exc:
+            self._core_error("status", exc)
+            return
+        self.side.reply(ib, q.asker, reply)
 
     # ------------------------------------------------------------ effects
     def _execute(self, effects: list[Effect], ib: Inbound | None) -> None:
@@ -615,10 +697,13 @@ class WorkerLoop:
             if dp is None:
                 failed.extend((r, k, "no data plane") for r, k in pairs)
                 continue
+            xfer = tuple(pairs)
             try:
-                dp.submit(tuple(pairs), session, entries)
+                self._submitted_at[id(xfer)] = time.monotonic()
+                dp.submit(xfer, session, entries)
                 self.counters["transfers_submitted"] += 1
             except Exception as exc:
+                self._submitted_at.pop(id(xfer), None)
                 failed.extend((r, k, f"data plane refused the transfer: {exc}") for r, k in pairs)
         out: list[list[Effect]] = []
         now = self._clock()

@@ -23,7 +23,11 @@ from lw.fsm.messages import (
     MetaReply,
     MetaRequest,
     MetaStatus,
+    RequestStatus,
     Sender,
+    StatusQuery,
+    StatusReply,
+    TimelineEntry,
 )
 
 __all__ = [
@@ -41,7 +45,11 @@ __all__ = [
     "MetaReply",
     "MetaRequest",
     "MetaStatus",
+    "RequestStatus",
     "Sender",
+    "StatusQuery",
+    "StatusReply",
+    "TimelineEntry",
     "WireError",
     "decode",
     "encode",

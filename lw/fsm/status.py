@@ -1,0 +1,111 @@
+"""What each live request waits for, in words: the rows of ``lw status`` and the stuck alarm.
+
+The endpoints know, for every request, its declared state and the event that would move it;
+these functions turn that into :class:`RequestStatus` rows. Pure: ``now`` is an argument.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lw.fsm.lifecycles import AWAIT_DECODER_META, DONE, FAILED, PREFILL_REQUESTED, RECEIVING
+from lw.fsm.messages import RequestStatus, Sender
+
+if TYPE_CHECKING:
+    from lw.fsm.decode import DecodeEndpoint
+    from lw.fsm.decode import _Req as DReq
+    from lw.fsm.prefill import PrefillEndpoint
+    from lw.fsm.prefill import _Req as PReq
+
+
+def _join(xs: list[str], limit: int = 4) -> str:
+    return ", ".join(xs[:limit]) + (f" and {len(xs) - limit} more" if len(xs) > limit else "")
+
+
+def prefill_row(ep: PrefillEndpoint, rec: PReq, now: float) -> RequestStatus:
+    """One P request: its state, what it waits for and from which D workers."""
+    cfg = ep.config
+    L = ep.num_layers
+    n = len(rec.targets)
+    st = rec.state
+    peers: list[str] = []
+    if st == AWAIT_DECODER_META:
+        peers = [t.addr for t in rec.targets if not t.accepted]
+        what = (f"waiting for MetaReply(accepted) from D {_join(peers)} (try {rec.meta_tries} "
+                f"of {cfg.meta_attempts}); {rec.computed} of {L} layers computed")
+    elif st == FAILED:
+        what = (f"failed ({rec.reason}); waiting for {rec.inflight} write(s) in flight to end "
+                "before the blocks go back to the scheduler")
+    elif rec.sent < L:
+        peers = [t.addr for t in rec.targets]
+        what = (f"writing: {rec.sent} of {L} layers written to {n} D worker(s), "
+                f"{rec.inflight} write(s) in flight, {rec.computed} of {L} computed")
+        if rec.computed <= rec.sent:
+            what += f"; waiting for the forward pass to compute layer {rec.computed}"
+    elif st != DONE:
+        peers = [t.addr for t in rec.targets if not t.acked]
+        what = (f"waiting for Ack of DoneSending from D {_join(peers)} (try {rec.ack_tries} of "
+                f"{cfg.ack_attempts})")
+    else:
+        what = "done; releasing"
+    return RequestStatus(
+        req_id=rec.req.req_id, state=st, in_state_s=now - rec.since, waiting_for=what[:1024],
+        deadline_in_s=rec.deadline - now, blocks=len(rec.req.local_blocks), peers=peers[:64],
+        layers_done=rec.sent, layers_total=L,
+        stuck=now - rec.since > cfg.stuck_fraction * cfg.request_timeout_s)
+
+
+def decode_row(ep: DecodeEndpoint, rec: DReq, now: float) -> RequestStatus:
+    """One D request: its state, which P senders it waits for, its deadline or lease."""
+    cfg = ep.config
+    st = rec.state
+    claimers = rec.claimers
+    peers: list[str] = []
+    unclaimed = ("" if rec.ranks is None else
+                 _join([f"P TP rank {r}" for r in sorted(rec.ranks - set(rec.by_rank))]))
+    if st == PREFILL_REQUESTED:
+        who = unclaimed or f"{rec.expected} P sender(s)"
+        what = f"waiting for MetaRequest from {who} (prefill not started on P yet?)"
+        span = cfg.prefill_timeout_s
+    elif st == RECEIVING:
+        waiting = [s for k, s in claimers.items() if k not in rec.done]
+        peers = [s.addr for s in waiting]
+        names = [f"P {s.engine_id} rank {s.rank}" for s in waiting]
+        if unclaimed:
+            names.append(f"{unclaimed} (not claimed yet)")
+        what = (f"waiting for DoneSending from {_join(names)}; {len(rec.done)} of "
+                f"{rec.expected} sender(s) done")
+        span = cfg.prefill_timeout_s
+    else:  # FAILED: quarantined until every accepted sender stopped, or the lease ends
+        waiting = [s for k, s in claimers.items() if k not in rec.stopped]
+        peers = [s.addr for s in waiting]
+        names = [f"P {s.engine_id} rank {s.rank}" for s in waiting]
+        what = (f"quarantined ({rec.reason}); waiting for FailedSending/AbortAck from "
+                f"{_join(names)} or the lease")
+        span = cfg.lease_s
+    return RequestStatus(
+        req_id=rec.req_id, state=st, in_state_s=now - rec.since, waiting_for=what[:1024],
+        deadline_in_s=rec.deadline - now, blocks=len(rec.blocks), peers=peers[:64],
+        quarantined=st == FAILED, stuck=now - rec.since > cfg.stuck_fraction * span)
+
+
+def newly_stuck(rows: list[tuple[object, RequestStatus]]) -> list[RequestStatus]:
+    """Rows that just became stuck in their state (each request is reported once per state);
+    marks their records so that the next call does not report them again."""
+    out: list[RequestStatus] = []
+    for rec, row in rows:
+        if row.stuck and not rec.alarmed:  # type: ignore[attr-defined]
+            rec.alarmed = True  # type: ignore[attr-defined]
+            out.append(row)
+    return out
+
+
+def status_line(role: str, worker: Sender, row: RequestStatus) -> str:
+    """One request on one worker as a single line (the stuck alarm logs exactly this)."""
+    side = "P" if role == "prefill" else "D"
+    dl = row.deadline_in_s
+    when = f"deadline in {dl:.1f}s" if dl >= 0 else f"deadline passed {-dl:.1f}s ago"
+    if row.quarantined:
+        when = when.replace("deadline", "lease ends" if dl >= 0 else "lease")
+    return (f"{side} {worker.engine_id} rank {worker.rank} request {row.req_id} {row.state} "
+            f"for {row.in_state_s:.1f}s: {row.waiting_for}; {when}; {row.blocks} blocks held")

@@ -1,0 +1,89 @@
+"""A worker's memory of what happened to its requests: a bounded ring of lifecycle events.
+
+Each endpoint appends one tuple per fired event (declared transitions and declared no-ops alike)
+plus a few milestones that are not transitions (request admitted, a batch's layer computed, one
+layer write completed). Appending is the only hot-path cost; everything else (per-request
+history, time-in-state samples, stuck-request detection) is derived on demand. No I/O, no clock:
+times are the ``now`` the driver passed in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+# (t, req_id or tuple of req_ids for a batch milestone, event, from_state, to_state, detail)
+Entry = tuple[float, "str | tuple[str, ...]", str, str, str, str]
+
+DEFAULT_TIMELINE_ENTRIES = 32768
+
+
+def state_class(state: str) -> str:
+    """Bounded label for a state: LAYER_k_SENT of every k become LAYER_SENT (metric labels)."""
+    if state.startswith("LAYER_") and state.endswith("_SENT"):
+        return "LAYER_SENT"
+    return state
+
+
+def check_observability(config: Any) -> None:
+    """Validate a config's ``timeline_entries`` and ``stuck_fraction`` (shared by P and D)."""
+    name = type(config).__name__
+    if config.timeline_entries < 0:
+        raise ValueError(f"{name}.timeline_entries must be >= 0, got {config.timeline_entries}")
+    if not 0 < config.stuck_fraction <= 1:
+        raise ValueError(f"{name}.stuck_fraction must be in (0, 1], got {config.stuck_fraction}")
+
+
+class Timeline:
+    """Bounded ring of lifecycle events of one worker (``capacity`` 0 records nothing)."""
+
+    __slots__ = ("capacity", "_ring", "durations")
+
+    def __init__(self, capacity: int = DEFAULT_TIMELINE_ENTRIES) -> None:
+        if capacity < 0:
+            raise ValueError(f"timeline capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._ring: deque[Entry] = deque(maxlen=capacity or 1)
+        # (state class, seconds spent in it), one per state change, for time-in-state histograms;
+        # a driver drains it (bounded: an undrained worker keeps only the newest).
+        self.durations: deque[tuple[str, float]] = deque(maxlen=4096)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether events are recorded."""
+        return self.capacity > 0
+
+    def record(self, t: float, req: str | tuple[str, ...], event: str, src: str = "",
+               dst: str = "", detail: str = "") -> None:
+        """Append one event (the oldest falls off when full)."""
+        if self.capacity:
+            self._ring.append((t, req, event, src, dst, detail))
+
+    def moved(self, t: float, req_id: str, src: str, dst: str, since: float) -> None:
+        """Note a state change after ``t - since`` seconds in ``src`` (time-in-state sample)."""
+        if self.capacity:
+            self.durations.append((state_class(src), t - since))
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self._ring) if self.capacity else iter(())
+
+    def __len__(self) -> int:
+        return len(self._ring) if self.capacity else 0
+
+    def of(self, req_id: str) -> list[Entry]:
+        """Every remembered event of one request, oldest first (batch milestones included)."""
+        return [e for e in self if e[1] == req_id or (type(e[1]) is tuple and req_id in e[1])]
+
+    def last(self, n: int) -> list[Entry]:
+        """The newest ``n`` events, oldest first."""
+        if n <= 0 or not self.capacity:
+            return []
+        ring = self._ring
+        return list(ring)[-n:] if n < len(ring) else list(ring)
+
+    def drain_durations(self) -> list[tuple[str, float]]:
+        """Time-in-state samples since the previous drain."""
+        out = list(self.durations)
+        self.durations.clear()
+        return out

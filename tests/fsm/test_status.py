@@ -1,0 +1,112 @@
+"""Observability of the core: timelines, ``lw status`` rows and the stuck-request alarm."""
+
+from __future__ import annotations
+
+from lw.fsm import DecodeConfig, PrefillConfig
+from lw.fsm.status import status_line
+from lw.fsm.timeline import Timeline, state_class
+
+from .harness import D_ADDR, P_ADDR
+from .test_endpoints import L, compute_all, make_pair, start
+
+
+def test_timeline_records_every_fired_event_in_order_on_both_sides() -> None:
+    pair = make_pair()
+    start(pair)
+    pair.now = 1.0
+    pair.deliver_all()
+    compute_all(pair)
+    pair.now = 2.0
+    pair.complete_writes()
+    pair.deliver_all()
+    p_events = [(e[2], e[3], e[4]) for e in pair.ps[0].timeline.of("r1")]
+    assert p_events[0] == ("admitted", "", "AWAIT_DECODER_META")
+    assert ("meta_accepted", "AWAIT_DECODER_META", "META_READY") in p_events
+    assert [e for e in p_events if e[0] == "layer_computed"] == [("layer_computed", "", "")] * L
+    sent = [e[2] for e in p_events if e[0] == "layer_sent"]
+    assert sent == [f"LAYER_{k}_SENT" for k in range(L)]
+    assert p_events[-1] == ("ack", f"LAYER_{L - 1}_SENT", "DONE")
+    d_events = [(e[2], e[3], e[4]) for e in pair.d.timeline.of("r1")]
+    assert d_events == [("allocated", "", "PREFILL_REQUESTED"),
+                        ("claim", "PREFILL_REQUESTED", "RECEIVING"),
+                        ("sender_done", "RECEIVING", "RECEIVING"),
+                        ("all_done", "RECEIVING", "DONE")]
+    times = [e[0] for e in pair.ps[0].timeline.of("r1")]
+    assert times == sorted(times)
+    # Each state change left one time-in-state sample, classes bounded (LAYER_k -> LAYER_SENT).
+    classes = {c for c, _ in pair.ps[0].timeline.drain_durations()}
+    assert classes == {"AWAIT_DECODER_META", "META_READY", "LAYER_SENT"}
+    assert not pair.ps[0].timeline.drain_durations()
+
+
+def test_timeline_off_records_nothing_and_changes_no_behaviour() -> None:
+    on, off = make_pair(), make_pair(pcfg=PrefillConfig(timeline_entries=0),
+                                     dcfg=DecodeConfig(timeline_entries=0))
+    for pair in (on, off):
+        start(pair)
+        pair.deliver_all()
+        compute_all(pair)
+        pair.complete_writes()
+        pair.deliver_all()
+    assert len(off.ps[0].timeline) == 0 and len(off.d.timeline) == 0
+    assert off.ps[0].snapshot() == on.ps[0].snapshot()
+    assert off.d.snapshot() == on.d.snapshot()
+    assert [type(e) for e in off.finished] == [type(e) for e in on.finished]
+
+
+def test_ring_is_bounded_and_keeps_the_newest() -> None:
+    tl = Timeline(3)
+    for i in range(5):
+        tl.record(float(i), f"r{i}", "e")
+    assert [e[1] for e in tl] == ["r2", "r3", "r4"]
+    assert [e[1] for e in tl.last(2)] == ["r3", "r4"]
+    tl.record(5.0, ("r3", "r9"), "layer_computed")
+    assert [e[2] for e in tl.of("r9")] == ["layer_computed"]
+    assert state_class("LAYER_17_SENT") == "LAYER_SENT"
+
+
+def test_status_names_state_peer_and_deadline_while_waiting_for_meta() -> None:
+    pair = make_pair(pcfg=PrefillConfig(request_timeout_s=30.0))
+    start(pair)  # MetaRequest queued, not delivered: P waits for D
+    pair.now = 4.0
+    (row,) = pair.ps[0].status(pair.now)
+    assert row.state == "AWAIT_DECODER_META"
+    assert row.peers == [D_ADDR]
+    assert "MetaReply" in row.waiting_for and D_ADDR in row.waiting_for
+    assert row.in_state_s == 4.0 and row.deadline_in_s == 26.0
+    assert row.blocks == 3 and row.layers_done == 0 and row.layers_total == L
+    assert pair.ps[0].status(pair.now, "nope") == []
+    (drow,) = pair.d.status(pair.now)
+    assert drow.state == "PREFILL_REQUESTED" and "MetaRequest" in drow.waiting_for
+
+
+def test_status_of_receiving_and_quarantined_requests_names_the_senders() -> None:
+    pair = make_pair(n_ranks=2, dcfg=DecodeConfig(prefill_timeout_s=10.0, lease_s=90.0))
+    start(pair, expected=2, rank=0)
+    pair.deliver_all()
+    (row,) = pair.d.status(pair.now)
+    assert row.state == "RECEIVING"
+    assert row.peers == [f"{P_ADDR}/0"]
+    assert "P P rank 0" in row.waiting_for and "0 of 2" in row.waiting_for
+    pair.now = 10.0  # D's deadline fires with a claimed sender: quarantine until it stops
+    pair.absorb("d", pair.d.on_timer(("deadline", "r1"), pair.now))
+    (row,) = pair.d.status(pair.now)
+    assert row.state == "FAILED" and row.quarantined
+    assert row.deadline_in_s > 0  # the lease now
+    line = status_line("decode", pair.d.me, row)
+    assert line.startswith("D D rank 0 request r1 FAILED for ") and "lease ends in" in line
+
+
+def test_stuck_alarm_fires_once_per_state_after_the_configured_fraction() -> None:
+    pair = make_pair(pcfg=PrefillConfig(request_timeout_s=10.0, stuck_fraction=0.5,
+                                        meta_retry_s=100.0))
+    start(pair)
+    p = pair.ps[0]
+    assert p.stuck(4.9) == []
+    (row,) = p.stuck(5.1)
+    assert row.stuck and row.state == "AWAIT_DECODER_META"
+    assert p.stuck(6.0) == []  # once per state
+    pair.now = 6.0
+    pair.deliver_all()  # accepted: a new state, the alarm is re-armed
+    assert [r.state for r in p.stuck(6.0)] == []
+    assert [r.state for r in p.stuck(11.5)] == ["META_READY"]
