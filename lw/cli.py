@@ -11,6 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("lw.sim.cli", "model-check the protocol (exhaustive or random)"),
     "diagrams": ("lw.diagrams", "regenerate or --check docs/diagrams"),
     "proxy": ("lw.vllm_adapter.proxy", "run the D-first proxy in front of vLLM servers"),
+    "status": ("lw.ops.cli", "live requests of running P and D workers, timelines, traces"),
 }
 
 

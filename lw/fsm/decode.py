@@ -208,8 +208,9 @@ class DecodeEndpoint:
         self._reqs[req_id] = _Req(req_id, tuple(block_ids), count, ranks, now, deadline)
         self.counters["requests"] += 1
         self.timeline.record(now, req_id, "allocated", "", PREFILL_REQUESTED,
-                             f"{len(block_ids)} blocks, expects P TP ranks "
-                             f"{sorted(ranks) if ranks is not None else count}")
+                             f"{len(block_ids)} blocks, expects "
+                             + (f"P TP ranks {sorted(ranks)}" if ranks is not None
+                                else f"{count} sender(s)"))
         return [ArmTimer(("deadline", req_id), deadline)]
 
     def on_message(self, msg: Message, now: float) -> list[Effect]:

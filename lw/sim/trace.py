@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lw import seqdiagram
 from lw.sim.explorer import Counterexample
 from lw.sim.network import describe_key
 from lw.sim.properties import PROPERTY_BY_ID, Violation
@@ -58,11 +59,6 @@ def render_text(cfg: WorldConfig, ce: Counterexample, shortest: bool) -> list[st
     return lines
 
 
-def _clean(text: str) -> str:
-    return (text.replace(";", ",").replace("#", "no.").replace("\n", " ")
-            .replace("->", "\u2192"))
-
-
 def mermaid(cfg: WorldConfig, ce: Counterexample) -> list[str]:
     """The counterexample as a Mermaid ``sequenceDiagram`` (one arrow or note per event)."""
     steps, v, w = replay_steps(cfg, ce.actions)
@@ -70,7 +66,7 @@ def mermaid(cfg: WorldConfig, ce: Counterexample) -> list[str]:
     nw = cfg.dp * cfg.tp
     parts = ["Proxy", *(f"P{w}" for w in range(nw)),
              *(f"D{v}" for v in range(cfg.d_dp * cfg.d_tp))]
-    out = ["sequenceDiagram"]
+    labels: list[tuple[str, str]] = []
     for p in parts:
         if p == "Proxy":
             label = "Proxy"
@@ -83,26 +79,26 @@ def mermaid(cfg: WorldConfig, ce: Counterexample) -> list[str]:
         else:
             w = int(p[1:])
             label = f"P DP {w // cfg.tp} TP {w % cfg.tp}"
-        out.append(f"    participant {p} as {label}")
+        labels.append((p, label))
+    out = seqdiagram.header(labels)
     for n, (text, events) in enumerate(steps, 1):
         if not events:
-            out.append(f"    Note over {_where(text, parts)}: {n}. {_clean(text)}")
+            out.append(seqdiagram.note(_where(text, parts), f"{n}. {text}"))
             continue
         for i, ev in enumerate(events):
             tag = f"{n}." if i == 0 else f"{n}:"
             if ev[0] == "arrow":
                 _kind, src, dst, label, dashed = ev
-                arrow = "-->>" if dashed else "->>"
-                out.append(f"    {src}{arrow}{dst}: {tag} {_clean(label)}")
+                out.append(seqdiagram.arrow(src, dst, f"{tag} {label}", dashed))
             else:
                 _kind, where, label = ev
-                out.append(f"    Note over {where}: {tag} {_clean(label)}")
+                out.append(seqdiagram.note(where, f"{tag} {label}"))
     span = f"{parts[0]},{parts[-1]}"
-    body = f"VIOLATION {v.prop}: {_clean(v.message)}"
-    out.append(f"    Note over {span}: {body}")
-    out.append(f"    Note over {span}: in flight: {_clean(in_flight(w))}")
+    out.append(seqdiagram.note(span, f"VIOLATION {v.prop}: {v.message}"))
+    out.append(seqdiagram.note(span, f"in flight: {in_flight(w)}"))
     if v.details:
-        out.append(f"    Note over {span}: {'<br/>'.join(_clean(d.strip()) for d in v.details)}")
+        out.append(seqdiagram.note(span, "<br/>".join(seqdiagram.clean(d.strip())
+                                                      for d in v.details)))
     return out
 
 

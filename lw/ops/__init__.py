@@ -1,0 +1,1 @@
+"""Operating a running lw deployment: ``lw status`` (live requests, timelines, traces)."""

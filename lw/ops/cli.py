@@ -1,0 +1,105 @@
+"""``lw status``: what every live request on the given P and D workers waits for.
+
+Examples::
+
+    lw status --workers 127.0.0.1:5600-5601,127.0.0.1:6600      # the table
+    lw status --workers ... --watch 2                              # refreshed every 2 s
+    lw status --workers ... --json                                 # for scripts
+    lw status --workers ... REQUEST_ID                             # one request's whole history
+    lw status --workers ... --timeline REQUEST_ID                  # as a Mermaid diagram
+    lw status --workers ... --trace-out trace.json                 # Chrome trace of the timelines
+
+The cluster key comes from ``--cluster-key`` or ``LW_CLUSTER_KEY`` (the side channel refuses
+unauthenticated queries when the workers have one). Exit status: 0 when every worker answered,
+1 when some did not, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from lw.ops.client import Snapshot, expand_addrs, query
+from lw.ops.render import chrome_trace, history, mermaid_timeline, table, to_json
+
+MAX_TIMELINE = 100_000
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lw status", description=__doc__.splitlines()[0])
+    p.add_argument("request", nargs="?", default="", help="show this request's whole history")
+    p.add_argument("--workers", "-w", action="append", default=[],
+                   help="side-channel addresses: tcp://HOST:PORT, HOST:PORT or HOST:FIRST-LAST, "
+                        "comma separated or repeated (default: $LW_STATUS_WORKERS)")
+    p.add_argument("--cluster-key", default=None, help="side-channel key (default: "
+                   "$LW_CLUSTER_KEY); text, or hex:...")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for answers")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until interrupted")
+    p.add_argument("--json", action="store_true", help="print the raw answers as JSON")
+    p.add_argument("--timeline", metavar="REQUEST", default="",
+                   help="render one request across P and D as a Mermaid sequence diagram")
+    p.add_argument("--trace-out", metavar="FILE", default="",
+                   help="write every worker's timeline as Chrome trace-event JSON")
+    p.add_argument("--width", type=int, default=0, help="table width (default: terminal)")
+    return p
+
+
+def snapshot(args: argparse.Namespace, addrs: list[str]) -> Snapshot:
+    """One round of questions, with the timeline depth the chosen output needs."""
+    rid = args.timeline or args.request
+    depth = MAX_TIMELINE if (rid or args.trace_out) else 0
+    return query(addrs, args.cluster_key, req_id=rid if not args.trace_out else "",
+                 timeline=depth, timeout_s=args.timeout)
+
+
+def render(args: argparse.Namespace, snap: Snapshot) -> str:
+    """The output the flags ask for."""
+    if args.json:
+        return to_json(snap)
+    if args.timeline:
+        return mermaid_timeline(snap, args.timeline)
+    if args.request:
+        return history(snap, args.request)
+    width = args.width or os.get_terminal_size(sys.stdout.fileno()).columns \
+        if sys.stdout.isatty() else args.width or 160
+    return table(snap, width)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``lw status``."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    specs = args.workers or [os.environ.get("LW_STATUS_WORKERS", "")]
+    try:
+        addrs = expand_addrs(specs)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if not addrs:
+        ap.error("no workers given: pass --workers HOST:PORT[-LAST],... or set "
+                 "LW_STATUS_WORKERS")
+    if args.cluster_key is None:
+        args.cluster_key = os.environ.get("LW_CLUSTER_KEY") or None
+    if args.watch is not None and args.watch <= 0:
+        ap.error("--watch needs a positive interval")
+    try:
+        while True:
+            snap = snapshot(args, addrs)
+            if args.trace_out:
+                with open(args.trace_out, "w", encoding="utf-8") as f:
+                    json.dump(chrome_trace(snap), f)
+                print(f"wrote {args.trace_out}: timelines of {len(snap.replies)} worker(s)",
+                      file=sys.stderr)
+            out = render(args, snap)
+            if args.watch is None:
+                print(out)
+                return 0 if not snap.silent else 1
+            print("\x1b[2J\x1b[H" + time.strftime("%H:%M:%S ") + " ".join(addrs[:4])
+                  + (" ..." if len(addrs) > 4 else ""))
+            print(out, flush=True)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,85 @@
+"""Ask live lw workers what their requests are doing (the client side of ``lw status``).
+
+A :class:`StatusQuery` goes to each worker over the same authenticated side channel the
+protocol uses; each worker answers from its own loop thread with a :class:`StatusReply`. A worker
+that does not answer in time (frozen, dead, wrong key, wrong address) is reported by address,
+never waited for beyond the timeout.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+from lw.transport.sidechannel import SideChannel, parse_cluster_key
+from lw.transport.wire import PROTOCOL_VERSION, StatusQuery, StatusReply
+
+__all__ = ["Snapshot", "expand_addrs", "query"]
+
+_RANGE = re.compile(r"^(?P<scheme>tcp://)?(?P<host>[^:/]+|\[[^\]]+\]):(?P<lo>\d+)(-(?P<hi>\d+))?$")
+
+
+@dataclass
+class Snapshot:
+    """What the workers said at one moment: their replies, and who did not answer (and why)."""
+
+    replies: list[StatusReply] = field(default_factory=list)
+    silent: dict[str, str] = field(default_factory=dict)  # address -> why there is no reply
+    asked_at: float = 0.0  # wall clock
+
+    def reply_of(self, addr: str) -> StatusReply | None:
+        """The reply of the worker listening at ``addr``."""
+        for r in self.replies:
+            if r.worker.addr == addr:
+                return r
+        return None
+
+
+def expand_addrs(specs: list[str]) -> list[str]:
+    """Worker addresses from ``tcp://host:port``, ``host:port`` or ``host:lo-hi`` (a range),
+    comma separated or repeated; ValueError naming a malformed entry."""
+    out: list[str] = []
+    for spec in specs:
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            m = _RANGE.match(part)
+            if m is None:
+                raise ValueError(f"bad worker address {part!r}: expected tcp://HOST:PORT or "
+                                 "HOST:PORT or HOST:FIRST-LAST")
+            lo = int(m["lo"])
+            hi = int(m["hi"] or lo)
+            if not 0 < lo <= hi < 65536 or hi - lo > 4096:
+                raise ValueError(f"bad port range in {part!r}")
+            out += [f"tcp://{m['host']}:{port}" for port in range(lo, hi + 1)]
+    return list(dict.fromkeys(out))
+
+
+def query(addrs: list[str], cluster_key: str | bytes | None = None, *, req_id: str = "",
+          timeline: int = 0, timeout_s: float = 2.0, bind_host: str = "127.0.0.1") -> Snapshot:
+    """Ask every worker at ``addrs`` for its live requests (``req_id``: only that one) and its
+    newest ``timeline`` lifecycle events; wait at most ``timeout_s`` in total."""
+    snap = Snapshot(asked_at=time.time())
+    key = parse_cluster_key(cluster_key)
+    with SideChannel(bind_host, 0, cluster_key=key, heartbeat_s=0) as side:
+        pending: dict[int, str] = {}
+        for addr in addrs:
+            msg = StatusQuery(PROTOCOL_VERSION, side.addr, req_id, timeline)
+            mid = side.send(addr, msg, expect_reply=True)
+            if mid:
+                pending[mid] = addr
+            else:
+                snap.silent[addr] = "could not send (bad address or queue full)"
+        deadline = time.monotonic() + timeout_s
+        while pending and (left := deadline - time.monotonic()) > 0:
+            inbound, _ = side.poll(max(1, int(left * 1000)))
+            for ib in inbound:
+                addr = pending.pop(ib.reply_to, None)
+                if addr is not None and isinstance(ib.msg, StatusReply):
+                    snap.replies.append(ib.msg)
+        for addr in pending.values():
+            why = f"no answer within {timeout_s:g}s (frozen, dead, not an lw worker"
+            snap.silent[addr] = why + (", or another cluster key)" if key else
+                                       ", or it needs a cluster key)")
+    order = {a: i for i, a in enumerate(addrs)}
+    snap.replies.sort(key=lambda r: order.get(r.worker.addr, len(order)))
+    return snap

@@ -1,0 +1,104 @@
+"""``lw status`` against live worker loops: rows, histories, traces, silence, keys, alarms."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from lw.fsm import DecodeConfig, PrefillConfig
+from lw.ops import cli
+from lw.ops.client import expand_addrs, query
+from lw.ops.render import chrome_trace, history, mermaid_timeline, table
+
+from .loops import L, make_pair, wait_for
+
+KEY = b"status-test-key-0123456789"
+
+
+def test_status_lists_a_waiting_request_on_both_sides_then_nothing_after_the_run() -> None:
+    pair = make_pair(p_key=KEY, d_key=KEY)
+    try:
+        pair.start("r1", (0, 1), (2, 3))
+        wait_for(lambda: pair.p.endpoint.state_of("r1") == "META_READY")
+        snap = query([pair.p.addr, pair.d.addr], KEY, timeout_s=3)
+        assert not snap.silent
+        p_rep, d_rep = snap.replies
+        assert p_rep.role == "prefill" and d_rep.role == "decode"
+        (prow,) = p_rep.requests
+        assert prow.req_id == "r1" and prow.state == "META_READY"
+        assert "forward pass" in prow.waiting_for and prow.layers_total == L
+        (drow,) = d_rep.requests
+        assert drow.state == "RECEIVING" and drow.peers == [pair.p.addr]
+        assert 0 < drow.deadline_in_s <= 5
+        text = table(snap)
+        assert "r1" in text and "RECEIVING" in text and "0 of 4 layers written" in text
+
+        pair.compute("r1", (0, 1))
+        pair.wait_reports(1, 1)
+        snap = query([pair.p.addr, pair.d.addr], KEY, req_id="r1", timeline=1000)
+        assert all(not r.requests for r in snap.replies)
+        hist = history(snap, "r1")
+        assert "not live" in hist and "all_done" in hist and "ack" in hist
+        diagram = mermaid_timeline(snap, "r1")
+        assert diagram.startswith("sequenceDiagram") and "MetaRequest" in diagram
+        assert "DoneSending" in diagram
+        trace = json.loads(json.dumps(chrome_trace(snap)))
+        spans = {(e["cat"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+        assert {("prefill", "AWAIT_DECODER_META"), ("prefill", "META_READY"),
+                ("decode", "PREFILL_REQUESTED"), ("decode", "RECEIVING")} <= spans
+        assert ("prefill", f"LAYER_{L - 1}_SENT") in spans
+    finally:
+        pair.stop()
+
+
+def test_silent_workers_and_wrong_keys_are_named_not_waited_for() -> None:
+    pair = make_pair(p_key=KEY, d_key=KEY)
+    try:
+        snap = query([pair.d.addr, "tcp://127.0.0.1:9"], b"another-key-0123456789",
+                     timeout_s=0.5)
+        assert not snap.replies
+        assert set(snap.silent) == {pair.d.addr, "tcp://127.0.0.1:9"}
+        assert "another cluster key" in snap.silent[pair.d.addr]
+        assert "no status from tcp://127.0.0.1:9" in table(snap)
+        assert pair.d.side.counters["forged"] >= 1  # refused by the worker, not answered
+    finally:
+        pair.stop()
+
+
+def test_stuck_request_is_logged_once_with_its_status_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pair = make_pair(dcfg=DecodeConfig(prefill_timeout_s=1.0, lease_s=10, stuck_fraction=0.2),
+                     pcfg=PrefillConfig(request_timeout_s=4))
+    pair.d._stuck_check_s = 0.05
+    try:
+        with caplog.at_level(logging.WARNING, logger="lw.runtime"):
+            pair.d.call("add_request", "lonely", (1,), 1).result(5)  # P never hears of it
+            wait_for(lambda: pair.d.counters["stuck_requests"] >= 1, 3)
+            lines = [r.getMessage() for r in caplog.records if "stuck" in r.getMessage()]
+        assert len(lines) == 1
+        assert "request lonely PREFILL_REQUESTED" in lines[0]
+        assert "MetaRequest" in lines[0] and "deadline in" in lines[0]
+        assert list(pair.d.stuck) == [lines[0].split("lw stuck request: ", 1)[1]]
+    finally:
+        pair.stop()
+
+
+def test_cli_table_json_and_bad_addresses(capsys: pytest.CaptureFixture[str]) -> None:
+    pair = make_pair()
+    try:
+        pair.d.call("add_request", "q1", (1,), 1).result(5)
+        port = pair.d.addr.rsplit(":", 1)[1]
+        assert cli.main(["--workers", f"127.0.0.1:{port}", "--width", "200"]) == 0
+        out = capsys.readouterr().out
+        assert "q1" in out and "PREFILL_REQUESTED" in out and "1 live request(s)" in out
+        assert cli.main(["-w", pair.d.addr, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["workers"][0]["requests"][0]["req_id"] == "q1"
+    finally:
+        pair.stop()
+    with pytest.raises(SystemExit):
+        cli.main(["--workers", "not an address"])
+    assert expand_addrs(["h:5600-5602,tcp://x:1"]) == [
+        "tcp://h:5600", "tcp://h:5601", "tcp://h:5602", "tcp://x:1"]
