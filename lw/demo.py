@@ -48,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="worker logs (default: a temp directory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--status", action="store_true",
+                   help="print an lw status table of every worker while the fault is active")
+    p.add_argument("--trace-out", default=None, metavar="FILE",
+                   help="write every request's timeline on P and D as Chrome trace JSON")
     return p
 
 
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 cluster_key=key,
                 seed=args.seed,
                 log_dir=args.log_dir,
+                status=args.status,
+                trace_out=args.trace_out,
             )
         except ValueError as exc:
             print(f"lw demo: {exc}", file=sys.stderr)
@@ -141,7 +147,8 @@ def _without_engine(argv: list[str]) -> list[str]:
 def _run_one(cfg: ClusterConfig, quiet: bool) -> ClusterResult:
     bar = None if quiet or not sys.stderr.isatty() else _Progress(cfg.requests, sys.stderr)
     try:
-        return run_cluster(cfg, progress=bar.update if bar else None)
+        return run_cluster(cfg, progress=bar.update if bar else None,
+                           on_status=lambda text: print(text, flush=True))
     finally:
         if bar is not None:
             bar.close()
@@ -205,6 +212,10 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
         f"{res.max_hook_s * 1e6:.0f} us",
         f"  {'blocks held at end: P / D':<40} {res.leaked_p} / {res.leaked_d}",
     ]
+    if cfg.trace_out:
+        lines.append(f"  {'request timelines (Chrome trace)':<40} {cfg.trace_out}: "
+                     f"{res.counters.get('trace_spans', 0)} state spans from "
+                     f"{res.counters.get('trace_workers', 0)} workers")
     if res.decoder_generations > 1:
         lines.append(f"  {'decoder incarnations':<40} {res.decoder_generations}")
     if res.dead_ranks:

@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from lw.synthetic.config import DECODER_RESTARTS, FAILURES_EXPECTED, ClusterConfig
+from lw.synthetic.observe import status_table, write_trace
 from lw.synthetic.workers import barrier_action, decode_main, prefill_main
 
 _NUMBERS = re.compile(r"\d[\w.:/-]*")
@@ -120,7 +121,8 @@ class _Worker:
 class _Cluster:
     """Coordinator state and the proxy's routing; one instance per run."""
 
-    def __init__(self, cfg: ClusterConfig, progress: ProgressFn | None) -> None:
+    def __init__(self, cfg: ClusterConfig, progress: ProgressFn | None,
+                 on_status: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.progress = progress
         self.as_process = cfg.data_plane == "mooncake"
@@ -150,6 +152,9 @@ class _Cluster:
         self.assigned: dict[str, int] = {}  # request -> P rank (until SendFinished)
         self.ghosts: list[threading.Thread] = []
         self.fault_fired = False
+        self.fault_at = 0.0
+        self.status_shown = False
+        self.on_status = on_status
         self.thaw_at: float | None = None
         self.t_first = 0.0
         self.t_last = 0.0
@@ -354,6 +359,8 @@ class _Cluster:
                 os.kill(d.pid, sig)
             d.frozen = False
         if self.fault_fired:
+            if not self.fault_at:
+                self.fault_at = now
             return
         trigger = max(1, cfg.requests // 4)
         if cfg.fault == "freeze-decoder-before-contact":
@@ -376,6 +383,25 @@ class _Cluster:
                 if victim.alive:
                     self.send(victim, ("crash",))
                 self.fault_fired = True
+
+    def addrs(self) -> list[str]:
+        """Side-channel addresses of every live worker (P ranks' TP workers, then D's)."""
+        return [a for w in self.workers() for a in w.ready.get("addrs", ())]
+
+    def maybe_show_status(self) -> None:
+        """Once: the lw status table, while the fault is active (or midway without a fault)."""
+        if not self.cfg.status or self.status_shown or self.on_status is None:
+            return
+        now = time.monotonic()
+        if self.cfg.fault == "none" or not self.fault_at:
+            due = self.cfg.fault == "none" and self.next_req > self.cfg.requests // 2
+            title = "midway"
+        else:
+            due = now - self.fault_at >= 1.5
+            title = f"{now - self.fault_at:.1f}s into fault {self.cfg.fault}"
+        if due:
+            self.status_shown = True
+            self.on_status(status_table(self.addrs(), self.cfg.cluster_key, title))
 
     def poll_stats(self) -> None:
         for w in self.workers():
@@ -423,9 +449,11 @@ def _short(reason: str) -> str:
     return _NUMBERS.sub("#", reason)[:72]
 
 
-def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None) -> ClusterResult:
-    """Run the synthetic cluster for ``cfg`` and return what happened (workers always reaped)."""
-    cl = _Cluster(cfg, progress)
+def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
+                on_status: Callable[[str], None] | None = None) -> ClusterResult:
+    """Run the synthetic cluster for ``cfg`` and return what happened (workers always reaped);
+    ``on_status`` receives the ``lw status`` table when ``cfg.status`` asks for one."""
+    cl = _Cluster(cfg, progress, on_status)
     t_start = time.monotonic()
     try:
         cl.start_decoder()
@@ -445,6 +473,7 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None) -> Clust
                 cl.res.errors.append(f"run timeout: {len(cl.outcome)}/{cfg.requests} accounted")
                 break
             cl.inject()
+            cl.maybe_show_status()
             cl.feed()
             cl.pump(0.02)
             if cl.decoder is None or (not cl.decoder.alive
@@ -462,6 +491,10 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None) -> Clust
         _debug(cl, "settling")
         while not cl.settled() and time.monotonic() < settle_deadline:
             cl.pump(0.2)
+        if cfg.trace_out:
+            answered, spans = write_trace(cl.addrs(), cfg.cluster_key, cfg.trace_out)
+            cl.res.counters["trace_workers"] = answered
+            cl.res.counters["trace_spans"] = spans
         _debug(cl, "stopping")
         _stop(cl)
         _debug(cl, "collecting")

@@ -80,6 +80,8 @@ class ClusterConfig:
     settle_timeout_s: float = 30.0  # after the last request: wait for blocks to come back
     barrier_timeout_s: float = 60.0
     log_dir: str | None = None
+    status: bool = False  # print an lw status table of every worker while the fault is active
+    trace_out: str | None = None  # write every worker's request timelines here (Chrome trace)
 
     def __post_init__(self) -> None:
         self.fault = canonical_fault(self.fault)

@@ -242,3 +242,44 @@ def test_vllm_engine_gets_its_own_options() -> None:
 
     assert _without_engine(["--engine", "vllm", "--requests", "3"]) == ["--requests", "3"]
     assert _without_engine(["--engine=vllm", "--keep"]) == ["--keep"]
+
+
+@needs_mooncake
+def test_status_table_while_the_decoder_is_frozen_names_state_peer_and_deadline(
+        tmp_path: Path) -> None:
+    tables: list[str] = []
+    cfg = ClusterConfig(**{**FAST, "fault": "freeze-decoder-mid-transfer",  # type: ignore[arg-type]
+                           "status": True, "trace_out": str(tmp_path / "t.json")})
+    res = run_cluster(cfg, on_status=tables.append)
+    assert res.accounted == cfg.requests and res.leaked == 0 and res.corrupt == 0
+    (text,) = tables
+    assert "into fault freeze-decoder-mid-transfer" in text
+    assert "no status from" in text and "frozen" in text  # the frozen decoder cannot answer
+    rows = [ln for ln in text.splitlines() if ln.startswith("P ")]
+    for row in rows:  # each P request waiting on the frozen D names it and its deadline
+        assert "tcp://" in row and "s " in row, row
+    assert res.counters["trace_workers"] >= 2  # the thawed decoder and the P ranks
+
+
+def test_trace_out_has_spans_named_after_declared_states_on_both_sides(tmp_path: Path) -> None:
+    import json
+
+    from lw.fsm.lifecycles import decode_declaration, prefill_declaration
+
+    out = tmp_path / "trace.json"
+    tables: list[str] = []
+    cfg = ClusterConfig(**{**FAST, "requests": 6, "data_plane": "inprocess",  # type: ignore[arg-type]
+                           "trace_out": str(out), "status": True})
+    res = run_cluster(cfg, on_status=tables.append)
+    assert res.done == 6
+    assert len(tables) == 1 and "live request(s)" in tables[0]
+    events = json.loads(out.read_text())["traceEvents"]
+    declared = set(prefill_declaration(cfg.layers).states) | set(decode_declaration().states)
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    sides: dict[str, set[str]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            assert e["name"] in declared and e["dur"] >= 0
+            sides.setdefault(names[(e["pid"], e["tid"])], set()).add(e["cat"])
+    assert len(sides) == 6 and all(s == {"prefill", "decode"} for s in sides.values())
