@@ -83,7 +83,17 @@ class Timeline:
         return list(ring)[-n:] if n < len(ring) else list(ring)
 
     def drain_durations(self) -> list[tuple[str, float]]:
-        """Time-in-state samples since the previous drain."""
-        out = list(self.durations)
-        self.durations.clear()
+        """Time-in-state samples since the previous drain (safe against a concurrent append:
+        one popleft at a time)."""
+        return drain(self.durations)
+
+
+def drain(q: deque) -> list:
+    """Pop every item of ``q`` (oldest first) without losing one appended meanwhile."""
+    out = []
+    pop = q.popleft
+    try:
+        while True:
+            out.append(pop())
+    except IndexError:
         return out

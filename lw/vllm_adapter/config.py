@@ -74,6 +74,10 @@ class LwConfig:
     # prefix-cache hits (D): a remainder of at most this many tokens after D's cached prefix is
     # computed by D itself (no round trip); -1 = one block (block_size), 0 = always ask P
     local_tail_tokens: int = -1
+    # observability: lifecycle events each worker remembers for lw status (0 = none), and the
+    # fraction of a deadline after which a request still in one state is logged as stuck
+    timeline_entries: int = 32768
+    stuck_fraction: float = 0.5
 
     @property
     def is_producer(self) -> bool:
@@ -84,11 +88,15 @@ class LwConfig:
         """The core's P deadlines."""
         return PrefillConfig(meta_retry_s=self.meta_retry_s, meta_attempts=self.meta_attempts,
                              ack_retry_s=self.ack_retry_s, ack_attempts=self.ack_attempts,
-                             request_timeout_s=self.request_timeout_s)
+                             request_timeout_s=self.request_timeout_s,
+                             timeline_entries=self.timeline_entries,
+                             stuck_fraction=self.stuck_fraction)
 
     def decode_config(self) -> DecodeConfig:
         """The core's D deadlines."""
-        return DecodeConfig(prefill_timeout_s=self.prefill_timeout_s, lease_s=self.lease_s)
+        return DecodeConfig(prefill_timeout_s=self.prefill_timeout_s, lease_s=self.lease_s,
+                            timeline_entries=self.timeline_entries,
+                            stuck_fraction=self.stuck_fraction)
 
     def port(self, tp_rank: int, dp_rank: int | None = None) -> int:
         """Side-channel port of one of this engine's workers."""
@@ -203,7 +211,7 @@ class LwConfig:
             if role == CONSUMER:
                 check_lease(dec, cfg.peer_request_timeout_s, cfg.transfer_timeout_s)
         except ValueError as exc:
-            raise ConfigError(f"kv_connector_extra_config deadlines: {exc}") from None
+            raise ConfigError(f"kv_connector_extra_config: {exc}") from None
         return cfg
 
 

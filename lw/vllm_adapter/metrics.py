@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-__all__ = ["COUNTERS", "GAUGES", "LwKVConnectorStats", "LwPromMetrics"]
+__all__ = ["COUNTERS", "GAUGES", "HISTOGRAMS", "LwKVConnectorStats", "LwPromMetrics"]
 
 COUNTERS: dict[str, str] = {
     "transfers": "Layer writes completed (one per request, plane and P worker)",
@@ -34,12 +34,25 @@ COUNTERS: dict[str, str] = {
     "prefix_hit_blocks": "D: prompt blocks D already held in its prefix cache (not sent by P)",
     "local_tails": "D: requests whose uncached tail D computed itself (no prefill requested)",
     "protocol_errors": "Messages or events the core refused (counted and dropped, never raised)",
+    "stuck_requests": "Requests that stayed in one state longer than stuck_fraction of their "
+                      "deadline (each logged once, as lw status prints it)",
 }
 GAUGES: dict[str, str] = {
     "live_requests": "Requests lw holds blocks for (P: sending; D: receiving or quarantined), "
                      "busiest worker",
     "held_blocks": "Blocks lw keeps from the scheduler (same requests), busiest worker",
 }
+
+
+# Sample lists (seconds): summed over workers and steps by concatenation, observed one by one.
+# time_in_state samples are [state class, seconds] pairs.
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "time_in_state": ("Seconds a request spent in a lifecycle state before leaving it",
+                      (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0)),
+    "layer_write_seconds": ("Seconds from submitting a layer write to its completion",
+                            (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)),
+}
+MAX_SAMPLES = 8192  # per histogram and report: the oldest samples beyond it are dropped
 
 
 class LwKVConnectorStats(KVConnectorStats):
@@ -52,6 +65,8 @@ class LwKVConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         """Zero counters and gauges."""
         self.data = dict.fromkeys((*COUNTERS, *GAUGES), 0)
+        for key in HISTOGRAMS:
+            self.data[key] = []
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Add another worker's (or interval's) figures to ours."""
@@ -60,6 +75,8 @@ class LwKVConnectorStats(KVConnectorStats):
                 self.data[key] = self.data.get(key, 0) + value
             elif key in GAUGES:
                 self.data[key] = max(self.data.get(key, 0), value)
+            elif key in HISTOGRAMS:
+                self.data[key] = (list(self.data.get(key) or []) + list(value))[-MAX_SAMPLES:]
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -80,11 +97,12 @@ class LwKVConnectorStats(KVConnectorStats):
             "held_blocks": d.get("held_blocks", 0),
             "prefix_hit_blocks": d.get("prefix_hit_blocks", 0),
             "local_tails": d.get("local_tails", 0),
+            "stuck": d.get("stuck_requests", 0),
         }
 
     def is_empty(self) -> bool:
         """True when nothing happened and nothing is held."""
-        return not any(self.data.get(k, 0) for k in (*COUNTERS, *GAUGES))
+        return not any(self.data.get(k) for k in (*COUNTERS, *GAUGES, *HISTOGRAMS))
 
 
 class LwPromMetrics(KVConnectorPromMetrics):
@@ -100,6 +118,7 @@ class LwPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         self._gauges: dict[str, dict[int, Any]] = {}
+        self._hists: dict[str, Any] = {}
         for key, doc in COUNTERS.items():
             metric = self._counter_cls(name=f"lw_{key}", documentation=doc,
                                        labelnames=labelnames)
@@ -108,6 +127,13 @@ class LwPromMetrics(KVConnectorPromMetrics):
             metric = self._gauge_cls(name=f"lw_{key}", documentation=doc,
                                      labelnames=labelnames, multiprocess_mode="mostrecent")
             self._gauges[key] = self._per_engine(metric)
+
+        for key, (doc, buckets) in HISTOGRAMS.items():
+            extra = ["state"] if key == "time_in_state" else []
+            name = "lw_time_in_state_seconds" if key == "time_in_state" else f"lw_{key}"
+            self._hists[key] = self._histogram_cls(name=name, documentation=doc,
+                                                   labelnames=[*labelnames, *extra],
+                                                   buckets=list(buckets))
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
@@ -121,3 +147,12 @@ class LwPromMetrics(KVConnectorPromMetrics):
         for key, per_engine in self._gauges.items():
             if key in transfer_stats_data and engine_idx in per_engine:
                 per_engine[engine_idx].set(transfer_stats_data[key])
+        values = self.per_engine_labelvalues.get(engine_idx)
+        if values is None:
+            return
+        for sample in transfer_stats_data.get("time_in_state") or ():
+            state, secs = sample
+            self._hists["time_in_state"].labels(*values, str(state)).observe(float(secs))
+        hist = self._hists["layer_write_seconds"].labels(*values)
+        for secs in transfer_stats_data.get("layer_write_seconds") or ():
+            hist.observe(float(secs))

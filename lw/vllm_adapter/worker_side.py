@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from lw.fsm.kvmap import describe, expected_senders, targets_of
+from lw.fsm.timeline import drain
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
 from lw.vllm_adapter.connector_meta import LwConnectorMetadata, log
 from lw.vllm_adapter.metrics import LwKVConnectorStats
@@ -71,6 +72,7 @@ _STAT_MAP = {  # our stats key -> WorkerLoop.stats() key (monotonic counters)
     "deadlines_fired": "core.deadlines",
     "leases_expired": "core.leases_expired",
     "protocol_errors": "loop.protocol_errors",
+    "stuck_requests": "loop.stuck_requests",
 }
 
 
@@ -416,11 +418,14 @@ class WorkerSide:
             data["transfer_seconds"] = self._extra["transfer_seconds"]
             data["quarantines"] = self._extra["quarantines"]
             self._extra["transfer_seconds"] = self._extra["quarantines"] = 0.0
-        if not any(data.values()) and gauges == self._reported_gauges:
+        data_s: dict[str, Any] = dict(data)
+        data_s["time_in_state"] = [list(x) for x in loop.endpoint.timeline.drain_durations()]
+        data_s["layer_write_seconds"] = drain(loop.write_latencies)
+        if not any(data_s.values()) and gauges == self._reported_gauges:
             return None
         self._reported_gauges = gauges
-        data["live_requests"], data["held_blocks"] = gauges
-        return LwKVConnectorStats(data=data)
+        data_s["live_requests"], data_s["held_blocks"] = gauges
+        return LwKVConnectorStats(data=data_s)
 
     def close(self) -> None:
         """Stop the loop (closes side channel and data plane)."""

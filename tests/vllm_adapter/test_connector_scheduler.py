@@ -625,6 +625,8 @@ def _build(**over: Any) -> LwConfig:
     ({"extra": {"transfer_timeout_s": 1}}, "Mooncake's minimum"),
     ({"extra": {"data_plane": "nixl"}}, "data_plane"),
     ({"extra": {"local_tail_tokens": -2}}, "local_tail_tokens must be >= 0"),
+    ({"extra": {"stuck_fraction": 1.5}}, "stuck_fraction must be in (0, 1]"),
+    ({"extra": {"timeline_entries": -1}}, "timeline_entries must be >= 0"),
     ({"extra": {"lease_s": 10}}, "lease_s=10.0 must exceed"),
     ({"extra": {"peer_tp_size": 3}, "heads": ModelHeads(4, False)}, "cannot shard this model's KV"),
     ({"kv_port": 65535, "dp_size": 2, "tp_size": 1, "extra": {}}, "valid TCP ports"),
@@ -697,6 +699,39 @@ def test_stats_aggregate_and_reduce() -> None:
     r = a.reduce()
     assert r["transfers"] == 4 and r["MiB"] == 4.0 and r["MB/s"] == 4.0 and r["live"] == 1
     assert LwKVConnectorStats().is_empty() and not a.is_empty()
+    h = LwKVConnectorStats()
+    h.data.update(time_in_state=[["RECEIVING", 0.2]], layer_write_seconds=[0.001])
+    assert not h.is_empty()
+    h.aggregate(LwKVConnectorStats(data={"time_in_state": [["DONE", 1.0]],
+                                         "layer_write_seconds": [0.002]}))
+    assert h.data["time_in_state"] == [["RECEIVING", 0.2], ["DONE", 1.0]]
+    assert h.data["layer_write_seconds"] == [0.001, 0.002]
+
+
+def test_prom_metrics_observe_histograms_and_the_stuck_counter() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from lw.vllm_adapter.metrics import LwPromMetrics
+
+    reg = CollectorRegistry()
+
+    def bind(cls: type) -> type:
+        class Bound(cls):  # type: ignore[misc, valid-type]
+            def __init__(self, *a: object, multiprocess_mode: str = "", **kw: object) -> None:
+                super().__init__(*a, registry=reg, **kw)  # type: ignore[arg-type]
+        return Bound
+
+    vc = SimpleNamespace(kv_transfer_config=None)
+    prom = LwPromMetrics(vc, {Counter: bind(Counter), Gauge: bind(Gauge),
+                              Histogram: bind(Histogram)}, ["engine"], {0: ["0"]})
+    prom.observe({"stuck_requests": 2, "time_in_state": [["RECEIVING", 0.3]],
+                  "layer_write_seconds": [0.002, 0.004]}, 0)
+    assert reg.get_sample_value("lw_stuck_requests_total", {"engine": "0"}) == 2
+    assert reg.get_sample_value("lw_time_in_state_seconds_count",
+                                {"engine": "0", "state": "RECEIVING"}) == 1
+    assert reg.get_sample_value("lw_layer_write_seconds_count", {"engine": "0"}) == 2
 
 
 # ------------------------------------------------------------- P + D in one process, real core
