@@ -341,6 +341,23 @@ def hook_costs(ctx: Ctx) -> None:
         ctx.figures[f"hook_{n}req_p99_us"] = round(r["hook_p99_s"] * 1e6, 2)
         ctx.figures[f"loop_work_{n}req_per_layer_us"] = round(r["loop_per_layer_s"] * 1e6, 1)
     ctx.figures["hook_256req_vs_goal_50us"] = round(ctx.figures["hook_256req_mean_us"] / 50, 3)
+    timeline_costs(ctx.figures)
+
+
+def timeline_costs(figures: dict[str, float], rounds: int = 3) -> None:
+    """(f) The same at 256 requests with lifecycle timelines on and off, interleaved rounds
+    (the goal: timelines add at most 5 % to the forward hook)."""
+    sums = {True: [0.0, 0.0], False: [0.0, 0.0]}
+    for _ in range(rounds):
+        for on in (True, False):
+            r = hook_cost_report(256, layers=61, timeline=on)
+            sums[on][0] += r["hook_mean_s"] / rounds
+            sums[on][1] += r["loop_per_layer_s"] / rounds
+    for on, tag in ((True, "on"), (False, "off")):
+        figures[f"hook_256req_timeline_{tag}_us"] = round(sums[on][0] * 1e6, 2)
+        figures[f"loop_work_256req_timeline_{tag}_us"] = round(sums[on][1] * 1e6, 1)
+    figures["hook_256req_timeline_ratio"] = round(sums[True][0] / sums[False][0], 3)
+    figures["loop_work_256req_timeline_ratio"] = round(sums[True][1] / sums[False][1], 3)
 
 
 SECTIONS: list[Callable[[Ctx], None]] = [
@@ -465,11 +482,19 @@ def main() -> None:
         help="MooncakeDataPlane wait modes to run; the first is the headline",
     )
     p.add_argument("--repeats", type=int, default=9, help="rounds of every section")
+    p.add_argument("--hooks-only", action="store_true",
+                   help="only the forward-hook costs, with and without timelines")
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.peer:
         run_peer(args.size)
+        return
+    if args.hooks_only:
+        figures: dict[str, float] = {}
+        timeline_costs(figures)
+        for key, value in figures.items():
+            print(f"{key}: {value}")
         return
     total = args.mib * MiB
     block = args.block_kib * 1024

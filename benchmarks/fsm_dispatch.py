@@ -14,7 +14,7 @@ from transitions import Machine
 
 from lw.fsm.lifecycles import prefill_declaration
 from lw.fsm.machine import ProtocolError
-from lw.fsm.prefill import PrefillEndpoint, PrefillRequest
+from lw.fsm.prefill import PrefillConfig, PrefillEndpoint, PrefillRequest
 from lw.transport.wire import PROTOCOL_VERSION, KVLayout, LayerLayout, MetaReply, Sender
 
 
@@ -70,13 +70,15 @@ def run_compiled(num_requests: int, num_layers: int, seq: list[tuple[int, str]]
     return per_event, create
 
 
-def run_endpoint(num_requests: int, num_layers: int) -> tuple[float, float]:
-    """Real PrefillEndpoint: seconds per layer_computed call for the batch, per request added."""
+def run_endpoint(num_requests: int, num_layers: int, timeline: bool = True
+                 ) -> tuple[float, float, float]:
+    """Real PrefillEndpoint: seconds per layer_computed call for the batch, per request added,
+    and per layer of the whole hot path (layer_computed + every write's transfer_done)."""
     me = Sender("P", 0, 1, "tcp://p")
-    ep = PrefillEndpoint(me, num_layers)
+    ep = PrefillEndpoint(me, num_layers, PrefillConfig(timeline_entries=32768 if timeline else 0))
     layout = KVLayout("D", 1, "h:1", [LayerLayout(4096 * (i + 1), 64, 64, 1 << 20)
                                       for i in range(num_layers)])
-    ids = [f"r{i}" for i in range(num_requests)]
+    ids = tuple(f"r{i}" for i in range(num_requests))
     t0 = time.perf_counter()
     for i, rid in enumerate(ids):
         ep.add_request(PrefillRequest(rid, "tcp://d", (i,), (i,)), 0.0)
@@ -85,10 +87,24 @@ def run_endpoint(num_requests: int, num_layers: int) -> tuple[float, float]:
         ep.on_message(MetaReply(PROTOCOL_VERSION, rid, "accepted", Sender("D", 0, 1, "tcp://d"),
                                 layout), 0.0)
     t0 = time.perf_counter()
+    computed = 0.0
     for layer in range(num_layers):
+        t1 = time.perf_counter()
         ep.layer_computed(layer, ids, 0.0)
-    per_layer = (time.perf_counter() - t0) / num_layers
-    return per_layer, create
+        computed += time.perf_counter() - t1
+        for rid in ids:
+            ep.transfer_done(rid, layer, True, "", 0.0)
+    whole = (time.perf_counter() - t0) / num_layers
+    return computed / num_layers, create, whole
+
+
+def timeline_ratio(num_requests: int, num_layers: int, rounds: int = 5) -> tuple[float, float]:
+    """Best-of-``rounds`` seconds per layer of the hot path with timelines on and off."""
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(rounds):
+        for on in (True, False):
+            best[on] = min(best[on], run_endpoint(num_requests, num_layers, on)[2])
+    return best[True], best[False]
 
 
 def main() -> None:
@@ -101,13 +117,17 @@ def main() -> None:
     print(f"events: {len(seq)} ({args.requests} requests x {args.layers} layers, prefill)")
     tr_ev, tr_create = run_transitions(args.requests, args.layers, seq)
     co_ev, co_create = run_compiled(args.requests, args.layers, seq)
-    ep_layer, ep_create = run_endpoint(args.requests, args.layers)
+    ep_layer, ep_create, _ = run_endpoint(args.requests, args.layers)
+    tl_on, tl_off = timeline_ratio(args.requests, args.layers)
     print(f"{'':28}{'per event':>14}{'create machine':>18}")
     print(f"{'transitions.trigger':28}{tr_ev * 1e6:>11.3f} us{tr_create * 1e6:>15.2f} us")
     print(f"{'compiled table':28}{co_ev * 1e6:>11.3f} us{co_create * 1e6:>15.2f} us")
     print(f"endpoint layer_computed: {ep_layer * 1e6:.1f} us per layer for {args.requests} "
           f"requests ({ep_layer / args.requests * 1e6:.3f} us per request, incl. WriteLayer)")
     print(f"endpoint add_request: {ep_create * 1e6:.2f} us per request")
+    print(f"endpoint hot path per layer (layer_computed + transfer_done of every request): "
+          f"timelines on {tl_on * 1e6:.1f} us, off {tl_off * 1e6:.1f} us")
+    print(f"endpoint_timeline_ratio: {tl_on / tl_off:.3f}")
     print(f"create_ratio_vs_transitions: {tr_create / co_create:.1f}")
     print(f"ratio_vs_transitions: {tr_ev / co_ev:.1f}")
 

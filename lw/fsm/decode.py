@@ -114,6 +114,8 @@ class DecodeEndpoint:
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._incarnations: dict[SenderKey, int] = {}  # newest incarnation seen per P worker
         self.timeline = Timeline(self.config.timeline_entries)
+        self._ring = self.timeline.ring
+        self._durations = self.timeline.durations
         self.counters: dict[str, int] = {
             "peer_restarts": 0,
             "requests": 0,
@@ -168,17 +170,17 @@ class DecodeEndpoint:
                             if not r.alarmed])
 
     # ----------------------------------------------------------------------------- dispatch
-    def _fire(self, rec: _Req, event: str, now: float, detail: str = "") -> str:
+    def _fire(self, rec: _Req, event: str, now: float, detail: str | int = "") -> str:
         src = rec.state
         try:
             nxt = self._table[(src, event)]
         except KeyError:
             raise ProtocolError("decode", rec.req_id, src, event) from None
-        tl = self.timeline
-        if tl.capacity:
-            tl.record(now, rec.req_id, event, src, nxt, detail)
+        ring = self._ring
+        if ring is not None:
+            ring.append((now, rec.req_id, event, src, nxt, detail))
             if nxt != src:
-                tl.moved(now, rec.req_id, src, nxt, rec.since)
+                self._durations.append((src, now - rec.since))  # type: ignore[union-attr]
         if nxt != src:
             rec.state = nxt
             rec.since = now

@@ -27,7 +27,7 @@ from lw.fsm.effects import (
     WriteLayer,
 )
 from lw.fsm.kvmap import LayoutMismatch, Segment, block_segments
-from lw.fsm.lifecycles import AWAIT_DECODER_META, DONE, FAILED, prefill_declaration
+from lw.fsm.lifecycles import AWAIT_DECODER_META, DONE, FAILED, META_READY, prefill_declaration
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
@@ -182,6 +182,8 @@ class PrefillEndpoint:
         self._finished: OrderedDict[str, str] = OrderedDict()  # req_id -> final state
         self._in_doubt: set[str] = set()  # finished requests with a write whose bytes may land
         self.timeline = Timeline(self.config.timeline_entries)
+        self._ring = self.timeline.ring
+        self._durations = self.timeline.durations
         self.counters: dict[str, int] = {
             "requests": 0,
             "done": 0,
@@ -250,17 +252,20 @@ class PrefillEndpoint:
                             if not r.alarmed])
 
     # ----------------------------------------------------------------------------- dispatch
-    def _fire(self, rec: _Req, event: str, now: float, detail: str = "") -> str:
+    def _fire(self, rec: _Req, event: str, now: float, detail: str | int = "") -> str:
         src = rec.state
         try:
             nxt = self._table[(src, event)]
         except KeyError:
             raise ProtocolError("prefill", rec.req.req_id, src, event) from None
-        tl = self.timeline
-        if tl.capacity:
-            tl.record(now, rec.req.req_id, event, src, nxt, detail)
-            if nxt != src:
-                tl.moved(now, rec.req.req_id, src, nxt, rec.since)
+        ring = self._ring
+        if ring is not None:
+            ring.append((now, rec.req.req_id, event, src, nxt, detail))
+            # time-in-state samples skip LAYER_k -> LAYER_k+1 (one per layer and request: the
+            # per-layer write latency histogram covers that); LAYER_SENT then means the wait
+            # for the DONE acknowledgement
+            if nxt != src and (event != "layer_sent" or src == META_READY):
+                self._durations.append((src, now - rec.since))  # type: ignore[union-attr]
         if nxt != src:
             rec.state = nxt
             rec.since = now
@@ -317,9 +322,10 @@ class PrefillEndpoint:
                     f"layer {layer} computed but {rec.computed} was expected next",
                 )
         out: list[Effect] = []
-        if recs and self.timeline.capacity:
-            self.timeline.record(now, tuple(r.req.req_id for r in recs), "layer_computed",
-                                 "", "", str(layer))
+        if recs and self._ring is not None:
+            # the hook's own tuple when it is one (the runtime's is): no copy per layer
+            ids = req_ids if type(req_ids) is tuple else tuple(r.req.req_id for r in recs)
+            self._ring.append((now, ids, "layer_computed", "", "", layer))
         for rec in recs:
             rec.computed = layer + 1
             st = rec.state
@@ -347,19 +353,20 @@ class PrefillEndpoint:
             rec.pending[layer] = left - 1
         if not ok and in_doubt:
             rec.in_doubt = True
-        if self.timeline.capacity:
-            self.timeline.record(now, req_id, "layer_written" if ok else "write_failed",
-                                 rec.state, "", f"{layer}" if ok else f"{layer}: {reason}")
+        if not ok and self._ring is not None:
+            self._ring.append((now, req_id, "write_failed", rec.state, "", f"{layer}: {reason}"))
         if not ok:
             self._fail(rec, f"layer {layer} write failed: {reason}", now, out)
         elif rec.state == FAILED:
             if left == 1:
-                self._fire(rec, "layer_sent", now)
+                self._fire(rec, "layer_sent", now, layer)
         elif left == 1:  # the layer reached every target
             rec.out_of_order.add(layer)
+            if rec.sent != layer and self._ring is not None:  # written ahead of an earlier one
+                self._ring.append((now, req_id, "layer_written", rec.state, "", layer))
             while rec.sent in rec.out_of_order:
                 rec.out_of_order.discard(rec.sent)
-                self._fire(rec, "layer_sent", now)
+                self._fire(rec, "layer_sent", now, rec.sent)
                 rec.sent += 1
             if rec.sent == self.num_layers and not rec.out_of_order:
                 self._send_done(rec, out)

@@ -13,8 +13,9 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-# (t, req_id or tuple of req_ids for a batch milestone, event, from_state, to_state, detail)
-Entry = tuple[float, "str | tuple[str, ...]", str, str, str, str]
+# (t, req_id or tuple of req_ids for a batch milestone, event, from_state, to_state, detail);
+# detail is text, or a layer number (formatted only when someone reads the timeline)
+Entry = tuple[float, "str | tuple[str, ...]", str, str, str, "str | int"]
 
 DEFAULT_TIMELINE_ENTRIES = 32768
 
@@ -36,40 +37,34 @@ def check_observability(config: Any) -> None:
 
 
 class Timeline:
-    """Bounded ring of lifecycle events of one worker (``capacity`` 0 records nothing)."""
+    """Bounded ring of lifecycle events of one worker (``capacity`` 0 records nothing).
 
-    __slots__ = ("capacity", "_ring", "durations")
+    Endpoints append to ``ring`` and ``durations`` directly on their hot paths (both None when
+    off): a method call per event would double the cost."""
+
+    __slots__ = ("capacity", "ring", "durations")
 
     def __init__(self, capacity: int = DEFAULT_TIMELINE_ENTRIES) -> None:
         if capacity < 0:
             raise ValueError(f"timeline capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._ring: deque[Entry] = deque(maxlen=capacity or 1)
-        # (state class, seconds spent in it), one per state change, for time-in-state histograms;
-        # a driver drains it (bounded: an undrained worker keeps only the newest).
-        self.durations: deque[tuple[str, float]] = deque(maxlen=4096)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether events are recorded."""
-        return self.capacity > 0
+        self.ring: deque[Entry] | None = deque(maxlen=capacity) if capacity else None
+        # (state, seconds spent in it), one per state change, for time-in-state histograms; a
+        # driver drains it (bounded: an undrained worker keeps only the newest).
+        self.durations: deque[tuple[str, float]] | None = (
+            deque(maxlen=4096) if capacity else None)
 
     def record(self, t: float, req: str | tuple[str, ...], event: str, src: str = "",
-               dst: str = "", detail: str = "") -> None:
+               dst: str = "", detail: str | int = "") -> None:
         """Append one event (the oldest falls off when full)."""
-        if self.capacity:
-            self._ring.append((t, req, event, src, dst, detail))
-
-    def moved(self, t: float, req_id: str, src: str, dst: str, since: float) -> None:
-        """Note a state change after ``t - since`` seconds in ``src`` (time-in-state sample)."""
-        if self.capacity:
-            self.durations.append((state_class(src), t - since))
+        if self.ring is not None:
+            self.ring.append((t, req, event, src, dst, detail))
 
     def __iter__(self) -> Iterator[Entry]:
-        return iter(self._ring) if self.capacity else iter(())
+        return iter(self.ring) if self.ring is not None else iter(())
 
     def __len__(self) -> int:
-        return len(self._ring) if self.capacity else 0
+        return len(self.ring) if self.ring is not None else 0
 
     def of(self, req_id: str) -> list[Entry]:
         """Every remembered event of one request, oldest first (batch milestones included)."""
@@ -77,15 +72,17 @@ class Timeline:
 
     def last(self, n: int) -> list[Entry]:
         """The newest ``n`` events, oldest first."""
-        if n <= 0 or not self.capacity:
+        if n <= 0 or self.ring is None:
             return []
-        ring = self._ring
-        return list(ring)[-n:] if n < len(ring) else list(ring)
+        ring = list(self.ring)
+        return ring[-n:] if n < len(ring) else ring
 
     def drain_durations(self) -> list[tuple[str, float]]:
-        """Time-in-state samples since the previous drain (safe against a concurrent append:
-        one popleft at a time)."""
-        return drain(self.durations)
+        """Time-in-state samples since the previous drain, states classed for metric labels
+        (safe against a concurrent append: one popleft at a time)."""
+        if self.durations is None:
+            return []
+        return [(state_class(s), secs) for s, secs in drain(self.durations)]
 
 
 def drain(q: deque) -> list:

@@ -598,7 +598,8 @@ class WorkerLoop:
         entries: list = []
         if timeline:
             src = ep.timeline.of(req_id) if req_id else ep.timeline.last(timeline)
-            entries = [TimelineEntry(t, [r] if isinstance(r, str) else list(r), ev, a, b, d)
+            entries = [TimelineEntry(t, [r] if isinstance(r, str) else list(r), ev, a, b,
+                                     str(d)[:1024])
                        for t, r, ev, a, b, d in src[-timeline:]]
         counters = {f"loop.{k}": float(v) for k, v in self.counters.items()}
         counters.update({f"core.{k}": float(v) for k, v in ep.counters.items()})
@@ -823,13 +824,15 @@ def hook_cost_report(
     block_bytes: int = 256,
     compute_s: float = 0.002,
     steps: int = 3,
+    timeline: bool = True,
 ) -> dict[str, float]:
     """Cost of ``WorkerLoop.layer_computed`` with ``n_requests`` in the batch, on a live loop.
 
     Builds a P loop and a D loop in this process (real ZMQ sockets on loopback, in-process data
     plane), gets every request accepted by D, then runs ``steps`` forward passes of ``layers``
     layers, timing each hook call while the loop thread emits and submits the writes (the forward
-    sleeps ``compute_s`` per layer, as a GPU kernel would release the GIL). Returns seconds.
+    sleeps ``compute_s`` per layer, as a GPU kernel would release the GIL). ``timeline`` false
+    turns the endpoints' lifecycle timelines off (to price them). Returns seconds.
     """
     import numpy as np
 
@@ -853,9 +856,11 @@ def hook_cost_report(
     d_me = Sender("bench-d", 0, 1, d_side.addr)
     d_layout = KVLayout("bench-d", 1, d_dp.session, layout_of(d_mem))
     big = 3600.0
-    d_loop = WorkerLoop(DecodeEndpoint(d_me, d_layout, DecodeConfig(big, 2 * big + 60)),
-                        d_side, d_dp)
-    p_cfg = PrefillConfig(request_timeout_s=big, meta_retry_s=1.0, ack_retry_s=1.0)
+    entries = 32768 if timeline else 0
+    d_loop = WorkerLoop(DecodeEndpoint(d_me, d_layout, DecodeConfig(
+        big, 2 * big + 60, timeline_entries=entries)), d_side, d_dp)
+    p_cfg = PrefillConfig(request_timeout_s=big, meta_retry_s=1.0, ack_retry_s=1.0,
+                          timeline_entries=entries)
     p_loop = WorkerLoop(PrefillEndpoint(Sender("bench-p", 0, 1, p_side.addr), layers, p_cfg),
                         p_side, p_dp, local_layout=layout_of(p_mem))
     costs: list[float] = []

@@ -267,6 +267,7 @@ class LocalCluster:
     d_dp: int = 1
     engine_args: list[str] = field(default_factory=list)  # extra `vllm serve` args, every engine
     servers: dict[str, Server] = field(default_factory=dict)
+    kv_ports: dict[str, int] = field(default_factory=dict)  # first side-channel port per side
 
     def _engine(self, name: str, first_core: int, kv: dict[str, Any] | None, tp: int = 1,
                 dp: int = 1) -> Server:
@@ -303,6 +304,7 @@ class LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         kv_p = free_port_range(max(4, self.p_tp * self.p_dp))
         kv_d = free_port_range(max(4, self.d_tp * self.d_dp))
+        self.kv_ports = {"prefill": kv_p, "decode": kv_d}
         # Each side is told the other's TP: D counts its senders with it, P checks D's.
         p_extra = {"peer_tp_size": self.d_tp, **self.p_extra}
         d_extra = {"peer_tp_size": self.p_tp, **self.d_extra}
@@ -359,6 +361,14 @@ class LocalCluster:
         proxy.start()
         self.servers["proxy"] = proxy
         wait_ready([proxy], timeout)
+
+    def status_workers(self) -> list[str]:
+        """Side-channel addresses of every P and D worker (what ``lw status --workers`` takes)."""
+        out = []
+        for name, n in (("prefill", self.p_tp * self.p_dp), ("decode", self.d_tp * self.d_dp)):
+            port = self.kv_ports[name]
+            out += [f"tcp://127.0.0.1:{port + i}" for i in range(n)]
+        return out
 
     def url(self, name: str) -> str:
         """Base URL of a server."""

@@ -9,7 +9,8 @@ a request whose prefill cannot be requested fails fast with an error; killing th
 mid-run gives errors, not hangs, and the prefill server keeps serving and releases its blocks;
 the official ``openai`` client's ``n=2`` (completions and chat, streaming and not) and a
 two-prompt list get as many choices as from the single engine (one transfer per vLLM request);
-a repeated prompt is served from D's prefix cache (its tail computed on D, nothing moved).
+a repeated prompt is served from D's prefix cache (its tail computed on D, nothing moved);
+``lw status`` lists a request waiting on D and an empty table once it is gone.
 The decode-server kill is the last test: it ends the cluster.
 """
 
@@ -289,6 +290,58 @@ def test_prefill_that_cannot_be_requested_fails_fast(cluster: LocalCluster) -> N
         "length", "stop"), r.text
     assert not any((h := wait_idle(cluster)).values()), h
     assert metrics(cluster.url("decode")).get("lw_metaserver_failures_total", 0) >= 1
+
+
+def test_lw_status_lists_a_request_in_flight_then_an_empty_table(cluster: LocalCluster) -> None:
+    """A metaserver that accepts the prefill request and never starts it keeps the request on D
+    waiting for its senders: lw status names it; after the client leaves, nothing is live."""
+    import http.server
+
+    from lw.ops.client import query
+    from lw.ops.render import table
+
+    class Silent(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    body = {"model": MODEL_NAME, "prompt": make_prompt(90, seed=71), "max_tokens": 4,
+            "temperature": 0.0, "stream": True,
+            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                   "metaserver": f"http://127.0.0.1:{srv.server_port}/meta",
+                                   "transfer_id": "e2e-status"}}
+    workers = cluster.status_workers()
+    try:
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", cluster.url("decode") + "/v1/completions", json=body):
+            deadline = time.monotonic() + 10
+            rows: list[Any] = []
+            while not rows and time.monotonic() < deadline:
+                snap = query(workers, timeout_s=3)
+                rows = [(r, q) for r in snap.replies for q in r.requests]
+                time.sleep(0.1)
+            assert not snap.silent, snap.silent
+            text = table(snap)
+            assert len(rows) == 1, text
+            reply, row = rows[0]
+            assert reply.role == "decode" and row.req_id.startswith("e2e-status@"), text
+            assert row.state == "PREFILL_REQUESTED" and "MetaRequest" in row.waiting_for
+            assert 0 < row.deadline_in_s <= D_EXTRA["prefill_timeout_s"]
+        # the client left: D aborts the request, nothing was claimed, the blocks come back
+        assert not any((h := wait_idle(cluster)).values()), h
+        snap = query(workers, timeout_s=3)
+        assert not snap.silent and not any(r.requests for r in snap.replies), table(snap)
+        assert "0 live request(s)" in table(snap)
+    finally:
+        srv.shutdown()
 
 
 def _closed_port() -> int:
