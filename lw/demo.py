@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="worker logs (default: a temp directory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--kv-checksum", action="store_true",
+                   help="P sends per-block CRC-32C with DONE; D verifies before finishing")
     p.add_argument("--status", action="store_true",
                    help="print an lw status table of every worker while the fault is active")
     p.add_argument("--trace-out", default=None, metavar="FILE",
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                 cluster_key=key,
                 seed=args.seed,
                 log_dir=args.log_dir,
+                # the fault table runs corrupt-write the way it is meant to be caught
+                kv_checksum=args.kv_checksum or (fault == "corrupt-write" and len(faults) > 1),
                 status=args.status,
                 trace_out=args.trace_out,
             )

@@ -8,7 +8,7 @@ quarantined until every accepted sender confirmed it stopped, or until a lease e
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from lw.fsm.effects import (
@@ -21,7 +21,7 @@ from lw.fsm.effects import (
     Send,
     TimerKey,
 )
-from lw.fsm.kvmap import pair_problem
+from lw.fsm.kvmap import block_segments, pair_problem
 from lw.fsm.lifecycles import DONE, FAILED, PREFILL_REQUESTED, decode_declaration
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import (
@@ -31,6 +31,7 @@ from lw.fsm.messages import (
     Ack,
     DoneSending,
     FailedSending,
+    KVFormat,
     KVLayout,
     Message,
     MetaReply,
@@ -54,6 +55,9 @@ class DecodeConfig:
     finished_memory: int = 4096
     timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
     stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
+    # Every sender's DONE must carry per-block CRC-32C that match what landed in our blocks
+    # (the driver recomputes them, see sum_plan); a mismatch fails the request.
+    kv_checksum: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_timeout_s", "lease_s"):
@@ -80,7 +84,7 @@ class _Req:
     """Mutable per-request record of the decode lifecycle."""
 
     __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
-                 "stopped", "reason", "since", "deadline", "alarmed")
+                 "stopped", "reason", "since", "deadline", "alarmed", "formats")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
                  ranks: frozenset[int] | None, now: float, deadline: float) -> None:
@@ -89,6 +93,7 @@ class _Req:
         self.since = now  # when the request entered its current state (observability only)
         self.deadline = deadline  # prefill deadline, then the lease end (observability only)
         self.alarmed = False  # reported stuck in its current state already
+        self.formats: dict[SenderKey, KVFormat] = {}  # each accepted sender's head format
         self.blocks = blocks
         self.expected = expected
         self.ranks = ranks  # the P TP ranks that write into us; None: any ``expected`` senders
@@ -125,6 +130,7 @@ class DecodeEndpoint:
             "leases_expired": 0,
             "stale_messages": 0,
             "refused": 0,
+            "checksum_mismatches": 0,
         }
 
     # ----------------------------------------------------------------------------- inspection
@@ -215,8 +221,10 @@ class DecodeEndpoint:
                                 else f"{count} sender(s)"))
         return [ArmTimer(("deadline", req_id), deadline)]
 
-    def on_message(self, msg: Message, now: float) -> list[Effect]:
-        """A side-channel message from a P worker arrived."""
+    def on_message(self, msg: Message, now: float,
+                   kv_sums: Sequence[int] | None = None) -> list[Effect]:
+        """A side-channel message from a P worker arrived. With ``kv_checksum``, a DoneSending
+        comes with ``kv_sums``: the driver's CRC-32C of our blocks over :meth:`sum_plan`."""
         out: list[Effect] = []
         sender = getattr(msg, "sender", None)
         if sender is not None:
@@ -224,7 +232,7 @@ class DecodeEndpoint:
         if isinstance(msg, MetaRequest):
             self._on_meta_request(msg, now, out)
         elif isinstance(msg, DoneSending):
-            self._on_done(msg, now, out)
+            self._on_done(msg, now, out, kv_sums)
         elif isinstance(msg, FailedSending):
             self._on_failed(msg, now, out)
         elif isinstance(msg, AbortAck):
@@ -328,6 +336,7 @@ class DecodeEndpoint:
         if rec.ranks is not None:
             rec.by_rank[msg.fmt.tp_rank] = key
         rec.claimers[key] = msg.sender
+        rec.formats[key] = msg.fmt
         self._fire(rec, "claim", now, f"P {key[0]} rank {key[1]}")
         out.append(self._reply(msg, "accepted", layout=layout))
 
@@ -352,7 +361,43 @@ class DecodeEndpoint:
     def _ack(self, msg: DoneSending | FailedSending, of: str, accepted: bool) -> Send:
         return Send(msg.sender.addr, Ack(PROTOCOL_VERSION, msg.req_id, of, self.me, accepted))
 
-    def _on_done(self, msg: DoneSending, now: float, out: list[Effect]) -> None:
+    def sum_plan(self, req_id: str, sender: tuple[str, int]
+                 ) -> tuple[tuple[int, ...], list[tuple[tuple[int, int], ...]]] | None:
+        """Where ``sender`` wrote for a live request: our block ids in request order, and per
+        layer the (offset, length) runs of each block it wrote (what its checksums cover)."""
+        rec = self._reqs.get(req_id)
+        fmt = rec.formats.get(sender) if rec is not None else None
+        if rec is None or fmt is None:
+            return None
+        mine = self.layout.fmt
+        n_p, n_d = fmt.head_hi - fmt.head_lo, mine.head_hi - mine.head_lo
+        runs = []
+        for lay in self.layout.layers:
+            p_len = lay.block_len // n_d * n_p  # pair_problem made the head sizes equal
+            segs = block_segments(fmt, p_len, mine, lay.block_len)
+            runs.append(tuple((dst, n) for _src, dst, n in segs))
+        return rec.blocks, runs
+
+    def _checksum_problem(self, rec: _Req, key: SenderKey, msg: DoneSending,
+                          kv_sums: Sequence[int] | None) -> str:
+        """"" when the sender's checksums match ours, else what differs (layer and block)."""
+        who = f"sender {key[0]} rank {key[1]}"
+        if not msg.checksums:
+            return f"KV checksum: {who} sent none (is kv_checksum on on the prefill side?)"
+        want = len(self.layout.layers) * len(rec.blocks)
+        if kv_sums is None or len(kv_sums) != want or len(msg.checksums) != want:
+            return (f"KV checksum: {who} sent {len(msg.checksums)} checksums, expected {want} "
+                    f"({len(self.layout.layers)} layers x {len(rec.blocks)} blocks)")
+        nb = len(rec.blocks)
+        bad = [i for i, (a, b) in enumerate(zip(msg.checksums, kv_sums, strict=True)) if a != b]
+        if not bad:
+            return ""
+        first = ", ".join(f"layer {i // nb} block {rec.blocks[i % nb]}" for i in bad[:4])
+        return (f"KV checksum mismatch from {who}: {len(bad)} of {want} block(s) differ, "
+                f"first {first}")
+
+    def _on_done(self, msg: DoneSending, now: float, out: list[Effect],
+                 kv_sums: Sequence[int] | None = None) -> None:
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             fin = self._stale(msg)
@@ -371,6 +416,14 @@ class DecodeEndpoint:
             out.append(self._ack(msg, "done", False))
             self._maybe_release(rec, out)
             return
+        if self.config.kv_checksum:
+            bad = self._checksum_problem(rec, key, msg, kv_sums)
+            if bad:  # every write of this sender ended: it stopped; the rest fail as usual
+                self.counters["checksum_mismatches"] += 1
+                rec.stopped.add(key)
+                out.append(self._ack(msg, "done", False))
+                self._fail(rec, bad, now, out)
+                return
         self._fire(rec, "sender_done", now, f"P {key[0]} rank {key[1]}")
         rec.done.add(key)
         out.append(self._ack(msg, "done", True))

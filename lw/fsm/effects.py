@@ -30,6 +30,7 @@ class WriteLayer:
     # Byte runs (src offset, dst offset, length) of each block that go to this D worker, from the
     # two head formats (lw.fsm.kvmap); None: the whole block, as long on both sides.
     segments: tuple[tuple[int, int, int], ...] | None = None
+    target: str = ""  # side-channel address of the D worker written into (its DONE's dest)
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,13 +96,22 @@ class MetaReply(_Msg, tag="meta_rep"):
     reason: _Text = ""
 
 
+_Crc = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+
+
 class DoneSending(_Msg, tag="done"):
-    """P tells D that every layer write of this sender for a request has completed."""
+    """P tells D that every layer write of this sender for a request has completed.
+
+    With ``kv_checksum`` on, ``checksums`` holds the CRC-32C of the bytes this sender wrote into
+    each D block, layer by layer (layer-major, blocks in request order), computed from P's
+    source memory; D recomputes them over its blocks before it counts the sender done."""
 
     req_id: _Id
     sender: Sender
     expected_senders: _Count
     num_layers: _Count
+    checksums: Annotated[list[_Crc], msgspec.Meta(max_length=1 << 17)] = msgspec.field(
+        default_factory=list)
 
 
 class FailedSending(_Msg, tag="failed"):

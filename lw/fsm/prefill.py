@@ -63,6 +63,7 @@ class PrefillConfig:
     finished_memory: int = 4096  # finished requests remembered to recognise late duplicates
     timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
     stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
+    kv_checksum: bool = False  # the driver sends CRC-32C of every written block with DONE
 
     def __post_init__(self) -> None:
         for name in ("meta_retry_s", "ack_retry_s", "request_timeout_s", "tombstone_ttl_s"):
@@ -621,7 +622,7 @@ class PrefillEndpoint:
             for t in rec.targets:
                 assert t.layout is not None
                 out.append(WriteLayer(req.req_id, layer, t.layout, req.local_blocks,
-                                      req.remote_blocks, t.segs[layer]))
+                                      req.remote_blocks, t.segs[layer], t.addr))
             rec.pending[layer] = n
             rec.submitted += 1
             rec.inflight += n

@@ -22,6 +22,8 @@ FAULTS: dict[str, str] = {
     "duplicate-messages": "every side channel sends 30% of its messages twice",
     "garbage-messages": "every side channel replaces 10% of its payloads by garbage",
     "no-cluster-key": "the last P DP rank has no cluster key (the others and D have one)",
+    "corrupt-write": "every 7th layer write of each P worker lands bytes shifted by one "
+    "(caught by D's pattern check; with --kv-checksum, by the checksums first)",
 }
 ALIASES = {"drop": "drop-messages", "duplicate": "duplicate-messages",
            "garbage": "garbage-messages", "no-key": "no-cluster-key"}
@@ -33,7 +35,8 @@ DECODER_RESTARTS = frozenset({"kill-decoder", "freeze-kill-decoder"})
 FAILURES_EXPECTED = frozenset({"kill-decoder", "freeze-decoder-before-contact",
                                "freeze-decoder-mid-transfer", "freeze-kill-decoder",
                                "kill-prefill-rank",
-                               "drop-messages", "garbage-messages", "no-cluster-key"})
+                               "drop-messages", "garbage-messages", "no-cluster-key",
+                               "corrupt-write"})
 
 
 def canonical_fault(name: str) -> str:
@@ -80,6 +83,7 @@ class ClusterConfig:
     settle_timeout_s: float = 30.0  # after the last request: wait for blocks to come back
     barrier_timeout_s: float = 60.0
     log_dir: str | None = None
+    kv_checksum: bool = False  # P sends per-block CRC-32C with DONE, D verifies them
     status: bool = False  # print an lw status table of every worker while the fault is active
     trace_out: str | None = None  # write every worker's request timelines here (Chrome trace)
 
@@ -148,9 +152,11 @@ class ClusterConfig:
             ack_retry_s=self.ack_retry_s,
             ack_attempts=self.ack_attempts,
             request_timeout_s=self.p_request_timeout_s,
+            kv_checksum=self.kv_checksum,
         )
 
     def decode_config(self) -> DecodeConfig:
         """Deadlines of the decoder; the lease covers P's deadline plus the transfer timeout."""
         lease = self.p_request_timeout_s + self.transfer_timeout_s + self.lease_margin_s
-        return DecodeConfig(prefill_timeout_s=self.d_prefill_timeout_s, lease_s=lease)
+        return DecodeConfig(prefill_timeout_s=self.d_prefill_timeout_s, lease_s=lease,
+                            kv_checksum=self.kv_checksum)

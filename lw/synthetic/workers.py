@@ -37,6 +37,7 @@ from lw.fsm import (
 from lw.fsm.kvmap import expected_senders, targets_of
 from lw.fsm.messages import KVFormat
 from lw.synthetic.config import ClusterConfig
+from lw.synthetic.corrupt import CorruptingPlane
 from lw.synthetic.pattern import Pattern
 from lw.transport.runtime import WorkerLoop
 from lw.transport.sidechannel import FaultInjection, SideChannel
@@ -190,6 +191,8 @@ def _prefill_tp(cfg: ClusterConfig, rank: int, t: int, incarnation: int) -> _TP:
     kv = np.zeros((cfg.layers, cfg.p_blocks, cfg.rank_block_bytes(fmt)), dtype=np.uint8)
     dp = _data_plane(cfg, f"p{rank}t{t}")
     dp.register_memory(kv.ctypes.data, kv.nbytes)
+    if cfg.fault == "corrupt-write":
+        dp = CorruptingPlane(dp)
     keyless = cfg.fault == "no-cluster-key" and rank == cfg.prefill_dp - 1
     side = SideChannel(cluster_key=None if keyless else cfg.cluster_key,
                        faults=_faults(cfg, 1 + rank + 1000 * t))

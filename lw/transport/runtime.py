@@ -30,6 +30,9 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import crc32c
+import msgspec
+
 from lw.fsm import (
     ArmTimer,
     CancelTimer,
@@ -181,6 +184,9 @@ class WorkerLoop:
         # the transfer's pairs tuple, which the data plane keeps alive until it completes
         self._submitted_at: dict[int, float] = {}
         self.write_latencies: deque[float] = deque(maxlen=4096)
+        # kv_checksum (P): (req_id, target addr) -> {layer: per-block CRC-32C of what we wrote}
+        self._checksums: dict[tuple[str, str], dict[int, list[int]]] | None = (
+            {} if getattr(endpoint.config, "kv_checksum", False) else None)
         self._stuck_check_s = stuck_check_s
         self._next_stuck_check = 0.0
         self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
@@ -206,6 +212,7 @@ class WorkerLoop:
                 "reports",
                 "status_queries",
                 "stuck_requests",
+                "checksums_verified",
             ),
             0,
         )
@@ -480,7 +487,12 @@ class WorkerLoop:
             self.counters["protocol_errors"] += 1  # only ``lw status`` asks for these
             return
         try:
-            effects = self.endpoint.on_message(msg, now)
+            if (not self.is_prefill and isinstance(msg, DoneSending) and msg.checksums
+                    and self.endpoint.config.kv_checksum):
+                effects = self.endpoint.on_message(  # type: ignore[call-arg]
+                    msg, now, self._local_sums(msg))
+            else:
+                effects = self.endpoint.on_message(msg, now)
         except Exception as exc:  # a message must never stop the loop
             self._core_error(type(msg).__name__, exc)
             return
@@ -570,6 +582,40 @@ class WorkerLoop:
             self._heap = [(at, seq, key) for key, (at, seq) in timers.items()]
             heapq.heapify(self._heap)
 
+    # ------------------------------------------------------------ KV checksums
+    def _sum_write(self, w: WriteLayer) -> None:
+        """P: CRC-32C of each block this write sends, from our source memory (kv_checksum)."""
+        assert self._local is not None and self._checksums is not None
+        loc = self._local[w.layer]
+        runs = (((0, loc.block_len),) if w.segments is None
+                else tuple((src, n) for src, _dst, n in w.segments))
+        sums = _block_sums(loc.base_addr, loc.block_stride, loc.num_blocks, w.local_blocks, runs)
+        self._checksums.setdefault((w.req_id, w.target), {})[w.layer] = sums
+
+    def _with_checksums(self, msg: DoneSending, dest: str) -> DoneSending:
+        """P: the DONE for ``dest`` with the checksums of every layer we wrote there."""
+        assert self._checksums is not None
+        per_layer = self._checksums.get((msg.req_id, dest))
+        if not per_layer or len(per_layer) != msg.num_layers:
+            return msg  # D refuses a DONE without them: the failure is reported, not hidden
+        flat = [c for layer in range(msg.num_layers) for c in per_layer[layer]]
+        return msgspec.structs.replace(msg, checksums=flat)
+
+    def _local_sums(self, msg: DoneSending) -> list[int] | None:
+        """D: CRC-32C of our blocks where ``msg``'s sender wrote, layer by layer."""
+        ep = self.endpoint
+        assert isinstance(ep, DecodeEndpoint)
+        plan = ep.sum_plan(msg.req_id, (msg.sender.engine_id, msg.sender.rank))
+        if plan is None:
+            return None
+        blocks, runs = plan
+        out: list[int] = []
+        for lay, layer_runs in zip(ep.layout.layers, runs, strict=True):
+            out += _block_sums(lay.base_addr, lay.block_stride, lay.num_blocks, blocks,
+                               layer_runs)
+        self.counters["checksums_verified"] += 1
+        return out
+
     # ------------------------------------------------------------ observability
     def _check_stuck(self, now: float) -> None:
         """Log each request that just spent too long in one state, once, as ``lw status``
@@ -656,6 +702,8 @@ class WorkerLoop:
 
     def _send(self, e: Send, ib: Inbound | None) -> None:
         msg = e.msg
+        if self._checksums is not None and isinstance(msg, DoneSending):
+            msg = self._with_checksums(msg, e.dest)
         if ib is not None and isinstance(msg, _REPLIES):
             src = ib.msg
             origin = getattr(src, "sender", None) or getattr(src, "responder", None)
@@ -669,6 +717,9 @@ class WorkerLoop:
         if isinstance(e, SendFinished):
             self._runs.pop(e.req_id, None)
             self._last_layer_t.pop(e.req_id, None)
+            if self._checksums is not None:
+                for key in [k for k in self._checksums if k[0] == e.req_id]:
+                    del self._checksums[key]
         self._reports.append(e)
         if self._on_report is not None:
             try:
@@ -680,10 +731,13 @@ class WorkerLoop:
         """One data-plane transfer per destination session; returns effects of setup failures."""
         groups: dict[str, tuple[list[tuple[str, int]], list[Entry]]] = {}
         failed: list[tuple[str, int, str]] = []
+        summing = self._checksums is not None
         for w in writes:
             self.counters["layer_writes"] += 1
             try:
                 entries = self._entries(w)
+                if summing:
+                    self._sum_write(w)
             except Exception as exc:  # bad layout or block ids: this write fails, nothing else
                 failed.append((w.req_id, w.layer, f"cannot address blocks: {exc}"))
                 continue
@@ -774,6 +828,20 @@ class WorkerLoop:
             cached.clear()
         cached.append((key, runs))
         return runs
+
+
+def _block_sums(base: int, stride: int, num_blocks: int, blocks: Sequence[int],
+                runs: Sequence[tuple[int, int]]) -> list[int]:
+    """CRC-32C of each block's byte runs (offset, length), blocks in the given order."""
+    out = []
+    for b in blocks:
+        if not 0 <= b < num_blocks:
+            raise ValueError(f"block {b} outside 0..{num_blocks - 1}")
+        crc = 0
+        for off, n in runs:
+            crc = crc32c.crc32c((ctypes.c_char * n).from_address(base + b * stride + off), crc)
+        out.append(crc)
+    return out
 
 
 def _check_segments(segments: tuple[tuple[int, int, int], ...] | None, local_len: int,

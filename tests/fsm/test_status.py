@@ -110,3 +110,55 @@ def test_stuck_alarm_fires_once_per_state_after_the_configured_fraction() -> Non
     pair.deliver_all()  # accepted: a new state, the alarm is re-armed
     assert [r.state for r in p.stuck(6.0)] == []
     assert [r.state for r in p.stuck(11.5)] == ["META_READY"]
+
+
+# ------------------------------------------------------------------------------ KV checksums
+def _done_with(pair, sums: list[int] | None):  # type: ignore[no-untyped-def]
+    """Deliver P's DoneSending to D with ``sums`` as its checksums (D's own: range(n))."""
+    from msgspec.structs import replace
+
+    from lw.transport.wire import DoneSending, decode, encode
+
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    pair.complete_writes()
+    (done,) = [s for s in pair.queue if isinstance(s.msg, DoneSending)]
+    pair.queue.remove(done)
+    msg = decode(encode(replace(done.msg, checksums=sums or [])))
+    local = list(range(L * 3))  # 3 blocks per request in the harness
+    pair.absorb("d", pair.d.on_message(msg, pair.now, local))
+    pair.deliver_all()
+
+
+def test_matching_checksums_finish_the_request_and_a_mismatch_names_layer_and_block() -> None:
+    ok = make_pair(dcfg=DecodeConfig(kv_checksum=True))
+    _done_with(ok, list(range(L * 3)))
+    assert [type(e).__name__ for e in ok.recv] == ["RecvDone"]
+
+    bad = make_pair(dcfg=DecodeConfig(kv_checksum=True))
+    sums = list(range(L * 3))
+    sums[4] += 1  # layer 1, second block (D block 6)
+    _done_with(bad, sums)
+    (failed,) = bad.recv
+    assert type(failed).__name__ == "RecvFailed"
+    assert "KV checksum mismatch" in failed.reason and "layer 1 block 6" in failed.reason
+    assert bad.d.counters["checksum_mismatches"] == 1
+    assert [f.ok for f in bad.finished] == [False]  # P learns it through the refused DONE
+    assert not bad.d.live_requests()  # the sender had stopped: nothing to quarantine
+
+
+def test_kv_checksum_on_d_refuses_a_done_without_checksums() -> None:
+    pair = make_pair(dcfg=DecodeConfig(kv_checksum=True))
+    _done_with(pair, None)
+    (failed,) = pair.recv
+    assert "sent none" in failed.reason and "kv_checksum" in failed.reason
+
+
+def test_sum_plan_names_the_blocks_and_runs_a_sender_wrote() -> None:
+    pair = make_pair()
+    start(pair)
+    pair.deliver_all()
+    blocks, runs = pair.d.sum_plan("r1", ("P", 0))  # type: ignore[misc]
+    assert blocks == (5, 6, 7) and runs == [((0, 4096),)] * L
+    assert pair.d.sum_plan("r1", ("P", 9)) is None and pair.d.sum_plan("nope", ("P", 0)) is None

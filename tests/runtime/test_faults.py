@@ -283,3 +283,16 @@ def test_trace_out_has_spans_named_after_declared_states_on_both_sides(tmp_path:
             assert e["name"] in declared and e["dur"] >= 0
             sides.setdefault(names[(e["pid"], e["tid"])], set()).add(e["cat"])
     assert len(sides) == 6 and all(s == {"prefill", "decode"} for s in sides.values())
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_corrupt_writes_reach_the_decoder_only_without_kv_checksums(checksum: bool) -> None:
+    cfg = ClusterConfig(**{**FAST, "fault": "corrupt-write",  # type: ignore[arg-type]
+                           "data_plane": "inprocess", "kv_checksum": checksum})
+    res = run_cluster(cfg)
+    assert res.accounted == cfg.requests and res.leaked == 0, res
+    if not checksum:
+        assert res.corrupt > 0  # the fault is real: D's pattern check sees wrong KV
+        return
+    assert res.corrupt == 0 and res.failed > 0, res.reasons
+    assert any(why.startswith("D: KV checksum mismatch") for why in res.reasons), res.reasons
