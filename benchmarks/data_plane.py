@@ -342,6 +342,27 @@ def hook_costs(ctx: Ctx) -> None:
         ctx.figures[f"loop_work_{n}req_per_layer_us"] = round(r["loop_per_layer_s"] * 1e6, 1)
     ctx.figures["hook_256req_vs_goal_50us"] = round(ctx.figures["hook_256req_mean_us"] / 50, 3)
     timeline_costs(ctx.figures)
+    checksum_cost(ctx.figures, ctx.args.layers, ctx.args.block_kib * 1024, ctx.nbytes)
+
+
+def checksum_cost(figures: dict[str, float], layers: int, block: int, total: int,
+                  rounds: int = 5) -> None:
+    """(g) kv_checksum: CRC-32C of every block, as P computes it per write and D per DONE
+    (runtime._block_sums over a (layers, blocks, block) array); seconds per GB."""
+    from lw.transport.runtime import _block_sums
+
+    nblk = total // (layers * block)
+    mem = np.random.default_rng(3).integers(0, 256, (layers, nblk, block), dtype=np.uint8)
+    base = mem.ctypes.data
+    blocks = list(range(nblk))
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for layer in range(layers):
+            _block_sums(base + layer * nblk * block, block, nblk, blocks, ((0, block),))
+        best = min(best, time.perf_counter() - t0)
+    figures["kv_checksum_ms_per_gb"] = round(best / (total / 1e9) * 1e3, 1)
+    figures["kv_checksum_gb_per_s"] = round(total / 1e9 / best, 2)
 
 
 def timeline_costs(figures: dict[str, float], rounds: int = 3) -> None:
@@ -483,7 +504,8 @@ def main() -> None:
     )
     p.add_argument("--repeats", type=int, default=9, help="rounds of every section")
     p.add_argument("--hooks-only", action="store_true",
-                   help="only the forward-hook costs, with and without timelines")
+                   help="only the forward-hook costs (with and without timelines) and the cost "
+                        "of KV checksums")
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -493,6 +515,7 @@ def main() -> None:
     if args.hooks_only:
         figures: dict[str, float] = {}
         timeline_costs(figures)
+        checksum_cost(figures, args.layers, args.block_kib * 1024, args.mib * MiB)
         for key, value in figures.items():
             print(f"{key}: {value}")
         return

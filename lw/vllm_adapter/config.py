@@ -78,6 +78,9 @@ class LwConfig:
     # fraction of a deadline after which a request still in one state is logged as stuck
     timeline_entries: int = 32768
     stuck_fraction: float = 0.5
+    # P sends CRC-32C of every written block with DONE; D verifies them before the request may
+    # decode (a mismatch fails it through kv_load_failure_policy). Set it on both sides.
+    kv_checksum: bool = False
 
     @property
     def is_producer(self) -> bool:
@@ -90,13 +93,15 @@ class LwConfig:
                              ack_retry_s=self.ack_retry_s, ack_attempts=self.ack_attempts,
                              request_timeout_s=self.request_timeout_s,
                              timeline_entries=self.timeline_entries,
-                             stuck_fraction=self.stuck_fraction)
+                             stuck_fraction=self.stuck_fraction,
+                             kv_checksum=self.kv_checksum)
 
     def decode_config(self) -> DecodeConfig:
         """The core's D deadlines."""
         return DecodeConfig(prefill_timeout_s=self.prefill_timeout_s, lease_s=self.lease_s,
                             timeline_entries=self.timeline_entries,
-                            stuck_fraction=self.stuck_fraction)
+                            stuck_fraction=self.stuck_fraction,
+                            kv_checksum=self.kv_checksum)
 
     def port(self, tp_rank: int, dp_rank: int | None = None) -> int:
         """Side-channel port of one of this engine's workers."""
@@ -236,6 +241,12 @@ def model_heads(vllm_config: Any) -> ModelHeads | None:
 def _coerce(key: str, value: Any, default: Any) -> Any:
     """Check ``value`` has the type of ``default`` (ints accepted for floats; strings parsed)."""
     want = type(default)
+    if want is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"kv_connector_extra_config.{key} must be true or false, got {value!r}")
     if isinstance(value, bool) or value is None:
         raise ConfigError(f"kv_connector_extra_config.{key} must be a {want.__name__}, "
                           f"got {value!r}")

@@ -34,6 +34,8 @@ COUNTERS: dict[str, str] = {
     "prefix_hit_blocks": "D: prompt blocks D already held in its prefix cache (not sent by P)",
     "local_tails": "D: requests whose uncached tail D computed itself (no prefill requested)",
     "protocol_errors": "Messages or events the core refused (counted and dropped, never raised)",
+    "checksum_mismatches": "D: requests failed because a sender's KV checksums did not match "
+                           "the bytes in our blocks (kv_checksum)",
     "stuck_requests": "Requests that stayed in one state longer than stuck_fraction of their "
                       "deadline (each logged once, as lw status prints it)",
 }

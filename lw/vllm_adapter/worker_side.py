@@ -73,6 +73,7 @@ _STAT_MAP = {  # our stats key -> WorkerLoop.stats() key (monotonic counters)
     "leases_expired": "core.leases_expired",
     "protocol_errors": "loop.protocol_errors",
     "stuck_requests": "loop.stuck_requests",
+    "checksum_mismatches": "core.checksum_mismatches",
 }
 
 

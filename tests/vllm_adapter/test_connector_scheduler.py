@@ -627,6 +627,7 @@ def _build(**over: Any) -> LwConfig:
     ({"extra": {"local_tail_tokens": -2}}, "local_tail_tokens must be >= 0"),
     ({"extra": {"stuck_fraction": 1.5}}, "stuck_fraction must be in (0, 1]"),
     ({"extra": {"timeline_entries": -1}}, "timeline_entries must be >= 0"),
+    ({"extra": {"kv_checksum": "yes"}}, "kv_checksum must be true or false"),
     ({"extra": {"lease_s": 10}}, "lease_s=10.0 must exceed"),
     ({"extra": {"peer_tp_size": 3}, "heads": ModelHeads(4, False)}, "cannot shard this model's KV"),
     ({"kv_port": 65535, "dp_size": 2, "tp_size": 1, "extra": {}}, "valid TCP ports"),
@@ -1014,3 +1015,23 @@ def test_config_dense_dp_engine_takes_its_rank_from_data_parallel_index() -> Non
     cfg = LwConfig.from_vllm(SimpleNamespace(kv_transfer_config=ktc, parallel_config=par))
     assert (cfg.dp_rank, cfg.dp_size) == (1, 2)
     assert cfg.port(tp_rank=0) == 14579 + 2 and cfg.port(tp_rank=1) == 14579 + 3
+
+
+def test_cluster_kv_checksums_pass_clean_writes_and_catch_a_corrupt_one(
+        cluster_factory: Callable[..., Cluster]) -> None:
+    """With kv_checksum on both sides: clean KV decodes; writes that land other bytes than P
+    computed (shifted by one) fail the request instead of reaching the decoder."""
+    on = {"kv_checksum": True}
+    c = cluster_factory(p_extra=on, d_extra=on)
+    c.add("r1", list(range(5000, 5040)))
+    c.run_until(lambda: "r1" in c.d.finished and c.idle())
+    assert c.verified == {"r1": True} and c.d.finished["r1"] == "length"
+    assert c.d.loop.counters["checksums_verified"] >= 1
+
+    from lw.synthetic.corrupt import CorruptingPlane
+
+    c.p.loop.data_plane = CorruptingPlane(c.p.loop.data_plane, every=1)  # every write shifted
+    c.add("r2", list(range(6000, 6040)))
+    c.run_until(lambda: "r2" in c.d.finished and c.idle())
+    assert c.d.finished["r2"] == "error"  # policy fail: never decoded on wrong KV
+    assert c.d.total("checksum_mismatches") == 1
