@@ -220,6 +220,8 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
         lines.append(f"  {'request timelines (Chrome trace)':<40} {cfg.trace_out}: "
                      f"{res.counters.get('trace_spans', 0)} state spans from "
                      f"{res.counters.get('trace_workers', 0)} workers")
+    if res.detect_s:
+        lines.append(f"  {'fault -> first request failed':<40} {_ms(res.detect_s)}")
     if res.decoder_generations > 1:
         lines.append(f"  {'decoder incarnations':<40} {res.decoder_generations}")
     if res.dead_ranks:
@@ -240,7 +242,7 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
 
 def _table_header() -> str:
     return (f"{'fault':<31} {'done/failed':>11} {'corrupt':>7} {'longest P step':>15} "
-            f"{'leaked':>6}  {'time':>6}  notes")
+            f"{'leaked':>6}  {'detect':>7}  {'time':>6}  notes")
 
 
 def _row(res: ClusterResult) -> str:
@@ -259,6 +261,7 @@ def _row(res: ClusterResult) -> str:
     if res.errors:
         notes.append("ERRORS: " + "; ".join(res.errors))
     ok = "ok" if res.ok else "NOT OK"
+    detect = f"{res.detect_s:6.2f}s" if res.detect_s else f"{'-':>7}"
     return (f"{cfg.fault:<31} {f'{res.done}/{res.failed}':>11} {res.corrupt:>7} "
-            f"{_ms(res.max_step_s):>15} {res.leaked:>6}  {res.elapsed_s:5.1f}s  {ok}; "
+            f"{_ms(res.max_step_s):>15} {res.leaked:>6}  {detect}  {res.elapsed_s:5.1f}s  {ok}; "
             + ", ".join(notes))

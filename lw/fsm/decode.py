@@ -164,6 +164,12 @@ class DecodeEndpoint:
         )
         return reqs, tuple(sorted(self._finished.items()))
 
+    def awaited_peers(self) -> dict[str, str]:
+        """P workers a live request still waits for (address -> the engine id
+        :meth:`peer_lost` takes): the peers a liveness detector should watch."""
+        return {s.addr: k[0] for r in self._reqs.values() if r.state not in _FINAL
+                for k, s in r.claimers.items() if k not in r.done}
+
     def status(self, now: float, req_id: str = "") -> list[RequestStatus]:
         """``lw status`` rows: every live request (or only ``req_id``), what each waits for."""
         recs = self._reqs.values() if not req_id else filter(None, [self._reqs.get(req_id)])

@@ -150,6 +150,18 @@ class AbortAck(_Msg, tag="abort_ack"):
     in_doubt: bool = False  # a write of ours timed out: its bytes may still land (lease applies)
 
 
+class Heartbeat(_Msg, tag="hb"):
+    """Liveness probe to a worker we share live requests with (answered by its loop thread)."""
+
+    sender: Sender
+
+
+class HeartbeatAck(_Msg, tag="hb_ack"):
+    """Answer to a Heartbeat: the responder's loop is alive."""
+
+    responder: Sender
+
+
 class RequestStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One live request on one worker, as ``lw status`` shows it: where it is and what it awaits."""
 
@@ -199,5 +211,5 @@ class StatusReply(_Msg, tag="status_rep"):
 
 
 Message = (MetaRequest | MetaReply | DoneSending | FailedSending | Ack | Abort | AbortAck
-           | StatusQuery | StatusReply)
+           | StatusQuery | StatusReply | Heartbeat | HeartbeatAck)
 

@@ -241,6 +241,12 @@ class PrefillEndpoint:
             tuple(sorted(self._in_doubt)),
         )
 
+    def awaited_peers(self) -> dict[str, str]:
+        """D workers a live request still needs (address -> what :meth:`peer_lost` takes):
+        the peers a liveness detector should watch."""
+        return {t.addr: t.addr for r in self._reqs.values() if r.state not in _FINAL
+                for t in r.targets}
+
     def status(self, now: float, req_id: str = "") -> list[RequestStatus]:
         """``lw status`` rows: every live request (or only ``req_id``), what each waits for."""
         recs = self._reqs.values() if not req_id else filter(None, [self._reqs.get(req_id)])

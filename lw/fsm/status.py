@@ -26,7 +26,6 @@ def prefill_row(ep: PrefillEndpoint, rec: PReq, now: float) -> RequestStatus:
     """One P request: its state, what it waits for and from which D workers."""
     cfg = ep.config
     L = ep.num_layers
-    n = len(rec.targets)
     st = rec.state
     peers: list[str] = []
     if st == AWAIT_DECODER_META:
@@ -34,11 +33,12 @@ def prefill_row(ep: PrefillEndpoint, rec: PReq, now: float) -> RequestStatus:
         what = (f"waiting for MetaReply(accepted) from D {_join(peers)} (try {rec.meta_tries} "
                 f"of {cfg.meta_attempts}); {rec.computed} of {L} layers computed")
     elif st == FAILED:
-        what = (f"failed ({rec.reason}); waiting for {rec.inflight} write(s) in flight to end "
-                "before the blocks go back to the scheduler")
+        peers = [t.addr for t in rec.targets]
+        what = (f"failed ({rec.reason}); waiting for {rec.inflight} write(s) in flight to D "
+                f"{_join(peers)} to end before the blocks go back to the scheduler")
     elif rec.sent < L:
         peers = [t.addr for t in rec.targets]
-        what = (f"writing: {rec.sent} of {L} layers written to {n} D worker(s), "
+        what = (f"writing: {rec.sent} of {L} layers written to D {_join(peers)}, "
                 f"{rec.inflight} write(s) in flight, {rec.computed} of {L} computed")
         if rec.computed <= rec.sent:
             what += f"; waiting for the forward pass to compute layer {rec.computed}"

@@ -63,6 +63,7 @@ class ClusterResult:
     double_reports: int = 0
     decoder_generations: int = 1
     dead_ranks: list[int] = field(default_factory=list)
+    detect_s: float = 0.0  # injected fault (kill, freeze) -> first request failed because of it
     log_dir: str = ""
 
     @property
@@ -268,6 +269,7 @@ class _Cluster:
             self.assigned.pop(rid, None)
             if not ok:
                 self.res.reasons[f"P: {_short(reason)}"] += 1
+                self.detected()
         elif kind == "d_result":
             _, rid, outcome, reason, latency = ev
             self.at_d.pop(rid, None)
@@ -301,6 +303,7 @@ class _Cluster:
         else:
             self.res.failed += 1
             self.res.reasons[f"D: {_short(reason)}"] += 1
+            self.detected()
         if self.progress is not None:
             self.progress(self.res)
 
@@ -359,23 +362,24 @@ class _Cluster:
                 os.kill(d.pid, sig)
             d.frozen = False
         if self.fault_fired:
-            if not self.fault_at:
-                self.fault_at = now
             return
         trigger = max(1, cfg.requests // 4)
         if cfg.fault == "freeze-decoder-before-contact":
             if d is not None and d.ready:
                 self.send(d, ("freeze_after_alloc",))
                 self.fault_fired = True
+                self.fault_at = now
         elif self.res.done >= trigger and d is not None and d.alive and d.pid:
             if cfg.fault == "kill-decoder":
                 os.kill(d.pid, signal.SIGKILL)
                 self.fault_fired = True
+                self.fault_at = now
             elif cfg.fault in ("freeze-decoder-mid-transfer", "freeze-kill-decoder"):
                 os.kill(d.pid, signal.SIGSTOP)
                 d.frozen = True
                 self.thaw_at = now + cfg.freeze_s
                 self.fault_fired = True
+                self.fault_at = now
             elif cfg.fault == "kill-prefill-rank":
                 if _DEBUG:
                     print(f"[lw] {now:.3f} arming crash", flush=True)
@@ -383,6 +387,12 @@ class _Cluster:
                 if victim.alive:
                     self.send(victim, ("crash",))
                 self.fault_fired = True
+                self.fault_at = now
+
+    def detected(self) -> None:
+        """A request failed: the first failure after an injected fault is its detection."""
+        if self.fault_at and not self.res.detect_s:
+            self.res.detect_s = time.monotonic() - self.fault_at
 
     def addrs(self) -> list[str]:
         """Side-channel addresses of every live worker (P ranks' TP workers, then D's)."""
@@ -397,7 +407,7 @@ class _Cluster:
             due = self.cfg.fault == "none" and self.next_req > self.cfg.requests // 2
             title = "midway"
         else:
-            due = now - self.fault_at >= 1.5
+            due = now - self.fault_at >= 1.0  # before heartbeats give up on a frozen peer
             title = f"{now - self.fault_at:.1f}s into fault {self.cfg.fault}"
         if due:
             self.status_shown = True

@@ -84,6 +84,8 @@ class ClusterConfig:
     barrier_timeout_s: float = 60.0
     log_dir: str | None = None
     kv_checksum: bool = False  # P sends per-block CRC-32C with DONE, D verifies them
+    heartbeat_s: float = 0.5  # liveness probes between workers sharing requests (0: off)
+    heartbeat_misses: int = 3
     status: bool = False  # print an lw status table of every worker while the fault is active
     trace_out: str | None = None  # write every worker's request timelines here (Chrome trace)
 

@@ -19,7 +19,7 @@ def status_table(addrs: list[str], key: bytes | None, title: str) -> str:
 
 def write_trace(addrs: list[str], key: bytes | None, path: str) -> tuple[int, int]:
     """Write the workers' timelines as Chrome trace JSON; (workers that answered, spans)."""
-    snap = query(addrs, key, timeline=MAX_TIMELINE, timeout_s=3.0)
+    snap = query(addrs, key, timeline=MAX_TIMELINE, timeout_s=5.0)
     trace = chrome_trace(snap)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(trace, f)

@@ -199,7 +199,8 @@ def _prefill_tp(cfg: ClusterConfig, rank: int, t: int, incarnation: int) -> _TP:
     me = Sender(p_engine(rank), t, incarnation, side.addr)
     local = KVLayout(me.engine_id, incarnation, dp.session, _layouts(kv), fmt)
     ep = PrefillEndpoint(me, cfg.layers, cfg.prefill_config(), local=local)
-    loop = WorkerLoop(ep, side, dp, local_layout=local.layers, name=f"lw-loop-p{rank}t{t}")
+    loop = WorkerLoop(ep, side, dp, local_layout=local.layers, name=f"lw-loop-p{rank}t{t}",
+                      heartbeat_s=cfg.heartbeat_s, heartbeat_misses=cfg.heartbeat_misses)
     return _TP(fmt, kv, loop.start())
 
 
@@ -354,7 +355,8 @@ def _decode_tp(cfg: ClusterConfig, j: int, port: int, incarnation: int, generati
     me = Sender(D_ENGINE, j, incarnation, side.addr)
     layout = KVLayout(D_ENGINE, incarnation, dp.session, _layouts(kv), fmt)
     loop = WorkerLoop(DecodeEndpoint(me, layout, cfg.decode_config()), side, dp,
-                      on_report=lambda _e: wake.set(), name=f"lw-loop-d{j}")
+                      on_report=lambda _e: wake.set(), name=f"lw-loop-d{j}",
+                      heartbeat_s=cfg.heartbeat_s, heartbeat_misses=cfg.heartbeat_misses)
     return _TP(fmt, kv, loop.start())
 
 

@@ -58,6 +58,8 @@ from lw.transport.wire import (
     Ack,
     DoneSending,
     FailedSending,
+    Heartbeat,
+    HeartbeatAck,
     KVLayout,
     LayerLayout,
     MetaReply,
@@ -132,6 +134,8 @@ class WorkerLoop:
         name: str = "lw-loop",
         clock: Callable[[], float] = time.monotonic,
         stuck_check_s: float = 1.0,
+        heartbeat_s: float = 0.5,
+        heartbeat_misses: int = 3,
     ) -> None:
         self.endpoint = endpoint
         self.is_prefill = isinstance(endpoint, PrefillEndpoint)
@@ -189,6 +193,15 @@ class WorkerLoop:
             {} if getattr(endpoint.config, "kv_checksum", False) else None)
         self._stuck_check_s = stuck_check_s
         self._next_stuck_check = 0.0
+        # Liveness of the peers our live requests need: a peer silent for heartbeat_misses
+        # intervals (no message at all, heartbeats unanswered) goes to the core's peer_lost.
+        if heartbeat_s < 0 or heartbeat_misses < 1:
+            raise ValueError("heartbeat_s must be >= 0 (0: off) and heartbeat_misses >= 1")
+        self._hb_s = heartbeat_s
+        self._hb_lost_s = heartbeat_s * heartbeat_misses
+        self._next_hb = 0.0
+        self._last_hb_round = 0.0
+        self._heard: dict[str, float] = {}  # peer address -> when we last heard from it
         self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
         self.counters: dict[str, int | float] = dict.fromkeys(
             (
@@ -213,6 +226,9 @@ class WorkerLoop:
                 "status_queries",
                 "stuck_requests",
                 "checksums_verified",
+                "heartbeats_sent",
+                "peers_lost",
+                "self_stalls",
             ),
             0,
         )
@@ -412,9 +428,12 @@ class WorkerLoop:
             cap = self._hot_poll_ms
         if self._inbox:
             return 0
-        if not self._heap:
+        due = self._heap[0][0] if self._heap else None
+        if self._hb_s and (due is None or self._next_hb < due):
+            due = self._next_hb  # heartbeat rounds keep their pace on an idle loop
+        if due is None:
             return cap
-        wait = self._heap[0][0] - self._clock()
+        wait = due - self._clock()
         return 0 if wait <= 0 else min(cap, int(wait * 1000) + 1)
 
     # ------------------------------------------------------------ engine events
@@ -480,6 +499,15 @@ class WorkerLoop:
         if ib.rtt_s is not None:
             self._rtts.append(ib.rtt_s)
         now = self._clock()
+        origin = getattr(msg, "sender", None) or getattr(msg, "responder", None)
+        if origin is not None and self._hb_s:
+            self._heard[origin.addr] = now
+        if isinstance(msg, Heartbeat):
+            self.side.reply(ib, msg.sender.addr,
+                            HeartbeatAck(PROTOCOL_VERSION, self.endpoint.me))
+            return
+        if isinstance(msg, HeartbeatAck):
+            return
         if isinstance(msg, StatusQuery):
             self._answer_status(ib, msg, now)
             return
@@ -575,12 +603,49 @@ class WorkerLoop:
                 self._core_error(f"timer {key}", exc)
                 continue
             self._execute(effects, None)
+        if self._hb_s and now >= self._next_hb:
+            self._next_hb = now + self._hb_s
+            self._heartbeat(now)
         if self._stuck_check_s > 0 and now >= self._next_stuck_check:
             self._next_stuck_check = now + self._stuck_check_s
             self._check_stuck(now)
         if len(heap) > 2 * len(timers) + 1024:  # drop cancelled entries now and then
             self._heap = [(at, seq, key) for key, (at, seq) in timers.items()]
             heapq.heapify(self._heap)
+
+    # ------------------------------------------------------------ liveness
+    def _heartbeat(self, now: float) -> None:
+        """Probe quiet peers that live requests need; hand silent ones to the core."""
+        try:
+            peers = self.endpoint.awaited_peers()
+        except Exception as exc:
+            self._core_error("awaited_peers", exc)
+            return
+        heard = self._heard
+        for addr in [a for a in heard if a not in peers]:
+            del heard[addr]  # not needed now: its clock starts again when it is
+        stalled = now - self._last_hb_round > 2 * self._hb_s
+        self._last_hb_round = now
+        if stalled:  # we were stopped or starved ourselves: our silence, not the peers'
+            self.counters["self_stalls"] += 1
+            for addr in heard:
+                heard[addr] = now
+        for addr, peer in peers.items():
+            quiet = now - heard.setdefault(addr, now)
+            if quiet > self._hb_lost_s:
+                del heard[addr]
+                self.counters["peers_lost"] += 1
+                why = f"no message or heartbeat answer for {quiet:.1f}s"
+                log.warning("%s: peer %s lost: %s", self._name, addr, why)
+                try:
+                    effects = self.endpoint.peer_lost(peer, why, now)
+                except Exception as exc:
+                    self._core_error("peer_lost", exc)
+                    continue
+                self._execute(effects, None)
+            elif quiet >= self._hb_s * 0.9:
+                self.counters["heartbeats_sent"] += 1
+                self.side.send(addr, Heartbeat(PROTOCOL_VERSION, self.endpoint.me))
 
     # ------------------------------------------------------------ KV checksums
     def _sum_write(self, w: WriteLayer) -> None:
@@ -627,9 +692,9 @@ class WorkerLoop:
             return
         for row in rows:
             line = status_line(self._role, self.endpoint.me, row)
-            self.counters["stuck_requests"] += 1
-            self.stuck.append(line)
             log.warning("lw stuck request: %s", line)
+            self.stuck.append(line)
+            self.counters["stuck_requests"] += 1  # last: observers see the line once counted
 
     @property
     def _role(self) -> str:

@@ -81,6 +81,10 @@ class LwConfig:
     # P sends CRC-32C of every written block with DONE; D verifies them before the request may
     # decode (a mismatch fails it through kv_load_failure_policy). Set it on both sides.
     kv_checksum: bool = False
+    # liveness: a peer our live requests need that stays silent (heartbeats unanswered) for
+    # heartbeat_s * heartbeat_misses is declared lost (its requests fail); heartbeat_s 0 = off
+    heartbeat_s: float = 0.5
+    heartbeat_misses: int = 3
 
     @property
     def is_producer(self) -> bool:
@@ -171,7 +175,10 @@ class LwConfig:
             if not values[key] > 0:
                 raise ConfigError(f"kv_connector_extra_config.{key} must be > 0, "
                                   f"got {values[key]}")
-        for key in ("meta_attempts", "ack_attempts", "metaserver_attempts"):
+        if values["heartbeat_s"] < 0:
+            raise ConfigError("kv_connector_extra_config.heartbeat_s must be >= 0 (0: off), "
+                              f"got {values['heartbeat_s']}")
+        for key in ("meta_attempts", "ack_attempts", "metaserver_attempts", "heartbeat_misses"):
             if values[key] < 1:
                 raise ConfigError(f"kv_connector_extra_config.{key} must be >= 1, "
                                   f"got {values[key]}")

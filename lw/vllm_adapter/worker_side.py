@@ -169,10 +169,13 @@ class WorkerSide:
         if self.cfg.is_producer:
             ep: Any = PrefillEndpoint(me, len(self.planes), self.cfg.prefill_config(),
                                       local=kv_layout)
-            self.loop = WorkerLoop(ep, side, dp, local_layout=layout, name=name)
+            self.loop = WorkerLoop(ep, side, dp, local_layout=layout, name=name,
+                                   heartbeat_s=self.cfg.heartbeat_s,
+                                   heartbeat_misses=self.cfg.heartbeat_misses)
         else:
             ep = DecodeEndpoint(me, kv_layout, self.cfg.decode_config())
-            self.loop = WorkerLoop(ep, side, dp, name=name)
+            self.loop = WorkerLoop(ep, side, dp, name=name, heartbeat_s=self.cfg.heartbeat_s,
+                                   heartbeat_misses=self.cfg.heartbeat_misses)
         self.loop.start()
         if ready_marker(self._sample) is not None:
             self._gate = ReadyGate(self.loop)

@@ -69,9 +69,10 @@ def test_silent_workers_and_wrong_keys_are_named_not_waited_for() -> None:
 
 def test_stuck_request_is_logged_once_with_its_status_line(
         caplog: pytest.LogCaptureFixture) -> None:
-    pair = make_pair(dcfg=DecodeConfig(prefill_timeout_s=1.0, lease_s=10, stuck_fraction=0.2),
+    pair = make_pair(dcfg=DecodeConfig(prefill_timeout_s=3.0, lease_s=10, stuck_fraction=0.1),
                      pcfg=PrefillConfig(request_timeout_s=4))
-    pair.d._stuck_check_s = 0.05
+    pair.d.run(lambda lp: setattr(lp, "_stuck_check_s", 0.05) or setattr(
+        lp, "_next_stuck_check", 0.0)).result(5)
     try:
         with caplog.at_level(logging.WARNING, logger="lw.runtime"):
             pair.d.call("add_request", "lonely", (1,), 1).result(5)  # P never hears of it

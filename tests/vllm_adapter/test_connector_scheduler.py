@@ -628,6 +628,8 @@ def _build(**over: Any) -> LwConfig:
     ({"extra": {"stuck_fraction": 1.5}}, "stuck_fraction must be in (0, 1]"),
     ({"extra": {"timeline_entries": -1}}, "timeline_entries must be >= 0"),
     ({"extra": {"kv_checksum": "yes"}}, "kv_checksum must be true or false"),
+    ({"extra": {"heartbeat_s": -1}}, "heartbeat_s must be >= 0"),
+    ({"extra": {"heartbeat_misses": 0}}, "heartbeat_misses must be >= 1"),
     ({"extra": {"lease_s": 10}}, "lease_s=10.0 must exceed"),
     ({"extra": {"peer_tp_size": 3}, "heads": ModelHeads(4, False)}, "cannot shard this model's KV"),
     ({"kv_port": 65535, "dp_size": 2, "tp_size": 1, "extra": {}}, "valid TCP ports"),

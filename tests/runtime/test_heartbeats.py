@@ -1,0 +1,73 @@
+"""Liveness: a silent peer that live requests need is declared lost fast; a live one never is."""
+
+from __future__ import annotations
+
+import time
+
+from lw.fsm import PrefillConfig, SendFinished
+
+from .loops import make_pair, wait_for
+
+HB = {"heartbeat_s": 0.1, "heartbeat_misses": 3}
+SLOW_P = PrefillConfig(meta_retry_s=5, ack_retry_s=5, request_timeout_s=30)
+
+
+def test_a_decoder_that_goes_silent_is_lost_within_the_heartbeat_budget() -> None:
+    pair = make_pair(pcfg=SLOW_P, **HB)
+    try:
+        pair.start("r1", (0, 1), (2, 3))
+        wait_for(lambda: pair.p.endpoint.state_of("r1") == "META_READY")
+        pair.d.stop()  # D's process is gone: nothing answers any more
+        t0 = time.monotonic()
+        pair.wait_reports(1, 0, timeout=5)
+        took = time.monotonic() - t0
+        (fin,) = [e for e in pair.p_reports if isinstance(e, SendFinished)]
+        assert not fin.ok and "decoder lost" in fin.reason and "heartbeat" in fin.reason
+        assert took < 1.0, took  # 3 x 0.1 s plus a round; the request deadline is 30 s
+        assert pair.p.counters["peers_lost"] == 1
+    finally:
+        pair.stop()
+
+
+def test_a_quiet_but_live_decoder_is_never_lost() -> None:
+    pair = make_pair(pcfg=SLOW_P, **HB)
+    try:
+        pair.start("r1", (0, 1), (2, 3))
+        wait_for(lambda: pair.p.endpoint.state_of("r1") == "META_READY")
+        time.sleep(1.0)  # ten intervals with no protocol traffic: only heartbeats
+        assert pair.p.counters["heartbeats_sent"] >= 3
+        assert pair.p.counters["peers_lost"] == 0
+        pair.compute("r1", (0, 1))
+        pair.wait_reports(1, 1)
+        assert [e.ok for e in pair.p_reports if isinstance(e, SendFinished)] == [True]
+    finally:
+        pair.stop()
+
+
+def test_a_worker_that_was_stalled_itself_does_not_blame_its_peers() -> None:
+    pair = make_pair(pcfg=SLOW_P, **HB)
+    try:
+        pair.start("r1", (0, 1), (2, 3))
+        wait_for(lambda: pair.p.endpoint.state_of("r1") == "META_READY")
+
+        def stall(lp):  # type: ignore[no-untyped-def]
+            time.sleep(0.6)  # the loop thread itself does not run (SIGSTOP, starved CPU)
+            lp._heartbeat(lp._clock())
+            return lp.counters["self_stalls"], lp.counters["peers_lost"]
+
+        stalls, lost = pair.p.run(stall).result(5)
+        assert stalls >= 1 and lost == 0
+    finally:
+        pair.stop()
+
+
+def test_heartbeats_off_leave_detection_to_the_retries() -> None:
+    pair = make_pair(pcfg=SLOW_P, heartbeat_s=0)
+    try:
+        pair.start("r1", (0, 1), (2, 3))
+        wait_for(lambda: pair.p.endpoint.state_of("r1") == "META_READY")
+        pair.d.stop()
+        time.sleep(0.6)
+        assert pair.p.counters["heartbeats_sent"] == 0 and pair.p.endpoint.live_requests()
+    finally:
+        pair.stop()
