@@ -15,8 +15,15 @@ import os
 import sys
 from typing import TextIO
 
+from lw.synthetic import netns
 from lw.synthetic.cluster import ClusterResult, run_cluster
-from lw.synthetic.config import FAULTS, PROCESS_FAULTS, ClusterConfig, canonical_fault
+from lw.synthetic.config import (
+    FAULTS,
+    PARTITION_FAULTS,
+    PROCESS_FAULTS,
+    ClusterConfig,
+    canonical_fault,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         faults = list(FAULTS)
         if args.data_plane == "inprocess":
             faults = [f for f in faults if f not in PROCESS_FAULTS]
+        why = netns.unavailable() if any(f in PARTITION_FAULTS for f in faults) else ""
+        if why:
+            print(f"lw demo: skipping the partition rows: {why}", file=sys.stderr)
+            faults = [f for f in faults if f not in PARTITION_FAULTS]
     else:
         try:
             faults = [canonical_fault(args.fault)]

@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from lw.synthetic.config import DECODER_RESTARTS, FAILURES_EXPECTED, ClusterConfig
+from lw.synthetic.config import (
+    DECODER_RESTARTS,
+    FAILURES_EXPECTED,
+    PARTITION_FAULTS,
+    ClusterConfig,
+)
+from lw.synthetic.netns import Partition
 from lw.synthetic.observe import status_table, write_trace
 from lw.synthetic.workers import barrier_action, decode_main, prefill_main
 
@@ -157,6 +163,8 @@ class _Cluster:
         self.status_shown = False
         self.on_status = on_status
         self.thaw_at: float | None = None
+        self.net: Partition | None = None  # the link to the decoder (partition faults)
+        self.heal_at: float | None = None
         self.t_first = 0.0
         self.t_last = 0.0
 
@@ -361,9 +369,23 @@ class _Cluster:
                 sig = signal.SIGKILL if cfg.fault == "freeze-kill-decoder" else signal.SIGCONT
                 os.kill(d.pid, sig)
             d.frozen = False
+        if self.heal_at is not None and now >= self.heal_at and self.net is not None:
+            self.heal_at = None
+            self.net.heal()
         if self.fault_fired:
             return
         trigger = max(1, cfg.requests // 4)
+        if cfg.fault in PARTITION_FAULTS:
+            before = cfg.fault == "partition-before-contact"
+            if self.net is not None and d is not None and d.ready and (
+                    before or self.res.done >= trigger):
+                self.net.partition()
+                self.heal_at = now + (cfg.freeze_s if before else cfg.partition_s
+                                      if cfg.fault == "partition-mid-transfer"
+                                      else cfg.long_partition_s)
+                self.fault_fired = True
+                self.fault_at = now
+            return
         if cfg.fault == "freeze-decoder-before-contact":
             if d is not None and d.ready:
                 self.send(d, ("freeze_after_alloc",))
@@ -466,6 +488,13 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
     cl = _Cluster(cfg, progress, on_status)
     t_start = time.monotonic()
     try:
+        if cfg.fault in PARTITION_FAULTS:
+            try:
+                cl.net = Partition().__enter__()
+            except OSError as exc:
+                cl.res.errors.append(str(exc))
+                return cl.res
+            cfg.p_host, cfg.d_host, cfg.d_netns = cl.net.host_ip, cl.net.ns_ip, cl.net.name
         cl.start_decoder()
         for rank in range(cfg.prefill_dp):
             cl.start_rank(rank)
@@ -493,8 +522,8 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
                     cl.record(rid, "failed", "no decoder", None)
                 cl.next_req = len(cl.req_ids)
         cl.res.elapsed_s = (cl.t_last or time.monotonic()) - (cl.t_first or t_start)
-        # thaw a still frozen decoder before settling
-        while cl.thaw_at is not None:
+        # thaw a still frozen decoder, heal a cut link, before settling
+        while cl.thaw_at is not None or cl.heal_at is not None:
             cl.inject()
             cl.pump(0.05)
         settle_deadline = time.monotonic() + cfg.settle_timeout_s
@@ -512,6 +541,8 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
         return cl.res
     finally:
         _reap(cl)
+        if cl.net is not None:
+            cl.net.__exit__()
         if cl.own_log_dir and cl.res.ok and not _DEBUG:
             shutil.rmtree(cfg.log_dir, ignore_errors=True)  # kept when something went wrong
             cl.res.log_dir = ""

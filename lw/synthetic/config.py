@@ -22,21 +22,29 @@ FAULTS: dict[str, str] = {
     "duplicate-messages": "every side channel sends 30% of its messages twice",
     "garbage-messages": "every side channel replaces 10% of its payloads by garbage",
     "no-cluster-key": "the last P DP rank has no cluster key (the others and D have one)",
+    "partition-before-contact": "the link between P and D (decoder in its own network "
+    "namespace) is cut before any request, healed after freeze_s",
+    "partition-mid-transfer": "the link is cut while layers are in flight and healed after "
+    "partition_s (shorter than the heartbeat budget: transfers resume)",
+    "partition-long": "the link is cut while layers are in flight for longer than every "
+    "deadline (long_partition_s), then healed",
     "corrupt-write": "every 7th layer write of each P worker lands bytes shifted by one "
     "(caught by D's pattern check; with --kv-checksum, by the checksums first)",
 }
 ALIASES = {"drop": "drop-messages", "duplicate": "duplicate-messages",
            "garbage": "garbage-messages", "no-key": "no-cluster-key"}
+PARTITION_FAULTS = frozenset({"partition-before-contact", "partition-mid-transfer",
+                              "partition-long"})
 PROCESS_FAULTS = frozenset({"kill-decoder", "freeze-decoder-before-contact",
                             "freeze-decoder-mid-transfer", "freeze-kill-decoder",
-                            "kill-prefill-rank"})
+                            "kill-prefill-rank"}) | PARTITION_FAULTS
 DECODER_RESTARTS = frozenset({"kill-decoder", "freeze-kill-decoder"})
 # Faults after which failed requests are expected (every request must still be accounted for).
 FAILURES_EXPECTED = frozenset({"kill-decoder", "freeze-decoder-before-contact",
                                "freeze-decoder-mid-transfer", "freeze-kill-decoder",
                                "kill-prefill-rank",
                                "drop-messages", "garbage-messages", "no-cluster-key",
-                               "corrupt-write"})
+                               "corrupt-write", *PARTITION_FAULTS})
 
 
 def canonical_fault(name: str) -> str:
@@ -79,6 +87,12 @@ class ClusterConfig:
     transfer_timeout_s: float = 5.0  # Mooncake's MC_TRANSFER_TIMEOUT (5 is its minimum)
     lease_margin_s: float = 1.0
     freeze_s: float = 6.0  # how long a frozen decoder stays stopped
+    partition_s: float = 1.0  # partition-mid-transfer: cut, then healed after this long
+    long_partition_s: float = 12.0  # partition-long: longer than every deadline
+    # where workers listen (a partition fault puts the decoder in its own namespace)
+    p_host: str = "127.0.0.1"
+    d_host: str = "127.0.0.1"
+    d_netns: str = ""
     run_timeout_s: float = 180.0
     settle_timeout_s: float = 30.0  # after the last request: wait for blocks to come back
     barrier_timeout_s: float = 60.0

@@ -36,6 +36,7 @@ from lw.fsm import (
 )
 from lw.fsm.kvmap import expected_senders, targets_of
 from lw.fsm.messages import KVFormat
+from lw.synthetic import netns
 from lw.synthetic.config import ClusterConfig
 from lw.synthetic.corrupt import CorruptingPlane
 from lw.synthetic.pattern import Pattern
@@ -89,11 +90,11 @@ def _faults(cfg: ClusterConfig, salt: int) -> FaultInjection | None:
     return None
 
 
-def _data_plane(cfg: ClusterConfig, name: str) -> Any:
+def _data_plane(cfg: ClusterConfig, name: str, host: str = "127.0.0.1") -> Any:
     if cfg.data_plane == "mooncake":
         from lw.transport.dataplane import MooncakeDataPlane
 
-        return MooncakeDataPlane("127.0.0.1", timeout_s=cfg.transfer_timeout_s)
+        return MooncakeDataPlane(host, timeout_s=cfg.transfer_timeout_s)
     from lw.transport.dataplane import InProcessDataPlane
 
     return InProcessDataPlane(f"{name}-{os.getpid()}-{time.monotonic_ns()}",
@@ -189,12 +190,12 @@ def _prefill_tp(cfg: ClusterConfig, rank: int, t: int, incarnation: int) -> _TP:
     """TP worker ``t`` of P DP rank ``rank``: its heads of every block, and its loop."""
     fmt = cfg.p_format(t)
     kv = np.zeros((cfg.layers, cfg.p_blocks, cfg.rank_block_bytes(fmt)), dtype=np.uint8)
-    dp = _data_plane(cfg, f"p{rank}t{t}")
+    dp = _data_plane(cfg, f"p{rank}t{t}", cfg.p_host)
     dp.register_memory(kv.ctypes.data, kv.nbytes)
     if cfg.fault == "corrupt-write":
         dp = CorruptingPlane(dp)
     keyless = cfg.fault == "no-cluster-key" and rank == cfg.prefill_dp - 1
-    side = SideChannel(cluster_key=None if keyless else cfg.cluster_key,
+    side = SideChannel(cfg.p_host, cluster_key=None if keyless else cfg.cluster_key,
                        faults=_faults(cfg, 1 + rank + 1000 * t))
     me = Sender(p_engine(rank), t, incarnation, side.addr)
     local = KVLayout(me.engine_id, incarnation, dp.session, _layouts(kv), fmt)
@@ -334,6 +335,8 @@ def decode_main(cfg: ClusterConfig, cmd: Connection, out: Connection, ports: lis
     name = f"decode-gen{generation}"
     if as_process:
         _as_process(name, cfg)
+        if cfg.d_netns:  # before any socket: the decoder lives behind the partitionable link
+            netns.enter(cfg.d_netns)
     outbox = _Outbox(out)
     try:
         _decode(cfg, cmd, outbox, ports, incarnation, generation)
@@ -349,9 +352,10 @@ def _decode_tp(cfg: ClusterConfig, j: int, port: int, incarnation: int, generati
     """TP worker ``j`` of the decoder: its heads of every block of the shared pool, its loop."""
     fmt = cfg.d_format(j)
     kv = np.zeros((cfg.layers, cfg.d_blocks, cfg.rank_block_bytes(fmt)), dtype=np.uint8)
-    dp = _data_plane(cfg, f"d{generation}t{j}")
+    dp = _data_plane(cfg, f"d{generation}t{j}", cfg.d_host)
     dp.register_memory(kv.ctypes.data, kv.nbytes)
-    side = SideChannel(port=port, cluster_key=cfg.cluster_key, faults=_faults(cfg, 1000 * j))
+    side = SideChannel(cfg.d_host, port=port, cluster_key=cfg.cluster_key,
+                       faults=_faults(cfg, 1000 * j))
     me = Sender(D_ENGINE, j, incarnation, side.addr)
     layout = KVLayout(D_ENGINE, incarnation, dp.session, _layouts(kv), fmt)
     loop = WorkerLoop(DecodeEndpoint(me, layout, cfg.decode_config()), side, dp,

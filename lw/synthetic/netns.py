@@ -1,0 +1,95 @@
+"""A real network between P and D: the decoder in its own network namespace behind a veth pair.
+
+:class:`Partition` creates a namespace and a veth pair (``10.77.N.1`` on this side, ``10.77.N.2``
+inside), and cuts or heals the link with ``ip link set ... down/up``: packets are dropped in the
+kernel, TCP connections stall and retransmit, exactly as between two hosts whose switch fails.
+Only those two addresses are ever used. The decoder process enters the namespace with
+:func:`enter` before it opens a socket. Needs root and ``ip`` (iproute2); :func:`unavailable`
+says why not when it cannot work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+CLONE_NEWNET = 0x40000000
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True, timeout=10)
+
+
+def unavailable() -> str:
+    """"" when namespaces and veth pairs can be made here, else why not."""
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"lw-probe-{os.getpid()}"
+    r = _ip("netns", "add", probe, check=False)
+    if r.returncode != 0:
+        return f"ip netns add failed: {r.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return ""
+
+
+class Partition:
+    """A namespace for the decoder, a veth pair to it, and a switch to cut the link."""
+
+    def __init__(self, index: int | None = None) -> None:
+        n = (os.getpid() % 200) + 20 if index is None else index
+        self.name = f"lw-d-{os.getpid()}"
+        self.host_if, self.ns_if = f"lwp{os.getpid() % 100000}", f"lwd{os.getpid() % 100000}"
+        self.host_ip, self.ns_ip = f"10.77.{n}.1", f"10.77.{n}.2"
+        self.cut = False
+        self._made = False
+
+    def __enter__(self) -> Partition:
+        why = unavailable()
+        if why:
+            raise OSError(f"network namespaces unavailable: {why}")
+        try:
+            _ip("netns", "add", self.name)
+            self._made = True
+            _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+            _ip("link", "set", self.ns_if, "netns", self.name)
+            _ip("addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
+            _ip("link", "set", self.host_if, "up")
+            _ip("-n", self.name, "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_if)
+            _ip("-n", self.name, "link", "set", self.ns_if, "up")
+            _ip("-n", self.name, "link", "set", "lo", "up")
+        except subprocess.CalledProcessError as exc:
+            self.__exit__()
+            raise OSError(f"could not set up the partition network: {exc.stderr.strip()}") from exc
+        return self
+
+    def partition(self) -> None:
+        """Cut the link: nothing passes between P and D until :meth:`heal`."""
+        _ip("link", "set", self.host_if, "down")
+        self.cut = True
+
+    def heal(self) -> None:
+        """Restore the link."""
+        _ip("link", "set", self.host_if, "up")
+        self.cut = False
+
+    def __exit__(self, *exc: object) -> None:
+        _ip("link", "del", self.host_if, check=False)  # removes both ends
+        if self._made:
+            _ip("netns", "del", self.name, check=False)
+            self._made = False
+
+
+def enter(name: str) -> None:
+    """Move the calling thread (and the threads it starts later) into namespace ``name``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
