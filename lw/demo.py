@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="worker logs (default: a temp directory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--abort-rate", type=float, default=0.0,
+                   help="probability that the client aborts a request during its transfer")
     p.add_argument("--kv-checksum", action="store_true",
                    help="P sends per-block CRC-32C with DONE; D verifies before finishing")
     p.add_argument("--status", action="store_true",
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 # the fault table runs corrupt-write the way it is meant to be caught
                 kv_checksum=args.kv_checksum or (fault == "corrupt-write" and len(faults) > 1),
                 status=args.status,
+                abort_rate=args.abort_rate,
+                run_timeout_s=max(180.0, 0.3 * args.requests),  # soak runs are long
                 trace_out=args.trace_out,
             )
         except ValueError as exc:
@@ -233,6 +237,12 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
                      f"{res.counters.get('trace_workers', 0)} workers")
     if res.detect_s:
         lines.append(f"  {'fault -> first request failed':<40} {_ms(res.detect_s)}")
+    if res.aborts:
+        lines.append(f"  {'client aborts sent':<40} {res.aborts}")
+    if res.rss_kib:
+        lines.append(f"  {'RSS start / warm (10 %) / end, MiB':<40} " + ", ".join(
+            f"{w} {a / 1024:.0f} / {b / 1024:.0f} / {c / 1024:.0f}"
+            for w, (a, b, c) in sorted(res.rss_kib.items())))
     if res.decoder_generations > 1:
         lines.append(f"  {'decoder incarnations':<40} {res.decoder_generations}")
     if res.dead_ranks:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import re
 import shutil
 import signal
@@ -70,6 +71,9 @@ class ClusterResult:
     decoder_generations: int = 1
     dead_ranks: list[int] = field(default_factory=list)
     detect_s: float = 0.0  # injected fault (kill, freeze) -> first request failed because of it
+    aborts: int = 0  # client aborts sent to the decoder
+    # worker -> RSS (KiB) at start, once 10 % of the requests ended (warm), and at the end
+    rss_kib: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     log_dir: str = ""
 
     @property
@@ -165,6 +169,8 @@ class _Cluster:
         self.thaw_at: float | None = None
         self.net: Partition | None = None  # the link to the decoder (partition faults)
         self.heal_at: float | None = None
+        self.rng = random.Random(cfg.seed)
+        self.aborts_due: list[tuple[float, str]] = []
         self.t_first = 0.0
         self.t_last = 0.0
 
@@ -265,6 +271,9 @@ class _Cluster:
                 self.d_ports = list(ev[3]["ports"])
         elif kind == "start_prefill":
             _, rid, d_addrs, blocks = ev  # one side-channel address per D TP worker
+            if self.cfg.abort_rate and self.rng.random() < self.cfg.abort_rate:
+                # the client goes away at some moment of the transfer (or just before it)
+                self.aborts_due.append((time.monotonic() + self.rng.uniform(0, 0.05), rid))
             live = [r for r in self.ranks if r.alive]
             if not live:
                 return  # nobody to prefill: D's deadline fails the request
@@ -411,6 +420,30 @@ class _Cluster:
                 self.fault_fired = True
                 self.fault_at = now
 
+    def fire_aborts(self) -> None:
+        """Send the client aborts that are due to the decoder."""
+        now = time.monotonic()
+        due = [x for x in self.aborts_due if x[0] <= now]
+        if not due or self.decoder is None:
+            return
+        self.aborts_due = [x for x in self.aborts_due if x[0] > now]
+        for _t, rid in due:
+            if rid not in self.outcome:
+                self.res.aborts += 1
+                self.send(self.decoder, ("abort", rid))
+
+    def record_rss(self, point: int) -> None:
+        """Resident memory of every worker (from its last stats) at ``point`` 0 (start), 1
+        (warm: 10 % of the requests ended) or 2 (end)."""
+        everyone = self.ranks + ([self.decoder] if self.decoder is not None else [])
+        for w in everyone:
+            s = w.final or w.stats
+            if s and s.get("rss_kib") and (w.alive or w.final is not None):
+                key = f"{w.role}{w.index}"
+                cur = list(self.res.rss_kib.get(key, (0, 0, 0)))
+                cur[point] = s["rss_kib"]
+                self.res.rss_kib[key] = (cur[0], cur[1], cur[2])
+
     def detected(self) -> None:
         """A request failed: the first failure after an injected fault is its detection."""
         if self.fault_at and not self.res.detect_s:
@@ -506,12 +539,20 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
                     f" ({len(dead)} died; logs in {cfg.log_dir})" if dead else ""))
                 return cl.res
             cl.pump(0.05)
+        cl.poll_stats()
+        cl.record_rss(0)
+        warm = False
         run_deadline = time.monotonic() + cfg.run_timeout_s
         while len(cl.outcome) < cfg.requests:
             if time.monotonic() > run_deadline:
                 cl.res.errors.append(f"run timeout: {len(cl.outcome)}/{cfg.requests} accounted")
                 break
             cl.inject()
+            cl.fire_aborts()
+            if not warm and len(cl.outcome) >= cfg.requests // 10:
+                warm = True
+                cl.poll_stats()
+                cl.record_rss(1)
             cl.maybe_show_status()
             cl.feed()
             cl.pump(0.02)
@@ -538,6 +579,7 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
         _stop(cl)
         _debug(cl, "collecting")
         _collect(cl)
+        cl.record_rss(2)
         return cl.res
     finally:
         _reap(cl)

@@ -28,6 +28,8 @@ FAULTS: dict[str, str] = {
     "partition_s (shorter than the heartbeat budget: transfers resume)",
     "partition-long": "the link is cut while layers are in flight for longer than every "
     "deadline (long_partition_s), then healed",
+    "mix": "drop 5%, duplicate 10% and garble 3% of side-channel frames, and land shifted "
+    "bytes in every 61st write, all at once (the soak's fault mix; use --kv-checksum)",
     "corrupt-write": "every 7th layer write of each P worker lands bytes shifted by one "
     "(caught by D's pattern check; with --kv-checksum, by the checksums first)",
 }
@@ -44,7 +46,7 @@ FAILURES_EXPECTED = frozenset({"kill-decoder", "freeze-decoder-before-contact",
                                "freeze-decoder-mid-transfer", "freeze-kill-decoder",
                                "kill-prefill-rank",
                                "drop-messages", "garbage-messages", "no-cluster-key",
-                               "corrupt-write", *PARTITION_FAULTS})
+                               "corrupt-write", "mix", *PARTITION_FAULTS})
 
 
 def canonical_fault(name: str) -> str:
@@ -98,6 +100,7 @@ class ClusterConfig:
     barrier_timeout_s: float = 60.0
     log_dir: str | None = None
     kv_checksum: bool = False  # P sends per-block CRC-32C with DONE, D verifies them
+    abort_rate: float = 0.0  # probability that the client aborts a request soon after D has it
     heartbeat_s: float = 0.5  # liveness probes between workers sharing requests (0: off)
     heartbeat_misses: int = 3
     status: bool = False  # print an lw status table of every worker while the fault is active
@@ -117,6 +120,8 @@ class ClusterConfig:
             raise ValueError("no-cluster-key needs --prefill-dp >= 2 (one keyed rank must remain)")
         if self.fault == "kill-prefill-rank" and self.prefill_dp < 2:
             raise ValueError("kill-prefill-rank needs --prefill-dp >= 2")
+        if not 0 <= self.abort_rate <= 1:
+            raise ValueError(f"abort_rate must be in [0, 1], got {self.abort_rate}")
         if self.requests < 1 or self.prefill_dp < 1 or self.layers < 1:
             raise ValueError("requests, prefill_dp and layers must be >= 1")
         if self.blocks_per_request > min(self.d_blocks, self.p_blocks):

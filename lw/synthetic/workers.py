@@ -87,6 +87,8 @@ def _faults(cfg: ClusterConfig, salt: int) -> FaultInjection | None:
         return FaultInjection(duplicate=0.3, seed=seed)
     if cfg.fault == "garbage-messages":
         return FaultInjection(garbage=0.1, seed=seed)
+    if cfg.fault == "mix":
+        return FaultInjection(drop=0.05, duplicate=0.1, garbage=0.03, seed=seed)
     return None
 
 
@@ -116,9 +118,21 @@ class _TP:
         self.loop = loop
 
 
+def rss_kib() -> int:
+    """This process's resident memory (KiB), from /proc; 0 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def _merged_stats(tps: list[_TP]) -> dict[str, Any]:
     """The TP workers' loop stats as one engine's: counts summed, percentiles their maximum."""
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"rss_kib": rss_kib()}
     for tp in tps:
         for k, v in tp.loop.stats().items():
             if isinstance(v, bool) or not isinstance(v, int | float):
@@ -192,8 +206,8 @@ def _prefill_tp(cfg: ClusterConfig, rank: int, t: int, incarnation: int) -> _TP:
     kv = np.zeros((cfg.layers, cfg.p_blocks, cfg.rank_block_bytes(fmt)), dtype=np.uint8)
     dp = _data_plane(cfg, f"p{rank}t{t}", cfg.p_host)
     dp.register_memory(kv.ctypes.data, kv.nbytes)
-    if cfg.fault == "corrupt-write":
-        dp = CorruptingPlane(dp)
+    if cfg.fault in ("corrupt-write", "mix"):
+        dp = CorruptingPlane(dp, every=7 if cfg.fault == "corrupt-write" else 61)
     keyless = cfg.fault == "no-cluster-key" and rank == cfg.prefill_dp - 1
     side = SideChannel(cfg.p_host, cluster_key=None if keyless else cfg.cluster_key,
                        faults=_faults(cfg, 1 + rank + 1000 * t))
@@ -463,6 +477,15 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
                     outbox.put(("stats", "d", generation, stats()))
                 elif c[0] == "freeze_after_alloc":
                     freeze_armed = True
+                elif c[0] == "abort":  # the client went away
+                    rid = c[1]
+                    if rid in waiting:
+                        waiting.remove(rid)
+                        outbox.put(("d_result", rid, "failed", "aborted before allocation",
+                                    0.0))
+                    elif rid in unreported:
+                        for tp in tps:
+                            tp.loop.call("abort", rid, "client went away")
                 elif c[0] == "stop":
                     stopping = True
         wake.clear()
