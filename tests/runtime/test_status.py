@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 
@@ -103,3 +104,28 @@ def test_cli_table_json_and_bad_addresses(capsys: pytest.CaptureFixture[str]) ->
         cli.main(["--workers", "not an address"])
     assert expand_addrs(["h:5600-5602,tcp://x:1"]) == [
         "tcp://h:5600", "tcp://h:5601", "tcp://h:5602", "tcp://x:1"]
+
+
+def test_phases_of_a_request_from_both_sides_and_the_proxy() -> None:
+    from lw.ops.phases import format_phases, milestones, phase_means
+
+    pair = make_pair()
+    try:
+        t_client = time.time()
+        pair.start("x1@r1", (0, 1), (2, 3))
+        wait_for(lambda: pair.p.endpoint.state_of("x1@r1") == "META_READY")
+        pair.compute("x1@r1", (0, 1))
+        pair.wait_reports(1, 1)
+        snap = query([pair.p.addr, pair.d.addr], timeline=1000)
+    finally:
+        pair.stop()
+    proxy = {"x1": {"received": t_client - 0.001, "first_token": time.time()}}
+    ms = milestones(snap, proxy)
+    times = ms["x1@r1"].times
+    order = ["received", "allocated", "admitted", "first_computed", "last_computed",
+             "last_written", "all_done", "first_token"]
+    assert [times[k] for k in order] == sorted(times[k] for k in order)
+    rows = {name: n for name, _mean, n in phase_means(ms)}
+    assert rows["D allocated -> metaserver called"] == 0  # this test has no metaserver
+    assert rows["transfer tail (last layer computed -> written)"] == 1
+    assert "sum of the means" in format_phases(phase_means(ms))

@@ -1,0 +1,102 @@
+"""Where the time of a P/D request goes: phases from lw's own lifecycle events on P and D,
+plus the proxy's view (client request, metaserver call, first token) when it is given.
+
+Pure functions of a :class:`~lw.ops.client.Snapshot` taken with timelines (``lw status``'s
+query) and the proxy's ``GET /lw/timeline`` events. Every time is put on the wall clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lw.ops.client import Snapshot
+
+# proxy events: transfer id (or sub-transfer id) -> event name -> wall time
+ProxyEvents = Mapping[str, Mapping[str, float]]
+
+# (phase name, from milestone, to milestone); milestones below
+PHASES: tuple[tuple[str, str, str], ...] = (
+    ("client -> D allocated", "received", "allocated"),
+    ("D allocated -> metaserver called", "allocated", "meta_posted"),
+    ("metaserver -> P admitted", "meta_posted", "admitted"),
+    ("P admitted -> first layer computed", "admitted", "first_computed"),
+    ("prefill compute (first -> last layer)", "first_computed", "last_computed"),
+    ("transfer tail (last layer computed -> written)", "last_computed", "last_written"),
+    ("last layer written -> D has every DONE", "last_written", "all_done"),
+    ("D has every DONE -> first token at the proxy", "all_done", "first_token"),
+)
+
+
+@dataclass
+class Milestones:
+    """One sub-transfer's milestones (wall clock seconds); missing ones stay absent."""
+
+    times: dict[str, float] = field(default_factory=dict)
+
+    def earliest(self, name: str, t: float) -> None:
+        """Keep the earliest ``t`` for ``name`` (several P workers: the first one)."""
+        if name not in self.times or t < self.times[name]:
+            self.times[name] = t
+
+    def latest(self, name: str, t: float) -> None:
+        """Keep the latest ``t`` for ``name`` (several P workers: the last one)."""
+        if name not in self.times or t > self.times[name]:
+            self.times[name] = t
+
+
+def milestones(snap: Snapshot, proxy: ProxyEvents | None = None) -> dict[str, Milestones]:
+    """Per sub-transfer id: its milestones from every worker's timeline and the proxy."""
+    out: dict[str, Milestones] = {}
+    for r in snap.replies:
+        shift = r.wall - r.now
+        for e in r.timeline:
+            t = e.t + shift
+            if e.event == "layer_computed":
+                for rid in e.req_ids:
+                    m = out.setdefault(rid, Milestones())
+                    m.earliest("first_computed", t)
+                    m.latest("last_computed", t)
+                continue
+            rid = e.req_ids[0]
+            m = out.setdefault(rid, Milestones())
+            if e.event == "allocated":
+                m.earliest("allocated", t)
+            elif e.event == "admitted":
+                m.earliest("admitted", t)
+            elif e.event == "layer_sent":
+                m.latest("last_written", t)
+            elif e.event == "all_done":
+                m.latest("all_done", t)
+            elif e.event == "ack" and e.dst == "DONE":
+                m.latest("done_acked", t)
+    for key, events in (proxy or {}).items():
+        # proxy events of a whole transfer apply to each of its sub-transfers
+        subs = [rid for rid in out if rid == key or rid.startswith(key + "@")] or [key]
+        for rid in subs:
+            m = out.setdefault(rid, Milestones())
+            for name, t in events.items():
+                m.earliest(name, t)
+    return out
+
+
+def phase_means(ms: Mapping[str, Milestones]) -> list[tuple[str, float, int]]:
+    """(phase, mean seconds, requests that had both ends) for every phase."""
+    rows = []
+    for name, a, b in PHASES:
+        xs = [m.times[b] - m.times[a] for m in ms.values() if a in m.times and b in m.times]
+        rows.append((name, sum(xs) / len(xs) if xs else float("nan"), len(xs)))
+    return rows
+
+
+def format_phases(rows: list[tuple[str, float, int]], title: str = "") -> str:
+    """The phase table as text (means in ms)."""
+    lines = [title] if title else []
+    lines.append(f"  {'phase':<48} {'mean ms':>9} {'n':>5}")
+    total = 0.0
+    for name, mean, n in rows:
+        if n:
+            total += mean
+        lines.append(f"  {name:<48} {mean * 1e3 if n else float('nan'):>9.1f} {n:>5}")
+    lines.append(f"  {'sum of the means':<48} {total * 1e3:>9.1f}")
+    return "\n".join(lines)
