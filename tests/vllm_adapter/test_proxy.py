@@ -703,3 +703,14 @@ def test_bad_input_gives_400(path: str, content: bytes, fragment: str) -> None:
         assert not c.world.has("d_request")
         m = c.metrics()
         assert m["bad_requests"] == 1 and m["requests"] == 0
+
+
+def test_proxy_timeline_keeps_first_times_and_is_bounded() -> None:
+    from lw.vllm_adapter.proxy_timeline import ProxyTimeline
+
+    tl = ProxyTimeline(capacity=2)
+    tl.mark("a", "received", 1.0)
+    tl.mark("a", "received", 2.0)  # the first time wins (retries, duplicates)
+    tl.mark("b", "received", 3.0)
+    tl.mark("c", "received", 4.0)
+    assert tl.snapshot() == {"b": {"received": 3.0}, "c": {"received": 4.0}}
