@@ -162,3 +162,19 @@ def test_sum_plan_names_the_blocks_and_runs_a_sender_wrote() -> None:
     blocks, runs = pair.d.sum_plan("r1", ("P", 0))  # type: ignore[misc]
     assert blocks == (5, 6, 7) and runs == [((0, 4096),)] * L
     assert pair.d.sum_plan("r1", ("P", 9)) is None and pair.d.sum_plan("nope", ("P", 0)) is None
+
+
+def test_awaited_peers_are_the_peers_live_requests_still_need() -> None:
+    pair = make_pair(n_ranks=2)
+    start(pair, expected=2, rank=0)
+    assert pair.ps[0].awaited_peers() == {D_ADDR: D_ADDR}
+    assert pair.d.awaited_peers() == {}  # nobody claimed yet: D cannot know whom to watch
+    pair.deliver_all()
+    assert pair.d.awaited_peers() == {f"{P_ADDR}/0": "P"}  # the claimer, by engine for peer_lost
+    compute_all(pair)
+    pair.complete_writes()
+    pair.deliver_all()  # rank 0 done; D still waits for rank 1, which never claimed
+    assert pair.ps[0].awaited_peers() == {}
+    assert pair.d.awaited_peers() == {}
+    pair.absorb("d", pair.d.abort("r1", "test", pair.now))
+    assert pair.d.awaited_peers() == {}  # final requests wait for nobody
