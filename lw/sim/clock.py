@@ -31,11 +31,21 @@ class Clock:
         first = min(at for at, _ in due)
         return [a for at, a in due if at == first]
 
-    def _idle(self) -> list[Action]:
-        """("idle",) when the clock can still move to just before the next deadline."""
+    def _idle(self, acts: list[Action]) -> list[Action]:
+        """("idle",) when the next deadline is one of D's (its prefill deadline or a lease) for a
+        request P is about to start, schedule or compute, and the clock can still move to just
+        before it: P's next step for that request then happens after D armed its timer and
+        just before it fires. (P's own timers are relative to P's own events.)"""
         due = self._deadlines()
-        if due and min(at for at, _ in due) - self.now > 1.5 * EPSILON:
-            return [("idle",)]
+        if not due:
+            return []
+        first = min(at for at, _ in due)
+        if first - self.now <= 1.5 * EPSILON:
+            return []
+        for at, a in due:
+            if at == first and a[0] == "timer" and a[1][0] == "d" and self._slow_for(
+                    acts, a[2][1]):
+                return [("idle",)]
         return []
 
     def _do_idle(self) -> None:

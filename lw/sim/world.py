@@ -65,6 +65,12 @@ from lw.transport.wire import (
     encode,
 )
 
+# Abstract time: the world may idle before these (P's engine busy or slow to start, schedule or
+# compute a layer; in the fine-grained model only before the first hook of a layer, so that both
+# models reach the same states); message and transfer delays are covered by timers firing while
+# they are in flight, and by writes timing out.
+SLOW = frozenset({"start", "schedule", "layer"})
+
 
 class World(Faults, Clock, Checks):
     """One state of the simulated cluster; mutated in place by :meth:`apply`."""
@@ -231,6 +237,23 @@ class World(Faults, Clock, Checks):
         st = self.p[w].state_of(self.reqs[r].rid)
         return st is not None and st != AWAIT_DECODER_META
 
+    def _slow_for(self, acts: list[Action], rid: str) -> bool:
+        """Whether P's engine could be slow before one of these actions of request ``rid``
+        (the proxy starting it, P scheduling it, computing a layer of it)."""
+        q = self.req_of(rid)
+        if q is None:
+            return False
+        for a in acts:
+            if a[0] not in SLOW and not (a[0] == "hook" and not any(self.hooks_done)):
+                continue
+            if a[0] == "start" and a[1] == q.idx:
+                return True
+            if a[0] == "schedule" and q.idx in self.p_queue[q.p_rank]:
+                return True
+            if a[0] in ("layer", "hook") and q.idx in self.p_batch[q.p_rank]:
+                return True
+        return False
+
     def _schedulable(self, i: int) -> bool:
         return bool(self.p_queue[i]) and (
             self.p_pool[i].count(None) >= self.cfg.blocks_per_request)
@@ -285,7 +308,7 @@ class World(Faults, Clock, Checks):
         if (faults and cfg.delays) or not acts:
             acts += self._due_timers()
             if faults and cfg.delays:
-                acts += self._idle()
+                acts += self._idle(acts)
         return acts
 
     # ------------------------------------------------------------------ description
