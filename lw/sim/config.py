@@ -138,8 +138,8 @@ class WorldConfig:
         """One line with the bounds, for reports."""
         kinds = ",".join(self.fault_kinds) or "none"
         delays = " + arbitrary delays (abstract time)" if self.delays else ", timely clock"
-        faults = (f"faults {kinds} (at most {self.max_faults}){delays}" if self.faults
-                  else "no faults")
+        faults = (f"faults {kinds} (at most {self.max_faults}){delays}" if self.fault_kinds
+                  else f"no injected faults{delays}") if self.faults else "no faults"
         if self.d_restarts:
             faults += f", D restarts {self.d_restarts}"
         if self.misconfigured():
