@@ -35,7 +35,7 @@ STRONG: tuple[dict[str, Any], ...] = (
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",
                "p_blocks", "blocks_per_request", "prefix_hits", "faults", "fault_kinds",
                "max_faults", "retries", "no_atomic_layers", "no_p_loss_detection",
-               "no_crash_zombies", "no_delays", "d_restarts")
+               "no_crash_zombies", "no_delays", "no_abstract_time", "d_restarts")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -80,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-delays", action="store_true", default=None,
                     help="with --faults: timely clock (it moves only when nothing else can); "
                          "the progress property is checked")
+    ap.add_argument("--no-abstract-time", action="store_true", default=None,
+                    help="with --faults: timers fire only at their fixed values (no idling to "
+                         "just before D's deadline; smaller, misses some interleavings)")
     ap.add_argument("--d-restarts", type=int, default=None,
                     help="a crashed D engine may restart (new incarnation, new layout)")
     ap.add_argument("--retries", type=int, default=None, help="P's meta/ack attempts")
@@ -137,6 +140,8 @@ def config_from(args: argparse.Namespace, base: dict[str, Any] | None = None) ->
         kw["fault_kinds"] = tuple(k for k in args.fault_kinds.split(",") if k)
     if args.no_delays:
         kw["delays"] = False
+    if args.no_abstract_time:
+        kw["abstract_time"] = False
     if args.no_atomic_layers:
         kw["atomic_layers"] = False
     if args.no_crash_zombies:

@@ -50,6 +50,9 @@ class WorldConfig:
     # before pending work, and the world may idle until just before the next deadline). Off: the
     # clock only moves when nothing else can (timely delivery), where progress is checked.
     delays: bool = True
+    # With delays, the world may idle to just before D's next deadline before P's next step for
+    # that request (lw.sim.clock): timers fire in any order the real system allows.
+    abstract_time: bool = True
     d_restarts: int = 0  # a crashed D engine may start again, with a new incarnation and layout
     # Blocks and layers D's layout registers (0: d_blocks, layers): a misconfigured D, for tests
     # that P never writes outside D's pool or with a layout of another size.
@@ -137,7 +140,9 @@ class WorldConfig:
     def bounds(self) -> str:
         """One line with the bounds, for reports."""
         kinds = ",".join(self.fault_kinds) or "none"
-        delays = " + arbitrary delays (abstract time)" if self.delays else ", timely clock"
+        delays = ((" + arbitrary delays (abstract time)" if self.abstract_time else
+                   " + arbitrary delays (timers at fixed values)") if self.delays
+                  else ", timely clock")
         faults = (f"faults {kinds} (at most {self.max_faults}){delays}" if self.fault_kinds
                   else f"no injected faults{delays}") if self.faults else "no faults"
         if self.d_restarts:

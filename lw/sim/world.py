@@ -307,7 +307,7 @@ class World(Faults, Clock, Checks):
             acts += self._fault_actions()
         if (faults and cfg.delays) or not acts:
             acts += self._due_timers()
-            if faults and cfg.delays:
+            if faults and cfg.delays and cfg.abstract_time:
                 acts += self._idle(acts)
         return acts
 

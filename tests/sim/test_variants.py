@@ -16,7 +16,6 @@ from lw.sim.config import WorldConfig
 from lw.sim.explorer import explore
 from lw.sim.trace import render_text
 from lw.sim.variants import DESIGNS, Design
-from lw.sim.world import World
 
 VARIANTS = [d for d in DESIGNS.values() if d.name != "d-first"]
 # d-first at these variants' bounds explores thousands of states (seconds on a loaded machine)
@@ -58,13 +57,21 @@ def test_d_first_holds_at_the_variant_bounds(design: Design) -> None:
     assert res.complete
 
 
-def test_deadline_during_a_write_needs_abstract_time(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deadline_during_a_write_needs_abstract_time() -> None:
     """Issue 12 (4c): with timers only at their fixed values, D's deadline never fires while a
     P write is in flight; idling until just before a deadline reaches that interleaving."""
     design = DESIGNS["deadline-frees-under-write"]
-    monkeypatch.setattr(World, "_idle", lambda self: [])
-    res = explore(_cfg(design.name, design), check_cycles=True)
+    fixed = WorldConfig(design=design.name, abstract_time=False, **design.config_overrides())
+    res = explore(fixed, check_cycles=True)
     assert res.counterexample is None and res.complete
+    assert any(a == ("idle",) for a in explore_trace(design))
+
+
+def explore_trace(design: Design) -> list[tuple]:
+    """The counterexample of a variant at its bounds (abstract time on)."""
+    res = explore(_cfg(design.name, design))
+    assert res.counterexample is not None
+    return res.counterexample.actions
 
 
 def test_cli_design_exits_1_and_d_first_bounds_of_exits_0(
