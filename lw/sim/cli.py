@@ -5,63 +5,98 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from lw.sim.explorer import Result, explore, random_walks
 from lw.sim.properties import PROPERTIES
 from lw.sim.trace import render_markdown, render_text
-from lw.sim.variants import DESIGNS
+from lw.sim.variants import BASE_BOUNDS, DESIGNS
 from lw.sim.world import FAULT_KINDS, WorldConfig
 
-# The generated counterexample gallery: file name -> the `lw check` arguments that produce it.
-GALLERY: dict[str, list[str]] = {
-    "p-first.md": ["--design", "p-first", "--dp", "2", "--requests", "2", "--layers", "2"],
-    "eager-free.md": ["--design", "eager-free", "--dp", "2", "--requests", "2", "--layers", "2"],
-}
+# The generated counterexample gallery: file name -> the `lw check` arguments that produce it
+# (one per variant, at its default bounds).
+GALLERY: dict[str, list[str]] = {f"{name}.md": ["--design", name]
+                                 for name in DESIGNS if name != "d-first"}
+
+# The strong default check (`lw check` with no bound flags): d-first at these bounds, then at
+# every variant's own bounds (so d-first is checked wherever a variant is caught).
+STRONG: tuple[dict[str, Any], ...] = (
+    dict(BASE_BOUNDS),
+    {"dp": 2, "tp": 2, "requests": 2, "layers": 2},
+    {"dp": 2, "d_tp": 2, "requests": 2, "layers": 2},
+    {"dp": 2, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("drop", "dup"),
+     "delays": False},
+    {"dp": 2, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("crash",),
+     "delays": False, "d_restarts": 1},
+)
+# Flags that set bounds: given any of them, `lw check` runs that one configuration.
+BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",
+               "p_blocks", "blocks_per_request", "prefix_hits", "faults", "fault_kinds",
+               "max_faults", "retries", "no_atomic_layers", "no_p_loss_detection",
+               "no_crash_zombies", "no_delays", "no_abstract_time", "d_restarts")
 
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser of `lw check`."""
     ap = argparse.ArgumentParser(prog="lw check", description=__doc__)
     ap.add_argument("--design", choices=sorted(DESIGNS), default="d-first",
-                    help="protocol variant (d-first is lw's protocol)")
-    ap.add_argument("--dp", type=int, default=2, help="P DP ranks (lock-step)")
-    ap.add_argument("--tp", type=int, default=1,
+                    help="protocol variant (d-first is lw's protocol; see --list-designs). "
+                         "Without bound flags a variant runs at its own bounds, and d-first "
+                         "runs the strong check: its base bounds and every variant's")
+    ap.add_argument("--list-designs", action="store_true",
+                    help="list the variants: name, upstream reference, what it does, the "
+                         "property that catches it")
+    ap.add_argument("--bounds-of", choices=sorted(DESIGNS), default=None,
+                    help="run --design at the default bounds of this variant")
+    ap.add_argument("--dp", type=int, default=None, help="P DP ranks (lock-step; default 2)")
+    ap.add_argument("--tp", type=int, default=None,
                     help="P TP workers per DP rank (each writes the D TP ranks kvmap assigns it)")
-    ap.add_argument("--requests", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--d-dp", type=int, default=1, help="D engines (DP ranks)")
-    ap.add_argument("--d-tp", type=int, default=1,
+    ap.add_argument("--requests", type=int, default=None, help="default 2")
+    ap.add_argument("--layers", type=int, default=None, help="default 2")
+    ap.add_argument("--d-dp", type=int, default=None, help="D engines (DP ranks)")
+    ap.add_argument("--d-tp", type=int, default=None,
                     help="D TP workers per D engine (one scheduler and block pool per engine)")
-    ap.add_argument("--mla", action="store_true",
+    ap.add_argument("--mla", action="store_true", default=None,
                     help="latent KV (MLA): one P writer per D TP worker, idle P ranks finish at "
                          "once")
-    ap.add_argument("--kv-heads", type=int, default=0,
+    ap.add_argument("--kv-heads", type=int, default=None,
                     help="the model's KV heads (default lcm(tp, d-tp); fewer than --tp: "
                          "replicated heads)")
-    ap.add_argument("--d-blocks", type=int, default=1, help="blocks per D engine")
-    ap.add_argument("--p-blocks", type=int, default=1, help="blocks per P rank")
-    ap.add_argument("--blocks-per-request", type=int, default=1)
-    ap.add_argument("--prefix-hits", type=_hits, default=(), metavar="N,N,...",
+    ap.add_argument("--d-blocks", type=int, default=None, help="blocks per D engine")
+    ap.add_argument("--p-blocks", type=int, default=None, help="blocks per P rank")
+    ap.add_argument("--blocks-per-request", type=int, default=None)
+    ap.add_argument("--prefix-hits", type=_hits, default=None, metavar="N,N,...",
                     help="per request: its first N blocks are in D's prefix cache (never written "
                          "by P); N = --blocks-per-request is a full hit (nothing to transfer)")
-    ap.add_argument("--faults", action="store_true",
+    ap.add_argument("--faults", action="store_true", default=None,
                     help="loss, duplication, failed writes, crashes, aborts, arbitrary delays")
-    ap.add_argument("--fault-kinds", default=",".join(FAULT_KINDS),
-                    help=f"comma-separated subset of {','.join(FAULT_KINDS)}")
+    ap.add_argument("--fault-kinds", default=None,
+                    help=f"comma-separated subset of {','.join(FAULT_KINDS)} (may be empty: "
+                         "delays only)")
     ap.add_argument("--max-faults", type=int, default=None,
                     help="fault budget per run (default 1 exhaustive, 4 random)")
-    ap.add_argument("--retries", type=int, default=2, help="P's meta/ack attempts")
+    ap.add_argument("--no-delays", action="store_true", default=None,
+                    help="with --faults: timely clock (it moves only when nothing else can); "
+                         "the progress property is checked")
+    ap.add_argument("--no-abstract-time", action="store_true", default=None,
+                    help="with --faults: timers fire only at their fixed values (no idling to "
+                         "just before D's deadline; smaller, misses some interleavings)")
+    ap.add_argument("--d-restarts", type=int, default=None,
+                    help="a crashed D engine may restart (new incarnation, new layout)")
+    ap.add_argument("--retries", type=int, default=None, help="P's meta/ack attempts")
     ap.add_argument("--mode", choices=("exhaustive", "random"), default="exhaustive")
     ap.add_argument("--seconds", type=float, default=None,
-                    help="time budget (random: default 10; exhaustive: none)")
+                    help="time budget (random: default 10; exhaustive: none; strong check: "
+                         "per configuration, default 30)")
     ap.add_argument("--max-states", type=int, default=None, help="exhaustive: state budget")
     ap.add_argument("--seed", type=int, default=0, help="random: seed")
-    ap.add_argument("--no-atomic-layers", action="store_true",
+    ap.add_argument("--no-atomic-layers", action="store_true", default=None,
                     help="explore each rank's layer hook and the barrier as separate actions")
-    ap.add_argument("--no-p-loss-detection", action="store_true",
+    ap.add_argument("--no-p-loss-detection", action="store_true", default=None,
                     help="D never calls peer_lost for a crashed P (deadline and lease only)")
-    ap.add_argument("--no-crash-zombies", action="store_true",
+    ap.add_argument("--no-crash-zombies", action="store_true", default=None,
                     help="assume a crashed P's in-flight writes never land")
     ap.add_argument("--trace-out", type=Path, default=None,
                     help="write the counterexample as Markdown with a Mermaid sequence diagram")
@@ -82,21 +117,93 @@ def _hits(text: str) -> tuple[int, ...]:
                                          ) from None
 
 
-def config_from(args: argparse.Namespace) -> WorldConfig:
-    """The world configuration the arguments describe."""
-    max_faults = args.max_faults
-    if max_faults is None:
-        max_faults = 1 if args.mode == "exhaustive" else 4
-    kinds = tuple(k for k in args.fault_kinds.split(",") if k)
-    return WorldConfig(
-        design=args.design, dp=args.dp, tp=args.tp, requests=args.requests, layers=args.layers,
-        d_dp=args.d_dp, d_tp=args.d_tp, d_blocks=args.d_blocks, p_blocks=args.p_blocks,
-        blocks_per_request=args.blocks_per_request, mla=args.mla, heads=args.kv_heads,
-        prefix_hits=args.prefix_hits, faults=args.faults,
-        fault_kinds=kinds, max_faults=max_faults, retries=args.retries,
-        atomic_layers=not args.no_atomic_layers, crash_zombies=not args.no_crash_zombies,
-        p_loss_detection=not args.no_p_loss_detection,
-    )
+def explicit_bounds(args: argparse.Namespace) -> bool:
+    """Whether any bound flag was given (then exactly one configuration runs)."""
+    return any(getattr(args, name) is not None for name in BOUND_FLAGS)
+
+
+def config_from(args: argparse.Namespace, base: dict[str, Any] | None = None) -> WorldConfig:
+    """The world configuration the arguments describe: ``base`` (default: the bounds of
+    --bounds-of, else of --design), then every explicit flag."""
+    if base is None:
+        base = DESIGNS[args.bounds_of or args.design].config_overrides()
+    kw: dict[str, Any] = dict(base)
+    flags = {"dp": "dp", "tp": "tp", "requests": "requests", "layers": "layers", "d_dp": "d_dp",
+             "d_tp": "d_tp", "mla": "mla", "kv_heads": "heads", "d_blocks": "d_blocks",
+             "p_blocks": "p_blocks", "blocks_per_request": "blocks_per_request",
+             "prefix_hits": "prefix_hits", "faults": "faults", "retries": "retries",
+             "d_restarts": "d_restarts", "max_faults": "max_faults"}
+    for flag, field in flags.items():
+        if getattr(args, flag) is not None:
+            kw[field] = getattr(args, flag)
+    if args.fault_kinds is not None:
+        kw["fault_kinds"] = tuple(k for k in args.fault_kinds.split(",") if k)
+    if args.no_delays:
+        kw["delays"] = False
+    if args.no_abstract_time:
+        kw["abstract_time"] = False
+    if args.no_atomic_layers:
+        kw["atomic_layers"] = False
+    if args.no_crash_zombies:
+        kw["crash_zombies"] = False
+    if args.no_p_loss_detection:
+        kw["p_loss_detection"] = False
+    if "max_faults" not in kw:
+        kw["max_faults"] = 1 if args.mode == "exhaustive" else 4
+    return WorldConfig(design=args.design, **kw)
+
+
+def strong_configs(design: str) -> list[tuple[str, dict[str, Any]]]:
+    """The strong check's configurations: STRONG, then each variant's bounds (deduplicated)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    seen: list[dict[str, Any]] = []
+    cands = [("strong", c) for c in STRONG]
+    cands += [(f"bounds of {d.name}", d.config_overrides()) for d in DESIGNS.values()
+              if d.name != "d-first"]
+    for label, kw in cands:
+        if kw not in seen:
+            seen.append(kw)
+            out.append((label, kw))
+    return out
+
+
+def list_designs() -> list[str]:
+    """One line per design: name, reference, expected verdict, summary."""
+    lines = []
+    for d in DESIGNS.values():
+        ref = d.ref or "lw"
+        verdict = "holds" if d.expected == "holds" else f"caught by {d.expected}"
+        lines.append(f"{d.name:28} {ref:34} {verdict}")
+        lines.append(f"{'':28} {d.summary}")
+    return lines
+
+
+def run_strong(args: argparse.Namespace) -> int:
+    """`lw check` without bound flags for d-first: every strong configuration, each within
+    its time budget; exit 1 on the first violation."""
+    budget = args.seconds if args.seconds is not None else 30.0
+    configs = strong_configs(args.design)
+    print(f"lw check: strong check of design {args.design}: {len(configs)} configurations "
+          f"(exhaustive, at most {budget:g} s each; `lw check --design NAME` runs one variant)")
+    t0 = time.perf_counter()
+    partial = 0
+    for n, (label, kw) in enumerate(configs, 1):
+        cfg = config_from(args, base=kw)
+        res = run_check(cfg, "exhaustive", budget, args.max_states, args.seed)
+        verdict = ("holds" if res.complete else "PARTIAL") if res.counterexample is None else (
+            f"VIOLATION {res.counterexample.violation.prop}")
+        partial += res.counterexample is None and not res.complete
+        print(f"[{n}/{len(configs)}] {label}: {cfg.bounds()}: {res.states} states, "
+              f"{res.seconds:.1f} s: {verdict}")
+        if res.counterexample is not None:
+            for line in report(cfg, res):
+                print(line)
+            return 1
+    done = "every configuration explored completely" if not partial else (
+        f"{partial} configuration(s) stopped at the time budget (no violation in their part)")
+    print(f"RESULT: all properties hold in {len(configs)} configurations ({done}), "
+          f"{time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 def run_check(cfg: WorldConfig, mode: str, seconds: float | None, max_states: int | None,
@@ -199,9 +306,16 @@ def default_gallery_dir() -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `lw check`: exit 0 when every property holds, 1 on a violation."""
     args = parser().parse_args(argv)
+    if args.list_designs:
+        for line in list_designs():
+            print(line)
+        return 0
     if args.counterexamples:
         return gallery(args.out or default_gallery_dir(), args.check)
     try:
+        if (args.design == "d-first" and args.bounds_of is None and args.mode == "exhaustive"
+                and not explicit_bounds(args)):
+            return run_strong(args)
         cfg = config_from(args)
     except ValueError as exc:
         print(f"lw check: {exc}", file=sys.stderr)

@@ -38,18 +38,19 @@ def msg_key(src: str, dest: str, msg: Message) -> MsgKey:
     kind = _SHORT[type(msg)]
     if isinstance(msg, MetaRequest):
         extra: tuple = (msg.want_layout,)
-    elif isinstance(msg, MetaReply):
-        extra = (msg.status, msg.layout is not None)
+    elif isinstance(msg, MetaReply):  # with D restarts the incarnations decide what P does
+        extra = (msg.status, msg.layout is not None, msg.responder.incarnation,
+                 None if msg.layout is None else msg.layout.incarnation)
     elif isinstance(msg, Ack):
-        extra = (msg.of, msg.accepted)
+        extra = (msg.of, msg.accepted, msg.responder.incarnation)
+    elif isinstance(msg, Abort):
+        extra = (msg.responder.incarnation,)
     elif isinstance(msg, AbortAck):
         extra = (msg.known, msg.in_doubt)
     elif isinstance(msg, DoneSending):
         extra = (msg.num_layers, msg.expected_senders)
-    elif isinstance(msg, FailedSending):
+    else:  # FailedSending
         extra = (msg.expected_senders, msg.in_doubt)
-    else:
-        extra = ()
     return (dest, src, kind, msg.req_id, extra)
 
 

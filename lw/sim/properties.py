@@ -32,6 +32,16 @@ PROPERTIES: tuple[Property, ...] = (
              "with 'accepted', and only where the sender plan (lw.fsm.kvmap) says it writes"),
     Property("cached-block-written", "§2.2", "always",
              "P never writes a D block that D serves from its prefix cache"),
+    Property("kv-placement", "§2.3", "always",
+             "each write sends the KV of the tokens D misses (P's blocks after the prefix hit) "
+             "into the D blocks that hold those tokens, block for block"),
+    Property("layout-match", "§2.2", "always",
+             "a write is addressed with its D worker's current layout (an earlier "
+             "incarnation's write fails), inside D's registered blocks, with as many layers as "
+             "P computes and byte runs that fit both blocks"),
+    Property("p-memory-bounded", "§2.1", "always",
+             "P holds no KV outside its block pool: writes read the request's own blocks, no "
+             "staged copy queues up while D is slower than compute"),
     Property("partial-kv", "§2.3", "always",
              "D reports a request finished only when every expected sender's every layer write "
              "has landed and none is still in flight (per D TP worker, and for the engine only "
@@ -46,15 +56,19 @@ PROPERTIES: tuple[Property, ...] = (
              "on both sides (otherwise the cycle of waits is printed)"),
     Property("request-ends", "§2.5", "eventually",
              "every request reaches DONE or FAILED on both live sides, reported exactly once, "
-             "within its deadlines; without faults every request is DONE"),
+             "within its deadlines"),
     Property("no-deadline-without-faults", "§2.5", "always",
              "without faults no timer ever fires (no deadline, retry or lease is needed)"),
     Property("blocks-return", "§2.6", "eventually",
              "when traffic stops every P and D block is back in its pool, nothing quarantined"),
+    Property("progress", "§2.5", "eventually",
+             "with a timely clock, every request ends DONE unless a fault touched it: without "
+             "faults no request fails, and k < retry-budget message losses never fail one; a "
+             "crash, abort or failed write of one request or D never fails another"),
     Property("sometimes-done", "vacuity", "sometimes",
              "some request reaches DONE on both sides"),
     Property("sometimes-deadline", "vacuity", "sometimes",
-             "with faults, some deadline or lease fires"),
+             "with faults, some deadline, lease or retry timer fires"),
 )
 
 PROPERTY_BY_ID: dict[str, Property] = {p.id: p for p in PROPERTIES}

@@ -1,12 +1,38 @@
-"""Protocol variants the checker can be pointed at: world-level behaviour switches, not core copies.
+"""Protocol variants for the checker: lw's design, and bugs found in the wild put back.
 
-Every variant runs the same ``lw.fsm`` endpoints; what changes is how the world around them
-behaves (who the proxy contacts first, whether the forward pass waits, when P frees blocks).
+Every variant runs the same ``lw.fsm`` endpoints or a subclass of them that changes one decision
+(:mod:`lw.sim.defects`); the rest is how the world around them behaves (who the proxy contacts
+first, whether the forward pass waits, when P frees blocks, ``quirks`` of the transport and the
+schedulers). A variant carries the bounds that expose its bug (``bounds``: overrides of
+:class:`~lw.sim.config.WorldConfig` fields); ``lw check --design NAME`` runs it there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from lw.fsm import DecodeEndpoint, PrefillEndpoint
+from lw.sim import defects
+
+# World behaviour switches a design may turn on (see lw.sim.world).
+QUIRKS = {
+    "front-trim": "on a partial prefix hit P aligns its blocks with D's by trimming the front "
+                  "(P's prefix blocks go into D's suffix slots)",
+    "full-hit-waits": "D registers a full prefix hit as a request to load (it waits for KV "
+                      "that no P sends)",
+    "staging-queue": "P's sender copies each layer into a staging buffer and queues it, with no "
+                     "bound on the queue",
+    "shared-layer-slot": "every layer of a request lives in one physical KV slot (layer k+1 is "
+                         "computed into the buffer layer k is still being read from)",
+    "poll-on-step": "P learns that a write completed only when its engine steps (an idle "
+                    "engine never polls)",
+    "serial-handshake": "a P worker's first contact with a D (MetaRequest asking for its "
+                        "layout) waits until its previous first contact was answered",
+}
+
+# Bounds of the plain check (lw check --design d-first with explicit flags starts from these).
+BASE_BOUNDS: dict[str, Any] = {"dp": 2, "requests": 2, "layers": 2}
 
 
 @dataclass(frozen=True)
@@ -15,53 +41,182 @@ class Design:
 
     name: str
     title: str
-    summary: str
-    d_first: bool  # the proxy asks D to allocate before P starts (else P and D start together)
-    hook_waits_for_meta: bool  # a P layer hook blocks until D's metadata for its requests arrived
-    timers: bool  # deadlines and retries exist (the pre-#3866 plan had none)
-    free_on_request_finished: bool  # P frees blocks when compute ends, not on SendFinished
-    expected: str  # what the checker must report: "holds", "deadlock" or "use-after-free"
+    summary: str  # one line: what the design does differently
+    expected: str  # the property the checker must report, or "holds"
+    ref: str = ""  # upstream reference of the bug it re-introduces
+    d_first: bool = True  # the proxy asks D to allocate before P starts (else P and D together)
+    hook_waits_for_meta: bool = False  # a P layer hook blocks until D's metadata arrived
+    timers: bool = True  # deadlines and retries exist (the pre-#3866 plan had none)
+    free_on_request_finished: bool = False  # P frees blocks when compute ends
+    quirks: frozenset[str] = frozenset()
+    prefill: type[PrefillEndpoint] = PrefillEndpoint
+    decode: type[DecodeEndpoint] = DecodeEndpoint
+    bounds: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    ruled_out: str = ""  # what in lw's design rules the bug out (docs/checker.md)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.quirks) - set(QUIRKS)
+        if unknown:
+            raise ValueError(f"design {self.name}: unknown quirks {sorted(unknown)}")
+
+    def config_overrides(self) -> dict[str, Any]:
+        """The WorldConfig fields of this design's default bounds (BASE_BOUNDS, then its own)."""
+        return {**BASE_BOUNDS, **self.bounds}
 
 
-DESIGNS: dict[str, Design] = {
-    "d-first": Design(
-        name="d-first",
-        title="lw's protocol (D first)",
-        summary=(
-            "D allocates its blocks first, then the proxy starts the prefill; P's layer hooks "
-            "only record the layer (never wait); P frees blocks only on SendFinished."
-        ),
-        d_first=True,
-        hook_waits_for_meta=False,
-        timers=True,
-        free_on_request_finished=False,
-        expected="holds",
-    ),
-    "p-first": Design(
-        name="p-first",
-        title="pre-#3866 plan (P first)",
-        summary=(
-            "The proxy starts P and D together; D allocates only when it has free blocks; a P "
-            "rank's layer hook blocks inside the forward pass until D's metadata for its "
-            "requests is ready, with no timeout (no deadlines anywhere)."
-        ),
-        d_first=False,
-        hook_waits_for_meta=True,
-        timers=False,
-        free_on_request_finished=False,
-        expected="deadlock",
-    ),
-    "eager-free": Design(
-        name="eager-free",
-        title="the seed's eager free",
-        summary=(
-            "As d-first, but P's request_finished returns 'free now' when compute ends: the "
-            "scheduler frees (and may reallocate) the blocks while layers are still being sent."
-        ),
-        d_first=True,
-        hook_waits_for_meta=False,
-        timers=True,
-        free_on_request_finished=True,
-        expected="use-after-free",
-    ),
-}
+_FAULTS_ONLY = {"dp": 1, "requests": 1, "layers": 1, "faults": True}
+
+_DESIGNS: tuple[Design, ...] = (
+    Design(
+        name="d-first", title="lw's protocol (D first)",
+        summary="D allocates its blocks first, then the proxy starts the prefill; P's layer hooks "
+                "only record the layer (never wait); P frees blocks only on SendFinished.",
+        expected="holds"),
+    Design(
+        name="p-first", title="pre-#3866 plan (P first)", ref="vllm-ascend #3866",
+        summary="The proxy starts P and D together; D allocates only when it has free blocks; a P "
+                "rank's layer hook blocks inside the forward pass until D's metadata for its "
+                "requests is ready, with no timeout (no deadlines anywhere).",
+        d_first=False, hook_waits_for_meta=True, timers=False, expected="deadlock",
+        ruled_out="D allocates first, and the hook only records the layer"),
+    Design(
+        name="eager-free", title="the seed's eager free", ref="lw seed (vllm-ascend #3866)",
+        summary="As d-first, but P's request_finished returns 'free now' when compute ends: the "
+                "scheduler frees (and may reallocate) the blocks while layers are still being "
+                "sent.",
+        free_on_request_finished=True, expected="use-after-free",
+        ruled_out="P reports 'delay free' and frees on SendFinished, sent only with no write in "
+                  "flight"),
+    Design(
+        name="stale-layout", title="layout cached across a D restart",
+        ref="vllm-ascend #4650",
+        summary="P caches D's KV layout per D address and never drops it: after D restarts, P "
+                "writes at the addresses the dead process had registered.",
+        prefill=defects.StaleLayoutCache, expected="layout-match",
+        bounds={"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("crash",),
+                "d_restarts": 1, "delays": False},
+        ruled_out="layouts are cached per (D worker, incarnation); a reply from another "
+                  "incarnation makes P ask for the layout again"),
+    Design(
+        name="request-id-suffix", title="DONE under P's internal request id",
+        ref="vllm-ascend #6360 (vllm #27987)",
+        summary="P's DONE carries the engine-internal request id (vLLM appends a random suffix), "
+                "which D never registered.",
+        prefill=defects.SuffixedRequestId, expected="core-protocol-error",
+        bounds={"dp": 1, "requests": 1, "layers": 1},
+        ruled_out="every message carries the id D allocated (the proxy's), checked by D"),
+    Design(
+        name="meta-error-kills-p", title="metadata error raised in the forward pass",
+        ref="vllm-ascend #7514",
+        summary="When P cannot reach a dead D for its metadata, the layer hook raises and the P "
+                "worker dies (with DP, its peers hang in the collective).",
+        prefill=defects.MetaErrorKillsWorker, expected="forward-never-waits",
+        bounds={**_FAULTS_ONLY, "layers": 2, "fault_kinds": ("crash",), "delays": False},
+        ruled_out="a failed claim is a FAILED transition; the hook only records layers"),
+    Design(
+        name="ack-no-timeout", title="DONE acknowledgement awaited for ever",
+        ref="vllm-ascend #7855",
+        summary="After DONE, P waits for D's acknowledgement with no retry and no deadline: a "
+                "lost acknowledgement holds P's blocks for ever.",
+        prefill=defects.NoAckTimeout, expected="request-ends",
+        bounds={**_FAULTS_ONLY, "fault_kinds": ("drop",), "delays": False},
+        ruled_out="the ack timer resends DONE and the request deadline stays armed"),
+    Design(
+        name="unbounded-send-queue", title="unbounded queue of staged layers",
+        ref="vllm-ascend #7834",
+        summary="P's sender copies each computed layer into a staging buffer and queues it with "
+                "no bound: when D is slower than compute, P's memory grows without limit.",
+        quirks=frozenset({"staging-queue"}), expected="p-memory-bounded",
+        bounds={"dp": 1, "requests": 1, "layers": 2},
+        ruled_out="writes read the request's own blocks (held until SendFinished): P needs no "
+                  "memory outside its block pool"),
+    Design(
+        name="done-sent-once", title="a lost DONE is never resent",
+        ref="vllm-ascend #8166",
+        summary="P sends DONE once; when it is lost P does not resend it and the request fails "
+                "although P's retry budget could have carried it.",
+        prefill=defects.DoneSentOnce, expected="progress",
+        bounds={**_FAULTS_ONLY, "fault_kinds": ("drop",), "delays": False},
+        ruled_out="DONE is resent on every ack tick until acknowledged (ack_attempts)"),
+    Design(
+        name="failed-write-as-done", title="failed transfer reported as complete",
+        ref="vllm-ascend #8959",
+        summary="A failed layer write is counted as complete: P sends DONE and D decodes KV "
+                "that never arrived.",
+        prefill=defects.FailedWriteAsDone, expected="partial-kv",
+        bounds={**_FAULTS_ONLY, "fault_kinds": ("write",), "delays": False},
+        ruled_out="a failed write fails the request (in doubt: D waits for its lease)"),
+    Design(
+        name="shared-layer-slot", title="physical KV slot shared by layers",
+        ref="vllm-ascend #14046",
+        summary="Layers share one physical KV slot: layer k+1 is computed into the buffer while "
+                "the write of layer k still reads it.",
+        quirks=frozenset({"shared-layer-slot"}), expected="use-after-free",
+        bounds={"dp": 1, "requests": 1, "layers": 2},
+        ruled_out="vLLM gives every layer its own KV tensor (one LayerLayout per layer); a "
+                  "source block is only reused after SendFinished"),
+    Design(
+        name="abort-frees-under-write", title="D's abort frees blocks P still writes",
+        ref="vllm #48633 (C1)",
+        summary="D aborting a request frees its blocks at once, while P's writes into them may "
+                "still land.",
+        decode=defects.AbortFreesAtOnce, expected="use-after-free",
+        bounds={**_FAULTS_ONLY, "fault_kinds": ("abort",), "delays": False},
+        ruled_out="a failed request is quarantined until every accepted sender stopped or "
+                  "its lease expired"),
+    Design(
+        name="deadline-frees-under-write", title="D's deadline frees blocks P still writes",
+        ref="issue 12 (4c); vllm #48633 (C1)",
+        summary="D's own deadline frees the blocks at once while a P write is in flight; only "
+                "abstract time (D's deadline firing during P's transfer) reaches it.",
+        decode=defects.DeadlineFreesAtOnce, expected="use-after-free",
+        bounds={**_FAULTS_ONLY, "fault_kinds": ()},
+        ruled_out="the deadline quarantines like any failure"),
+    Design(
+        name="idle-p-never-polls", title="an idle P never polls its writes",
+        ref="vllm #48633 (L1)",
+        summary="P learns of completed writes only when its engine steps; with no new request "
+                "the engine is idle, DONE is never sent and D waits for its deadline.",
+        quirks=frozenset({"poll-on-step"}), expected="no-deadline-without-faults",
+        bounds={"dp": 1, "requests": 1, "layers": 1},
+        ruled_out="each worker's event loop handles completions and timers by itself, whether "
+                  "or not the engine steps"),
+    Design(
+        name="handshake-hol", title="head-of-line handshake blocking",
+        ref="vllm #48633 (S2)",
+        summary="A P worker handshakes with one D at a time: a dead D's unanswered handshake "
+                "blocks the first contact with a healthy D, whose request fails.",
+        quirks=frozenset({"serial-handshake"}), expected="progress",
+        bounds={"dp": 1, "requests": 2, "layers": 1, "d_dp": 2, "p_blocks": 2,
+                "faults": True, "fault_kinds": ("crash",), "delays": False},
+        ruled_out="claims are per request and D worker, never wait for another D; a fault of "
+                  "one D touches only its requests (property progress)"),
+    Design(
+        name="partial-hit-front-trim", title="partial prefix hit written front-trimmed",
+        ref="vllm #48633 (C3), vllm #48758",
+        summary="On a partial D prefix hit, P sends its first blocks (the cached prefix) into "
+                "D's uncached suffix slots instead of its last ones.",
+        quirks=frozenset({"front-trim"}), expected="kv-placement",
+        bounds={"dp": 1, "requests": 1, "layers": 1, "blocks_per_request": 2, "d_blocks": 2,
+                "p_blocks": 2, "prefix_hits": (1,)},
+        ruled_out="P's local blocks are the tail after the hit (PrefillRequest.local_blocks), "
+                  "checked block for block against D's"),
+    Design(
+        name="full-hit-stranded", title="full D prefix hit waits for KV",
+        ref="vllm #56640",
+        summary="A request whose every block is in D's prefix cache is still registered as "
+                "loading; no P sends anything and it waits for its deadline.",
+        quirks=frozenset({"full-hit-waits"}), expected="no-deadline-without-faults",
+        bounds={"dp": 1, "requests": 1, "layers": 1, "prefix_hits": (1,)},
+        ruled_out="a full hit decodes at once and P gets no target (decoder_addr=())"),
+    Design(
+        name="d-never-reclaims", title="D blocks held for a P that never reports",
+        ref="vllm #46283",
+        summary="D has no deadline: when P dies before it claimed the request, D holds the "
+                "blocks for ever.",
+        decode=defects.NoDeadline, expected="deadlock",
+        bounds={**_FAULTS_ONLY, "fault_kinds": ("crash",), "delays": False},
+        ruled_out="every D request has a deadline (then a lease) from allocation"),
+)
+
+DESIGNS: dict[str, Design] = {d.name: d for d in _DESIGNS}

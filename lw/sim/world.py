@@ -13,16 +13,11 @@ properties, raising :class:`~lw.sim.properties.Violation`. No I/O.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 from lw.fsm import (
     ArmTimer,
     CancelTimer,
-    DecodeConfig,
     DecodeEndpoint,
     Effect,
-    PrefillConfig,
     PrefillEndpoint,
     PrefillRequest,
     ProtocolError,
@@ -34,243 +29,50 @@ from lw.fsm import (
     WriteLayer,
     check_lease,
 )
-from lw.fsm.kvmap import expected_senders, make_format, targets_of, tp_problem
-from lw.fsm.lifecycles import AWAIT_DECODER_META, DONE, FAILED, META_READY, layer_sent
+from lw.fsm.lifecycles import AWAIT_DECODER_META
 from lw.fsm.messages import KVFormat
+from lw.sim.checks import Checks
+from lw.sim.clock import Clock
 from lw.sim.clone import Cloner, Store
+from lw.sim.config import (  # noqa: F401  (re-exported for the explorer and tests)
+    FAULT_ACTIONS,
+    FAULT_KINDS,
+    HEAD_BYTES,
+    Action,
+    Owner,
+    Plan,
+    WorldConfig,
+    Write,
+    _layout,
+    _owner,
+    _p_layout,
+    _who,
+    d_addr,
+    p_addr,
+)
+from lw.sim.faults import Faults
 from lw.sim.network import MESSAGE_TYPES, MsgKey, Network, describe_key
 from lw.sim.properties import Violation
+from lw.sim.request import Req
 from lw.sim.variants import DESIGNS, Design
 from lw.transport.wire import (
     KVLayout,
     LayerLayout,
     MetaReply,
+    MetaRequest,
     Sender,
     decode,
     encode,
 )
 
-Action = tuple  # ("kind", *args): hashable, replayable
-Owner = tuple[str, int]  # ("p", P worker) or ("d", D worker)
-# A write in flight: (req index, layer, local blocks, remote blocks, D worker, deadline)
-Write = tuple[int, int, tuple[int, ...], tuple[int, ...], int, float]
-HEAD_BYTES = 4096  # bytes of one KV head in one block (layouts only; no bytes are moved)
-
-FAULT_KINDS = ("drop", "dup", "write", "crash", "abort")
-FAULT_ACTIONS = frozenset({"drop", "dup", "fail_write", "crash_p", "crash_d", "abort_d",
-                           "abort_p"})
+# Abstract time: the world may idle before these (P's engine busy or slow to start, schedule or
+# compute a layer; in the fine-grained model only before the first hook of a layer, so that both
+# models reach the same states); message and transfer delays are covered by timers firing while
+# they are in flight, and by writes timing out.
+SLOW = frozenset({"start", "schedule", "layer"})
 
 
-@dataclass(frozen=True)
-class WorldConfig:
-    """Bounds and switches of one world (everything the explorer's verdict depends on)."""
-
-    design: str = "d-first"
-    dp: int = 2  # P DP ranks
-    tp: int = 1  # P workers per DP rank (TP); each writes the D TP ranks kvmap.targets_of says
-    requests: int = 2
-    layers: int = 2
-    d_dp: int = 1  # D engines; request i goes to D engine i mod d_dp, P rank i mod dp
-    d_tp: int = 1  # D TP workers per D engine (one scheduler, one block pool, shared block ids)
-    d_blocks: int = 1  # blocks per D engine
-    p_blocks: int = 1  # blocks per P rank
-    blocks_per_request: int = 1
-    mla: bool = False  # latent KV (one head replicated on every rank): one writer per D worker
-    heads: int = 0  # the model's KV heads; 0: lcm(tp, d_tp) (MLA: the one latent head)
-    # Per request index: how many of its first blocks D already holds in its prefix cache (not
-    # written by P; missing entries 0). blocks_per_request is a full hit: nothing to transfer.
-    prefix_hits: tuple[int, ...] = ()
-    faults: bool = False
-    fault_kinds: tuple[str, ...] = FAULT_KINDS
-    max_faults: int = 1
-    retries: int = 2  # meta_attempts and ack_attempts of P (small keeps the space finite)
-    atomic_layers: bool = True  # the lock-step layer of all ranks as one action (sound reduction)
-    wire: bool = True  # every delivered message crosses the real byte encoding
-    # After a P crash its in-flight writes may still land (until transfer_timeout_s after the
-    # crash), as bytes of a write that failed "in doubt" may (see zombies in World).
-    crash_zombies: bool = True
-    # D calls peer_lost when it learns that the P engine died (core finding 2 in
-    # docs/checker.md); off: D relies on its deadline and lease alone.
-    p_loss_detection: bool = True
-    meta_retry_s: float = 1.0
-    ack_retry_s: float = 1.0
-    p_timeout_s: float = 30.0
-    d_timeout_s: float = 60.0
-    lease_s: float = 90.0
-    transfer_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.design not in DESIGNS:
-            raise ValueError(f"unknown design {self.design!r}; one of {', '.join(DESIGNS)}")
-        for name in ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "blocks_per_request",
-                     "retries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("d_blocks", "p_blocks"):
-            if getattr(self, name) < self.blocks_per_request:
-                raise ValueError(f"{name} must be >= blocks_per_request")
-        if self.max_faults < 0:
-            raise ValueError("max_faults must be >= 0")
-        bad = set(self.fault_kinds) - set(FAULT_KINDS)
-        if bad:
-            raise ValueError(f"unknown fault kinds {sorted(bad)}; known: {', '.join(FAULT_KINDS)}")
-        if self.heads < 0:
-            raise ValueError(f"heads must be >= 0, got {self.heads}")
-        for side, n in (("P", self.tp), ("D", self.d_tp)):
-            problem = tp_problem(n, self.kv_heads(), self.mla)
-            if problem:
-                raise ValueError(f"{side} TP {n}: {problem}")
-        if len(self.prefix_hits) > self.requests:
-            raise ValueError(f"{len(self.prefix_hits)} prefix hits given for "
-                             f"{self.requests} requests")
-        for h in self.prefix_hits:
-            if not 0 <= h <= self.blocks_per_request:
-                raise ValueError(f"a prefix hit must be 0..blocks_per_request="
-                                 f"{self.blocks_per_request} blocks, got {h}")
-
-    def kv_heads(self) -> int:
-        """The model's KV heads in this world (MLA: one latent head)."""
-        if self.mla:
-            return 1
-        return self.heads or math.lcm(self.tp, self.d_tp)
-
-    def hit(self, idx: int) -> int:
-        """Blocks of request ``idx`` that D already holds in its prefix cache."""
-        return self.prefix_hits[idx] if idx < len(self.prefix_hits) else 0
-
-    def prefill_config(self) -> PrefillConfig:
-        """The P endpoints' deadlines and retry budgets in this world."""
-        return PrefillConfig(meta_retry_s=self.meta_retry_s, meta_attempts=self.retries,
-                             ack_retry_s=self.ack_retry_s, ack_attempts=self.retries,
-                             request_timeout_s=self.p_timeout_s)
-
-    def decode_config(self) -> DecodeConfig:
-        """The D endpoints' deadline and lease in this world."""
-        return DecodeConfig(prefill_timeout_s=self.d_timeout_s, lease_s=self.lease_s)
-
-    def bounds(self) -> str:
-        """One line with the bounds, for reports."""
-        faults = (f"faults {','.join(self.fault_kinds)} (at most {self.max_faults}) + arbitrary "
-                  "delays" if self.faults else "no faults")
-        tp = f" x TP {self.tp}" if self.tp > 1 else ""
-        d_tp = f" x TP {self.d_tp}" if self.d_tp > 1 else ""
-        extra = ""
-        if self.mla:
-            extra += "MLA, "
-        elif self.heads or self.tp > 1 or self.d_tp > 1:
-            extra += f"{self.kv_heads()} KV head(s), "
-        if any(self.prefix_hits):
-            extra += f"D prefix hits {list(self.prefix_hits)} block(s), "
-        return (f"P DP ranks {self.dp}{tp}, requests {self.requests}, layers {self.layers}, "
-                f"D ranks {self.d_dp}{d_tp} x {self.d_blocks} block(s), P {self.p_blocks} "
-                f"block(s)/rank, {self.blocks_per_request} block(s)/request, {extra}{faults}")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Who writes what (from lw.fsm.kvmap): per TP rank formats, targets and expected senders."""
-
-    p_fmts: tuple[KVFormat, ...]  # per P TP rank
-    d_fmts: tuple[KVFormat, ...]  # per D TP rank
-    targets: tuple[tuple[int, ...], ...]  # per P TP rank: the D TP ranks it writes into
-    senders: tuple[frozenset[int], ...]  # per D TP rank: the P TP ranks that write into it
-
-    @classmethod
-    def of(cls, cfg: WorldConfig) -> Plan:
-        """The sender plan of a world's P and D TP layouts."""
-        def fmt(rank: int, size: int) -> KVFormat:
-            return make_format(tp_rank=rank, tp_size=size, total_heads=cfg.kv_heads(),
-                               block_tokens=1, dtype="bytes", mla=cfg.mla)
-
-        p_fmts = tuple(fmt(t, cfg.tp) for t in range(cfg.tp))
-        d_fmts = tuple(fmt(j, cfg.d_tp) for j in range(cfg.d_tp))
-        return cls(p_fmts, d_fmts, tuple(targets_of(f, cfg.d_tp) for f in p_fmts),
-                   tuple(expected_senders(f, cfg.tp) for f in d_fmts))
-
-
-class Req:
-    """The world's view of one request (what the schedulers and the client know)."""
-
-    __slots__ = ("idx", "rid", "p_rank", "d_rank", "hit", "d_stage", "p_stage", "d_blocks",
-                 "p_blocks", "started", "p_added", "landed", "send_reports", "send_ok",
-                 "recv_reports", "recv_ok", "accepted", "quarantined", "p_freed", "t_alloc",
-                 "t_padd", "t_dfail")
-
-    def __init__(self, idx: int, p_rank: int, d_rank: int, tp: int, d_tp: int = 1,
-                 hit: int = 0) -> None:
-        self.idx = idx
-        self.rid = f"r{idx}"
-        self.p_rank = p_rank
-        self.d_rank = d_rank  # the D engine
-        self.hit = hit  # first blocks D serves from its prefix cache (never written by P)
-        # D: new, waiting (for blocks), allocated, decoding, done, failed, aborted, lost
-        self.d_stage = "new"
-        # P: none, queued, scheduled, finished (SendFinished, free pending), released, aborted, lost
-        self.p_stage = "none"
-        self.d_blocks: tuple[int, ...] | None = None
-        self.p_blocks: tuple[int, ...] | None = None
-        self.started = False  # the proxy handed it to P
-        self.p_added = False  # PrefillEndpoint.add_request was called
-        # (P worker, D worker, layer) writes that landed in D
-        self.landed: frozenset[tuple[int, int, int]] = frozenset()
-        self.send_reports: tuple[int, ...] = (0,) * tp  # SendFinished per TP worker
-        self.send_ok: tuple[bool, ...] = (False,) * tp
-        self.recv_reports: tuple[int, ...] = (0,) * d_tp  # RecvDone/RecvFailed per D TP worker
-        self.recv_ok: tuple[bool, ...] = (False,) * d_tp  # RecvDone per D TP worker
-        # (P worker, D worker) pairs where P got MetaReply "accepted"
-        self.accepted: frozenset[tuple[int, int]] = frozenset()
-        self.quarantined = False
-        self.p_freed = False
-        self.t_alloc: float | None = None
-        self.t_padd: float | None = None
-        self.t_dfail: float | None = None
-
-    def key(self, now: float) -> tuple:
-        """Hashable content (times relative to ``now``)."""
-
-        def rel(t: float | None) -> float | None:
-            return None if t is None else round(t - now, 6)
-
-        return (self.d_stage, self.p_stage, self.d_blocks, self.p_blocks, self.started,
-                self.p_added, self.landed, self.send_reports, self.send_ok, self.recv_reports,
-                self.recv_ok, self.accepted, self.quarantined, self.p_freed, rel(self.t_alloc),
-                rel(self.t_padd), rel(self.t_dfail))
-
-    def d_final(self) -> bool:
-        """D side has nothing more to do for this request."""
-        return self.d_stage in ("done", "failed", "aborted", "lost")
-
-    def loads(self) -> bool:
-        """D needs KV from P (not a full prefix-cache hit)."""
-        return self.d_blocks is None or self.hit < len(self.d_blocks)
-
-    @property
-    def d_remote(self) -> tuple[int, ...]:
-        """D blocks P writes into (after the prefix-cache hit)."""
-        return (self.d_blocks or ())[self.hit:]
-
-    @property
-    def d_cached(self) -> tuple[int, ...]:
-        """D blocks served from D's prefix cache: P must never write them."""
-        return (self.d_blocks or ())[:self.hit]
-
-    @property
-    def p_local(self) -> tuple[int, ...]:
-        """P blocks whose KV goes to D (those of the tokens D does not hold)."""
-        return (self.p_blocks or ())[self.hit:]
-
-
-def d_addr(v: int) -> str:
-    """Side-channel address of D worker ``v`` (engine v // d_tp, TP rank v % d_tp)."""
-    return f"d{v}"
-
-
-def p_addr(i: int) -> str:
-    """Side-channel address of P rank ``i``."""
-    return f"p{i}"
-
-
-class World:
+class World(Faults, Clock, Checks):
     """One state of the simulated cluster; mutated in place by :meth:`apply`."""
 
     def __init__(self, cfg: WorldConfig) -> None:
@@ -287,12 +89,14 @@ class World:
         self.plan = Plan.of(cfg)
         nw = cfg.dp * cfg.tp  # P workers: worker w is DP rank w // tp, TP rank w % tp
         ndw = cfg.d_dp * cfg.d_tp  # D workers: worker v is engine v // d_tp, TP rank v % d_tp
-        self.p = [PrefillEndpoint(Sender("P", w, 1, p_addr(w)), cfg.layers, pcfg,
-                                  local=_p_layout(cfg, w, self.plan.p_fmts[w % cfg.tp]))
+        self.quirks = self.design.quirks
+        p_cls = self.design.prefill
+        self.p = [p_cls(Sender("P", w, 1, p_addr(w)), cfg.layers, pcfg,
+                        local=_p_layout(cfg, w, self.plan.p_fmts[w % cfg.tp]))
                   for w in range(nw)]
-        self.d = [DecodeEndpoint(Sender("D", v, 1, d_addr(v)),
-                                 _layout(cfg, v, self.plan.d_fmts[v % cfg.d_tp]), dcfg)
-                  for v in range(ndw)]
+        self.d_inc = [1] * cfg.d_dp  # incarnation per D engine (a restart starts a new one)
+        self.d = [self._new_decode(v, 1) for v in range(ndw)]
+        self.restarts = 0
         self.p_alive = True
         self.d_alive = [True] * cfg.d_dp  # per D engine (a dead TP worker takes its engine)
         self.p_lost_seen = [False] * ndw  # D worker v called peer_lost for P
@@ -320,6 +124,19 @@ class World:
         self.free_why: dict[tuple[str, int, int], str] = {}  # (pool, rank, block): last free
         self.recording = False
         self.events: list[tuple] = []  # (kind, ...) for trace diagrams, when recording
+        # quirk poll-on-step: completions P has not polled yet, per worker (req, layer, ok)
+        self.unpolled: list[list[tuple[int, int, bool]]] = [[] for _ in range(nw)]
+        # quirk serial-handshake: per P worker, the D address of the first contact in flight
+        # and the MetaRequests held behind it (dest, message)
+        self.lane: list[str | None] = [None] * nw
+        self.held: list[list[tuple[str, MetaRequest]]] = [[] for _ in range(nw)]
+
+    def _new_decode(self, v: int, incarnation: int) -> DecodeEndpoint:
+        """D worker ``v`` of the given incarnation (a fresh process: nothing remembered)."""
+        cfg = self.cfg
+        return self.design.decode(Sender("D", v, incarnation, d_addr(v)),
+                                  _layout(cfg, v, self.plan.d_fmts[v % cfg.d_tp], incarnation),
+                                  cfg.decode_config())
 
     # ------------------------------------------------------------------ identity and copies
     def key(self) -> tuple:
@@ -330,7 +147,8 @@ class World:
             tuple(self.p_lost_seen), tuple(sorted(self.d_lost_seen)), self.faults_used,
             tuple(sorted((k, round(at - now, 6)) for k, at in self.timers.items())),
             self.net.snapshot(),
-            tuple(tuple((w[0], w[1], w[4], round(w[5] - now, 6)) for w in f) for f in self.fifo),
+            tuple(tuple((w[0], w[1], w[4], round(w[5] - now, 6), w[6]) for w in f)
+                  for f in self.fifo),
             tuple(map(tuple, self.p_pool)), tuple(map(tuple, self.d_pool)),
             tuple(map(tuple, self.p_queue)), tuple(map(tuple, self.d_queue)),
             tuple(map(tuple, self.p_batch)), tuple(map(tuple, self.p_free_pending)),
@@ -339,16 +157,27 @@ class World:
             tuple(ep.snapshot() for ep in self.p) if self.p_alive else None,
             tuple(ep.snapshot() if self.d_alive[v // self.d_tp] else None
                   for v, ep in enumerate(self.d)),
+            tuple(self.d_inc), self.restarts, tuple(map(tuple, self.unpolled)),
+            # PrefillEndpoint.snapshot() names the cached D layouts but not their incarnation,
+            # which decides whether P asks again after a D restart: added here.
+            tuple(tuple(sorted((a, lay.incarnation, lay.layers[0].base_addr)
+                               for a, lay in ep._layouts.items()))
+                  for ep in self.p) if self.cfg.d_restarts else None,
+            tuple(self.lane), tuple(tuple((d, m.req_id) for d, m in h) for h in self.held),
         )
 
     def cloner(self) -> Cloner:
         """A fast copier for this world and its descendants (immutable parts by reference)."""
-        shared = {
-            World: ("cfg", "design", "store", "plan"),
-            PrefillEndpoint: ("declaration", "_table", "config", "me", "local", "fmt"),
-            DecodeEndpoint: ("declaration", "_table", "config", "me", "layout"),
+        p_shared = ("declaration", "_table", "config", "me", "local", "fmt")
+        d_shared = ("declaration", "_table", "config", "me", "layout")
+        shared: dict[type, tuple[str, ...]] = {
+            World: ("cfg", "design", "store", "plan", "quirks"),
+            PrefillEndpoint: p_shared,
+            DecodeEndpoint: d_shared,
             Network: ("msgs",),
         }
+        shared[self.design.prefill] = p_shared  # a design's defect subclass, if any
+        shared[self.design.decode] = d_shared
         by_ref = (Sender, KVLayout, LayerLayout, KVFormat, PrefillRequest, *MESSAGE_TYPES)
         return Cloner(self.store, shared, by_ref)
 
@@ -408,6 +237,23 @@ class World:
         st = self.p[w].state_of(self.reqs[r].rid)
         return st is not None and st != AWAIT_DECODER_META
 
+    def _slow_for(self, acts: list[Action], rid: str) -> bool:
+        """Whether P's engine could be slow before one of these actions of request ``rid``
+        (the proxy starting it, P scheduling it, computing a layer of it)."""
+        q = self.req_of(rid)
+        if q is None:
+            return False
+        for a in acts:
+            if a[0] not in SLOW and not (a[0] == "hook" and not any(self.hooks_done)):
+                continue
+            if a[0] == "start" and a[1] == q.idx:
+                return True
+            if a[0] == "schedule" and q.idx in self.p_queue[q.p_rank]:
+                return True
+            if a[0] in ("layer", "hook") and q.idx in self.p_batch[q.p_rank]:
+                return True
+        return False
+
     def _schedulable(self, i: int) -> bool:
         return bool(self.p_queue[i]) and (
             self.p_pool[i].count(None) >= self.cfg.blocks_per_request)
@@ -454,66 +300,16 @@ class World:
         if self.p_alive:
             acts += [("d_lost", w, d) for w in range(len(self.p)) for d in range(cfg.d_dp)
                      if not self.d_alive[d] and (w, d) not in self.d_lost_seen]
+        if self.restarts < cfg.d_restarts and not self.draining:
+            acts += [("restart_d", d) for d in range(cfg.d_dp) if not self.d_alive[d]]
         faults = self.faults_on()
         if faults and self.faults_used < cfg.max_faults:
             acts += self._fault_actions()
-        if faults or not acts:
+        if (faults and cfg.delays) or not acts:
             acts += self._due_timers()
+            if faults and cfg.delays and cfg.abstract_time:
+                acts += self._idle(acts)
         return acts
-
-    def _fault_actions(self) -> list[Action]:
-        kinds = self.cfg.fault_kinds
-        acts: list[Action] = []
-        if "drop" in kinds:
-            acts += [("drop", k) for k in self.net.keys()]
-        if "dup" in kinds:
-            acts += [("dup", k) for k in self.net.keys()]
-        if "write" in kinds:
-            acts += [("fail_write", w, doubt) for w, f in enumerate(self.fifo) if f
-                     for doubt in (False, True)]
-        if "crash" in kinds:
-            if self.p_alive:
-                acts.append(("crash_p",))
-            acts += [("crash_d", d) for d in range(self.cfg.d_dp) if self.d_alive[d]]
-        if "abort" in kinds:
-            for q in self.reqs:
-                if self._d_abortable(q):
-                    acts.append(("abort_d", q.idx))
-                if self._p_abortable(q):
-                    acts.append(("abort_p", q.idx))
-        return acts
-
-    def _d_abortable(self, q: Req) -> bool:
-        if q.d_stage in ("waiting", "decoding"):
-            return True
-        if q.d_stage == "allocated" and self.d_alive[q.d_rank]:
-            for v in self.d_workers_of(q.d_rank):
-                st = self.d[v].state_of(q.rid)
-                if st is not None and st not in (DONE, FAILED):
-                    return True
-        return False
-
-    def _p_abortable(self, q: Req) -> bool:
-        if not self.p_alive or self.phase is not None:
-            return False  # the scheduler handles aborts between steps
-        if q.p_stage == "queued":
-            return True
-        if q.p_added and q.p_stage == "scheduled":
-            for w in self.workers_of(q.p_rank):
-                st = self.p[w].state_of(q.rid)
-                if st is not None and st not in (DONE, FAILED):
-                    return True
-        return False
-
-    def _due_timers(self) -> list[Action]:
-        due: list[tuple[float, Action]] = [(at, ("timer", owner, key))
-                                           for (owner, key), at in self.timers.items()]
-        due += [(f[0][5], ("wto", i)) for i, f in enumerate(self.fifo) if f]
-        due += [(z[5], ("zexp", z[0], z[1], z[2], z[3])) for z in self.zombies]
-        if not due:
-            return []
-        first = min(at for at, _ in due)
-        return [a for at, a in due if at == first]
 
     # ------------------------------------------------------------------ description
     def describe(self, a: Action) -> str:
@@ -564,6 +360,8 @@ class World:
                 how = "FAILS IN DOUBT (bytes may still land) towards"
             if kind == "complete" and not self.d_alive[w[4] // self.d_tp]:
                 how = "fails (peer dead) towards"
+            elif kind == "complete" and w[6] != self.d_inc[w[4] // self.d_tp]:
+                how = "fails (peer restarted since) towards"
             return (f"{self.wname(a[1])}: write of {self.reqs[w[0]].rid} layer {w[1]} {how} "
                     f"D{w[4]} block(s) {list(w[3])}")
         if kind == "decode":
@@ -573,6 +371,11 @@ class World:
         if kind == "timer":
             (ok, oi), (tk, rid) = a[1], a[2]
             return f"t={self.timers[(a[1], a[2])]:g}: {ok.upper()}{oi} timer {tk}({rid}) fires"
+        if kind == "idle":
+            return "time passes, to just before the next deadline"
+        if kind == "restart_d":
+            return (f"{self.dname(a[1])} restarts (incarnation {self.d_inc[a[1]] + 1}, a new "
+                    "process with its memory registered anew)")
         if kind == "p_lost":
             return f"{self.dwname(a[1])} detects that the P engine is gone (peer_lost)"
         if kind == "d_lost":
@@ -638,6 +441,7 @@ class World:
             self._arrow("Proxy", self.dpart(d), f"allocate {q.rid}")
         else:
             q.d_stage = "lost"
+            q.touched = True
         if not self.design.d_first:
             if self.p_alive:
                 self.p_queue[q.p_rank].append(q.idx)
@@ -657,7 +461,15 @@ class World:
         q.d_blocks = blocks
         q.d_stage = "allocated"
         q.t_alloc = self.now
-        if not q.loads():
+        q.d_inc = self.d_inc[d]
+        if not q.loads() and "full-hit-waits" in self.quirks:
+            # vLLM #56640: the full hit is still registered as a request to load.
+            self._note(self.dpart(d), f"{q.rid} gets block(s) {list(blocks)}: full prefix-cache "
+                                      "hit, but registered as loading")
+            for v in self.d_workers_of(d):
+                self._effects(("d", v), self.d[v].add_request(
+                    q.rid, blocks, self.plan.senders[v % self.d_tp], self.now))
+        elif not q.loads():
             # Every block is in D's prefix cache: nothing to load, D decodes at once (the
             # stranded request of vLLM #56640 waited here for a transfer that never comes).
             q.d_stage = "decoding"
@@ -681,6 +493,12 @@ class World:
         self._arrow("Proxy", f"P{q.p_rank * self.tp}", f"prefill {q.rid}")
 
     def _do_schedule(self) -> None:
+        if "poll-on-step" in self.quirks:  # the step polls the completions of its writes
+            for w, done in enumerate(self.unpolled):
+                self.unpolled[w] = []
+                for r, layer, ok in done:
+                    self._effects(("p", w), self.p[w].transfer_done(
+                        self.reqs[r].rid, layer, ok, "" if ok else "peer gone", self.now))
         bpr = self.cfg.blocks_per_request
         for i in range(self.cfg.dp):
             pool = self.p_pool[i]
@@ -711,8 +529,11 @@ class World:
             # The D workers this TP rank writes into (none: MLA's idle ranks, a full prefix hit)
             js = plan.targets[w % self.tp] if q.loads() else ()
             n = len(plan.senders[js[0]]) if js else 1
+            local = q.p_local
+            if "front-trim" in self.quirks:  # vllm #48633 C3: align by trimming the front
+                local = (q.p_blocks or ())[:len(q.d_remote)]
             req = self.store.intern(PrefillRequest(
-                q.rid, tuple(d_addr(base + j) for j in js), q.p_local, q.d_remote, n))
+                q.rid, tuple(d_addr(base + j) for j in js), local, q.d_remote, n))
             self._effects(("p", w), self.p[w].add_request(req, self.now))
 
     def _all_p(self) -> str:
@@ -727,8 +548,22 @@ class World:
     def _do_hook(self, w: int, note: bool = True) -> None:
         k = self.phase
         assert k is not None
-        rids = [self.reqs[r].rid for r in self.p_batch[w // self.tp]]
-        effects = self.p[w].layer_computed(k, rids, self.now)
+        batch = self.p_batch[w // self.tp]
+        rids = [self.reqs[r].rid for r in batch]
+        if "shared-layer-slot" in self.quirks:
+            for x in self.fifo[w]:
+                if x[0] in batch and x[1] != k:
+                    raise Violation("use-after-free",
+                                    f"{self.wname(w)} computes layer {k} of "
+                                    f"{self.reqs[x[0]].rid} into the physical KV slot its "
+                                    f"layer {x[1]} write is still reading")
+        try:
+            effects = self.p[w].layer_computed(k, rids, self.now)
+        except RuntimeError as exc:
+            raise Violation("forward-never-waits",
+                            f"layer hook of {self.wname(w)} raised {type(exc).__name__}: {exc}; "
+                            "the worker dies inside the forward pass (its DP peers would wait "
+                            "in the collective for ever)") from exc
         for e in effects:
             if not isinstance(e, WriteLayer):
                 raise Violation("forward-never-waits",
@@ -796,90 +631,49 @@ class World:
         if dest[0] == "p":
             if not self.p_alive:
                 return
-            if isinstance(msg, MetaReply) and msg.status == "accepted":
-                q = self.reqs[int(msg.req_id[1:])]
-                q.accepted = q.accepted | {(idx, int(src[1:]))}
+            if isinstance(msg, MetaReply):
+                q = self.req_of(msg.req_id)
+                if q is not None and msg.status == "accepted":
+                    q.accepted = q.accepted | {(idx, int(src[1:]))}
+                if self.lane[idx] == src:  # serial-handshake: the first contact is answered
+                    self._next_handshake(idx)
             self._effects(("p", idx), self.p[idx].on_message(msg, self.now))
         else:
-            if not self.d_alive[idx // self.d_tp]:
+            e = idx // self.d_tp
+            if not self.d_alive[e]:
                 return
-            self._effects(("d", idx), self.d[idx].on_message(msg, self.now))
+            try:
+                effects = self.d[idx].on_message(msg, self.now)
+            except ProtocolError:
+                q = self.req_of(msg.req_id)
+                if q is None or q.d_inc == self.d_inc[e] or self.d[idx].state_of(q.rid):
+                    raise
+                # A message about a request of an earlier incarnation of this D: the new
+                # process does not know it and the runtime drops what the core refuses.
+                self._note(f"D{idx}", f"{msg.req_id} is unknown to this incarnation: dropped")
+                return
+            self._effects(("d", idx), effects)
 
-    def _do_drop(self, key: MsgKey) -> None:
-        self.net.take(key)
-        self._note(_who(key[1]), f"network drops {describe_key(key)}")
-
-    def _do_dup(self, key: MsgKey) -> None:
-        self.net.duplicate(key)
-        self._note(_who(key[1]), f"network duplicates {describe_key(key)}")
+    def req_of(self, rid: str) -> Req | None:
+        """The world's request with this id, if it is one (a defect may send other ids)."""
+        if rid[:1] == "r" and rid[1:].isdigit() and int(rid[1:]) < len(self.reqs):
+            return self.reqs[int(rid[1:])]
+        return None
 
     def _do_complete(self, i: int) -> None:
-        r, layer, _local, remote, v, _deadline = self.fifo[i].pop(0)
+        r, layer, _local, remote, v, _deadline, inc = self.fifo[i].pop(0)
         q = self.reqs[r]
-        if self.d_alive[v // self.d_tp]:
+        e = v // self.d_tp
+        ok = self.d_alive[e] and inc == self.d_inc[e]
+        if ok:
             q.landed = q.landed | {(i, v, layer)}
             self._arrow(f"P{i}", f"D{v}", f"KV {q.rid} layer {layer} -> block(s) {list(remote)}",
                         dashed=True)
-            self._effects(("p", i), self.p[i].transfer_done(q.rid, layer, True, "", self.now))
-        else:
-            self._effects(("p", i), self.p[i].transfer_done(q.rid, layer, False, "peer gone",
-                                                            self.now))
-
-    def _do_fail_write(self, i: int, in_doubt: bool) -> None:
-        r, layer, _l, remote, d, _dl = self.fifo[i].pop(0)
-        q = self.reqs[r]
-        self._note(f"P{i}", f"write of {q.rid} layer {layer} fails"
-                   + (" in doubt (bytes may still land)" if in_doubt else ""))
-        if in_doubt:
-            self._zombie(i, r, layer, d, remote)
-        self._effects(("p", i), self.p[i].transfer_done(q.rid, layer, False, "injected",
-                                                        self.now, in_doubt))
-
-    def _do_wto(self, i: int) -> None:
-        r, layer, _l, remote, d, deadline = self.fifo[i].pop(0)
-        self._tick(deadline)
-        q = self.reqs[r]
-        self._note(f"P{i}", f"t={deadline:g}: write of {q.rid} layer {layer} times out (in "
-                            "doubt)")
-        self._zombie(i, r, layer, d, remote)
-        self._effects(("p", i), self.p[i].transfer_done(q.rid, layer, False, "transfer timeout",
-                                                        self.now, True))
-
-    def _zombie(self, i: int, r: int, layer: int, v: int, remote: tuple[int, ...]) -> None:
-        """Bytes of a failed write that may still land in D's blocks for transfer_timeout_s."""
-        if self.d_alive[v // self.d_tp]:
-            self.zombies.append((i, r, layer, v, remote, self.now + self.cfg.transfer_timeout_s))
-
-    def _do_zexp(self, i: int, r: int, layer: int, v: int) -> None:
-        z = next(z for z in self.zombies if z[:4] == (i, r, layer, v))
-        self.zombies.remove(z)
-        self._tick(z[5])
-
-    def _do_timer(self, owner: Owner, key: tuple[str, str]) -> None:
-        at = self.timers.pop((owner, key))
-        self._tick(at)
-        kind, idx = owner
-        self._note(f"{kind.upper()}{idx}", f"t={at:g}: timer {key[0]}({key[1]}) fires")
-        if not self.cfg.faults:
-            raise Violation("no-deadline-without-faults",
-                            f"{kind.upper()}{idx}'s timer {key[0]}({key[1]}) fired at t={at:g} "
-                            "in a run without faults")
-        before = self._deadline_count()
-        if kind == "p":
-            self._effects(owner, self.p[idx].on_timer(key, self.now))
-        else:
-            self._effects(owner, self.d[idx].on_timer(key, self.now))
-        if self._deadline_count() > before:
-            self.flags.add("deadline")
-
-    def _tick(self, at: float) -> None:
-        if at < self.now:
-            raise AssertionError(f"clock would go back from {self.now} to {at}")
-        self.now = at
-
-    def _deadline_count(self) -> int:
-        n = sum(ep.counters["deadlines"] for ep in self.p)
-        return n + sum(ep.counters["deadlines"] + ep.counters["leases_expired"] for ep in self.d)
+        if "poll-on-step" in self.quirks:  # noticed only when P's engine steps next
+            self.unpolled[i].append((r, layer, ok))
+            return
+        self._effects(("p", i), self.p[i].transfer_done(q.rid, layer, ok, "" if ok else
+                                                        "peer gone", self.now))
 
     def _do_decode(self, r: int) -> None:
         q = self.reqs[r]
@@ -897,78 +691,17 @@ class World:
             self.free_why[("D", d, b)] = why
         self._note(self.dpart(d), f"frees block(s) {list(q.d_blocks or ())} of {q.rid} ({why})")
 
-    def _do_crash_p(self) -> None:
-        self.p_alive = False
-        if self.cfg.crash_zombies:  # bytes already handed to the transport may still land
-            for w, fifo in enumerate(self.fifo):
-                for r, layer, _l, remote, d, _dl in fifo:
-                    self._zombie(w, r, layer, d, remote)
-        self.fifo = [[] for _ in self.p]  # the processes are gone: no new writes
-        self.timers = {k: v for k, v in self.timers.items() if k[0][0] != "p"}
-        self.net.drop_to([p_addr(w) for w in range(len(self.p))])
-        self.phase = None
-        self.p_queue = [[] for _ in range(self.cfg.dp)]
-        self.p_batch = [[] for _ in range(self.cfg.dp)]
-        self.p_free_pending = [[] for _ in range(self.cfg.dp)]
-        for q in self.reqs:
-            if q.p_stage in ("queued", "scheduled", "finished"):
-                q.p_stage = "lost"
-        self._note("P0", "P engine crashes")
-
-    def _do_crash_d(self, d: int) -> None:
-        self.d_alive[d] = False
-        dead = self.d_workers_of(d)
-        self.timers = {k: t for k, t in self.timers.items()
-                       if not (k[0][0] == "d" and k[0][1] in dead)}
-        self.net.drop_to([d_addr(v) for v in dead])
-        self.zombies = [z for z in self.zombies if z[3] not in dead]
-        self.d_queue[d] = []
-        for q in self.reqs:
-            if q.d_rank == d and not q.d_final():
-                q.d_stage = "lost"
-        self._note(self.dpart(d), "crashes")
-
-    def _do_p_lost(self, v: int) -> None:
-        self.p_lost_seen[v] = True
-        self._effects(("d", v), self.d[v].peer_lost("P", "P engine crashed", self.now))
-
-    def _do_d_lost(self, i: int, d: int) -> None:
-        self.d_lost_seen.add((i, d))
-        for v in self.d_workers_of(d):
-            self._effects(("p", i), self.p[i].peer_lost(d_addr(v), "D crashed", self.now))
-
-    def _do_abort_d(self, r: int) -> None:
-        q = self.reqs[r]
-        d = q.d_rank
-        self._note(self.dpart(d), f"client aborts {q.rid}")
-        if q.d_stage == "waiting":
-            self.d_queue[d].remove(r)
-            q.d_stage = "aborted"
-        elif q.d_stage == "decoding":
-            self._free_d(q, "decode aborted")
-            q.d_stage = "done"
-        else:  # the scheduler's abort reaches every TP worker of the engine
-            for v in self.d_workers_of(d):
-                self._effects(("d", v), self.d[v].abort(q.rid, "client gone", self.now))
-
-    def _do_abort_p(self, r: int) -> None:
-        q = self.reqs[r]
-        i = q.p_rank
-        self._note(f"P{i * self.tp}", f"client aborts {q.rid}")
-        if q.p_stage == "queued":
-            self.p_queue[i].remove(r)
-            q.p_stage = "aborted"
-        else:
-            for w in self.workers_of(i):
-                self._effects(("p", w), self.p[w].abort(q.rid, "client gone", self.now))
-
     # ------------------------------------------------------------------ effects
     def _effects(self, owner: Owner, effects: list[Effect]) -> None:
         kind, idx = owner
         me = p_addr(idx) if kind == "p" else d_addr(idx)
         for e in effects:
             if isinstance(e, Send):
-                self.net.add(me, e.dest, e.msg)
+                if kind == "p" and "serial-handshake" in self.quirks and isinstance(
+                        e.msg, MetaRequest) and e.msg.want_layout:
+                    self._handshake(idx, e.dest, e.msg)
+                else:
+                    self.net.add(me, e.dest, e.msg)
             elif isinstance(e, WriteLayer):
                 self._on_write(idx, e)
             elif isinstance(e, ArmTimer):
@@ -995,6 +728,22 @@ class World:
             else:  # pragma: no cover - the Effect union is closed
                 raise AssertionError(f"unknown effect {e!r}")
 
+    def _handshake(self, w: int, dest: str, msg: MetaRequest) -> None:
+        """Quirk serial-handshake: one first contact in flight per P worker; others wait."""
+        if self.lane[w] in (None, dest):
+            self.lane[w] = dest
+            self.net.add(p_addr(w), dest, msg)
+        elif all(h != (dest, msg) for h in self.held[w]):
+            self.held[w].append((dest, msg))
+            self._note(f"P{w}", f"first contact with {_who(dest)} for {msg.req_id} waits behind "
+                                f"the one with {_who(self.lane[w] or '')}")
+
+    def _next_handshake(self, w: int) -> None:
+        self.lane[w] = None
+        held, self.held[w] = self.held[w], []
+        for dest, msg in held:
+            self._handshake(w, dest, msg)
+
     def _on_write(self, i: int, e: WriteLayer) -> None:
         q = self.reqs[int(e.req_id[1:])]
         v = _d_worker_of(e.layout)
@@ -1013,12 +762,47 @@ class World:
                             f"{self.wname(i)} writes {q.rid} layer {e.layer} into D block(s) "
                             f"{cached}, which D serves from its prefix cache")
         if e.local_blocks != q.p_local or e.remote_blocks != q.d_remote:
-            raise Violation("use-after-free",
-                            f"{self.wname(i)} writes {q.rid} from/to blocks other than its own")
+            raise Violation("kv-placement",
+                            f"{self.wname(i)} writes {q.rid} layer {e.layer} from P block(s) "
+                            f"{list(e.local_blocks)} into D block(s) {list(e.remote_blocks)}; "
+                            f"the tokens D misses are in P block(s) {list(q.p_local)} and go to "
+                            f"D block(s) {list(q.d_remote)}")
+        self._check_layout(i, q, v, e)
+        if "staging-queue" in self.quirks and self.fifo[i]:
+            raise Violation("p-memory-bounded",
+                            f"{self.wname(i)} stages a copy of {q.rid} layer {e.layer} while "
+                            f"{len(self.fifo[i])} staged layer(s) still wait to be sent: the "
+                            "queue of copies grows with every layer D is slower than compute")
         self.fifo[i].append((q.idx, e.layer, e.local_blocks, e.remote_blocks, v,
-                             self.now + self.cfg.transfer_timeout_s))
+                             self.now + self.cfg.transfer_timeout_s, e.layout.incarnation))
         to = f" to D{v}" if self.d_tp > 1 else ""
         self._note(f"P{i}", f"write of {q.rid} layer {e.layer}{to} submitted (in flight)")
+
+    def _check_layout(self, i: int, q: Req, v: int, e: WriteLayer) -> None:
+        """Property layout-match: a write is addressed with its D worker's current layout (or
+        with an earlier incarnation's, which fails), inside D's pool, with P's layer count and
+        byte runs that fit both blocks."""
+        cur = self.d[v].layout
+        lay = e.layout
+        who = f"{self.wname(i)}'s write of {q.rid} layer {e.layer} into {self.dwname(v)}"
+        if lay.incarnation == cur.incarnation and lay != cur:
+            raise Violation("layout-match", f"{who} uses a layout that is not D's own (the "
+                                            "addresses of an earlier incarnation)")
+        if len(lay.layers) != self.cfg.layers:
+            raise Violation("layout-match", f"{who} uses a layout of {len(lay.layers)} layers; "
+                                            f"P computes {self.cfg.layers}")
+        n = min(self.cfg.d_blocks, cur.layers[min(e.layer, len(cur.layers) - 1)].num_blocks)
+        past = [b for b in e.remote_blocks if not 0 <= b < n]
+        if past:
+            raise Violation("layout-match", f"{who} targets block(s) {past}, past the end of "
+                                            f"D's {n} registered block(s)")
+        mine = self.p[i].local
+        if e.segments is not None and mine is not None:
+            src, dst = mine.layers[e.layer].block_len, lay.layers[e.layer].block_len
+            bad = [s for s in e.segments if s[0] + s[2] > src or s[1] + s[2] > dst]
+            if bad:
+                raise Violation("layout-match", f"{who} has byte runs {bad} outside the blocks "
+                                                f"({src} bytes on P, {dst} on D)")
 
     def _on_send_finished(self, i: int, e: SendFinished) -> None:
         q = self.reqs[int(e.req_id[1:])]
@@ -1129,119 +913,6 @@ class World:
         self._d_settle(q)
 
     # ------------------------------------------------------------------ properties
-    def check_safety(self) -> None:
-        """The 'always' properties on this state; raises Violation."""
-        L = self.cfg.layers
-        tp, d_tp = self.tp, self.d_tp
-        for z in self.zombies:
-            self._check_owned(z[0] // tp, z[1], (), z[3] // d_tp, z[4],
-                              f"in-doubt bytes of its layer {z[2]} write from P worker {z[0]} "
-                              f"may land until t={z[5]:g}")
-        for i, fifo in enumerate(self.fifo):
-            for w in fifo:
-                self._check_owned(i // tp, w[0], w[2], w[4] // d_tp, w[3],
-                                  f"its layer {w[1]} write from P worker {i} is in flight")
-        if not self.p_alive:
-            return
-        more = {AWAIT_DECODER_META, META_READY, *(layer_sent(k) for k in range(L - 1))}
-        for i, ep in enumerate(self.p):
-            for rid in ep.live_requests():
-                st = ep.state_of(rid)
-                if st in more or ep.inflight_writes(rid):
-                    q = self.reqs[int(rid[1:])]
-                    d_side = st != AWAIT_DECODER_META and st in more
-                    self._check_owned(i // tp, q.idx, q.p_blocks or (), q.d_rank,
-                                      q.d_blocks if d_side else (),
-                                      f"it is {st} on {self.wname(i)} with "
-                                      f"{ep.inflight_writes(rid)} write(s) in flight")
-
-    def _check_owned(self, i: int, r: int, local: tuple[int, ...], d: int,
-                     remote: tuple[int, ...] | None, why: str) -> None:
-        rid = self.reqs[r].rid
-        if self.p_alive:
-            pool = self.p_pool[i]
-            for b in local:
-                if pool[b] != r:
-                    how = self.free_why.get(("P", i, b), "?")
-                    raise Violation("use-after-free",
-                                    f"P rank {i} block {b} was freed ({how}) while {rid} may "
-                                    f"still read it ({why}); it is now {_owner(pool[b])}")
-        if remote and self.d_alive[d]:
-            pool = self.d_pool[d]
-            for b in remote:
-                if pool[b] != r:
-                    how = self.free_why.get(("D", d, b), "?")
-                    raise Violation("use-after-free",
-                                    f"{self.dname(d)} block {b} was freed ({how}) while {rid} may "
-                                    f"still write into it ({why}); it is now {_owner(pool[b])}")
-
-    def check_terminal(self) -> None:
-        """The 'eventually' properties at a state where no action is enabled."""
-        from lw.sim.properties import explain_stuck
-
-        stuck = [q for q in self.reqs if not self._finished_both(q)]
-        if stuck:
-            names = ", ".join(q.rid for q in stuck)
-            raise Violation("deadlock", f"no action is enabled but {names} never finished",
-                            explain_stuck(self))
-        for q in self.reqs:
-            once = (1 if q.loads() else 0,) * self.d_tp  # a full prefix hit has nothing to load
-            if self.d_alive[q.d_rank] and q.d_blocks is not None and q.recv_reports != once:
-                raise Violation("request-ends", f"{q.rid} was reported {list(q.recv_reports)} "
-                                                f"times by the workers of {self.dname(q.d_rank)}")
-            if self.p_alive and q.p_added and any(n != 1 for n in q.send_reports):
-                raise Violation("request-ends", f"{q.rid} was reported {q.send_reports} times "
-                                                f"by the workers of P DP rank {q.p_rank}")
-            if not self.cfg.faults and not ((all(q.recv_ok) or not q.loads()) and all(q.send_ok)
-                                            and q.d_stage == "done"):
-                raise Violation("request-ends", f"{q.rid} did not complete although there "
-                                                "were no faults", self.summary())
-        if self.p_alive:
-            for i, pool in enumerate(self.p_pool):
-                if any(o is not None for o in pool):
-                    raise Violation("blocks-return", f"P rank {i} still holds blocks {pool}")
-            for i, ep in enumerate(self.p):
-                if ep.live_requests():
-                    raise Violation("blocks-return",
-                                    f"{self.wname(i)} still holds {ep.live_requests()}")
-        for d, pool in enumerate(self.d_pool):
-            if not self.d_alive[d]:
-                continue
-            if any(o is not None for o in pool):
-                raise Violation("blocks-return", f"{self.dname(d)} still holds blocks {pool}")
-            for v in self.d_workers_of(d):
-                if self.d[v].live_requests():
-                    raise Violation("blocks-return",
-                                    f"D{v} still holds {self.d[v].live_requests()}")
-
-    def _finished_both(self, q: Req) -> bool:
-        d_ok = q.d_final() or not self.d_alive[q.d_rank]
-        if not self.p_alive:
-            return d_ok
-        if q.p_stage in ("released", "aborted", "lost"):
-            p_ok = True
-        elif q.p_stage == "none":
-            p_ok = not (self.design.d_first and q.d_blocks is not None)
-        else:
-            p_ok = False
-        return d_ok and p_ok
-
-
-def _layout(cfg: WorldConfig, v: int, fmt: KVFormat) -> KVLayout:
-    """D worker ``v``'s KV layout: one block of HEAD_BYTES per head it holds, per layer."""
-    n = HEAD_BYTES * (fmt.head_hi - fmt.head_lo)
-    layers = [LayerLayout(0x1000_0000 + k * 0x100_0000, n, n, cfg.d_blocks)
-              for k in range(cfg.layers)]
-    return KVLayout("D", 1, f"d{v}-te:15000", layers, fmt)
-
-
-def _p_layout(cfg: WorldConfig, w: int, fmt: KVFormat) -> KVLayout:
-    """P worker ``w``'s own KV layout (its format is what its MetaRequests carry)."""
-    n = HEAD_BYTES * (fmt.head_hi - fmt.head_lo)
-    layers = [LayerLayout(0x2000_0000 + k * 0x100_0000, n, n, cfg.p_blocks)
-              for k in range(cfg.layers)]
-    return KVLayout("P", 1, f"p{w}-te:16000", layers, fmt)
-
 
 def _where_raised(exc: BaseException) -> str:
     """Where an exception was raised, as "file:line (function)" relative to the lw package."""
@@ -1259,11 +930,3 @@ def _where_raised(exc: BaseException) -> str:
 def _d_worker_of(layout: KVLayout) -> int:
     """The D worker a WriteLayer goes to, from its layout's transfer-engine session."""
     return int(layout.te_session.split("-", 1)[0][1:])
-
-
-def _who(addr: str) -> str:
-    return addr[0].upper() + addr[1:]
-
-
-def _owner(o: int | None) -> str:
-    return "free" if o is None else f"owned by r{o}"

@@ -79,7 +79,7 @@ def test_finding_1_failed_sending_waits_for_writes_in_flight() -> None:
 def test_finding_1_explorer_regression() -> None:
     """The faults that found finding 1 (aborts, failed writes) find nothing any more."""
     cfg = WorldConfig(design="d-first", dp=1, requests=1, layers=2, faults=True,
-                      fault_kinds=("write", "abort"))
+                      fault_kinds=("write", "abort"), abstract_time=False)  # as found
     res = explore(cfg)
     assert res.counterexample is None, res.counterexample.violation.headline()
 
@@ -100,7 +100,7 @@ def test_finding_2_peer_lost_must_not_release_before_the_lease() -> None:
 def test_finding_2_found_by_the_explorer() -> None:
     """d-first with faults (crashes, timeouts) must hold; it does not while finding 2 is open."""
     cfg = WorldConfig(design="d-first", dp=1, requests=1, layers=1, faults=True,
-                      crash_zombies=False)
+                      crash_zombies=False, abstract_time=False)  # as found
     res = explore(cfg)
     ce = res.counterexample
     assert ce is None, ce.violation.headline() if ce else ""

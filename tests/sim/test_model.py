@@ -24,15 +24,15 @@ from lw.sim.world import Action, World, WorldConfig
 
 from .profiles import sim_settings
 
-# Core finding 2 (test_core_findings.py): until DecodeEndpoint.peer_lost waits for the lease,
-# the random model runs without D-side P-loss detection so that it can look for other bugs.
-P_LOSS_DETECTION = False
+# Core finding 2 (test_core_findings.py) is fixed: the random model runs with D-side P-loss
+# detection on, like `lw check`.
+P_LOSS_DETECTION = True
 
 PROXY = frozenset({"arrive", "alloc", "start"})
 P_STEP = frozenset({"schedule", "layer", "hook", "barrier"})
 DATA = frozenset({"complete", "decode"})
-CLOCK = frozenset({"timer", "wto"})
-DETECT = frozenset({"p_lost", "d_lost"})
+CLOCK = frozenset({"timer", "wto", "zexp", "idle"})
+DETECT = frozenset({"p_lost", "d_lost", "restart_d"})
 NORMAL = PROXY | P_STEP | DATA | CLOCK | DETECT | {"deliver"}
 DROP = frozenset({"drop"})
 DUP = frozenset({"dup"})
@@ -60,6 +60,8 @@ def worlds(draw: st.DrawFn, design: str) -> WorldConfig:
         p_blocks=bpr + draw(st.integers(0, 1), label="extra_p_blocks"),
         prefix_hits=tuple(hits), faults=draw(st.booleans(), label="faults"),
         max_faults=draw(st.integers(1, 4), label="max_faults"),
+        delays=draw(st.booleans(), label="delays"),
+        d_restarts=draw(st.integers(0, 1), label="d_restarts"),
         atomic_layers=draw(st.booleans(), label="atomic"), p_loss_detection=P_LOSS_DETECTION)
 
 

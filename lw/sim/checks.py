@@ -1,0 +1,131 @@
+"""The properties checked on world states: safety after every action, liveness where nothing
+is enabled (a mixin of :class:`lw.sim.world.World`)."""
+
+from __future__ import annotations
+
+from lw.fsm.lifecycles import AWAIT_DECODER_META, META_READY, layer_sent
+from lw.sim.config import _owner
+from lw.sim.properties import Violation
+from lw.sim.request import Req
+
+
+class Checks:
+    """The always and eventually properties of a world state."""
+
+    def check_safety(self) -> None:
+        """The 'always' properties on this state; raises Violation."""
+        L = self.cfg.layers
+        tp, d_tp = self.tp, self.d_tp
+        for z in self.zombies:
+            self._check_owned(z[0] // tp, z[1], (), z[3] // d_tp, z[4],
+                              f"in-doubt bytes of its layer {z[2]} write from P worker {z[0]} "
+                              f"may land until t={z[5]:g}")
+        for i, fifo in enumerate(self.fifo):
+            for w in fifo:  # a write addressed to an earlier incarnation of D cannot land
+                current = w[6] == self.d_inc[w[4] // d_tp]
+                self._check_owned(i // tp, w[0], w[2], w[4] // d_tp, w[3] if current else (),
+                                  f"its layer {w[1]} write from P worker {i} is in flight")
+        if not self.p_alive:
+            return
+        more = {AWAIT_DECODER_META, META_READY, *(layer_sent(k) for k in range(L - 1))}
+        for i, ep in enumerate(self.p):
+            for rid in ep.live_requests():
+                st = ep.state_of(rid)
+                if st in more or ep.inflight_writes(rid):
+                    q = self.reqs[int(rid[1:])]
+                    d_side = (st != AWAIT_DECODER_META and st in more
+                              and q.d_inc == self.d_inc[q.d_rank])
+                    self._check_owned(i // tp, q.idx, q.p_blocks or (), q.d_rank,
+                                      q.d_blocks if d_side else (),
+                                      f"it is {st} on {self.wname(i)} with "
+                                      f"{ep.inflight_writes(rid)} write(s) in flight")
+
+    def _check_owned(self, i: int, r: int, local: tuple[int, ...], d: int,
+                     remote: tuple[int, ...] | None, why: str) -> None:
+        rid = self.reqs[r].rid
+        if self.p_alive:
+            pool = self.p_pool[i]
+            for b in local:
+                if pool[b] != r:
+                    how = self.free_why.get(("P", i, b), "?")
+                    raise Violation("use-after-free",
+                                    f"P rank {i} block {b} was freed ({how}) while {rid} may "
+                                    f"still read it ({why}); it is now {_owner(pool[b])}")
+        if remote and self.d_alive[d]:
+            pool = self.d_pool[d]
+            for b in remote:
+                if pool[b] != r:
+                    how = self.free_why.get(("D", d, b), "?")
+                    raise Violation("use-after-free",
+                                    f"{self.dname(d)} block {b} was freed ({how}) while {rid} may "
+                                    f"still write into it ({why}); it is now {_owner(pool[b])}")
+
+    def check_terminal(self) -> None:
+        """The 'eventually' properties at a state where no action is enabled."""
+        from lw.sim.properties import explain_stuck
+
+        stuck = [q for q in self.reqs if not self._finished_both(q)]
+        if stuck:
+            names = ", ".join(q.rid for q in stuck)
+            raise Violation("deadlock", f"no action is enabled but {names} never finished",
+                            explain_stuck(self))
+        for q in self.reqs:
+            once = (1 if q.loads() else 0,) * self.d_tp  # a full prefix hit has nothing to load
+            current = q.d_inc == self.d_inc[q.d_rank]  # not lost with an earlier incarnation
+            if (self.d_alive[q.d_rank] and current and q.d_blocks is not None
+                    and q.recv_reports != once):
+                raise Violation("request-ends", f"{q.rid} was reported {list(q.recv_reports)} "
+                                                f"times by the workers of {self.dname(q.d_rank)}")
+            if self.p_alive and q.p_added and any(n != 1 for n in q.send_reports):
+                raise Violation("request-ends", f"{q.rid} was reported {q.send_reports} times "
+                                                f"by the workers of P DP rank {q.p_rank}")
+        if self.p_alive:
+            for i, pool in enumerate(self.p_pool):
+                if any(o is not None for o in pool):
+                    raise Violation("blocks-return", f"P rank {i} still holds blocks {pool}")
+            for i, ep in enumerate(self.p):
+                if ep.live_requests():
+                    raise Violation("blocks-return",
+                                    f"{self.wname(i)} still holds {ep.live_requests()}")
+        for d, pool in enumerate(self.d_pool):
+            if not self.d_alive[d]:
+                continue
+            if any(o is not None for o in pool):
+                raise Violation("blocks-return", f"{self.dname(d)} still holds blocks {pool}")
+            for v in self.d_workers_of(d):
+                if self.d[v].live_requests():
+                    raise Violation("blocks-return",
+                                    f"D{v} still holds {self.d[v].live_requests()}")
+        self.check_progress()
+
+    def check_progress(self) -> None:
+        """Property progress (with a timely clock): every request no fault touched, with fewer
+        message losses than P's retry budget, ended DONE on both sides."""
+        cfg = self.cfg
+        if not cfg.timely() or cfg.misconfigured():
+            return
+        for q in self.reqs:
+            if q.touched or q.losses >= cfg.retries:
+                continue
+            if q.d_stage == "done" and all(q.send_ok) and (all(q.recv_ok) or not q.loads()):
+                continue
+            if not cfg.faults:
+                why = "although there were no faults"
+            elif q.losses:
+                why = (f"although only {q.losses} of its messages were lost (P's retry budget "
+                       f"is {cfg.retries}) and no other fault touched it")
+            else:
+                why = "although no fault touched it (only other requests were hit)"
+            raise Violation("progress", f"{q.rid} did not end DONE {why}", self.summary())
+
+    def _finished_both(self, q: Req) -> bool:
+        d_ok = q.d_final() or not self.d_alive[q.d_rank]
+        if not self.p_alive:
+            return d_ok
+        if q.p_stage in ("released", "aborted", "lost"):
+            p_ok = True
+        elif q.p_stage == "none":
+            p_ok = not (self.design.d_first and q.d_blocks is not None)
+        else:
+            p_ok = False
+        return d_ok and p_ok

@@ -1,0 +1,222 @@
+"""Bounds and shape of a checker world: its configuration, sender plan and KV layouts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lw.fsm import DecodeConfig, PrefillConfig
+from lw.fsm.kvmap import expected_senders, make_format, targets_of, tp_problem
+from lw.fsm.messages import KVFormat
+from lw.sim.variants import DESIGNS
+from lw.transport.wire import KVLayout, LayerLayout
+
+Action = tuple  # ("kind", *args): hashable, replayable
+Owner = tuple[str, int]  # ("p", P worker) or ("d", D worker)
+# A write in flight: (req index, layer, local blocks, remote blocks, D worker, deadline,
+# incarnation of the D layout it was addressed with)
+Write = tuple[int, int, tuple[int, ...], tuple[int, ...], int, float, int]
+HEAD_BYTES = 4096  # bytes of one KV head in one block (layouts only; no bytes are moved)
+
+FAULT_KINDS = ("drop", "dup", "write", "crash", "abort")
+FAULT_ACTIONS = frozenset({"drop", "dup", "fail_write", "crash_p", "crash_d", "abort_d",
+                           "abort_p"})
+EPSILON = 0.001  # abstract time: "just before" a deadline (below every timer's duration)
+
+
+@dataclass(frozen=True)
+class WorldConfig:
+    """Bounds and switches of one world (everything the explorer's verdict depends on)."""
+
+    design: str = "d-first"
+    dp: int = 2  # P DP ranks
+    tp: int = 1  # P workers per DP rank (TP); each writes the D TP ranks kvmap.targets_of says
+    requests: int = 2
+    layers: int = 2
+    d_dp: int = 1  # D engines; request i goes to D engine i mod d_dp, P rank i mod dp
+    d_tp: int = 1  # D TP workers per D engine (one scheduler, one block pool, shared block ids)
+    d_blocks: int = 1  # blocks per D engine
+    p_blocks: int = 1  # blocks per P rank
+    blocks_per_request: int = 1
+    mla: bool = False  # latent KV (one head replicated on every rank): one writer per D worker
+    heads: int = 0  # the model's KV heads; 0: lcm(tp, d_tp) (MLA: the one latent head)
+    # Per request index: how many of its first blocks D already holds in its prefix cache (not
+    # written by P; missing entries 0). blocks_per_request is a full hit: nothing to transfer.
+    prefix_hits: tuple[int, ...] = ()
+    faults: bool = False
+    fault_kinds: tuple[str, ...] = FAULT_KINDS
+    max_faults: int = 1
+    # With faults, the clock may also move at any time (arbitrary delays: any timer may fire
+    # before pending work, and the world may idle until just before the next deadline). Off: the
+    # clock only moves when nothing else can (timely delivery), where progress is checked.
+    delays: bool = True
+    # With delays, the world may idle to just before D's next deadline before P's next step for
+    # that request (lw.sim.clock): timers fire in any order the real system allows.
+    abstract_time: bool = True
+    d_restarts: int = 0  # a crashed D engine may start again, with a new incarnation and layout
+    # Blocks and layers D's layout registers (0: d_blocks, layers): a misconfigured D, for tests
+    # that P never writes outside D's pool or with a layout of another size.
+    d_layout_blocks: int = 0
+    d_layout_layers: int = 0
+    retries: int = 2  # meta_attempts and ack_attempts of P (small keeps the space finite)
+    atomic_layers: bool = True  # the lock-step layer of all ranks as one action (sound reduction)
+    wire: bool = True  # every delivered message crosses the real byte encoding
+    # After a P crash its in-flight writes may still land (until transfer_timeout_s after the
+    # crash), as bytes of a write that failed "in doubt" may (see zombies in World).
+    crash_zombies: bool = True
+    # D calls peer_lost when it learns that the P engine died (core finding 2 in
+    # docs/checker.md); off: D relies on its deadline and lease alone.
+    p_loss_detection: bool = True
+    meta_retry_s: float = 1.0
+    ack_retry_s: float = 1.0
+    p_timeout_s: float = 30.0
+    d_timeout_s: float = 60.0
+    lease_s: float = 90.0
+    transfer_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.design not in DESIGNS:
+            raise ValueError(f"unknown design {self.design!r}; one of {', '.join(DESIGNS)}")
+        for name in ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "blocks_per_request",
+                     "retries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("d_blocks", "p_blocks"):
+            if getattr(self, name) < self.blocks_per_request:
+                raise ValueError(f"{name} must be >= blocks_per_request")
+        for name in ("max_faults", "d_restarts", "d_layout_blocks", "d_layout_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        bad = set(self.fault_kinds) - set(FAULT_KINDS)
+        if bad:
+            raise ValueError(f"unknown fault kinds {sorted(bad)}; known: {', '.join(FAULT_KINDS)}")
+        if self.heads < 0:
+            raise ValueError(f"heads must be >= 0, got {self.heads}")
+        for side, n in (("P", self.tp), ("D", self.d_tp)):
+            problem = tp_problem(n, self.kv_heads(), self.mla)
+            if problem:
+                raise ValueError(f"{side} TP {n}: {problem}")
+        if len(self.prefix_hits) > self.requests:
+            raise ValueError(f"{len(self.prefix_hits)} prefix hits given for "
+                             f"{self.requests} requests")
+        for h in self.prefix_hits:
+            if not 0 <= h <= self.blocks_per_request:
+                raise ValueError(f"a prefix hit must be 0..blocks_per_request="
+                                 f"{self.blocks_per_request} blocks, got {h}")
+
+    def d_blocks_registered(self) -> int:
+        """Blocks D's layout registers (its pool, unless misconfigured)."""
+        return self.d_layout_blocks or self.d_blocks
+
+    def misconfigured(self) -> bool:
+        """D's layout does not match its pool or the model (requests may fail cleanly)."""
+        return (self.d_layout_blocks not in (0, self.d_blocks)
+                or self.d_layout_layers not in (0, self.layers))
+
+    def timely(self) -> bool:
+        """The clock only moves when nothing else can: progress is required (see properties)."""
+        return not (self.faults and self.delays)
+
+    def kv_heads(self) -> int:
+        """The model's KV heads in this world (MLA: one latent head)."""
+        if self.mla:
+            return 1
+        return self.heads or math.lcm(self.tp, self.d_tp)
+
+    def hit(self, idx: int) -> int:
+        """Blocks of request ``idx`` that D already holds in its prefix cache."""
+        return self.prefix_hits[idx] if idx < len(self.prefix_hits) else 0
+
+    def prefill_config(self) -> PrefillConfig:
+        """The P endpoints' deadlines and retry budgets in this world."""
+        return PrefillConfig(meta_retry_s=self.meta_retry_s, meta_attempts=self.retries,
+                             ack_retry_s=self.ack_retry_s, ack_attempts=self.retries,
+                             request_timeout_s=self.p_timeout_s)
+
+    def decode_config(self) -> DecodeConfig:
+        """The D endpoints' deadline and lease in this world."""
+        return DecodeConfig(prefill_timeout_s=self.d_timeout_s, lease_s=self.lease_s)
+
+    def bounds(self) -> str:
+        """One line with the bounds, for reports."""
+        kinds = ",".join(self.fault_kinds) or "none"
+        delays = ((" + arbitrary delays (abstract time)" if self.abstract_time else
+                   " + arbitrary delays (timers at fixed values)") if self.delays
+                  else ", timely clock")
+        faults = (f"faults {kinds} (at most {self.max_faults}){delays}" if self.fault_kinds
+                  else f"no injected faults{delays}") if self.faults else "no faults"
+        if self.d_restarts:
+            faults += f", D restarts {self.d_restarts}"
+        if self.misconfigured():
+            faults += (f", D layout registers {self.d_blocks_registered()} block(s) x "
+                       f"{self.d_layout_layers or self.layers} layer(s)")
+        tp = f" x TP {self.tp}" if self.tp > 1 else ""
+        d_tp = f" x TP {self.d_tp}" if self.d_tp > 1 else ""
+        extra = ""
+        if self.mla:
+            extra += "MLA, "
+        elif self.heads or self.tp > 1 or self.d_tp > 1:
+            extra += f"{self.kv_heads()} KV head(s), "
+        if any(self.prefix_hits):
+            extra += f"D prefix hits {list(self.prefix_hits)} block(s), "
+        return (f"P DP ranks {self.dp}{tp}, requests {self.requests}, layers {self.layers}, "
+                f"D ranks {self.d_dp}{d_tp} x {self.d_blocks} block(s), P {self.p_blocks} "
+                f"block(s)/rank, {self.blocks_per_request} block(s)/request, {extra}{faults}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who writes what (from lw.fsm.kvmap): per TP rank formats, targets and expected senders."""
+
+    p_fmts: tuple[KVFormat, ...]  # per P TP rank
+    d_fmts: tuple[KVFormat, ...]  # per D TP rank
+    targets: tuple[tuple[int, ...], ...]  # per P TP rank: the D TP ranks it writes into
+    senders: tuple[frozenset[int], ...]  # per D TP rank: the P TP ranks that write into it
+
+    @classmethod
+    def of(cls, cfg: WorldConfig) -> Plan:
+        """The sender plan of a world's P and D TP layouts."""
+        def fmt(rank: int, size: int) -> KVFormat:
+            return make_format(tp_rank=rank, tp_size=size, total_heads=cfg.kv_heads(),
+                               block_tokens=1, dtype="bytes", mla=cfg.mla)
+
+        p_fmts = tuple(fmt(t, cfg.tp) for t in range(cfg.tp))
+        d_fmts = tuple(fmt(j, cfg.d_tp) for j in range(cfg.d_tp))
+        return cls(p_fmts, d_fmts, tuple(targets_of(f, cfg.d_tp) for f in p_fmts),
+                   tuple(expected_senders(f, cfg.tp) for f in d_fmts))
+
+
+def d_addr(v: int) -> str:
+    """Side-channel address of D worker ``v`` (engine v // d_tp, TP rank v % d_tp)."""
+    return f"d{v}"
+
+
+def p_addr(i: int) -> str:
+    """Side-channel address of P rank ``i``."""
+    return f"p{i}"
+
+
+def _layout(cfg: WorldConfig, v: int, fmt: KVFormat, incarnation: int = 1) -> KVLayout:
+    """D worker ``v``'s KV layout: one block of HEAD_BYTES per head it holds, per layer (a new
+    incarnation registers its memory at other addresses)."""
+    n = HEAD_BYTES * (fmt.head_hi - fmt.head_lo)
+    base = 0x1000_0000 * incarnation
+    layers = [LayerLayout(base + k * 0x100_0000, n, n, cfg.d_blocks_registered())
+              for k in range(cfg.d_layout_layers or cfg.layers)]
+    return KVLayout("D", incarnation, f"d{v}-te:15000", layers, fmt)
+
+
+def _p_layout(cfg: WorldConfig, w: int, fmt: KVFormat) -> KVLayout:
+    """P worker ``w``'s own KV layout (its format is what its MetaRequests carry)."""
+    n = HEAD_BYTES * (fmt.head_hi - fmt.head_lo)
+    layers = [LayerLayout(0x2000_0000 + k * 0x100_0000, n, n, cfg.p_blocks)
+              for k in range(cfg.layers)]
+    return KVLayout("P", 1, f"p{w}-te:16000", layers, fmt)
+
+
+def _who(addr: str) -> str:
+    return addr[0].upper() + addr[1:]
+
+
+def _owner(o: int | None) -> str:
+    return "free" if o is None else f"owned by r{o}"

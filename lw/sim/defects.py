@@ -1,0 +1,158 @@
+"""Endpoints that re-create bugs found in the wild, as the smallest change to the real ones.
+
+Each class subclasses :class:`~lw.fsm.PrefillEndpoint` or :class:`~lw.fsm.DecodeEndpoint` and
+changes one decision (usually by filtering or rewriting the effects the real code returns), so
+that the checker runs lw's own protocol with exactly that defect put back. They are for
+``lw check --design NAME`` only (see :mod:`lw.sim.variants`); nothing in production uses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from lw.fsm import ArmTimer, CancelTimer, DecodeEndpoint, Effect, PrefillEndpoint, Send
+from lw.fsm.effects import TimerKey
+from lw.fsm.lifecycles import DONE, FAILED
+from lw.fsm.messages import DoneSending, Message, MetaReply
+
+_FINAL = (DONE, FAILED)
+
+
+class StaleLayoutCache(PrefillEndpoint):
+    """vllm-ascend #4650: D's layout is cached per D address with no notion of incarnation.
+
+    A restarted D's answer is taken as confirming the cached layout (upstream keyed the cache by
+    engine and never invalidated it), so P writes at the addresses of the dead process."""
+
+    def _forget_layout(self, addr: str) -> None:
+        return None  # a lost or restarted peer keeps its cached layout
+
+    def on_message(self, msg: Message, now: float) -> list[Effect]:
+        """Take any accepting D as the owner of the cached layout, whatever its incarnation."""
+        if isinstance(msg, MetaReply) and msg.status == "accepted" and msg.layout is None:
+            cached = self._layouts.get(msg.responder.addr)
+            if cached is not None and cached.incarnation != msg.responder.incarnation:
+                self._layouts[msg.responder.addr] = msgspec.structs.replace(
+                    cached, incarnation=msg.responder.incarnation)
+        return super().on_message(msg, now)
+
+
+SUFFIX = "-7f3a"  # what vLLM appends to a request id inside the engine (vllm #27987)
+
+
+class SuffixedRequestId(PrefillEndpoint):
+    """vllm-ascend #6360: DONE carries P's engine-internal request id (with vLLM's random
+    suffix) instead of the id D registered, so D can never match it."""
+
+    def _send_done(self, rec: object, out: list[Effect]) -> None:
+        n = len(out)
+        super()._send_done(rec, out)  # type: ignore[arg-type]
+        for i in range(n, len(out)):
+            e = out[i]
+            if isinstance(e, Send) and isinstance(e.msg, DoneSending):
+                out[i] = Send(e.dest, msgspec.structs.replace(e.msg,
+                                                              req_id=e.msg.req_id + SUFFIX))
+
+
+class MetaErrorKillsWorker(PrefillEndpoint):
+    """vllm-ascend #7514: when P cannot get a dead D's metadata, the error is raised inside the
+    forward pass (the layer hook) and the P worker dies, instead of failing the request."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.meta_errors: set[str] = set()
+
+    def _fail(self, rec: object, reason: str, now: float, out: list[Effect]) -> None:
+        if "decoder lost" in reason or "did not accept" in reason:
+            self.meta_errors.add(rec.req.req_id)  # type: ignore[attr-defined]
+        super()._fail(rec, reason, now, out)  # type: ignore[arg-type]
+
+    def layer_computed(self, layer: int, req_ids: Iterable[str], now: float) -> list[Effect]:
+        """Raise for a request whose decoder metadata could not be obtained."""
+        rids = list(req_ids)
+        bad = sorted(self.meta_errors.intersection(rids))
+        if bad:
+            raise RuntimeError(f"update_decoder_info failed for {', '.join(bad)}")
+        return super().layer_computed(layer, rids, now)
+
+    def snapshot(self) -> tuple:
+        """The core's snapshot plus the remembered metadata errors."""
+        return (super().snapshot(), tuple(sorted(self.meta_errors)))
+
+
+class NoAckTimeout(PrefillEndpoint):
+    """vllm-ascend #7855: after DONE, P waits for D's acknowledgement with no timeout (no ack
+    retry, and the request deadline no longer applies once every layer is sent)."""
+
+    def _send_done(self, rec: object, out: list[Effect]) -> None:
+        super()._send_done(rec, out)  # type: ignore[arg-type]
+        out.append(CancelTimer(("deadline", rec.req.req_id)))  # type: ignore[attr-defined]
+
+    def transfer_done(self, req_id: str, layer: int, ok: bool, reason: str, now: float,
+                      in_doubt: bool = False) -> list[Effect]:
+        """The real completion, without the acknowledgement timer."""
+        out = super().transfer_done(req_id, layer, ok, reason, now, in_doubt)
+        return [e for e in out if not (isinstance(e, ArmTimer) and e.key[0] == "ack")]
+
+
+class DoneSentOnce(PrefillEndpoint):
+    """vllm-ascend #8166: DONE is sent once; when it is lost P never sends it again (it gives up
+    when its acknowledgement does not come)."""
+
+    def on_timer(self, key: TimerKey, now: float) -> list[Effect]:
+        """The real timer, without the DONE resend."""
+        out = super().on_timer(key, now)
+        if key[0] != "ack":
+            return out
+        return [e for e in out if not (isinstance(e, Send) and isinstance(e.msg, DoneSending))]
+
+
+class FailedWriteAsDone(PrefillEndpoint):
+    """vllm-ascend #8959: a failed layer transfer is counted as complete, so P reports DONE
+    for KV that never arrived."""
+
+    def transfer_done(self, req_id: str, layer: int, ok: bool, reason: str, now: float,
+                      in_doubt: bool = False) -> list[Effect]:
+        """Every completion is taken as a success."""
+        return super().transfer_done(req_id, layer, True, "", now)
+
+
+def _free_at_once(ep: DecodeEndpoint, req_id: str) -> None:
+    """Count every accepted sender of a live request as stopped: failing it frees at once."""
+    rec = ep._reqs.get(req_id)
+    if rec is not None and rec.state not in _FINAL:
+        rec.stopped.update(rec.claimers)
+
+
+class AbortFreesAtOnce(DecodeEndpoint):
+    """vLLM #48633 (C1): D's abort frees the request's blocks at once (no quarantine) while P
+    may still be writing into them."""
+
+    def abort(self, req_id: str, reason: str, now: float) -> list[Effect]:
+        """Abort, releasing the blocks without waiting for the senders."""
+        _free_at_once(self, req_id)
+        return super().abort(req_id, reason, now)
+
+
+class DeadlineFreesAtOnce(DecodeEndpoint):
+    """issue 12 (4c): when D's own deadline fires it frees the blocks at once, although a P
+    write may be in flight (found only by a unit test until the clock became abstract)."""
+
+    def on_timer(self, key: TimerKey, now: float) -> list[Effect]:
+        """The deadline releases the blocks without waiting for the senders."""
+        if key[0] == "deadline":
+            _free_at_once(self, key[1])
+        return super().on_timer(key, now)
+
+
+class NoDeadline(DecodeEndpoint):
+    """vLLM #46283: D has no deadline for a request whose P never reports, so its blocks are
+    never reclaimed."""
+
+    def add_request(self, req_id: str, block_ids: tuple[int, ...],
+                    expected_senders: int | Iterable[int], now: float) -> list[Effect]:
+        """Register the request without arming its deadline."""
+        out = super().add_request(req_id, block_ids, expected_senders, now)  # type: ignore[arg-type]
+        return [e for e in out if not isinstance(e, ArmTimer)]

@@ -1,0 +1,78 @@
+"""The world's view of one request: what the schedulers and the client know of it."""
+
+from __future__ import annotations
+
+
+class Req:
+    """The world's view of one request (what the schedulers and the client know)."""
+
+    __slots__ = ("idx", "rid", "p_rank", "d_rank", "hit", "d_stage", "p_stage", "d_blocks",
+                 "p_blocks", "started", "p_added", "landed", "send_reports", "send_ok",
+                 "recv_reports", "recv_ok", "accepted", "quarantined", "p_freed", "t_alloc",
+                 "t_padd", "t_dfail", "d_inc", "touched", "losses")
+
+    def __init__(self, idx: int, p_rank: int, d_rank: int, tp: int, d_tp: int = 1,
+                 hit: int = 0) -> None:
+        self.idx = idx
+        self.rid = f"r{idx}"
+        self.p_rank = p_rank
+        self.d_rank = d_rank  # the D engine
+        self.hit = hit  # first blocks D serves from its prefix cache (never written by P)
+        # D: new, waiting (for blocks), allocated, decoding, done, failed, aborted, lost
+        self.d_stage = "new"
+        # P: none, queued, scheduled, finished (SendFinished, free pending), released, aborted, lost
+        self.p_stage = "none"
+        self.d_blocks: tuple[int, ...] | None = None
+        self.p_blocks: tuple[int, ...] | None = None
+        self.started = False  # the proxy handed it to P
+        self.p_added = False  # PrefillEndpoint.add_request was called
+        # (P worker, D worker, layer) writes that landed in D
+        self.landed: frozenset[tuple[int, int, int]] = frozenset()
+        self.send_reports: tuple[int, ...] = (0,) * tp  # SendFinished per TP worker
+        self.send_ok: tuple[bool, ...] = (False,) * tp
+        self.recv_reports: tuple[int, ...] = (0,) * d_tp  # RecvDone/RecvFailed per D TP worker
+        self.recv_ok: tuple[bool, ...] = (False,) * d_tp  # RecvDone per D TP worker
+        # (P worker, D worker) pairs where P got MetaReply "accepted"
+        self.accepted: frozenset[tuple[int, int]] = frozenset()
+        self.quarantined = False
+        self.p_freed = False
+        self.t_alloc: float | None = None
+        self.t_padd: float | None = None
+        self.t_dfail: float | None = None
+        self.d_inc = 0  # incarnation of the D engine that allocated it (0: not allocated)
+        self.touched = False  # a fault hit it: crash of its engines, abort, failed write
+        self.losses = 0  # its messages the network dropped
+
+    def key(self, now: float) -> tuple:
+        """Hashable content (times relative to ``now``)."""
+
+        def rel(t: float | None) -> float | None:
+            return None if t is None else round(t - now, 6)
+
+        return (self.d_stage, self.p_stage, self.d_blocks, self.p_blocks, self.started,
+                self.p_added, self.landed, self.send_reports, self.send_ok, self.recv_reports,
+                self.recv_ok, self.accepted, self.quarantined, self.p_freed, rel(self.t_alloc),
+                rel(self.t_padd), rel(self.t_dfail), self.d_inc, self.touched, self.losses)
+
+    def d_final(self) -> bool:
+        """D side has nothing more to do for this request."""
+        return self.d_stage in ("done", "failed", "aborted", "lost")
+
+    def loads(self) -> bool:
+        """D needs KV from P (not a full prefix-cache hit)."""
+        return self.d_blocks is None or self.hit < len(self.d_blocks)
+
+    @property
+    def d_remote(self) -> tuple[int, ...]:
+        """D blocks P writes into (after the prefix-cache hit)."""
+        return (self.d_blocks or ())[self.hit:]
+
+    @property
+    def d_cached(self) -> tuple[int, ...]:
+        """D blocks served from D's prefix cache: P must never write them."""
+        return (self.d_blocks or ())[:self.hit]
+
+    @property
+    def p_local(self) -> tuple[int, ...]:
+        """P blocks whose KV goes to D (those of the tokens D does not hold)."""
+        return (self.p_blocks or ())[self.hit:]
