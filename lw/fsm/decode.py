@@ -131,6 +131,7 @@ class DecodeEndpoint:
             "stale_messages": 0,
             "refused": 0,
             "checksum_mismatches": 0,
+            "unknown_requests": 0,
         }
 
     # ----------------------------------------------------------------------------- inspection
@@ -479,6 +480,11 @@ class DecodeEndpoint:
         rid = getattr(msg, "req_id", "?")
         fin = self._finished.get(rid)
         if fin is None:
+            if isinstance(msg, DoneSending | FailedSending):
+                # Not ours (we restarted, or forgot it): "not accepted" lets the sender fail
+                # now instead of retrying DONE until its attempts run out.
+                self.counters["unknown_requests"] += 1
+                return FAILED
             raise ProtocolError("decode", rid, "UNKNOWN", type(msg).__name__,
                                 f"no such request on D {self.me.engine_id}")
         self.counters["stale_messages"] += 1

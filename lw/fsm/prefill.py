@@ -511,10 +511,11 @@ class PrefillEndpoint:
         """Check D's layout for this request and fix the byte runs; "" or why it cannot work."""
         if len(layout.layers) != self.num_layers:
             return f"decoder {t.addr} has {len(layout.layers)} layers, we have {self.num_layers}"
-        bad = [b for b in rec.req.remote_blocks if b >= layout.layers[0].num_blocks]
+        pool = min(lay.num_blocks for lay in layout.layers)  # every layer must hold them
+        bad = [b for b in rec.req.remote_blocks if not 0 <= b < pool]
         if bad:
-            return (f"remote block ids {bad[:4]} outside decoder's "
-                    f"{layout.layers[0].num_blocks} blocks")
+            return (f"remote block ids {bad[:4]} outside decoder's {pool} blocks"
+                    + ("" if pool == layout.layers[0].num_blocks else " (its smallest layer)"))
         key = (t.addr, layout.incarnation)
         segs = self._segs.get(key)
         if segs is None:
