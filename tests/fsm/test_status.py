@@ -178,3 +178,15 @@ def test_awaited_peers_are_the_peers_live_requests_still_need() -> None:
     assert pair.d.awaited_peers() == {}
     pair.absorb("d", pair.d.abort("r1", "test", pair.now))
     assert pair.d.awaited_peers() == {}  # final requests wait for nobody
+
+
+def test_d_answers_a_done_about_an_unknown_request_with_not_accepted() -> None:
+    from lw.fsm import Send
+    from lw.transport.wire import PROTOCOL_VERSION, Ack, DoneSending
+
+    pair = make_pair()
+    msg = DoneSending(PROTOCOL_VERSION, "never-seen", pair.ps[0].me, 1, L)
+    (eff,) = pair.d.on_message(msg, 0.0)
+    assert isinstance(eff, Send) and isinstance(eff.msg, Ack)
+    assert eff.msg.of == "done" and eff.msg.accepted is False
+    assert pair.d.counters["unknown_requests"] == 1
