@@ -1,13 +1,14 @@
 """Serving benchmark: one vLLM server vs lw P/D vs vLLM's MooncakeConnector P/D, side by side.
 
 For each tiny model (today's 2-layer Llama and a deep one) and each shape (input tokens,
-concurrency), it starts, in turn and fresh, on this machine: a single ``vllm serve`` (one core),
+concurrency), it starts, in turn and fresh, on this machine: a single ``vllm serve`` (core 0),
 lw P/D (``LocalCluster`` from ``lw demo``: P and D pinned to one core each, lw's proxy), and
 vLLM's in-tree MooncakeConnector P/D (same engines and cores, Mooncake over TCP, the minimal
-proxy in ``benchmarks/_peer``). Against each it runs ``vllm bench serve`` on the same prompts of
-fresh random words (a ShareGPT-format file: vLLM's ``random`` dataset makes token-id runs), 32
-output tokens, and prints one table per model and shape plus ``ttft_p50_ratio_vs_peer`` and
-``throughput_ratio_vs_peer`` (lw / MooncakeConnector).
+proxy in ``benchmarks/_peer``); every process of an engine is bound to its core
+(``--float-frontends``: only the workers, vLLM's default). Against each it runs ``vllm bench
+serve`` on the same prompts of fresh random words (a ShareGPT-format file: vLLM's ``random``
+dataset makes token-id runs), 32 output tokens, and prints one table per model and shape plus
+``ttft_p50_ratio_vs_peer`` and ``throughput_ratio_vs_peer`` (lw / MooncakeConnector).
 
 ``.venv/bin/python benchmarks/serving.py [--quick]`` from the repository root.
 """
@@ -186,6 +187,43 @@ def start_peer(model: Path, logs: Path, timeout: float) -> Running:
     return run
 
 
+CORES = {"single": 0, "prefill": 0, "decode": 1}
+"""The core each engine's worker is bound to (``LocalCluster``: VLLM_CPU_OMP_THREADS_BIND)."""
+
+
+def _tasks(pid: int) -> list[int]:
+    """Every thread of ``pid`` and of its descendants."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            out += [int(t) for t in os.listdir(f"/proc/{p}/task")]
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def pin(run: Running) -> None:
+    """Bind every thread of each engine (API server, EngineCore, worker) to its worker's core.
+
+    vLLM binds only the worker's OpenMP threads; the API server and the EngineCore float. On 2
+    cores that puts D's EngineCore, which steps about a thousand times a second while a request
+    waits for remote KV, on P's core: P's prefill ran 3-4x slower (lw and the peer alike)."""
+    for name, server in run.servers.items():
+        core = CORES.get(name)
+        if core is None or server.proc is None:
+            continue  # proxies float
+        for tid in _tasks(server.proc.pid):
+            try:
+                os.sched_setaffinity(tid, {core})
+            except OSError:
+                pass  # a thread that just ended
+
+
 STARTERS: dict[str, Callable[[Path, Path, float], Running]] = {
     "single": start_single, "lw": start_lw, "peer": start_peer}
 
@@ -279,6 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="decoder layers of each tiny model (default: 2 32)")
     ap.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     ap.add_argument("--seed", type=int, default=0, help="prompt seed (same for every setup)")
+    ap.add_argument("--float-frontends", action="store_true",
+                    help="leave each engine's API server and EngineCore unbound (vLLM's "
+                         "default; only the workers are pinned), as in the first runs")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="models, datasets, results, logs (default: a temporary folder, kept)")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="server start, s")
@@ -315,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results[sh.key][setup] = {"error": "did not start"}
                 continue
             try:
+                if not args.float_frontends:
+                    pin(run)
                 warm_up(run)
                 print(f"[{model_name}] {LABELS[setup]}: ready in {time.monotonic() - t0:.0f}s",
                       flush=True)
