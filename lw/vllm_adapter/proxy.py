@@ -46,15 +46,19 @@ Contract (the KV connectors on both sides rely on it)
    whatever the client's API (chat, ``n`` > 1, prompt lists); ``kv_transfer_params`` = D's params
    updated with ``{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id":
    <sub_transfer_id>}``; header ``X-Request-Id: <request_id>``.
-5. Failures. If a prefill request fails (connection error, timeout, non-2xx) the proxy records
-   it; if D's answer has not started yet, the proxy abandons the D request (closing the connection
-   makes vLLM abort it) and answers the client 502 (504 if the prefill timed out) naming the
-   prefill server. Once D's answer has started a prefill error is only logged: either that KV had
-   arrived, or (another choice of the same answer streaming) D's own deadline fails the vLLM
-   request whose KV never comes. D unreachable -> 502; D timing out -> 504; D answering 5xx ->
-   502; D answering 4xx -> passed through unchanged. An error after a stream has started is sent
-   as a final SSE event ``data: {"error": {...}}``. Every outgoing call has a timeout.
-6. Client disconnect (streaming or not) -> the D request is closed (vLLM aborts it) and every
+5. Streaming: the proxy sends the client its response head (200, D's SSE content type) as soon
+   as D answers with its head (D accepted the request), not with the first token, which waits for
+   the whole P/D round trip. From then on every error is sent in-band, as a final SSE event
+   ``data: {"error": {...}}``.
+6. Failures. If a prefill request fails (connection error, timeout, non-2xx) the proxy records
+   it; if no byte of D's answer has been relayed yet, the proxy abandons the D request (closing
+   the connection makes vLLM abort it) and reports the error naming the prefill server: HTTP 502
+   (504 if the prefill timed out), or the final SSE event if the stream's head is already out.
+   Once D's answer has started a prefill error is only logged: either that KV had arrived, or
+   (another choice of the same answer streaming) D's own deadline fails the vLLM request whose KV
+   never comes. D unreachable -> 502; D timing out -> 504; D answering 5xx -> 502; D answering
+   4xx -> passed through unchanged. Every outgoing call has a timeout.
+7. Client disconnect (streaming or not) -> the D request is closed (vLLM aborts it) and every
    in-flight prefill request of the client request is cancelled (closed, so P aborts it too).
    Prefills still running when D's answer completed normally are left to finish.
 
@@ -412,6 +416,7 @@ class _Exchange(Response):
         self.state = state
         self.tr = tr
         self.started = False  # response start sent to the client
+        self.relayed = False  # a byte of D's answer was sent to the client
         self.ok = False  # D's answer was relayed completely
         self._upstream: httpx.Response | None = None
 
@@ -434,7 +439,7 @@ class _Exchange(Response):
                     break
                 if prefill_failed in done:
                     waiting.discard(prefill_failed)
-                    if not self.started:
+                    if not self.relayed:  # headers may be out; then the error goes in-band
                         await _cancel_and_wait(run)
                         await self._error(send, tr.prefill_error_status,
                                           tr.prefill_error or "prefill failed", stage="prefill",
@@ -496,16 +501,17 @@ class _Exchange(Response):
             if not tr.stream:
                 data = await resp.aread()
                 await self._start(send, 200, content_type)
+                self.relayed = True
                 await send({"type": "http.response.body", "body": data})
             else:
+                # D accepted the request: the client gets its headers now, not with the first
+                # token (which waits for the whole P/D round trip); later errors go in-band.
+                await self._start(send, 200, content_type)
                 async for chunk in resp.aiter_bytes():
                     if not chunk:
                         continue
-                    if not self.started:
-                        await self._start(send, 200, content_type)
+                    self.relayed = True
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if not self.started:
-                    await self._start(send, 200, content_type)
                 await send({"type": "http.response.body", "body": b""})
             self.ok = True
         except httpx.TimeoutException as exc:
@@ -521,7 +527,7 @@ class _Exchange(Response):
             raise
         except Exception as exc:  # a bug here must still answer the client
             log.exception("request %s: proxy failure", tr.request_id)
-            if not self.started:
+            with contextlib.suppress(Exception):  # in-band if the head is already out
                 await self._error(send, 500, f"proxy failure: {_describe(exc)}", stage="proxy",
                                   server=None)
         finally:

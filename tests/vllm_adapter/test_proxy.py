@@ -311,6 +311,19 @@ def completion(prompt: str, **extra: Any) -> dict[str, Any]:
     return {"model": "tiny", "prompt": prompt, "max_tokens": 8, **extra}
 
 
+def request_error(r: httpx.Response, stream: bool) -> dict[str, Any]:
+    """The error a failed request reports: its JSON body, or (a stream whose head was already
+    sent when the failure came) the stream's final SSE event."""
+    if not stream or r.status_code != 200:
+        assert r.status_code == 502, r.text
+        return dict(r.json()["error"])
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    last = json.loads(events[-1])
+    assert "error" in last, r.text
+    return dict(last["error"])
+
+
 def sse_text(raw: str) -> str:
     """Concatenated ``text`` of the SSE events in ``raw``."""
     out = []
@@ -506,8 +519,7 @@ def test_prefill_failure_reaches_client_and_cancels_decode(stream: bool) -> None
     with cluster() as c:
         r = httpx.post(c.url + "/v1/completions", json=completion("fail", stream=stream),
                        timeout=10)
-        assert r.status_code == 502, r.text
-        err = r.json()["error"]
+        err = request_error(r, stream)
         assert err["stage"] == "prefill" and err["server"] == c.prefill_urls[0]
         assert "HTTP 500" in err["message"] and c.prefill_urls[0] in err["message"]
         wait_for(lambda: c.world.has("d_cancelled"))
@@ -526,6 +538,43 @@ def test_prefill_unreachable_gives_502() -> None:
         assert r.status_code == 502
         err = r.json()["error"]
         assert err["stage"] == "prefill" and err["server"] == dead
+
+
+def test_stream_headers_come_before_the_prefill_completes() -> None:
+    # P holds the prefill ("hang"), so D has no token to send: the head must not wait for it.
+    with cluster() as c:
+        body = completion("hang", stream=True)
+        t0 = time.monotonic()
+        with httpx.stream("POST", c.url + "/v1/completions", json=body,
+                          timeout=httpx.Timeout(10.0, read=3.0)) as r:
+            head_s = time.monotonic() - t0
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["x-request-id"]
+            assert not c.world.has("p_done") and not c.world.has("d_done")
+            c.world.release.set()
+            raw = r.read().decode()
+        assert head_s < 2.0
+        assert sse_text(raw) == "".join(TOKENS)
+        assert raw.rstrip().endswith("data: [DONE]")
+
+
+def test_prefill_failure_after_stream_head_is_an_sse_error_and_cancels_decode() -> None:
+    # P fails after 0.3 s: the head is out by then, D has sent no byte of its answer.
+    with cluster() as c:
+        body = completion("slowfail", stream=True)
+        with httpx.stream("POST", c.url + "/v1/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            assert not c.world.has("p_failed")
+            raw = r.read().decode()
+        err = json.loads(raw.strip().splitlines()[-1][len("data: "):])["error"]
+        assert err["stage"] == "prefill" and err["server"] == c.prefill_urls[0]
+        assert "HTTP 500" in err["message"]
+        wait_for(lambda: c.world.has("d_cancelled"))
+        assert not c.world.has("d_deadline") and not c.world.has("d_done")
+        wait_for(lambda: c.metrics()["in_flight"] == 0)
+        m = c.metrics()
+        assert m["prefill_failures"] == 1 and m["errors"] == 1
 
 
 def test_late_prefill_failure_after_stream_started_is_ignored() -> None:
@@ -626,8 +675,7 @@ def test_one_failed_sub_prefill_fails_the_request(stream: bool) -> None:
     with cluster() as c:
         body = completion(["fine", "fail"], stream=stream)
         r = httpx.post(c.url + "/v1/completions", json=body, timeout=10)
-        assert r.status_code == 502, r.text
-        err = r.json()["error"]
+        err = request_error(r, stream)
         assert err["stage"] == "prefill" and err["server"] == c.prefill_urls[0]
         wait_for(lambda: c.world.has("d_cancelled"))
         wait_for(lambda: c.metrics()["in_flight"] == 0)
