@@ -86,6 +86,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from lw.vllm_adapter.proxy_timeline import ProxyTimeline
+
 __all__ = [
     "Backend",
     "ProxyState",
@@ -297,6 +299,7 @@ class ProxyState:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
         self.transfers: dict[str, Transfer] = {}
+        self.timeline = ProxyTimeline()
         self.tasks: set[asyncio.Task[None]] = set()
         self._rr = {"prefill": 0, "decode": 0}
         self.counters = {
@@ -355,9 +358,11 @@ async def _run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: d
     backend.in_flight += 1
     backend.requests += 1
     status = 502
+    state.timeline.mark(sub.sub_id, "p_sent")
     try:
         try:
             resp = await state.client.post(url, json=body, headers=headers)
+            state.timeline.mark(sub.sub_id, "p_done")
         except httpx.TimeoutException as exc:
             status = 504
             error = f"prefill server {backend.url} timed out on {COMPLETIONS}: {_describe(exc)}"
@@ -491,6 +496,7 @@ class _Exchange(Response):
             headers = {**tr.headers, "X-Request-Id": tr.request_id}
             request = state.client.build_request("POST", server + tr.api, json=body,
                                                  headers=headers)
+            state.timeline.mark(tr.request_id, "d_sent")
             resp = await state.client.send(request, stream=True)
             self._upstream = resp
             if resp.status_code != 200:
@@ -500,6 +506,7 @@ class _Exchange(Response):
             content_type = resp.headers.get("content-type", "application/json")
             if not tr.stream:
                 data = await resp.aread()
+                state.timeline.mark(tr.request_id, "first_token")
                 await self._start(send, 200, content_type)
                 self.relayed = True
                 await send({"type": "http.response.body", "body": data})
@@ -510,10 +517,13 @@ class _Exchange(Response):
                 async for chunk in resp.aiter_bytes():
                     if not chunk:
                         continue
+                    if not self.relayed:
+                        state.timeline.mark(tr.request_id, "first_token")
                     self.relayed = True
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b""})
             self.ok = True
+            state.timeline.mark(tr.request_id, "end")
         except httpx.TimeoutException as exc:
             tr.decode.errors += 1
             await self._error(send, 504, f"decode server {server} timed out on {tr.api}: "
@@ -629,6 +639,7 @@ def build_app(
         decode.in_flight += 1
         decode.requests += 1
         state.counters["requests"] += 1
+        state.timeline.mark(tr.request_id, "received")
         state.transfers[tr.request_id] = tr
         return _Exchange(state, tr)
 
@@ -668,11 +679,18 @@ def build_app(
         sub = SubPrefill(sub_id, state.pick(state.prefills))
         tr.prefills[sub_id] = sub
         state.counters["prefills"] += 1
+        state.timeline.mark(sub_id, "meta_posted")
         body = build_prefill_body(tr.body, msg.get("kv_transfer_params", {}), sub_id,
                                   msg["prompt_token_ids"])
         sub.task = state.spawn(_run_prefill(state, tr, sub, body))
         return JSONResponse({"status": "ok", "transfer_id": tid, "sub_transfer_id": sub_id,
                              "prefill_url": sub.backend.url, "detail": "prefill started"}, 202)
+
+    @app.get("/lw/timeline")
+    async def timeline() -> JSONResponse:
+        """What the proxy saw of recent transfers: id -> milestone -> wall time (see
+        lw.vllm_adapter.proxy_timeline); with lw status timelines, lw.ops.phases."""
+        return JSONResponse(state.timeline.snapshot())
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -438,6 +438,12 @@ def test_stream_flow_passes_sse_through() -> None:
         d_body = c.world.bodies[("d", rid)]
         assert d_body["stream"] is True and d_body["min_tokens"] == 2
         assert c.world.has("d_done", tid=rid)
+        seen = httpx.get(c.url + "/lw/timeline", timeout=5).json()
+        whole, sub = seen[rid], seen[rid + "@0"]
+        assert list(whole) == ["received", "d_sent", "first_token", "end"]
+        assert sorted(whole.values()) == list(whole.values())
+        assert set(sub) == {"meta_posted", "p_sent", "p_done"}
+        assert whole["d_sent"] <= sub["meta_posted"] <= sub["p_sent"] <= sub["p_done"]
 
 
 def test_chat_stream_flow() -> None:
