@@ -237,10 +237,30 @@ def warm_up(run: Running, n: int = 2) -> None:
             raise RuntimeError(f"{run.name} warm-up failed: {r.error}\n{tails}")
 
 
-def after_lw_run(run: Running, shape: Shape, result: dict[str, Any]) -> None:
-    """Hook after each lw P/D ``vllm bench serve`` run: ``run.servers`` holds the prefill,
-    decode and proxy ``Server``s (URLs, processes, logs); the per-request phase timeline (issue 9
-    part 2) prints its table from here."""
+def after_lw_run(run: Running, shape: Shape, result: dict[str, Any], since: float) -> None:
+    """After each lw P/D run: where each request's time went, from lw's lifecycle events on P
+    and D (``lw status`` timelines) and the proxy's milestones, as mean per phase."""
+    if run.cluster is None:
+        return
+    import httpx
+
+    from lw.ops.client import query
+    from lw.ops.phases import format_phases, milestones, phase_means
+
+    snap = query(run.cluster.status_workers(), timeline=100_000, timeout_s=10)
+    try:
+        proxy = httpx.get(run.url + "/lw/timeline", timeout=10).json()
+    except httpx.HTTPError as exc:
+        print(f"  (no proxy timeline: {exc})")
+        proxy = {}
+    ms = milestones(snap, proxy)
+    done = {k: m for k, m in ms.items() if "first_token" in m.times and "all_done" in m.times
+            and m.times.get("received", 0.0) >= since}  # this shape's requests only
+    print(format_phases(phase_means(done), f"lw phases, {shape.key}: mean over "
+                        f"{len(done)} request(s) ({len(snap.silent)} worker(s) silent)"),
+          flush=True)
+    result["lw_phases_ms"] = {name: round(mean * 1e3, 1) for name, mean, n in
+                              phase_means(done) if n}
 
 
 # ------------------------------------------------------------------------------------ client
@@ -362,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"[{model_name}] {LABELS[setup]}: ready in {time.monotonic() - t0:.0f}s",
                       flush=True)
                 for sh in plan:
-                    t1 = time.monotonic()
+                    t1, wall1 = time.monotonic(), time.time()
                     try:
                         res = run_bench(run.url, model, datasets[sh.key], sh,
                                         logs / f"{sh.key}.json", args.bench_timeout)
@@ -379,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"tok/s, failed {res.get('failed', 0)} "
                           f"({time.monotonic() - t1:.0f}s)", flush=True)
                     if setup == "lw":
-                        after_lw_run(run, sh, res)
+                        after_lw_run(run, sh, res, wall1)
             except RuntimeError as exc:
                 print(f"[{model_name}] {LABELS[setup]}: FAILED: {exc}", flush=True)
                 failures += 1

@@ -278,6 +278,8 @@ class LocalCluster:
         cores = "|".join(str((first_core + i) % 2) for i in range(tp * dp))
         env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_OMP_THREADS_BIND=cores, PYTHONUNBUFFERED="1",
+                   # the whole engine (API server, EngineCore) on its workers' cores
+                   LW_CPU_AFFINITY=",".join(sorted(set(cores.split("|")))),
                    VLLM_HOST_IP="127.0.0.1", TOKENIZERS_PARALLELISM="false")
         if self.p_tp * self.p_dp + self.d_tp * self.d_dp > 2:
             # More workers than cores: an idle worker's OpenMP threads must sleep, not spin on
