@@ -704,7 +704,7 @@ class WorkerLoop:
         """This worker's live requests (or one), its newest timeline entries and counters,
         trimmed to fit one side-channel message. Loop thread only."""
         ep = self.endpoint
-        now = self._clock()
+        now, wall = self._clock(), time.time()  # together: they place timeline times
         rows = ep.status(now, req_id)
         entries: list = []
         if timeline:
@@ -716,7 +716,7 @@ class WorkerLoop:
         counters.update({f"core.{k}": float(v) for k, v in ep.counters.items()})
         truncated = False
         while True:
-            reply = StatusReply(PROTOCOL_VERSION, ep.me, self._role, now, time.time(), rows,
+            reply = StatusReply(PROTOCOL_VERSION, ep.me, self._role, now, wall, rows,
                                 entries, counters, truncated)
             if len(encode(reply)) <= MAX_MESSAGE_BYTES - 4096 or not (rows or entries):
                 return reply
