@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lw.sim.properties import Violation
+from lw.sim.reduce import ARRIVE, faults_exhausted, inert_candidates, key_without_network
 from lw.sim.world import FAULT_ACTIONS, Action, World, WorldConfig
 
 
@@ -42,6 +43,7 @@ class Result:
     seen: set[str] = field(default_factory=set)  # "sometimes" flags observed
     stopped_by: str = ""
     acyclic: bool | None = None  # exhaustive with check_cycles: the state graph has no cycle
+    reduced: int = 0  # states expanded through a persistent singleton (lw/sim/reduce.py)
 
     @property
     def states_per_s(self) -> float:
@@ -67,13 +69,16 @@ class Result:
 def explore(cfg: WorldConfig, max_states: int | None = None,
             max_seconds: float | None = None,
             on_state: Callable[[World], None] | None = None,
-            edges: list[tuple[int, int]] | None = None, check_cycles: bool = False) -> Result:
+            edges: list[tuple[int, int]] | None = None, check_cycles: bool = False,
+            reduce: bool = True) -> Result:
     """Breadth-first search of every reachable state; the first violation has a shortest trace.
 
     ``on_state`` is called with every new distinct state (tests use it to compare models);
     ``edges`` collects every transition as (state, successor) indices; ``check_cycles`` uses
     them to prove that every run ends (no cycle), which makes the terminal checks liveness.
     """
+    if reduce:
+        check_cycles = True  # the cycle proviso (C3) of the reduction: see lw/sim/reduce.py
     if check_cycles and edges is None:
         edges = []
     t0 = time.perf_counter()
@@ -99,6 +104,27 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
         out.reverse()
         return out
 
+    def visit(idx: int, depth: int, a: Action, w2: World) -> None:
+        if w2.flags:
+            res.seen |= w2.flags
+        h = hash(w2.key())
+        seen_at = visited.get(h)
+        if seen_at is not None:
+            if edges is not None:
+                edges.append((idx, seen_at))
+            return
+        new = len(parent)
+        visited[h] = new
+        parent.append(idx)
+        via.append(a)
+        if edges is not None:
+            edges.append((idx, new))
+        frontier.append((new, depth + 1, cloner.dumps(w2)))
+        if on_state is not None:
+            on_state(w2)
+        if depth + 1 > res.max_depth:
+            res.max_depth = depth + 1
+
     while frontier:
         idx, depth, blob = frontier.popleft()
         w = loads(blob)
@@ -111,6 +137,29 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
                 res.counterexample = Counterexample(v, trace(idx))
                 break
             continue
+        if reduce and ARRIVE in acts:
+            acts = [ARRIVE]  # a persistent singleton in every state (lw/sim/reduce.py)
+            res.reduced += 1
+        elif reduce and faults_exhausted(w):
+            cands = inert_candidates(w, acts)
+            if cands:
+                base = key_without_network(w)
+                for a in cands:
+                    w2 = loads(blob)
+                    res.transitions += 1
+                    try:
+                        w2.apply(a)
+                    except Violation as v:
+                        res.counterexample = Counterexample(v, [*trace(idx), a])
+                        break
+                    visit(idx, depth, a, w2)
+                    if key_without_network(w2) == base:
+                        acts = []  # a persistent singleton: nothing else to expand
+                        res.reduced += 1
+                        break
+                    acts = [b for b in acts if b != a]
+                if res.counterexample is not None:
+                    break
         for n, a in enumerate(acts):
             w2 = w if n == len(acts) - 1 else loads(blob)
             res.transitions += 1
@@ -119,24 +168,7 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
             except Violation as v:
                 res.counterexample = Counterexample(v, [*trace(idx), a])
                 break
-            if w2.flags:
-                res.seen |= w2.flags
-            h = hash(w2.key())
-            if h in visited:
-                if edges is not None:
-                    edges.append((idx, visited[h]))
-                continue
-            new = len(parent)
-            visited[h] = new
-            parent.append(idx)
-            via.append(a)
-            if edges is not None:
-                edges.append((idx, new))
-            frontier.append((new, depth + 1, cloner.dumps(w2)))
-            if on_state is not None:
-                on_state(w2)
-            if depth + 1 > res.max_depth:
-                res.max_depth = depth + 1
+            visit(idx, depth, a, w2)
         if res.counterexample is not None:
             break
         if max_states is not None and len(parent) >= max_states:
@@ -154,12 +186,35 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
             res.counterexample = Counterexample(Violation(
                 "request-ends", "the state graph has a cycle: some run can go on for ever "
                 "without every request finishing (livelock)"), [])
+    if reduce and res.counterexample is not None and res.counterexample.actions:
+        res.counterexample = shorten(cfg, res.counterexample)
     res.seconds = time.perf_counter() - t0
     if res.counterexample is None:
         v = res.vacuity()
         if v is not None:
             res.counterexample = Counterexample(v, [])
     return res
+
+
+def shorten(cfg: WorldConfig, ce: Counterexample) -> Counterexample:
+    """Drop steps a reduction forced into a trace (e.g. an early arrival) while the rest still
+    replays to a violation of the same property: a shortest trace of the reduced graph need not
+    be one of the full graph."""
+    best = ce
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(best.actions) - 1, -1, -1):
+            cand = best.actions[:i] + best.actions[i + 1:]
+            try:
+                _w, _run, _texts, v = replay(cfg, cand, record=False)
+            except ValueError:  # a step is no longer enabled
+                continue
+            if v is not None and v.prop == best.violation.prop:
+                best = Counterexample(v, cand)
+                changed = True
+                break
+    return best
 
 
 def acyclic(n: int, edges: list[tuple[int, int]]) -> bool:
