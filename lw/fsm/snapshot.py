@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 OMIT, KEYS, UNORDERED = "omit", "keys", "unordered"
@@ -28,45 +28,58 @@ Rules = Mapping[type, Mapping[str, tuple[str, str]]]
 _ATOMS = frozenset({type(None), bool, int, float, str, bytes})
 _SEQ = frozenset({list, tuple, deque})
 _SETS = frozenset({set, frozenset})
-_PLANS: dict[tuple[int, type, tuple[str, ...]], tuple[tuple[str, str], ...]] = {}
-_FROZEN: dict[type, bool] = {}
-_HASHABLE: dict[type, bool] = {}
+_PLANS: dict[tuple, Callable[[Any], tuple]] = {}
+_SLOTS: dict[type, tuple[str, ...]] = {}
+_KIND: dict[type, str] = {}
 _FROZEN_CANON: dict[int, tuple[Any, tuple]] = {}  # id -> (object kept alive, its canonical form)
 
 
 def fields_of(obj: Any) -> tuple[str, ...]:
-    """Instance field names of ``obj``: its ``__slots__`` (whole MRO) or its ``__dict__``."""
-    names: list[str] = []
-    for klass in type(obj).__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        names += [slots] if isinstance(slots, str) else list(slots)
-    names = [n for n in names if n not in ("__dict__", "__weakref__")]
-    if hasattr(obj, "__dict__"):
-        names += list(vars(obj))
-    return tuple(names)
+    """Instance field names of ``obj``: its ``__slots__`` (whole MRO) and its ``__dict__``."""
+    cls = type(obj)
+    slots = _SLOTS.get(cls)
+    if slots is None:
+        names: list[str] = []
+        for klass in cls.__mro__:
+            s = klass.__dict__.get("__slots__", ())
+            names += [s] if isinstance(s, str) else list(s)
+        slots = tuple(n for n in names if n not in ("__dict__", "__weakref__"))
+        _SLOTS[cls] = slots
+    d = getattr(obj, "__dict__", None)
+    return slots + tuple(d) if d else slots
 
 
 def derive(obj: Any, rules: Rules) -> tuple:
     """The canonical, hashable snapshot of ``obj`` under ``rules`` (see the module doc)."""
-    cls = type(obj)
-    names = fields_of(obj)
-    key = (id(rules), cls, names)
-    plan = _PLANS.get(key)
-    if plan is None:
-        mine = rules.get(cls, {})
-        plan = tuple((n, mine[n][0] if n in mine else "") for n in names
-                     if mine.get(n, ("",))[0] != OMIT)
-        _PLANS[key] = plan
-    out = []
-    for name, how in plan:
-        v = getattr(obj, name)
+    d = getattr(obj, "__dict__", None)
+    key = (id(rules), type(obj), tuple(d)) if d is not None else (id(rules), type(obj))
+    fn = _PLANS.get(key)
+    if fn is None:
+        fn = _PLANS[key] = _compile(type(obj), fields_of(obj), rules)
+    return fn(obj)
+
+
+def _compile(cls: type, names: tuple[str, ...], rules: Rules) -> Callable[[Any], tuple]:
+    """A function computing the snapshot of a ``cls`` with these fields (made once per shape:
+    atoms are taken as they are without a call, the rest goes through ``_canon``)."""
+    mine = rules.get(cls, {})
+    parts = []
+    for n in names:
+        how = mine[n][0] if n in mine else ""
+        if how == OMIT:
+            continue
+        if not n.isidentifier():
+            raise ValueError(f"snapshot: field name {n!r} of {cls.__name__}")
         if how == KEYS:
-            out.append(_sorted(tuple(v)))
+            parts.append(f"_sorted(tuple(o.{n}))")
         elif how == UNORDERED:
-            out.append(_sorted(tuple((k, _canon(x, rules)) for k, x in v.items())))
+            parts.append(f"_sorted(tuple((k, _canon(x, R)) for k, x in o.{n}.items()))")
         else:
-            out.append(_canon(v, rules))
-    return tuple(out)
+            parts.append(f"(x if (x := o.{n}).__class__ in _ATOMS else _canon(x, R))")
+    src = "def snap(o):\n    return (" + "".join(p + ", " for p in parts) + ")\n"
+    env: dict[str, Any] = {"_sorted": _sorted, "_canon": _canon, "_ATOMS": _ATOMS, "R": rules}
+    exec(compile(src, f"<snapshot of {cls.__name__}>", "exec"), env)  # noqa: S102
+    return env["snap"]
 
 
 def _sorted(items: tuple) -> tuple:
@@ -76,27 +89,35 @@ def _sorted(items: tuple) -> tuple:
         return tuple(sorted(items, key=repr))
 
 
-def _frozen(t: type) -> bool:
-    f = _FROZEN.get(t)
-    if f is None:
-        params = getattr(t, "__dataclass_params__", None)
-        struct = getattr(t, "__struct_config__", None)
-        f = bool((params is not None and params.frozen) or (struct is not None and struct.frozen))
-        _FROZEN[t] = f
-    return f
-
-
-def _hashable(v: Any) -> bool:
+def _kind(v: Any) -> str:
+    """How values of ``type(v)`` are made canonical (decided once per type)."""
     t = type(v)
-    h = _HASHABLE.get(t)
-    if h is None:
+    if t in _SEQ:
+        k = "seq"
+    elif t is dict:
+        k = "dict"
+    elif t is OrderedDict:
+        k = "odict"
+    elif t in _SETS:
+        k = "set"
+    elif _frozen(t):
         try:
             hash(v)
-            h = True
+            k = "atom"
         except TypeError:  # e.g. a frozen struct with a list field
-            h = False
-        _HASHABLE[t] = h
-    return h
+            k = "frozen"
+    elif dataclasses.is_dataclass(v) or hasattr(v, "__dict__") or hasattr(t, "__slots__"):
+        k = "obj"
+    else:
+        raise TypeError(f"snapshot: no canonical form for a {t.__name__}")
+    _KIND[t] = k
+    return k
+
+
+def _frozen(t: type) -> bool:
+    params = getattr(t, "__dataclass_params__", None)
+    struct = getattr(t, "__struct_config__", None)
+    return bool((params is not None and params.frozen) or (struct is not None and struct.frozen))
 
 
 def _frozen_canon(v: Any, rules: Rules) -> tuple:
@@ -116,16 +137,18 @@ def _canon(v: Any, rules: Rules) -> Any:
     t = type(v)
     if t in _ATOMS:
         return v
-    if t in _SEQ:
-        return tuple([_canon(x, rules) for x in v])
-    if t is dict:
-        return _sorted(tuple((k, _canon(x, rules)) for k, x in v.items()))
-    if t is OrderedDict:
-        return tuple((k, _canon(x, rules)) for k, x in v.items())
-    if t in _SETS:
-        return _sorted(tuple(v))
-    if _frozen(t):
-        return v if _hashable(v) else _frozen_canon(v, rules)
-    if dataclasses.is_dataclass(v) or hasattr(v, "__dict__") or hasattr(t, "__slots__"):
+    k = _KIND.get(t) or _kind(v)
+    if k == "seq":
+        return tuple([x if x.__class__ in _ATOMS else _canon(x, rules) for x in v])
+    if k == "obj":
         return derive(v, rules)
-    raise TypeError(f"snapshot: no canonical form for a {t.__name__}")
+    if k == "dict":
+        return _sorted(tuple([(a, x if x.__class__ in _ATOMS else _canon(x, rules))
+                              for a, x in v.items()]))
+    if k == "set":
+        return _sorted(tuple(v))
+    if k == "atom":
+        return v
+    if k == "odict":
+        return tuple([(a, _canon(x, rules)) for a, x in v.items()])
+    return _frozen_canon(v, rules)

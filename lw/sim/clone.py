@@ -7,7 +7,7 @@ machine (docs/checker.md): a clone costs a fraction of ``copy.deepcopy``'s time.
 
 Two more savings, both for state no decision reads: an endpoint's lifecycle ``Timeline``
 (observability: ``lw status``, traces) is not carried into copies (a copy gets an empty one
-that records nothing), and the per-request records with ``__slots__`` are pickled as a plain
+that records nothing, shared), and the per-request records with ``__slots__`` are pickled as a plain
 tuple of their slot values instead of going through ``copyreg``'s generic slot state.
 """
 
@@ -71,8 +71,11 @@ def _store_of(token: int) -> Store:
     return _STORES[token]
 
 
+_NO_TIMELINE = Timeline(0)  # records nothing, so one instance can stand in everywhere
+
+
 def _no_timeline() -> Timeline:
-    return Timeline(0)
+    return _NO_TIMELINE
 
 
 def _slots_rebuild(cls: type, values: tuple) -> Any:

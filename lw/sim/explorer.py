@@ -14,7 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lw.sim.properties import Violation
-from lw.sim.reduce import ARRIVE, faults_exhausted, inert_candidates, key_without_network
+from lw.sim.reduce import (
+    ARRIVE,
+    faults_exhausted,
+    inert_candidates,
+    inert_detections,
+    key_if,
+    key_without_network,
+)
 from lw.sim.world import FAULT_ACTIONS, Action, World, WorldConfig
 
 
@@ -44,6 +51,8 @@ class Result:
     stopped_by: str = ""
     acyclic: bool | None = None  # exhaustive with check_cycles: the state graph has no cycle
     reduced: int = 0  # states expanded through a persistent singleton (lw/sim/reduce.py)
+    # keep_going: the first counterexample of each violated property
+    violations: dict[str, Counterexample] = field(default_factory=dict)
 
     @property
     def states_per_s(self) -> float:
@@ -70,12 +79,17 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
             max_seconds: float | None = None,
             on_state: Callable[[World], None] | None = None,
             edges: list[tuple[int, int]] | None = None, check_cycles: bool = False,
-            reduce: bool = True) -> Result:
-    """Breadth-first search of every reachable state; the first violation has a shortest trace.
+            reduce: bool = True, keep_going: bool = False, exact: bool = False) -> Result:
+    """Breadth-first search of every reachable state; the first violation has a shortest trace
+    (of the reduced graph; ``shorten`` then drops steps a reduction forced in).
 
     ``on_state`` is called with every new distinct state (tests use it to compare models);
     ``edges`` collects every transition as (state, successor) indices; ``check_cycles`` uses
     them to prove that every run ends (no cycle), which makes the terminal checks liveness.
+    ``reduce`` applies the partial-order reduction of lw/sim/reduce.py (then the cycle check is
+    always on: it establishes the reduction's cycle proviso). ``keep_going`` records the first
+    violation of each property (``Result.violations``) and explores on, past violating states.
+    ``exact`` deduplicates on the whole pickled world instead of its key (tests of the key).
     """
     if reduce:
         check_cycles = True  # the cycle proviso (C3) of the reduction: see lw/sim/reduce.py
@@ -85,13 +99,13 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
     res = Result(cfg, "exhaustive")
     w0 = World(cfg)
     cloner = w0.cloner()
-    visited: dict[int, int] = {hash(w0.key()): 0}
+    blob0 = cloner.dumps(w0)
+    visited: dict[object, int] = {blob0 if exact else hash(w0.key()): 0}
     if on_state is not None:
         on_state(w0)
     parent: list[int] = [-1]
     via: list[Action | None] = [None]
-    depth0 = 0
-    frontier: deque[tuple[int, int, bytes]] = deque([(0, depth0, cloner.dumps(w0))])
+    frontier: deque[tuple[int, int, bytes]] = deque([(0, 0, blob0)])
     loads = cloner.loads
 
     def trace(idx: int) -> list[Action]:
@@ -104,28 +118,78 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
         out.reverse()
         return out
 
-    def visit(idx: int, depth: int, a: Action, w2: World) -> None:
+    def found(v: Violation, actions: list[Action]) -> bool:
+        """Record a violation; True when the search must stop."""
+        ce = Counterexample(v, actions)
+        if res.counterexample is None:
+            res.counterexample = ce
+        res.violations.setdefault(v.prop, ce)
+        return not keep_going
+
+    def step(idx: int, depth: int, w2: World, a: Action) -> bool | None:
+        """Apply ``a`` to ``w2`` (a copy of state ``idx``) and file the successor: None when
+        the search must stop, False after a violation (keep_going), else True."""
+        res.transitions += 1
+        try:
+            w2.apply(a)
+        except Violation as v:
+            return None if found(v, [*trace(idx), a]) else False
         if w2.flags:
             res.seen |= w2.flags
-        h = hash(w2.key())
+        if exact:
+            b2 = cloner.dumps(w2)
+            h: object = b2
+        else:
+            b2 = b""
+            h = hash(w2.key())
         seen_at = visited.get(h)
         if seen_at is not None:
             if edges is not None:
                 edges.append((idx, seen_at))
-            return
+            return True
         new = len(parent)
         visited[h] = new
         parent.append(idx)
         via.append(a)
         if edges is not None:
             edges.append((idx, new))
-        frontier.append((new, depth + 1, cloner.dumps(w2)))
+        frontier.append((new, depth + 1, b2 or cloner.dumps(w2)))
         if on_state is not None:
             on_state(w2)
         if depth + 1 > res.max_depth:
             res.max_depth = depth + 1
+        return True
 
-    while frontier:
+    def reduced_expand(w: World, blob: bytes, idx: int, depth: int, acts: list[Action],
+                       ) -> tuple[list[Action], bool]:
+        """Try the candidates for a persistent singleton (lw/sim/reduce.py) in a state where no
+        fault can happen any more; each tried one is an ordinary successor. Returns the actions
+        still to expand (none once a candidate proved inert) and whether to stop."""
+        cands = inert_candidates(w, acts)
+        base_net = key_without_network(w) if cands else 0
+        for a in cands:
+            w2 = loads(blob)
+            ok = step(idx, depth, w2, a)
+            if ok is None:
+                return [], True
+            acts = [b for b in acts if b != a]
+            if ok and key_without_network(w2) == base_net:
+                res.reduced += 1
+                return [], False
+        for a, mark in inert_detections(w, acts):
+            base = key_if(w, mark)
+            w2 = loads(blob)
+            ok = step(idx, depth, w2, a)
+            if ok is None:
+                return [], True
+            acts = [b for b in acts if b != a]
+            if ok and hash(w2.key()) == base:
+                res.reduced += 1
+                return [], False
+        return acts, False
+
+    stop = False
+    while frontier and not stop:
         idx, depth, blob = frontier.popleft()
         w = loads(blob)
         acts = w.enabled()
@@ -134,42 +198,19 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
             try:
                 w.check_terminal()
             except Violation as v:
-                res.counterexample = Counterexample(v, trace(idx))
-                break
+                stop = found(v, trace(idx))
             continue
         if reduce and ARRIVE in acts:
             acts = [ARRIVE]  # a persistent singleton in every state (lw/sim/reduce.py)
             res.reduced += 1
         elif reduce and faults_exhausted(w):
-            cands = inert_candidates(w, acts)
-            if cands:
-                base = key_without_network(w)
-                for a in cands:
-                    w2 = loads(blob)
-                    res.transitions += 1
-                    try:
-                        w2.apply(a)
-                    except Violation as v:
-                        res.counterexample = Counterexample(v, [*trace(idx), a])
-                        break
-                    visit(idx, depth, a, w2)
-                    if key_without_network(w2) == base:
-                        acts = []  # a persistent singleton: nothing else to expand
-                        res.reduced += 1
-                        break
-                    acts = [b for b in acts if b != a]
-                if res.counterexample is not None:
-                    break
+            acts, stop = reduced_expand(w, blob, idx, depth, acts)
         for n, a in enumerate(acts):
-            w2 = w if n == len(acts) - 1 else loads(blob)
-            res.transitions += 1
-            try:
-                w2.apply(a)
-            except Violation as v:
-                res.counterexample = Counterexample(v, [*trace(idx), a])
+            if stop:
                 break
-            visit(idx, depth, a, w2)
-        if res.counterexample is not None:
+            w2 = w if n == len(acts) - 1 else loads(blob)
+            stop = step(idx, depth, w2, a) is None
+        if stop:
             break
         if max_states is not None and len(parent) >= max_states:
             res.stopped_by = f"state limit {max_states}"
@@ -179,13 +220,13 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
                 res.stopped_by = f"time limit {max_seconds:g} s"
                 break
     res.states = len(parent)
-    res.complete = res.counterexample is None and not res.stopped_by
+    res.complete = not stop and not res.stopped_by and (keep_going
+                                                         or res.counterexample is None)
     if check_cycles and res.complete and edges is not None:
         res.acyclic = acyclic(len(parent), edges)
         if not res.acyclic:
-            res.counterexample = Counterexample(Violation(
-                "request-ends", "the state graph has a cycle: some run can go on for ever "
-                "without every request finishing (livelock)"), [])
+            found(Violation("request-ends", "the state graph has a cycle: some run can go on "
+                            "for ever without every request finishing (livelock)"), [])
     if reduce and res.counterexample is not None and res.counterexample.actions:
         res.counterexample = shorten(cfg, res.counterexample)
     res.seconds = time.perf_counter() - t0

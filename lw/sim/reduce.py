@@ -39,6 +39,8 @@ network is just one ordinary successor among the others.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.sim.world import Action, World
 
@@ -86,3 +88,58 @@ def key_without_network(w: World) -> int:
         return hash(w.key())
     finally:
         net.counts = saved
+
+
+def inert_detections(w: World, acts: list[Action]) -> list[tuple[Action, Callable[[World], None]]]:
+    """Enabled failure detections (``p_lost``, ``d_lost``) that nothing can make matter any more,
+    each with the world flag it sets (to compute the key it must leave unchanged).
+
+    Only meaningful when :func:`faults_exhausted` (no crash can disable them). A detection of a
+    dead peer reads the detecting endpoint's live requests bound to that peer and its cached
+    layouts of it. It is *stable* when no message from the dead peer to the endpoint is in
+    flight (the only way a claim or a layout of it could still arrive) and, for a P worker, no
+    request bound for the dead D engine can still be added to it (every such request was added
+    already or was never allocated: a dead engine allocates nothing). Then its effect is the same
+    in every later state; the dynamic check (the key with the flag set is unchanged) shows it is
+    nothing, so it commutes with everything and is invisible."""
+    out: list[tuple[Action, Callable[[World], None]]] = []
+    senders: dict[str, set[str]] = {}
+    for k in w.net.keys():
+        senders.setdefault(k[0], set()).add(k[1])
+    for a in acts:
+        if a[0] == "p_lost":
+            v = a[1]
+            if not any(s[0] == "p" for s in senders.get(f"d{v}", ())):
+                out.append((a, _mark_p_lost(v)))
+        elif a[0] == "d_lost":
+            i, d = a[1], a[2]
+            dead = {f"d{v}" for v in w.d_workers_of(d)}
+            if dead & senders.get(f"p{i}", set()):
+                continue
+            rank = i // w.tp
+            if all(q.p_added or q.d_blocks is None for q in w.reqs
+                   if q.d_rank == d and q.p_rank == rank):
+                out.append((a, _mark_d_lost(i, d)))
+    return out
+
+
+def _mark_p_lost(v: int) -> Callable[[World], None]:
+    def mark(w: World) -> None:
+        w.p_lost_seen[v] = True
+    return mark
+
+
+def _mark_d_lost(i: int, d: int) -> Callable[[World], None]:
+    def mark(w: World) -> None:
+        w.d_lost_seen.add((i, d))
+    return mark
+
+
+def key_if(w: World, mark: Callable[[World], None]) -> int:
+    """Hash of the key ``w`` would have after ``mark`` (applied to a scratch copy of the flags)."""
+    p_seen, d_seen = list(w.p_lost_seen), set(w.d_lost_seen)
+    mark(w)
+    try:
+        return hash(w.key())
+    finally:
+        w.p_lost_seen, w.d_lost_seen = p_seen, d_seen
