@@ -1,5 +1,9 @@
 """Exploration of the world: exhaustive BFS with state hashing, random walks, fair drain, replay.
 
+The exhaustive search applies a sound partial-order reduction by default (lw/sim/reduce.py:
+persistent singleton sets with the cycle proviso established by the acyclicity check, which is
+then always on); ``explore(..., reduce=False)`` explores every interleaving.
+
 States are stored as pickles whose shared immutable parts (declarations, dispatch tables,
 configs, senders, layouts, messages) are kept by reference (lw/sim/clone.py), so a clone is a
 ``loads`` of a ~1 KB string (measured faster than ``copy.deepcopy``, see docs/checker.md).
@@ -79,7 +83,8 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
             max_seconds: float | None = None,
             on_state: Callable[[World], None] | None = None,
             edges: list[tuple[int, int]] | None = None, check_cycles: bool = False,
-            reduce: bool = True, keep_going: bool = False, exact: bool = False) -> Result:
+            reduce: bool = True, keep_going: bool = False, exact: bool = False,
+            inert: bool = False) -> Result:
     """Breadth-first search of every reachable state; the first violation has a shortest trace
     (of the reduced graph; ``shorten`` then drops steps a reduction forced in).
 
@@ -90,6 +95,8 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
     always on: it establishes the reduction's cycle proviso). ``keep_going`` records the first
     violation of each property (``Result.violations``) and explores on, past violating states.
     ``exact`` deduplicates on the whole pickled world instead of its key (tests of the key).
+    ``inert`` adds the inert-delivery and inert-detection singletons of lw/sim/reduce.py: OFF
+    by default, the comparison tests found a terminal state they lose (see that module).
     """
     if reduce:
         check_cycles = True  # the cycle proviso (C3) of the reduction: see lw/sim/reduce.py
@@ -200,10 +207,10 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
             except Violation as v:
                 stop = found(v, trace(idx))
             continue
-        if reduce and ARRIVE in acts:
+        if reduce and ARRIVE in acts and w.design.d_first:
             acts = [ARRIVE]  # a persistent singleton in every state (lw/sim/reduce.py)
             res.reduced += 1
-        elif reduce and faults_exhausted(w):
+        elif reduce and inert and faults_exhausted(w):
             acts, stop = reduced_expand(w, blob, idx, depth, acts)
         for n, a in enumerate(acts):
             if stop:

