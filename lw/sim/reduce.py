@@ -22,11 +22,11 @@ that arrives at a dead engine is lost at once: the same state). No other action 
 no property reads the queues, so it is invisible. Every run that lets the request arrive later
 is a reordering of one that lets it arrive now.
 
-**Not sound as implemented, off by default** (``explore(..., inert=True)``): the two reductions
-below. ``tests/sim/test_explorer.py`` compares full and reduced graphs and found a terminal
-state the reduced graph misses (eager-free, 1 request, 1 layer, aborts: a stale ``Abort`` to P
-chosen alone while D's quarantine lease was pending); the flaw in the argument is not found yet,
-so they stay off until it is. The intended argument follows.
+The comparison tests (``tests/sim/test_explorer.py``: full vs reduced graph, same violated
+properties, same terminal states, same values of everything the properties read) first failed
+for the inert deliveries: the cause was not the reduction but the state hashing, which merged
+states whose relative times were -1 s and -2 s (``hash(-1) == hash(-2)`` in CPython); the
+explorer now fingerprints the key's text (``lw.sim.explorer.fingerprint``).
 
 An **inert delivery**. A message in flight to an endpoint that is dead,
 or about a request that endpoint has already finished (final, released, not live), once no fault
@@ -87,13 +87,13 @@ def inert_candidates(w: World, acts: list[Action]) -> list[Action]:
     return out
 
 
-def key_without_network(w: World) -> int:
-    """Hash of the world's key with the messages in flight left out."""
+def key_without_network(w: World) -> tuple:
+    """The world's key with the messages in flight left out."""
     net = w.net
     saved = net.counts
     net.counts = {}
     try:
-        return hash(w.key())
+        return w.key()
     finally:
         net.counts = saved
 
@@ -143,11 +143,11 @@ def _mark_d_lost(i: int, d: int) -> Callable[[World], None]:
     return mark
 
 
-def key_if(w: World, mark: Callable[[World], None]) -> int:
-    """Hash of the key ``w`` would have after ``mark`` (applied to a scratch copy of the flags)."""
+def key_if(w: World, mark: Callable[[World], None]) -> tuple:
+    """The key ``w`` would have after ``mark`` (applied to a scratch copy of the flags)."""
     p_seen, d_seen = list(w.p_lost_seen), set(w.d_lost_seen)
     mark(w)
     try:
-        return hash(w.key())
+        return w.key()
     finally:
         w.p_lost_seen, w.d_lost_seen = p_seen, d_seen
