@@ -338,7 +338,7 @@ def random_walks(cfg: WorldConfig, seconds: float, seed: int = 0, max_depth: int
                 w.apply(a)
                 res.transitions += 1
                 res.seen |= w.flags
-                seen_states.add(hash(w.key()))
+                seen_states.add(fingerprint(w))
                 res.max_depth = max(res.max_depth, len(path))
             w.draining = True
             while True:
