@@ -39,6 +39,7 @@ from lw.fsm.messages import (
     RequestStatus,
     Sender,
 )
+from lw.fsm.snapshot import OMIT, UNORDERED, Rules, derive
 from lw.fsm.status import decode_row, newly_stuck
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, Timeline, check_observability
 
@@ -149,21 +150,9 @@ class DecodeEndpoint:
         return {r.req_id: r.blocks for r in self._reqs.values() if r.state == FAILED}
 
     def snapshot(self) -> tuple:
-        """A canonical, hashable summary of the endpoint's protocol state (for the checker)."""
-        reqs = tuple(
-            sorted(
-                (
-                    r.req_id,
-                    r.state,
-                    tuple(sorted(r.claimers)),
-                    tuple(sorted(r.done)),
-                    tuple(sorted(r.stopped)),
-                    tuple(sorted(r.by_rank.items())),
-                )
-                for r in self._reqs.values()
-            )
-        )
-        return reqs, tuple(sorted(self._finished.items()))
+        """A canonical, hashable summary of the endpoint's protocol state (for the checker):
+        every field of the endpoint and its records except those SNAPSHOT_RULES names."""
+        return derive(self, SNAPSHOT_RULES)
 
     def awaited_peers(self) -> dict[str, str]:
         """P workers a live request still waits for (address -> the engine id
@@ -525,3 +514,26 @@ class DecodeEndpoint:
         self._finished[rec.req_id] = rec.state
         while len(self._finished) > self.config.finished_memory:
             self._finished.popitem(last=False)
+
+
+# What snapshot() leaves out or abstracts, and why. Every other field of the endpoint and of its
+# records is in the snapshot (lw/fsm/snapshot.py): a field added later is hashed by default.
+SNAPSHOT_RULES: Rules = {
+    DecodeEndpoint: {
+        "me": (OMIT, "fixed when made (identity)"),
+        "layout": (OMIT, "fixed when made (own layout)"),
+        "config": (OMIT, "fixed when made"),
+        "declaration": (OMIT, "fixed when made (the lifecycle table)"),
+        "_table": (OMIT, "fixed when made (compiled from the declaration)"),
+        "_finished": (UNORDERED, "its order only decides which entry is forgotten past "
+                                 "finished_memory (4096) finished requests"),
+        "timeline": (OMIT, "observability (lw status, traces)"),
+        "counters": (OMIT, "observability (statistics)"),
+    },
+    _Req: {
+        "reason": (OMIT, "free text: copied into reports and messages, never decided on"),
+        "since": (OMIT, "observability (time in state)"),
+        "deadline": (OMIT, "observability (the deadline and lease timers are armed by effects)"),
+        "alarmed": (OMIT, "observability (stuck-request alarm)"),
+    },
+}

@@ -44,6 +44,7 @@ from lw.fsm.messages import (
     RequestStatus,
     Sender,
 )
+from lw.fsm.snapshot import KEYS, OMIT, UNORDERED, Rules, derive
 from lw.fsm.status import newly_stuck, prefill_row
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, Timeline, check_observability
 
@@ -213,33 +214,9 @@ class PrefillEndpoint:
         return rec.inflight if rec is not None else 0
 
     def snapshot(self) -> tuple:
-        """A canonical, hashable summary of the endpoint's protocol state (for the checker)."""
-        reqs = tuple(
-            sorted(
-                (
-                    r.req.req_id,
-                    r.state,
-                    r.computed,
-                    r.submitted,
-                    r.sent,
-                    r.inflight,
-                    tuple((t.addr, t.accepted, t.claimed, t.acked) for t in r.targets),
-                    r.meta_tries,
-                    r.ack_tries,
-                    tuple(r.abort_acks),
-                    tuple(sorted(r.out_of_order)),
-                    r.in_doubt,
-                )
-                for r in self._reqs.values()
-            )
-        )
-        return (
-            reqs,
-            tuple(sorted(self._layouts)),
-            tuple(sorted(self._tombstones)),
-            tuple(sorted(self._finished.items())),
-            tuple(sorted(self._in_doubt)),
-        )
+        """A canonical, hashable summary of the endpoint's protocol state (for the checker):
+        every field of the endpoint and its records except those SNAPSHOT_RULES names."""
+        return derive(self, SNAPSHOT_RULES)
 
     def awaited_peers(self) -> dict[str, str]:
         """D workers a live request still needs (address -> what :meth:`peer_lost` takes):
@@ -679,3 +656,32 @@ class PrefillEndpoint:
             self._in_doubt.add(rid)
         while len(self._finished) > self.config.finished_memory:
             self._in_doubt.discard(self._finished.popitem(last=False)[0])
+
+
+# What snapshot() leaves out or abstracts, and why. Every other field of the endpoint and of its
+# records is in the snapshot (lw/fsm/snapshot.py): a field added later is hashed by default.
+SNAPSHOT_RULES: Rules = {
+    PrefillEndpoint: {
+        "me": (OMIT, "fixed when made (identity)"),
+        "num_layers": (OMIT, "fixed when made"),
+        "config": (OMIT, "fixed when made"),
+        "local": (OMIT, "fixed when made (own layout)"),
+        "fmt": (OMIT, "fixed when made (own head format)"),
+        "declaration": (OMIT, "fixed when made (the lifecycle table)"),
+        "_table": (OMIT, "fixed when made (compiled from the declaration)"),
+        "_segs": (OMIT, "cache of a pure function of a layout (the used one is in _Target.segs)"),
+        "_tombstones": (KEYS, "the values are expiry times no decision reads (the tomb timer "
+                              "ends a tombstone)"),
+        "_finished": (UNORDERED, "its order only decides which entry is forgotten past "
+                                 "finished_memory (4096) finished requests"),
+        "timeline": (OMIT, "observability (lw status, traces)"),
+        "counters": (OMIT, "observability (statistics)"),
+    },
+    _Req: {
+        "reason": (OMIT, "free text: copied into reports and messages, never decided on"),
+        "since": (OMIT, "observability (time in state)"),
+        "deadline": (OMIT, "observability (the deadline timer itself is armed by an effect)"),
+        "alarmed": (OMIT, "observability (stuck-request alarm)"),
+    },
+    _Target: {},
+}

@@ -1,5 +1,9 @@
 """Exploration of the world: exhaustive BFS with state hashing, random walks, fair drain, replay.
 
+The exhaustive search applies a sound partial-order reduction by default (lw/sim/reduce.py:
+persistent singleton sets with the cycle proviso established by the acyclicity check, which is
+then always on); ``explore(..., reduce=False)`` explores every interleaving.
+
 States are stored as pickles whose shared immutable parts (declarations, dispatch tables,
 configs, senders, layouts, messages) are kept by reference (lw/sim/clone.py), so a clone is a
 ``loads`` of a ~1 KB string (measured faster than ``copy.deepcopy``, see docs/checker.md).
@@ -14,6 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lw.sim.properties import Violation
+from lw.sim.reduce import (
+    ARRIVE,
+    faults_exhausted,
+    inert_candidates,
+    inert_detections,
+    key_if,
+    key_without_network,
+)
 from lw.sim.world import FAULT_ACTIONS, Action, World, WorldConfig
 
 
@@ -42,6 +54,9 @@ class Result:
     seen: set[str] = field(default_factory=set)  # "sometimes" flags observed
     stopped_by: str = ""
     acyclic: bool | None = None  # exhaustive with check_cycles: the state graph has no cycle
+    reduced: int = 0  # states expanded through a persistent singleton (lw/sim/reduce.py)
+    # keep_going: the first counterexample of each violated property
+    violations: dict[str, Counterexample] = field(default_factory=dict)
 
     @property
     def states_per_s(self) -> float:
@@ -67,26 +82,36 @@ class Result:
 def explore(cfg: WorldConfig, max_states: int | None = None,
             max_seconds: float | None = None,
             on_state: Callable[[World], None] | None = None,
-            edges: list[tuple[int, int]] | None = None, check_cycles: bool = False) -> Result:
-    """Breadth-first search of every reachable state; the first violation has a shortest trace.
+            edges: list[tuple[int, int]] | None = None, check_cycles: bool = False,
+            reduce: bool = True, keep_going: bool = False, exact: bool = False,
+            inert: bool = True) -> Result:
+    """Breadth-first search of every reachable state; the first violation has a shortest trace
+    (of the reduced graph; ``shorten`` then drops steps a reduction forced in).
 
     ``on_state`` is called with every new distinct state (tests use it to compare models);
     ``edges`` collects every transition as (state, successor) indices; ``check_cycles`` uses
     them to prove that every run ends (no cycle), which makes the terminal checks liveness.
+    ``reduce`` applies the partial-order reduction of lw/sim/reduce.py (then the cycle check is
+    always on: it establishes the reduction's cycle proviso). ``keep_going`` records the first
+    violation of each property (``Result.violations``) and explores on, past violating states.
+    ``exact`` deduplicates on the whole pickled world instead of its key (tests of the key).
+    ``inert=False`` keeps only the arrival reduction (no inert deliveries or detections).
     """
+    if reduce:
+        check_cycles = True  # the cycle proviso (C3) of the reduction: see lw/sim/reduce.py
     if check_cycles and edges is None:
         edges = []
     t0 = time.perf_counter()
     res = Result(cfg, "exhaustive")
     w0 = World(cfg)
     cloner = w0.cloner()
-    visited: dict[int, int] = {hash(w0.key()): 0}
+    blob0 = cloner.dumps(w0)
+    visited: dict[object, int] = {blob0 if exact else fingerprint(w0): 0}
     if on_state is not None:
         on_state(w0)
     parent: list[int] = [-1]
     via: list[Action | None] = [None]
-    depth0 = 0
-    frontier: deque[tuple[int, int, bytes]] = deque([(0, depth0, cloner.dumps(w0))])
+    frontier: deque[tuple[int, int, bytes]] = deque([(0, 0, blob0)])
     loads = cloner.loads
 
     def trace(idx: int) -> list[Action]:
@@ -99,7 +124,78 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
         out.reverse()
         return out
 
-    while frontier:
+    def found(v: Violation, actions: list[Action]) -> bool:
+        """Record a violation; True when the search must stop."""
+        ce = Counterexample(v, actions)
+        if res.counterexample is None:
+            res.counterexample = ce
+        res.violations.setdefault(v.prop, ce)
+        return not keep_going
+
+    def step(idx: int, depth: int, w2: World, a: Action) -> bool | None:
+        """Apply ``a`` to ``w2`` (a copy of state ``idx``) and file the successor: None when
+        the search must stop, False after a violation (keep_going), else True."""
+        res.transitions += 1
+        try:
+            w2.apply(a)
+        except Violation as v:
+            return None if found(v, [*trace(idx), a]) else False
+        if w2.flags:
+            res.seen |= w2.flags
+        if exact:
+            b2 = cloner.dumps(w2)
+            h: object = b2
+        else:
+            b2 = b""
+            h = fingerprint(w2)
+        seen_at = visited.get(h)
+        if seen_at is not None:
+            if edges is not None:
+                edges.append((idx, seen_at))
+            return True
+        new = len(parent)
+        visited[h] = new
+        parent.append(idx)
+        via.append(a)
+        if edges is not None:
+            edges.append((idx, new))
+        frontier.append((new, depth + 1, b2 or cloner.dumps(w2)))
+        if on_state is not None:
+            on_state(w2)
+        if depth + 1 > res.max_depth:
+            res.max_depth = depth + 1
+        return True
+
+    def reduced_expand(w: World, blob: bytes, idx: int, depth: int, acts: list[Action],
+                       ) -> tuple[list[Action], bool]:
+        """Try the candidates for a persistent singleton (lw/sim/reduce.py) in a state where no
+        fault can happen any more; each tried one is an ordinary successor. Returns the actions
+        still to expand (none once a candidate proved inert) and whether to stop."""
+        cands = inert_candidates(w, acts)
+        base_net = key_without_network(w) if cands else ()
+        for a in cands:
+            w2 = loads(blob)
+            ok = step(idx, depth, w2, a)
+            if ok is None:
+                return [], True
+            acts = [b for b in acts if b != a]
+            if ok and key_without_network(w2) == base_net:
+                res.reduced += 1
+                return [], False
+        for a, mark in inert_detections(w, acts):
+            base = key_if(w, mark)
+            w2 = loads(blob)
+            ok = step(idx, depth, w2, a)
+            if ok is None:
+                return [], True
+            acts = [b for b in acts if b != a]
+            if ok and w2.key() == base:
+                res.reduced += 1
+                return [], False
+        return acts, False
+
+    stop = False
+    while frontier and not stop:
         idx, depth, blob = frontier.popleft()
         w = loads(blob)
         acts = w.enabled()
@@ -108,36 +204,19 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
             try:
                 w.check_terminal()
             except Violation as v:
-                res.counterexample = Counterexample(v, trace(idx))
-                break
+                stop = found(v, trace(idx))
             continue
+        if reduce and ARRIVE in acts and w.design.d_first:
+            acts = [ARRIVE]  # a persistent singleton in every state (lw/sim/reduce.py)
+            res.reduced += 1
+        elif reduce and inert and faults_exhausted(w):
+            acts, stop = reduced_expand(w, blob, idx, depth, acts)
         for n, a in enumerate(acts):
-            w2 = w if n == len(acts) - 1 else loads(blob)
-            res.transitions += 1
-            try:
-                w2.apply(a)
-            except Violation as v:
-                res.counterexample = Counterexample(v, [*trace(idx), a])
+            if stop:
                 break
-            if w2.flags:
-                res.seen |= w2.flags
-            h = hash(w2.key())
-            if h in visited:
-                if edges is not None:
-                    edges.append((idx, visited[h]))
-                continue
-            new = len(parent)
-            visited[h] = new
-            parent.append(idx)
-            via.append(a)
-            if edges is not None:
-                edges.append((idx, new))
-            frontier.append((new, depth + 1, cloner.dumps(w2)))
-            if on_state is not None:
-                on_state(w2)
-            if depth + 1 > res.max_depth:
-                res.max_depth = depth + 1
-        if res.counterexample is not None:
+            w2 = w if n == len(acts) - 1 else loads(blob)
+            stop = step(idx, depth, w2, a) is None
+        if stop:
             break
         if max_states is not None and len(parent) >= max_states:
             res.stopped_by = f"state limit {max_states}"
@@ -147,19 +226,50 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
                 res.stopped_by = f"time limit {max_seconds:g} s"
                 break
     res.states = len(parent)
-    res.complete = res.counterexample is None and not res.stopped_by
+    res.complete = not stop and not res.stopped_by and (keep_going
+                                                         or res.counterexample is None)
     if check_cycles and res.complete and edges is not None:
         res.acyclic = acyclic(len(parent), edges)
         if not res.acyclic:
-            res.counterexample = Counterexample(Violation(
-                "request-ends", "the state graph has a cycle: some run can go on for ever "
-                "without every request finishing (livelock)"), [])
+            found(Violation("request-ends", "the state graph has a cycle: some run can go on "
+                            "for ever without every request finishing (livelock)"), [])
+    if reduce and res.counterexample is not None and res.counterexample.actions:
+        res.counterexample = shorten(cfg, res.counterexample)
     res.seconds = time.perf_counter() - t0
     if res.counterexample is None:
         v = res.vacuity()
         if v is not None:
             res.counterexample = Counterexample(v, [])
     return res
+
+
+def fingerprint(w: World) -> int:
+    """64-bit fingerprint of a state's key, by hashing its text: ``hash`` of the key tuple itself
+    collides systematically, since ``hash(-1) == hash(-2)`` in CPython (so ``hash(-1.0) ==
+    hash(-2.0)``), and relative times of -1 s and -2 s are common (1 s retries). Found by the
+    reduction comparison tests: two states differing only in such a time were merged."""
+    return hash(repr(w.key()))
+
+
+def shorten(cfg: WorldConfig, ce: Counterexample) -> Counterexample:
+    """Drop steps a reduction forced into a trace (e.g. an early arrival) while the rest still
+    replays to a violation of the same property: a shortest trace of the reduced graph need not
+    be one of the full graph."""
+    best = ce
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(best.actions) - 1, -1, -1):
+            cand = best.actions[:i] + best.actions[i + 1:]
+            try:
+                _w, _run, _texts, v = replay(cfg, cand, record=False)
+            except ValueError:  # a step is no longer enabled
+                continue
+            if v is not None and v.prop == best.violation.prop:
+                best = Counterexample(v, cand)
+                changed = True
+                break
+    return best
 
 
 def acyclic(n: int, edges: list[tuple[int, int]]) -> bool:
@@ -228,7 +338,7 @@ def random_walks(cfg: WorldConfig, seconds: float, seed: int = 0, max_depth: int
                 w.apply(a)
                 res.transitions += 1
                 res.seen |= w.flags
-                seen_states.add(hash(w.key()))
+                seen_states.add(fingerprint(w))
                 res.max_depth = max(res.max_depth, len(path))
             w.draining = True
             while True:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lw.sim.explorer import Result, explore, random_walks, replay
-from lw.sim.world import WorldConfig
+from lw.sim.explorer import Result, explore, fingerprint, random_walks, replay
+from lw.sim.world import World, WorldConfig
 
 
 def test_d_first_holds_on_the_done_when_bounds() -> None:
@@ -120,3 +120,152 @@ def test_a_cycle_is_reported() -> None:
 
     assert acyclic(3, [(0, 1), (1, 2)])
     assert not acyclic(3, [(0, 1), (1, 2), (2, 1)])
+
+
+# ---------------------------------------------------------------------- reductions (issue 12)
+def _visible(w) -> tuple:  # noqa: ANN001 - a World
+    """What the properties read: endpoint snapshots, pools, writes in flight, in-doubt bytes,
+    who is alive (the reductions only skip actions that change none of it)."""
+    return (tuple(ep.snapshot() for ep in w.p) if w.p_alive else None,
+            tuple(ep.snapshot() for ep in w.d), tuple(map(tuple, w.p_pool)),
+            tuple(map(tuple, w.d_pool)), tuple(tuple((x[0], x[1], x[4]) for x in f)
+                                               for f in w.fifo),
+            tuple(sorted(z[:4] for z in w.zombies)), w.p_alive, tuple(w.d_alive))
+
+
+REDUCTION_CASES = [
+    dict(design="d-first", dp=2, requests=2, layers=1),
+    dict(design="d-first", dp=1, requests=2, layers=1, d_blocks=2, p_blocks=2),
+    dict(design="d-first", dp=1, requests=1, layers=1, faults=True, fault_kinds=("crash",)),
+    dict(design="d-first", dp=1, requests=1, layers=1, faults=True, fault_kinds=("write",),
+         crash_zombies=False),
+    dict(design="p-first", dp=2, requests=2, layers=2),
+    dict(design="eager-free", dp=2, requests=2, layers=2),
+    dict(design="eager-free", dp=1, requests=1, layers=1, faults=True, fault_kinds=("abort",)),
+]
+
+
+@pytest.mark.parametrize("kw", REDUCTION_CASES)
+def test_reductions_lose_no_violation_and_no_visible_state(kw: dict) -> None:
+    """With and without the partial-order reduction (lw/sim/reduce.py), exploring on past every
+    violation: the same violated properties, the same terminal states (persistent sets keep
+    every one), the same values of everything the properties read (invisibility), fewer states."""
+    runs = {}
+    for red in (False, True):
+        terminal: set[int] = set()
+        visible: set[tuple] = set()
+
+        def on(w, terminal=terminal, visible=visible) -> None:  # noqa: ANN001
+            visible.add(_visible(w))
+            if not w.enabled():
+                terminal.add(fingerprint(w))
+
+        res = explore(WorldConfig(**kw), reduce=red, keep_going=True, on_state=on)
+        assert res.complete
+        runs[red] = (res, terminal, visible)
+    (full, t_full, v_full), (red, t_red, v_red) = runs[False], runs[True]
+    assert set(red.violations) == set(full.violations)
+    assert t_red == t_full
+    assert v_red == v_full
+    assert red.states <= full.states
+    for prop, ce in red.violations.items():  # every reduced counterexample replays
+        if ce.actions:
+            _w, _run, _t, v = replay(WorldConfig(**kw), ce.actions)
+            assert v is not None and v.prop == prop
+
+
+def test_bug_designs_are_caught_short_with_reductions() -> None:
+    pf = explore(WorldConfig(design="p-first", dp=2, requests=2, layers=2))
+    assert pf.counterexample is not None and pf.counterexample.violation.prop == "deadlock"
+    assert len(pf.counterexample.actions) == 6
+    ef = explore(WorldConfig(design="eager-free", dp=2, requests=2, layers=2))
+    assert ef.counterexample is not None
+    assert ef.counterexample.violation.prop == "use-after-free"
+    assert len(ef.counterexample.actions) == 6
+    ef = explore(WorldConfig(design="eager-free", dp=2, requests=2, layers=2, faults=True))
+    assert ef.counterexample is not None
+    assert ef.counterexample.violation.prop == "use-after-free"
+    assert len(ef.counterexample.actions) <= 8
+
+
+# ---------------------------------------------------------------------- the state key (issue 12.6)
+def test_snapshot_rules_name_real_fields() -> None:
+    """Every field the snapshot rules leave out exists (the rules cannot rot silently), and
+    every other field is in the snapshot by construction (lw/fsm/snapshot.py)."""
+    from lw.fsm import decode, prefill
+    from lw.fsm.snapshot import fields_of
+
+    w = World(WorldConfig(dp=1, requests=1, layers=1))
+    for _ in range(6):
+        w.apply(w.enabled()[0])
+    samples = {type(w.p[0]): w.p[0], type(w.d[0]): w.d[0]}
+    for ep in (w.p[0], w.d[0]):
+        for rec in list(getattr(ep, "_reqs", {}).values()):
+            samples[type(rec)] = rec
+            for t in getattr(rec, "targets", []):
+                samples[type(t)] = t
+    for rules in (prefill.SNAPSHOT_RULES, decode.SNAPSHOT_RULES):
+        for cls, fields in rules.items():
+            assert cls in samples, f"no sample of {cls.__name__}"
+            assert set(fields) <= set(fields_of(samples[cls])), cls.__name__
+
+
+@pytest.mark.parametrize("kw", [
+    dict(dp=1, tp=2, requests=1, layers=2),
+    dict(dp=2, requests=2, layers=1),
+    dict(dp=1, requests=1, layers=1, faults=True, fault_kinds=("write",)),
+])
+def test_key_deduplication_misses_no_state_class(kw: dict) -> None:
+    """Exploring with states told apart by the whole pickled world (every field, absolute
+    times, counters; bounded to 2,000 states) reaches no state key that the run deduplicating
+    by key missed: on these bounds the key (endpoint snapshots + world state) loses nothing."""
+    cfg = WorldConfig(**kw)
+    keys: dict[bool, set[int]] = {True: set(), False: set()}
+    for exact in (False, True):
+        res = explore(cfg, reduce=False, exact=exact, max_states=2000 if exact else None,
+                      on_state=lambda w, k=keys[exact]: k.add(fingerprint(w)))
+        assert res.counterexample is None
+        assert res.complete or exact
+    assert keys[True] <= keys[False]
+
+
+def test_every_field_not_omitted_is_in_the_snapshot() -> None:
+    """Derived, not hand-written: changing any field of an endpoint or of its live records that
+    the rules do not omit changes the endpoint's snapshot (so a field added later is hashed)."""
+    from lw.fsm import decode, prefill
+    from lw.fsm.snapshot import OMIT, fields_of
+
+    w = World(WorldConfig(dp=1, requests=1, layers=2, faults=True))
+    for a in [("arrive",), ("alloc", 0), ("start", 0), ("schedule",)]:
+        w.apply(a)
+    p, d = w.p[0], w.d[0]
+    assert p.live_requests() and d.live_requests()
+    for ep, rules in ((p, prefill.SNAPSHOT_RULES), (d, decode.SNAPSHOT_RULES)):
+        objs = [ep, *ep._reqs.values()]  # noqa: SLF001
+        objs += [t for r in ep._reqs.values() for t in getattr(r, "targets", [])]  # noqa: SLF001
+        for obj in objs:
+            omitted = {n for n, (how, _why) in rules.get(type(obj), {}).items() if how == OMIT}
+            for name in fields_of(obj):
+                if name in omitted:
+                    continue
+                before, old = ep.snapshot(), getattr(obj, name)
+                probe: object = {"probe": 1} if isinstance(old, dict) else "probe"
+                object.__setattr__(obj, name, probe)
+                try:
+                    assert ep.snapshot() != before, f"{type(obj).__name__}.{name}"
+                finally:
+                    object.__setattr__(obj, name, old)
+
+
+def test_inert_reduction_keeps_the_terminal_states_hashing_once_merged() -> None:
+    """This case failed while states were deduplicated by ``hash(key)``: -1 s and -2 s relative
+    times hash alike in CPython, so two states were merged and a terminal state was lost."""
+    assert hash((0, -1.0)) == hash((0, -2.0))  # why the explorer fingerprints the key's text
+    cfg = WorldConfig(design="eager-free", dp=1, requests=1, layers=1, faults=True,
+                      fault_kinds=("abort",))
+    terminal: dict[bool, set[int]] = {False: set(), True: set()}
+    for inert in (False, True):
+        explore(cfg, inert=inert, keep_going=True,
+                on_state=lambda w, t=terminal[inert]: t.add(fingerprint(w)) if not w.enabled()
+                else None)
+    assert terminal[True] == terminal[False]
