@@ -675,6 +675,8 @@ SNAPSHOT_RULES: Rules = {
         "_finished": (UNORDERED, "its order only decides which entry is forgotten past "
                                  "finished_memory (4096) finished requests"),
         "timeline": (OMIT, "observability (lw status, traces)"),
+        "_ring": (OMIT, "observability (the timeline's ring, appended inline)"),
+        "_durations": (OMIT, "observability (time-in-state samples)"),
         "counters": (OMIT, "observability (statistics)"),
     },
     _Req: {

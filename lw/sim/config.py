@@ -131,11 +131,13 @@ class WorldConfig:
         """The P endpoints' deadlines and retry budgets in this world."""
         return PrefillConfig(meta_retry_s=self.meta_retry_s, meta_attempts=self.retries,
                              ack_retry_s=self.ack_retry_s, ack_attempts=self.retries,
-                             request_timeout_s=self.p_timeout_s)
+                             request_timeout_s=self.p_timeout_s,
+                             timeline_entries=0)  # observability only: the checker needs none
 
     def decode_config(self) -> DecodeConfig:
         """The D endpoints' deadline and lease in this world."""
-        return DecodeConfig(prefill_timeout_s=self.d_timeout_s, lease_s=self.lease_s)
+        return DecodeConfig(prefill_timeout_s=self.d_timeout_s, lease_s=self.lease_s,
+                            timeline_entries=0)  # observability only: the checker needs none
 
     def bounds(self) -> str:
         """One line with the bounds, for reports."""

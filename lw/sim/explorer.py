@@ -97,6 +97,10 @@ def explore(cfg: WorldConfig, max_states: int | None = None,
     ``exact`` deduplicates on the whole pickled world instead of its key (tests of the key).
     ``inert=False`` keeps only the arrival reduction (no inert deliveries or detections).
     """
+    if reduce and cfg.d_restarts:
+        # The arguments of lw/sim/reduce.py assume a dead endpoint stays dead: with D restarts
+        # an arrival or a delivery to a dead D does not commute with its restart.
+        reduce = False
     if reduce:
         check_cycles = True  # the cycle proviso (C3) of the reduction: see lw/sim/reduce.py
     if check_cycles and edges is None:

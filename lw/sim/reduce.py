@@ -22,6 +22,10 @@ that arrives at a dead engine is lost at once: the same state). No other action 
 no property reads the queues, so it is invisible. Every run that lets the request arrive later
 is a reordering of one that lets it arrive now.
 
+Both arguments assume a dead endpoint stays dead: with D restarts (``WorldConfig.d_restarts``)
+an arrival at, or a delivery to, a dead D does not commute with its restart, so the explorer
+turns the reduction off there.
+
 The comparison tests (``tests/sim/test_explorer.py``: full vs reduced graph, same violated
 properties, same terminal states, same values of everything the properties read) first failed
 for the inert deliveries: the cause was not the reduction but the state hashing, which merged
