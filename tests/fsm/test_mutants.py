@@ -16,11 +16,22 @@ from lw.fsm import (
     PrefillEndpoint,
     PrefillRequest,
     ProtocolError,
+    Quarantine,
     Send,
     SendFinished,
     check_lease,
 )
-from lw.fsm.messages import PROTOCOL_VERSION, Abort, FailedSending, MetaReply, MetaRequest
+from lw.fsm.kvmap import make_format
+from lw.fsm.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    DoneSending,
+    FailedSending,
+    KVFormat,
+    MetaReply,
+    MetaRequest,
+    Sender,
+)
 from lw.transport.wire import decode, encode
 
 from .harness import D_ADDR, Pair, d_layout, d_sender, p_sender
@@ -178,3 +189,172 @@ def test_a_lease_for_a_request_that_is_not_failed_is_a_protocol_error() -> None:
     assert (err.value.req_id, err.value.state, err.value.event) == (
         "r1", "PREFILL_REQUESTED", "lease_expired")
     assert d.state_of("r1") == "PREFILL_REQUESTED"
+
+
+# ------------------------------------------------------------------------------ request records
+def test_a_live_request_cannot_be_added_twice() -> None:
+    """A second add would reset the record under writes that may be in flight."""
+    d = _d()
+    d.add_request("r1", (5,), 1, 0.0)
+    d.on_message(MetaRequest(PROTOCOL_VERSION, "r1", p_sender(), True), 0.0)
+    with pytest.raises(ValueError, match="already live"):
+        d.add_request("r1", (6,), 1, 0.0)
+    assert d.state_of("r1") == "RECEIVING" and d.snapshot()[0][0][2]  # still claimed
+    p = PrefillEndpoint(p_sender(), L)
+    p.add_request(PrefillRequest("r1", D_ADDR, (1,), (5,)), 0.0)
+    with pytest.raises(ValueError, match="already live"):
+        p.add_request(PrefillRequest("r1", D_ADDR, (2,), (6,)), 0.0)
+
+
+@pytest.mark.parametrize("expected", [0, -1, (), frozenset()])
+def test_decode_needs_at_least_one_expected_sender(expected) -> None:  # noqa: ANN001
+    """With no sender to wait for, D could never tell complete KV from none."""
+    d = _d()
+    with pytest.raises(ValueError, match="expected_senders"):
+        d.add_request("r1", (5,), expected, 0.0)
+    assert d.live_requests() == []
+    d.add_request("r2", (5,), 1, 0.0)
+    d.add_request("r3", (6,), frozenset({0}), 0.0)
+
+
+def test_a_reused_request_id_is_remembered_as_the_newest() -> None:
+    """When an id comes back, its finished record is the new one (and the last to go)."""
+    d = _d(finished_memory=2)
+    for rid in ("a", "b", "a", "c"):
+        d.add_request(rid, (1,), 1, 0.0)
+        d.abort(rid, "gone", 0.0)
+    assert [d.state_of(r) for r in ("a", "b", "c")] == ["FAILED", None, "FAILED"]
+    p = PrefillEndpoint(p_sender(), L, PrefillConfig(finished_memory=2))
+    for rid in ("a", "b", "a", "c"):
+        p.add_request(PrefillRequest(rid, (), (1,), (2,)), 0.0)
+    assert [p.state_of(r) for r in ("a", "b", "c")] == ["DONE", None, "DONE"]
+
+
+def test_timers_of_released_requests_do_nothing() -> None:
+    d = _d()
+    p = PrefillEndpoint(p_sender(), L)
+    for kind in ("deadline", "lease"):
+        assert d.on_timer((kind, "gone"), 1.0) == []
+    for kind in ("deadline", "meta", "ack", "tomb"):
+        assert p.on_timer((kind, "gone"), 1.0) == []
+
+
+def test_unknown_timer_kinds_are_refused() -> None:
+    d = _d()
+    d.add_request("r1", (5,), 1, 0.0)
+    with pytest.raises(ValueError, match="unknown timer kind"):
+        d.on_timer(("meta", "r1"), 1.0)
+    p = PrefillEndpoint(p_sender(), L)
+    p.add_request(PrefillRequest("r1", D_ADDR, (1,), (5,)), 0.0)
+    with pytest.raises(ValueError, match="unknown timer kind"):
+        p.on_timer(("lease", "r1"), 1.0)
+
+
+# ------------------------------------------------------------------------------ peers and restarts
+def _claim(d: DecodeEndpoint, rid: str, sender: Sender) -> str:
+    out = d.on_message(MetaRequest(PROTOCOL_VERSION, rid, sender, True), 0.0)
+    return next(e.msg.status for e in out if isinstance(e, Send) and isinstance(e.msg, MetaReply))
+
+
+def test_losing_a_prefill_engine_fails_only_what_it_was_sending() -> None:
+    d = _d()
+    for rid in ("mine", "other", "unclaimed"):
+        d.add_request(rid, (1,), 1, 0.0)
+    assert _claim(d, "mine", Sender("P1", 0, 1, "tcp://p1/0")) == "accepted"
+    assert _claim(d, "other", Sender("P2", 0, 1, "tcp://p2/0")) == "accepted"
+    out = d.peer_lost("P1", "heartbeat lost", 1.0)
+    assert [d.state_of(r) for r in ("mine", "other", "unclaimed")] == [
+        "FAILED", "RECEIVING", "PREFILL_REQUESTED"]
+    assert {e.req_id for e in out if isinstance(e, Quarantine)} == {"mine"}
+
+
+def test_a_restarted_prefill_worker_is_noticed_once_and_then_served() -> None:
+    """Incarnation 2 fails the claims of incarnation 1 once; its own claims then proceed."""
+    d = _d()
+    d.add_request("old", (1,), 1, 0.0)
+    assert _claim(d, "old", Sender("P", 0, 1, "tcp://p0/0")) == "accepted"
+    new = Sender("P", 0, 2, "tcp://p0/0")
+    d.add_request("r2", (2,), 1, 0.0)
+    assert _claim(d, "r2", new) == "accepted"
+    assert d.state_of("old") == "FAILED" and d.counters["peer_restarts"] == 1
+    d.add_request("r3", (3,), 1, 0.0)
+    assert _claim(d, "r3", new) == "accepted"
+    d.on_message(DoneSending(PROTOCOL_VERSION, "r2", new, 1, L), 0.0)
+    assert d.state_of("r2") == "DONE" and d.state_of("r3") == "RECEIVING"
+    assert d.counters["peer_restarts"] == 1
+    # An older incarnation showing up late is not a restart either.
+    d.add_request("r4", (4,), 1, 0.0)
+    _claim(d, "r4", Sender("P", 0, 1, "tcp://p0/0"))
+    assert d.state_of("r3") == "RECEIVING" and d.counters["peer_restarts"] == 1
+
+
+def test_sender_memory_is_bounded_against_forged_senders() -> None:
+    """Restart detection remembers at most 65536 senders: a flood of forged ids stops there,
+    and the senders known before it are still watched."""
+    d = _d()
+    d.add_request("r", (1,), 1, 0.0)
+    assert _claim(d, "r", Sender("P", 0, 1, "tcp://p0/0")) == "accepted"
+    for i in range(65536 + 8):
+        d.on_message(MetaRequest(PROTOCOL_VERSION, "nope", Sender(f"F{i}", 0, 1, "x"), True),
+                     0.0)
+    assert len(d._incarnations) == 65536
+    _claim(d, "nope", Sender("P", 0, 2, "tcp://p0/0"))
+    assert d.state_of("r") == "FAILED"
+
+
+# ------------------------------------------------------------------------------ claims on D
+def _fmt(**kw: object) -> KVFormat:
+    base: dict = dict(tp_rank=0, tp_size=1, total_heads=4, block_tokens=16, dtype="bf16")
+    return make_format(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _d_fmt(fmt: KVFormat) -> DecodeEndpoint:
+    layout = msgspec.structs.replace(d_layout(L), fmt=fmt)
+    return DecodeEndpoint(d_sender(), layout)
+
+
+def _claim_fmt(d: DecodeEndpoint, rid: str, sender: Sender, fmt: KVFormat) -> MetaReply:
+    out = d.on_message(MetaRequest(PROTOCOL_VERSION, rid, sender, True, fmt), 0.0)
+    return next(e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, MetaReply))
+
+
+def test_decode_refuses_a_sender_whose_heads_it_cannot_map() -> None:
+    """D itself refuses a claim in another format: no write of that sender may land."""
+    d = _d_fmt(_fmt())
+    d.add_request("r", (1,), frozenset({0}), 0.0)
+    rep = _claim_fmt(d, "r", Sender("P", 0, 1, "tcp://p0/0"), _fmt(dtype="fp8"))
+    assert rep.status == "refused" and "different dtypes" in rep.reason
+    assert rep.layout is None
+    assert d.state_of("r") == "PREFILL_REQUESTED"  # nobody may write yet
+    assert _claim_fmt(d, "r", Sender("P", 0, 1, "tcp://p0/0"), _fmt()).status == "accepted"
+
+
+def test_one_sender_per_prefill_rank_even_from_another_engine() -> None:
+    """A D rank expecting P TP rank 0 accepts one sender for it: a second one (another P
+    engine, a stale incarnation's twin) is refused, or D would finish on the first DONE while
+    the other still writes."""
+    d = _d_fmt(_fmt())
+    d.add_request("r", (1,), frozenset({0}), 0.0)
+    first, second = Sender("PA", 0, 1, "tcp://pa/0"), Sender("PB", 0, 1, "tcp://pb/0")
+    assert _claim_fmt(d, "r", first, _fmt()).status == "accepted"
+    rep = _claim_fmt(d, "r", second, _fmt())
+    assert rep.status == "refused" and "already claimed" in rep.reason
+    assert _claim_fmt(d, "r", first, _fmt()).status == "accepted"  # a retry of the first
+
+
+def test_decode_takes_no_more_senders_than_it_expects() -> None:
+    """Counted senders (no rank set): the one beyond the expected number is refused."""
+    d = _d()
+    d.add_request("r", (1,), 2, 0.0)
+    senders = [Sender("P", i, 1, f"tcp://p0/{i}") for i in range(3)]
+    assert [_claim(d, "r", s) for s in senders] == ["accepted", "accepted", "refused"]
+    assert _claim(d, "r", senders[0]) == "accepted"  # a retry of an accepted one
+
+
+def test_decode_refuses_a_rank_it_does_not_expect() -> None:
+    """The rank set D got from its scheduler wins over what the format would allow."""
+    d = _d_fmt(_fmt())
+    d.add_request("r", (1,), frozenset({1}), 0.0)
+    rep = _claim_fmt(d, "r", Sender("P", 0, 1, "tcp://p0/0"), _fmt())
+    assert rep.status == "refused" and "not a sender of this D worker" in rep.reason
+    assert d.state_of("r") == "PREFILL_REQUESTED"
