@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from lw.fsm import (
+    CancelTimer,
     DecodeConfig,
     DecodeEndpoint,
     PrefillConfig,
@@ -17,6 +18,8 @@ from lw.fsm import (
     PrefillRequest,
     ProtocolError,
     Quarantine,
+    RecvDone,
+    RecvFailed,
     Send,
     SendFinished,
     check_lease,
@@ -25,6 +28,7 @@ from lw.fsm.kvmap import make_format
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
     Abort,
+    Ack,
     DoneSending,
     FailedSending,
     KVFormat,
@@ -358,3 +362,68 @@ def test_decode_refuses_a_rank_it_does_not_expect() -> None:
     rep = _claim_fmt(d, "r", Sender("P", 0, 1, "tcp://p0/0"), _fmt())
     assert rep.status == "refused" and "not a sender of this D worker" in rep.reason
     assert d.state_of("r") == "PREFILL_REQUESTED"
+
+
+# ------------------------------------------------------------------------------ DONE on D
+def _acks(out: list) -> list[tuple[str, bool]]:
+    return [(e.msg.of, e.msg.accepted) for e in out if isinstance(e, Send)
+            and isinstance(e.msg, Ack)]
+
+
+def _received(d: DecodeEndpoint, rid: str, sender: Sender) -> None:
+    d.add_request(rid, (5, 6), 1, 0.0)
+    assert _claim(d, rid, sender) == "accepted"
+
+
+def test_done_for_a_finished_request_is_acknowledged_with_its_outcome() -> None:
+    """A duplicate DONE after DONE is accepted; a DONE for a request D failed is not (P must
+    not believe its KV was used)."""
+    d = _d()
+    s = Sender("P", 0, 1, "tcp://p0/0")
+    _received(d, "ok", s)
+    assert _acks(d.on_message(DoneSending(PROTOCOL_VERSION, "ok", s, 1, L), 0.0)) == [
+        ("done", True)]
+    assert _acks(d.on_message(DoneSending(PROTOCOL_VERSION, "ok", s, 1, L), 0.0)) == [
+        ("done", True)]
+    d.add_request("bad", (7,), 1, 0.0)
+    d.abort("bad", "gone", 0.0)  # never claimed: failed and forgotten at once
+    assert _acks(d.on_message(DoneSending(PROTOCOL_VERSION, "bad", s, 1, L), 0.0)) == [
+        ("done", False)]
+
+
+def test_done_from_a_sender_that_never_claimed_is_a_protocol_error() -> None:
+    d = _d()
+    _received(d, "r", Sender("P", 0, 1, "tcp://p0/0"))
+    with pytest.raises(ProtocolError, match="never accepted"):
+        d.on_message(DoneSending(PROTOCOL_VERSION, "r", Sender("Q", 0, 1, "tcp://q/0"), 1, L),
+                     0.0)
+    assert d.state_of("r") == "RECEIVING"
+
+
+@pytest.mark.parametrize("layers", [L - 1, L + 1])
+def test_done_for_another_number_of_layers_is_never_decoded(layers: int) -> None:
+    """A sender that wrote another number of layers left KV partial: FAILED, no RecvDone."""
+    d = _d()
+    s = Sender("P", 0, 1, "tcp://p0/0")
+    _received(d, "r", s)
+    out = d.on_message(DoneSending(PROTOCOL_VERSION, "r", s, 1, layers), 0.0)
+    assert not any(isinstance(e, RecvDone) for e in out)
+    assert d.state_of("r") == "FAILED"
+    assert _acks(out) == [("done", False)]
+    # That sender has stopped (it says it is done): nothing can land any more, blocks go back.
+    assert [e.block_ids for e in out if isinstance(e, RecvFailed)] == [(5, 6)]
+
+
+def test_done_crossing_the_decoders_abort_releases_the_quarantine() -> None:
+    """D failed the request (deadline) while the sender finished: its DONE says it stopped,
+    so the blocks are released at once, and P is told its KV was not used."""
+    d = DecodeEndpoint(d_sender(), d_layout(L), DecodeConfig(prefill_timeout_s=5, lease_s=50))
+    s = Sender("P", 0, 1, "tcp://p0/0")
+    _received(d, "r", s)
+    out = d.on_timer(("deadline", "r"), 5.0)
+    assert [e.req_id for e in out if isinstance(e, Quarantine)] == ["r"]
+    out = d.on_message(DoneSending(PROTOCOL_VERSION, "r", s, 1, L), 6.0)
+    assert _acks(out) == [("done", False)]
+    assert [e.block_ids for e in out if isinstance(e, RecvFailed)] == [(5, 6)]
+    assert any(isinstance(e, CancelTimer) and e.key == ("lease", "r") for e in out)
+    assert d.live_requests() == [] and d.state_of("r") == "FAILED"
