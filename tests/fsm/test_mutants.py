@@ -28,6 +28,7 @@ from lw.fsm.kvmap import make_format
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
     Abort,
+    AbortAck,
     Ack,
     DoneSending,
     FailedSending,
@@ -427,3 +428,97 @@ def test_done_crossing_the_decoders_abort_releases_the_quarantine() -> None:
     assert [e.block_ids for e in out if isinstance(e, RecvFailed)] == [(5, 6)]
     assert any(isinstance(e, CancelTimer) and e.key == ("lease", "r") for e in out)
     assert d.live_requests() == [] and d.state_of("r") == "FAILED"
+
+
+# ------------------------------------------------------------ FailedSending, AbortAck
+def test_failed_sending_is_acknowledged_with_whether_it_changed_the_request() -> None:
+    """Ack(failed, accepted=True) when the report failed a live request, False when D had
+    already failed (or forgotten) it."""
+    d = _d()
+    s = Sender("P", 0, 1, "tcp://p0/0")
+    _received(d, "r", s)
+    out = d.on_message(FailedSending(PROTOCOL_VERSION, "r", s, 1, "write failed"), 0.0)
+    assert _acks(out) == [("failed", True)]
+    assert [e.req_id for e in out if isinstance(e, RecvFailed)] == ["r"]  # sender stopped
+    out = d.on_message(FailedSending(PROTOCOL_VERSION, "r", s, 1, "again"), 0.0)
+    assert _acks(out) == [("failed", False)]
+
+
+def test_failed_sending_into_a_quarantine_releases_it_unless_in_doubt() -> None:
+    for in_doubt in (False, True):
+        d = DecodeEndpoint(d_sender(), d_layout(L), DecodeConfig(prefill_timeout_s=5,
+                                                                 lease_s=50))
+        s = Sender("P", 0, 1, "tcp://p0/0")
+        _received(d, "r", s)
+        d.on_timer(("deadline", "r"), 5.0)  # quarantined: s may still write
+        out = d.on_message(FailedSending(PROTOCOL_VERSION, "r", s, 1, "stopped", in_doubt), 6.0)
+        assert _acks(out) == [("failed", False)]
+        released = [e.req_id for e in out if isinstance(e, RecvFailed)]
+        assert released == ([] if in_doubt else ["r"])
+        assert d.quarantined() == ({"r": (5, 6)} if in_doubt else {})
+
+
+def test_reports_about_requests_decode_never_had_are_protocol_errors() -> None:
+    d = _d()
+    s = Sender("P", 0, 1, "tcp://p0/0")
+    for msg in (DoneSending(PROTOCOL_VERSION, "zz", s, 1, L),
+                FailedSending(PROTOCOL_VERSION, "zz", s, 1, "x"),
+                AbortAck(PROTOCOL_VERSION, "zz", s, True)):
+        with pytest.raises(ProtocolError, match="no such request"):
+            d.on_message(msg, 0.0)
+    _received(d, "r", s)
+    with pytest.raises(ProtocolError, match="never accepted"):
+        d.on_message(FailedSending(PROTOCOL_VERSION, "r", Sender("Q", 0, 1, "q"), 1, "x"), 0.0)
+    with pytest.raises(ProtocolError, match="did not abort"):
+        d.on_message(AbortAck(PROTOCOL_VERSION, "r", s, True), 0.0)
+    assert d.state_of("r") == "RECEIVING"
+
+
+# ------------------------------------------------------------------------------ timers
+def _pair() -> Pair:
+    return Pair([PrefillEndpoint(p_sender(), L)],
+                DecodeEndpoint(d_sender(), d_layout(L), DecodeConfig(prefill_timeout_s=5,
+                                                                     lease_s=50)))
+
+
+def _start(pair: Pair) -> None:
+    pair.absorb("d", pair.d.add_request("r", (5, 6), 1, pair.now))
+    pair.absorb(0, pair.ps[0].add_request(PrefillRequest("r", D_ADDR, (1, 2), (5, 6)),
+                                          pair.now))
+
+
+def _finish(pair: Pair) -> None:
+    """Run everything to the end; afterwards no request is live and no timer is armed."""
+    for _ in range(4):
+        pair.deliver_all()
+        pair.complete_writes()
+    pair.deliver_all()
+    assert pair.ps[0].live_requests() == [] and pair.d.live_requests() == []
+    assert pair.timers == {}, pair.timers
+
+
+def test_no_timer_outlives_its_request() -> None:
+    """A finished request waits for nothing: each scenario ends with every timer cancelled
+    (the runtime would otherwise hold one timer per past request)."""
+    happy = _pair()
+    _start(happy)
+    happy.deliver_all()
+    for layer in range(L):
+        happy.absorb(0, happy.ps[0].layer_computed(layer, ["r"], 0.0))
+    _finish(happy)
+    assert happy.recv == [RecvDone("r")]
+
+    aborted = _pair()  # D aborts while a write is in flight: quarantine, AbortAck, release
+    _start(aborted)
+    aborted.deliver_all()
+    aborted.absorb(0, aborted.ps[0].layer_computed(0, ["r"], 0.0))
+    aborted.absorb("d", aborted.d.abort("r", "client gone", 0.0))
+    _finish(aborted)
+
+    failed = _pair()  # P's write fails: FailedSending, D releases
+    _start(failed)
+    failed.deliver_all()
+    failed.absorb(0, failed.ps[0].layer_computed(0, ["r"], 0.0))
+    failed.complete_writes(ok=False, reason="peer closed")
+    _finish(failed)
+    assert [type(r) for r in failed.recv] == [RecvFailed]
