@@ -512,6 +512,9 @@ def baseline(cache: dict[str, Any]) -> dict[str, Any]:
         merged["durations"].update(d["durations"])
         merged["failed"] += d["failed"]
         merged["module_level"] |= set(d["module_level"])
+    merged["subprocess_tests"] = [
+        t for t in merged["lines"]
+        if "subprocess" in (ROOT / t.split("::")[0]).read_text()]
     return merged
 
 
@@ -586,7 +589,7 @@ def _tests_for(m: Mutant, base: dict[str, Any], fast: list[str],
     lines = {f"{m.module}:{n}" for n in range(m.line, m.end_line + 1)}
     if not m.function or lines & base["module_level"]:
         return fast
-    hit: set[str] = set()
+    hit = set(base["subprocess_tests"])  # what they run in a child process is not traced
     for line in lines:
         hit |= index.get(line, set())
     return [t for t in fast if t in hit]

@@ -24,7 +24,8 @@ from lw.fsm import (
     SendFinished,
     check_lease,
 )
-from lw.fsm.kvmap import make_format
+from lw.fsm.effects import effects_of_type
+from lw.fsm.kvmap import make_format, tp_problem
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -522,3 +523,16 @@ def test_no_timer_outlives_its_request() -> None:
     failed.complete_writes(ok=False, reason="peer closed")
     _finish(failed)
     assert [type(r) for r in failed.recv] == [RecvFailed]
+
+
+# ------------------------------------------------------------------------------ kvmap, effects
+@pytest.mark.parametrize(("tp", "heads"), [(0, 4), (4, 0), (0, 0), (-1, 4), (2, -2)])
+def test_tp_and_heads_must_both_be_positive(tp: int, heads: int) -> None:
+    assert "must be >= 1" in tp_problem(tp, heads)
+    assert "must be >= 1" in tp_problem(tp, heads, mla=True)
+
+
+def test_effects_of_type_keeps_order_and_kind() -> None:
+    effects = [RecvDone("a"), CancelTimer(("x", "a")), RecvDone("b")]
+    assert effects_of_type(effects, RecvDone) == [RecvDone("a"), RecvDone("b")]
+    assert effects_of_type(effects, Send) == []
