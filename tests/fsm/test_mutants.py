@@ -25,7 +25,7 @@ from lw.fsm import (
     check_lease,
 )
 from lw.fsm.effects import effects_of_type
-from lw.fsm.kvmap import make_format, tp_problem
+from lw.fsm.kvmap import heads_of, make_format, tp_problem
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -536,3 +536,23 @@ def test_effects_of_type_keeps_order_and_kind() -> None:
     effects = [RecvDone("a"), CancelTimer(("x", "a")), RecvDone("b")]
     assert effects_of_type(effects, RecvDone) == [RecvDone("a"), RecvDone("b")]
     assert effects_of_type(effects, Send) == []
+
+
+@pytest.mark.parametrize(("tp", "heads", "mla"), [(1, 1, False), (2, 4, False), (4, 2, False),
+                                                  (2, 1, True), (8, 1, True), (1, 8, False)])
+def test_shapes_vllm_can_shard_have_no_problem(tp: int, heads: int, mla: bool) -> None:
+    """The contract is a string: "" (not None) when the shape works."""
+    assert tp_problem(tp, heads, mla) == ""
+
+
+def test_heads_of_refuses_shapes_and_ranks_that_do_not_exist() -> None:
+    """A rank outside TP (or a shape vLLM cannot shard) has no heads: asking is an error, not
+    a range of someone else's heads."""
+    with pytest.raises(ValueError, match="do not split evenly"):
+        heads_of(0, 3, 4)
+    with pytest.raises(ValueError, match="not a multiple"):
+        heads_of(0, 3, 2)
+    for rank in (-1, 2, 3):
+        with pytest.raises(ValueError, match="outside TP"):
+            heads_of(rank, 2, 4)
+    assert [heads_of(r, 2, 4) for r in (0, 1)] == [(0, 2), (2, 4)]
