@@ -25,7 +25,7 @@ from lw.fsm import (
     check_lease,
 )
 from lw.fsm.effects import effects_of_type
-from lw.fsm.kvmap import heads_of, make_format, tp_problem
+from lw.fsm.kvmap import heads_of, make_format, pair_problem, tp_problem
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -556,3 +556,33 @@ def test_heads_of_refuses_shapes_and_ranks_that_do_not_exist() -> None:
         with pytest.raises(ValueError, match="outside TP"):
             heads_of(rank, 2, 4)
     assert [heads_of(r, 2, 4) for r in (0, 1)] == [(0, 2), (2, 4)]
+
+
+@pytest.mark.parametrize("heads", [1, 4, 16])
+def test_mla_format_is_one_latent_head_whatever_the_model_says(heads: int) -> None:
+    """MLA's latent vector is one head on every rank, so P and D formats built from configs
+    that name different head counts still pair."""
+    for rank in range(2):
+        f = make_format(tp_rank=rank, tp_size=2, total_heads=heads, block_tokens=16,
+                        dtype="bf16", mla=True)
+        assert (f.total_heads, f.head_lo, f.head_hi, f.mla) == (1, 0, 1, True)
+
+
+def _f(rank: int, tp: int, order: str) -> KVFormat:
+    return make_format(tp_rank=rank, tp_size=tp, total_heads=4, block_tokens=16, dtype="bf16",
+                       order=order)
+
+
+@pytest.mark.parametrize(("p", "d", "ok"), [
+    ((1, 4), (1, 4), True),    # one head on each side: HND and NHD are the same bytes
+    ((0, 2), (0, 2), False),   # two heads each: the orders interleave differently
+    ((0, 2), (1, 4), False),   # P holds two heads, D one
+    ((3, 4), (1, 2), False),   # P holds one head (3), D two (2..3)
+])
+def test_in_block_order_matters_only_when_a_block_holds_several_heads(p, d, ok) -> None:  # noqa: ANN001
+    for po, do in (("HND", "NHD"), ("NHD", "HND")):
+        why = pair_problem(_f(*p, po), _f(*d, do))
+        assert (why == "") == ok, why
+        if not ok:
+            assert "in-block orders" in why
+    assert pair_problem(_f(*p, "NHD"), _f(*d, "NHD")) == ""
