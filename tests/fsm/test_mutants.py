@@ -25,7 +25,14 @@ from lw.fsm import (
     check_lease,
 )
 from lw.fsm.effects import effects_of_type
-from lw.fsm.kvmap import heads_of, make_format, pair_problem, tp_problem
+from lw.fsm.kvmap import (
+    LayoutMismatch,
+    block_segments,
+    heads_of,
+    make_format,
+    pair_problem,
+    tp_problem,
+)
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -586,3 +593,44 @@ def test_in_block_order_matters_only_when_a_block_holds_several_heads(p, d, ok) 
         if not ok:
             assert "in-block orders" in why
     assert pair_problem(_f(*p, "NHD"), _f(*d, "NHD")) == ""
+
+
+def test_disjoint_heads_are_named_as_such() -> None:
+    """P heads 0..1 and D heads 2..3 touch but share nothing: the refusal says why."""
+    why = pair_problem(_f(0, 2, "HND"), _f(1, 2, "HND"))
+    assert "no KV head in common" in why
+    assert pair_problem(_f(1, 2, "HND"), _f(1, 2, "HND")) == ""
+
+
+# ------------------------------------------------------------------------------ small contracts
+def test_protocol_error_reads_as_one_sentence_with_its_detail() -> None:
+    plain = ProtocolError("decode", "r1", "RECEIVING", "lease_expired")
+    assert str(plain) == "decode: request 'r1' in state RECEIVING cannot take event 'lease_expired'"
+    full = ProtocolError("prefill", "r2", "META_READY", "ack", "before DONE was sent")
+    assert str(full).endswith("cannot take event 'ack' (before DONE was sent)")
+
+
+def test_a_model_has_at_least_one_layer() -> None:
+    with pytest.raises(ValueError, match="num_layers must be >= 1"):
+        PrefillEndpoint(p_sender(), 0)
+    assert PrefillEndpoint(p_sender(), 1).declaration.states[:3] == (
+        "AWAIT_DECODER_META", "META_READY", "LAYER_0_SENT")
+
+
+def _nhd(rank: int, tp: int, heads: int = 4) -> KVFormat:
+    return make_format(tp_rank=rank, tp_size=tp, total_heads=heads, block_tokens=16,
+                       dtype="bf16", order="NHD")
+
+
+def test_nhd_blocks_with_the_same_heads_are_one_run() -> None:
+    """Same heads on both sides: the block is copied as one run, not one run per token."""
+    assert block_segments(_nhd(0, 1), 4 * 64, _nhd(0, 1), 4 * 64) == ((0, 0, 256),)
+    # One head per block: any byte size works (no token split is needed).
+    assert block_segments(_nhd(1, 4), 100, _nhd(1, 4), 100) == ((0, 0, 100),)
+
+
+def test_nhd_heads_that_do_not_split_into_tokens_are_refused() -> None:
+    """Several heads per block, token-major: a head's bytes must split evenly by token."""
+    with pytest.raises(LayoutMismatch, match="do not split into 16 tokens"):
+        block_segments(_nhd(0, 1), 4 * 100, _nhd(0, 2), 2 * 100)
+    assert len(block_segments(_nhd(0, 1), 4 * 64, _nhd(0, 2), 2 * 64)) == 16
