@@ -6,6 +6,8 @@ the mutants it kills are listed in docs/checker.md ("Mutation testing").
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import pytest
 
@@ -33,6 +35,7 @@ from lw.fsm.kvmap import (
     pair_problem,
     tp_problem,
 )
+from lw.fsm.machine import STAY, Declaration, Transition, rows
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -634,3 +637,31 @@ def test_nhd_heads_that_do_not_split_into_tokens_are_refused() -> None:
     with pytest.raises(LayoutMismatch, match="do not split into 16 tokens"):
         block_segments(_nhd(0, 1), 4 * 100, _nhd(0, 2), 2 * 100)
     assert len(block_segments(_nhd(0, 1), 4 * 64, _nhd(0, 2), 2 * 64)) == 16
+
+
+# ------------------------------------------------------------------------------ declarations
+def _decl(*rows_: Transition) -> Declaration:
+    return Declaration("m", ("A", "B", "END"), "A", frozenset({"END"}), tuple(rows_))
+
+
+def test_declaration_lists_each_event_once_in_order_of_first_use() -> None:
+    d = _decl(rows("go", ["A"], "B"), rows("stop", ["A", "B"], "END"), rows("go", ["B"], STAY),
+              rows("stop", ["END"], STAY))
+    assert d.events == ("go", "stop")
+    assert d.compile() == {("A", "go"): "B", ("B", "go"): "B", ("A", "stop"): "END",
+                           ("B", "stop"): "END", ("END", "stop"): "END"}
+
+
+@pytest.mark.parametrize(("bad", "needle"), [
+    (rows("go", ["Z"], "B"), "unknown source state Z"),
+    (rows("go", ["A"], "Z"), "unknown destination Z"),
+    (rows("go", ["END"], "A"), "final states may only STAY"),
+    (rows("go", ["A", "B", "A"], "B"), "two rows for (A, go)"),
+])
+def test_a_malformed_table_is_refused_when_declared(bad: Transition, needle: str) -> None:
+    """A table with an unknown state, a duplicate row or a way out of a final state is a bug
+    in the declaration: refused at import, not found in production."""
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        _decl(rows("stop", ["A"], "END"), bad)
+    with pytest.raises(ValueError, match="two rows"):
+        _decl(rows("go", ["A"], "B"), rows("go", ["A"], "END"))
