@@ -35,6 +35,7 @@ from lw.fsm.kvmap import (
     pair_problem,
     tp_problem,
 )
+from lw.fsm.lifecycles import decode_declaration, prefill_declaration
 from lw.fsm.machine import STAY, Declaration, Transition, rows
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
@@ -665,3 +666,16 @@ def test_a_malformed_table_is_refused_when_declared(bad: Transition, needle: str
         _decl(rows("stop", ["A"], "END"), bad)
     with pytest.raises(ValueError, match="two rows"):
         _decl(rows("go", ["A"], "B"), rows("go", ["A"], "END"))
+
+
+@pytest.mark.parametrize("decl", [prefill_declaration(2), decode_declaration()],
+                         ids=["prefill", "decode"])
+def test_reference_machine_knows_only_the_declared_events(decl: Declaration) -> None:
+    """transitions' own machine is the reference semantics: no implicit ``to_STATE`` moves,
+    and an undeclared event is an error, never ignored."""
+    for state in decl.states:
+        model = type("M", (), {})()
+        m = decl.reference_machine(model, initial=state)
+        assert set(m.get_triggers(state)) == {t.event for t in decl.transitions
+                                              if state in t.sources}
+        assert not any(name.startswith("to_") for name in dir(model))
