@@ -679,3 +679,38 @@ def test_reference_machine_knows_only_the_declared_events(decl: Declaration) -> 
         assert set(m.get_triggers(state)) == {t.event for t in decl.transitions
                                               if state in t.sources}
         assert not any(name.startswith("to_") for name in dir(model))
+
+
+# ------------------------------------------------------------------------------ wire compatibility
+# Bytes of protocol version 2 as a peer built from another commit sends them.
+GOLDEN_CLAIM = (
+    b"\x86\xa4kind\xa8meta_req\xa7version\x02\xa6req_id\xa2r1\xa6sender\x84\xa9engine_id\xa1P"
+    b"\xa4rank\x00\xabincarnation\x01\xa4addr\xa8tcp://p0\xabwant_layout\xc3\xa3fmt\x89\xa5dtype"
+    b"\xa4bf16\xacblock_tokens\x10\xa5order\xa3HND\xabtotal_heads\x04\xa7head_lo\x00\xa7head_hi"
+    b"\x02\xa7tp_rank\x00\xa7tp_size\x02\xa3mla\xc2")
+
+
+def test_messages_of_this_protocol_version_keep_their_bytes() -> None:
+    """Peers of the same version interoperate: a captured claim decodes, and encodes back to
+    the same bytes (a change of version or field must be deliberate)."""
+    msg = decode(GOLDEN_CLAIM)
+    assert msg == MetaRequest(PROTOCOL_VERSION, "r1", Sender("P", 0, 1, "tcp://p0"), True,
+                              _fmt(tp_size=2))
+    assert encode(msg) == GOLDEN_CLAIM
+
+
+def test_a_claim_without_a_format_is_an_opaque_single_head_block() -> None:
+    """An omitted format (an older sender) means whole opaque blocks: one head, one rank,
+    not MLA; D with the same default format accepts it."""
+    raw = msgspec.msgpack.encode({"kind": "meta_req", "version": PROTOCOL_VERSION,
+                                  "req_id": "r1", "want_layout": True,
+                                  "sender": {"engine_id": "P", "rank": 0, "incarnation": 1,
+                                             "addr": "tcp://p0/0"}})
+    msg = decode(raw)
+    assert isinstance(msg, MetaRequest)
+    f = msg.fmt
+    assert (f.total_heads, f.head_lo, f.head_hi, f.tp_rank, f.tp_size, f.mla, f.order,
+            f.block_tokens) == (1, 0, 1, 0, 1, False, "HND", 1)
+    d = _d()
+    d.add_request("r1", (5,), 1, 0.0)
+    assert next(e.msg.status for e in d.on_message(msg, 0.0)) == "accepted"
