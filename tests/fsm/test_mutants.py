@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from lw.fsm import (
+    ArmTimer,
     CancelTimer,
     DecodeConfig,
     DecodeEndpoint,
@@ -714,3 +715,56 @@ def test_a_claim_without_a_format_is_an_opaque_single_head_block() -> None:
     d = _d()
     d.add_request("r1", (5,), 1, 0.0)
     assert next(e.msg.status for e in d.on_message(msg, 0.0)) == "accepted"
+
+
+# ------------------------------------------------------------------------------ prefill inputs
+def test_prefill_refuses_requests_it_could_not_write_consistently() -> None:
+    p = PrefillEndpoint(p_sender(), L)
+    with pytest.raises(ValueError, match="2 local blocks but 1 remote"):
+        p.add_request(PrefillRequest("r", D_ADDR, (1, 2), (5,)), 0.0)
+    with pytest.raises(ValueError, match="named twice"):
+        p.add_request(PrefillRequest("r", (D_ADDR, "tcp://d1", D_ADDR), (1,), (5,)), 0.0)
+    assert p.live_requests() == []
+    with pytest.raises(ValueError, match="local layout has 3 layers, not 2"):
+        PrefillEndpoint(p_sender(), L, local=d_layout(3))
+
+
+def test_a_stray_ack_timer_while_waiting_for_meta_is_a_protocol_error() -> None:
+    p = PrefillEndpoint(p_sender(), L)
+    p.add_request(PrefillRequest("r", D_ADDR, (1,), (5,)), 0.0)
+    with pytest.raises(ProtocolError) as err:
+        p.on_timer(("ack", "r"), 1.0)
+    assert (err.value.state, err.value.event) == ("AWAIT_DECODER_META", "ack_timer")
+
+
+def _abort_msg(rid: str) -> Abort:
+    return Abort(PROTOCOL_VERSION, rid, d_sender(), "client gone")
+
+
+def test_an_abort_that_overtakes_the_request_stops_it_once() -> None:
+    """D aborted a request P has not seen: P confirms at once, and when the request arrives it
+    fails it without a claim or a write; the tombstone is then spent."""
+    p = PrefillEndpoint(p_sender(), L)
+    out = p.on_message(_abort_msg("r"), 0.0)
+    acks = [e.msg for e in out if isinstance(e, Send)]
+    assert [(type(m).__name__, m.known) for m in acks] == [("AbortAck", False)]
+    assert [e.key for e in out if isinstance(e, ArmTimer)] == [("tomb", "r")]
+    out = p.add_request(PrefillRequest("r", D_ADDR, (1,), (5,)), 1.0)
+    assert [(f.ok, "before it reached" in f.reason) for f in out
+            if isinstance(f, SendFinished)] == [(False, True)]
+    assert not any(isinstance(e, Send) for e in out)  # no claim: D gave up
+    assert any(isinstance(e, CancelTimer) and e.key == ("tomb", "r") for e in out)
+    assert isinstance(out, list) and p.state_of("r") == "FAILED"
+    # The id comes back later (a retry of the client): a new request, served normally.
+    out = p.add_request(PrefillRequest("r", D_ADDR, (1,), (5,)), 2.0)
+    assert p.state_of("r") == "AWAIT_DECODER_META"
+    assert [type(e.msg).__name__ for e in out if isinstance(e, Send)] == ["MetaRequest"]
+
+
+def test_a_tombstone_expires() -> None:
+    p = PrefillEndpoint(p_sender(), L, PrefillConfig(tombstone_ttl_s=10.0))
+    out = p.on_message(_abort_msg("r"), 0.0)
+    assert [e.at for e in out if isinstance(e, ArmTimer)] == [10.0]
+    assert p.on_timer(("tomb", "r"), 10.0) == []
+    p.add_request(PrefillRequest("r", D_ADDR, (1,), (5,)), 11.0)
+    assert p.state_of("r") == "AWAIT_DECODER_META"
