@@ -768,3 +768,28 @@ def test_a_tombstone_expires() -> None:
     assert p.on_timer(("tomb", "r"), 10.0) == []
     p.add_request(PrefillRequest("r", D_ADDR, (1,), (5,)), 11.0)
     assert p.state_of("r") == "AWAIT_DECODER_META"
+
+
+# ------------------------------------------------------------------------------ write completions
+def _meta_ready(p: PrefillEndpoint, rid: str = "r") -> None:
+    p.add_request(PrefillRequest(rid, D_ADDR, (1,), (5,)), 0.0)
+    p.on_message(MetaReply(PROTOCOL_VERSION, rid, "accepted", d_sender(), d_layout(L)), 0.0)
+    assert p.state_of(rid) == "META_READY"
+
+
+def test_a_completion_without_a_write_in_flight_is_a_protocol_error() -> None:
+    """The data plane reports each submitted write once: anything else is a driver bug."""
+    p = PrefillEndpoint(p_sender(), L)
+    with pytest.raises(ProtocolError, match="no such live request"):
+        p.transfer_done("zz", 0, True, "", 0.0)
+    _meta_ready(p)
+    with pytest.raises(ProtocolError, match="no write of layer 0 in flight"):
+        p.transfer_done("r", 0, True, "", 0.0)  # nothing submitted yet
+    writes = p.layer_computed(0, ["r"], 0.0)
+    assert len(writes) == 1
+    with pytest.raises(ProtocolError, match="no write of layer 1 in flight"):
+        p.transfer_done("r", 1, True, "", 0.0)  # layer 0 is in flight, not layer 1
+    p.transfer_done("r", 0, True, "", 0.0)
+    with pytest.raises(ProtocolError, match="no write of layer 0 in flight"):
+        p.transfer_done("r", 0, True, "", 0.0)  # reported twice
+    assert p.state_of("r") == "LAYER_0_SENT" and p.inflight_writes("r") == 0
