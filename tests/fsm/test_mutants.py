@@ -789,7 +789,8 @@ def test_a_completion_without_a_write_in_flight_is_a_protocol_error() -> None:
     assert len(writes) == 1
     with pytest.raises(ProtocolError, match="no write of layer 1 in flight"):
         p.transfer_done("r", 1, True, "", 0.0)  # layer 0 is in flight, not layer 1
+    p.layer_computed(1, ["r"], 0.0)
     p.transfer_done("r", 0, True, "", 0.0)
     with pytest.raises(ProtocolError, match="no write of layer 0 in flight"):
-        p.transfer_done("r", 0, True, "", 0.0)  # reported twice
-    assert p.state_of("r") == "LAYER_0_SENT" and p.inflight_writes("r") == 0
+        p.transfer_done("r", 0, True, "", 0.0)  # reported twice, while layer 1 is in flight
+    assert p.state_of("r") == "LAYER_0_SENT" and p.inflight_writes("r") == 1
