@@ -794,3 +794,58 @@ def test_a_completion_without_a_write_in_flight_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError, match="no write of layer 0 in flight"):
         p.transfer_done("r", 0, True, "", 0.0)  # reported twice, while layer 1 is in flight
     assert p.state_of("r") == "LAYER_0_SENT" and p.inflight_writes("r") == 1
+
+
+# ------------------------------------------------------------------------------ retries
+def _sent(out: list, kind: type) -> list:
+    return [e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, kind)]
+
+
+def test_done_is_resent_until_acknowledged_then_the_request_fails() -> None:
+    """A lost DONE (vllm-ascend #8166) is retried every ack_retry_s, ack_attempts times in
+    all; without an acknowledgement the request fails rather than hanging."""
+    p = PrefillEndpoint(p_sender(), L, PrefillConfig(ack_retry_s=1.0, ack_attempts=3))
+    _meta_ready(p)
+    out: list = []
+    for layer in range(L):
+        out += p.layer_computed(layer, ["r"], 0.0)
+        out += p.transfer_done("r", layer, True, "", 0.0)
+    dones = _sent(out, DoneSending)
+    timers = [e for e in out if isinstance(e, ArmTimer) and e.key == ("ack", "r")]
+    assert len(dones) == 1 and [t.at for t in timers] == [1.0]
+    now = 1.0
+    for _ in range(2):  # two more tries: DONE again, timer again
+        out = p.on_timer(("ack", "r"), now)
+        assert len(_sent(out, DoneSending)) == 1
+        now += 1.0
+        assert [e.at for e in out if isinstance(e, ArmTimer)] == [now]
+    out = p.on_timer(("ack", "r"), now)  # third try unanswered: give up
+    assert _sent(out, DoneSending) == []
+    assert [(f.ok, "no acknowledgement" in f.reason) for f in out
+            if isinstance(f, SendFinished)] == [(False, True)]
+
+
+def test_meta_requests_are_sent_meta_attempts_times_then_the_request_fails() -> None:
+    p = PrefillEndpoint(p_sender(), L, PrefillConfig(meta_retry_s=1.0, meta_attempts=3))
+    out = p.add_request(PrefillRequest("r", (D_ADDR, "tcp://d1"), (1,), (5,)), 0.0)
+    # d0 accepts at once; d1 never answers.
+    out += p.on_message(MetaReply(PROTOCOL_VERSION, "r", "accepted", d_sender(), d_layout(L)),
+                        0.0)
+    for t in (1.0, 2.0, 3.0):
+        out += p.on_timer(("meta", "r"), t)
+    claims = _sent(out, MetaRequest)
+    assert len(claims) == 2 + 2  # both targets once, then d1 alone on each retry
+    fin = [f for f in out if isinstance(f, SendFinished)]
+    assert [f.ok for f in fin] == [False]
+    assert "tcp://d1" in fin[0].reason and D_ADDR not in fin[0].reason
+    assert "after 3 MetaRequests" in fin[0].reason
+
+
+def test_prefill_refuses_messages_only_a_decoder_receives() -> None:
+    p = PrefillEndpoint(p_sender(), L)
+    _meta_ready(p)
+    for msg in (MetaRequest(PROTOCOL_VERSION, "r", p_sender(1), True),
+                DoneSending(PROTOCOL_VERSION, "r", p_sender(1), 1, L)):
+        with pytest.raises(ProtocolError, match="only accepts MetaReply, Ack and Abort"):
+            p.on_message(msg, 0.0)
+    assert p.state_of("r") == "META_READY"
