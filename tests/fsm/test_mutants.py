@@ -849,3 +849,16 @@ def test_prefill_refuses_messages_only_a_decoder_receives() -> None:
         with pytest.raises(ProtocolError, match="only accepts MetaReply, Ack and Abort"):
             p.on_message(msg, 0.0)
     assert p.state_of("r") == "META_READY"
+
+
+def test_losing_a_decoder_fails_only_its_requests_and_forgets_its_layout() -> None:
+    p = PrefillEndpoint(p_sender(), L)
+    _meta_ready(p, "r0")  # claimed on d0: its layout is cached
+    p.add_request(PrefillRequest("r1", "tcp://d1", (2,), (6,)), 0.0)
+    out = p.peer_lost(D_ADDR, "connection refused", 1.0)
+    assert [p.state_of(r) for r in ("r0", "r1")] == ["FAILED", "AWAIT_DECODER_META"]
+    assert [(f.req_id, f.ok) for f in out if isinstance(f, SendFinished)] == [("r0", False)]
+    assert not any(isinstance(e, Send) for e in out)  # nobody there to tell
+    # A restarted D at that address: the next claim asks for its layout again.
+    out = p.add_request(PrefillRequest("r2", D_ADDR, (3,), (7,)), 2.0)
+    assert [m.want_layout for m in _sent(out, MetaRequest)] == [True]
