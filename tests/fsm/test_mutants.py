@@ -862,3 +862,67 @@ def test_losing_a_decoder_fails_only_its_requests_and_forgets_its_layout() -> No
     # A restarted D at that address: the next claim asks for its layout again.
     out = p.add_request(PrefillRequest("r2", D_ADDR, (3,), (7,)), 2.0)
     assert [m.want_layout for m in _sent(out, MetaRequest)] == [True]
+
+
+# ------------------------------------------------------------------------------ late MetaReplies
+def _reply(rid: str, status: str, addr: str = D_ADDR) -> MetaReply:
+    layout = d_layout(L) if status == "accepted" else None
+    return MetaReply(PROTOCOL_VERSION, rid, status, Sender("D", 0, 1, addr), layout)
+
+
+def test_an_acceptance_after_prefill_gave_up_is_answered_with_failed_sending() -> None:
+    """D took us as a sender after we failed and released the request: D must hear that we
+    stopped (or it holds the blocks until its lease); an in-doubt failure says so."""
+    for in_doubt in (False, True):
+        p = PrefillEndpoint(p_sender(), L)
+        _meta_ready(p)
+        p.layer_computed(0, ["r"], 0.0)
+        p.transfer_done("r", 0, False, "timeout", 0.0, in_doubt=in_doubt)
+        assert p.state_of("r") == "FAILED" and p.live_requests() == []
+        out = p.on_message(_reply("r", "accepted"), 1.0)  # answer to an old retry
+        told = _sent(out, FailedSending)
+        assert [(m.req_id, m.in_doubt) for m in told] == [("r", in_doubt)]
+        assert [s.dest for s in out if isinstance(s, Send)] == [D_ADDR]
+        assert p.counters["stale_messages"] == 1
+
+
+def test_late_replies_that_claim_nothing_are_only_counted() -> None:
+    p = PrefillEndpoint(p_sender(), L)
+    done = PrefillEndpoint(p_sender(), L)  # finished DONE: a late acceptance changes nothing
+    _meta_ready(done)
+    for layer in range(L):
+        done.layer_computed(layer, ["r"], 0.0)
+        done.transfer_done("r", layer, True, "", 0.0)
+    done.on_message(Ack(PROTOCOL_VERSION, "r", "done", d_sender(), True), 0.0)
+    assert done.state_of("r") == "DONE"
+    assert done.on_message(_reply("r", "accepted"), 1.0) == []
+    _meta_ready(p)
+    p.abort("r", "client gone", 0.0)  # failed and released; D was told
+    for status in ("refused", "unknown"):
+        assert p.on_message(_reply("r", status), 1.0) == []
+    with pytest.raises(ProtocolError, match="no such request"):
+        p.on_message(_reply("never", "accepted"), 1.0)
+
+
+def test_an_acceptance_from_a_decoder_we_never_asked_is_answered_with_failed_sending() -> None:
+    p = PrefillEndpoint(p_sender(), L)
+    p.add_request(PrefillRequest("r", D_ADDR, (1,), (5,)), 0.0)
+    out = p.on_message(_reply("r", "accepted", "tcp://elsewhere"), 0.0)
+    assert [(s.dest, type(s.msg).__name__) for s in out if isinstance(s, Send)] == [
+        ("tcp://elsewhere", "FailedSending")]
+    assert p.state_of("r") == "AWAIT_DECODER_META"  # our own target still decides
+    assert p.on_message(_reply("r", "refused", "tcp://elsewhere"), 0.0) == []
+
+
+def test_a_decoder_presumed_lost_that_accepts_again_is_told_when_we_stop() -> None:
+    """peer_lost assumed nobody to tell; a late acceptance proves D alive: once the write in
+    flight ends, D hears FailedSending. A late refusal claims nothing."""
+    for status, told in (("accepted", ["FailedSending"]), ("refused", [])):
+        p = PrefillEndpoint(p_sender(), L)
+        _meta_ready(p)
+        p.layer_computed(0, ["r"], 0.0)
+        p.peer_lost(D_ADDR, "heartbeat", 1.0)
+        assert p.state_of("r") == "FAILED" and p.live_requests() == ["r"]
+        p.on_message(_reply("r", status), 2.0)
+        out = p.transfer_done("r", 0, True, "", 3.0)
+        assert [type(m.msg).__name__ for m in out if isinstance(m, Send)] == told
