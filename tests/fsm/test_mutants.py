@@ -25,6 +25,7 @@ from lw.fsm import (
     RecvFailed,
     Send,
     SendFinished,
+    WriteLayer,
     check_lease,
 )
 from lw.fsm.effects import effects_of_type
@@ -926,3 +927,33 @@ def test_a_decoder_presumed_lost_that_accepts_again_is_told_when_we_stop() -> No
         p.on_message(_reply("r", status), 2.0)
         out = p.transfer_done("r", 0, True, "", 3.0)
         assert [type(m.msg).__name__ for m in out if isinstance(m, Send)] == told
+
+
+# ------------------------------------------------------------------------------ stale layouts
+def test_a_layout_from_an_earlier_decoder_incarnation_is_never_written() -> None:
+    """vllm-ascend #4650's class: D restarted (incarnation 2) while P cached its layout of
+    incarnation 1. P must not write with the old addresses: it asks again for the layout."""
+    p = PrefillEndpoint(p_sender(), L)
+    _meta_ready(p, "r1")  # caches D's layout of incarnation 1
+    new_d = Sender("D", 0, 2, D_ADDR)
+    out = p.add_request(PrefillRequest("r2", D_ADDR, (2,), (6,)), 1.0)
+    assert [m.want_layout for m in _sent(out, MetaRequest)] == [False]  # cached
+    # D (restarted) accepts without a layout, as asked.
+    out = p.on_message(MetaReply(PROTOCOL_VERSION, "r2", "accepted", new_d, None), 1.0)
+    assert [m.want_layout for m in _sent(out, MetaRequest)] == [True]
+    assert p.state_of("r2") == "AWAIT_DECODER_META"
+    assert p.layer_computed(0, ["r2"], 1.0) == []  # nothing written meanwhile
+    # The next request asks for the layout at once: the stale one is forgotten.
+    out = p.add_request(PrefillRequest("r3", D_ADDR, (3,), (7,)), 1.0)
+    assert [m.want_layout for m in _sent(out, MetaRequest)] == [True]
+    out = p.on_message(MetaReply(PROTOCOL_VERSION, "r2", "accepted", new_d,
+                                 d_layout(L, incarnation=2)), 2.0)
+    assert {w.layout.incarnation for w in out if isinstance(w, WriteLayer)} == {2}
+
+
+def test_an_acceptance_without_any_layout_asks_for_it() -> None:
+    p = PrefillEndpoint(p_sender(), L)
+    p.add_request(PrefillRequest("r", D_ADDR, (1,), (5,)), 0.0)
+    out = p.on_message(MetaReply(PROTOCOL_VERSION, "r", "accepted", d_sender(), None), 0.0)
+    assert [m.want_layout for m in _sent(out, MetaRequest)] == [True]
+    assert p.state_of("r") == "AWAIT_DECODER_META"
