@@ -957,3 +957,14 @@ def test_an_acceptance_without_any_layout_asks_for_it() -> None:
     out = p.on_message(MetaReply(PROTOCOL_VERSION, "r", "accepted", d_sender(), None), 0.0)
     assert [m.want_layout for m in _sent(out, MetaRequest)] == [True]
     assert p.state_of("r") == "AWAIT_DECODER_META"
+
+
+def test_no_meta_retry_is_pending_once_every_target_accepted() -> None:
+    p = PrefillEndpoint(p_sender(), L)
+    out = p.add_request(PrefillRequest("r", (D_ADDR, "tcp://d1"), (1,), (5,)), 0.0)
+    assert ("meta", "r") in [e.key for e in out if isinstance(e, ArmTimer)]
+    out = p.on_message(_reply("r", "accepted"), 0.0)
+    assert not any(isinstance(e, CancelTimer) for e in out)  # d1 still pending
+    out = p.on_message(_reply("r", "accepted", "tcp://d1"), 0.0)
+    assert [e.key for e in out if isinstance(e, CancelTimer)] == [("meta", "r")]
+    assert p.state_of("r") == "META_READY"
