@@ -968,3 +968,48 @@ def test_no_meta_retry_is_pending_once_every_target_accepted() -> None:
     out = p.on_message(_reply("r", "accepted", "tcp://d1"), 0.0)
     assert [e.key for e in out if isinstance(e, CancelTimer)] == [("meta", "r")]
     assert p.state_of("r") == "META_READY"
+
+
+# ---------------------------------------------------------------- acknowledgements on P
+def _ack(rid: str, accepted: bool = True, addr: str = D_ADDR, of: str = "done") -> Ack:
+    return Ack(PROTOCOL_VERSION, rid, of, Sender("D", 0, 1, addr), accepted)
+
+
+def _all_sent(p: PrefillEndpoint, rid: str = "r") -> list:
+    out: list = []
+    for layer in range(L):
+        out += p.layer_computed(layer, [rid], 0.0)
+        out += p.transfer_done(rid, layer, True, "", 0.0)
+    return out
+
+
+def test_done_refused_by_the_decoder_fails_the_request() -> None:
+    """Ack(done, accepted=False): D had already failed the request, its KV is not used."""
+    p = PrefillEndpoint(p_sender(), L)
+    _meta_ready(p)
+    _all_sent(p)
+    out = p.on_message(_ack("r", accepted=False), 1.0)
+    assert [(f.ok, "had already failed" in f.reason) for f in out
+            if isinstance(f, SendFinished)] == [(False, True)]
+
+
+def test_acks_that_acknowledge_nothing_change_nothing() -> None:
+    p = PrefillEndpoint(p_sender(), L)
+    _meta_ready(p)
+    p.layer_computed(0, ["r"], 0.0)
+    assert p.on_message(_ack("r", addr="tcp://elsewhere"), 0.0) == []  # not a target of ours
+    assert p.on_message(_ack("r", of="failed"), 0.0) == []  # D has a FailedSending of ours
+    p.abort("r", "client gone", 0.0)  # FAILED, the write still in flight
+    assert p.live_requests() == ["r"]
+    assert p.on_message(_ack("r"), 0.0) == []  # a stray Ack after failing: declared no-op
+    assert p.state_of("r") == "FAILED" and p.counters["stale_messages"] == 1
+
+
+def test_an_ack_before_done_was_sent_is_a_protocol_error_even_from_one_of_two_targets() -> None:
+    p = PrefillEndpoint(p_sender(), L)
+    p.add_request(PrefillRequest("r", (D_ADDR, "tcp://d1"), (1,), (5,)), 0.0)
+    p.on_message(_reply("r", "accepted"), 0.0)
+    p.on_message(_reply("r", "accepted", "tcp://d1"), 0.0)
+    p.layer_computed(0, ["r"], 0.0)
+    with pytest.raises(ProtocolError, match="before DONE was sent"):
+        p.on_message(_ack("r"), 0.0)
