@@ -1013,3 +1013,42 @@ def test_an_ack_before_done_was_sent_is_a_protocol_error_even_from_one_of_two_ta
     p.layer_computed(0, ["r"], 0.0)
     with pytest.raises(ProtocolError, match="before DONE was sent"):
         p.on_message(_ack("r"), 0.0)
+
+
+# ------------------------------------------------------------------------------ aborts on P
+def test_decoder_abort_is_confirmed_with_abort_ack_only_once_nothing_is_in_flight() -> None:
+    """D aborted: P answers AbortAck (not FailedSending: D started it) when no write of ours
+    can land any more: at once when idle, after the drain otherwise."""
+    idle = PrefillEndpoint(p_sender(), L)
+    _meta_ready(idle)
+    out = idle.on_message(_abort_msg("r"), 1.0)
+    assert [(type(m.msg).__name__, m.msg.known) for m in out if isinstance(m, Send)] == [
+        ("AbortAck", True)]
+    assert [f.ok for f in out if isinstance(f, SendFinished)] == [False]
+    busy = PrefillEndpoint(p_sender(), L)
+    _meta_ready(busy)
+    busy.layer_computed(0, ["r"], 0.0)
+    assert not any(isinstance(e, Send) for e in busy.on_message(_abort_msg("r"), 1.0))
+    out = busy.transfer_done("r", 0, True, "", 2.0)
+    assert [type(m.msg).__name__ for m in out if isinstance(m, Send)] == ["AbortAck"]
+    # A repeated Abort for the finished request: confirmed again, known, no tombstone.
+    out = busy.on_message(_abort_msg("r"), 3.0)
+    assert [(type(m.msg).__name__, m.msg.known) for m in out if isinstance(m, Send)] == [
+        ("AbortAck", True)]
+    assert not any(isinstance(e, ArmTimer) for e in out)
+
+
+def test_re_asking_for_a_layout_spends_the_meta_budget() -> None:
+    """A D that keeps accepting without a layout cannot keep P asking for ever."""
+    p = PrefillEndpoint(p_sender(), L, PrefillConfig(meta_retry_s=1.0, meta_attempts=3))
+    out = p.add_request(PrefillRequest("r", D_ADDR, (1,), (5,)), 0.0)
+    now = 0.0
+    for _ in range(2):
+        now += 0.25
+        out += (step := p.on_message(MetaReply(PROTOCOL_VERSION, "r", "accepted", d_sender(),
+                                               None), now))
+        assert [e.at for e in step if isinstance(e, ArmTimer)] == [now + 1.0]
+    assert len(_sent(out, MetaRequest)) == 3
+    out = p.on_timer(("meta", "r"), now + 1.0)
+    assert [f.ok for f in out if isinstance(f, SendFinished)] == [False]
+    assert _sent(out, MetaRequest) == []
