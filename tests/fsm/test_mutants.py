@@ -1052,3 +1052,24 @@ def test_re_asking_for_a_layout_spends_the_meta_budget() -> None:
     out = p.on_timer(("meta", "r"), now + 1.0)
     assert [f.ok for f in out if isinstance(f, SendFinished)] == [False]
     assert _sent(out, MetaRequest) == []
+
+
+def test_each_layout_re_ask_costs_exactly_one_attempt() -> None:
+    p = PrefillEndpoint(p_sender(), L, PrefillConfig(meta_retry_s=1.0, meta_attempts=4))
+    p.add_request(PrefillRequest("r", D_ADDR, (1,), (5,)), 0.0)
+    for now in (0.25, 0.5):
+        p.on_message(MetaReply(PROTOCOL_VERSION, "r", "accepted", d_sender(), None), now)
+    out = p.on_timer(("meta", "r"), 1.5)  # 3 of 4 attempts spent: one more try
+    assert len(_sent(out, MetaRequest)) == 1 and p.state_of("r") == "AWAIT_DECODER_META"
+    out = p.on_timer(("meta", "r"), 2.5)
+    assert [f.ok for f in out if isinstance(f, SendFinished)] == [False]
+
+
+def test_in_doubt_memory_is_bounded_with_the_finished_memory() -> None:
+    p = PrefillEndpoint(p_sender(), L, PrefillConfig(finished_memory=1))
+    _meta_ready(p, "a")
+    p.layer_computed(0, ["a"], 0.0)
+    p.transfer_done("a", 0, False, "timeout", 0.0, in_doubt=True)
+    assert p.snapshot()[4] == ("a",)
+    p.add_request(PrefillRequest("b", (), (1,), (2,)), 1.0)  # finishes at once: "a" forgotten
+    assert p.state_of("a") is None and p.snapshot()[4] == ()
