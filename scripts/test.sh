@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
-.venv/bin/ruff check lw tests benchmarks
+.venv/bin/ruff check lw tests benchmarks tools
 .venv/bin/python -m lw diagrams --check
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,776 @@
+"""Mutation testing of lw's sans-I/O core (``lw/fsm``): one command, a score, the survivors.
+
+    .venv/bin/python tools/mutation.py [--jobs 2] [--module prefill] [--sample N] [--list]
+
+Each mutant is one small AST change of one module of ``lw/fsm`` (comparison and boolean
+operators, ``not`` removed, an ``if``/``while`` condition negated, an int constant +-1, a bool
+flipped, arithmetic swapped, a statement that emits an effect or changes state deleted, a
+returned value replaced by ``None``). It is applied to a private copy of the package (never to
+the working tree) and must be killed by the *killer suite*:
+
+1. the fast tests (``tests/fsm``, ``tests/transport/test_wire.py`` and the ``tests/sim`` tests
+   under ``--max-test-seconds`` in the traced baseline) that execute the mutated line, fastest
+   first, stopping at the first failure; a mutant that hangs past the timeout counts as killed;
+2. for the mutants the tests miss, ``lw check`` at small bounds (``CHECKS``): exit != 0 kills.
+
+A baseline run (unmutated copy, line tracing restricted to ``lw/fsm``) records which test runs
+which line and how long it takes; it is cached by the hash of ``lw`` and the tests. Results are
+cached per mutant (hash of the mutated module): a killed mutant stays killed, a survivor is run
+again when ``lw`` or the tests changed. Each run is a fork of a worker that has already imported
+pytest, hypothesis, msgspec and transitions, so a mutant costs its tests, not an interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = "lw/fsm"
+TEST_PATHS = ("tests/fsm", "tests/sim", "tests/transport/test_wire.py")
+# Small exhaustive bounds, a few seconds each: several P ranks, a P rank writing two D TP ranks,
+# and (state-bounded) faults.
+CHECKS: tuple[tuple[str, ...], ...] = (
+    ("--dp", "2", "--requests", "2", "--layers", "2"),
+    ("--dp", "2", "--d-tp", "2", "--requests", "2", "--layers", "2"),
+    ("--dp", "1", "--requests", "1", "--layers", "1", "--faults", "--max-states", "2500"),
+)
+# Functions that only build human-readable text.
+SKIP_FUNCTIONS = frozenset({"__repr__", "__str__", "_who", "describe"})
+CMP_SWAPS: dict[type, tuple[type, ...]] = {
+    ast.Lt: (ast.LtE,), ast.LtE: (ast.Lt,), ast.Gt: (ast.GtE,), ast.GtE: (ast.Gt,),
+    ast.Eq: (ast.NotEq,), ast.NotEq: (ast.Eq,), ast.In: (ast.NotIn,), ast.NotIn: (ast.In,),
+    ast.Is: (ast.IsNot,), ast.IsNot: (ast.Is,),
+}
+BIN_SWAPS: dict[type, type] = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv,
+                               ast.FloorDiv: ast.Mult, ast.Mod: ast.FloorDiv}
+NEGATED_BY_CMP = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
+
+
+# ------------------------------------------------------------------------------- enumeration
+@dataclass(frozen=True)
+class Mutant:
+    """One change of one module: the source span and its replacement."""
+
+    module: str  # path relative to the repository, e.g. lw/fsm/prefill.py
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+    op: str
+    original: str
+    replacement: str
+    function: str  # enclosing function ("" at module or class level)
+
+    @property
+    def where(self) -> str:
+        return f"{self.module}:{self.line}"
+
+    def describe(self) -> str:
+        """One line: file:line [operator] original -> mutant."""
+        def short(s: str) -> str:
+            s = " ".join(s.split())
+            return s if len(s) <= 70 else s[:67] + "..."
+        fn = f" in {self.function}" if self.function else ""
+        return f"{self.where}{fn} [{self.op}] {short(self.original)} -> {short(self.replacement)}"
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+            and isinstance(stmt.value.value, str))
+
+
+def _is_counter(stmt: ast.stmt) -> bool:
+    """``self.counters = {...}`` or ``self.counters[...] += 1``: statistics, not protocol."""
+    if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        return any(isinstance(t, ast.Attribute) and t.attr == "counters" for t in targets)
+    return (isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Subscript)
+            and isinstance(stmt.target.value, ast.Attribute)
+            and stmt.target.value.attr == "counters")
+
+
+class _Finder:
+    """Walks one module's AST and yields (node, operator, replacement node or text)."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[ast.AST, str, str, str]] = []  # node, op, replacement, function
+
+    def add(self, node: ast.AST, op: str, new: ast.AST | str, fn: str) -> None:
+        text = new if isinstance(new, str) else ast.unparse(new)
+        self.found.append((node, op, text, fn))
+
+    def visit_body(self, body: list[ast.stmt], fn: str, in_class: bool) -> None:
+        for stmt in body:
+            if _is_docstring(stmt):
+                continue
+            self.visit_stmt(stmt, fn, in_class)
+
+    def visit_stmt(self, stmt: ast.stmt, fn: str, in_class: bool) -> None:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.Assert, ast.Pass, ast.Global,
+                             ast.Nonlocal)):
+            return
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if stmt.name in SKIP_FUNCTIONS:
+                return
+            for d in (*stmt.args.defaults, *[d for d in stmt.args.kw_defaults if d]):
+                self.visit_expr(d, fn)  # evaluated where the function is defined
+            self.visit_body(stmt.body, stmt.name, False)
+            return
+        if isinstance(stmt, ast.ClassDef):
+            if stmt.name.endswith("Config"):
+                # Tuning defaults (retry periods, budgets) are not protocol; the checks in
+                # __post_init__ are.
+                self.visit_body([s for s in stmt.body if not isinstance(s, ast.AnnAssign)], fn,
+                                True)
+            else:
+                self.visit_body(stmt.body, fn, True)
+            return
+        if isinstance(stmt, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in stmt.targets):
+            return
+        if _is_counter(stmt):
+            return
+        if fn:
+            self.deletions(stmt, fn)
+        if isinstance(stmt, ast.AugAssign) and type(stmt.op) in (ast.Add, ast.Sub):
+            new = copy.copy(stmt)
+            new.op = ast.Sub() if isinstance(stmt.op, ast.Add) else ast.Add()
+            self.add(stmt, "augassign", new, fn)
+        if isinstance(stmt, (ast.If, ast.While)):
+            self.negate(stmt.test, fn)
+        for name, value in ast.iter_fields(stmt):
+            if name in ("annotation", "returns", "decorator_list", "type_comment", "target",
+                        "targets"):
+                if name in ("target", "targets"):
+                    for t in value if isinstance(value, list) else [value]:
+                        if isinstance(t, ast.Subscript):
+                            self.visit_expr(t.slice, fn)
+                continue
+            if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
+                self.visit_body(value, fn, in_class)
+            elif isinstance(value, list):
+                for v in value:
+                    if isinstance(v, ast.expr):
+                        self.visit_expr(v, fn)
+                    elif isinstance(v, ast.excepthandler):
+                        self.visit_body(v.body, fn, in_class)
+                    elif isinstance(v, ast.withitem):
+                        self.visit_expr(v.context_expr, fn)
+            elif isinstance(value, ast.expr):
+                self.visit_expr(value, fn)
+
+    def deletions(self, stmt: ast.stmt, fn: str) -> None:
+        if fn in ("__init__", "__post_init__") and isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+            return  # deleting an attribute's initialisation only raises AttributeError
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+            self.add(stmt, "delete", "pass", fn)
+        elif isinstance(stmt, (ast.Assign, ast.AugAssign)) and any(
+                isinstance(t, (ast.Attribute, ast.Subscript))
+                for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])):
+            self.add(stmt, "delete", "pass", fn)
+        elif isinstance(stmt, (ast.Delete, ast.Raise)):
+            self.add(stmt, "delete", "pass", fn)
+        elif isinstance(stmt, ast.Return) and stmt.value is not None and not (
+                isinstance(stmt.value, ast.Constant) and stmt.value.value is None):
+            self.add(stmt, "return-none", "return None", fn)
+
+    def negate(self, test: ast.expr, fn: str) -> None:
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            return  # "not" removal covers it
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(
+                test.ops[0], NEGATED_BY_CMP):
+            return  # the comparison swap covers it
+        self.add(test, "negate", ast.UnaryOp(ast.Not(), test), fn)
+
+    def visit_expr(self, node: ast.expr, fn: str) -> None:
+        if isinstance(node, ast.JoinedStr):
+            return  # message text
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and \
+                node.value.id == "Annotated":
+            return  # a type with wire bounds: a type annotation
+        if isinstance(node, ast.Compare):
+            for i, op in enumerate(node.ops):
+                for new_op in CMP_SWAPS.get(type(op), ()):
+                    new = copy.copy(node)
+                    new.ops = [*node.ops[:i], new_op(), *node.ops[i + 1:]]
+                    self.add(node, "compare", new, fn)
+        elif isinstance(node, ast.BoolOp):
+            new = copy.copy(node)
+            new.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+            self.add(node, "boolop", new, fn)
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            self.add(node, "not-removed", node.operand, fn)
+        elif isinstance(node, ast.IfExp):
+            self.negate(node.test, fn)
+        elif isinstance(node, ast.BinOp) and type(node.op) in BIN_SWAPS:
+            new = copy.copy(node)
+            new.op = BIN_SWAPS[type(node.op)]()
+            self.add(node, "arith", new, fn)
+        elif isinstance(node, ast.Constant):
+            v = node.value
+            if isinstance(v, bool):
+                self.add(node, "constant", repr(not v), fn)
+            elif isinstance(v, int):
+                self.add(node, "constant", repr(v + 1), fn)
+                if v != 0:
+                    self.add(node, "constant", repr(v - 1), fn)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.expr):
+                self.visit_expr(child, fn)
+            elif isinstance(child, ast.comprehension):
+                for e in (child.iter, *child.ifs):
+                    self.visit_expr(e, fn)
+            elif isinstance(child, ast.keyword):
+                self.visit_expr(child.value, fn)
+            elif isinstance(child, ast.arguments):
+                pass
+
+
+def _splice(src: bytes, line_starts: list[int], node: ast.AST, text: str) -> bytes:
+    start = line_starts[node.lineno - 1] + node.col_offset  # type: ignore[attr-defined]
+    end = line_starts[node.end_lineno - 1] + node.end_col_offset  # type: ignore[attr-defined]
+    if isinstance(node, ast.expr):
+        text = f"({text})"
+    return src[:start] + text.encode() + src[end:]
+
+
+def mutants_of(module: str, source: str) -> list[tuple[Mutant, str]]:
+    """Every distinct, compilable mutant of one module, with its mutated source."""
+    raw = source.encode()
+    line_starts = [0]
+    for line in raw.splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+    tree = ast.parse(source)
+    finder = _Finder()
+    finder.visit_body(tree.body, "", False)
+    base = ast.dump(tree)
+    seen = {base}
+    out: list[tuple[Mutant, str]] = []
+    for node, op, text, fn in finder.found:
+        try:
+            mutated = _splice(raw, line_starts, node, text).decode()
+            dump = ast.dump(ast.parse(mutated))
+        except SyntaxError:
+            continue
+        if dump in seen:
+            continue
+        seen.add(dump)
+        original = raw[line_starts[node.lineno - 1] + node.col_offset:  # type: ignore[attr-defined]
+                       line_starts[node.end_lineno - 1] + node.end_col_offset].decode()  # type: ignore[attr-defined]
+        out.append((Mutant(module, node.lineno, node.col_offset,  # type: ignore[attr-defined]
+                           node.end_lineno, node.end_col_offset,  # type: ignore[attr-defined]
+                           op, original, text, fn), mutated))
+    return out
+
+
+def all_mutants(modules: list[str]) -> list[tuple[Mutant, str]]:
+    """Mutants of the named modules of lw/fsm (all when empty), in file and line order."""
+    out: list[tuple[Mutant, str]] = []
+    for path in sorted((ROOT / PKG).glob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if modules and path.stem not in modules and rel not in modules:
+            continue
+        out += mutants_of(rel, path.read_text())
+    return out
+
+
+# ------------------------------------------------------------------------------- hashing
+def _hash_files(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.relative_to(ROOT).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def test_files() -> list[Path]:
+    """The test modules the killer suite draws from."""
+    files: list[Path] = []
+    for t in TEST_PATHS:
+        q = ROOT / t
+        files += sorted(q.rglob("test_*.py")) if q.is_dir() else [q]
+    return files
+
+
+def lw_hash() -> str:
+    """Hash of lw and of the test helpers (every test module's results depend on them)."""
+    helpers = [p for t in TEST_PATHS if (ROOT / t).is_dir()
+               for p in (ROOT / t).rglob("*.py") if not p.name.startswith("test_")]
+    return _hash_files([*(ROOT / "lw").rglob("*.py"), *helpers])
+
+
+def suite_hash() -> str:
+    """Hash of everything a result depends on besides the mutant: lw, the tests, the checks."""
+    return (lw_hash() + _hash_files(test_files())
+            + hashlib.sha256(repr(CHECKS).encode()).hexdigest()[:8])
+
+
+def mutant_key(m: Mutant, mutated: str) -> str:
+    return hashlib.sha256(m.module.encode() + b"\0" + mutated.encode()).hexdigest()[:24]
+
+
+# ------------------------------------------------------------------------------- sandbox
+def make_sandbox(parent: Path | None = None) -> Path:
+    """A private copy of lw and the tests; docs and scripts are linked (read only)."""
+    box = Path(tempfile.mkdtemp(prefix="lw-mutation-", dir=parent))
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "lw", box / "lw", ignore=ignore)
+    shutil.copytree(ROOT / "tests", box / "tests", ignore=ignore)
+    for name in ("docs", "scripts", "benchmarks", "pyproject.toml", "README.md"):
+        if (ROOT / name).exists():
+            (box / name).symlink_to(ROOT / name)
+    return box
+
+
+def _enter_sandbox(box: Path) -> None:
+    """In a forked child: make ``import lw`` find the sandbox copy only."""
+    os.chdir(box)
+    here = {str(ROOT), "", "."}
+    sys.path[:] = [str(box)] + [p for p in sys.path if p not in here]
+    os.environ["PYTHONPATH"] = str(box)
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+    sys.dont_write_bytecode = True
+    shutil.rmtree(box / ".hypothesis", ignore_errors=True)
+    log = os.open(box / "run.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+
+
+def run_forked(box: Path, fn: Callable[[], int], timeout: float) -> tuple[int | None, float]:
+    """Run ``fn`` in a forked child inside ``box``: (exit code or None on timeout, seconds)."""
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 70
+        try:
+            os.setpgid(0, 0)
+            _enter_sandbox(box)
+            code = int(fn())
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - any crash of the mutant kills it
+            import traceback
+            traceback.print_exc()
+            code = 71
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = t0 + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), time.monotonic() - t0
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            return None, time.monotonic() - t0
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------------------- pytest runs
+class _Recorder:
+    """pytest plugin: first failing test, and (baseline) per-test lines of lw/fsm and timing."""
+
+    def __init__(self, box: Path, trace: bool) -> None:
+        self.prefix = str(box / PKG) + os.sep
+        self.root = str(box) + os.sep
+        self.trace = trace
+        self.lines: dict[str, set[tuple[str, int]]] = {}
+        self.module_level: set[tuple[str, int]] = set()
+        self.durations: dict[str, float] = {}
+        self.failed: list[str] = []
+        self._cur: set[tuple[str, int]] = self.module_level
+
+    def _global(self, frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename.startswith(self.prefix):
+            return self._local
+        return None
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            self._cur.add((frame.f_code.co_filename[len(self.root):], frame.f_lineno))
+        return self._local
+
+    def pytest_configure(self, config: Any) -> None:
+        if self.trace:
+            sys.settrace(self._global)
+
+    def pytest_runtest_setup(self, item: Any) -> None:
+        if self.trace:
+            for name, mod in list(sys.modules.items()):
+                if name.startswith("lw.fsm"):
+                    for obj in vars(mod).values():
+                        if callable(getattr(obj, "cache_clear", None)):
+                            obj.cache_clear()  # every test that needs a cached value computes it
+            self._cur = self.lines.setdefault(item.nodeid, set())
+            sys.settrace(self._global)
+
+    def pytest_runtest_teardown(self, item: Any) -> None:
+        self._cur = self.module_level
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
+        if report.failed and report.nodeid not in self.failed:
+            self.failed.append(report.nodeid)
+            (Path(self.root) / "killer.txt").write_text(report.nodeid)
+
+
+def _pytest(args: list[str], plugin: _Recorder) -> int:
+    import pytest
+
+    return int(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore", *args],
+                           plugins=[plugin]))
+
+
+def trace_tests(box: Path, files: list[str]) -> dict[str, Any]:
+    """Run test modules once on the unmutated copy, tracing the lines of lw/fsm per test."""
+
+    def child() -> int:
+        rec = _Recorder(box, trace=True)
+        _pytest(files, rec)
+        data = {
+            "lines": {k: sorted(f"{f}:{n}" for f, n in v) for k, v in rec.lines.items()},
+            "module_level": sorted(f"{f}:{n}" for f, n in rec.module_level),
+            "durations": rec.durations,
+            "failed": rec.failed,
+        }
+        (box / "baseline.json").write_text(json.dumps(data))
+        return 0
+
+    code, _ = run_forked(box, child, 3600)
+    if code != 0:
+        sys.exit(f"baseline test run failed (exit {code}); see {box / 'run.log'}")
+    return json.loads((box / "baseline.json").read_text())
+
+
+def baseline(cache: dict[str, Any]) -> dict[str, Any]:
+    """Per-test lines and durations (traced again only for changed test modules, or all when
+    lw changed) and the duration of each check, merged into one table."""
+    base = cache.setdefault("baseline", {})
+    lwh = lw_hash()
+    if base.get("lw") != lwh:
+        base.clear()
+        base["lw"] = lwh
+    per_file = base.setdefault("files", {})
+    stale = []
+    for f in test_files():
+        rel = f.relative_to(ROOT).as_posix()
+        h = _hash_files([f])
+        if per_file.get(rel, {}).get("hash") != h:
+            stale.append((rel, h))
+    box = make_sandbox()
+    try:
+        if stale:
+            print(f"baseline: tracing {len(stale)} test module(s) on an unmutated copy ...",
+                  flush=True)
+            data = trace_tests(box, [rel for rel, _ in stale])
+            for rel, h in stale:
+                mine = {k: v for k, v in data["lines"].items() if k.split("::")[0] == rel}
+                per_file[rel] = {
+                    "hash": h, "lines": mine,
+                    "durations": {k: v for k, v in data["durations"].items() if k in mine},
+                    "failed": [k for k in data["failed"] if k.split("::")[0] == rel],
+                    "module_level": data["module_level"],
+                }
+        checks_key = hashlib.sha256(repr(CHECKS).encode()).hexdigest()[:8]
+        if base.get("checks_key") != checks_key:
+            secs_all = []
+            for argv in CHECKS:
+                code, secs = run_forked(box, lambda a=argv: _check(a), 600)
+                if code != 0:
+                    sys.exit(f"baseline `lw check {' '.join(argv)}` exited {code}")
+                secs_all.append(secs)
+            base["check_seconds"] = secs_all
+            base["checks_key"] = checks_key
+    finally:
+        shutil.rmtree(box, ignore_errors=True)
+    current = {f.relative_to(ROOT).as_posix() for f in test_files()}
+    merged: dict[str, Any] = {"lines": {}, "durations": {}, "failed": [], "module_level": set(),
+                              "check_seconds": base["check_seconds"]}
+    for rel, d in per_file.items():
+        if rel not in current:
+            continue
+        merged["lines"].update(d["lines"])
+        merged["durations"].update(d["durations"])
+        merged["failed"] += d["failed"]
+        merged["module_level"] |= set(d["module_level"])
+    merged["subprocess_tests"] = [
+        t for t in merged["lines"]
+        if "subprocess" in (ROOT / t.split("::")[0]).read_text()]
+    return merged
+
+
+def _check(argv: tuple[str, ...]) -> int:
+    from lw.sim.cli import main  # the sandbox's copy
+
+    return int(main(["--design", "d-first", "--mode", "exhaustive", *argv]) or 0)
+
+
+# ------------------------------------------------------------------------------- workers
+_BOX: Path | None = None
+
+
+def _worker_init(parent: Path) -> None:
+    global _BOX
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _BOX = make_sandbox(parent)
+
+
+@dataclass
+class Job:
+    """A mutant to run: where, the mutated source, the tests to run and the time budgets."""
+
+    mutant: Mutant
+    mutated: str
+    tests: list[str]
+    test_timeout: float
+    check_timeouts: list[float]
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Apply one mutant to this worker's sandbox, run the killer suite, restore the module."""
+    assert _BOX is not None
+    target = _BOX / job.mutant.module
+    original = target.read_text()
+    target.write_text(job.mutated)
+    t0 = time.monotonic()
+    try:
+        res = _kill(job)
+    finally:
+        target.write_text(original)
+    res["seconds"] = round(time.monotonic() - t0, 2)
+    return res
+
+
+def _kill(job: Job) -> dict[str, Any]:
+    assert _BOX is not None
+    box = _BOX
+    if job.tests:
+        (box / "killer.txt").unlink(missing_ok=True)
+        code, _ = run_forked(box, lambda: _pytest(["-x", *job.tests], _Recorder(box, False)),
+                             job.test_timeout)
+        if code is None:
+            return {"status": "timeout", "by": "tests (hang)"}
+        if code != 0:
+            who = (box / "killer.txt").read_text() if (box / "killer.txt").exists() else ""
+            return {"status": "killed", "by": who or f"pytest exit {code}"}
+    for argv, limit in zip(CHECKS, job.check_timeouts, strict=True):
+        code, _ = run_forked(box, lambda a=argv: _check(a), limit)
+        cmd = "lw check " + " ".join(argv)
+        if code is None:
+            return {"status": "timeout", "by": cmd + " (hang)"}
+        if code != 0:
+            return {"status": "killed", "by": cmd}
+    return {"status": "survived", "by": ""}
+
+
+# ------------------------------------------------------------------------------- main
+def _tests_for(m: Mutant, base: dict[str, Any], fast: list[str],
+               index: dict[str, set[str]]) -> list[str]:
+    """Fast tests that execute the mutant's lines (all fast tests for module-level code)."""
+    lines = {f"{m.module}:{n}" for n in range(m.line, m.end_line + 1)}
+    if not m.function or lines & base["module_level"]:
+        return fast
+    hit = set(base["subprocess_tests"])  # what they run in a child process is not traced
+    for line in lines:
+        hit |= index.get(line, set())
+    return [t for t in fast if t in hit]
+
+
+def _still_valid(old: dict[str, Any], shash: str, eff: str, fast: set[str]) -> bool:
+    """A survivor stays one for the same suite or a part of it; a kill stays one while its
+    killer is in the suite (``shash``: the whole suite, ``eff``: the one of this run)."""
+    if old["status"] == "survived":
+        return old["suite"] in (shash, eff)
+    by = old["by"]
+    return (by.startswith(("lw check", "pytest exit")) or by in fast
+            or (by.startswith("tests") and eff == shash))
+
+
+def _load_cache(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(path: Path, cache: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cache, indent=0, sort_keys=True))
+    tmp.replace(path)
+
+
+def _iter_results(jobs: list[Job], n: int) -> Iterator[tuple[Job, dict[str, Any]]]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    parent = Path(tempfile.mkdtemp(prefix="lw-mutation-"))
+    try:
+        with ctx.Pool(n, initializer=_worker_init, initargs=(parent,)) as pool:
+            yield from zip(jobs, pool.imap(run_job, jobs), strict=True)
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def _preimport() -> None:
+    """Heavy third-party imports done once, before the workers fork (never lw itself)."""
+    import hypothesis  # noqa: F401
+    import msgspec  # noqa: F401
+    import numpy  # noqa: F401
+    import pytest  # noqa: F401
+    import transitions  # noqa: F401
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: enumerate, run, print per-module and total scores and the survivors."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=2, help="parallel workers (default 2)")
+    ap.add_argument("--module", action="append", default=[],
+                    help="only this module of lw/fsm (name or path; repeatable)")
+    ap.add_argument("--sample", type=int, default=0, help="run N mutants drawn at random")
+    ap.add_argument("--seed", type=int, default=0, help="seed of --sample")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--max-test-seconds", type=float, default=2.0,
+                    help="a tests/sim test is in the killer suite when its traced baseline run "
+                    "is shorter (tests/fsm and the wire tests always are)")
+    ap.add_argument("--cache", type=Path,
+                    default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                    / "lw-mutation" / "results.json")
+    ap.add_argument("--fresh", action="store_true", help="ignore cached mutant results")
+    ap.add_argument("--without", action="append", default=[], metavar="TEST_MODULE",
+                    help="leave a test module out of the killer suite (to measure what it adds)")
+    ap.add_argument("--min-score", type=float, default=0.0,
+                    help="exit 1 when the total score (percent) is below this")
+    args = ap.parse_args(argv)
+    t_start = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the sandboxes
+
+    mutants = all_mutants(args.module)
+    if args.sample and args.sample < len(mutants):
+        mutants = sorted(random.Random(args.seed).sample(mutants, args.sample),
+                         key=lambda x: (x[0].module, x[0].line, x[0].col))
+    if args.list:
+        for m, _ in mutants:
+            print(m.describe())
+        print(f"{len(mutants)} mutants")
+        return 0
+
+    _preimport()
+    cache = _load_cache(args.cache)
+    shash = suite_hash()
+    base = baseline(cache)
+    _save_cache(args.cache, cache)
+    failing = set(base["failed"])
+    fast = sorted((t for t, d in base["durations"].items()
+                   if (d <= args.max_test_seconds or not t.startswith("tests/sim/"))
+                   and t not in failing and t in base["lines"]
+                   and t.split("::")[0] not in args.without),
+                  key=lambda t: base["durations"][t])
+    for t in sorted(failing):
+        print(f"note: {t} fails without any mutant; left out of the killer suite")
+    index: dict[str, set[str]] = {}
+    for t in fast:
+        for line in base["lines"][t]:
+            index.setdefault(line, set()).add(t)
+    suite_secs = sum(base["durations"][t] for t in fast)
+    print(f"killer suite: {len(fast)} fast tests ({suite_secs:.1f} s traced), "
+          f"{len(CHECKS)} `lw check` runs ({sum(base['check_seconds']):.1f} s)")
+
+    eff = shash + "".join(f" without {w}" for w in sorted(args.without))
+    results: dict[Mutant, dict[str, Any]] = {}
+    todo: list[Job] = []
+    store = cache.setdefault("mutants", {})
+    for m, mutated in mutants:
+        key = mutant_key(m, mutated)
+        old = store.get(key)
+        if old and not args.fresh and _still_valid(old, shash, eff, set(fast)):
+            results[m] = old
+            continue
+        tests = _tests_for(m, base, fast, index)
+        t_budget = 10.0 + 4 * sum(base["durations"][t] for t in tests)
+        c_budget = [10.0 + 4 * s for s in base["check_seconds"]]
+        todo.append(Job(m, mutated, tests, t_budget, c_budget))
+    print(f"{len(mutants)} mutants, {len(results)} cached, {len(todo)} to run "
+          f"with {args.jobs} job(s)", flush=True)
+    done = 0
+    last_save = time.monotonic()
+    for job, res in _iter_results(todo, args.jobs) if todo else iter(()):
+        done += 1
+        res["suite"] = eff
+        res["mutant"] = asdict(job.mutant)
+        store[mutant_key(job.mutant, job.mutated)] = res
+        results[job.mutant] = res
+        if res["status"] == "survived":
+            print(f"  [{done}/{len(todo)}] SURVIVED {job.mutant.describe()}", flush=True)
+        elif done % 25 == 0:
+            print(f"  [{done}/{len(todo)}] {time.monotonic() - t_start:.0f} s", flush=True)
+        if time.monotonic() - last_save > 30:
+            _save_cache(args.cache, cache)
+            last_save = time.monotonic()
+    _save_cache(args.cache, cache)
+    return report(mutants, results, time.monotonic() - t_start, args.min_score)
+
+
+def report(mutants: list[tuple[Mutant, str]], results: dict[Mutant, dict[str, Any]],
+           elapsed: float, min_score: float) -> int:
+    """Print the per-module table, the survivors and the total; the exit code."""
+    per: dict[str, dict[str, int]] = {}
+    for m, _ in mutants:
+        row = per.setdefault(m.module, {"mutants": 0, "tests": 0, "check": 0, "timeout": 0,
+                                        "survived": 0})
+        r = results[m]
+        row["mutants"] += 1
+        if r["status"] == "survived":
+            row["survived"] += 1
+        elif r["status"] == "timeout":
+            row["timeout"] += 1
+        elif r["by"].startswith("lw check"):
+            row["check"] += 1
+        else:
+            row["tests"] += 1
+    print()
+    print(f"{'module':<24} {'mutants':>7} {'by tests':>8} {'by check':>8} {'hang':>5} "
+          f"{'survived':>8} {'score':>7}")
+    tot = dict.fromkeys(("mutants", "tests", "check", "timeout", "survived"), 0)
+    for mod, row in sorted(per.items()):
+        for k in tot:
+            tot[k] += row[k]
+        score = 100.0 * (row["mutants"] - row["survived"]) / row["mutants"]
+        print(f"{mod:<24} {row['mutants']:>7} {row['tests']:>8} {row['check']:>8} "
+              f"{row['timeout']:>5} {row['survived']:>8} {score:>6.1f}%")
+    total = 100.0 * (tot["mutants"] - tot["survived"]) / max(tot["mutants"], 1)
+    print(f"{'total':<24} {tot['mutants']:>7} {tot['tests']:>8} {tot['check']:>8} "
+          f"{tot['timeout']:>5} {tot['survived']:>8} {total:>6.1f}%")
+    survivors = [m for m, _ in mutants if results[m]["status"] == "survived"]
+    if survivors:
+        print(f"\nsurvivors ({len(survivors)}):")
+        for m in survivors:
+            print(f"  {m.describe()}")
+    print(f"\n(hang: killed by the per-mutant timeout) elapsed {elapsed:.0f} s")
+    print(f"MUTATION SCORE lw/fsm: {total:.1f}% "
+          f"({tot['mutants'] - tot['survived']}/{tot['mutants']} killed)")
+    return 1 if total < min_score else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
