@@ -227,6 +227,10 @@ def report(cfg: WorldConfig, res: Result) -> list[str]:
     red = ("lock-step layer of all DP ranks as one atomic action" if cfg.atomic_layers
            else "none (each rank's hook and the barrier are separate actions)")
     lines.append(f"reduction: {red}; message copies merged; times relative to now")
+    if res.mode == "exhaustive":
+        lines.append("partial-order reduction: " + (
+            f"on (persistent singletons at {res.reduced} states, lw/sim/reduce.py)"
+            if not cfg.d_restarts else "off (D restarts: a dead D does not stay dead)"))
     if not cfg.crash_zombies:
         lines.append("assumption: a crashed P's in-flight writes never land")
     if not cfg.p_loss_detection:
