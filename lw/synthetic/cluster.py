@@ -273,7 +273,7 @@ class _Cluster:
             _, rid, d_addrs, blocks = ev  # one side-channel address per D TP worker
             if self.cfg.abort_rate and self.rng.random() < self.cfg.abort_rate:
                 # the client goes away at some moment of the transfer (or just before it)
-                self.aborts_due.append((time.monotonic() + self.rng.uniform(0, 0.05), rid))
+                self.aborts_due.append((time.monotonic() + self.rng.uniform(0, 0.01), rid))
             live = [r for r in self.ranks if r.alive]
             if not live:
                 return  # nobody to prefill: D's deadline fails the request

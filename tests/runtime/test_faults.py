@@ -322,7 +322,8 @@ def test_real_network_partitions_between_p_and_d(fault: str) -> None:
 
 def test_client_aborts_under_the_fault_mix_leak_nothing_and_corrupt_nothing() -> None:
     cfg = ClusterConfig(**{**FAST, "requests": 40, "fault": "mix",  # type: ignore[arg-type]
-                           "data_plane": "inprocess", "kv_checksum": True, "abort_rate": 0.3})
+                           "data_plane": "inprocess", "kv_checksum": True, "abort_rate": 0.5,
+                           "layer_ms": 5.0})  # transfers long enough for aborts to land in
     res = run_cluster(cfg)
     assert res.accounted == cfg.requests and res.leaked == 0 and res.corrupt == 0, res
     assert res.aborts > 0 and res.double_reports == 0 and not res.errors

@@ -23,6 +23,7 @@ from lw.transport.runtime import WorkerLoop, hook_cost_report, measure_hook_cost
 from lw.transport.sidechannel import SideChannel
 from lw.transport.wire import (
     PROTOCOL_VERSION,
+    AbortAck,
     DoneSending,
     KVLayout,
     LayerLayout,
@@ -145,10 +146,13 @@ def test_protocol_errors_from_the_network_are_counted_and_dropped(pair: Pair) ->
     rogue = SideChannel()
     try:
         bogus = DoneSending(PROTOCOL_VERSION, "never-seen", Sender("X", 0, 1, rogue.addr), 1, 4)
-        rogue.send(pair.d.addr, bogus)
+        rogue.send(pair.d.addr, bogus)  # answered "not accepted", counted, nothing else
+        bogus_ack = AbortAck(PROTOCOL_VERSION, "never-seen", Sender("X", 0, 1, rogue.addr), True)
+        rogue.send(pair.d.addr, bogus_ack)  # refused by the core: a protocol error
         rogue.send(pair.p.addr, MetaRequest(PROTOCOL_VERSION, "x", Sender("X", 0, 1,
                                                                          rogue.addr), True))
         wait_for(lambda: pair.d.stats()["loop.protocol_errors"] == 1
+                 and pair.d.stats()["core.unknown_requests"] == 1
                  and pair.p.stats()["loop.protocol_errors"] == 1)
         local, remote = (1,), (2,)
         pair.start("ok", local, remote)  # the loops go on as if nothing happened
