@@ -190,3 +190,46 @@ def test_d_answers_a_done_about_an_unknown_request_with_not_accepted() -> None:
     assert isinstance(eff, Send) and isinstance(eff.msg, Ack)
     assert eff.msg.of == "done" and eff.msg.accepted is False
     assert pair.d.counters["unknown_requests"] == 1
+
+
+def test_prefill_rows_say_what_each_state_waits_for() -> None:
+    pair = make_pair(pcfg=PrefillConfig(request_timeout_s=30.0, ack_attempts=7))
+    start(pair)
+    pair.deliver_all()  # accepted
+    p = pair.ps[0]
+    pair.now = 2.0
+    (row,) = p.status(pair.now)  # META_READY, nothing computed yet
+    assert row.state == "META_READY" and row.peers == [D_ADDR]
+    assert "0 of 3 layers written to D" in row.waiting_for
+    assert "waiting for the forward pass to compute layer 0" in row.waiting_for
+    assert row.in_state_s == 2.0 and row.deadline_in_s == 28.0 and row.layers_done == 0
+    compute_all(pair)
+    (row,) = p.status(pair.now)
+    assert "3 write(s) in flight, 3 of 3 computed" in row.waiting_for
+    assert "forward pass" not in row.waiting_for  # computed ahead of the writes
+    pair.complete_writes()  # every layer written: DONE sent, its Ack awaited
+    (row,) = p.status(pair.now)
+    assert row.state == f"LAYER_{L - 1}_SENT" and row.layers_done == L
+    assert row.waiting_for.startswith(f"waiting for Ack of DoneSending from D {D_ADDR}")
+    assert "(try 1 of 7)" in row.waiting_for and row.peers == [D_ADDR]
+    pair.deliver_all()
+    assert p.status(pair.now) == []
+
+
+def test_a_failed_prefill_row_names_the_writes_it_still_waits_for() -> None:
+    pair = make_pair()
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)  # three writes in flight
+    pair.absorb(0, pair.ps[0].abort("r1", "client gone", pair.now))
+    (row,) = pair.ps[0].status(pair.now)
+    assert row.state == "FAILED" and row.peers == [D_ADDR]
+    assert "aborted locally: client gone" in row.waiting_for
+    assert f"3 write(s) in flight to D {D_ADDR}" in row.waiting_for
+
+
+def test_long_peer_lists_are_cut_with_a_count() -> None:
+    from lw.fsm.status import _join
+
+    assert _join(["a", "b", "c", "d"]) == "a, b, c, d"
+    assert _join(["a", "b", "c", "d", "e", "f"]) == "a, b, c, d and 2 more"
