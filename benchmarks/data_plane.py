@@ -34,7 +34,7 @@ import numpy as np
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from lw.transport.dataplane import Entry, MooncakeDataPlane  # noqa: E402
-from lw.transport.runtime import hook_cost_report  # noqa: E402
+from lw.transport.hookcost import hook_cost_report  # noqa: E402
 
 MiB = 1 << 20
 
@@ -348,8 +348,8 @@ def hook_costs(ctx: Ctx) -> None:
 def checksum_cost(figures: dict[str, float], layers: int, block: int, total: int,
                   rounds: int = 5) -> None:
     """(g) kv_checksum: CRC-32C of every block, as P computes it per write and D per DONE
-    (runtime._block_sums over a (layers, blocks, block) array); seconds per GB."""
-    from lw.transport.runtime import _block_sums
+    (blockruns.block_sums over a (layers, blocks, block) array); seconds per GB."""
+    from lw.transport.blockruns import block_sums
 
     nblk = total // (layers * block)
     mem = np.random.default_rng(3).integers(0, 256, (layers, nblk, block), dtype=np.uint8)
@@ -359,7 +359,7 @@ def checksum_cost(figures: dict[str, float], layers: int, block: int, total: int
     for _ in range(rounds):
         t0 = time.perf_counter()
         for layer in range(layers):
-            _block_sums(base + layer * nblk * block, block, nblk, blocks, ((0, block),))
+            block_sums(base + layer * nblk * block, block, nblk, blocks, ((0, block),))
         best = min(best, time.perf_counter() - t0)
     figures["kv_checksum_ms_per_gb"] = round(best / (total / 1e9) * 1e3, 1)
     figures["kv_checksum_gb_per_s"] = round(total / 1e9 / best, 2)

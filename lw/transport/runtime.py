@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import crc32c
 import msgspec
 
 from lw.fsm import (
@@ -49,6 +48,7 @@ from lw.fsm import (
 )
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.status import status_line
+from lw.transport.blockruns import block_runs, block_sums, check_segments
 from lw.transport.sidechannel import Inbound, SideChannel
 from lw.transport.wire import (
     MAX_MESSAGE_BYTES,
@@ -60,7 +60,6 @@ from lw.transport.wire import (
     FailedSending,
     Heartbeat,
     HeartbeatAck,
-    KVLayout,
     LayerLayout,
     MetaReply,
     MetaRequest,
@@ -71,7 +70,7 @@ from lw.transport.wire import (
     encode,
 )
 
-__all__ = ["WorkerLoop", "hook_cost_report", "measure_hook_cost"]
+__all__ = ["WorkerLoop"]
 
 log = logging.getLogger("lw.runtime")
 
@@ -654,7 +653,7 @@ class WorkerLoop:
         loc = self._local[w.layer]
         runs = (((0, loc.block_len),) if w.segments is None
                 else tuple((src, n) for src, _dst, n in w.segments))
-        sums = _block_sums(loc.base_addr, loc.block_stride, loc.num_blocks, w.local_blocks, runs)
+        sums = block_sums(loc.base_addr, loc.block_stride, loc.num_blocks, w.local_blocks, runs)
         self._checksums.setdefault((w.req_id, w.target), {})[w.layer] = sums
 
     def _with_checksums(self, msg: DoneSending, dest: str) -> DoneSending:
@@ -676,7 +675,7 @@ class WorkerLoop:
         blocks, runs = plan
         out: list[int] = []
         for lay, layer_runs in zip(ep.layout.layers, runs, strict=True):
-            out += _block_sums(lay.base_addr, lay.block_stride, lay.num_blocks, blocks,
+            out += block_sums(lay.base_addr, lay.block_stride, lay.num_blocks, blocks,
                                layer_runs)
         self.counters["checksums_verified"] += 1
         return out
@@ -854,10 +853,10 @@ class WorkerLoop:
         assert self._local is not None
         loc = self._local[w.layer]
         rem = w.layout.layers[w.layer]
-        _check_segments(w.segments, loc.block_len, rem.block_len, w.layer)
+        check_segments(w.segments, loc.block_len, rem.block_len, w.layer)
         runs = self._runs_for(w)
         if runs is None:
-            runs = _block_runs(w.local_blocks, w.remote_blocks, loc.block_stride,
+            runs = block_runs(w.local_blocks, w.remote_blocks, loc.block_stride,
                                rem.block_stride, loc.block_len, w.segments, loc.num_blocks,
                                rem.num_blocks)
         lb, rb = loc.base_addr, rem.base_addr
@@ -886,162 +885,10 @@ class WorkerLoop:
         for k, runs in cached:  # one entry per target D worker: a short list
             if k == key:
                 return runs
-        runs = _block_runs(w.local_blocks, w.remote_blocks, lu[0], ru[0], lu[1], w.segments,
+        runs = block_runs(w.local_blocks, w.remote_blocks, lu[0], ru[0], lu[1], w.segments,
                            self._local[0].num_blocks,  # type: ignore[index]
                            lay.layers[0].num_blocks)
         if len(cached) >= 16:  # the same request re-addressed many times: keep it bounded
             cached.clear()
         cached.append((key, runs))
         return runs
-
-
-def _block_sums(base: int, stride: int, num_blocks: int, blocks: Sequence[int],
-                runs: Sequence[tuple[int, int]]) -> list[int]:
-    """CRC-32C of each block's byte runs (offset, length), blocks in the given order."""
-    out = []
-    for b in blocks:
-        if not 0 <= b < num_blocks:
-            raise ValueError(f"block {b} outside 0..{num_blocks - 1}")
-        crc = 0
-        for off, n in runs:
-            crc = crc32c.crc32c((ctypes.c_char * n).from_address(base + b * stride + off), crc)
-        out.append(crc)
-    return out
-
-
-def _check_segments(segments: tuple[tuple[int, int, int], ...] | None, local_len: int,
-                    remote_len: int, layer: int) -> None:
-    """Raise ValueError unless every byte run fits in a block on both sides."""
-    if segments is None:
-        if local_len != remote_len:
-            raise ValueError(f"local block_len {local_len} != remote {remote_len} "
-                             f"(layer {layer})")
-        return
-    if not segments:
-        raise ValueError(f"no byte run to write (layer {layer})")
-    for src, dst, n in segments:
-        if n <= 0 or src < 0 or dst < 0 or src + n > local_len or dst + n > remote_len:
-            raise ValueError(f"byte run {(src, dst, n)} outside the blocks "
-                             f"({local_len} local, {remote_len} remote bytes; layer {layer})")
-
-
-def _block_runs(local_blocks: Sequence[int], remote_blocks: Sequence[int], lstride: int,
-                rstride: int, blen: int, segments: tuple[tuple[int, int, int], ...] | None,
-                n_loc: int, n_rem: int) -> list[Entry]:
-    """(local offset, remote offset, len) of every block pair (and byte run), each merged into
-    the previous one when it continues it on both sides."""
-    segs = ((0, 0, blen),) if segments is None else segments
-    runs: list[Entry] = []
-    plo = pro = pn = -1
-    for lblk, rblk in zip(local_blocks, remote_blocks, strict=True):
-        if not 0 <= lblk < n_loc or not 0 <= rblk < n_rem:
-            raise ValueError(f"block {lblk}->{rblk} outside the {n_loc}/{n_rem} blocks")
-        lbase, rbase = lblk * lstride, rblk * rstride
-        for src, dst, n in segs:
-            lo, ro = lbase + src, rbase + dst
-            if pn > 0 and plo + pn == lo and pro + pn == ro:
-                pn += n
-                runs[-1] = (plo, pro, pn)
-            else:
-                plo, pro, pn = lo, ro, n
-                runs.append((lo, ro, n))
-    return runs
-
-
-# ================================================================ hook cost (benchmark helper)
-def hook_cost_report(
-    n_requests: int,
-    layers: int = 61,
-    *,
-    blocks_per_request: int = 4,
-    block_bytes: int = 256,
-    compute_s: float = 0.002,
-    steps: int = 3,
-    timeline: bool = True,
-) -> dict[str, float]:
-    """Cost of ``WorkerLoop.layer_computed`` with ``n_requests`` in the batch, on a live loop.
-
-    Builds a P loop and a D loop in this process (real ZMQ sockets on loopback, in-process data
-    plane), gets every request accepted by D, then runs ``steps`` forward passes of ``layers``
-    layers, timing each hook call while the loop thread emits and submits the writes (the forward
-    sleeps ``compute_s`` per layer, as a GPU kernel would release the GIL). ``timeline`` false
-    turns the endpoints' lifecycle timelines off (to price them). Returns seconds.
-    """
-    import numpy as np
-
-    from lw.fsm import DecodeConfig, PrefillConfig, PrefillRequest
-    from lw.transport.dataplane import InProcessDataPlane
-
-    nblk = n_requests * blocks_per_request
-    p_mem = np.zeros((layers, nblk, block_bytes), dtype=np.uint8)
-    d_mem = np.zeros((layers, nblk, block_bytes), dtype=np.uint8)
-
-    def layout_of(mem: np.ndarray) -> list[LayerLayout]:
-        base = mem.ctypes.data
-        return [LayerLayout(base + i * nblk * block_bytes, block_bytes, block_bytes, nblk)
-                for i in range(layers)]
-
-    p_dp = InProcessDataPlane()
-    d_dp = InProcessDataPlane()
-    p_dp.register_memory(p_mem.ctypes.data, p_mem.nbytes)
-    d_dp.register_memory(d_mem.ctypes.data, d_mem.nbytes)
-    d_side, p_side = SideChannel(), SideChannel()
-    d_me = Sender("bench-d", 0, 1, d_side.addr)
-    d_layout = KVLayout("bench-d", 1, d_dp.session, layout_of(d_mem))
-    big = 3600.0
-    entries = 32768 if timeline else 0
-    d_loop = WorkerLoop(DecodeEndpoint(d_me, d_layout, DecodeConfig(
-        big, 2 * big + 60, timeline_entries=entries)), d_side, d_dp)
-    p_cfg = PrefillConfig(request_timeout_s=big, meta_retry_s=1.0, ack_retry_s=1.0,
-                          timeline_entries=entries)
-    p_loop = WorkerLoop(PrefillEndpoint(Sender("bench-p", 0, 1, p_side.addr), layers, p_cfg),
-                        p_side, p_dp, local_layout=layout_of(p_mem))
-    costs: list[float] = []
-    loop_s = 0.0
-    try:
-        d_loop.start()
-        p_loop.start()
-        for step in range(steps):
-            ids = [f"s{step}-r{i}" for i in range(n_requests)]
-            for i, rid in enumerate(ids):
-                blocks = tuple(range(i * blocks_per_request, (i + 1) * blocks_per_request))
-                d_loop.call("add_request", rid, blocks, 1).result(10)
-                p_loop.call("add_request",
-                            PrefillRequest(rid, d_side.addr, blocks, blocks, 1)).result(10)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # measure the steady state: writes emitted
-                states = p_loop.run(lambda lp, ids=ids: [lp.endpoint.state_of(r) for r in ids])
-                if all(s == "META_READY" for s in states.result(10)):
-                    break
-                time.sleep(0.005)
-            before = p_loop.counters["layer_event_s"]
-            for layer in range(layers):
-                t0 = time.perf_counter()
-                p_loop.layer_computed(layer, ids)
-                costs.append(time.perf_counter() - t0)
-                time.sleep(compute_s)
-            deadline = time.monotonic() + 60
-            while p_loop.endpoint.live_requests() and time.monotonic() < deadline:
-                time.sleep(0.005)
-            loop_s += float(p_loop.counters["layer_event_s"]) - before
-            p_loop.drain_reports()
-            d_loop.drain_reports()
-    finally:
-        p_loop.stop()
-        d_loop.stop()
-    costs.sort()
-    n = len(costs)
-    return {
-        "requests": float(n_requests),
-        "layers": float(layers),
-        "hook_mean_s": sum(costs) / n,
-        "hook_p50_s": costs[n // 2],
-        "hook_p99_s": costs[min(n - 1, int(n * 0.99))],
-        "hook_max_s": costs[-1],
-        "loop_per_layer_s": loop_s / n,
-    }
-
-
-def measure_hook_cost(n_requests: int, layers: int = 61) -> float:
-    """Mean seconds per forward-hook call (one layer) with ``n_requests`` in the batch."""
-    return hook_cost_report(n_requests, layers)["hook_mean_s"]

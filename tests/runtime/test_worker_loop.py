@@ -19,7 +19,8 @@ from lw.fsm import (
     SendFinished,
     WriteLayer,
 )
-from lw.transport.runtime import WorkerLoop, hook_cost_report, measure_hook_cost
+from lw.transport.hookcost import hook_cost_report, measure_hook_cost
+from lw.transport.runtime import WorkerLoop
 from lw.transport.sidechannel import SideChannel
 from lw.transport.wire import (
     PROTOCOL_VERSION,
