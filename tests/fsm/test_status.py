@@ -233,3 +233,61 @@ def test_long_peer_lists_are_cut_with_a_count() -> None:
 
     assert _join(["a", "b", "c", "d"]) == "a, b, c, d"
     assert _join(["a", "b", "c", "d", "e", "f"]) == "a, b, c, d and 2 more"
+
+
+def test_observability_settings_are_checked_where_they_are_given() -> None:
+    import pytest
+
+    from lw.fsm.timeline import Timeline
+
+    for bad in (dict(timeline_entries=-1), dict(stuck_fraction=0.0), dict(stuck_fraction=1.5)):
+        with pytest.raises(ValueError, match="timeline_entries|stuck_fraction"):
+            PrefillConfig(**bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="timeline_entries|stuck_fraction"):
+            DecodeConfig(**bad)  # type: ignore[arg-type]
+    assert PrefillConfig(stuck_fraction=1.0).stuck_fraction == 1.0  # the whole deadline is fine
+    with pytest.raises(ValueError, match="capacity"):
+        Timeline(-1)
+
+
+def test_timeline_queries_at_their_edges() -> None:
+    tl = Timeline(4)
+    tl.record(1.0, "a", "x")
+    tl.record(2.0, ("a", "b"), "layer_computed")
+    tl.record(3.0, "ab", "y")  # a request whose id contains another's is not that request
+    assert [e[2] for e in tl.of("a")] == ["x", "layer_computed"]
+    assert [e[2] for e in tl.of("b")] == ["layer_computed"]
+    assert tl.last(0) == [] and tl.last(-1) == []
+    assert [e[0] for e in tl.last(3)] == [1.0, 2.0, 3.0] and len(tl.last(9)) == 3
+    off = Timeline(0)
+    off.record(1.0, "a", "x")
+    assert len(off) == 0 and off.last(5) == [] and off.of("a") == []
+    assert off.drain_durations() == []
+    assert state_class("LAYER_3_SENT") == "LAYER_SENT" and state_class("LAYER_3") == "LAYER_3"
+    assert state_class("META_READY") == "META_READY"
+
+
+def test_status_line_says_how_far_the_deadline_is_or_was() -> None:
+    from lw.transport.wire import RequestStatus
+
+    row = RequestStatus("r", "RECEIVING", 1.0, "w", 0.0, 2)
+    assert "deadline in 0.0s" in status_line("decode", d_sender_for_test(), row)
+    late = RequestStatus("r", "RECEIVING", 1.0, "w", -2.5, 2)
+    assert "deadline passed 2.5s ago" in status_line("decode", d_sender_for_test(), late)
+    q = RequestStatus("r", "FAILED", 1.0, "w", 4.0, 2, quarantined=True)
+    assert "lease ends in 4.0s" in status_line("decode", d_sender_for_test(), q)
+    assert status_line("prefill", d_sender_for_test(), row).startswith("P D rank 0 request r ")
+
+
+def d_sender_for_test():  # type: ignore[no-untyped-def]
+    from .harness import d_sender
+
+    return d_sender()
+
+
+def test_stuck_is_strictly_past_the_fraction_of_the_deadline() -> None:
+    pair = make_pair(dcfg=DecodeConfig(prefill_timeout_s=10.0, stuck_fraction=0.5))
+    pair.absorb("d", pair.d.add_request("r1", (5,), 1, 0.0))
+    assert pair.d.stuck(5.0) == []  # exactly half: not yet
+    (row,) = pair.d.stuck(5.01)
+    assert row.stuck and row.in_state_s == 5.01
