@@ -244,10 +244,10 @@ def after_lw_run(run: Running, shape: Shape, result: dict[str, Any], since: floa
         return
     import httpx
 
-    from lw.ops.client import query
+    from lw.ops.client import MAX_TIMELINE, query
     from lw.ops.phases import format_phases, milestones, phase_means
 
-    snap = query(run.cluster.status_workers(), timeline=100_000, timeout_s=10)
+    snap = query(run.cluster.status_workers(), timeline=MAX_TIMELINE, timeout_s=10)
     try:
         proxy = httpx.get(run.url + "/lw/timeline", timeout=10).json()
     except httpx.HTTPError as exc:

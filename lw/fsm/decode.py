@@ -39,8 +39,8 @@ from lw.fsm.messages import (
     RequestStatus,
     Sender,
 )
-from lw.fsm.snapshot import OMIT, UNORDERED, Rules, derive
-from lw.fsm.status import decode_row, newly_stuck
+from lw.fsm.snapshot import ENDPOINT_RULES, OMIT, RECORD_RULES, Rules, derive
+from lw.fsm.status import decode_row, decode_span, newly_stuck, rows_of
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, Timeline, check_observability
 
 _FINAL = (DONE, FAILED)
@@ -162,14 +162,12 @@ class DecodeEndpoint:
 
     def status(self, now: float, req_id: str = "") -> list[RequestStatus]:
         """``lw status`` rows: every live request (or only ``req_id``), what each waits for."""
-        recs = self._reqs.values() if not req_id else filter(None, [self._reqs.get(req_id)])
-        return [decode_row(self, r, now) for r in recs]
+        return rows_of(self, decode_row, now, req_id)
 
     def stuck(self, now: float) -> list[RequestStatus]:
         """Requests that just passed ``stuck_fraction`` of their deadline in one state (each
         reported once per state: the stuck-request alarm)."""
-        return newly_stuck([(r, decode_row(self, r, now)) for r in self._reqs.values()
-                            if not r.alarmed])
+        return newly_stuck(self, decode_row, decode_span, now)
 
     # ----------------------------------------------------------------------------- dispatch
     def _fire(self, rec: _Req, event: str, now: float, detail: str | int = "") -> str:
@@ -520,22 +518,8 @@ class DecodeEndpoint:
 # records is in the snapshot (lw/fsm/snapshot.py): a field added later is hashed by default.
 SNAPSHOT_RULES: Rules = {
     DecodeEndpoint: {
-        "me": (OMIT, "fixed when made (identity)"),
+        **ENDPOINT_RULES,
         "layout": (OMIT, "fixed when made (own layout)"),
-        "config": (OMIT, "fixed when made"),
-        "declaration": (OMIT, "fixed when made (the lifecycle table)"),
-        "_table": (OMIT, "fixed when made (compiled from the declaration)"),
-        "_finished": (UNORDERED, "its order only decides which entry is forgotten past "
-                                 "finished_memory (4096) finished requests"),
-        "timeline": (OMIT, "observability (lw status, traces)"),
-        "_ring": (OMIT, "observability (the timeline's ring, appended inline)"),
-        "_durations": (OMIT, "observability (time-in-state samples)"),
-        "counters": (OMIT, "observability (statistics)"),
     },
-    _Req: {
-        "reason": (OMIT, "free text: copied into reports and messages, never decided on"),
-        "since": (OMIT, "observability (time in state)"),
-        "deadline": (OMIT, "observability (the deadline and lease timers are armed by effects)"),
-        "alarmed": (OMIT, "observability (stuck-request alarm)"),
-    },
+    _Req: RECORD_RULES,
 }

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+MAX_TIMELINE = 100_000  # timeline entries one StatusQuery may ask for
 PROTOCOL_VERSION = 2  # 2: KVFormat in layouts and claims (heterogeneous TP, MLA)
 
 # Bounds that make absurd values a decode error rather than a problem for the core.
@@ -194,7 +195,7 @@ class StatusQuery(_Msg, tag="status_q"):
 
     asker: _Text  # side-channel address of the asker (replies fall back to it)
     req_id: str = ""  # only this request (live or in the timeline); "" = every live request
-    timeline: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0  # newest entries wanted
+    timeline: Annotated[int, msgspec.Meta(ge=0, le=MAX_TIMELINE)] = 0  # newest entries wanted
 
 
 class StatusReply(_Msg, tag="status_rep"):

@@ -44,8 +44,8 @@ from lw.fsm.messages import (
     RequestStatus,
     Sender,
 )
-from lw.fsm.snapshot import KEYS, OMIT, UNORDERED, Rules, derive
-from lw.fsm.status import newly_stuck, prefill_row
+from lw.fsm.snapshot import ENDPOINT_RULES, KEYS, OMIT, RECORD_RULES, Rules, derive
+from lw.fsm.status import newly_stuck, prefill_row, prefill_span, rows_of
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, Timeline, check_observability
 
 _FINAL = (DONE, FAILED)
@@ -226,14 +226,12 @@ class PrefillEndpoint:
 
     def status(self, now: float, req_id: str = "") -> list[RequestStatus]:
         """``lw status`` rows: every live request (or only ``req_id``), what each waits for."""
-        recs = self._reqs.values() if not req_id else filter(None, [self._reqs.get(req_id)])
-        return [prefill_row(self, r, now) for r in recs]
+        return rows_of(self, prefill_row, now, req_id)
 
     def stuck(self, now: float) -> list[RequestStatus]:
         """Requests that just passed ``stuck_fraction`` of their deadline in one state (each
         reported once per state: the stuck-request alarm)."""
-        return newly_stuck([(r, prefill_row(self, r, now)) for r in self._reqs.values()
-                            if not r.alarmed])
+        return newly_stuck(self, prefill_row, prefill_span, now)
 
     # ----------------------------------------------------------------------------- dispatch
     def _fire(self, rec: _Req, event: str, now: float, detail: str | int = "") -> str:
@@ -662,28 +660,14 @@ class PrefillEndpoint:
 # records is in the snapshot (lw/fsm/snapshot.py): a field added later is hashed by default.
 SNAPSHOT_RULES: Rules = {
     PrefillEndpoint: {
-        "me": (OMIT, "fixed when made (identity)"),
+        **ENDPOINT_RULES,
         "num_layers": (OMIT, "fixed when made"),
-        "config": (OMIT, "fixed when made"),
         "local": (OMIT, "fixed when made (own layout)"),
         "fmt": (OMIT, "fixed when made (own head format)"),
-        "declaration": (OMIT, "fixed when made (the lifecycle table)"),
-        "_table": (OMIT, "fixed when made (compiled from the declaration)"),
         "_segs": (OMIT, "cache of a pure function of a layout (the used one is in _Target.segs)"),
         "_tombstones": (KEYS, "the values are expiry times no decision reads (the tomb timer "
                               "ends a tombstone)"),
-        "_finished": (UNORDERED, "its order only decides which entry is forgotten past "
-                                 "finished_memory (4096) finished requests"),
-        "timeline": (OMIT, "observability (lw status, traces)"),
-        "_ring": (OMIT, "observability (the timeline's ring, appended inline)"),
-        "_durations": (OMIT, "observability (time-in-state samples)"),
-        "counters": (OMIT, "observability (statistics)"),
     },
-    _Req: {
-        "reason": (OMIT, "free text: copied into reports and messages, never decided on"),
-        "since": (OMIT, "observability (time in state)"),
-        "deadline": (OMIT, "observability (the deadline timer itself is armed by an effect)"),
-        "alarmed": (OMIT, "observability (stuck-request alarm)"),
-    },
+    _Req: RECORD_RULES,
     _Target: {},
 }

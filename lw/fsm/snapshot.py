@@ -25,6 +25,26 @@ OMIT, KEYS, UNORDERED = "omit", "keys", "unordered"
 # class -> field -> (how, why)
 Rules = Mapping[type, Mapping[str, tuple[str, str]]]
 
+# What both endpoints leave out for the same reasons (each adds its own rules to these).
+ENDPOINT_RULES: Mapping[str, tuple[str, str]] = {
+    "me": (OMIT, "fixed when made (identity)"),
+    "config": (OMIT, "fixed when made"),
+    "declaration": (OMIT, "fixed when made (the lifecycle table)"),
+    "_table": (OMIT, "fixed when made (compiled from the declaration)"),
+    "_finished": (UNORDERED, "its order only decides which entry is forgotten past "
+                             "finished_memory (4096) finished requests"),
+    "timeline": (OMIT, "observability (lw status, traces)"),
+    "_ring": (OMIT, "observability (the timeline's ring, appended inline)"),
+    "_durations": (OMIT, "observability (time-in-state samples)"),
+    "counters": (OMIT, "observability (statistics)"),
+}
+RECORD_RULES: Mapping[str, tuple[str, str]] = {
+    "reason": (OMIT, "free text: copied into reports and messages, never decided on"),
+    "since": (OMIT, "observability (time in state)"),
+    "deadline": (OMIT, "observability (the deadline and lease timers are armed by effects)"),
+    "alarmed": (OMIT, "observability (stuck-request alarm)"),
+}
+
 _ATOMS = frozenset({type(None), bool, int, float, str, bytes})
 _SEQ = frozenset({list, tuple, deque})
 _SETS = frozenset({set, frozenset})

@@ -6,7 +6,8 @@ these functions turn that into :class:`RequestStatus` rows. Pure: ``now`` is an 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from lw.fsm.lifecycles import AWAIT_DECODER_META, DONE, FAILED, PREFILL_REQUESTED, RECEIVING
 from lw.fsm.messages import RequestStatus, Sender
@@ -52,7 +53,7 @@ def prefill_row(ep: PrefillEndpoint, rec: PReq, now: float) -> RequestStatus:
         req_id=rec.req.req_id, state=st, in_state_s=now - rec.since, waiting_for=what[:1024],
         deadline_in_s=rec.deadline - now, blocks=len(rec.req.local_blocks), peers=peers[:64],
         layers_done=rec.sent, layers_total=L,
-        stuck=now - rec.since > cfg.stuck_fraction * cfg.request_timeout_s)
+        stuck=now - rec.since > cfg.stuck_fraction * prefill_span(ep, rec))
 
 
 def decode_row(ep: DecodeEndpoint, rec: DReq, now: float) -> RequestStatus:
@@ -66,7 +67,6 @@ def decode_row(ep: DecodeEndpoint, rec: DReq, now: float) -> RequestStatus:
     if st == PREFILL_REQUESTED:
         who = unclaimed or f"{rec.expected} P sender(s)"
         what = f"waiting for MetaRequest from {who} (prefill not started on P yet?)"
-        span = cfg.prefill_timeout_s
     elif st == RECEIVING:
         waiting = [s for k, s in claimers.items() if k not in rec.done]
         peers = [s.addr for s in waiting]
@@ -75,28 +75,45 @@ def decode_row(ep: DecodeEndpoint, rec: DReq, now: float) -> RequestStatus:
             names.append(f"{unclaimed} (not claimed yet)")
         what = (f"waiting for DoneSending from {_join(names)}; {len(rec.done)} of "
                 f"{rec.expected} sender(s) done")
-        span = cfg.prefill_timeout_s
     else:  # FAILED: quarantined until every accepted sender stopped, or the lease ends
         waiting = [s for k, s in claimers.items() if k not in rec.stopped]
         peers = [s.addr for s in waiting]
         names = [f"P {s.engine_id} rank {s.rank}" for s in waiting]
         what = (f"quarantined ({rec.reason}); waiting for FailedSending/AbortAck from "
                 f"{_join(names)} or the lease")
-        span = cfg.lease_s
     return RequestStatus(
         req_id=rec.req_id, state=st, in_state_s=now - rec.since, waiting_for=what[:1024],
         deadline_in_s=rec.deadline - now, blocks=len(rec.blocks), peers=peers[:64],
-        quarantined=st == FAILED, stuck=now - rec.since > cfg.stuck_fraction * span)
+        quarantined=st == FAILED, stuck=now - rec.since > cfg.stuck_fraction * decode_span(ep, rec))
 
 
-def newly_stuck(rows: list[tuple[object, RequestStatus]]) -> list[RequestStatus]:
-    """Rows that just became stuck in their state (each request is reported once per state);
-    marks their records so that the next call does not report them again."""
+def prefill_span(ep: PrefillEndpoint, rec: PReq) -> float:
+    """The deadline a P request's time in one state is measured against."""
+    return ep.config.request_timeout_s
+
+
+def decode_span(ep: DecodeEndpoint, rec: DReq) -> float:
+    """The deadline a D request's time in one state is measured against (quarantine: lease)."""
+    return ep.config.lease_s if rec.state == FAILED else ep.config.prefill_timeout_s
+
+
+def rows_of(ep: Any, row: Callable[[Any, Any, float], RequestStatus], now: float,
+            req_id: str = "") -> list[RequestStatus]:
+    """``lw status`` rows of an endpoint: every live request, or only ``req_id``."""
+    recs = ep._reqs.values() if not req_id else filter(None, [ep._reqs.get(req_id)])
+    return [row(ep, r, now) for r in recs]
+
+
+def newly_stuck(ep: Any, row: Callable[[Any, Any, float], RequestStatus],
+                span: Callable[[Any, Any], float], now: float) -> list[RequestStatus]:
+    """Rows of the requests that just passed ``stuck_fraction`` of their deadline in one state;
+    each is marked so that it is reported once per state. Rows are built only for those."""
+    frac = ep.config.stuck_fraction
     out: list[RequestStatus] = []
-    for rec, row in rows:
-        if row.stuck and not rec.alarmed:  # type: ignore[attr-defined]
-            rec.alarmed = True  # type: ignore[attr-defined]
-            out.append(row)
+    for rec in ep._reqs.values():
+        if not rec.alarmed and now - rec.since > frac * span(ep, rec):
+            rec.alarmed = True
+            out.append(row(ep, rec, now))
     return out
 
 

@@ -22,10 +22,8 @@ import os
 import sys
 import time
 
-from lw.ops.client import Snapshot, expand_addrs, query
+from lw.ops.client import MAX_TIMELINE, Snapshot, expand_addrs, query
 from lw.ops.render import chrome_trace, history, mermaid_timeline, table, to_json
-
-MAX_TIMELINE = 100_000
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -12,10 +12,11 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from lw.fsm.messages import MAX_TIMELINE
 from lw.transport.sidechannel import SideChannel, parse_cluster_key
 from lw.transport.wire import PROTOCOL_VERSION, StatusQuery, StatusReply
 
-__all__ = ["Snapshot", "expand_addrs", "query"]
+__all__ = ["MAX_TIMELINE", "Snapshot", "expand_addrs", "query"]
 
 _RANGE = re.compile(r"^(?P<scheme>tcp://)?(?P<host>[^:/]+|\[[^\]]+\]):(?P<lo>\d+)(-(?P<hi>\d+))?$")
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 
-from lw.ops.client import query
+from lw.ops.client import MAX_TIMELINE, query
 from lw.ops.render import chrome_trace, table
-
-MAX_TIMELINE = 100_000
 
 
 def status_table(addrs: list[str], key: bytes | None, title: str) -> str:
