@@ -15,10 +15,11 @@ import os
 import sys
 from typing import TextIO
 
-from lw.synthetic import netns
+from lw.synthetic import netem, netns
 from lw.synthetic.cluster import ClusterResult, run_cluster
 from lw.synthetic.config import (
     FAULTS,
+    LINK_FAULTS,
     PARTITION_FAULTS,
     PROCESS_FAULTS,
     ClusterConfig,
@@ -85,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             print(f"lw demo: skipping the partition rows: {why}", file=sys.stderr)
             faults = [f for f in faults if f not in PARTITION_FAULTS]
+        why = netem.unavailable() if any(f in LINK_FAULTS for f in faults) else ""
+        if why:
+            print(f"lw demo: skipping the lossy and slow link rows: {why}", file=sys.stderr)
+            faults = [f for f in faults if f not in LINK_FAULTS]
     else:
         try:
             faults = [canonical_fault(args.fault)]
@@ -274,7 +279,8 @@ def _row(res: ClusterResult) -> str:
                        ("p.side.wire_errors", "garbage dropped (P)"),
                        ("d.side.wire_errors", "garbage dropped (D)"),
                        ("p.core.stale_messages", "stale (P)"),
-                       ("d.core.leases_expired", "leases expired")):
+                       ("d.core.leases_expired", "leases expired"),
+                       ("link.dropped", "packets dropped by the link")):
         if c.get(key):
             notes.append(f"{c[key]} {label}")
     if res.decoder_generations > 1:

@@ -31,9 +31,11 @@ from typing import Any
 from lw.synthetic.config import (
     DECODER_RESTARTS,
     FAILURES_EXPECTED,
+    LINK_FAULTS,
     PARTITION_FAULTS,
     ClusterConfig,
 )
+from lw.synthetic.netem import Link
 from lw.synthetic.netns import Partition
 from lw.synthetic.observe import status_table, write_trace
 from lw.synthetic.workers import barrier_action, decode_main, prefill_main
@@ -168,6 +170,7 @@ class _Cluster:
         self.on_status = on_status
         self.thaw_at: float | None = None
         self.net: Partition | None = None  # the link to the decoder (partition faults)
+        self.link: Link | None = None  # the lossy or slow link to the decoder (link faults)
         self.heal_at: float | None = None
         self.rng = random.Random(cfg.seed)
         self.aborts_due: list[tuple[float, str]] = []
@@ -531,6 +534,17 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
                 cl.res.errors.append(str(exc))
                 return cl.res
             cfg.p_host, cfg.d_host, cfg.d_netns = cl.net.host_ip, cl.net.ns_ip, cl.net.name
+        elif cfg.fault in LINK_FAULTS:
+            # the whole run, from before the first connection: nothing to inject later, and no
+            # moment of injection, so no time-to-detect either (nothing dies)
+            loss = cfg.link_loss if cfg.fault == "lossy-link" else 0.0
+            delay = cfg.link_delay_s if cfg.fault == "slow-link" else 0.0
+            try:
+                cl.link = Link(loss=loss, delay_pd_s=delay, seed=cfg.seed).__enter__()
+            except OSError as exc:
+                cl.res.errors.append(str(exc))
+                return cl.res
+            cfg.p_host, cfg.d_host, cfg.d_netns = cl.link.host_ip, cl.link.ns_ip, cl.link.name
         cl.start_decoder()
         for rank in range(cfg.prefill_dp):
             cl.start_rank(rank)
@@ -588,6 +602,15 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
         _reap(cl)
         if cl.net is not None:
             cl.net.__exit__()
+        if cl.link is not None:
+            cl.link.__exit__()
+            st = cl.link.stats
+            cl.res.counters.update({
+                "link.packets": st.packets_pd + st.packets_dp,
+                "link.dropped": st.dropped_pd + st.dropped_dp,
+                "link.mib": (st.bytes_pd + st.bytes_dp) >> 20,
+                "link.tcp_syns": st.syns,
+                "link.relay_cpu_ms": int(st.busy_s * 1000)})
         if cl.own_log_dir and cl.res.ok and not _DEBUG:
             shutil.rmtree(cfg.log_dir, ignore_errors=True)  # kept when something went wrong
             cl.res.log_dir = ""

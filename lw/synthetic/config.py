@@ -28,6 +28,10 @@ FAULTS: dict[str, str] = {
     "partition_s (shorter than the heartbeat budget: transfers resume)",
     "partition-long": "the link is cut while layers are in flight for longer than every "
     "deadline (long_partition_s), then healed",
+    "lossy-link": "the decoder behind a userspace link (two TUN devices and a relay, the kernel "
+    "has no sch_netem) that drops link_loss (30%) of the packets in each direction, the whole run",
+    "slow-link": "the same userspace link delivers every packet from P to D link_delay_s (200 ms) "
+    "late, the whole run (one direction, like netem on P's interface: RTT +200 ms)",
     "mix": "drop 5%, duplicate 10% and garble 3% of side-channel frames, and land shifted "
     "bytes in every 61st write, all at once (the soak's fault mix; use --kv-checksum)",
     "corrupt-write": "every 7th layer write of each P worker lands bytes shifted by one "
@@ -37,16 +41,24 @@ ALIASES = {"drop": "drop-messages", "duplicate": "duplicate-messages",
            "garbage": "garbage-messages", "no-key": "no-cluster-key"}
 PARTITION_FAULTS = frozenset({"partition-before-contact", "partition-mid-transfer",
                               "partition-long"})
+# Faults of the link itself: the decoder's namespace is joined by TUN devices and a relay.
+LINK_FAULTS = frozenset({"lossy-link", "slow-link"})
+# Faults that need the decoder in its own network namespace (root, iproute2).
+NETNS_FAULTS = PARTITION_FAULTS | LINK_FAULTS
 PROCESS_FAULTS = frozenset({"kill-decoder", "freeze-decoder-before-contact",
                             "freeze-decoder-mid-transfer", "freeze-kill-decoder",
-                            "kill-prefill-rank"}) | PARTITION_FAULTS
+                            "kill-prefill-rank"}) | NETNS_FAULTS
 DECODER_RESTARTS = frozenset({"kill-decoder", "freeze-kill-decoder"})
 # Faults after which failed requests are expected (every request must still be accounted for).
 FAILURES_EXPECTED = frozenset({"kill-decoder", "freeze-decoder-before-contact",
                                "freeze-decoder-mid-transfer", "freeze-kill-decoder",
                                "kill-prefill-rank",
                                "drop-messages", "garbage-messages", "no-cluster-key",
-                               "corrupt-write", "mix", *PARTITION_FAULTS})
+                               "corrupt-write", "mix", *PARTITION_FAULTS,
+                               # Mooncake's TCP writes stall behind retransmission timeouts
+                               # (loss) or take round trips of 200 ms each (delay): longer than
+                               # the demo's deadlines (docs/benchmarks.md)
+                               *LINK_FAULTS})
 
 
 def canonical_fault(name: str) -> str:
@@ -91,6 +103,8 @@ class ClusterConfig:
     freeze_s: float = 6.0  # how long a frozen decoder stays stopped
     partition_s: float = 1.0  # partition-mid-transfer: cut, then healed after this long
     long_partition_s: float = 12.0  # partition-long: longer than every deadline
+    link_loss: float = 0.3  # lossy-link: probability that a packet is dropped, each direction
+    link_delay_s: float = 0.2  # slow-link: one-way delay of every packet from P to D
     # where workers listen (a partition fault puts the decoder in its own namespace)
     p_host: str = "127.0.0.1"
     d_host: str = "127.0.0.1"
@@ -122,6 +136,9 @@ class ClusterConfig:
             raise ValueError("kill-prefill-rank needs --prefill-dp >= 2")
         if not 0 <= self.abort_rate <= 1:
             raise ValueError(f"abort_rate must be in [0, 1], got {self.abort_rate}")
+        if not 0 <= self.link_loss < 1 or self.link_delay_s < 0:
+            raise ValueError(f"link_loss must be in [0, 1) and link_delay_s >= 0, got "
+                             f"{self.link_loss}, {self.link_delay_s}")
         if self.requests < 1 or self.prefill_dp < 1 or self.layers < 1:
             raise ValueError("requests, prefill_dp and layers must be >= 1")
         if self.blocks_per_request > min(self.d_blocks, self.p_blocks):
