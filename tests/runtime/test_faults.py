@@ -8,8 +8,10 @@ step waits on the network (the longest step stays far below the fault's duration
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -318,6 +320,111 @@ def test_real_network_partitions_between_p_and_d(fault: str) -> None:
     else:
         assert res.failed > 0
         assert res.detect_s < 3.0, res.detect_s  # heartbeats, not the 2-6 s deadlines
+
+
+def _tun_missing() -> str:
+    from lw.synthetic.netem import unavailable
+
+    return unavailable()
+
+
+needs_tun = pytest.mark.skipif(bool(_tun_missing()),
+                               reason=f"no TUN devices or namespaces: {_tun_missing()}")
+
+
+def _udp_pair(link: object) -> tuple[socket.socket, socket.socket]:
+    """A UDP socket on P's side of ``link`` and one inside the decoder's namespace."""
+    from lw.synthetic.netem import Link, in_netns
+
+    assert isinstance(link, Link)
+    p = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    p.bind((link.host_ip, 0))
+    d = in_netns(link.name, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+    d.bind((link.ns_ip, 0))
+    for s in (p, d):
+        s.settimeout(1.0)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+    return p, d
+
+
+def _loss_one_way(tx: socket.socket, rx: socket.socket, n: int) -> float:
+    """Send ``n`` numbered datagrams in bursts (under the TUN's queue of 500, so only the relay
+    drops) and return the fraction that did not arrive."""
+    got: set[int] = set()
+    for burst in range(0, n, 100):
+        for i in range(burst, min(n, burst + 100)):
+            tx.sendto(i.to_bytes(4, "big"), rx.getsockname())
+        time.sleep(0.02)
+    rx.settimeout(0.3)
+    try:
+        while True:
+            got.add(int.from_bytes(rx.recv(64)[:4], "big"))
+    except TimeoutError:
+        pass
+    return 1 - len(got) / n
+
+
+@needs_tun
+def test_the_link_relay_drops_the_configured_fraction_each_way() -> None:
+    from lw.synthetic.netem import Link
+
+    with Link(loss=0.3, seed=1) as link:
+        p, d = _udp_pair(link)
+        with p, d:
+            assert 0.25 < _loss_one_way(p, d, 2000) < 0.35
+            assert 0.25 < _loss_one_way(d, p, 2000) < 0.35
+    assert link.stats.dropped_pd + link.stats.dropped_dp > 1000
+    assert link.stats.foreign == 0  # nothing but the two link addresses crossed it
+    _assert_link_gone(link)
+
+
+@needs_tun
+def test_the_link_relay_delays_one_way_and_keeps_order() -> None:
+    from lw.synthetic.netem import Link
+
+    with Link(delay_pd_s=0.2) as link:
+        p, d = _udp_pair(link)
+        with p, d:
+            rtts = []
+            for _ in range(3):  # an echo: 200 ms out (P -> D), undelayed back
+                t0 = time.monotonic()
+                p.sendto(b"ping", d.getsockname())
+                data, src = d.recvfrom(64)
+                d.sendto(data, src)
+                p.recv(64)
+                rtts.append(time.monotonic() - t0)
+            assert 0.2 <= min(rtts) < 0.45, rtts
+            for i in range(200):  # a constant delay keeps the order of a direction
+                p.sendto(i.to_bytes(4, "big"), d.getsockname())
+            order = [int.from_bytes(d.recv(64), "big") for _ in range(200)]
+            assert order == list(range(200))
+    _assert_link_gone(link)
+
+
+def _assert_link_gone(link: object) -> None:
+    """The namespace and both TUN devices of ``link`` are gone."""
+    from lw.synthetic.netem import Link
+
+    assert isinstance(link, Link)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    assert link.name not in names and link.host_if not in links
+
+
+@needs_mooncake
+@needs_tun
+@pytest.mark.parametrize("fault", ["lossy-link", "slow-link"])
+def test_lossy_and_slow_links_between_p_and_d(fault: str) -> None:
+    """The decoder behind two TUN devices and a relay that drops 30 % of the packets or delays
+    them 200 ms: every request ends, nothing leaks, nothing corrupt, nothing to detect."""
+    res = run(fault)
+    assert res.config.d_netns and res.config.d_host.startswith("10.77.")
+    assert res.detect_s == 0  # nothing dies: no injection moment, no detection
+    assert res.counters["link.mib"] > 0  # the transfers crossed the relay
+    if fault == "lossy-link":
+        assert res.counters["link.dropped"] > 0
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert res.config.d_netns not in names
 
 
 def test_client_aborts_under_the_fault_mix_leak_nothing_and_corrupt_nothing() -> None:
