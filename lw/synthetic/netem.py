@@ -297,10 +297,18 @@ def _relay_main(argv: list[str]) -> int:
         if not ip.startswith("10.77."):
             print(f"refusing address {ip}: only 10.77.N.x", file=sys.stderr)
             return 2
-    # never outlive the cluster: with the relay gone, both TUN devices go too
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if not a.netns.startswith("lw-d-"):
+        print(f"refusing namespace {a.netns}: only the cluster's lw-d-*", file=sys.stderr)
+        return 2
+    # Never outlive the cluster: when the thread that started us dies (even by SIGKILL) we get
+    # SIGTERM, stop, and remove the namespace ourselves; the TUN devices go with our fds.
+    parent = os.getppid()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C in a terminal: the cluster ends us
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        return 3  # it died before the prctl
     fd_p = _open_tun(a.host_if)
     fd_d = in_netns(a.netns, lambda: _open_tun(a.ns_if))
     for ns, dev, me, peer in (([], a.host_if, a.host_ip, a.ns_ip),
@@ -315,6 +323,11 @@ def _relay_main(argv: list[str]) -> int:
           (a.host_ip, a.ns_ip))
     t = os.times()
     stats.busy_s = round(t.user + t.system, 3)
+    if os.getppid() != parent:  # orphaned: nobody is left to clean up after the cluster
+        os.close(fd_p)
+        os.close(fd_d)
+        netns._ip("netns", "del", a.netns, check=False)
+        return 3
     print(stats.line(), flush=True)
     return 0
 
