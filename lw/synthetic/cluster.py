@@ -604,6 +604,8 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
             cl.net.__exit__()
         if cl.link is not None:
             cl.link.__exit__()
+            if cl.link.error:
+                cl.res.errors.append(cl.link.error)
             st = cl.link.stats
             cl.res.counters.update({
                 "link.packets": st.packets_pd + st.packets_dp,

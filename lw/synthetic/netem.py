@@ -10,7 +10,7 @@ addresses are ever configured; the relay never opens a socket, it only moves pac
 two devices. The TUN devices are not persistent: they vanish with the relay's file descriptors,
 so a killed relay leaves nothing behind. Needs root, iproute2 and ``/dev/net/tun``.
 
-Run as ``python -m lw.synthetic.netem --netns NAME ...`` it is the relay itself.
+:func:`relay_main` is the relay process's entry point.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ class Link:
         self.loss, self.delay_pd_s, self.delay_dp_s = loss, delay_pd_s, delay_dp_s
         self.seed, self.mtu = seed, mtu
         self.stats = LinkStats()
+        self.error = ""  # set by __exit__ when the relay had died before it was stopped
         self._relay: subprocess.Popen[str] | None = None
         self._made = False
 
@@ -126,7 +127,9 @@ class Link:
             self.__exit__()
             raise OSError(f"could not make the namespace: {exc.stderr.strip()}") from exc
         self._relay = subprocess.Popen(
-            [sys.executable, "-m", "lw.synthetic.netem", "--netns", self.name,
+            # -c, not -m: running a module of an imported package makes runpy warn on stderr
+            [sys.executable, "-c", "import sys; from lw.synthetic.netem import relay_main; "
+             "sys.exit(relay_main(sys.argv[1:]))", "--netns", self.name,
              "--host-if", self.host_if, "--ns-if", self.ns_if, "--host-ip", self.host_ip,
              "--ns-ip", self.ns_ip, "--loss", repr(self.loss), "--delay-pd", repr(self.delay_pd_s),
              "--delay-dp", repr(self.delay_dp_s), "--seed", str(self.seed), "--mtu", str(self.mtu)],
@@ -145,13 +148,16 @@ class Link:
     def __exit__(self, *exc: object) -> None:
         relay, self._relay = self._relay, None
         if relay is not None:
-            if relay.poll() is None:
+            died = relay.poll()
+            if died is None:
                 relay.terminate()  # the relay writes its counters, then exits
             try:
-                out, _ = relay.communicate(timeout=5)
+                out, err = relay.communicate(timeout=5)
             except subprocess.TimeoutExpired:
                 relay.kill()
-                out, _ = relay.communicate()
+                out, err = relay.communicate()
+            if died:  # a dead relay is a cut link: the run's failures would not be the fault's
+                self.error = f"the link relay died (exit {died}): {(err or '').strip()[-300:]}"
             for line in (out or "").splitlines():
                 if line.startswith("packets_pd="):
                     self.stats = LinkStats.parse(line)
@@ -279,8 +285,10 @@ def _write(fd: int, pkt: bytes) -> None:
         pass  # a full or downed device drops the packet, as a wire would
 
 
-def _relay_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m lw.synthetic.netem",
+def relay_main(argv: list[str]) -> int:
+    """The relay process started by :class:`Link`: make and address both TUN devices, say
+    ``ready``, relay until SIGTERM, then print the counters."""
+    p = argparse.ArgumentParser(prog="lw link relay",
                                 description="relay of the lossy/slow link (started by Link)")
     p.add_argument("--netns", required=True)
     p.add_argument("--host-if", required=True)
@@ -330,7 +338,3 @@ def _relay_main(argv: list[str]) -> int:
         return 3
     print(stats.line(), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_relay_main(sys.argv[1:]))
