@@ -247,10 +247,9 @@ def relay(fd_p: int, fd_d: int, loss: float, delay_pd_s: float, delay_dp_s: floa
                 if len(pkt) < 20 or pkt[0] >> 4 != 4 or pkt[12:20] != allowed[fd]:
                     stats.foreign += 1
                     continue
-                if pkt[9] == 6:  # TCP: count connection attempts (for the logs, not the fault)
-                    flags = pkt[(pkt[0] & 0x0F) * 4 + 13]
-                    if flags & 0x12 == 0x02:
-                        stats.syns += 1
+                flags_at = (pkt[0] & 0x0F) * 4 + 13  # TCP flags, after the IPv4 header
+                if pkt[9] == 6 and len(pkt) > flags_at and pkt[flags_at] & 0x12 == 0x02:
+                    stats.syns += 1  # a connection attempt (for reading the logs, not the fault)
                 if way == "pd":
                     stats.packets_pd += 1
                     stats.bytes_pd += len(pkt)
