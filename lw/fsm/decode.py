@@ -8,7 +8,7 @@ quarantined until every accepted sender confirmed it stopped, or until a lease e
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from lw.fsm.effects import (
@@ -45,6 +45,8 @@ from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, Timeline, check_observabil
 
 _FINAL = (DONE, FAILED)
 SenderKey = tuple[str, int]  # (engine_id, rank)
+# The driver's CRC-32C of our blocks per sender (or, bare, those of the DONE's own sender)
+KVSums = Mapping[SenderKey, Sequence[int]] | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ class DecodeConfig:
     timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
     stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
     # Every sender's DONE must carry per-block CRC-32C that match what landed in our blocks
-    # (the driver recomputes them, see sum_plan); a mismatch fails the request.
+    # (the driver recomputes them, see sum_plan); a mismatch fails the request. The last DONE
+    # re-verifies every sender: bytes of a superseded claim landing late are never accepted.
     kv_checksum: bool = False
 
     def __post_init__(self) -> None:
@@ -85,7 +88,7 @@ class _Req:
     """Mutable per-request record of the decode lifecycle."""
 
     __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
-                 "stopped", "reason", "since", "deadline", "alarmed", "formats")
+                 "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
                  ranks: frozenset[int] | None, now: float, deadline: float) -> None:
@@ -103,6 +106,7 @@ class _Req:
         self.done: set[SenderKey] = set()
         self.stopped: set[SenderKey] = set()
         self.reason = ""
+        self.sums: dict[SenderKey, tuple[int, ...]] = {}  # kv_checksum: each DONE sender's sums
 
 
 class DecodeEndpoint:
@@ -216,9 +220,10 @@ class DecodeEndpoint:
         return [ArmTimer(("deadline", req_id), deadline)]
 
     def on_message(self, msg: Message, now: float,
-                   kv_sums: Sequence[int] | None = None) -> list[Effect]:
+                   kv_sums: KVSums | None = None) -> list[Effect]:
         """A side-channel message from a P worker arrived. With ``kv_checksum``, a DoneSending
-        comes with ``kv_sums``: the driver's CRC-32C of our blocks over :meth:`sum_plan`."""
+        comes with ``kv_sums``: the driver's CRC-32C of our blocks over :meth:`sum_plan`, for
+        each sender :meth:`sum_senders` names (a bare sequence: the message's sender's)."""
         out: list[Effect] = []
         sender = getattr(msg, "sender", None)
         if sender is not None:
@@ -372,23 +377,53 @@ class DecodeEndpoint:
             runs.append(tuple((dst, n) for _src, dst, n in segs))
         return rec.blocks, runs
 
-    def _checksum_problem(self, rec: _Req, key: SenderKey, msg: DoneSending,
+    def sum_senders(self, msg: DoneSending) -> list[SenderKey]:
+        """The senders whose blocks the driver checksums for this DONE (``kv_checksum``): its
+        own sender and, when it is the request's last DONE, every sender already done."""
+        rec = self._reqs.get(msg.req_id)
+        key = (msg.sender.engine_id, msg.sender.rank)
+        if rec is None or key not in rec.claimers or rec.state == FAILED:
+            return []
+        return self._to_verify(rec, key)
+
+    def _to_verify(self, rec: _Req, key: SenderKey) -> list[SenderKey]:
+        # An earlier sender's blocks were verified at its DONE, but bytes of a superseded claim
+        # (an in-doubt write of a request these blocks served before) may land after that:
+        # the last DONE verifies everything the request is about to be reported loaded with.
+        if len(rec.done | {key}) < rec.expected:
+            return [key]
+        return [*sorted(rec.done - {key}), key]
+
+    def _checksum_problem(self, rec: _Req, key: SenderKey, sent: Sequence[int],
                           kv_sums: Sequence[int] | None) -> str:
         """"" when the sender's checksums match ours, else what differs (layer and block)."""
         who = f"sender {key[0]} rank {key[1]}"
-        if not msg.checksums:
+        if not sent:
             return f"KV checksum: {who} sent none (is kv_checksum on on the prefill side?)"
         want = len(self.layout.layers) * len(rec.blocks)
-        if kv_sums is None or len(kv_sums) != want or len(msg.checksums) != want:
-            return (f"KV checksum: {who} sent {len(msg.checksums)} checksums, expected {want} "
+        if kv_sums is None or len(kv_sums) != want or len(sent) != want:
+            got = "no local sums" if kv_sums is None else f"{len(kv_sums)} local sums"
+            return (f"KV checksum: {who} sent {len(sent)} checksums ({got}), expected {want} "
                     f"({len(self.layout.layers)} layers x {len(rec.blocks)} blocks)")
         nb = len(rec.blocks)
-        bad = [i for i, (a, b) in enumerate(zip(msg.checksums, kv_sums, strict=True)) if a != b]
+        bad = [i for i, (a, b) in enumerate(zip(sent, kv_sums, strict=True)) if a != b]
         if not bad:
             return ""
         first = ", ".join(f"layer {i // nb} block {rec.blocks[i % nb]}" for i in bad[:4])
         return (f"KV checksum mismatch from {who}: {len(bad)} of {want} block(s) differ, "
                 f"first {first}")
+
+    def _verify(self, rec: _Req, key: SenderKey, msg: DoneSending,
+                kv_sums: KVSums | None) -> str:
+        """"" when every sender :meth:`_to_verify` names still matches its checksums."""
+        local = kv_sums if isinstance(kv_sums, Mapping) else {key: kv_sums}
+        for k in self._to_verify(rec, key):
+            sent = msg.checksums if k == key else rec.sums.get(k, ())
+            bad = self._checksum_problem(rec, k, sent, local.get(k))
+            if bad:
+                return bad if k == key else f"{bad} (found at the last DONE, from {key[0]} " \
+                                            f"rank {key[1]}: bytes changed after it was verified)"
+        return ""
 
     def _on_done(self, msg: DoneSending, now: float, out: list[Effect],
                  kv_sums: Sequence[int] | None = None) -> None:
@@ -411,13 +446,14 @@ class DecodeEndpoint:
             self._maybe_release(rec, out)
             return
         if self.config.kv_checksum:
-            bad = self._checksum_problem(rec, key, msg, kv_sums)
+            bad = self._verify(rec, key, msg, kv_sums)
             if bad:  # every write of this sender ended: it stopped; the rest fail as usual
                 self.counters["checksum_mismatches"] += 1
                 rec.stopped.add(key)
                 out.append(self._ack(msg, "done", False))
                 self._fail(rec, bad, now, out)
                 return
+            rec.sums[key] = tuple(msg.checksums)
         self._fire(rec, "sender_done", now, f"P {key[0]} rank {key[1]}")
         rec.done.add(key)
         out.append(self._ack(msg, "done", True))

@@ -35,7 +35,8 @@ STRONG: tuple[dict[str, Any], ...] = (
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",
                "p_blocks", "blocks_per_request", "prefix_hits", "faults", "fault_kinds",
                "max_faults", "retries", "no_atomic_layers", "no_p_loss_detection",
-               "no_crash_zombies", "no_delays", "no_abstract_time", "d_restarts")
+               "no_crash_zombies", "no_delays", "no_abstract_time", "d_restarts", "late_writes",
+               "kv_checksum")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -98,6 +99,12 @@ def parser() -> argparse.ArgumentParser:
                     help="D never calls peer_lost for a crashed P (deadline and lease only)")
     ap.add_argument("--no-crash-zombies", action="store_true", default=None,
                     help="assume a crashed P's in-flight writes never land")
+    ap.add_argument("--late-writes", action="store_true", default=None,
+                    help="in-doubt bytes may land at any later time while D lives, past its "
+                         "lease, into blocks of another claim (property stale-kv)")
+    ap.add_argument("--kv-checksum", action="store_true", default=None,
+                    help="the endpoints' kv_checksum: D verifies what its blocks hold against "
+                         "P's checksums")
     ap.add_argument("--trace-out", type=Path, default=None,
                     help="write the counterexample as Markdown with a Mermaid sequence diagram")
     ap.add_argument("--counterexamples", action="store_true",
@@ -146,6 +153,10 @@ def config_from(args: argparse.Namespace, base: dict[str, Any] | None = None) ->
         kw["atomic_layers"] = False
     if args.no_crash_zombies:
         kw["crash_zombies"] = False
+    if args.late_writes:
+        kw["late_writes"] = True
+    if args.kv_checksum:
+        kw["kv_checksum"] = True
     if args.no_p_loss_detection:
         kw["p_loss_detection"] = False
     if "max_faults" not in kw:
@@ -233,6 +244,11 @@ def report(cfg: WorldConfig, res: Result) -> list[str]:
             if not cfg.d_restarts else "off (D restarts: a dead D does not stay dead)"))
     if not cfg.crash_zombies:
         lines.append("assumption: a crashed P's in-flight writes never land")
+    lines.append("late writes: " + (
+        "the bytes of a write that failed in doubt may land at any later time while that D "
+        "lives (past every deadline and lease); fencing is checked by stale-kv" if cfg.late_writes
+        else f"in-doubt bytes may land up to transfer_timeout_s={cfg.transfer_timeout_s:g} s "
+             "after the failure; use-after-free keeps them off reused blocks"))
     if not cfg.p_loss_detection:
         lines.append("assumption: D never calls peer_lost for the P engine (finding 2)")
     lines.append("properties:")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from lw.sim.config import EPSILON, Action, Owner
 from lw.sim.properties import Violation
 
@@ -21,7 +23,8 @@ class Clock:
         due: list[tuple[float, Action]] = [(at, ("timer", owner, key))
                                            for (owner, key), at in self.timers.items()]
         due += [(f[0][5], ("wto", i)) for i, f in enumerate(self.fifo) if f]
-        due += [(z[5], ("zexp", z[0], z[1], z[2], z[3])) for z in self.zombies]
+        due += [(z[5], ("zexp", z[0], z[1], z[2], z[3])) for z in self.zombies
+                if z[5] != math.inf]
         return due
 
     def _due_timers(self) -> list[Action]:
@@ -65,10 +68,11 @@ class Clock:
 
     def _zombie(self, i: int, r: int, layer: int, v: int, remote: tuple[int, ...],
                 inc: int) -> None:
-        """Bytes of a failed write that may still land in D's blocks for transfer_timeout_s
-        (not in another incarnation of D: the memory they were addressed to is gone)."""
+        """Bytes of a failed write that may still land in D's blocks for transfer_timeout_s, or
+        at any later time with late_writes (not in another incarnation of D: the memory they
+        were addressed to is gone)."""
         if self.d_alive[v // self.d_tp] and inc == self.d_inc[v // self.d_tp]:
-            self.zombies.append((i, r, layer, v, remote, self.now + self.cfg.transfer_timeout_s))
+            self.zombies.append((i, r, layer, v, remote, self._zombie_deadline()))
 
     def _do_zexp(self, i: int, r: int, layer: int, v: int) -> None:
         z = next(z for z in self.zombies if z[:4] == (i, r, layer, v))

@@ -67,6 +67,12 @@ class WorldConfig:
     # D calls peer_lost when it learns that the P engine died (core finding 2 in
     # docs/checker.md); off: D relies on its deadline and lease alone.
     p_loss_detection: bool = True
+    # P's DONE carries checksums of what it wrote; D verifies its blocks against them (the
+    # endpoints' kv_checksum); the world tracks which claim's bytes each D block holds.
+    kv_checksum: bool = False
+    # Bytes of a write that failed in doubt may land at any later moment while that D process
+    # lives (not only within transfer_timeout_s): past D's lease, into blocks of another claim.
+    late_writes: bool = False
     meta_retry_s: float = 1.0
     ack_retry_s: float = 1.0
     p_timeout_s: float = 30.0
@@ -131,12 +137,13 @@ class WorldConfig:
         """The P endpoints' deadlines and retry budgets in this world."""
         return PrefillConfig(meta_retry_s=self.meta_retry_s, meta_attempts=self.retries,
                              ack_retry_s=self.ack_retry_s, ack_attempts=self.retries,
-                             request_timeout_s=self.p_timeout_s,
+                             request_timeout_s=self.p_timeout_s, kv_checksum=self.kv_checksum,
                              timeline_entries=0)  # observability only: the checker needs none
 
     def decode_config(self) -> DecodeConfig:
         """The D endpoints' deadline and lease in this world."""
         return DecodeConfig(prefill_timeout_s=self.d_timeout_s, lease_s=self.lease_s,
+                            kv_checksum=self.kv_checksum,
                             timeline_entries=0)  # observability only: the checker needs none
 
     def bounds(self) -> str:
@@ -149,6 +156,10 @@ class WorldConfig:
                   else f"no injected faults{delays}") if self.faults else "no faults"
         if self.d_restarts:
             faults += f", D restarts {self.d_restarts}"
+        if self.late_writes:
+            faults += ", in-doubt bytes may land at any later time (late writes)"
+        if self.kv_checksum:
+            faults += ", KV checksums"
         if self.misconfigured():
             faults += (f", D layout registers {self.d_blocks_registered()} block(s) x "
                        f"{self.d_layout_layers or self.layers} layer(s)")

@@ -156,3 +156,20 @@ class NoDeadline(DecodeEndpoint):
         """Register the request without arming its deadline."""
         out = super().add_request(req_id, block_ids, expected_senders, now)  # type: ignore[arg-type]
         return [e for e in out if not isinstance(e, ArmTimer)]
+
+
+class VerifyEachDone(DecodeEndpoint):
+    """lw before issue 11's fencing: with kv_checksum, D verified each sender's blocks only at
+    that sender's DONE, so bytes of a superseded claim landing after it went unseen."""
+
+    def _to_verify(self, rec: object, key: tuple[str, int]) -> list[tuple[str, int]]:
+        return [key]
+
+
+class LeaseOnlyFence(DecodeEndpoint):
+    """vLLM #41383's lease (and lw with kv_checksum off): nothing ties the bytes in D's blocks
+    to the claim; only waiting out the lease keeps a late write off a reused block."""
+
+    def _verify(self, rec: object, key: tuple[str, int], msg: DoneSending,
+                kv_sums: object) -> str:
+        return ""

@@ -122,6 +122,7 @@ class Faults:
         self.d_inc[d] = inc
         self.d_alive[d] = True
         self.d_pool[d] = [None] * self.cfg.d_blocks
+        self._forget_memory(d)
         for v in self.d_workers_of(d):
             self.d[v] = self._new_decode(v, inc)
             self.p_lost_seen[v] = False

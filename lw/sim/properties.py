@@ -46,6 +46,10 @@ PROPERTIES: tuple[Property, ...] = (
              "D reports a request finished only when every expected sender's every layer write "
              "has landed and none is still in flight (per D TP worker, and for the engine only "
              "when every one of its TP workers is DONE)"),
+    Property("stale-kv", "§2.3", "always",
+             "fencing: no request is reported loaded while one of its D blocks holds bytes of "
+             "another claim, late writes of superseded claims included (checked where the world "
+             "tracks D's memory: kv_checksum or late_writes)"),
     Property("double-free", "§2.4", "always", "each block is freed exactly once"),
     Property("reported-twice", "§2.4", "always",
              "no request is reported finished (sending or receiving) twice"),

@@ -61,11 +61,11 @@ def render_text(cfg: WorldConfig, ce: Counterexample, shortest: bool) -> list[st
 
 def mermaid(cfg: WorldConfig, ce: Counterexample) -> list[str]:
     """The counterexample as a Mermaid ``sequenceDiagram`` (one arrow or note per event)."""
-    steps, v, w = replay_steps(cfg, ce.actions)
+    steps, v, world = replay_steps(cfg, ce.actions)
     v = v or ce.violation
     nw = cfg.dp * cfg.tp
-    parts = ["Proxy", *(f"P{w}" for w in range(nw)),
-             *(f"D{v}" for v in range(cfg.d_dp * cfg.d_tp))]
+    parts = ["Proxy", *(f"P{i}" for i in range(nw)),
+             *(f"D{x}" for x in range(cfg.d_dp * cfg.d_tp))]
     labels: list[tuple[str, str]] = []
     for p in parts:
         if p == "Proxy":
@@ -77,8 +77,8 @@ def mermaid(cfg: WorldConfig, ce: Counterexample) -> list[str]:
         elif cfg.tp == 1:
             label = f"P rank {p[1:]}"
         else:
-            w = int(p[1:])
-            label = f"P DP {w // cfg.tp} TP {w % cfg.tp}"
+            pw = int(p[1:])
+            label = f"P DP {pw // cfg.tp} TP {pw % cfg.tp}"
         labels.append((p, label))
     out = seqdiagram.header(labels)
     for n, (text, events) in enumerate(steps, 1):
@@ -95,7 +95,7 @@ def mermaid(cfg: WorldConfig, ce: Counterexample) -> list[str]:
                 out.append(seqdiagram.note(where, f"{tag} {label}"))
     span = f"{parts[0]},{parts[-1]}"
     out.append(seqdiagram.note(span, f"VIOLATION {v.prop}: {v.message}"))
-    out.append(seqdiagram.note(span, f"in flight: {in_flight(w)}"))
+    out.append(seqdiagram.note(span, f"in flight: {in_flight(world)}"))
     if v.details:
         out.append(seqdiagram.note(span, "<br/>".join(seqdiagram.clean(d.strip())
                                                       for d in v.details)))

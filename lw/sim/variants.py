@@ -65,6 +65,10 @@ class Design:
 
 
 _FAULTS_ONLY = {"dp": 1, "requests": 1, "layers": 1, "faults": True}
+# An in-doubt write whose bytes land after D's lease gave its block to the next request.
+_LATE_WRITES = {"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("write",),
+                "late_writes": True, "kv_checksum": True, "delays": False,
+                "retries": 1}
 
 _DESIGNS: tuple[Design, ...] = (
     Design(
@@ -217,6 +221,22 @@ _DESIGNS: tuple[Design, ...] = (
         decode=defects.NoDeadline, expected="deadlock",
         bounds={**_FAULTS_ONLY, "fault_kinds": ("crash",), "delays": False},
         ruled_out="every D request has a deadline (then a lease) from allocation"),
+    Design(
+        name="lease-only-fence", title="late writes fenced by the lease alone",
+        ref="vllm #41383 (NIXL lease)",
+        summary="D takes whatever landed in its blocks as the claim's KV; only waiting out the "
+                "lease keeps an in-doubt write off reused blocks, and a write that lands later "
+                "(a partition healing after the lease) is decoded as another request's KV.",
+        decode=defects.LeaseOnlyFence, expected="stale-kv", bounds=_LATE_WRITES,
+        ruled_out="with kv_checksum every DONE is verified against what D's blocks hold"),
+    Design(
+        name="verify-each-done", title="checksums verified per DONE only",
+        ref="lw issue 11 (before fencing)",
+        summary="With kv_checksum D verified each sender's blocks at that sender's DONE only; "
+                "late bytes of a superseded claim landing before the last DONE went unseen.",
+        decode=defects.VerifyEachDone, expected="stale-kv",
+        bounds={**_LATE_WRITES, "tp": 2},
+        ruled_out="the last DONE re-verifies every sender's blocks (DecodeEndpoint.sum_senders)"),
 )
 
 DESIGNS: dict[str, Design] = {d.name: d for d in _DESIGNS}

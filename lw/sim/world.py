@@ -51,11 +51,13 @@ from lw.sim.config import (  # noqa: F401  (re-exported for the explorer and tes
     p_addr,
 )
 from lw.sim.faults import Faults
+from lw.sim.kvbytes import KVBytes, Memory
 from lw.sim.network import MESSAGE_TYPES, MsgKey, Network, describe_key
 from lw.sim.properties import Violation
 from lw.sim.request import Req
 from lw.sim.variants import DESIGNS, Design
 from lw.transport.wire import (
+    DoneSending,
     KVLayout,
     LayerLayout,
     MetaReply,
@@ -72,7 +74,7 @@ from lw.transport.wire import (
 SLOW = frozenset({"start", "schedule", "layer"})
 
 
-class World(Faults, Clock, Checks):
+class World(Faults, Clock, Checks, KVBytes):
     """One state of the simulated cluster; mutated in place by :meth:`apply`."""
 
     def __init__(self, cfg: WorldConfig) -> None:
@@ -105,6 +107,7 @@ class World(Faults, Clock, Checks):
         # Writes that failed "in doubt" (or were in flight at a P crash): their bytes may still
         # land in D's blocks until the deadline. (P worker, req, layer, D worker, remote, deadline)
         self.zombies: list[tuple[int, int, int, int, tuple[int, ...], float]] = []
+        self.d_mem: Memory = {}  # whose bytes D's blocks hold (kv_checksum, late_writes)
         self.p_pool: list[list[int | None]] = [[None] * cfg.p_blocks for _ in range(cfg.dp)]
         self.d_pool: list[list[int | None]] = [[None] * cfg.d_blocks for _ in range(cfg.d_dp)]
         self.p_queue: list[list[int]] = [[] for _ in range(cfg.dp)]
@@ -164,6 +167,7 @@ class World(Faults, Clock, Checks):
                                for a, lay in ep._layouts.items()))
                   for ep in self.p) if self.cfg.d_restarts else None,
             tuple(self.lane), tuple(tuple((d, m.req_id) for d, m in h) for h in self.held),
+            self._memory_key(),
         )
 
     def cloner(self) -> Cloner:
@@ -309,7 +313,9 @@ class World(Faults, Clock, Checks):
             acts += self._due_timers()
             if faults and cfg.delays and cfg.abstract_time:
                 acts += self._idle(acts)
-        return acts
+        # Late bytes land at any moment, independent of the clock: even a timely clock moves
+        # while they are pending (so leases expire before they land).
+        return acts + self._zland_actions()
 
     # ------------------------------------------------------------------ description
     def describe(self, a: Action) -> str:
@@ -348,6 +354,10 @@ class World(Faults, Clock, Checks):
             verb = {"deliver": "deliver", "drop": "network DROPS",
                     "dup": "network DUPLICATES"}[kind]
             return f"{verb} {describe_key(key)} {_who(key[1])} -> {_who(key[0])}"
+        if kind == "zland":
+            z = next(z for z in self.zombies if z[:4] == a[1:])
+            return (f"LATE: the in-doubt bytes of {self.reqs[z[1]].rid} layer {z[2]} from "
+                    f"P{z[0]} land in D{z[3]} block(s) {list(z[4])}")
         if kind == "zexp":
             z = next(z for z in self.zombies if z[:4] == a[1:])
             return (f"t={z[5]:g}: the in-doubt bytes of {self.reqs[z[1]].rid} layer {z[2]} from "
@@ -643,7 +653,10 @@ class World(Faults, Clock, Checks):
             if not self.d_alive[e]:
                 return
             try:
-                effects = self.d[idx].on_message(msg, self.now)
+                if self.cfg.kv_checksum and isinstance(msg, DoneSending):
+                    effects = self.d[idx].on_message(msg, self.now, self._kv_sums(idx, msg))
+                else:
+                    effects = self.d[idx].on_message(msg, self.now)
             except ProtocolError:
                 q = self.req_of(msg.req_id)
                 if q is None or q.d_inc == self.d_inc[e] or self.d[idx].state_of(q.rid):
@@ -667,6 +680,7 @@ class World(Faults, Clock, Checks):
         ok = self.d_alive[e] and inc == self.d_inc[e]
         if ok:
             q.landed = q.landed | {(i, v, layer)}
+            self._land(i, r, layer, v, remote)
             self._arrow(f"P{i}", f"D{v}", f"KV {q.rid} layer {layer} -> block(s) {list(remote)}",
                         dashed=True)
         if "poll-on-step" in self.quirks:  # noticed only when P's engine steps next
@@ -700,6 +714,8 @@ class World(Faults, Clock, Checks):
                 if kind == "p" and "serial-handshake" in self.quirks and isinstance(
                         e.msg, MetaRequest) and e.msg.want_layout:
                     self._handshake(idx, e.dest, e.msg)
+                elif kind == "p" and self.cfg.kv_checksum and isinstance(e.msg, DoneSending):
+                    self.net.add(me, e.dest, self._with_checksums(idx, e.msg))
                 else:
                     self.net.add(me, e.dest, e.msg)
             elif isinstance(e, WriteLayer):
@@ -890,6 +906,7 @@ class World(Faults, Clock, Checks):
                 raise Violation("partial-kv",
                                 f"{self.dname(q.d_rank)} decodes {q.rid} but layer writes "
                                 f"{missing} have not landed in D{v} (in flight: {inflight})")
+        self._check_fenced(q)
         q.d_stage = "decoding"
         self.flags.add("done")
         if self.d_tp == 1:

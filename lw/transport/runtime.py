@@ -665,19 +665,23 @@ class WorkerLoop:
         flat = [c for layer in range(msg.num_layers) for c in per_layer[layer]]
         return msgspec.structs.replace(msg, checksums=flat)
 
-    def _local_sums(self, msg: DoneSending) -> list[int] | None:
-        """D: CRC-32C of our blocks where ``msg``'s sender wrote, layer by layer."""
+    def _local_sums(self, msg: DoneSending) -> dict[tuple[str, int], list[int]]:
+        """D: CRC-32C of our blocks, layer by layer, where each sender the core names for this
+        DONE wrote (the last DONE re-reads every sender's blocks: see sum_senders)."""
         ep = self.endpoint
         assert isinstance(ep, DecodeEndpoint)
-        plan = ep.sum_plan(msg.req_id, (msg.sender.engine_id, msg.sender.rank))
-        if plan is None:
-            return None
-        blocks, runs = plan
-        out: list[int] = []
-        for lay, layer_runs in zip(ep.layout.layers, runs, strict=True):
-            out += block_sums(lay.base_addr, lay.block_stride, lay.num_blocks, blocks,
-                               layer_runs)
-        self.counters["checksums_verified"] += 1
+        out: dict[tuple[str, int], list[int]] = {}
+        for key in ep.sum_senders(msg):
+            plan = ep.sum_plan(msg.req_id, key)
+            if plan is None:
+                continue
+            blocks, runs = plan
+            sums: list[int] = []
+            for lay, layer_runs in zip(ep.layout.layers, runs, strict=True):
+                sums += block_sums(lay.base_addr, lay.block_stride, lay.num_blocks, blocks,
+                                   layer_runs)
+            out[key] = sums
+            self.counters["checksums_verified"] += 1
         return out
 
     # ------------------------------------------------------------ observability

@@ -291,3 +291,54 @@ def test_stuck_is_strictly_past_the_fraction_of_the_deadline() -> None:
     assert pair.d.stuck(5.0) == []  # exactly half: not yet
     (row,) = pair.d.stuck(5.01)
     assert row.stuck and row.in_state_s == 5.01
+
+
+def _two_senders_done(first_sums: dict, last_sums: dict):  # type: ignore[no-untyped-def]
+    """Two P ranks write r1; D gets rank 0's DONE with ``first_sums``, then rank 1's with
+    ``last_sums`` (each the driver's sums per sender D asked for); both send range(n)."""
+    from msgspec.structs import replace
+
+    from lw.fsm import PrefillRequest
+    from lw.transport.wire import DoneSending
+
+    pair = make_pair(n_ranks=2, dcfg=DecodeConfig(kv_checksum=True))
+    pair.absorb("d", pair.d.add_request("r1", (5, 6, 7), 2, pair.now))
+    for rank in (0, 1):
+        req = PrefillRequest("r1", D_ADDR, (1, 2, 3), (5, 6, 7), 2)
+        pair.absorb(rank, pair.ps[rank].add_request(req, pair.now))
+    pair.deliver_all()
+    for rank in (0, 1):
+        compute_all(pair, rank=rank)
+    pair.complete_writes()
+    dones = sorted((s for s in pair.queue if isinstance(s.msg, DoneSending)),
+                   key=lambda s: s.msg.sender.rank)
+    asked = []
+    for send, local in zip(dones, (first_sums, last_sums), strict=True):
+        pair.queue.remove(send)
+        msg = replace(send.msg, checksums=list(range(L * 3)))
+        asked.append(pair.d.sum_senders(msg))
+        pair.absorb("d", pair.d.on_message(msg, pair.now, local))
+    pair.deliver_all()  # a failure aborts rank 0 (done earlier); its AbortAck releases
+    return pair, asked
+
+
+def test_the_last_done_re_verifies_every_sender_bytes_landing_late_are_caught() -> None:
+    good = list(range(L * 3))
+    pair, asked = _two_senders_done({("P", 0): good}, {("P", 0): good, ("P", 1): good})
+    assert asked == [[("P", 0)], [("P", 0), ("P", 1)]]  # the last DONE asks for both
+    assert [type(e).__name__ for e in pair.recv] == ["RecvDone"]
+
+    # Rank 0's blocks matched at its DONE, then a late write of another claim changed one.
+    late = list(good)
+    late[2] += 7  # layer 0, third block (D block 7)
+    pair, _ = _two_senders_done({("P", 0): good}, {("P", 0): late, ("P", 1): good})
+    (failed,) = pair.recv
+    assert type(failed).__name__ == "RecvFailed"
+    assert "sender P rank 0" in failed.reason and "layer 0 block 7" in failed.reason
+    assert "bytes changed after it was verified" in failed.reason
+    assert pair.d.counters["checksum_mismatches"] == 1
+
+    # A driver that gave no sums for an earlier sender fails the request: never accepted blind.
+    pair, _ = _two_senders_done({("P", 0): good}, {("P", 1): good})
+    (failed,) = pair.recv
+    assert "no local sums" in failed.reason

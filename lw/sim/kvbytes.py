@@ -1,0 +1,115 @@
+"""What D's KV memory holds, for the fencing property (a mixin of :class:`lw.sim.world.World`).
+
+With ``kv_checksum`` or ``late_writes`` the world records which claim's bytes each
+(D worker, block, layer, head slice) holds. Writes land there; with ``late_writes`` so do the
+bytes of a write that failed in doubt, at any later moment while that D process lives (a
+partition that heals after every deadline and lease, the TCP stack retransmitting), possibly into
+blocks D has since given to another request. P's DONE carries its checksums and D's driver
+recomputes its own from this memory, as the runtime does with CRC-32C. Property ``stale-kv``: no
+request is reported loaded while one of its blocks holds bytes of another claim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from lw.fsm.messages import DoneSending
+from lw.sim.config import Action
+from lw.sim.properties import Violation
+from lw.sim.request import Req
+
+# (D worker, block, layer, head slice) -> index of the request whose bytes are there
+Memory = dict[tuple[int, int, int, int], int]
+
+
+class KVBytes:
+    """D memory contents, late landings of in-doubt bytes, and the checksums over them."""
+
+    def _tracks_bytes(self) -> bool:
+        return self.cfg.kv_checksum or self.cfg.late_writes
+
+    def _slice(self, w: int) -> int:
+        """The head slice P worker ``w`` writes in a D block (MLA: the whole latent vector)."""
+        return 0 if self.cfg.mla else w % self.tp
+
+    def _land(self, w: int, r: int, layer: int, v: int, remote: tuple[int, ...]) -> None:
+        if self._tracks_bytes():
+            s = self._slice(w)
+            for b in remote:
+                self.d_mem[(v, b, layer, s)] = r
+
+    def _zombie_deadline(self) -> float:
+        """When in-doubt bytes stop being able to land: never, with ``late_writes``."""
+        return math.inf if self.cfg.late_writes else self.now + self.cfg.transfer_timeout_s
+
+    def _zland_actions(self) -> list[Action]:
+        if not self.cfg.late_writes:
+            return []  # bounded: the ownership check covers every moment they may land
+        return [("zland", *z[:4]) for z in self.zombies]
+
+    def _do_zland(self, i: int, r: int, layer: int, v: int) -> None:
+        z = next(z for z in self.zombies if z[:4] == (i, r, layer, v))
+        self.zombies.remove(z)
+        self._land(i, r, layer, v, z[4])
+        for b in z[4]:  # the fault's bytes reach whichever request holds the block now
+            owner = self.d_pool[v // self.d_tp][b]
+            if owner is not None:
+                self.reqs[owner].touched = True
+        self._arrow(f"P{i}", f"D{v}", f"LATE bytes of {self.reqs[r].rid} layer {layer} -> "
+                                      f"block(s) {list(z[4])}", dashed=True)
+
+    def _memory_key(self) -> tuple | None:
+        """The memory as far as a property can tell: which entries hold their block's current
+        owner's bytes (every other content is some other claim's, which one does not matter:
+        request indices are never reused)."""
+        if not self._tracks_bytes():
+            return None
+        pools = self.d_pool
+        return tuple(sorted(k for k, r in self.d_mem.items()
+                            if pools[k[0] // self.d_tp][k[1]] == r))
+
+    def _forget_memory(self, d: int) -> None:
+        """A new process of D engine ``d`` registered its memory anew."""
+        dead = self.d_workers_of(d)
+        self.d_mem = {k: r for k, r in self.d_mem.items() if k[0] not in dead}
+
+    def _with_checksums(self, i: int, msg: DoneSending) -> DoneSending:
+        """P worker ``i``'s DONE as its runtime sends it with kv_checksum: a sum per layer and
+        block it wrote (a sum here is the writing request's index + 1)."""
+        q = self.reqs[int(msg.req_id[1:])]
+        n = self.cfg.layers * len(q.d_remote)
+        return msgspec.structs.replace(msg, checksums=[q.idx + 1] * n)
+
+    def _kv_sums(self, v: int, msg: DoneSending) -> dict[tuple[str, int], list[int]]:
+        """D worker ``v``'s driver: its sums over its own memory for each sender the core
+        names for this DONE (0 where nothing was written)."""
+        ep = self.d[v]
+        out: dict[tuple[str, int], list[int]] = {}
+        for key in ep.sum_senders(msg):
+            plan = ep.sum_plan(msg.req_id, key)
+            if plan is None:
+                continue
+            blocks, _runs = plan
+            s = self._slice(key[1])
+            out[key] = [self.d_mem.get((v, b, k, s), -1) + 1
+                        for k in range(len(ep.layout.layers)) for b in blocks]
+        return out
+
+    def _check_fenced(self, q: Req) -> None:
+        """Property stale-kv, when D's engine starts decoding ``q``."""
+        if not self._tracks_bytes():
+            return
+        for v in self.d_workers_of(q.d_rank):
+            slices = {self._slice(w) for w in self.writers(q, v)}
+            for b in q.d_remote:
+                for k in range(self.cfg.layers):
+                    for s in slices:
+                        r = self.d_mem.get((v, b, k, s))
+                        if r != q.idx:
+                            what = "nothing" if r is None else f"bytes of {self.reqs[r].rid}"
+                            raise Violation(
+                                "stale-kv", f"{self.dname(q.d_rank)} decodes {q.rid} but "
+                                            f"D{v} block {b} layer {k} (head slice {s}) holds "
+                                            f"{what}")
