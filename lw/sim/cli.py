@@ -30,6 +30,8 @@ STRONG: tuple[dict[str, Any], ...] = (
      "delays": False},
     {"dp": 2, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("crash",),
      "delays": False, "d_restarts": 1},
+    {"dp": 2, "requests": 2, "layers": 2, "faults": True, "delays": False, "late_writes": True,
+     "kv_checksum": True},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",
