@@ -105,9 +105,10 @@ class Network:
         """Keys in flight, in a deterministic (insertion) order."""
         return list(self.counts)
 
-    def snapshot(self) -> frozenset:
-        """Order-independent, hashable content of the network."""
-        return frozenset(self.counts.items())
+    def snapshot(self) -> tuple:
+        """Order-independent, hashable content of the network, in a canonical order (the
+        explorer fingerprints the key's text, and equal frozensets can print differently)."""
+        return tuple(sorted(self.counts.items(), key=repr))
 
     def __len__(self) -> int:
         return sum(self.counts.values())

@@ -49,10 +49,13 @@ class Req:
         def rel(t: float | None) -> float | None:
             return None if t is None else round(t - now, 6)
 
+        # Sets as sorted tuples: equal frozensets can iterate (and so print) in different orders,
+        # and the explorer fingerprints the key's text.
         return (self.d_stage, self.p_stage, self.d_blocks, self.p_blocks, self.started,
-                self.p_added, self.landed, self.send_reports, self.send_ok, self.recv_reports,
-                self.recv_ok, self.accepted, self.quarantined, self.p_freed, rel(self.t_alloc),
-                rel(self.t_padd), rel(self.t_dfail), self.d_inc, self.touched, self.losses)
+                self.p_added, tuple(sorted(self.landed)), self.send_reports, self.send_ok,
+                self.recv_reports, self.recv_ok, tuple(sorted(self.accepted)), self.quarantined,
+                self.p_freed, rel(self.t_alloc), rel(self.t_padd), rel(self.t_dfail), self.d_inc,
+                self.touched, self.losses)
 
     def d_final(self) -> bool:
         """D side has nothing more to do for this request."""
