@@ -1,0 +1,192 @@
+"""Tests written for the survivors of the 2026-11-30 mutation run over the whole of lw/fsm.
+
+Like ``test_mutants.py``, each test states a piece of intent that no test or check pinned down
+(the mutants are listed in docs/checker.md, "Mutation testing").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lw.fsm import (
+    DecodeConfig,
+    PrefillConfig,
+    PrefillEndpoint,
+    PrefillRequest,
+    ProtocolError,
+    Send,
+)
+from lw.fsm.status import status_line
+from lw.transport.wire import (
+    PROTOCOL_VERSION,
+    AbortAck,
+    MetaReply,
+    MetaRequest,
+    RequestStatus,
+    StatusReply,
+    decode,
+    encode,
+)
+
+from .harness import D_ADDR, P_ADDR, d_sender, p_sender
+from .test_endpoints import L, compute_all, make_pair, start
+
+
+# ------------------------------------------------------------------------------ D
+def test_d_refuses_a_message_only_p_takes() -> None:
+    pair = make_pair()
+    start(pair)
+    reply = MetaReply(PROTOCOL_VERSION, "r1", "accepted", d_sender(), None)
+    with pytest.raises(ProtocolError, match="only accepts"):
+        pair.d.on_message(reply, 0.0)
+
+
+def test_d_local_abort_of_an_unknown_or_finished_request_does_nothing() -> None:
+    pair = make_pair()
+    assert pair.d.abort("never-seen", "client gone", 0.0) == []
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    pair.complete_writes()
+    pair.deliver_all()
+    assert pair.d.state_of("r1") == "DONE"
+    assert pair.d.abort("r1", "client gone", 1.0) == []
+    assert pair.d.state_of("r1") == "DONE"
+
+
+def _meta(pair, rid: str, rank: int) -> str:  # type: ignore[no-untyped-def]  # noqa: ANN001
+    """P rank ``rank`` sends a MetaRequest for ``rid`` to D: D's answer ("status: reason")."""
+    msg = MetaRequest(PROTOCOL_VERSION, rid, p_sender(rank), want_layout=False)
+    (reply,) = [e.msg for e in pair.d.on_message(decode(encode(msg)), pair.now)
+                if isinstance(e, Send)]
+    return f"{reply.status}: {reply.reason}"
+
+
+def _d_events(pair, rid: str) -> list[tuple[str, str, str]]:  # type: ignore[no-untyped-def]  # noqa: ANN001
+    return [(e[2], e[3], e[4]) for e in pair.d.timeline.of(rid)]
+
+
+def test_d_answers_every_claim_and_records_it_even_when_nothing_changes() -> None:
+    """A repeated MetaRequest is answered again (accepted while receiving, refused with the
+    reason once quarantined); a claim on a failed request is refused;
+    each is a ``claim`` in D's timeline (declared no-ops are recorded like transitions)."""
+    pair = make_pair(n_ranks=3)
+    pair.absorb("d", pair.d.add_request("r", (5, 6, 7), 2, pair.now))
+    assert _meta(pair, "r", 0) == "accepted: "
+    assert _meta(pair, "r", 0) == "accepted: "  # P's retry: the same answer
+    assert _meta(pair, "r", 1) == "accepted: "
+    assert _d_events(pair, "r")[1:] == [("claim", "PREFILL_REQUESTED", "RECEIVING"),
+                                       ("claim", "RECEIVING", "RECEIVING"),
+                                       ("claim", "RECEIVING", "RECEIVING")]
+    pair.absorb("d", pair.d.abort("r", "gone", pair.now))
+    assert pair.d.state_of("r") == "FAILED"
+    n = len(_d_events(pair, "r"))
+    assert _meta(pair, "r", 0) == "refused: aborted locally: gone"  # quarantined, not stopped
+    assert _meta(pair, "r", 2).startswith("refused: request is FAILED")  # a new sender
+    assert _d_events(pair, "r")[n:] == [("claim", "FAILED", "FAILED")] * 2
+
+
+# ------------------------------------------------------------------------------ lw status rows
+def _claim(pair, rid: str, rank: int, expected) -> None:  # type: ignore[no-untyped-def]  # noqa: ANN001
+    """P rank ``rank`` claims ``rid`` on D (MetaRequest delivered, D's reply left queued)."""
+    req = PrefillRequest(rid, D_ADDR, (1, 2, 3), (5, 6, 7),
+                         expected if isinstance(expected, int) else len(expected))
+    for s in pair.ps[rank].add_request(req, pair.now):
+        if isinstance(s, Send):
+            pair.absorb("d", pair.d.on_message(decode(encode(s.msg)), pair.now))
+
+
+def test_rows_cut_long_texts_to_what_the_wire_carries() -> None:
+    """A long failure reason is cut so the row still crosses the wire (1,024 characters)."""
+    pair = make_pair(n_ranks=1)
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)  # writes in flight: P stays FAILED, D stays quarantined
+    pair.absorb(0, pair.ps[0].abort("r1", "x" * 3000, pair.now))
+    pair.absorb("d", pair.d.abort("r1", "y" * 3000, pair.now))
+    (prow,), (drow,) = pair.ps[0].status(pair.now), pair.d.status(pair.now)
+    assert prow.state == drow.state == "FAILED"
+    for row in (prow, drow):
+        assert len(row.waiting_for) == 1024
+        reply = StatusReply(PROTOCOL_VERSION, pair.d.me, "decode", 0.0, 0.0, [row])
+        assert decode(encode(reply)).requests == [row]
+
+
+def test_rows_name_at_most_64_peers() -> None:
+    n = 70
+    pair = make_pair(n_ranks=n)
+    pair.absorb("d", pair.d.add_request("r1", (5, 6, 7), n, pair.now))
+    for r in range(n):
+        _claim(pair, "r1", r, n)
+    (drow,) = pair.d.status(pair.now)
+    assert drow.state == "RECEIVING" and len(drow.peers) == 64
+    assert drow.peers == [f"{P_ADDR}/{r}" for r in range(64)]
+    p = PrefillEndpoint(p_sender(), L)
+    addrs = tuple(f"tcp://d{i}" for i in range(n))
+    p.add_request(PrefillRequest("r2", addrs, (1,), (1,)), 0.0)
+    (prow,) = p.status(0.0)
+    assert prow.peers == list(addrs[:64])
+
+
+def test_rows_measure_time_and_deadline_from_the_request_s_own_times() -> None:
+    pair = make_pair(pcfg=PrefillConfig(request_timeout_s=30.0),
+                     dcfg=DecodeConfig(prefill_timeout_s=20.0, lease_s=50.0))
+    pair.now = 10.0
+    start(pair)
+    (prow,), (drow,) = pair.ps[0].status(14.0), pair.d.status(14.0)
+    assert (prow.in_state_s, prow.deadline_in_s) == (4.0, 26.0)
+    assert (drow.in_state_s, drow.deadline_in_s) == (4.0, 16.0)
+    pair.now = 15.0
+    pair.deliver_all()
+    pair.absorb("d", pair.d.abort("r1", "gone", 16.0))  # quarantined: the lease is the deadline
+    (drow,) = pair.d.status(18.0)
+    assert drow.quarantined and (drow.in_state_s, drow.deadline_in_s) == (2.0, 48.0)
+
+
+def test_rows_are_stuck_strictly_past_the_fraction_of_their_own_deadline() -> None:
+    pair = make_pair(pcfg=PrefillConfig(request_timeout_s=10.0, stuck_fraction=0.5),
+                     dcfg=DecodeConfig(prefill_timeout_s=20.0, lease_s=40.0,
+                                       stuck_fraction=0.25))
+    start(pair)
+    assert [r.stuck for r in pair.ps[0].status(5.0)] == [False]
+    assert [r.stuck for r in pair.ps[0].status(5.5)] == [True]
+    assert [r.stuck for r in pair.d.status(5.0)] == [False]
+    assert [r.stuck for r in pair.d.status(5.5)] == [True]
+    pair.deliver_all()
+    pair.absorb("d", pair.d.abort("r1", "gone", 0.0))  # quarantined at 0: the lease (40 s) counts
+    assert [r.stuck for r in pair.d.status(10.0)] == [False]
+    assert [r.stuck for r in pair.d.status(10.5)] == [True]
+    assert pair.d.stuck(10.0) == [] and [r.state for r in pair.d.stuck(10.5)] == ["FAILED"]
+
+
+def test_d_rows_say_which_senders_are_awaited() -> None:
+    pair = make_pair(n_ranks=2)
+    pair.absorb("d", pair.d.add_request("any", (5, 6, 7), 2, pair.now))
+    pair.absorb("d", pair.d.add_request("tp", (8, 9), {0, 1}, pair.now))
+    rows = {r.req_id: r for r in pair.d.status(pair.now)}
+    assert "waiting for MetaRequest from 2 P sender(s)" in rows["any"].waiting_for
+    assert "waiting for MetaRequest from P TP rank 0, P TP rank 1" in rows["tp"].waiting_for
+    _claim(pair, "tp", 0, {0, 1})
+    (row,) = pair.d.status(pair.now, "tp")
+    assert row.state == "RECEIVING" and row.peers == [f"{P_ADDR}/0"]
+    assert "P P rank 0, P TP rank 1 (not claimed yet)" in row.waiting_for
+    for rank in (0, 1):  # any two senders: nobody is named as unclaimed
+        _claim(pair, "any", rank, 2)
+    (row,) = pair.d.status(pair.now, "any")
+    assert "not claimed" not in row.waiting_for
+    assert "P P rank 0, P P rank 1; 0 of 2 sender(s) done" in row.waiting_for
+    # Quarantined: only the senders that have not stopped are awaited.
+    pair.queue.clear()
+    pair.absorb("d", pair.d.abort("any", "gone", pair.now))
+    ack = AbortAck(PROTOCOL_VERSION, "any", pair.ps[1].me, known=True)
+    pair.absorb("d", pair.d.on_message(ack, pair.now))
+    (row,) = pair.d.status(pair.now, "any")
+    assert row.quarantined and row.peers == [f"{P_ADDR}/0"]
+    assert "P P rank 0" in row.waiting_for and "P P rank 1" not in row.waiting_for
+
+
+def test_status_line_of_a_lease_ending_now() -> None:
+    q = RequestStatus("r", "FAILED", 1.0, "w", 0.0, 2, quarantined=True)
+    assert "lease ends in 0.0s" in status_line("decode", d_sender(), q)
+    late = RequestStatus("r", "FAILED", 1.0, "w", -1.0, 2, quarantined=True)
+    assert "lease passed 1.0s ago" in status_line("decode", d_sender(), late)
