@@ -10,16 +10,21 @@ import pytest
 
 from lw.fsm import (
     DecodeConfig,
+    DecodeEndpoint,
     PrefillConfig,
     PrefillEndpoint,
     PrefillRequest,
     ProtocolError,
     Send,
 )
+from lw.fsm.kvmap import make_format
 from lw.fsm.status import status_line
 from lw.transport.wire import (
     PROTOCOL_VERSION,
     AbortAck,
+    KVFormat,
+    KVLayout,
+    LayerLayout,
     MetaReply,
     MetaRequest,
     RequestStatus,
@@ -190,3 +195,31 @@ def test_status_line_of_a_lease_ending_now() -> None:
     assert "lease ends in 0.0s" in status_line("decode", d_sender(), q)
     late = RequestStatus("r", "FAILED", 1.0, "w", -1.0, 2, quarantined=True)
     assert "lease passed 1.0s ago" in status_line("decode", d_sender(), late)
+
+
+def _sliced_d(d_fmt: KVFormat, block_len: int) -> DecodeEndpoint:
+    layers = [LayerLayout(0x1000_0000 + i * 0x100_0000, block_len, block_len, 64)
+              for i in range(L)]
+    return DecodeEndpoint(d_sender(), KVLayout("D", 1, "127.0.0.1:15000", layers, d_fmt))
+
+
+@pytest.mark.parametrize(("p_tp", "p_rank", "d_tp", "d_rank", "d_block", "runs"), [
+    (1, 0, 2, 1, 2048, ((0, 2048),)),  # P holds the 4 heads, D heads 2-3: all of D's block
+    (2, 1, 1, 0, 4096, ((2048, 2048),)),  # P heads 2-3 into a D block of 4: its second half
+    (2, 1, 2, 1, 2048, ((0, 2048),)),  # the same heads on both sides
+])
+def test_d_checksums_cover_the_bytes_each_head_sliced_sender_wrote(
+        p_tp: int, p_rank: int, d_tp: int, d_rank: int, d_block: int,
+        runs: tuple[tuple[int, int], ...]) -> None:
+    """What D checksums for a sender is where that sender's heads are in D's block (4 KV heads
+    of 1,024 bytes per block): ranks holding heads past the first count them from their own."""
+    def fmt(rank: int, tp: int) -> KVFormat:
+        return make_format(tp_rank=rank, tp_size=tp, total_heads=4, block_tokens=16,
+                           dtype="bf16")
+
+    d = _sliced_d(fmt(d_rank, d_tp), d_block)
+    d.add_request("r", (3, 4), 1, 0.0)
+    claim = MetaRequest(PROTOCOL_VERSION, "r", p_sender(p_rank), False, fmt(p_rank, p_tp))
+    (reply,) = [e.msg for e in d.on_message(decode(encode(claim)), 0.0) if isinstance(e, Send)]
+    assert reply.status == "accepted", reply.reason
+    assert d.sum_plan("r", ("P", p_rank)) == ((3, 4), [runs] * L)
