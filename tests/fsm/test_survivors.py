@@ -223,3 +223,31 @@ def test_d_checksums_cover_the_bytes_each_head_sliced_sender_wrote(
     (reply,) = [e.msg for e in d.on_message(decode(encode(claim)), 0.0) if isinstance(e, Send)]
     assert reply.status == "accepted", reply.reason
     assert d.sum_plan("r", ("P", p_rank)) == ((3, 4), [runs] * L)
+
+
+@pytest.mark.parametrize(("sent", "mine"), [
+    (L * 3 - 1, L * 3),  # the sender sent one checksum too few
+    (L * 3 + 1, L * 3),  # or one too many
+    (L * 3, L * 3 - 1),  # the driver summed one block too few
+    (L * 3, None),  # the driver passed no checksums at all
+])
+def test_kv_checksums_of_the_wrong_count_fail_the_request(sent: int, mine: int | None) -> None:
+    """Checksums are compared one per (layer, block): any other count fails the request, it is
+    never taken as a match."""
+    from msgspec.structs import replace
+
+    from lw.transport.wire import DoneSending
+
+    pair = make_pair(dcfg=DecodeConfig(kv_checksum=True))
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    pair.complete_writes()
+    (done,) = [s for s in pair.queue if isinstance(s.msg, DoneSending)]
+    pair.queue.remove(done)
+    msg = decode(encode(replace(done.msg, checksums=list(range(sent)))))
+    pair.absorb("d", pair.d.on_message(msg, pair.now,
+                                       None if mine is None else list(range(mine))))
+    (failed,) = pair.recv
+    assert type(failed).__name__ == "RecvFailed"
+    assert f"sent {sent} checksums, expected {L * 3}" in failed.reason
