@@ -251,3 +251,23 @@ def test_kv_checksums_of_the_wrong_count_fail_the_request(sent: int, mine: int |
     (failed,) = pair.recv
     assert type(failed).__name__ == "RecvFailed"
     assert f"sent {sent} checksums, expected {L * 3}" in failed.reason
+
+
+def test_a_kv_checksum_mismatch_names_how_many_blocks_differ_and_the_first_four() -> None:
+    from msgspec.structs import replace
+
+    from lw.transport.wire import DoneSending
+
+    pair = make_pair(dcfg=DecodeConfig(kv_checksum=True))
+    start(pair)  # D blocks 5, 6, 7 in each of the L layers
+    pair.deliver_all()
+    compute_all(pair)
+    pair.complete_writes()
+    (done,) = [s for s in pair.queue if isinstance(s.msg, DoneSending)]
+    pair.queue.remove(done)
+    sums = [i + 1 for i in range(L * 3)]  # every block differs
+    msg = decode(encode(replace(done.msg, checksums=sums)))
+    pair.absorb("d", pair.d.on_message(msg, pair.now, list(range(L * 3))))
+    (failed,) = pair.recv
+    assert failed.reason.endswith(f"{L * 3} of {L * 3} block(s) differ, first layer 0 block 5, "
+                                  "layer 0 block 6, layer 0 block 7, layer 1 block 5")
