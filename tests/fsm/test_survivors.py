@@ -22,18 +22,22 @@ from lw.fsm.status import status_line
 from lw.transport.wire import (
     PROTOCOL_VERSION,
     AbortAck,
+    Ack,
+    DoneSending,
+    FailedSending,
     KVFormat,
     KVLayout,
     LayerLayout,
     MetaReply,
     MetaRequest,
     RequestStatus,
+    Sender,
     StatusReply,
     decode,
     encode,
 )
 
-from .harness import D_ADDR, P_ADDR, d_sender, p_sender
+from .harness import D_ADDR, P_ADDR, d_layout, d_sender, p_sender
 from .test_endpoints import L, compute_all, make_pair, start
 
 
@@ -271,3 +275,106 @@ def test_a_kv_checksum_mismatch_names_how_many_blocks_differ_and_the_first_four(
     (failed,) = pair.recv
     assert failed.reason.endswith(f"{L * 3} of {L * 3} block(s) differ, first layer 0 block 5, "
                                   "layer 0 block 6, layer 0 block 7, layer 1 block 5")
+
+
+# ------------------------------------------------------------------------------ timelines
+# Each endpoint records every fired event, declared no-ops included (lw/fsm/timeline.py): what
+# `lw status` and the traces show of a request that stays in one state, e.g. a retry.
+def _events(ep, rid: str) -> list[tuple]:  # type: ignore[no-untyped-def]  # noqa: ANN001
+    return [(e[2], e[3], e[4], e[5]) for e in ep.timeline.of(rid)][1:]  # after "admitted"
+
+
+def test_p_timeline_records_meta_retries_duplicates_and_stale_replies() -> None:
+    d0, d1 = "tcp://d0", "tcp://d1"
+    p = PrefillEndpoint(p_sender(), L, PrefillConfig(meta_attempts=5))
+    p.add_request(PrefillRequest("r", (d0, d1), (1, 2, 3), (5, 6, 7)), 0.0)
+
+    def reply(addr: str, status: str) -> None:
+        who = Sender("D", int(addr[-1]), 1, addr)
+        msg = MetaReply(PROTOCOL_VERSION, "r", status, who,
+                        d_layout(L) if status == "accepted" else None, "no")
+        p.on_message(decode(encode(msg)), 0.0)
+
+    p.on_timer(("meta", "r"), 1.0)
+    reply(d0, "unknown")
+    reply(d0, "accepted")
+    reply(d0, "accepted")
+    reply(d1, "accepted")
+    reply(d1, "accepted")
+    reply(d0, "refused")
+    reply(d0, "unknown")
+    p.on_timer(("meta", "r"), 2.0)
+    A, R = "AWAIT_DECODER_META", "META_READY"
+    assert [e[:3] for e in _events(p, "r")] == [
+        ("meta_timer", A, A), ("meta_unknown", A, A), ("target_accepted", A, A),
+        ("target_accepted", A, A), ("meta_accepted", A, R), ("meta_accepted", R, R),
+        ("meta_unknown", R, R), ("meta_unknown", R, R), ("meta_timer", R, R)]
+
+
+def test_p_timeline_records_writes_out_of_order_failed_and_late() -> None:
+    pair = make_pair()
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    p = pair.ps[0]
+    n = len(_events(p, "r1"))
+    p.transfer_done("r1", 1, True, "", 1.0)  # layer 1 lands before layer 0
+    p.transfer_done("r1", 0, True, "", 2.0)
+    p.abort("r1", "gone", 3.0)
+    p.abort("r1", "again", 4.0)  # already failed: recorded, nothing changes
+    p.on_timer(("ack", "r1"), 4.5)  # a stale timer: recorded, no DONE sent
+    ack = Ack(PROTOCOL_VERSION, "r1", "done", d_sender(), False)
+    assert p.on_message(ack, 4.6) == []  # a late ack of a failed request
+    p.transfer_done("r1", 2, False, "boom", 5.0)  # the last write in flight fails late
+    assert p.live_requests() == []
+    R, S0, S1, F = "META_READY", "LAYER_0_SENT", "LAYER_1_SENT", "FAILED"
+    assert [e[:3] for e in _events(p, "r1")[n:]] == [
+        ("layer_written", R, ""), ("layer_sent", R, S0), ("layer_sent", S0, S1),
+        ("fail", S1, F), ("fail", F, F), ("ack_timer", F, F), ("ack", F, F),
+        ("write_failed", F, ""), ("fail", F, F)]
+    details = [e[3] for e in _events(p, "r1")[n:]]
+    assert details[:3] == [1, 0, 1] and details[7] == "2: boom"
+
+
+def test_p_timeline_records_a_write_landing_after_the_request_failed() -> None:
+    pair = make_pair()
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    p = pair.ps[0]
+    p.abort("r1", "gone", 1.0)
+    n = len(_events(p, "r1"))
+    p.transfer_done("r1", 0, True, "", 2.0)
+    assert _events(p, "r1")[n:] == [("layer_sent", "FAILED", "FAILED", 0)]
+
+
+def test_p_timeline_records_a_resent_done() -> None:
+    pair = make_pair(pcfg=PrefillConfig(ack_attempts=3))
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    pair.complete_writes()
+    p = pair.ps[0]
+    n = len(_events(p, "r1"))
+    pair.absorb(0, p.on_timer(("ack", "r1"), 1.0))
+    pair.deliver_all()
+    S2 = f"LAYER_{L - 1}_SENT"
+    assert [e[:3] for e in _events(p, "r1")[n:]] == [
+        ("ack_timer", S2, S2), ("ack", S2, "DONE")]
+
+
+def test_d_timeline_records_what_arrives_for_a_quarantined_request() -> None:
+    pair = make_pair(n_ranks=2)
+    pair.absorb("d", pair.d.add_request("r", (5, 6, 7), 2, pair.now))
+    _meta(pair, "r", 0)
+    _meta(pair, "r", 1)
+    pair.absorb("d", pair.d.abort("r", "gone", pair.now))
+    n = len(_d_events(pair, "r"))
+    wrong = DoneSending(PROTOCOL_VERSION, "r", p_sender(0), 2, L + 1)  # crossing our Abort
+    pair.absorb("d", pair.d.on_message(decode(encode(wrong)), pair.now))
+    stopped = FailedSending(PROTOCOL_VERSION, "r", p_sender(1), 2, "gone")
+    pair.absorb("d", pair.d.on_message(decode(encode(stopped)), pair.now))
+    F = "FAILED"
+    assert _d_events(pair, "r")[n:] == [("fail", F, F), ("sender_done", F, F),
+                                        ("sender_stopped", F, F)]
+    assert pair.d.live_requests() == []  # both stopped: released
