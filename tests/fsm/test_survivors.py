@@ -32,7 +32,9 @@ from lw.transport.wire import (
     MetaRequest,
     RequestStatus,
     Sender,
+    StatusQuery,
     StatusReply,
+    WireError,
     decode,
     encode,
 )
@@ -378,3 +380,45 @@ def test_d_timeline_records_what_arrives_for_a_quarantined_request() -> None:
     assert _d_events(pair, "r")[n:] == [("fail", F, F), ("sender_done", F, F),
                                         ("sender_stopped", F, F)]
     assert pair.d.live_requests() == []  # both stopped: released
+
+
+def test_d_timeline_records_an_abort_ack() -> None:
+    pair = make_pair(n_ranks=2)
+    pair.absorb("d", pair.d.add_request("r", (5, 6, 7), 2, pair.now))
+    _meta(pair, "r", 0)
+    _meta(pair, "r", 1)
+    pair.absorb("d", pair.d.abort("r", "gone", pair.now))
+    n = len(_d_events(pair, "r"))
+    ack = AbortAck(PROTOCOL_VERSION, "r", p_sender(1), known=True)
+    pair.absorb("d", pair.d.on_message(decode(encode(ack)), pair.now))
+    assert _d_events(pair, "r")[n:] == [("sender_stopped", "FAILED", "FAILED")]
+    assert pair.d.live_requests() == ["r"]  # rank 0 has not stopped yet
+
+
+def test_d_counts_failed_sendings_about_requests_it_does_not_hold() -> None:
+    """A FailedSending about an unknown request counts as one (a restarted D, or a forgotten
+    request); about a finished one, as a stale message. Both are acknowledged as not accepted."""
+    pair = make_pair()
+    msg = FailedSending(PROTOCOL_VERSION, "never-seen", p_sender(), 1, "x")
+    (eff,) = pair.d.on_message(msg, 0.0)
+    assert isinstance(eff.msg, Ack) and not eff.msg.accepted and eff.msg.of == "failed"
+    assert pair.d.counters["unknown_requests"] == 1 and pair.d.counters["stale_messages"] == 0
+    start(pair)
+    pair.deliver_all()
+    pair.absorb("d", pair.d.abort("r1", "gone", pair.now))
+    pair.queue.clear()
+    done = FailedSending(PROTOCOL_VERSION, "r1", p_sender(), 1, "x")
+    pair.d.on_message(done, 0.0)  # r1's only sender stopped: released
+    assert pair.d.live_requests() == []
+    (eff,) = pair.d.on_message(done, 0.0)
+    assert isinstance(eff.msg, Ack) and not eff.msg.accepted
+    assert pair.d.counters["unknown_requests"] == 1 and pair.d.counters["stale_messages"] == 1
+
+
+def test_status_queries_may_ask_for_up_to_100000_timeline_entries_on_the_wire() -> None:
+    """The bound is part of the wire format: a peer of the same protocol version may ask for
+    100,000 entries (what ``lw status`` asks for), not more."""
+    ok = StatusQuery(PROTOCOL_VERSION, "tcp://asker", timeline=100_000)
+    assert decode(encode(ok)) == ok
+    with pytest.raises(WireError, match="<= 100000"):
+        decode(encode(StatusQuery(PROTOCOL_VERSION, "tcp://asker", timeline=100_001)))
