@@ -422,3 +422,20 @@ def test_status_queries_may_ask_for_up_to_100000_timeline_entries_on_the_wire() 
     assert decode(encode(ok)) == ok
     with pytest.raises(WireError, match="<= 100000"):
         decode(encode(StatusQuery(PROTOCOL_VERSION, "tcp://asker", timeline=100_001)))
+
+
+def test_fields_added_to_the_wire_later_default_to_the_old_meaning() -> None:
+    """A peer that does not send ``in_doubt`` means "not in doubt"; a D row knows no layer
+    count (-1, 0), which ``lw status`` shows as unknown."""
+    import msgspec
+
+    me = msgspec.to_builtins(p_sender())
+    for kind, extra in (("abort_ack", {"known": True}),
+                        ("failed", {"expected_senders": 1, "reason": "x"})):
+        raw = msgspec.msgpack.encode({"kind": kind, "version": PROTOCOL_VERSION, "req_id": "r",
+                                      "sender": me, **extra})
+        assert decode(raw).in_doubt is False
+    pair = make_pair()
+    start(pair)
+    (row,) = pair.d.status(0.0)
+    assert (row.layers_done, row.layers_total) == (-1, 0)
