@@ -439,3 +439,36 @@ def test_fields_added_to_the_wire_later_default_to_the_old_meaning() -> None:
     start(pair)
     (row,) = pair.d.status(0.0)
     assert (row.layers_done, row.layers_total) == (-1, 0)
+
+
+def test_status_fields_a_peer_leaves_out_mean_nothing_to_report() -> None:
+    """Omitted on the wire: a row is not stuck and not quarantined, a query asks for no
+    timeline entries, a reply is not truncated."""
+    import msgspec
+
+    enc = msgspec.msgpack.encode
+    row = msgspec.msgpack.decode(enc({"req_id": "r", "state": "S", "in_state_s": 1.0,
+                                      "waiting_for": "w", "deadline_in_s": 2.0, "blocks": 3}),
+                                 type=RequestStatus)
+    assert (row.stuck, row.quarantined, row.peers) == (False, False, [])
+    q = decode(enc({"kind": "status_q", "version": PROTOCOL_VERSION, "asker": "tcp://a"}))
+    assert isinstance(q, StatusQuery) and (q.req_id, q.timeline) == ("", 0)
+    rep = decode(enc({"kind": "status_rep", "version": PROTOCOL_VERSION,
+                      "worker": msgspec.to_builtins(d_sender()), "role": "decode", "now": 1.0,
+                      "wall": 2.0}))
+    assert isinstance(rep, StatusReply) and rep.truncated is False
+    assert rep.requests == [] and rep.timeline == []
+
+
+def test_a_prefill_request_has_one_sender_unless_told_otherwise() -> None:
+    pair = make_pair()
+    pair.absorb("d", pair.d.add_request("r1", (5, 6, 7), 1, pair.now))
+    pair.absorb(0, pair.ps[0].add_request(PrefillRequest("r1", D_ADDR, (1, 2, 3), (5, 6, 7)),
+                                          pair.now))
+    pair.deliver_all()
+    compute_all(pair)
+    pair.complete_writes()
+    (done,) = [s.msg for s in pair.queue if isinstance(s.msg, DoneSending)]
+    assert done.expected_senders == 1
+    pair.deliver_all()
+    assert pair.d.state_of("r1") == "DONE"
