@@ -337,3 +337,26 @@ def test_d_stuck_alarm_is_rearmed_by_a_state_change() -> None:
     assert pair.d.stuck(11.0) == []
     assert [r.state for r in pair.d.stuck(12.5)] == ["RECEIVING"]
     assert pair.d.stuck(13.0) == []
+
+
+def test_a_default_timeline_keeps_the_newest_32768_events() -> None:
+    tl = Timeline()
+    for i in range(32768 + 1):
+        tl.record(float(i), "r", "e")
+    assert len(tl) == 32768 and next(iter(tl))[0] == 1.0
+
+
+def test_undrained_time_in_state_samples_keep_only_the_newest_4096() -> None:
+    tl = Timeline(1)
+    assert tl.durations is not None
+    for i in range(4096 + 1):
+        tl.durations.append(("S", float(i)))  # what the endpoints do on each state change
+    samples = tl.drain_durations()
+    assert len(samples) == 4096 and samples[0] == ("S", 1.0)
+
+
+def test_last_one_is_the_newest_event() -> None:
+    tl = Timeline(4)
+    tl.record(1.0, "a", "x")
+    tl.record(2.0, "a", "y")
+    assert [e[2] for e in tl.last(1)] == ["y"]
