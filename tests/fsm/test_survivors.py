@@ -472,3 +472,13 @@ def test_a_prefill_request_has_one_sender_unless_told_otherwise() -> None:
     assert done.expected_senders == 1
     pair.deliver_all()
     assert pair.d.state_of("r1") == "DONE"
+
+
+def test_rows_count_stuck_time_from_entering_the_state_not_from_zero() -> None:
+    pair = make_pair(pcfg=PrefillConfig(request_timeout_s=10.0, stuck_fraction=0.5),
+                     dcfg=DecodeConfig(prefill_timeout_s=10.0, stuck_fraction=0.5))
+    pair.now = 100.0
+    start(pair)
+    for ep in (pair.ps[0], pair.d):
+        assert [r.stuck for r in ep.status(105.0)] == [False]
+        assert [r.stuck for r in ep.status(105.5)] == [True]
