@@ -754,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     _save_cache(args.cache, cache)
     return report(mutants, results, time.monotonic() - t_start, args.min_score,
                   load_equivalent(args.equivalent), partial=bool(args.module),
-                  sampled=bool(args.sample))
+                  sampled=bool(args.sample), eq_path=args.equivalent)
 
 
 def load_equivalent(path: Path) -> dict[str, str]:
@@ -773,7 +773,7 @@ def load_equivalent(path: Path) -> dict[str, str]:
 
 def report(mutants: list[tuple[Mutant, str]], results: dict[Mutant, dict[str, Any]],
            elapsed: float, min_score: float, equivalent: dict[str, str] | None = None,
-           partial: bool = False, sampled: bool = False) -> int:
+           partial: bool = False, sampled: bool = False, eq_path: Path = EQUIVALENT) -> int:
     """Print the per-module table, the survivors, the stale equivalent entries and the total
     score (raw and adjusted for the survivors shown equivalent); the exit code."""
     equivalent = equivalent or {}
@@ -821,7 +821,7 @@ def report(mutants: list[tuple[Mutant, str]], results: dict[Mutant, dict[str, An
             print(f"  {m.id}  {m.describe()}")
     explained = [m for m in survivors if m.id in equivalent]
     if explained:
-        print(f"\nsurvivors shown equivalent ({len(explained)}, {EQUIVALENT.name}):")
+        print(f"\nsurvivors shown equivalent ({len(explained)}, {eq_path.name}):")
         for m in explained:
             print(f"  {m.id}  {m.describe()}\n      {equivalent[m.id]}")
     # An entry is stale when its mutant no longer exists (the code changed) or was killed (the
@@ -837,7 +837,7 @@ def report(mutants: list[tuple[Mutant, str]], results: dict[Mutant, dict[str, An
         elif m is None and not sampled and mid.split(".")[0] in stems:
             stale.append(f"{mid}: matches no mutant of lw/fsm (the code changed?)")
     if stale:
-        print(f"\nSTALE entries of {EQUIVALENT.name} ({len(stale)}):")
+        print(f"\nSTALE entries of {eq_path} ({len(stale)}):")
         for s in stale:
             print(f"  {s}")
     killed = tot["mutants"] - tot["survived"]
