@@ -18,6 +18,12 @@ which line and how long it takes; it is cached by the hash of ``lw`` and the tes
 cached per mutant (hash of the mutated module): a killed mutant stays killed, a survivor is run
 again when ``lw`` or the tests changed. Each run is a fork of a worker that has already imported
 pytest, hypothesis, msgspec and transitions, so a mutant costs its tests, not an interpreter.
+
+Survivors shown equivalent (no observable behaviour differs) are listed in
+``tools/mutation_equivalent.json`` by mutant id (printed with every survivor), each with its
+reason. The score is printed raw (killed / all mutants) and adjusted (killed / (all mutants -
+listed equivalent survivors)); an entry that matches no mutant, or a mutant that was killed, is
+printed as stale (and makes the command exit 1), never ignored.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = "lw/fsm"
+EQUIVALENT = ROOT / "tools" / "mutation_equivalent.json"
 TEST_PATHS = ("tests/fsm", "tests/sim", "tests/transport/test_wire.py")
 # Small exhaustive bounds, a few seconds each: several P ranks, a P rank writing two D TP ranks,
 # and (state-bounded) faults.
@@ -75,6 +82,16 @@ class Mutant:
     original: str
     replacement: str
     function: str  # enclosing function ("" at module or class level)
+    nth: int = 0  # how many earlier mutants of this function have the same op/original/replacement
+
+    @property
+    def id(self) -> str:
+        """Stable across edits elsewhere in the module (no line number): module, function,
+        operator, original and replacement text, and the occurrence among equal ones."""
+        key = "\0".join((self.module, self.function, self.op, " ".join(self.original.split()),
+                          self.replacement, str(self.nth)))
+        stem = Path(self.module).stem
+        return f"{stem}.{self.function or '-'}.{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
     @property
     def where(self) -> str:
@@ -261,6 +278,7 @@ def mutants_of(module: str, source: str) -> list[tuple[Mutant, str]]:
     base = ast.dump(tree)
     seen = {base}
     out: list[tuple[Mutant, str]] = []
+    occurrences: dict[tuple[str, str, str, str], int] = {}
     for node, op, text, fn in finder.found:
         try:
             mutated = _splice(raw, line_starts, node, text).decode()
@@ -272,9 +290,12 @@ def mutants_of(module: str, source: str) -> list[tuple[Mutant, str]]:
         seen.add(dump)
         original = raw[line_starts[node.lineno - 1] + node.col_offset:  # type: ignore[attr-defined]
                        line_starts[node.end_lineno - 1] + node.end_col_offset].decode()  # type: ignore[attr-defined]
+        same = (fn, op, " ".join(original.split()), text)
+        nth = occurrences.get(same, 0)
+        occurrences[same] = nth + 1
         out.append((Mutant(module, node.lineno, node.col_offset,  # type: ignore[attr-defined]
                            node.end_lineno, node.end_col_offset,  # type: ignore[attr-defined]
-                           op, original, text, fn), mutated))
+                           op, original, text, fn, nth), mutated))
     return out
 
 
@@ -660,7 +681,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--without", action="append", default=[], metavar="TEST_MODULE",
                     help="leave a test module out of the killer suite (to measure what it adds)")
     ap.add_argument("--min-score", type=float, default=0.0,
-                    help="exit 1 when the total score (percent) is below this")
+                    help="exit 1 when the adjusted total score (percent) is below this")
+    ap.add_argument("--equivalent", type=Path, default=EQUIVALENT,
+                    help="JSON list of {id, reason} of survivors shown equivalent "
+                    "(default tools/mutation_equivalent.json)")
     args = ap.parse_args(argv)
     t_start = time.monotonic()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the sandboxes
@@ -671,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
                          key=lambda x: (x[0].module, x[0].line, x[0].col))
     if args.list:
         for m, _ in mutants:
-            print(m.describe())
+            print(f"{m.id}  {m.describe()}")
         print(f"{len(mutants)} mutants")
         return 0
 
@@ -728,48 +752,103 @@ def main(argv: list[str] | None = None) -> int:
             _save_cache(args.cache, cache)
             last_save = time.monotonic()
     _save_cache(args.cache, cache)
-    return report(mutants, results, time.monotonic() - t_start, args.min_score)
+    return report(mutants, results, time.monotonic() - t_start, args.min_score,
+                  load_equivalent(args.equivalent), partial=bool(args.module),
+                  sampled=bool(args.sample), eq_path=args.equivalent)
+
+
+def load_equivalent(path: Path) -> dict[str, str]:
+    """Mutant id -> why it is equivalent, from ``path`` (a JSON list of {id, mutant, reason})."""
+    if not path.exists():
+        return {}
+    out: dict[str, str] = {}
+    for entry in json.loads(path.read_text()):
+        if not entry.get("reason", "").strip():
+            sys.exit(f"{path}: entry {entry.get('id')!r} gives no reason")
+        if entry["id"] in out:
+            sys.exit(f"{path}: entry {entry['id']!r} listed twice")
+        out[entry["id"]] = entry["reason"]
+    return out
 
 
 def report(mutants: list[tuple[Mutant, str]], results: dict[Mutant, dict[str, Any]],
-           elapsed: float, min_score: float) -> int:
-    """Print the per-module table, the survivors and the total; the exit code."""
+           elapsed: float, min_score: float, equivalent: dict[str, str] | None = None,
+           partial: bool = False, sampled: bool = False, eq_path: Path = EQUIVALENT) -> int:
+    """Print the per-module table, the survivors, the stale equivalent entries and the total
+    score (raw and adjusted for the survivors shown equivalent); the exit code."""
+    equivalent = equivalent or {}
     per: dict[str, dict[str, int]] = {}
     for m, _ in mutants:
         row = per.setdefault(m.module, {"mutants": 0, "tests": 0, "check": 0, "timeout": 0,
-                                        "survived": 0})
+                                        "survived": 0, "equivalent": 0})
         r = results[m]
         row["mutants"] += 1
         if r["status"] == "survived":
             row["survived"] += 1
+            row["equivalent"] += m.id in equivalent
         elif r["status"] == "timeout":
             row["timeout"] += 1
         elif r["by"].startswith("lw check"):
             row["check"] += 1
         else:
             row["tests"] += 1
+
+    def pct(killed: int, of: int) -> float:
+        return 100.0 * killed / max(of, 1)
+
     print()
     print(f"{'module':<24} {'mutants':>7} {'by tests':>8} {'by check':>8} {'hang':>5} "
-          f"{'survived':>8} {'score':>7}")
-    tot = dict.fromkeys(("mutants", "tests", "check", "timeout", "survived"), 0)
+          f"{'survived':>8} {'equiv':>5} {'raw':>7} {'adjusted':>8}")
+    tot = dict.fromkeys(("mutants", "tests", "check", "timeout", "survived", "equivalent"), 0)
+
+    def line(name: str, row: dict[str, int]) -> None:
+        killed = row["mutants"] - row["survived"]
+        print(f"{name:<24} {row['mutants']:>7} {row['tests']:>8} {row['check']:>8} "
+              f"{row['timeout']:>5} {row['survived']:>8} {row['equivalent']:>5} "
+              f"{pct(killed, row['mutants']):>6.1f}% "
+              f"{pct(killed, row['mutants'] - row['equivalent']):>7.1f}%")
+
     for mod, row in sorted(per.items()):
         for k in tot:
             tot[k] += row[k]
-        score = 100.0 * (row["mutants"] - row["survived"]) / row["mutants"]
-        print(f"{mod:<24} {row['mutants']:>7} {row['tests']:>8} {row['check']:>8} "
-              f"{row['timeout']:>5} {row['survived']:>8} {score:>6.1f}%")
-    total = 100.0 * (tot["mutants"] - tot["survived"]) / max(tot["mutants"], 1)
-    print(f"{'total':<24} {tot['mutants']:>7} {tot['tests']:>8} {tot['check']:>8} "
-          f"{tot['timeout']:>5} {tot['survived']:>8} {total:>6.1f}%")
+        line(mod, row)
+    line("total", tot)
     survivors = [m for m, _ in mutants if results[m]["status"] == "survived"]
-    if survivors:
-        print(f"\nsurvivors ({len(survivors)}):")
-        for m in survivors:
-            print(f"  {m.describe()}")
+    unexplained = [m for m in survivors if m.id not in equivalent]
+    if unexplained:
+        print(f"\nsurvivors not shown equivalent ({len(unexplained)}):")
+        for m in unexplained:
+            print(f"  {m.id}  {m.describe()}")
+    explained = [m for m in survivors if m.id in equivalent]
+    if explained:
+        print(f"\nsurvivors shown equivalent ({len(explained)}, {eq_path.name}):")
+        for m in explained:
+            print(f"  {m.id}  {m.describe()}\n      {equivalent[m.id]}")
+    # An entry is stale when its mutant no longer exists (the code changed) or was killed (the
+    # claim was wrong, or a test now tells the difference): either way the list must be fixed.
+    ran = {m.id: m for m, _ in mutants}
+    stems = {Path(m.module).stem for m, _ in mutants}
+    stale = []
+    for mid in equivalent:
+        m = ran.get(mid)
+        if m is not None and results[m]["status"] != "survived":
+            stale.append(f"{mid}: listed equivalent but killed ({results[m]['by']}): "
+                         f"{m.describe()}")
+        elif m is None and not sampled and mid.split(".")[0] in stems:
+            stale.append(f"{mid}: matches no mutant of lw/fsm (the code changed?)")
+    if stale:
+        print(f"\nSTALE entries of {eq_path} ({len(stale)}):")
+        for s in stale:
+            print(f"  {s}")
+    killed = tot["mutants"] - tot["survived"]
+    raw = pct(killed, tot["mutants"])
+    adjusted = pct(killed, tot["mutants"] - tot["equivalent"])
     print(f"\n(hang: killed by the per-mutant timeout) elapsed {elapsed:.0f} s")
-    print(f"MUTATION SCORE lw/fsm: {total:.1f}% "
-          f"({tot['mutants'] - tot['survived']}/{tot['mutants']} killed)")
-    return 1 if total < min_score else 0
+    print(f"MUTATION SCORE lw/fsm: {adjusted:.1f}% adjusted = {killed} killed / "
+          f"({tot['mutants']} mutants - {tot['equivalent']} shown equivalent); "
+          f"raw {raw:.1f}% ({killed}/{tot['mutants']} killed)"
+          + (" [partial run: --module/--sample]" if partial or sampled else ""))
+    return 1 if adjusted < min_score or stale else 0
 
 
 if __name__ == "__main__":

@@ -111,7 +111,16 @@ def test_layers_with_fewer_blocks_than_layer_0_are_not_written_past_their_end() 
     p = _prefill()
     out = _drive(p, (0, 5), _layout("D", [8, 4, 8]))
     _assert_inside([e for e in out if isinstance(e, WriteLayer)], p)
-    _failed_cleanly(p, out, "outside decoder's 4 blocks")
+    _failed_cleanly(p, out, "outside decoder's 4 blocks (its smallest layer)")
+
+
+@pytest.mark.parametrize("sizes", [[4, 8, 8], [4, 4, 4]])
+def test_a_refusal_names_the_smallest_layer_only_when_it_is_not_layer_0(sizes: list[int]) -> None:
+    """The operator reads the pool size that refused: layer 0's unless a later layer is smaller."""
+    p = _prefill()
+    out = _drive(p, (0, 5), _layout("D", sizes))
+    (fin,) = [e for e in out if isinstance(e, SendFinished)]
+    assert fin.reason.endswith("remote block ids [5] outside decoder's 4 blocks")
 
 
 @pytest.mark.parametrize("layers", [1, L - 1, L + 1])

@@ -342,3 +342,70 @@ def test_the_last_done_re_verifies_every_sender_bytes_landing_late_are_caught() 
     pair, _ = _two_senders_done({("P", 0): good}, {("P", 1): good})
     (failed,) = pair.recv
     assert "no local sums" in failed.reason
+def _happy_path_from(t0: float) -> tuple:  # type: ignore[type-arg]
+    """One request from t0: claimed at t0+1, every layer written at t0+3, acked at t0+6."""
+    pair = make_pair()
+    pair.now = t0
+    start(pair)
+    pair.now = t0 + 1.0
+    pair.deliver_all()
+    compute_all(pair)
+    pair.now = t0 + 3.0
+    pair.complete_writes()
+    pair.now = t0 + 6.0
+    pair.deliver_all()
+    assert pair.ps[0].state_of("r1") == "DONE" and pair.d.state_of("r1") == "DONE"
+    return pair.ps[0].timeline.drain_durations(), pair.d.timeline.drain_durations()
+
+
+def test_time_in_state_samples_are_one_per_state_change_measured_from_entering_it() -> None:
+    """Each sample is (state left, seconds since it was entered); declared no-ops (D's
+    sender_done) and P's layer-to-layer steps leave none (the histograms would be skewed)."""
+    p, d = _happy_path_from(10.0)
+    assert p == [("AWAIT_DECODER_META", 1.0), ("META_READY", 2.0), ("LAYER_SENT", 3.0)]
+    assert d == [("PREFILL_REQUESTED", 1.0), ("RECEIVING", 5.0)]
+
+
+def test_status_time_in_state_restarts_when_the_state_changes() -> None:
+    pair = make_pair()
+    pair.now = 10.0
+    start(pair)
+    pair.now = 11.0
+    pair.deliver_all()  # D claimed, P accepted
+    (prow,), (drow,) = pair.ps[0].status(14.0), pair.d.status(14.0)
+    assert (prow.state, prow.in_state_s) == ("META_READY", 3.0)
+    assert (drow.state, drow.in_state_s) == ("RECEIVING", 3.0)
+
+
+def test_d_stuck_alarm_is_rearmed_by_a_state_change() -> None:
+    pair = make_pair(dcfg=DecodeConfig(prefill_timeout_s=10.0, stuck_fraction=0.5))
+    start(pair)
+    assert [r.state for r in pair.d.stuck(6.0)] == ["PREFILL_REQUESTED"]
+    pair.now = 7.0
+    pair.deliver_all()  # claimed: RECEIVING since 7
+    assert pair.d.stuck(11.0) == []
+    assert [r.state for r in pair.d.stuck(12.5)] == ["RECEIVING"]
+    assert pair.d.stuck(13.0) == []
+
+
+def test_a_default_timeline_keeps_the_newest_32768_events() -> None:
+    tl = Timeline()
+    for i in range(32768 + 1):
+        tl.record(float(i), "r", "e")
+    assert len(tl) == 32768 and next(iter(tl))[0] == 1.0
+
+
+def test_undrained_time_in_state_samples_keep_only_the_newest_4096() -> None:
+    tl = Timeline(1)
+    assert tl.durations is not None
+    for i in range(4096 + 1):
+        tl.durations.append(("S", float(i)))  # what the endpoints do on each state change
+    samples = tl.drain_durations()
+    assert len(samples) == 4096 and samples[0] == ("S", 1.0)
+
+
+def test_last_one_is_the_newest_event() -> None:
+    tl = Timeline(4)
+    tl.record(1.0, "a", "x")
+    tl.record(2.0, "a", "y")
+    assert [e[2] for e in tl.last(1)] == ["y"]
