@@ -317,7 +317,7 @@ class DecodeEndpoint:
         layout = self.layout if msg.want_layout else None
         if key in rec.claimers:
             self._fire(rec, "claim", now)
-            if rec.state == FAILED and key not in rec.stopped:
+            if rec.state == FAILED:  # stopped or not: a failed request authorises no write
                 out.append(self._reply(msg, "refused", rec.reason))
             else:
                 out.append(self._reply(msg, "accepted", layout=layout))

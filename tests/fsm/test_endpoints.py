@@ -257,3 +257,31 @@ def test_prefill_restart_fails_its_claims_on_decoder() -> None:
     pair.absorb("d", pair.d.on_message(MetaRequest(PROTOCOL_VERSION, "r2", newer, False), 0.0))
     assert pair.d.state_of("r1") == "FAILED" and pair.d.counters["peer_restarts"] == 1
     assert any(isinstance(e, Quarantine) and e.req_id == "r1" for e in pair.other)
+
+
+def test_a_repeated_claim_on_a_quarantined_request_is_refused_even_from_a_stopped_sender() -> None:
+    """A failed request authorises no write: a late duplicate MetaRequest from a sender that
+    already stopped (while another keeps the quarantine) gets "refused", not "accepted"."""
+    from lw.fsm import PrefillRequest
+    from lw.transport.wire import FailedSending, MetaReply, MetaRequest
+
+    pair = make_pair(n_ranks=2, dcfg=DecodeConfig(prefill_timeout_s=50, lease_s=100))
+    pair.absorb("d", pair.d.add_request("r1", (5, 6, 7), 2, pair.now))
+    for rank in (0, 1):
+        req = PrefillRequest("r1", D_ADDR, (1, 2, 3), (5, 6, 7), 2)
+        pair.absorb(rank, pair.ps[rank].add_request(req, pair.now))
+    claim = next(s.msg for s in pair.queue
+                 if isinstance(s.msg, MetaRequest) and s.msg.sender.rank == 0)
+    pair.deliver_all()
+    compute_all(pair, rank=0)
+    rank, _w = pair.writes.pop(0)
+    assert rank == 0
+    pair.absorb(0, pair.ps[0].transfer_done("r1", 0, False, "refused by peer", 0.0))
+    pair.complete_writes()
+    (failed,) = [s for s in pair.queue if isinstance(s.msg, FailedSending)]
+    pair.queue.remove(failed)
+    pair.absorb("d", pair.d.on_message(failed.msg, 1.0))  # its Abort to rank 1 stays queued
+    # rank 0 stopped; rank 1 (claimed, not stopped) keeps the blocks quarantined
+    assert pair.d.state_of("r1") == "FAILED" and pair.d.quarantined() == {"r1": (5, 6, 7)}
+    replies = [e.msg for e in pair.d.on_message(claim, 1.0) if isinstance(e.msg, MetaReply)]
+    assert [r.status for r in replies] == ["refused"]
