@@ -426,7 +426,7 @@ class DecodeEndpoint:
         return ""
 
     def _on_done(self, msg: DoneSending, now: float, out: list[Effect],
-                 kv_sums: Sequence[int] | None = None) -> None:
+                 kv_sums: KVSums | None = None) -> None:
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             fin = self._stale(msg)
