@@ -409,3 +409,23 @@ def test_last_one_is_the_newest_event() -> None:
     tl.record(1.0, "a", "x")
     tl.record(2.0, "a", "y")
     assert [e[2] for e in tl.last(1)] == ["y"]
+
+
+def test_sum_senders_names_nobody_for_unknown_unclaimed_or_failed_requests() -> None:
+    from msgspec.structs import replace
+
+    from lw.transport.wire import DoneSending
+
+    pair = make_pair(dcfg=DecodeConfig(kv_checksum=True))
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    pair.complete_writes()
+    (done,) = [s.msg for s in pair.queue if isinstance(s.msg, DoneSending)]
+    assert pair.d.sum_senders(done) == [("P", 0)]
+    assert pair.d.sum_senders(replace(done, req_id="nope")) == []
+    stranger = replace(done, sender=replace(done.sender, rank=7))
+    assert pair.d.sum_senders(stranger) == []
+    pair.absorb("d", pair.d.abort("r1", "test", pair.now))
+    assert pair.d.state_of("r1") == "FAILED"
+    assert pair.d.sum_senders(done) == []  # a failed request is verified by nobody
