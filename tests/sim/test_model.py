@@ -30,7 +30,7 @@ P_LOSS_DETECTION = True
 
 PROXY = frozenset({"arrive", "alloc", "start"})
 P_STEP = frozenset({"schedule", "layer", "hook", "barrier"})
-DATA = frozenset({"complete", "decode"})
+DATA = frozenset({"complete", "decode", "zland"})
 CLOCK = frozenset({"timer", "wto", "zexp", "idle"})
 DETECT = frozenset({"p_lost", "d_lost", "restart_d"})
 NORMAL = PROXY | P_STEP | DATA | CLOCK | DETECT | {"deliver"}
@@ -52,6 +52,10 @@ def worlds(draw: st.DrawFn, design: str) -> WorldConfig:
     requests = draw(st.integers(1, 3), label="requests")
     bpr = draw(st.integers(1, 2), label="blocks_per_request")
     hits = draw(st.lists(st.integers(0, bpr), max_size=requests), label="prefix_hits")
+    # Late writes of superseded claims only with checksums: without them lw relies on the lease
+    # alone, and the checker shows stale-kv there (lease-only-fence).
+    checksum = draw(st.booleans(), label="kv_checksum")
+    late = checksum and draw(st.booleans(), label="late_writes")
     return WorldConfig(
         design=design, dp=draw(st.integers(1, 3), label="dp"), tp=tp, d_tp=d_tp, mla=mla,
         requests=requests, layers=draw(st.integers(1, 3), label="layers"),
@@ -62,7 +66,8 @@ def worlds(draw: st.DrawFn, design: str) -> WorldConfig:
         max_faults=draw(st.integers(1, 4), label="max_faults"),
         delays=draw(st.booleans(), label="delays"),
         d_restarts=draw(st.integers(0, 1), label="d_restarts"),
-        atomic_layers=draw(st.booleans(), label="atomic"), p_loss_detection=P_LOSS_DETECTION)
+        atomic_layers=draw(st.booleans(), label="atomic"), p_loss_detection=P_LOSS_DETECTION,
+        kv_checksum=checksum, late_writes=late)
 
 
 class WorldMachine(RuleBasedStateMachine):
