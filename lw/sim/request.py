@@ -43,19 +43,29 @@ class Req:
         self.touched = False  # a fault hit it: crash of its engines, abort, failed write
         self.losses = 0  # its messages the network dropped
 
-    def key(self, now: float) -> tuple:
-        """Hashable content (times relative to ``now``)."""
+    def key(self, now: float, progress_budget: int = 0) -> tuple:
+        """Hashable content (times relative to ``now``). ``progress_budget``: P's retry budget
+        where the progress property is checked (it reads the faults that touched a request and
+        its losses, up to the budget), 0 where it is not (then they decide nothing)."""
 
         def rel(t: float | None) -> float | None:
             return None if t is None else round(t - now, 6)
 
         # Sets as sorted tuples: equal frozensets can iterate (and so print) in different orders,
-        # and the explorer fingerprints the key's text.
+        # and the explorer fingerprints the key's text. The start times are read only by the
+        # request-ends bound, checked at each worker's report: once every worker has reported,
+        # how long ago the request started decides nothing, and keeping it would tell apart
+        # states that differ only in that (t_dfail is for traces: nothing reads it).
+        # Likewise the landed writes, read only when a D worker reports.
+        d_open = min(self.recv_reports) == 0
+        t_alloc = rel(self.t_alloc) if d_open else None
+        t_padd = rel(self.t_padd) if min(self.send_reports) == 0 else None
+        landed = tuple(sorted(self.landed)) if d_open else None
         return (self.d_stage, self.p_stage, self.d_blocks, self.p_blocks, self.started,
-                self.p_added, tuple(sorted(self.landed)), self.send_reports, self.send_ok,
+                self.p_added, landed, self.send_reports, self.send_ok,
                 self.recv_reports, self.recv_ok, tuple(sorted(self.accepted)), self.quarantined,
-                self.p_freed, rel(self.t_alloc), rel(self.t_padd), rel(self.t_dfail), self.d_inc,
-                self.touched, self.losses)
+                self.p_freed, t_alloc, t_padd, self.d_inc,
+                (self.touched, min(self.losses, progress_budget)) if progress_budget else None)
 
     def d_final(self) -> bool:
         """D side has nothing more to do for this request."""

@@ -218,6 +218,10 @@ def test_snapshot_rules_name_real_fields() -> None:
     dict(dp=1, requests=1, layers=1, faults=True, fault_kinds=("write",)),
     dict(dp=1, requests=2, layers=1, faults=True, fault_kinds=("write",), late_writes=True,
          kv_checksum=True, delays=False),
+    # The key forgets start times and landed writes once every worker reported, and faults and
+    # losses where progress is not checked: two requests, one finishing before the other.
+    dict(dp=1, requests=2, layers=1, faults=True, fault_kinds=("write",), delays=False),
+    dict(dp=1, requests=2, layers=2, faults=True, fault_kinds=("drop",), delays=False),
 ])
 def test_key_deduplication_misses_no_state_class(kw: dict) -> None:
     """Exploring with states told apart by the whole pickled world (every field, absolute
