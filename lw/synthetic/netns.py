@@ -56,6 +56,10 @@ class Partition:
             self._made = True
             _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
             _ip("link", "set", self.ns_if, "netns", self.name)
+            # no IPv6 link-local addresses (nor their neighbour discovery): nothing but the two
+            # 10.77.N.x addresses on this link
+            _ip("link", "set", self.host_if, "addrgenmode", "none")
+            _ip("-n", self.name, "link", "set", self.ns_if, "addrgenmode", "none")
             _ip("addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
             _ip("link", "set", self.host_if, "up")
             _ip("-n", self.name, "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_if)
