@@ -377,6 +377,17 @@ class DecodeEndpoint:
             runs.append(tuple((dst, n) for _src, dst, n in segs))
         return rec.blocks, runs
 
+    def sum_plans(self, msg: DoneSending
+                  ) -> dict[SenderKey, tuple[tuple[int, ...], list[tuple[tuple[int, int], ...]]]]:
+        """What the driver checksums for this DONE: :meth:`sum_plan` of each sender
+        :meth:`sum_senders` names (the ``kv_sums`` of :meth:`on_message` has the same keys)."""
+        plans = {}
+        for key in self.sum_senders(msg):
+            plan = self.sum_plan(msg.req_id, key)
+            if plan is not None:
+                plans[key] = plan
+        return plans
+
     def sum_senders(self, msg: DoneSending) -> list[SenderKey]:
         """The senders whose blocks the driver checksums for this DONE (``kv_checksum``): its
         own sender and, when it is the request's last DONE, every sender already done."""

@@ -102,7 +102,7 @@ class Checks:
         """Property progress (with a timely clock): every request no fault touched, with fewer
         message losses than P's retry budget, ended DONE on both sides."""
         cfg = self.cfg
-        if not cfg.timely() or cfg.misconfigured():
+        if not cfg.progress_budget():
             return
         for q in self.reqs:
             if q.touched or q.losses >= cfg.retries:

@@ -119,6 +119,11 @@ class WorldConfig:
         return (self.d_layout_blocks not in (0, self.d_blocks)
                 or self.d_layout_layers not in (0, self.layers))
 
+    def progress_budget(self) -> int:
+        """P's retry budget where the progress property is checked (timely clock, not
+        misconfigured), else 0: what a request's faults and losses matter up to."""
+        return self.retries if self.timely() and not self.misconfigured() else 0
+
     def timely(self) -> bool:
         """The clock only moves when nothing else can: progress is required (see properties)."""
         return not (self.faults and self.delays)

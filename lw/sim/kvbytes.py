@@ -86,16 +86,10 @@ class KVBytes:
         """D worker ``v``'s driver: its sums over its own memory for each sender the core
         names for this DONE (0 where nothing was written)."""
         ep = self.d[v]
-        out: dict[tuple[str, int], list[int]] = {}
-        for key in ep.sum_senders(msg):
-            plan = ep.sum_plan(msg.req_id, key)
-            if plan is None:
-                continue
-            blocks, _runs = plan
-            s = self._slice(key[1])
-            out[key] = [self.d_mem.get((v, b, k, s), -1) + 1
-                        for k in range(len(ep.layout.layers)) for b in blocks]
-        return out
+        layers = range(len(ep.layout.layers))
+        return {key: [self.d_mem.get((v, b, k, self._slice(key[1])), -1) + 1
+                      for k in layers for b in blocks]
+                for key, (blocks, _runs) in ep.sum_plans(msg).items()}
 
     def _check_fenced(self, q: Req) -> None:
         """Property stale-kv, when D's engine starts decoding ``q``."""

@@ -108,8 +108,6 @@ class World(Faults, Clock, Checks, KVBytes):
         # land in D's blocks until the deadline. (P worker, req, layer, D worker, remote, deadline)
         self.zombies: list[tuple[int, int, int, int, tuple[int, ...], float]] = []
         self.d_mem: Memory = {}  # whose bytes D's blocks hold (kv_checksum, late_writes)
-        # what the requests' keys keep of their faults and losses (lw.sim.request.Req.key)
-        self._progress_budget = cfg.retries if cfg.timely() and not cfg.misconfigured() else 0
         self.p_pool: list[list[int | None]] = [[None] * cfg.p_blocks for _ in range(cfg.dp)]
         self.d_pool: list[list[int | None]] = [[None] * cfg.d_blocks for _ in range(cfg.d_dp)]
         self.p_queue: list[list[int]] = [[] for _ in range(cfg.dp)]
@@ -158,7 +156,7 @@ class World(Faults, Clock, Checks, KVBytes):
             tuple(map(tuple, self.p_queue)), tuple(map(tuple, self.d_queue)),
             tuple(map(tuple, self.p_batch)), tuple(map(tuple, self.p_free_pending)),
             tuple(sorted((z[0], z[1], z[2], z[3], round(z[5] - now, 6)) for z in self.zombies)),
-            tuple(q.key(now, self._progress_budget) for q in self.reqs),
+            tuple(q.key(now, self.cfg.progress_budget()) for q in self.reqs),
             tuple(ep.snapshot() for ep in self.p) if self.p_alive else None,
             tuple(ep.snapshot() if self.d_alive[v // self.d_tp] else None
                   for v, ep in enumerate(self.d)),

@@ -667,20 +667,14 @@ class WorkerLoop:
 
     def _local_sums(self, msg: DoneSending) -> dict[tuple[str, int], list[int]]:
         """D: CRC-32C of our blocks, layer by layer, where each sender the core names for this
-        DONE wrote (the last DONE re-reads every sender's blocks: see sum_senders)."""
+        DONE wrote (the last DONE re-reads every sender's blocks: see sum_plans)."""
         ep = self.endpoint
         assert isinstance(ep, DecodeEndpoint)
         out: dict[tuple[str, int], list[int]] = {}
-        for key in ep.sum_senders(msg):
-            plan = ep.sum_plan(msg.req_id, key)
-            if plan is None:
-                continue
-            blocks, runs = plan
-            sums: list[int] = []
-            for lay, layer_runs in zip(ep.layout.layers, runs, strict=True):
-                sums += block_sums(lay.base_addr, lay.block_stride, lay.num_blocks, blocks,
-                                   layer_runs)
-            out[key] = sums
+        for key, (blocks, runs) in ep.sum_plans(msg).items():
+            out[key] = [c for lay, layer_runs in zip(ep.layout.layers, runs, strict=True)
+                        for c in block_sums(lay.base_addr, lay.block_stride, lay.num_blocks,
+                                            blocks, layer_runs)]
             self.counters["checksums_verified"] += 1
         return out
 
