@@ -423,6 +423,8 @@ def test_sum_senders_names_nobody_for_unknown_unclaimed_or_failed_requests() -> 
     pair.complete_writes()
     (done,) = [s.msg for s in pair.queue if isinstance(s.msg, DoneSending)]
     assert pair.d.sum_senders(done) == [("P", 0)]
+    assert pair.d.sum_plans(done) == {("P", 0): pair.d.sum_plan("r1", ("P", 0))}
+    assert pair.d.sum_plans(replace(done, req_id="nope")) == {}
     assert pair.d.sum_senders(replace(done, req_id="nope")) == []
     stranger = replace(done, sender=replace(done.sender, rank=7))
     assert pair.d.sum_senders(stranger) == []
