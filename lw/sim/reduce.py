@@ -34,7 +34,7 @@ explorer now fingerprints the key's text (``lw.sim.explorer.fingerprint``).
 
 An **inert delivery**. A message in flight to an endpoint that is dead,
 or about a request that endpoint has already finished (final, released, not live), once no fault
-can be injected any more (no drop, duplicate, crash or abort left in the budget, or faults off):
+can be injected any more (no drop, duplicate, crash or abort left in the budget, faults off, or no fault kind):
 
 * it can never be disabled (only delivering it removes it: no drop, no crash of its receiver);
 * its receiver's answer to it cannot change (a dead endpoint stays dead; a finished request stays
@@ -62,7 +62,8 @@ ARRIVE: Action = ("arrive",)
 
 def faults_exhausted(w: World) -> bool:
     """No fault action (drop, duplicate, failed write, crash, abort) can ever be enabled again."""
-    return not w.faults_on() or w.faults_used >= w.cfg.max_faults
+    return (not w.faults_on() or w.faults_used >= w.cfg.max_faults
+            or not w.cfg.fault_kinds)  # --faults with no fault kind: delays only
 
 
 def inert_candidates(w: World, acts: list[Action]) -> list[Action]:
