@@ -34,7 +34,8 @@ explorer now fingerprints the key's text (``lw.sim.explorer.fingerprint``).
 
 An **inert delivery**. A message in flight to an endpoint that is dead,
 or about a request that endpoint has already finished (final, released, not live), once no fault
-can be injected any more (no drop, duplicate, crash or abort left in the budget, faults off, or no fault kind):
+can be injected any more (no drop, duplicate, crash or abort left in the budget, faults off, or
+no fault kind):
 
 * it can never be disabled (only delivering it removes it: no drop, no crash of its receiver);
 * its receiver's answer to it cannot change (a dead endpoint stays dead; a finished request stays

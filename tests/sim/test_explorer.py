@@ -309,10 +309,10 @@ def test_a_world_with_no_fault_kind_has_its_faults_exhausted_from_the_start() ->
     """--faults with no fault kind (delays only) can never inject a fault: the reductions that
     wait for the fault budget to be spent apply from the first state."""
     from lw.sim.reduce import faults_exhausted
+    from lw.sim.world import FAULT_ACTIONS
 
     delays = World(WorldConfig(faults=True, fault_kinds=()))
-    assert not [a for a in delays.enabled() if a[0] in ("drop", "dup", "fail_write", "crash_p",
-                                                          "crash_d", "abort_d", "abort_p")]
+    assert not [a for a in delays.enabled() if a[0] in FAULT_ACTIONS]
     assert faults_exhausted(delays)
     assert not faults_exhausted(World(WorldConfig(faults=True, fault_kinds=("drop",))))
     res = explore(WorldConfig(faults=True, fault_kinds=(), dp=1, requests=1, layers=2))
