@@ -39,6 +39,23 @@ def compute_all(pair: Pair, rid: str = "r1", rank: int = 0) -> None:
         pair.absorb(rank, pair.ps[rank].layer_computed(layer, [rid], pair.now))
 
 
+def send_done(pair: Pair, sums: list[int], local: list[int] | None) -> None:
+    """Run r1 to its DONE and hand that DONE to D with ``sums`` as its checksums and ``local``
+    as D's own sums (the driver's CRC-32C)."""
+    from msgspec.structs import replace
+
+    from lw.transport.wire import DoneSending, decode, encode
+
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    pair.complete_writes()
+    (done,) = [s for s in pair.queue if isinstance(s.msg, DoneSending)]
+    pair.queue.remove(done)
+    msg = decode(encode(replace(done.msg, checksums=sums)))
+    pair.absorb("d", pair.d.on_message(msg, pair.now, local))
+
+
 def test_happy_path_layers_before_meta_are_remembered() -> None:
     pair = make_pair()
     start(pair)

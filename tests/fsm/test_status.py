@@ -6,8 +6,8 @@ from lw.fsm import DecodeConfig, PrefillConfig
 from lw.fsm.status import status_line
 from lw.fsm.timeline import Timeline, state_class
 
-from .harness import D_ADDR, P_ADDR
-from .test_endpoints import L, compute_all, make_pair, start
+from .harness import D_ADDR, P_ADDR, Pair
+from .test_endpoints import L, compute_all, make_pair, send_done, start
 
 
 def test_timeline_records_every_fired_event_in_order_on_both_sides() -> None:
@@ -113,21 +113,9 @@ def test_stuck_alarm_fires_once_per_state_after_the_configured_fraction() -> Non
 
 
 # ------------------------------------------------------------------------------ KV checksums
-def _done_with(pair, sums: list[int] | None):  # type: ignore[no-untyped-def]
+def _done_with(pair: Pair, sums: list[int] | None) -> None:
     """Deliver P's DoneSending to D with ``sums`` as its checksums (D's own: range(n))."""
-    from msgspec.structs import replace
-
-    from lw.transport.wire import DoneSending, decode, encode
-
-    start(pair)
-    pair.deliver_all()
-    compute_all(pair)
-    pair.complete_writes()
-    (done,) = [s for s in pair.queue if isinstance(s.msg, DoneSending)]
-    pair.queue.remove(done)
-    msg = decode(encode(replace(done.msg, checksums=sums or [])))
-    local = list(range(L * 3))  # 3 blocks per request in the harness
-    pair.absorb("d", pair.d.on_message(msg, pair.now, local))
+    send_done(pair, sums or [], list(range(L * 3)))  # 3 blocks per request in the harness
     pair.deliver_all()
 
 

@@ -39,8 +39,8 @@ from lw.transport.wire import (
     encode,
 )
 
-from .harness import D_ADDR, P_ADDR, d_layout, d_sender, p_sender
-from .test_endpoints import L, compute_all, make_pair, start
+from .harness import D_ADDR, P_ADDR, Pair, d_layout, d_sender, p_sender
+from .test_endpoints import L, compute_all, make_pair, send_done, start
 
 
 # ------------------------------------------------------------------------------ D
@@ -240,20 +240,8 @@ def test_d_checksums_cover_the_bytes_each_head_sliced_sender_wrote(
 def test_kv_checksums_of_the_wrong_count_fail_the_request(sent: int, mine: int | None) -> None:
     """Checksums are compared one per (layer, block): any other count fails the request, it is
     never taken as a match."""
-    from msgspec.structs import replace
-
-    from lw.transport.wire import DoneSending
-
     pair = make_pair(dcfg=DecodeConfig(kv_checksum=True))
-    start(pair)
-    pair.deliver_all()
-    compute_all(pair)
-    pair.complete_writes()
-    (done,) = [s for s in pair.queue if isinstance(s.msg, DoneSending)]
-    pair.queue.remove(done)
-    msg = decode(encode(replace(done.msg, checksums=list(range(sent)))))
-    pair.absorb("d", pair.d.on_message(msg, pair.now,
-                                       None if mine is None else list(range(mine))))
+    send_done(pair, list(range(sent)), None if mine is None else list(range(mine)))
     (failed,) = pair.recv
     assert type(failed).__name__ == "RecvFailed"
     got = "no local sums" if mine is None else f"{mine} local sums"
@@ -366,12 +354,18 @@ def test_p_timeline_records_a_resent_done() -> None:
         ("ack_timer", S2, S2), ("ack", S2, "DONE")]
 
 
-def test_d_timeline_records_what_arrives_for_a_quarantined_request() -> None:
+def _quarantined() -> Pair:
+    """A D request claimed by two P ranks, then aborted: FAILED and quarantined."""
     pair = make_pair(n_ranks=2)
     pair.absorb("d", pair.d.add_request("r", (5, 6, 7), 2, pair.now))
     _meta(pair, "r", 0)
     _meta(pair, "r", 1)
     pair.absorb("d", pair.d.abort("r", "gone", pair.now))
+    return pair
+
+
+def test_d_timeline_records_what_arrives_for_a_quarantined_request() -> None:
+    pair = _quarantined()
     n = len(_d_events(pair, "r"))
     wrong = DoneSending(PROTOCOL_VERSION, "r", p_sender(0), 2, L + 1)  # crossing our Abort
     pair.absorb("d", pair.d.on_message(decode(encode(wrong)), pair.now))
@@ -384,11 +378,7 @@ def test_d_timeline_records_what_arrives_for_a_quarantined_request() -> None:
 
 
 def test_d_timeline_records_an_abort_ack() -> None:
-    pair = make_pair(n_ranks=2)
-    pair.absorb("d", pair.d.add_request("r", (5, 6, 7), 2, pair.now))
-    _meta(pair, "r", 0)
-    _meta(pair, "r", 1)
-    pair.absorb("d", pair.d.abort("r", "gone", pair.now))
+    pair = _quarantined()
     n = len(_d_events(pair, "r"))
     ack = AbortAck(PROTOCOL_VERSION, "r", p_sender(1), known=True)
     pair.absorb("d", pair.d.on_message(decode(encode(ack)), pair.now))
