@@ -87,9 +87,11 @@ class KVBytes:
         names for this DONE (0 where nothing was written)."""
         ep = self.d[v]
         layers = range(len(ep.layout.layers))
-        return {key: [self.d_mem.get((v, b, k, self._slice(key[1])), -1) + 1
-                      for k in layers for b in blocks]
-                for key, (blocks, _runs) in ep.sum_plans(msg).items()}
+        out: dict[tuple[str, int], list[int]] = {}
+        for key, (blocks, _runs) in ep.sum_plans(msg).items():
+            s = self._slice(key[1])
+            out[key] = [self.d_mem.get((v, b, k, s), -1) + 1 for k in layers for b in blocks]
+        return out
 
     def _check_fenced(self, q: Req) -> None:
         """Property stale-kv, when D's engine starts decoding ``q``."""

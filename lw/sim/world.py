@@ -145,6 +145,7 @@ class World(Faults, Clock, Checks, KVBytes):
     def key(self) -> tuple:
         """Canonical hashable state (endpoint snapshots + world state, times relative to now)."""
         now = self.now
+        budget = self.cfg.progress_budget()
         return (
             self.arrived, self.phase, tuple(self.hooks_done), self.p_alive, tuple(self.d_alive),
             tuple(self.p_lost_seen), tuple(sorted(self.d_lost_seen)), self.faults_used,
@@ -156,7 +157,7 @@ class World(Faults, Clock, Checks, KVBytes):
             tuple(map(tuple, self.p_queue)), tuple(map(tuple, self.d_queue)),
             tuple(map(tuple, self.p_batch)), tuple(map(tuple, self.p_free_pending)),
             tuple(sorted((z[0], z[1], z[2], z[3], round(z[5] - now, 6)) for z in self.zombies)),
-            tuple(q.key(now, self.cfg.progress_budget()) for q in self.reqs),
+            tuple(q.key(now, budget) for q in self.reqs),
             tuple(ep.snapshot() for ep in self.p) if self.p_alive else None,
             tuple(ep.snapshot() if self.d_alive[v // self.d_tp] else None
                   for v, ep in enumerate(self.d)),
