@@ -450,6 +450,9 @@ class DecodeEndpoint:
         if msg.num_layers != len(self.layout.layers):
             self._fail(rec, f"sender {key} reports {msg.num_layers} layers, we have "
                        f"{len(self.layout.layers)}", now, out)
+        elif msg.num_blocks is not None and msg.num_blocks != len(rec.blocks):
+            self._fail(rec, f"sender {key}'s DONE covers {msg.num_blocks} blocks, we receive "
+                       f"{len(rec.blocks)}", now, out)
         if rec.state == FAILED:
             self._fire(rec, "sender_done", now)
             rec.stopped.add(key)

@@ -31,6 +31,13 @@ class WriteLayer:
     # two head formats (lw.fsm.kvmap); None: the whole block, as long on both sides.
     segments: tuple[tuple[int, int, int], ...] | None = None
     target: str = ""  # side-channel address of the D worker written into (its DONE's dest)
+    # The write's number within its request, in (chunk, layer) order: chunk * L + layer (-1 when
+    # made: the layer, a request pushed in one chunk). ``transfer_done`` takes it back.
+    seq: int = -1
+
+    def __post_init__(self) -> None:
+        if self.seq < 0:
+            object.__setattr__(self, "seq", self.layer)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,12 @@ Prefill side (per request and P worker rank)::
     AWAIT_DECODER_META -> META_READY -> LAYER_0_SENT -> ... -> LAYER_{L-1}_SENT -> DONE
     (FAILED from every non-final state)
 
+With progressive push a prompt computed in chunks sends each chunk's complete blocks layer by
+layer: LAYER_k_SENT then counts the layers of the chunk being written, and a chunk that is not
+the prompt's last goes from LAYER_{L-1}_SENT to CHUNK_SENT and on to the next chunk's
+LAYER_0_SENT. DONE is sent only after the last chunk's last layer (every earlier write has
+completed: layers are counted in (chunk, layer) order).
+
 Decode side (per request)::
 
     PREFILL_REQUESTED -> RECEIVING -> DONE      (FAILED from every non-final state)
@@ -21,6 +27,7 @@ from lw.fsm.machine import STAY, Declaration, rows
 
 AWAIT_DECODER_META = "AWAIT_DECODER_META"
 META_READY = "META_READY"
+CHUNK_SENT = "CHUNK_SENT"
 DONE = "DONE"
 FAILED = "FAILED"
 
@@ -37,7 +44,7 @@ def prefill_declaration(num_layers: int) -> Declaration:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     sent = [layer_sent(k) for k in range(num_layers)]
     last = sent[-1]
-    live = (AWAIT_DECODER_META, META_READY, *sent)
+    live = (AWAIT_DECODER_META, META_READY, *sent, CHUNK_SENT)
     return Declaration(
         name="prefill",
         states=(*live, DONE, FAILED),
@@ -48,22 +55,33 @@ def prefill_declaration(num_layers: int) -> Declaration:
             rows("meta_accepted", [AWAIT_DECODER_META], META_READY),
             # This rank holds nothing any D rank takes from it (MLA: another P rank writes it).
             rows("no_target", [AWAIT_DECODER_META], DONE),
-            rows("meta_accepted", [META_READY, *sent, DONE, FAILED], STAY, "duplicate reply"),
+            rows("meta_accepted", [META_READY, *sent, CHUNK_SENT, DONE, FAILED], STAY,
+                 "duplicate reply"),
             # One target D worker accepted (or accepted again) while another has not yet.
             rows("target_accepted", [AWAIT_DECODER_META], STAY, "other targets pending"),
             # D does not know the request yet: ask again on the next retry tick.
             rows("meta_unknown", [AWAIT_DECODER_META], STAY, "retry later"),
-            rows("meta_unknown", [META_READY, *sent, DONE, FAILED], STAY, "stale reply"),
+            rows("meta_unknown", [META_READY, *sent, CHUNK_SENT, DONE, FAILED], STAY,
+                 "stale reply"),
+            # The scheduler computes another chunk of the prompt (progressive push): its
+            # complete blocks are written layer by layer as it computes them.
+            rows("chunk_scheduled", [AWAIT_DECODER_META, META_READY, *sent[:-1], CHUNK_SENT],
+                 STAY, "more blocks to write"),
+            rows("chunk_scheduled", [FAILED], STAY, "computation goes on; nothing is sent"),
             # The forward pass finished a layer: remembered, never waited for.
-            rows("layer_computed", [AWAIT_DECODER_META, META_READY, *sent[:-1]], STAY),
+            rows("layer_computed", [AWAIT_DECODER_META, META_READY, *sent[:-1], CHUNK_SENT],
+                 STAY),
             rows("layer_computed", [FAILED], STAY, "computation goes on; nothing is sent"),
-            # A layer write completed (in layer order).
-            rows("layer_sent", [META_READY], sent[0]),
+            # A layer write completed (in (chunk, layer) order).
+            rows("layer_sent", [META_READY, CHUNK_SENT], sent[0]),
             *(rows("layer_sent", [sent[k]], sent[k + 1]) for k in range(num_layers - 1)),
             rows("layer_sent", [FAILED], STAY, "write that was in flight when we failed"),
+            # Every layer of a chunk that is not the prompt's last has been written.
+            rows("chunk_sent", [last], CHUNK_SENT),
             # A retry tick while waiting for D's metadata or for the DONE acknowledgement.
             rows("meta_timer", [AWAIT_DECODER_META], STAY, "resend MetaRequest"),
-            rows("meta_timer", [META_READY, *sent, DONE, FAILED], STAY, "stale timer"),
+            rows("meta_timer", [META_READY, *sent, CHUNK_SENT, DONE, FAILED], STAY,
+                 "stale timer"),
             rows("ack_timer", [last], STAY, "resend DoneSending"),
             rows("ack_timer", [DONE, FAILED], STAY, "stale timer"),
             # D acknowledged DONE.

@@ -101,7 +101,8 @@ _Crc = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
 
 
 class DoneSending(_Msg, tag="done"):
-    """P tells D that every layer write of this sender for a request has completed.
+    """P tells D that every layer write of this sender for a request has completed, for every
+    block of the request (sent in one chunk or chunk by chunk).
 
     With ``kv_checksum`` on, ``checksums`` holds the CRC-32C of the bytes this sender wrote into
     each D block, layer by layer (layer-major, blocks in request order), computed from P's
@@ -113,6 +114,9 @@ class DoneSending(_Msg, tag="done"):
     num_layers: _Count
     checksums: Annotated[list[_Crc], msgspec.Meta(max_length=1 << 17)] = msgspec.field(
         default_factory=list)
+    # How many of D's blocks this sender wrote, every layer of each (progressive push writes
+    # them chunk by chunk); D refuses a DONE that does not cover all of its blocks.
+    num_blocks: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] | None = None
 
 
 class FailedSending(_Msg, tag="failed"):

@@ -9,6 +9,13 @@ of each block that carry the heads both hold, see :mod:`lw.fsm.kvmap`) and its o
 The request's lifecycle moves as one: META_READY once every target accepted, LAYER_k_SENT once
 layer k reached every target, DONE once every target acknowledged. A rank with no target (MLA
 with more P ranks than D ranks) has nothing to send and finishes at once.
+
+Progressive push (chunked prefill): a request may be added at its first chunk with only the
+blocks that chunk completes (``PrefillRequest.final`` false); :meth:`PrefillEndpoint.add_chunk`
+announces each later chunk and its newly complete blocks. Every chunk runs every layer, and layer
+k of chunk c writes chunk c's blocks of layer k as soon as it is computed. Writes are numbered in
+(chunk, layer) order (``WriteLayer.seq``); DONE goes out once the last chunk's last layer and
+every write before it have completed.
 """
 
 from __future__ import annotations
@@ -27,7 +34,13 @@ from lw.fsm.effects import (
     WriteLayer,
 )
 from lw.fsm.kvmap import LayoutMismatch, Segment, block_segments
-from lw.fsm.lifecycles import AWAIT_DECODER_META, DONE, FAILED, META_READY, prefill_declaration
+from lw.fsm.lifecycles import (
+    AWAIT_DECODER_META,
+    DONE,
+    FAILED,
+    META_READY,
+    prefill_declaration,
+)
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
@@ -81,13 +94,19 @@ class PrefillRequest:
     """What the P scheduler knows of a request whose prefill completes in this step.
 
     ``decoder_addr`` is the side-channel address of the D worker that allocated the blocks, or a
-    tuple of them when this rank writes into several D TP ranks (empty: nothing to send)."""
+    tuple of them when this rank writes into several D TP ranks (empty: nothing to send).
+
+    ``final`` false (progressive push): the prompt is computed in chunks and this step computes
+    its first one; ``local_blocks`` are the P blocks of the first ``len(local_blocks)`` remote
+    blocks, the ones complete after this chunk (possibly none); ``add_chunk`` announces the
+    rest."""
 
     req_id: str
     decoder_addr: str | tuple[str, ...]
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
     expected_senders: int = 1
+    final: bool = True
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -131,6 +150,10 @@ class _Req:
         "since",
         "deadline",
         "alarmed",
+        "local",
+        "chunks",
+        "limit",
+        "final",
     )
 
     def __init__(self, req: PrefillRequest, state: str, now: float, deadline: float) -> None:
@@ -140,11 +163,17 @@ class _Req:
         self.deadline = deadline  # when the request deadline fires (observability only)
         self.alarmed = False  # reported stuck in its current state already
         self.targets = [_Target(a) for a in req.targets]
-        self.computed = 0  # layers 0..computed-1 have been computed by the forward pass
-        self.submitted = 0  # layers 0..submitted-1 have been handed to the data plane
-        self.sent = 0  # layers 0..sent-1 have been written to every target (in order)
+        # Writes are numbered seq = chunk * L + layer (one chunk: seq is the layer).
+        self.computed = 0  # writes 0..computed-1 have been computed by the forward pass
+        self.submitted = 0  # writes 0..submitted-1 have been handed to the data plane
+        self.sent = 0  # writes 0..sent-1 have been written to every target (in order)
         self.out_of_order: set[int] = set()
-        self.pending: dict[int, int] = {}  # layer -> target writes not completed yet
+        self.pending: dict[int, int] = {}  # seq -> target writes not completed yet
+        self.local: tuple[int, ...] = ()  # P blocks of the remote blocks announced so far
+        # Per announced chunk: (P blocks, D blocks) it completes (what its layers write).
+        self.chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self.limit = 0  # writes the announced chunks make: len(chunks) * L
+        self.final = req.final  # the prompt's last chunk has been announced
         self.inflight = 0
         self.meta_tries = 0
         self.ack_tries = 0
@@ -259,20 +288,26 @@ class PrefillEndpoint:
         """The scheduler hands us a request to push to D (its prefill completes in this step)."""
         if req.req_id in self._reqs:
             raise ValueError(f"request {req.req_id!r} is already live on {self._who()}")
-        if len(req.local_blocks) != len(req.remote_blocks):
+        if len(req.local_blocks) != len(req.remote_blocks) and (
+                req.final or len(req.local_blocks) > len(req.remote_blocks)):
             raise ValueError(
                 f"request {req.req_id!r}: {len(req.local_blocks)} local blocks but "
                 f"{len(req.remote_blocks)} remote blocks"
+                + ("" if req.final else " (a first chunk completes at most every block)")
             )
         if len(set(req.targets)) != len(req.targets):
             raise ValueError(f"request {req.req_id!r}: a decoder is named twice in "
                              f"{req.targets}")
         self._finished.pop(req.req_id, None)
         rec = _Req(req, AWAIT_DECODER_META, now, now + self.config.request_timeout_s)
+        if req.local_blocks or req.final:
+            self._announce(rec, req.local_blocks)
         self._reqs[req.req_id] = rec
         self.counters["requests"] += 1
         self.timeline.record(now, req.req_id, "admitted", "", AWAIT_DECODER_META,
-                             f"{len(req.local_blocks)} blocks to {', '.join(req.targets)}")
+                             f"{len(req.local_blocks)} blocks to {', '.join(req.targets)}"
+                             + ("" if req.final else
+                                f" (first chunk; {len(req.remote_blocks)} in all)"))
         out: list[Effect] = []
         if req.req_id in self._tombstones:
             del self._tombstones[req.req_id]
@@ -297,11 +332,17 @@ class PrefillEndpoint:
         reqs = self._reqs
         table = self._table
         recs = [rec for rid in req_ids if (rec := reqs.get(rid)) is not None]
+        L = self.num_layers
         for rec in recs:
-            if layer != rec.computed or (rec.state, "layer_computed") not in table:
+            c = rec.computed
+            if (c >= rec.limit or layer != c % L
+                    or (rec.state, "layer_computed") not in table):
                 raise ProtocolError(
                     "prefill", rec.req.req_id, rec.state, "layer_computed",
-                    f"layer {layer} computed but {rec.computed} was expected next",
+                    f"layer {layer} computed but " + (
+                        f"{c} was expected next" if c < min(L, rec.limit) else
+                        f"layer {c % L} of chunk {c // L} was expected next" if c < rec.limit
+                        else f"no chunk is announced after chunk {c // L - 1}"),
                 )
         out: list[Effect] = []
         if recs and self._ring is not None:
@@ -309,52 +350,98 @@ class PrefillEndpoint:
             ids = req_ids if type(req_ids) is tuple else tuple(r.req.req_id for r in recs)
             self._ring.append((now, ids, "layer_computed", "", "", layer))
         for rec in recs:
-            rec.computed = layer + 1
+            rec.computed += 1
             st = rec.state
             if st != AWAIT_DECODER_META and st != FAILED:
                 self._submit_ready(rec, out)
         return out
 
+    def add_chunk(self, req_id: str, local_blocks: tuple[int, ...], final: bool,
+                  now: float) -> list[Effect]:
+        """Progressive push: this step computes another chunk of the prompt, which completes
+        ``local_blocks`` (the P blocks of the next remote blocks, in order); ``final``: it is
+        the prompt's last chunk. Its layers are reported by :meth:`layer_computed` as usual."""
+        rec = self._reqs.get(req_id)
+        if rec is None:
+            if req_id in self._finished:
+                self.counters["stale_messages"] += 1  # failed and released: nothing to send
+                return []
+            raise ProtocolError("prefill", req_id, "UNKNOWN", "chunk_scheduled",
+                                f"no such request on {self._who()}")
+        have, want = len(rec.local) + len(local_blocks), len(rec.req.remote_blocks)
+        problem = ""
+        if rec.final:
+            problem = "a chunk after the prompt's last chunk"
+        elif not local_blocks:
+            problem = "a chunk that completes no block is not announced"
+        elif have > want or (final and have != want):
+            problem = (f"{have} of {want} blocks complete after this chunk"
+                       + (" (its last)" if final else ""))
+        if problem:
+            raise ProtocolError("prefill", req_id, rec.state, "chunk_scheduled", problem)
+        self._fire(rec, "chunk_scheduled", now, len(local_blocks))
+        self._announce(rec, local_blocks)
+        rec.final = final
+        return []
+
+    def _announce(self, rec: _Req, local_blocks: tuple[int, ...]) -> None:
+        """Record a chunk: the blocks its layers write (P side and D side)."""
+        lo = len(rec.local)
+        hi = lo + len(local_blocks)
+        rec.local += local_blocks
+        remote = rec.req.remote_blocks
+        rec.chunks.append((local_blocks, remote if lo == 0 and hi == len(remote)
+                           else remote[lo:hi]))
+        rec.limit += self.num_layers
+
     def transfer_done(
-        self, req_id: str, layer: int, ok: bool, reason: str, now: float, in_doubt: bool = False
+        self, req_id: str, seq: int, ok: bool, reason: str, now: float, in_doubt: bool = False
     ) -> list[Effect]:
-        """The data plane finished writing ``layer`` of a request to one target (``ok`` false:
-        it failed; ``in_doubt``: it failed after handing bytes over, which may still land)."""
+        """The data plane finished write ``seq`` of a request to one target (its
+        ``WriteLayer.seq``: the layer, for a request sent in one chunk; ``ok`` false: it failed;
+        ``in_doubt``: it failed after handing bytes over, which may still land)."""
         out: list[Effect] = []
         rec = self._reqs.get(req_id)
         if rec is None:
             raise ProtocolError("prefill", req_id, "UNKNOWN", "layer_sent", "no such live request")
-        left = rec.pending.get(layer, 0)
+        left = rec.pending.get(seq, 0)
+        L = self.num_layers
         if rec.inflight <= 0 or left <= 0:
             raise ProtocolError("prefill", req_id, rec.state, "layer_sent",
-                                f"no write of layer {layer} in flight")
+                                f"no write of {self._what(seq)} in flight")
         rec.inflight -= 1
         if left == 1:
-            del rec.pending[layer]
+            del rec.pending[seq]
         else:
-            rec.pending[layer] = left - 1
+            rec.pending[seq] = left - 1
         if not ok and in_doubt:
             rec.in_doubt = True
         if not ok and self._ring is not None:
-            self._ring.append((now, req_id, "write_failed", rec.state, "", f"{layer}: {reason}"))
+            self._ring.append((now, req_id, "write_failed", rec.state, "", f"{seq}: {reason}"))
         if not ok:
-            self._fail(rec, f"layer {layer} write failed: {reason}", now, out)
+            self._fail(rec, f"{self._what(seq)} write failed: {reason}", now, out)
         elif rec.state == FAILED:
             if left == 1:
-                self._fire(rec, "layer_sent", now, layer)
-        elif left == 1:  # the layer reached every target
-            rec.out_of_order.add(layer)
-            if rec.sent != layer and self._ring is not None:  # written ahead of an earlier one
-                self._ring.append((now, req_id, "layer_written", rec.state, "", layer))
+                self._fire(rec, "layer_sent", now, seq)
+        elif left == 1:  # the write reached every target
+            rec.out_of_order.add(seq)
+            if rec.sent != seq and self._ring is not None:  # written ahead of an earlier one
+                self._ring.append((now, req_id, "layer_written", rec.state, "", seq))
             while rec.sent in rec.out_of_order:
                 rec.out_of_order.discard(rec.sent)
                 self._fire(rec, "layer_sent", now, rec.sent)
                 rec.sent += 1
-            if rec.sent == self.num_layers and not rec.out_of_order:
+                if rec.sent % L == 0 and not (rec.final and rec.sent == rec.limit):
+                    self._fire(rec, "chunk_sent", now, rec.sent // L - 1)
+            if rec.final and rec.sent == rec.limit and not rec.out_of_order:
                 self._send_done(rec, out)
                 out.append(ArmTimer(("ack", req_id), now + self.config.ack_retry_s))
         self._maybe_release(rec, out)
         return out
+
+    def _what(self, seq: int) -> str:
+        L = self.num_layers
+        return f"layer {seq}" if seq < L else f"layer {seq % L} of chunk {seq // L}"
 
     def on_message(self, msg: Message, now: float) -> list[Effect]:
         """A side-channel message from a D worker arrived."""
@@ -529,7 +616,7 @@ class PrefillEndpoint:
         if not msg.accepted:
             self._fail(rec, f"decoder {t.addr} had already failed the request", now, out)
             return
-        if rec.sent < self.num_layers:
+        if not rec.final or rec.sent < rec.limit:
             raise ProtocolError("prefill", rec.req.req_id, rec.state, "ack",
                                 f"acknowledgement from {t.addr} before DONE was sent")
         t.acked = True
@@ -591,21 +678,24 @@ class PrefillEndpoint:
     def _send_done(self, rec: _Req, out: list[Effect]) -> None:
         rec.ack_tries += 1
         msg = DoneSending(PROTOCOL_VERSION, rec.req.req_id, self.me, rec.req.expected_senders,
-                          self.num_layers)
+                          self.num_layers, num_blocks=len(rec.local))
         for t in rec.targets:
             if not t.acked:
                 out.append(Send(t.addr, msg))
 
     def _submit_ready(self, rec: _Req, out: list[Effect]) -> None:
-        req = rec.req
+        rid = rec.req.req_id
         n = len(rec.targets)
+        L = self.num_layers
         while rec.submitted < rec.computed:
-            layer = rec.submitted
+            seq = rec.submitted
+            layer = seq % L
+            local, remote = rec.chunks[seq // L]
             for t in rec.targets:
                 assert t.layout is not None
-                out.append(WriteLayer(req.req_id, layer, t.layout, req.local_blocks,
-                                      req.remote_blocks, t.segs[layer], t.addr))
-            rec.pending[layer] = n
+                out.append(WriteLayer(rid, layer, t.layout, local, remote, t.segs[layer],
+                                      t.addr, seq))
+            rec.pending[seq] = n
             rec.submitted += 1
             rec.inflight += n
             self.counters["layer_writes"] += n

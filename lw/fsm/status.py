@@ -29,20 +29,27 @@ def prefill_row(ep: PrefillEndpoint, rec: PReq, now: float) -> RequestStatus:
     L = ep.num_layers
     st = rec.state
     peers: list[str] = []
+    one = rec.final and rec.limit <= L  # pushed in one chunk: count layers
+    total = L if one else rec.limit
+    unit = "layers" if one else (f"layer writes ({len(rec.chunks)} chunk(s)"
+                                 + (")" if rec.final else " so far, more to come)"))
     if st == AWAIT_DECODER_META:
         peers = [t.addr for t in rec.targets if not t.accepted]
         what = (f"waiting for MetaReply(accepted) from D {_join(peers)} (try {rec.meta_tries} "
-                f"of {cfg.meta_attempts}); {rec.computed} of {L} layers computed")
+                f"of {cfg.meta_attempts}); {rec.computed} of {total} {unit} computed")
     elif st == FAILED:
         peers = [t.addr for t in rec.targets]
         what = (f"failed ({rec.reason}); waiting for {rec.inflight} write(s) in flight to D "
                 f"{_join(peers)} to end before the blocks go back to the scheduler")
-    elif rec.sent < L:
+    elif not rec.final or rec.sent < rec.limit:
         peers = [t.addr for t in rec.targets]
-        what = (f"writing: {rec.sent} of {L} layers written to D {_join(peers)}, "
-                f"{rec.inflight} write(s) in flight, {rec.computed} of {L} computed")
-        if rec.computed <= rec.sent:
-            what += f"; waiting for the forward pass to compute layer {rec.computed}"
+        what = (f"writing: {rec.sent} of {total} {unit} written to D {_join(peers)}, "
+                f"{rec.inflight} write(s) in flight, {rec.computed} of {total} computed")
+        if rec.computed < rec.limit and rec.computed <= rec.sent:
+            what += f"; waiting for the forward pass to compute layer {rec.computed % L}" + (
+                "" if one else f" of chunk {rec.computed // L}")
+        elif rec.computed == rec.limit and not rec.final:
+            what += "; waiting for the scheduler's next chunk"
     elif st != DONE:
         peers = [t.addr for t in rec.targets if not t.acked]
         what = (f"waiting for Ack of DoneSending from D {_join(peers)} (try {rec.ack_tries} of "
@@ -51,8 +58,8 @@ def prefill_row(ep: PrefillEndpoint, rec: PReq, now: float) -> RequestStatus:
         what = "done; releasing"
     return RequestStatus(
         req_id=rec.req.req_id, state=st, in_state_s=now - rec.since, waiting_for=what[:1024],
-        deadline_in_s=rec.deadline - now, blocks=len(rec.req.local_blocks), peers=peers[:64],
-        layers_done=rec.sent, layers_total=L,
+        deadline_in_s=rec.deadline - now, blocks=len(rec.local), peers=peers[:64],
+        layers_done=rec.sent, layers_total=total,
         stuck=now - rec.since > cfg.stuck_fraction * prefill_span(ep, rec))
 
 

@@ -80,7 +80,7 @@ class Pair:
     def complete_writes(self, ok: bool = True, reason: str = "") -> None:
         while self.writes:
             rank, w = self.writes.pop(0)
-            self.absorb(rank, self.ps[rank].transfer_done(w.req_id, w.layer, ok, reason, self.now))
+            self.absorb(rank, self.ps[rank].transfer_done(w.req_id, w.seq, ok, reason, self.now))
 
     def advance(self, to: float) -> None:
         """Move the clock to ``to`` firing due timers in time order."""
