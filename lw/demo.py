@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="latent KV (MLA): replicated on every TP rank, one writer per D rank")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--blocks-per-request", type=int, default=4)
+    p.add_argument("--chunks", type=int, default=1,
+                   help="synthetic: P computes each prompt in this many steps (chunked prefill)")
+    p.add_argument("--push-mode", choices=("progressive", "last_chunk"), default="progressive",
+                   help="synthetic: write each chunk's blocks as it computes (progressive) or "
+                        "every block during the last chunk")
     p.add_argument("--block-kib", type=int, default=64,
                    help="bytes per block per layer (all KV heads), KiB")
     p.add_argument("--decoder-blocks", type=int, default=64, help="the decoder's block pool")
@@ -119,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                 mla=args.mla,
                 layers=args.layers,
                 blocks_per_request=args.blocks_per_request,
+                chunks=args.chunks,
+                push_mode=args.push_mode,
                 block_bytes=args.block_kib * 1024,
                 d_blocks=args.decoder_blocks,
                 p_blocks=max(64, args.decoder_blocks),
@@ -128,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                 cluster_key=key,
                 seed=args.seed,
                 log_dir=args.log_dir,
-                # the fault table runs corrupt-write the way it is meant to be caught
-                kv_checksum=args.kv_checksum or (fault == "corrupt-write" and len(faults) > 1),
+                # the fault table runs the faults that land wrong bytes the way they are meant
+                # to be caught: by the checksums
+                kv_checksum=args.kv_checksum or (fault in ("corrupt-write", "mix")
+                                                 and len(faults) > 1),
                 status=args.status,
                 abort_rate=args.abort_rate,
                 run_timeout_s=max(180.0, 0.3 * args.requests),  # soak runs are long
@@ -220,6 +229,7 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
         f"  tensor parallel: P TP {cfg.prefill_tp} x D TP {cfg.decode_tp}, "
         + ("MLA latent KV (replicated)" if cfg.mla else f"{cfg.kv_heads} KV heads")
         + ", HND blocks",
+        f"  prefill in {len(cfg.chunk_bounds())} chunk(s) per prompt, push mode {cfg.push_mode}",
         "",
         f"  {'requests done / failed / corrupt':<40} {res.done} / {res.failed} / {res.corrupt}",
         f"  {'bytes moved':<40} {res.bytes_moved / 2**20:.1f} MiB",

@@ -223,6 +223,7 @@ class PrefillEndpoint:
             "stale_messages": 0,
             "layer_writes": 0,
             "no_target": 0,
+            "bad_chunks": 0,
         }
 
     # ----------------------------------------------------------------------------- inspection
@@ -335,6 +336,8 @@ class PrefillEndpoint:
         L = self.num_layers
         for rec in recs:
             c = rec.computed
+            if rec.state == FAILED:
+                continue  # computation goes on; nothing is sent, whatever layer it is
             if (c >= rec.limit or layer != c % L
                     or (rec.state, "layer_computed") not in table):
                 raise ProtocolError(
@@ -350,9 +353,11 @@ class PrefillEndpoint:
             ids = req_ids if type(req_ids) is tuple else tuple(r.req.req_id for r in recs)
             self._ring.append((now, ids, "layer_computed", "", "", layer))
         for rec in recs:
-            rec.computed += 1
             st = rec.state
-            if st != AWAIT_DECODER_META and st != FAILED:
+            if st == FAILED:
+                continue
+            rec.computed += 1
+            if st != AWAIT_DECODER_META:
                 self._submit_ready(rec, out)
         return out
 
@@ -360,7 +365,8 @@ class PrefillEndpoint:
                   now: float) -> list[Effect]:
         """Progressive push: this step computes another chunk of the prompt, which completes
         ``local_blocks`` (the P blocks of the next remote blocks, in order); ``final``: it is
-        the prompt's last chunk. Its layers are reported by :meth:`layer_computed` as usual."""
+        the prompt's last chunk. Its layers are reported by :meth:`layer_computed` as usual.
+        A chunk that does not fit the request fails it (D is told), naming what was wrong."""
         rec = self._reqs.get(req_id)
         if rec is None:
             if req_id in self._finished:
@@ -368,6 +374,9 @@ class PrefillEndpoint:
                 return []
             raise ProtocolError("prefill", req_id, "UNKNOWN", "chunk_scheduled",
                                 f"no such request on {self._who()}")
+        if rec.state == FAILED:
+            self._fire(rec, "chunk_scheduled", now, len(local_blocks))
+            return []
         have, want = len(rec.local) + len(local_blocks), len(rec.req.remote_blocks)
         problem = ""
         if rec.final:
@@ -377,12 +386,15 @@ class PrefillEndpoint:
         elif have > want or (final and have != want):
             problem = (f"{have} of {want} blocks complete after this chunk"
                        + (" (its last)" if final else ""))
+        out: list[Effect] = []
         if problem:
-            raise ProtocolError("prefill", req_id, rec.state, "chunk_scheduled", problem)
+            self.counters["bad_chunks"] += 1
+            self._fail(rec, f"bad chunk from the scheduler: {problem}", now, out)
+            return out
         self._fire(rec, "chunk_scheduled", now, len(local_blocks))
         self._announce(rec, local_blocks)
         rec.final = final
-        return []
+        return out
 
     def _announce(self, rec: _Req, local_blocks: tuple[int, ...]) -> None:
         """Record a chunk: the blocks its layers write (P side and D side)."""

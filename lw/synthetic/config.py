@@ -81,6 +81,10 @@ class ClusterConfig:
     kv_heads: int = 0  # KV heads of the model (0: max(prefill_tp, decode_tp); 1 with MLA)
     layers: int = 8
     blocks_per_request: int = 4
+    # P computes each prompt in this many steps (chunked prefill; at most one per block): with
+    # push_mode "progressive" each chunk's blocks are written while that chunk computes
+    chunks: int = 1
+    push_mode: str = "progressive"  # or "last_chunk": every block is written in the last chunk
     block_bytes: int = 64 * 1024  # one block of one layer, all KV heads (MLA: the latent)
     d_blocks: int = 64  # the decoder's finite block pool
     p_blocks: int = 64  # per P rank
@@ -141,6 +145,11 @@ class ClusterConfig:
                              f"{self.link_loss}, {self.link_delay_s}")
         if self.requests < 1 or self.prefill_dp < 1 or self.layers < 1:
             raise ValueError("requests, prefill_dp and layers must be >= 1")
+        if self.chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {self.chunks}")
+        if self.push_mode not in ("progressive", "last_chunk"):
+            raise ValueError(f"push_mode must be progressive or last_chunk, got "
+                             f"{self.push_mode!r}")
         if self.blocks_per_request > min(self.d_blocks, self.p_blocks):
             raise ValueError("blocks_per_request exceeds a block pool")
         if self.prefill_tp < 1 or self.decode_tp < 1:
@@ -176,6 +185,12 @@ class ClusterConfig:
     def rank_block_bytes(self, fmt: KVFormat) -> int:
         """Bytes of one block of one layer held by the TP rank of ``fmt``."""
         return (fmt.head_hi - fmt.head_lo) * self.head_bytes
+
+    def chunk_bounds(self) -> list[tuple[int, int]]:
+        """Per chunk of a prompt, the block range it completes (every chunk at least one)."""
+        n = min(self.chunks, self.blocks_per_request)
+        b = self.blocks_per_request
+        return [(c * b // n, (c + 1) * b // n) for c in range(n)]
 
     @property
     def d_capacity(self) -> int:

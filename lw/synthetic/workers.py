@@ -244,6 +244,12 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
     free = deque(range(cfg.p_blocks))
     held: dict[str, tuple[int, ...]] = {}
     unreleased: dict[str, set[int]] = {}  # request -> TP workers that still hold its blocks
+    bounds = cfg.chunk_bounds()
+    progressive = cfg.push_mode == "progressive"
+    # Requests still computing a chunk: request -> (local blocks, remote blocks, next chunk).
+    # Their blocks stay held until the last chunk ran, even if lw released them earlier (as
+    # vLLM frees a request's blocks only once it is finished).
+    computing: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...], int]] = {}
     failures: dict[str, str] = {}  # request -> first failure reason of a TP worker
     waiting: deque[tuple[str, tuple[str, ...], tuple[int, ...]]] = deque()
     steps = busy_steps = 0
@@ -274,7 +280,8 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
                 left.discard(t)
                 if not left:
                     del unreleased[rid]
-                    free.extend(held.pop(rid, ()))
+                    if rid not in computing:
+                        free.extend(held.pop(rid, ()))
                     reason = failures.pop(rid, None)
                     outbox.put(("p_finished", rank, rid, reason is None, reason or ""))
 
@@ -293,18 +300,40 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
         if flags[1]:
             break
         t0 = time.monotonic()
+        # this step's chunk of each request: (request, the blocks it completes)
         batch: list[tuple[str, tuple[int, ...]]] = []
-        while waiting and len(batch) < cfg.max_batch and len(free) >= len(waiting[0][2]):
+        last = len(bounds) - 1
+        for rid, (local, remote, d_addrs, c) in list(computing.items()):
+            lo, hi = bounds[c]
+            if progressive:
+                for tp in tps:
+                    tp.loop.call("add_chunk", rid, local[lo:hi], c == last)
+            elif c == last:
+                for t, tp in enumerate(tps):
+                    addrs = tuple(d_addrs[j] for j in targets[t])
+                    tp.loop.call("add_request",
+                                 PrefillRequest(rid, addrs, local, remote, n_senders[t]))
+            batch.append((rid, local[lo:hi]))
+        while (waiting and len(batch) < cfg.max_batch
+               and len(free) >= len(waiting[0][2])):
             rid, d_addrs, remote = waiting.popleft()
             local = tuple(free.popleft() for _ in remote)
             held[rid] = local
             unreleased[rid] = set(range(len(tps)))
-            for t, tp in enumerate(tps):
-                addrs = tuple(d_addrs[j] for j in targets[t])
-                tp.loop.call("add_request",
-                             PrefillRequest(rid, addrs, local, remote, n_senders[t]))
-            batch.append((rid, local))
-        ids = [b[0] for b in batch]
+            lo, hi = bounds[0]
+            if progressive or last == 0:
+                for t, tp in enumerate(tps):
+                    addrs = tuple(d_addrs[j] for j in targets[t])
+                    tp.loop.call("add_request", PrefillRequest(
+                        rid, addrs, local[lo:hi], remote, n_senders[t], final=last == 0))
+            if last > 0:
+                computing[rid] = (local, remote, d_addrs, 0)
+            batch.append((rid, local[lo:hi]))
+        # Requests whose layers lw is told about: progressive, every chunk; else the last.
+        ids = [rid for rid, _ in batch
+               if progressive or rid not in computing or computing[rid][3] == last]
+        first = {rid: bounds[computing[rid][3]][0] if rid in computing else bounds[-1][0]
+                 for rid, _ in batch}
         layer_s = cfg.layer_ms / 1000
         for layer in range(L):
             t_layer = time.monotonic()
@@ -312,7 +341,7 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
                 for tp in tps:  # "compute" the layer on every TP worker: write its heads' KV
                     lo, hi = tp.fmt.head_lo, tp.fmt.head_hi
                     for rid, local in batch:
-                        for j, blk in enumerate(local):
+                        for j, blk in enumerate(local, first[rid]):
                             pattern.fill_heads(tp.kv[layer, blk], rid, layer, j, lo, hi)
                     t_hook = time.perf_counter()
                     tp.loop.layer_computed(layer, ids)  # the forward hook: enqueue, never wait
@@ -326,6 +355,15 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
             if rest > 0:
                 time.sleep(rest)
             barrier.wait(cfg.barrier_timeout_s)
+        for rid, _ in batch:  # next chunk; blocks of a finished computation may go back now
+            if rid in computing:
+                local, remote, d_addrs, c = computing[rid]
+                if c == last:
+                    del computing[rid]
+                    if rid not in unreleased:
+                        free.extend(held.pop(rid, ()))
+                else:
+                    computing[rid] = (local, remote, d_addrs, c + 1)
         dt = time.monotonic() - t0
         steps += 1
         max_step = max(max_step, dt)

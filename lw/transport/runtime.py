@@ -97,7 +97,7 @@ _raw_write = _gil_holding_write()
 Entry = tuple[int, int, int]
 _REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's connection
 _REQUESTS = (MetaRequest, DoneSending, FailedSending, Abort)  # questions: correlated
-_CALLS = frozenset({"add_request", "abort", "peer_lost"})
+_CALLS = frozenset({"add_request", "add_chunk", "abort", "peer_lost"})
 _REPORTS = (SendFinished, RecvDone, RecvFailed, Quarantine)
 
 # inbox item kinds
@@ -267,7 +267,8 @@ class WorkerLoop:
             self._wake()
 
     def call(self, method: str, *args: Any) -> Future:
-        """Run ``endpoint.<method>(*args, now)`` on the loop (add_request, abort, peer_lost).
+        """Run ``endpoint.<method>(*args, now)`` on the loop (add_request, add_chunk, abort,
+        peer_lost).
 
         Returns a Future with the method's effects (or its exception); never waits.
         """
@@ -552,7 +553,6 @@ class WorkerLoop:
     def _on_completions(self) -> None:
         assert self.data_plane is not None
         ep = self.endpoint
-        last = self._num_layers - 1
         try:
             completions = self.data_plane.poll()
         except Exception as exc:  # a broken plane must not stop the loop (timers still run)
@@ -572,13 +572,15 @@ class WorkerLoop:
             if t0 is not None and c.ok:
                 self.write_latencies.append(time.monotonic() - t0)
             now = self._clock()
-            for rid, layer in pairs:
+            for rid, seq in pairs:
                 try:
-                    effects = ep.transfer_done(rid, layer, c.ok, c.reason, now, c.in_doubt)
+                    effects = ep.transfer_done(rid, seq, c.ok, c.reason, now, c.in_doubt)
                 except Exception as exc:
                     self._core_error("transfer_done", exc)
                     continue
-                if layer == last and c.ok:
+                if c.ok and any(isinstance(e, Send) and isinstance(e.msg, DoneSending)
+                                for e in effects):
+                    # every write is done: the tail after the (last chunk's) last layer
                     t0 = self._last_layer_t.pop(rid, None)
                     if t0 is not None:
                         self._tails.append(time.monotonic() - t0)
@@ -654,7 +656,8 @@ class WorkerLoop:
         runs = (((0, loc.block_len),) if w.segments is None
                 else tuple((src, n) for src, _dst, n in w.segments))
         sums = block_sums(loc.base_addr, loc.block_stride, loc.num_blocks, w.local_blocks, runs)
-        self._checksums.setdefault((w.req_id, w.target), {})[w.layer] = sums
+        # chunk by chunk, a layer's blocks are written in request order: append
+        self._checksums.setdefault((w.req_id, w.target), {}).setdefault(w.layer, []).extend(sums)
 
     def _with_checksums(self, msg: DoneSending, dest: str) -> DoneSending:
         """P: the DONE for ``dest`` with the checksums of every layer we wrote there."""
@@ -801,13 +804,13 @@ class WorkerLoop:
                 if summing:
                     self._sum_write(w)
             except Exception as exc:  # bad layout or block ids: this write fails, nothing else
-                failed.append((w.req_id, w.layer, f"cannot address blocks: {exc}"))
+                failed.append((w.req_id, w.seq, f"cannot address blocks: {exc}"))
                 continue
             session = w.layout.te_session
             g = groups.get(session)
             if g is None:
                 g = groups[session] = ([], [])
-            g[0].append((w.req_id, w.layer))
+            g[0].append((w.req_id, w.seq))
             g[1].extend(entries)
         dp = self.data_plane
         for session, (pairs, entries) in groups.items():
@@ -824,10 +827,10 @@ class WorkerLoop:
                 failed.extend((r, k, f"data plane refused the transfer: {exc}") for r, k in pairs)
         out: list[list[Effect]] = []
         now = self._clock()
-        for rid, layer, reason in failed:
+        for rid, seq, reason in failed:
             self.counters["write_setup_failures"] += 1
             try:
-                out.append(self.endpoint.transfer_done(rid, layer, False, reason, now))
+                out.append(self.endpoint.transfer_done(rid, seq, False, reason, now))
             except Exception as exc:
                 self._core_error("transfer_done", exc)
         return out

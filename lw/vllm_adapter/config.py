@@ -25,6 +25,7 @@ __all__ = ["ConfigError", "LwConfig", "ModelHeads", "model_heads", "side_channel
 
 PRODUCER = "kv_producer"
 CONSUMER = "kv_consumer"
+PUSH_MODES = ("progressive", "last_chunk")
 
 
 class ConfigError(ValueError):
@@ -74,6 +75,9 @@ class LwConfig:
     # prefix-cache hits (D): a remainder of at most this many tokens after D's cached prefix is
     # computed by D itself (no round trip); -1 = one block (block_size), 0 = always ask P
     local_tail_tokens: int = -1
+    # P: "progressive" writes each chunk's complete blocks while that chunk computes (chunked
+    # prefill); "last_chunk" writes every block during the prompt's last chunk (lw before 0.3)
+    push_mode: str = "progressive"
     # observability: lifecycle events each worker remembers for lw status (0 = none), and the
     # fraction of a deadline after which a request still in one state is logged as stuck
     timeline_entries: int = 32768
@@ -188,6 +192,9 @@ class LwConfig:
         if values["data_plane"] not in ("mooncake", "inprocess"):
             raise ConfigError(f"kv_connector_extra_config.data_plane="
                               f"{values['data_plane']!r}: expected 'mooncake' or 'inprocess'")
+        if values["push_mode"] not in PUSH_MODES:
+            raise ConfigError(f"kv_connector_extra_config.push_mode={values['push_mode']!r}: "
+                              f"expected one of {', '.join(PUSH_MODES)}")
         if values["local_tail_tokens"] < -1:
             raise ConfigError("kv_connector_extra_config.local_tail_tokens must be >= 0 "
                               f"(or -1: one block), got {values['local_tail_tokens']}")

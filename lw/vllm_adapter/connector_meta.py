@@ -26,7 +26,8 @@ is D's prompt token ids (posted with the params); 1: the proxy's id and the clie
 
 @dataclass(frozen=True)
 class SendSpec:
-    """P: push this request's KV (its prefill completes in this step)."""
+    """P: push this request's KV computed in this step: the chunk this step computes completes
+    ``local_blocks``, the P blocks of the next D blocks of ``remote_blocks`` (all of them)."""
 
     transfer_id: str
     req_id: str
@@ -35,6 +36,8 @@ class SendSpec:
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
     decoder_tp: int = 1  # D's tensor-parallel size: which of its ranks this P rank writes into
+    first: bool = True  # the request's first push (the core adds it; else a further chunk)
+    final: bool = True  # the prompt's last chunk: every remote block is covered after it
 
 
 @dataclass(frozen=True)

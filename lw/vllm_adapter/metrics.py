@@ -33,6 +33,10 @@ COUNTERS: dict[str, str] = {
     "metaserver_failures": "D requests whose prefill could not be requested from the proxy",
     "prefix_hit_blocks": "D: prompt blocks D already held in its prefix cache (not sent by P)",
     "local_tails": "D: requests whose uncached tail D computed itself (no prefill requested)",
+    "early_chunk_blocks": "P: blocks pushed with a chunk before the prompt's last chunk "
+                          "(progressive push)",
+    "preempted_pushes": "P: pushes failed because vLLM preempted their request between chunks "
+                        "(its blocks are freed without the connector)",
     "protocol_errors": "Messages or events the core refused (counted and dropped, never raised)",
     "checksum_mismatches": "D: requests failed because a sender's KV checksums did not match "
                            "the bytes in our blocks (kv_checksum)",

@@ -1,6 +1,8 @@
 """The scheduler-role half of lw's connector: tracks requests, builds per-step metadata.
 
-P: validates the decoder's params and pushes a request in the step its prefill completes.
+P: validates the decoder's params and pushes a request's blocks chunk by chunk as its chunked
+prefill completes them (``push_mode`` "progressive"), or all in the step its prefill completes
+("last_chunk").
 D: allocates first, then asks the proxy's metaserver (in the background) to start the prefill of
 exactly this vLLM request's prompt tokens, under a transfer id of its own (one per vLLM request:
 n > 1 children and the prompts of a list share the proxy's id); a short uncached tail after a
@@ -50,7 +52,7 @@ def sub_transfer_id(transfer_id: str, request_id: str) -> str:
 
 @dataclass
 class _PReq:
-    """P: a request to push once its prefill completes."""
+    """P: a request whose blocks are pushed as its chunks complete them."""
 
     request: Any
     transfer_id: str
@@ -59,7 +61,10 @@ class _PReq:
     remote_blocks: tuple[int, ...]
     first_block: int
     decoder_tp: int = 1
-    pushed: bool = False
+    pushed: bool = False  # the workers' cores hold it (from its first push on)
+    covered: int = 0  # remote blocks handed to the workers so far
+    final: bool = False  # its last chunk was pushed
+    dead: bool = False  # preempted after its first push: never pushed again
 
 
 @dataclass
@@ -90,7 +95,9 @@ class SchedulerSide:
         self._to_post: list[tuple[str, str, str, dict[str, Any]]] = []
         self._poster: MetaserverPoster | None = None
         self._lock = threading.Lock()
-        self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0}
+        self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0,
+                        "early_chunk_blocks": 0, "preempted_pushes": 0}
+        self.progressive = cfg.push_mode == "progressive"
         self._bad_params: set[str] = set()
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
@@ -153,26 +160,61 @@ class SchedulerSide:
                              f"{request.num_prompt_tokens} tokens ({need} blocks)")
         return _PReq(request, tid, host, port, tuple(blocks), first, tp)
 
-    def _push_if_complete(self, rid: str, num_scheduled: int) -> None:
+    def _push_chunk(self, rid: str, num_scheduled: int) -> None:
+        """This step computes a chunk of ``rid``: push the blocks it completes (progressive), or
+        every block if it is the prompt's last chunk."""
         tr = self._p.get(rid)
-        if tr is None or tr.pushed:
+        if tr is None or tr.final or tr.dead:
             return
         req = tr.request
-        if req.num_computed_tokens + num_scheduled < req.num_prompt_tokens:
-            return  # an earlier chunk: nothing is sent before the prefill completes
+        computed = req.num_computed_tokens + num_scheduled
+        final = computed >= req.num_prompt_tokens
+        if not final and not self.progressive:
+            return  # last_chunk mode: nothing is sent before the prefill completes
+        n = tr.first_block + len(tr.remote_blocks)  # the prompt's blocks
+        # Blocks complete after this chunk (a block straddling two chunks goes with the later).
+        upto = len(tr.remote_blocks) if final else max(
+            0, min(computed // self.block_size, n) - tr.first_block)
+        if upto <= tr.covered and tr.pushed:
+            return  # no block completes in this chunk: its layers are not reported for rid
         manager = self.owner._kv_cache_manager
         assert manager is not None, "bind_kv_cache_manager was not called"
         (block_ids,) = manager.get_block_ids(rid)
-        local = tuple(block_ids[tr.first_block:tr.first_block + len(tr.remote_blocks)])
-        if len(local) != len(tr.remote_blocks):
+        lo, hi = tr.first_block + tr.covered, tr.first_block + upto
+        local = tuple(block_ids[lo:hi])
+        if len(local) != hi - lo:
             log.error("lw: request %s has %d blocks, %d expected; not pushed", rid,
-                      len(block_ids), tr.first_block + len(tr.remote_blocks))
-            del self._p[rid]
+                      len(block_ids), hi)
+            if tr.pushed:  # the workers hold it: stop them (D is told)
+                tr.dead = True
+                self._meta.aborts.append((tr.transfer_id, rid, "P lost track of its blocks"))
+            else:
+                del self._p[rid]
             return
+        first = not tr.pushed
+        if not final:
+            with self._lock:
+                self._counts["early_chunk_blocks"] += hi - lo
         tr.pushed = True
+        tr.covered = upto
+        tr.final = final
         self._pushed[rid] = tr.transfer_id
         self._meta.sends.append(SendSpec(tr.transfer_id, rid, tr.host, tr.port, local,
-                                         tr.remote_blocks, tr.decoder_tp))
+                                         tr.remote_blocks, tr.decoder_tp, first, final))
+
+    def _preempted(self, rid: str) -> None:
+        """vLLM preempted ``rid``: it freed the request's blocks without asking us, under writes
+        of earlier chunks that may still read them. Stop the push (D fails the request; the
+        bytes read from reused blocks are never decoded); the recomputation is not pushed."""
+        tr = self._p.get(rid)
+        if tr is None or not tr.pushed or tr.final or tr.dead:
+            return
+        tr.dead = True
+        with self._lock:
+            self._counts["preempted_pushes"] += 1
+        log.warning("lw: prefill request %s (transfer %s) was preempted between chunks; its "
+                    "push fails", rid, tr.transfer_id)
+        self._meta.aborts.append((tr.transfer_id, rid, "request preempted on P between chunks"))
 
     def has_pending_pushes(self) -> bool:
         """Pushed requests not yet reported finished sending."""
@@ -260,8 +302,10 @@ class SchedulerSide:
     def build_meta(self, so: SchedulerOutput) -> LwConnectorMetadata:
         """Collect this step's metadata and reset."""
         if self.cfg.is_producer:
+            for rid in getattr(so, "preempted_req_ids", None) or ():
+                self._preempted(rid)
             for rid, n in so.num_scheduled_tokens.items():
-                self._push_if_complete(rid, n)
+                self._push_chunk(rid, n)
         else:
             for rid, _tid, reason in self._take_post_failures():
                 dr = self._d.get(rid)

@@ -269,6 +269,16 @@ class WorkerSide:
             self._call("add_request", r.transfer_id, r.block_ids, senders, rid=r.req_id,
                        tid=r.transfer_id)
         for s in meta.sends:
+            if not s.first:  # a further chunk of a request the core holds (or released)
+                if self._rid.get(s.transfer_id) != s.req_id:
+                    continue  # released already (failed): nothing more is sent
+                with self._lock:
+                    self._held[s.transfer_id] = self._held.get(s.transfer_id, 0) + len(
+                        s.local_blocks)
+                self._call("add_chunk", s.transfer_id, s.local_blocks, s.final, rid=s.req_id,
+                           tid=s.transfer_id)
+                self._step_sends.append(s.transfer_id)
+                continue
             if s.transfer_id in self._rid:
                 with self._lock:
                     self._ours.add(s.req_id)
@@ -282,9 +292,10 @@ class WorkerSide:
             addrs = tuple(f"tcp://{s.decoder_host}:{s.decoder_port + j}"
                           for j in targets_of(self.fmt, s.decoder_tp))
             self._call("add_request", PrefillRequest(s.transfer_id, addrs, s.local_blocks,
-                                                     s.remote_blocks, 1),
+                                                     s.remote_blocks, 1, s.final),
                        rid=s.req_id, tid=s.transfer_id)
-            self._step_sends.append(s.transfer_id)
+            if s.local_blocks:  # a first chunk that completes no block reports no layer
+                self._step_sends.append(s.transfer_id)
         for tid, rid, reason in meta.aborts:
             if self._rid.get(tid) != rid:
                 continue  # finished already, or never taken (a transfer id used twice)

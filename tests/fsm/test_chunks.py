@@ -109,24 +109,31 @@ def test_first_chunk_without_a_complete_block_claims_d_early() -> None:
     assert p.state_of("r") == "DONE"
 
 
-def test_bad_chunks_are_refused_with_what_was_wrong() -> None:
+def test_bad_chunks_fail_the_request_saying_what_was_wrong() -> None:
     pair = make()
     p = pair.ps[0]
     with pytest.raises(ValueError, match="6 local blocks but 5 remote"):
         p.add_request(PrefillRequest("x", D_ADDR, (1, 2, 3, 4, 5, 6), REMOTE, 1, final=False),
                       0.0)
-    first_chunk(pair, (1, 2))
-    with pytest.raises(ProtocolError, match="completes no block"):
-        p.add_chunk("r", (), False, 0.0)
-    with pytest.raises(ProtocolError, match="4 of 5 blocks complete after this chunk"):
-        p.add_chunk("r", (3, 4), True, 0.0)
-    with pytest.raises(ProtocolError, match="6 of 5 blocks"):
-        p.add_chunk("r", (3, 4, 5, 6), False, 0.0)
     with pytest.raises(ProtocolError, match="no such request"):
         p.add_chunk("nope", (1,), True, 0.0)
+    for bad, final, why in (((), False, "completes no block"),
+                            ((3, 4), True, "4 of 5 blocks complete after this chunk"),
+                            ((3, 4, 5, 6), False, "6 of 5 blocks")):
+        pair = make()
+        p = pair.ps[0]
+        first_chunk(pair, (1, 2))
+        pair.deliver_all()
+        pair.absorb(0, p.add_chunk("r", bad, final, 0.0))
+        assert p.state_of("r") == "FAILED" and why in pair.finished[0].reason
+        assert p.layer_computed(0, ["r"], 0.0) == []  # a failed request computes on, unsent
+        assert p.counters["bad_chunks"] == 1
+    pair = make()
+    p = pair.ps[0]
+    first_chunk(pair, (1, 2))
     pair.absorb(0, p.add_chunk("r", (3, 4, 5), True, 0.0))
-    with pytest.raises(ProtocolError, match="after the prompt's last chunk"):
-        p.add_chunk("r", (6,), True, 0.0)
+    pair.absorb(0, p.add_chunk("r", (6,), True, 0.0))
+    assert "after the prompt's last chunk" in pair.finished[0].reason
 
 
 def test_chunk_of_a_released_request_is_stale() -> None:

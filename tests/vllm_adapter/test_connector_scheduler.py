@@ -212,8 +212,67 @@ def remote_prefill_params(tid: str = "t1") -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ prefill
-def test_p_pushes_only_in_the_step_its_prefill_completes(model_dir: str) -> None:
+def test_p_progressive_pushes_each_chunks_complete_blocks(model_dir: str) -> None:
     s = make_scheduler(model_dir, "kv_producer")
+    d = Driver(s)
+    s.add_request(make_request("r1", 100, params=decoder_params()))
+    d.step()  # chunk 1: 64 tokens = 4 complete blocks, pushed while this chunk computes
+    (spec,) = d.meta.sends
+    blocks = tuple(s.kv_cache_manager.get_block_ids("r1")[0])
+    assert (spec.first, spec.final) == (True, False)
+    assert spec.local_blocks == blocks[:4] and spec.remote_blocks == tuple(range(40, 47))
+    assert s.get_kv_connector().has_pending_push_work()
+    d.step()  # chunk 2: 36 tokens, the last 3 blocks (the last one partial)
+    (spec,) = d.meta.sends
+    blocks = tuple(s.kv_cache_manager.get_block_ids("r1")[0])
+    assert (spec.first, spec.final) == (False, True)
+    assert spec.local_blocks == blocks[4:7] and len(blocks) == 7
+    assert d.finished["r1"] is not None
+    assert free_blocks(s) == BASELINE - 7
+    d.step(KVConnectorOutput(finished_sending={"r1"}))
+    assert free_blocks(s) == BASELINE
+    assert sum(st.get("early_chunk_blocks", 0) for st in d.stats) == 4
+
+
+def test_p_progressive_with_a_d_prefix_hit_skips_the_blocks_d_holds(model_dir: str) -> None:
+    s = make_scheduler(model_dir, "kv_producer")
+    d = Driver(s)
+    # D holds the first 5 of 7 blocks: chunk 1 completes none of the rest, but claims D early
+    s.add_request(make_request("r1", 100, params=decoder_params(first=5)))
+    d.step()
+    (spec,) = d.meta.sends
+    assert (spec.first, spec.final, spec.local_blocks) == (True, False, ())
+    d.step()
+    (spec,) = d.meta.sends
+    blocks = tuple(s.kv_cache_manager.get_block_ids("r1")[0])
+    assert (spec.first, spec.final, spec.local_blocks) == (False, True, blocks[5:7])
+    assert spec.remote_blocks == (40, 41)
+
+
+def test_p_preempted_between_chunks_stops_its_push(model_dir: str) -> None:
+    """vLLM frees a preempted request's blocks without asking the connector, while writes of
+    its earlier chunks may still read them: the push fails (D never decodes those bytes) and
+    the recomputation is not pushed again."""
+    s = make_scheduler(model_dir, "kv_producer")
+    d = Driver(s)
+    s.add_request(make_request("r1", 100, params=decoder_params()))
+    d.step()
+    assert d.meta.sends[0].final is False
+    req = s.requests["r1"]
+    s.running.remove(req)  # what schedule() does under memory pressure, then:
+    s._preempt_request(req, time.monotonic())
+    d.step()
+    assert d.meta.aborts == [("t1", "r1", "request preempted on P between chunks")]
+    assert d.meta.sends == []
+    for _ in range(4):
+        d.step()
+        assert d.meta.sends == []
+    assert sum(st.get("preempted_pushes", 0) for st in d.stats) == 1
+
+
+def test_p_last_chunk_mode_pushes_only_in_the_step_its_prefill_completes(
+        model_dir: str) -> None:
+    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=decoder_params()))
     d.step()  # chunk 1: 64 tokens
@@ -240,8 +299,24 @@ def test_p_pushes_only_in_the_step_its_prefill_completes(model_dir: str) -> None
     assert all(not m.sends for m in d.metas[2:])
 
 
-def test_p_abort_before_prefill_completes_sends_nothing(model_dir: str) -> None:
+def test_p_abort_between_chunks_stops_the_push_and_holds_its_blocks(model_dir: str) -> None:
+    """Progressive: the first chunk's writes may be in flight when the client aborts: the
+    blocks stay held until the workers report the request finished sending."""
     s = make_scheduler(model_dir, "kv_producer")
+    d = Driver(s)
+    s.add_request(make_request("r1", 100, params=decoder_params()))
+    d.step()
+    s.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
+    assert free_blocks(s) == BASELINE - 4
+    d.step()
+    assert d.meta.aborts == [("t1", "r1", "request FINISHED_ABORTED")]
+    d.step(KVConnectorOutput(finished_sending={"r1"}))
+    assert free_blocks(s) == BASELINE
+    assert not s.get_kv_connector().has_pending_push_work()
+
+
+def test_p_abort_before_prefill_completes_sends_nothing(model_dir: str) -> None:
+    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=decoder_params()))
     d.step()
