@@ -170,6 +170,7 @@ class WorkerLoop:
         self._wake_pending = False
         # loop -> engine
         self._reports: deque[Effect] = deque()
+        self._report_event = threading.Event()
         # timers: key -> (at, seq); heap of (at, seq, key) with lazy deletion
         self._timers: dict[tuple[str, str], tuple[float, int]] = {}
         self._heap: list[tuple[float, int, tuple[str, str]]] = []
@@ -290,6 +291,16 @@ class WorkerLoop:
             self._fail_inbox()
         elif not self._wake_pending:
             self._wake()
+
+    def wait_reports(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until a report is there to drain (any thread; the engine's
+        idle steps use it instead of spinning). True when one is."""
+        if self._reports:
+            return True
+        self._report_event.clear()
+        if self._reports:  # appended between the check and the clear
+            return True
+        return self._report_event.wait(timeout)
 
     def drain_reports(self) -> list[Effect]:
         """Reports since the last call: SendFinished, RecvDone, RecvFailed, Quarantine."""
@@ -786,6 +797,7 @@ class WorkerLoop:
                 for key in [k for k in self._checksums if k[0] == e.req_id]:
                     del self._checksums[key]
         self._reports.append(e)
+        self._report_event.set()
         if self._on_report is not None:
             try:
                 self._on_report(e)

@@ -78,6 +78,11 @@ class LwConfig:
     # P: "progressive" writes each chunk's complete blocks while that chunk computes (chunked
     # prefill); "last_chunk" writes every block during the prompt's last chunk (lw before 0.3)
     push_mode: str = "progressive"
+    # An engine step that computes nothing while lw transfers (D waiting for KV, P for its
+    # pushes to end) waits up to this long for a transfer to finish instead of returning at
+    # once: vLLM's engine loop would otherwise spin ~1,000 steps/s on a core P or D needs, and
+    # the step ends the moment a transfer does. 0 = off.
+    idle_wait_ms: float = 2.0
     # observability: lifecycle events each worker remembers for lw status (0 = none), and the
     # fraction of a deadline after which a request still in one state is logged as stuck
     timeline_entries: int = 32768
@@ -179,6 +184,9 @@ class LwConfig:
             if not values[key] > 0:
                 raise ConfigError(f"kv_connector_extra_config.{key} must be > 0, "
                                   f"got {values[key]}")
+        if not 0 <= values["idle_wait_ms"] <= 100:
+            raise ConfigError("kv_connector_extra_config.idle_wait_ms must be in [0, 100], "
+                              f"got {values['idle_wait_ms']}")
         if values["heartbeat_s"] < 0:
             raise ConfigError("kv_connector_extra_config.heartbeat_s must be >= 0 (0: off), "
                               f"got {values['heartbeat_s']}")

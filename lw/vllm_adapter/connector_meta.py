@@ -56,6 +56,7 @@ class LwConnectorMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     aborts: list[tuple[str, str, str]] = field(default_factory=list)  # (transfer, req, reason)
+    idle: bool = False  # the engine computes nothing in this step (it only polls transfers)
 
 
 def kv_geometry(kv_cache_config: KVCacheConfig) -> str:

@@ -313,6 +313,7 @@ class SchedulerSide:
                     dr.aborted = True
                     self._meta.aborts.append((dr.transfer_id, rid, reason))
         meta, self._meta = self._meta, LwConnectorMetadata()
+        meta.idle = not so.total_num_scheduled_tokens
         if self._to_post:
             # Posted after the worker has the request in this step's metadata: P's first
             # MetaRequest normally finds it registered (if not, D answers "unknown" and P retries).

@@ -101,6 +101,8 @@ class WorkerSide:
         self._sample: Any = None
         self._step_sends: list[str] = []
         self._step_planes = 0
+        self._idle_step = False
+        self._idle_wait_s = cfg.idle_wait_ms / 1000
         self._rid: dict[str, str] = {}  # transfer id -> vLLM request id (live in the core)
         self._held: dict[str, int] = {}  # transfer id -> blocks held for it
         self._aborted: set[str] = set()  # transfer ids aborted by our scheduler (for logs)
@@ -254,6 +256,7 @@ class WorkerSide:
 
         self._step_sends = []
         self._step_planes = 0
+        self._idle_step = meta.idle
         if self.loop is None:
             if meta.sends or meta.recvs:
                 raise RuntimeError("lw: connector metadata before register_kv_caches")
@@ -344,6 +347,11 @@ class WorkerSide:
         loop = self.loop
         if loop is None:
             return KVConnectorTransferResults()
+        if self._idle_step and self._idle_wait_s and self._rid:
+            # Nothing computed in this step and lw has transfers in progress: end the step when
+            # one finishes (or after idle_wait_ms) rather than spin the engine loop.
+            self._idle_step = False
+            loop.wait_reports(self._idle_wait_s)
         now = time.monotonic()
         for e in loop.drain_reports():
             self._dirty = True

@@ -32,7 +32,7 @@ from lw.transport.wire import (
     Sender,
 )
 
-from .loops import BLEN, NBLK, Pair, make_pair, wait_for
+from .loops import BLEN, NBLK, L, Pair, make_pair, wait_for
 
 KEY = b"cluster-key-for-tests-0123456789"
 
@@ -297,3 +297,40 @@ def test_calls_after_stop_fail_at_once(pair: Pair) -> None:
     with pytest.raises(RuntimeError, match="stopped"):
         pair.d.call("abort", "x", "why").result(1)
     pair.d.layer_computed(0, ["x"])  # a hook after stop is a no-op, never an error
+
+
+def test_wait_reports_ends_when_a_transfer_does(pair: Pair) -> None:
+    """An engine's idle step waits on this instead of spinning: it returns at the report."""
+    assert pair.d.wait_reports(0.01) is False  # nothing in progress: the whole timeout
+    local, remote = (1, 2), (5, 6)
+    pair.start("r1", local, remote)
+    pair.compute("r1", local)
+    t0 = time.monotonic()
+    assert pair.d.wait_reports(10.0) is True
+    assert time.monotonic() - t0 < 5.0
+    assert pair.d.wait_reports(10.0) is True  # not drained yet: at once
+    pair.wait_reports(1, 1)
+    assert pair.d_reports == [RecvDone("r1")]
+
+
+def test_chunks_move_their_bytes_as_they_are_computed(pair: Pair) -> None:
+    """Progressive push over real sockets: each chunk's blocks land before the next chunk
+    computes; the checksums-free DONE covers every block."""
+    from lw.fsm import PrefillRequest
+
+    local, remote = (1, 2, 3), (5, 6, 9)
+    pair.d.call("add_request", "r1", remote, 1).result(5)
+    addr = pair.d.addr
+    pair.p.call("add_request", PrefillRequest("r1", addr, local[:2], remote, 1, final=False)
+                ).result(5)
+    pair.compute("r1", local[:2])
+    wait_for(lambda: pair.p.endpoint.state_of("r1") == "CHUNK_SENT")
+    assert pair.verify("r1", remote[:2])
+    pair.p.call("add_chunk", "r1", local[2:], True).result(5)
+    for layer in range(L):  # chunk 2 computes the request's third block (index 2)
+        pair.pattern.fill(pair.p_mem[layer, local[2]], "r1", layer, 2)
+        pair.p.layer_computed(layer, ["r1"])
+    pair.wait_reports(1, 1)
+    assert pair.p_reports == [SendFinished("r1", True, "")]
+    assert pair.d_reports == [RecvDone("r1")]
+    assert pair.verify("r1", remote)
