@@ -2,29 +2,47 @@
 
 For each tiny model (today's 2-layer Llama and a deep one) and each shape (input tokens,
 concurrency), it starts, in turn and fresh, on this machine: a single ``vllm serve`` (core 0),
-lw P/D (``LocalCluster`` from ``lw demo``: P and D pinned to one core each, lw's proxy), and
-vLLM's in-tree MooncakeConnector P/D (same engines and cores, Mooncake over TCP, the minimal
-proxy in ``benchmarks/_peer``); every process of an engine is bound to its core
-(``--float-frontends``: only the workers, vLLM's default). Against each it runs ``vllm bench
-serve`` on the same prompts of fresh random words (a ShareGPT-format file: vLLM's ``random``
-dataset makes token-id runs), 32 output tokens, and prints one table per model and shape plus
+lw P/D (``LocalCluster`` from ``lw demo``: P and D pinned to one core each, lw's proxy) with
+``push_mode`` ``progressive`` (``lw``) and ``last_chunk`` (``lw-last``), and vLLM's in-tree
+MooncakeConnector P/D (same engines and cores, Mooncake over TCP, the minimal proxy in
+``benchmarks/_peer``); every process of an engine is bound to its core (``--float-frontends``:
+only the workers, vLLM's default). Against each it runs ``vllm bench serve`` on the same prompts
+of fresh random words (a ShareGPT-format file: vLLM's ``random`` dataset makes token-id runs;
+``--num-warmups 0``: a warm-up re-sends the first measured prompt, which then hits the prefix
+cache), 32 output tokens, and prints one table per model and shape plus
 ``ttft_p50_ratio_vs_peer`` and ``throughput_ratio_vs_peer`` (lw / MooncakeConnector).
 
-``.venv/bin/python benchmarks/serving.py [--quick]`` from the repository root.
+``--link`` puts every P/D set-up's D in its own network namespace behind a veth pair
+(``benchmarks/_link.py``) whose P -> D direction is capped with tbf; P, the proxies and the
+client stay in the root namespace, and each set-up crosses a link made the same way. Values:
+``none`` (loopback, the default), ``uncapped`` (veth, no tbf), factors of ``kv_over_prefill`` =
+(KV bytes of one prompt / link rate) / (the single server's prefill time of that prompt), and
+``auto`` = ``uncapped,0.5,1.0,2.0``. The prefill time is the single server's TTFT p50 with
+``max_tokens`` 1 over a few prompts of the shape's length; the rate is
+``R = KV bytes x 8 / (factor x prefill time)`` bit/s, and a TCP transfer through the shaped
+veth reports the goodput achieved. With ``--link`` each set-up is started once per repeat
+(``--repeats``, order rotated per repeat) and runs every link row and shape on fresh prompts;
+the ratios are medians of the per-repeat ratios, with their min-max spread. Needs root and
+iproute2.
+
+``.venv/bin/python benchmarks/serving.py [--quick] [--link auto]`` from the repository root.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +50,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._link import Link, missing_requirements  # noqa: E402
 from lw.vllm_adapter.demo import (  # noqa: E402
+    BLOCK_SIZE,
     MODEL_NAME,
     LocalCluster,
     Server,
+    block_layer_bytes,
     complete,
     free_port,
     make_prompt,
@@ -44,8 +65,13 @@ from lw.vllm_adapter.demo import (  # noqa: E402
 
 PEER_DIR = Path(__file__).resolve().parent / "_peer"
 OUTPUT_TOKENS = 32
-SETUPS = ("single", "lw", "peer")
-LABELS = {"single": "single vLLM", "lw": "lw P/D", "peer": "Mooncake P/D"}
+SETUPS = ("single", "lw", "lw-last", "peer")
+LABELS = {"single": "single vLLM", "lw": "lw P/D progressive", "lw-last": "lw P/D last-chunk",
+          "peer": "Mooncake P/D"}
+PUSH_MODES = {"lw": "progressive", "lw-last": "last_chunk"}
+"""lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
+AUTO_FACTORS = (0.5, 1.0, 2.0)
+TAIL_PHASE = "transfer tail (last layer computed -> written)"
 
 
 @dataclass(frozen=True)
@@ -62,11 +88,68 @@ class Shape:
         return f"in{self.input_len}-c{self.concurrency}"
 
 
-def shapes(quick: bool) -> list[Shape]:
-    """The shapes of the issue; ``--quick`` sends fewer prompts."""
+def shapes(quick: bool, link: bool = False) -> list[Shape]:
+    """The shapes of the issue; ``--quick`` sends fewer prompts. With a link: 1,024-token
+    prompts (``--quick``), plus 4,096-token ones on the full run."""
+    if link:
+        if quick:
+            return [Shape(1024, 1, 6)]
+        return [Shape(1024, 1, 12), Shape(1024, 4, 16), Shape(4096, 1, 6)]
     if quick:
         return [Shape(128, 1, 8), Shape(1024, 1, 6), Shape(1024, 4, 12)]
     return [Shape(128, 1, 32), Shape(1024, 1, 16), Shape(1024, 4, 32)]
+
+
+@dataclass(frozen=True)
+class LinkRow:
+    """One ``--link`` value: ``none`` (loopback), ``uncapped`` (veth, no tbf) or a factor."""
+
+    kind: str  # "none", "uncapped" or "factor"
+    factor: float = 0.0  # kv_over_prefill, for kind "factor"
+
+    @property
+    def key(self) -> str:
+        """As printed: ``link=none``, ``link=uncapped``, ``kv_over_prefill=1.0``."""
+        return f"kv_over_prefill={self.factor}" if self.kind == "factor" else f"link={self.kind}"
+
+    @property
+    def veth(self) -> bool:
+        """Whether D sits behind a veth (every kind but ``none``)."""
+        return self.kind != "none"
+
+
+def parse_link(text: str) -> list[LinkRow]:
+    """``none``, ``uncapped``, ``auto`` or kv_over_prefill factors, comma separated."""
+    rows: list[LinkRow] = []
+    for item in (x.strip() for x in text.split(",")):
+        if item in ("none", "uncapped"):
+            new = [LinkRow(item)]
+        elif item == "auto":
+            new = [LinkRow("uncapped"), *(LinkRow("factor", f) for f in AUTO_FACTORS)]
+        else:
+            try:
+                f = float(item)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"--link: {item!r} is not none, uncapped, auto or a number") from None
+            if not f > 0:
+                raise argparse.ArgumentTypeError(f"--link: factor {item} must be > 0")
+            new = [LinkRow("factor", f)]
+        rows += [r for r in new if r not in rows]
+    return rows
+
+
+def push_mode_supported() -> bool:
+    """Whether lw's connector knows ``push_mode`` yet (an unknown key fails the engine)."""
+    from lw.vllm_adapter.config import LwConfig
+
+    return any(f.name == "push_mode" for f in fields(LwConfig))
+
+
+def kv_bytes(model: Path, tokens: int) -> int:
+    """Bytes of KV cache one prompt of ``tokens`` tokens fills (whole blocks, every layer)."""
+    block_bytes, layers = block_layer_bytes(model)
+    return -(-tokens // BLOCK_SIZE) * block_bytes * layers
 
 
 # ------------------------------------------------------------------------------------ prompts
@@ -76,7 +159,7 @@ def _words(model: Path) -> list[str]:
     return sorted(w for w in vocab if w.isalnum())
 
 
-def make_prompts(model: Path, shape: Shape, seed: int) -> list[str]:
+def make_prompts(model: Path, shape: Shape, seed: int | str) -> list[str]:
     """``shape.prompts`` prompts of fresh random words, each exactly ``input_len`` tokens."""
     from transformers import AutoTokenizer
 
@@ -121,15 +204,36 @@ class Running:
             s.stop()
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a set-up's servers run: engine args for every engine, and the link D sits behind
+    (``None``: everything on loopback)."""
+
+    engine_args: tuple[str, ...] = ()
+    link: Link | None = None
+
+    def cluster(self, model: Path, logs: Path, **kw: Any) -> LocalCluster:
+        """A ``LocalCluster`` placed so: P and the proxy on the root side of the veth (the
+        address D reaches; D calls lw's metaserver at the proxy's address), D in the namespace."""
+        hosts: dict[str, str] = {}
+        netns: dict[str, str] = {}
+        if self.link is not None:
+            hosts = {"prefill": self.link.root_addr, "proxy": self.link.root_addr,
+                     "decode": self.link.ns_addr}
+            netns = {"decode": self.link.ns}
+        return LocalCluster(model=model, workdir=logs, reference=False, hosts=hosts,
+                            netns=netns, engine_args=list(self.engine_args), **kw)
+
+
 def _peer_env(server: Server) -> None:
     """Put the CPU shim (``benchmarks/_peer/sitecustomize.py``) on a non-lw server's path."""
     old = server.env.get("PYTHONPATH", "")
     server.env["PYTHONPATH"] = str(PEER_DIR) + (os.pathsep + old if old else "")
 
 
-def start_single(model: Path, logs: Path, timeout: float) -> Running:
-    """One plain ``vllm serve`` (no connector) on core 0."""
-    factory = LocalCluster(model=model, workdir=logs, reference=False)
+def start_single(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """One plain ``vllm serve`` (no connector) on core 0, on loopback (it has no link)."""
+    factory = Placement(place.engine_args).cluster(model, logs)
     logs.mkdir(parents=True, exist_ok=True)
     s = factory._engine("single", 0, None)
     _peer_env(s)  # AMX permission like lw's servers get; no other effect without a connector
@@ -143,11 +247,23 @@ def start_single(model: Path, logs: Path, timeout: float) -> Running:
     return run
 
 
-def start_lw(model: Path, logs: Path, timeout: float) -> Running:
-    """lw P/D exactly as ``lw demo`` starts it (without the reference engine)."""
-    cluster = LocalCluster(model=model, workdir=logs, reference=False)
+def _start_lw(setup: str, model: Path, logs: Path, timeout: float,
+              place: Placement) -> Running:
+    """lw P/D as ``lw demo`` starts it (without the reference engine), with ``push_mode``."""
+    extra = {"push_mode": PUSH_MODES[setup]} if push_mode_supported() else {}
+    cluster = place.cluster(model, logs, p_extra=dict(extra), d_extra=dict(extra))
     cluster.start(timeout=timeout)  # stops what it started if it fails
-    return Running("lw", dict(cluster.servers), cluster.url("proxy"), cluster)
+    return Running(setup, dict(cluster.servers), cluster.url("proxy"), cluster)
+
+
+def start_lw(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """lw P/D, ``push_mode`` progressive."""
+    return _start_lw("lw", model, logs, timeout, place)
+
+
+def start_lw_last(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """lw P/D, ``push_mode`` last_chunk."""
+    return _start_lw("lw-last", model, logs, timeout, place)
 
 
 def mooncake_kv_config(role: str, engine_id: str) -> dict[str, Any]:
@@ -156,9 +272,10 @@ def mooncake_kv_config(role: str, engine_id: str) -> dict[str, Any]:
             "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
 
 
-def start_peer(model: Path, logs: Path, timeout: float) -> Running:
-    """vLLM's MooncakeConnector P (core 0) and D (core 1) plus the minimal peer proxy."""
-    factory = LocalCluster(model=model, workdir=logs, reference=False)
+def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """vLLM's MooncakeConnector P (core 0) and D (core 1) plus the minimal peer proxy; D pulls
+    from P's bootstrap server at P's address (the root side of the link, if any)."""
+    factory = place.cluster(model, logs)
     logs.mkdir(parents=True, exist_ok=True)
     p = factory._engine("prefill", 0, mooncake_kv_config("kv_producer", "peer-prefill"))
     d = factory._engine("decode", 1, mooncake_kv_config("kv_consumer", "peer-decode"))
@@ -167,11 +284,12 @@ def start_peer(model: Path, logs: Path, timeout: float) -> Running:
         _peer_env(s)
         s.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap_port)
     port = free_port()
+    host = factory.host("proxy")
     proxy = Server("proxy", [sys.executable, str(PEER_DIR / "mooncake_proxy.py"),
                              "--prefill", p.url, "--decode", d.url,
-                             "--bootstrap", f"http://127.0.0.1:{bootstrap_port}",
-                             "--port", str(port)],
-                   dict(os.environ, PYTHONUNBUFFERED="1"), f"http://127.0.0.1:{port}",
+                             "--bootstrap", f"http://{factory.host('prefill')}:{bootstrap_port}",
+                             "--host", host, "--port", str(port)],
+                   dict(os.environ, PYTHONUNBUFFERED="1"), f"http://{host}:{port}",
                    logs / "proxy.log")
     run = Running("peer", {"prefill": p, "decode": d}, proxy.url)
     try:
@@ -224,8 +342,8 @@ def pin(run: Running) -> None:
                 pass  # a thread that just ended
 
 
-STARTERS: dict[str, Callable[[Path, Path, float], Running]] = {
-    "single": start_single, "lw": start_lw, "peer": start_peer}
+STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
+    "single": start_single, "lw": start_lw, "lw-last": start_lw_last, "peer": start_peer}
 
 
 def warm_up(run: Running, n: int = 2) -> None:
@@ -237,7 +355,7 @@ def warm_up(run: Running, n: int = 2) -> None:
             raise RuntimeError(f"{run.name} warm-up failed: {r.error}\n{tails}")
 
 
-def after_lw_run(run: Running, shape: Shape, result: dict[str, Any], since: float) -> None:
+def after_lw_run(run: Running, label: str, result: dict[str, Any], since: float) -> None:
     """After each lw P/D run: where each request's time went, from lw's lifecycle events on P
     and D (``lw status`` timelines) and the proxy's milestones, as mean per phase."""
     if run.cluster is None:
@@ -255,12 +373,26 @@ def after_lw_run(run: Running, shape: Shape, result: dict[str, Any], since: floa
         proxy = {}
     ms = milestones(snap, proxy)
     done = {k: m for k, m in ms.items() if "first_token" in m.times and "all_done" in m.times
-            and m.times.get("received", 0.0) >= since}  # this shape's requests only
-    print(format_phases(phase_means(done), f"lw phases, {shape.key}: mean over "
+            and m.times.get("received", 0.0) >= since}  # this run's requests only
+    print(format_phases(phase_means(done), f"lw phases, {label}: mean over "
                         f"{len(done)} request(s) ({len(snap.silent)} worker(s) silent)"),
           flush=True)
     result["lw_phases_ms"] = {name: round(mean * 1e3, 1) for name, mean, n in
                               phase_means(done) if n}
+
+
+def prefill_time(url: str, model: Path, input_len: int, n: int = 5, seed: int = 0) -> float:
+    """The server's prefill time for ``input_len``-token prompts: TTFT p50 (s) with
+    ``max_tokens`` 1 over ``n`` fresh prompts (sent one at a time, after one not counted: the
+    first prompt of a length is slower)."""
+    prompts = make_prompts(model, Shape(input_len, 1, n + 1), f"calibrate-{seed}")
+    ttfts = []
+    for p in prompts:
+        r = complete(url, p, max_tokens=1, timeout=300.0)
+        if r.error or r.ttft_s is None:
+            raise RuntimeError(f"prefill-time request failed: {r.error or 'no token'}")
+        ttfts.append(r.ttft_s)
+    return statistics.median(ttfts[1:])
 
 
 # ------------------------------------------------------------------------------------ client
@@ -291,10 +423,211 @@ def run_bench(url: str, model: Path, dataset: Path, shape: Shape, out: Path,
             proc.wait(5)
             raise RuntimeError(f"vllm bench serve timed out after {timeout:.0f}s; log {log}"
                                ) from exc
+        except BaseException:  # Ctrl-C, SIGTERM: the client is in its own session
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            raise
     if rc != 0 or not out.exists():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
         raise RuntimeError(f"vllm bench serve exited {rc}:\n{tail}")
     return json.loads(out.read_text())
+
+
+# ------------------------------------------------------------------------------------ plan
+@dataclass
+class LinkInfo:
+    """What a link row means for one prompt length, and what was measured through it."""
+
+    kv_bytes: int = 0
+    prefill_s: float = 0.0
+    rate_bps: float | None = None  # tbf rate (None: uncapped)
+    goodputs_bps: list[float] = field(default_factory=list)
+
+    def achieved(self) -> list[float]:
+        """kv_over_prefill from each measured goodput."""
+        if not self.prefill_s:
+            return []
+        return [self.kv_bytes * 8 / g / self.prefill_s for g in self.goodputs_bps]
+
+
+@dataclass
+class Bench:
+    """One model's measurements: (shape, link row, setup) -> one result per run."""
+
+    model_name: str
+    model: Path
+    work: Path
+    plan: list[Shape]
+    rows: list[LinkRow]
+    seed: int
+    bench_timeout: float
+    results: dict[tuple[str, str, str], list[dict[str, Any]]] = field(default_factory=dict)
+    links: dict[tuple[str, int], LinkInfo] = field(default_factory=dict)
+    failures: int = 0
+
+    def dataset(self, rep: int, row: LinkRow, shape: Shape) -> Path:
+        """Fresh prompts per repeat and link row (a started set-up runs several rows: repeated
+        prompts would hit its prefix cache), the same for every set-up."""
+        name = f"{self.model.name}-r{rep}-{row.key}-{shape.key}.json".replace("=", "")
+        path = self.work / name
+        if not path.exists():
+            write_dataset(path, make_prompts(self.model, shape,
+                                             f"{self.seed}-r{rep}-{row.key}"))
+        return path
+
+    def measure(self, run: Running, setup: str, rep: int, row: LinkRow, shape: Shape,
+                logs: Path) -> None:
+        """One ``vllm bench serve`` run; stored under (shape, row, setup)."""
+        label = f"{self.model_name} {LABELS[setup]} {shape.key} {row.key} rep {rep}"
+        t1, wall1 = time.monotonic(), time.time()
+        key = (shape.key, "-" if setup == "single" else row.key, setup)
+        try:
+            res = run_bench(run.url, self.model, self.dataset(rep, row, shape), shape,
+                            logs / f"{shape.key}-{row.key.replace('=', '')}-r{rep}.json",
+                            self.bench_timeout)
+        except RuntimeError as exc:
+            print(f"[{label}] FAILED: {exc}", flush=True)
+            self.failures += 1
+            self.results.setdefault(key, []).append({"error": "bench failed", "rep": rep})
+            return
+        res["rep"] = rep
+        self.results.setdefault(key, []).append(res)
+        self.failures += bool(res.get("failed"))
+        print(f"[{label}] TTFT p50 {res['median_ttft_ms']:.0f} ms, "
+              f"{res['output_throughput']:.1f} tok/s, failed {res.get('failed', 0)} "
+              f"({time.monotonic() - t1:.0f}s)", flush=True)
+        if setup in PUSH_MODES:
+            after_lw_run(run, f"{shape.key} {row.key}", res, wall1)
+
+
+def set_link(link: Link, bench: Bench, row: LinkRow, shape: Shape) -> None:
+    """Cap ``link`` for this row and prompt length, measure the goodput and print it."""
+    info = bench.links[(row.key, shape.input_len)]
+    link.set_rate(info.rate_bps)
+    good = link.goodput(seconds=1.0 if info.rate_bps else 0.5)
+    info.goodputs_bps.append(good * 8)
+    cap = "uncapped" if info.rate_bps is None else f"tbf {info.rate_bps / 1e6:.1f} Mbit/s"
+    achieved = (f", kv_over_prefill achieved {info.achieved()[-1]:.2f}"
+                if info.prefill_s else "")
+    print(f"  link {row.key} {shape.key}: {cap}; TCP goodput {good * 8 / 1e6:.1f} Mbit/s"
+          f"{achieved}", flush=True)
+
+
+@contextlib.contextmanager
+def placed(row_group: str, engine_args: tuple[str, ...]) -> Iterator[Placement]:
+    """A placement for a group of link rows: loopback, or a fresh link (removed afterwards)."""
+    if row_group == "none":
+        yield Placement(engine_args)
+        return
+    with Link.create() as link:
+        print(f"  link: {link.describe()}", flush=True)
+        yield Placement(engine_args, link)
+
+
+def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow],
+              args: argparse.Namespace, engine_args: tuple[str, ...]) -> None:
+    """Start one set-up (D behind a fresh link unless ``group`` is ``none``), run each shape
+    and link row on it, stop it."""
+    logs = bench.work / f"{bench.model.name}-{setup}-r{rep}-{group}"
+    t0 = time.monotonic()
+    name = f"{bench.model_name} {LABELS[setup]} rep {rep} ({group})"
+    print(f"[{name}] starting ...", flush=True)
+    with placed(group, engine_args) as place:
+        try:
+            run = STARTERS[setup](bench.model, logs, args.start_timeout, place)
+        except RuntimeError as exc:
+            print(f"[{name}] FAILED to start: {exc}", flush=True)
+            bench.failures += 1
+            for sh in bench.plan:
+                for row in rows:
+                    key = (sh.key, "-" if setup == "single" else row.key, setup)
+                    bench.results.setdefault(key, []).append({"error": "did not start"})
+            return
+        try:
+            if not args.float_frontends:
+                pin(run)
+            warm_up(run)
+            print(f"[{name}] ready in {time.monotonic() - t0:.0f}s", flush=True)
+            for sh in bench.plan:
+                for row in rows:
+                    if place.link is not None:
+                        set_link(place.link, bench, row, sh)
+                    bench.measure(run, setup, rep, row, sh, logs)
+        except RuntimeError as exc:
+            print(f"[{name}] FAILED: {exc}", flush=True)
+            bench.failures += 1
+        finally:
+            run.stop()
+
+
+def calibrate(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ...]) -> None:
+    """Start the single server; measure its prefill time per prompt length (if a link row has
+    a factor) and run its benchmark (if ``single`` is a set-up); fill ``bench.links``."""
+    need_prefill = any(r.kind == "factor" for r in bench.rows)
+    run_single = "single" in args.setups
+    prefill: dict[int, float] = {}
+    if need_prefill or run_single:
+        logs = bench.work / f"{bench.model.name}-single"
+        t0 = time.monotonic()
+        print(f"[{bench.model_name} {LABELS['single']}] starting ...", flush=True)
+        try:
+            run = start_single(bench.model, logs, args.start_timeout, Placement(engine_args))
+        except RuntimeError as exc:
+            if need_prefill:
+                raise RuntimeError(f"single server (prefill time) did not start: {exc}") from exc
+            print(f"[{bench.model_name} single] FAILED to start: {exc}", flush=True)
+            bench.failures += 1
+            for sh in bench.plan:
+                bench.results.setdefault((sh.key, "-", "single"), []).append(
+                    {"error": "did not start"})
+            run = None
+        if run is not None:
+            try:
+                if not args.float_frontends:
+                    pin(run)
+                warm_up(run)
+                print(f"[{bench.model_name} single] ready in {time.monotonic() - t0:.0f}s",
+                      flush=True)
+                if need_prefill:
+                    for n in sorted({sh.input_len for sh in bench.plan}):
+                        prefill[n] = prefill_time(run.url, bench.model, n, seed=bench.seed)
+                        print(f"  prefill time, {n} tokens (single server, TTFT p50, "
+                              f"max_tokens 1): {prefill[n] * 1e3:.0f} ms", flush=True)
+                if run_single:
+                    for sh in bench.plan:
+                        bench.measure(run, "single", 0, bench.rows[0], sh, logs)
+            finally:
+                run.stop()
+    for sh in bench.plan:
+        for row in bench.rows:
+            info = bench.links.setdefault((row.key, sh.input_len), LinkInfo())
+            info.kv_bytes = kv_bytes(bench.model, sh.input_len)
+            info.prefill_s = prefill.get(sh.input_len, 0.0)
+            if row.kind == "factor":
+                info.rate_bps = info.kv_bytes * 8 / (row.factor * info.prefill_s)
+    for row in bench.rows:
+        for n in sorted({sh.input_len for sh in bench.plan}):
+            info = bench.links[(row.key, n)]
+            if row.kind == "factor":
+                print(f"  {row.key}, {n} tokens: KV {info.kv_bytes / 1e6:.1f} MB per prompt / "
+                      f"({row.factor} x {info.prefill_s * 1e3:.0f} ms) -> tbf "
+                      f"{info.rate_bps / 1e6:.1f} Mbit/s", flush=True)  # type: ignore[operator]
+
+
+def run_model(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ...]) -> None:
+    """Every set-up, repeat and link row on one model."""
+    calibrate(bench, args, engine_args)
+    pd = [s for s in SETUPS if s in args.setups and s != "single"]
+    groups = [g for g in ("none", "veth")
+              if any((r.kind == "none") == (g == "none") for r in bench.rows)]
+    for rep in range(args.repeats):
+        order = pd[rep % len(pd):] + pd[:rep % len(pd)] if pd else []
+        for setup in order:
+            for group in groups:
+                rows = [r for r in bench.rows if (r.kind == "none") == (group == "none")]
+                if rep % 2:
+                    rows.reverse()  # what ran first in one repeat runs last in the next
+                run_setup(bench, setup, rep, group, rows, args, engine_args)
 
 
 # ------------------------------------------------------------------------------------ report
@@ -302,41 +635,113 @@ def _f(x: Any, fmt: str = ".0f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def print_table(model_name: str, shape: Shape, results: dict[str, dict[str, Any]]) -> None:
-    """One side-by-side table for a model and shape, then the two ratio lines."""
-    print(f"\n### {model_name}, input {shape.input_len} / concurrency {shape.concurrency} "
-          f"({shape.prompts} prompts, {OUTPUT_TOKENS} output tokens)")
-    print("| setup | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | req/s | out tok/s | failed |")
-    print("|---|---|---|---|---|---|---|")
+def _ok(runs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    return [r for r in runs or [] if "error" not in r]
+
+
+def _med(runs: list[dict[str, Any]], key: str) -> float | None:
+    xs = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _spread(xs: Sequence[float], fmt: str) -> str:
+    return f"{format(min(xs), fmt)}-{format(max(xs), fmt)}"
+
+
+def ratios(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> list[float]:
+    """Per-repeat ratios a/b of ``key`` (runs of the same repeat paired)."""
+    by_rep = {r.get("rep"): r for r in _ok(b)}
+    out = []
+    for r in _ok(a):
+        other = by_rep.get(r.get("rep"))
+        with contextlib.suppress(KeyError, TypeError, ZeroDivisionError):
+            out.append(r[key] / other[key])  # type: ignore[index]
+    return out
+
+
+COMPARISONS = (("vs_peer", "lw", "peer"), ("last_chunk_vs_peer", "lw-last", "peer"),
+               ("progressive_vs_last_chunk", "lw", "lw-last"))
+
+
+def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> None:
+    """One side-by-side table for a model, shape and link row, then the ratio lines."""
+    label = f"{bench.model_name} {shape.key}" + (f" {row.key}" if link_mode else "")
+    where = ""
+    if link_mode:
+        info = bench.links.get((row.key, shape.input_len))
+        where = f", {row.key}"
+        if info is not None and row.veth:
+            cap = ("uncapped veth" if info.rate_bps is None
+                   else f"tbf {info.rate_bps / 1e6:.1f} Mbit/s")
+            good = (f", goodput {_spread([g / 1e6 for g in info.goodputs_bps], '.0f')} Mbit/s"
+                    if info.goodputs_bps else "")
+            ach = info.achieved()
+            ach_s = f", kv_over_prefill achieved {_spread(ach, '.2f')}" if ach else ""
+            where += f" ({cap}{good}{ach_s})"
+    print(f"\n### {bench.model_name}, input {shape.input_len} / concurrency {shape.concurrency} "
+          f"({shape.prompts} prompts, {OUTPUT_TOKENS} output tokens){where}")
+    print("| setup | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | req/s | out tok/s | failed | runs |")
+    print("|---|---|---|---|---|---|---|---|")
+    runs_of: dict[str, list[dict[str, Any]]] = {}
     for s in SETUPS:
-        r = results.get(s)
-        if r is None or "error" in r:
-            why = r.get("error", "not run") if r else "not run"
-            print(f"| {LABELS[s]} | - | - | - | - | - | {why} |")
+        runs = bench.results.get((shape.key, "-" if s == "single" else row.key, s))
+        if runs is None:
             continue
-        print(f"| {LABELS[s]} | {_f(r.get('median_ttft_ms'))} | {_f(r.get('p99_ttft_ms'))} | "
-              f"{_f(r.get('median_tpot_ms'), '.1f')} | {_f(r.get('request_throughput'), '.2f')} | "
-              f"{_f(r.get('output_throughput'), '.1f')} | {r.get('failed', 0)} |")
-    lw, peer = results.get("lw", {}), results.get("peer", {})
-    try:
-        ttft = lw["median_ttft_ms"] / peer["median_ttft_ms"]
-        thr = lw["output_throughput"] / peer["output_throughput"]
-        print(f"ttft_p50_ratio_vs_peer: {ttft:.2f}  ({model_name} {shape.key})")
-        print(f"throughput_ratio_vs_peer: {thr:.2f}  ({model_name} {shape.key})")
-    except (KeyError, TypeError, ZeroDivisionError):
-        print(f"ttft_p50_ratio_vs_peer: n/a  ({model_name} {shape.key})")
-        print(f"throughput_ratio_vs_peer: n/a  ({model_name} {shape.key})")
+        ok = runs_of[s] = _ok(runs)
+        name = LABELS[s] + (" (no link)" if s == "single" and row.veth else "")
+        if not ok:
+            why = runs[0].get("error", "not run")
+            print(f"| {name} | - | - | - | - | - | {why} | 0 |")
+            continue
+        ttft = [r["median_ttft_ms"] for r in ok]
+        ttft_s = _f(statistics.median(ttft)) + (f" ({_spread(ttft, '.0f')})"
+                                                if len(ttft) > 1 else "")
+        failed = sum(int(r.get("failed", 0)) for r in ok) + len(runs) - len(ok)
+        print(f"| {name} | {ttft_s} | {_f(_med(ok, 'p99_ttft_ms'))} | "
+              f"{_f(_med(ok, 'median_tpot_ms'), '.1f')} | "
+              f"{_f(_med(ok, 'request_throughput'), '.2f')} | "
+              f"{_f(_med(ok, 'output_throughput'), '.1f')} | {failed} | {len(ok)} |")
+    for suffix, a, b in COMPARISONS:
+        if a not in runs_of or b not in runs_of:
+            continue
+        for metric, key in (("ttft_p50_ratio", "median_ttft_ms"),
+                            ("throughput_ratio", "output_throughput")):
+            xs = ratios(runs_of[a], runs_of[b], key)
+            if not xs:
+                print(f"{metric}_{suffix}: n/a  ({label})")
+                continue
+            spread = f"; {_spread(xs, '.2f')} over {len(xs)} repeats" if len(xs) > 1 else ""
+            print(f"{metric}_{suffix}: {statistics.median(xs):.2f}  ({label}{spread})")
+    tails = []
+    for s in PUSH_MODES:
+        xs = [r["lw_phases_ms"][TAIL_PHASE] for r in runs_of.get(s, [])
+              if TAIL_PHASE in r.get("lw_phases_ms", {})]
+        if xs:
+            tails.append(f"{PUSH_MODES[s].replace('_', '-')} {statistics.median(xs):.1f}"
+                         + (f" ({_spread(xs, '.1f')})" if len(xs) > 1 else ""))
+    if tails:
+        print(f"lw_transfer_tail_ms: {', '.join(tails)}  ({label}; last layer computed -> "
+              "written, mean per run, median over runs)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every setup on every model and shape; exit 1 if any run failed."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer prompts per shape")
-    ap.add_argument("--layers", type=int, nargs="+", default=[2, 32],
-                    help="decoder layers of each tiny model (default: 2 32)")
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer prompts per shape (with --link: 1,024-token prompts only)")
+    ap.add_argument("--link", type=parse_link, default=[LinkRow("none")],
+                    help="none (loopback, default), uncapped, auto (= uncapped,0.5,1.0,2.0) or "
+                         "kv_over_prefill factors, comma separated; anything but none needs "
+                         "root and iproute2")
+    ap.add_argument("--layers", type=int, nargs="+", default=None,
+                    help="decoder layers of each tiny model (default: 2 32; with --link: 32)")
     ap.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="start each P/D set-up this many times, order rotated (default 1; "
+                         "with --link 2)")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed (same for every setup)")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per shape (override)")
     ap.add_argument("--float-frontends", action="store_true",
                     help="leave each engine's API server and EngineCore unbound (vLLM's "
                          "default; only the workers are pinned), as in the first runs")
@@ -345,6 +750,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=300.0, help="server start, s")
     ap.add_argument("--bench-timeout", type=float, default=900.0, help="one bench run, s")
     args = ap.parse_args(list(argv) if argv is not None else None)
+    link_mode = any(r.veth for r in args.link)
+    if link_mode:
+        why = missing_requirements()
+        if why:
+            print(f"serving.py --link: {why}; use --link none for loopback", file=sys.stderr)
+            return 2
+    if args.layers is None:
+        args.layers = [32] if link_mode else [2, 32]
+    if args.repeats is None:
+        args.repeats = 2 if link_mode else 1
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # finally blocks stop servers and links
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"]
                                             if os.environ.get("PYTHONPATH") else "")
@@ -352,64 +771,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     from lw.vllm_adapter.tiny_model import make_tiny_model
 
+    plan = shapes(args.quick, link_mode)
+    if args.prompts:
+        plan = [Shape(s.input_len, s.concurrency, args.prompts) for s in plan]
+    longest = max(s.input_len for s in plan) + OUTPUT_TOKENS
+    engine_args: tuple[str, ...] = ()
+    model_kw: dict[str, Any] = {}
+    if longest > 2048:  # LocalCluster's --max-model-len and the tiny model's positions
+        engine_args = ("--max-model-len", str(longest + 64))
+        model_kw["max_positions"] = 1 << (longest + 64 - 1).bit_length()
     t_all = time.monotonic()
-    print(f"serving benchmark: setups {', '.join(args.setups)}; work dir {work}", flush=True)
+    pm = "" if push_mode_supported() else (
+        " (lw's config has no push_mode yet: both lw set-ups run its one mode)")
+    print(f"serving benchmark: setups {', '.join(args.setups)}{pm}; link rows "
+          f"{', '.join(r.key for r in args.link)}; repeats {args.repeats}; work dir {work}",
+          flush=True)
+    benches: list[Bench] = []
     failures = 0
-    tables: list[tuple[str, Shape, dict[str, dict[str, Any]]]] = []
-    for layers in args.layers:
-        model = make_tiny_model(work / f"tiny-{layers}l", num_layers=layers)
-        model_name = f"llama {layers} layers"
-        plan = shapes(args.quick)
-        datasets = {sh.key: write_dataset(work / f"{layers}l-{sh.key}.json",
-                                          make_prompts(model, sh, args.seed)) for sh in plan}
-        results: dict[str, dict[str, dict[str, Any]]] = {sh.key: {} for sh in plan}
-        for setup in args.setups:
-            logs = work / f"{layers}l-{setup}"
-            t0 = time.monotonic()
-            print(f"[{model_name}] {LABELS[setup]}: starting ...", flush=True)
+    try:
+        for layers in args.layers:
+            suffix = f"-{model_kw['max_positions']}pos" if model_kw else ""
+            model = make_tiny_model(work / f"tiny-{layers}l{suffix}", num_layers=layers,
+                                    **model_kw)
+            bench = Bench(f"llama {layers} layers", model, work, plan, list(args.link),
+                          args.seed, args.bench_timeout)
+            benches.append(bench)
             try:
-                run = STARTERS[setup](model, logs, args.start_timeout)
+                run_model(bench, args, engine_args)
             except RuntimeError as exc:
-                print(f"[{model_name}] {LABELS[setup]}: FAILED to start: {exc}", flush=True)
-                failures += 1
-                for sh in plan:
-                    results[sh.key][setup] = {"error": "did not start"}
-                continue
-            try:
-                if not args.float_frontends:
-                    pin(run)
-                warm_up(run)
-                print(f"[{model_name}] {LABELS[setup]}: ready in {time.monotonic() - t0:.0f}s",
-                      flush=True)
-                for sh in plan:
-                    t1, wall1 = time.monotonic(), time.time()
-                    try:
-                        res = run_bench(run.url, model, datasets[sh.key], sh,
-                                        logs / f"{sh.key}.json", args.bench_timeout)
-                    except RuntimeError as exc:
-                        print(f"[{model_name}] {LABELS[setup]} {sh.key}: FAILED: {exc}",
-                              flush=True)
-                        failures += 1
-                        results[sh.key][setup] = {"error": "bench failed"}
-                        continue
-                    results[sh.key][setup] = res
-                    failures += bool(res.get("failed"))
-                    print(f"[{model_name}] {LABELS[setup]} {sh.key}: TTFT p50 "
-                          f"{res['median_ttft_ms']:.0f} ms, {res['output_throughput']:.1f} "
-                          f"tok/s, failed {res.get('failed', 0)} "
-                          f"({time.monotonic() - t1:.0f}s)", flush=True)
-                    if setup == "lw":
-                        after_lw_run(run, sh, res, wall1)
-            except RuntimeError as exc:
-                print(f"[{model_name}] {LABELS[setup]}: FAILED: {exc}", flush=True)
-                failures += 1
-            finally:
-                run.stop()
-        for sh in plan:
-            tables.append((model_name, sh, results[sh.key]))
-    for model_name, sh, res in tables:
-        print_table(model_name, sh, res)
-    print(f"\ntotal time {time.monotonic() - t_all:.0f}s; results and logs in {work}")
+                print(f"[{bench.model_name}] FAILED: {exc}", flush=True)
+                bench.failures += 1
+    finally:
+        for bench in benches:
+            failures += bench.failures
+            for sh in bench.plan:
+                for row in bench.rows:
+                    print_table(bench, sh, row, link_mode)
+        print(f"\ntotal time {time.monotonic() - t_all:.0f}s; results and logs in {work}")
     return 1 if failures else 0
 
 

@@ -130,11 +130,19 @@ def block_aligned(base_url: str, prompt: str) -> list[int]:
     return ids[:keep]
 
 
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(netns: str | None = None) -> int:
+    """A TCP port free on loopback right now; with ``netns`` (an ``ip netns`` name), free in
+    that network namespace too (a server started there binds it)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if netns is None or subprocess.run(
+                ["ip", "netns", "exec", netns, sys.executable, "-c",
+                 f"import socket; socket.socket().bind(('0.0.0.0', {port}))"],
+                capture_output=True).returncode == 0:
+            return port
+    raise RuntimeError(f"no port free both here and in network namespace {netns}")
 
 
 def free_port_range(n: int, lo: int = 20000, hi: int = 29000) -> int:
@@ -268,10 +276,18 @@ class LocalCluster:
     engine_args: list[str] = field(default_factory=list)  # extra `vllm serve` args, every engine
     servers: dict[str, Server] = field(default_factory=dict)
     kv_ports: dict[str, int] = field(default_factory=dict)  # first side-channel port per side
+    # server name -> address it binds and advertises (VLLM_HOST_IP, lw's host); default loopback
+    hosts: dict[str, str] = field(default_factory=dict)
+    netns: dict[str, str] = field(default_factory=dict)  # server name -> `ip netns` it runs in
+
+    def host(self, name: str) -> str:
+        """The address server ``name`` binds and advertises."""
+        return self.hosts.get(name, "127.0.0.1")
 
     def _engine(self, name: str, first_core: int, kv: dict[str, Any] | None, tp: int = 1,
                 dp: int = 1) -> Server:
-        port = free_port()
+        port = free_port(self.netns.get(name))
+        host = self.host(name)
         env = dict(os.environ)
         # One core per worker, round robin from ``first_core`` (vLLM needs an explicit binding
         # for more than one worker: "Not enough allowed NUMA nodes" otherwise).
@@ -280,13 +296,13 @@ class LocalCluster:
                    VLLM_CPU_OMP_THREADS_BIND=cores, PYTHONUNBUFFERED="1",
                    # the whole engine (API server, EngineCore) on its workers' cores
                    LW_CPU_AFFINITY=",".join(sorted(set(cores.split("|")))),
-                   VLLM_HOST_IP="127.0.0.1", TOKENIZERS_PARALLELISM="false")
+                   VLLM_HOST_IP=host, TOKENIZERS_PARALLELISM="false")
         if self.p_tp * self.p_dp + self.d_tp * self.d_dp > 2:
             # More workers than cores: an idle worker's OpenMP threads must sleep, not spin on
             # the core a busy worker needs (D waiting for KV starved P's TP ranks otherwise).
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         argv = [sys.executable, "-m", "lw.vllm_adapter.serve", str(self.model),
-                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
+                "--host", host, "--port", str(port), "--served-model-name", MODEL_NAME,
                 "--dtype", "bfloat16", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
                 "--max-model-len", "2048", "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
                 "--max-num-seqs", "16", "--seed", "0"]
@@ -298,7 +314,9 @@ class LocalCluster:
         argv += self.engine_args
         if kv is not None:
             argv += ["--kv-transfer-config", json.dumps(kv)]
-        return Server(name, argv, env, f"http://127.0.0.1:{port}",
+        if name in self.netns:
+            argv = ["ip", "netns", "exec", self.netns[name], *argv]
+        return Server(name, argv, env, f"http://{host}:{port}",
                       self.workdir / f"{name}.log")
 
     def start(self, timeout: float = 240.0) -> None:
@@ -308,8 +326,8 @@ class LocalCluster:
         kv_d = free_port_range(max(4, self.d_tp * self.d_dp))
         self.kv_ports = {"prefill": kv_p, "decode": kv_d}
         # Each side is told the other's TP: D counts its senders with it, P checks D's.
-        p_extra = {"peer_tp_size": self.d_tp, **self.p_extra}
-        d_extra = {"peer_tp_size": self.p_tp, **self.d_extra}
+        p_extra = {"peer_tp_size": self.d_tp, "host": self.host("prefill"), **self.p_extra}
+        d_extra = {"peer_tp_size": self.p_tp, "host": self.host("decode"), **self.d_extra}
         if self.reference:
             self.servers["reference"] = self._engine("reference", 0, None)
         self.servers["prefill"] = self._engine(
@@ -354,11 +372,13 @@ class LocalCluster:
             old.stop()
         port = free_port()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # D calls the metaserver at the proxy's own address: one D can reach
+        host = self.host("proxy")
         argv = [sys.executable, "-m", "lw.vllm_adapter.proxy",
                 "--prefill", self.servers["prefill"].url, "--decode", self.servers["decode"].url,
-                "--host", "127.0.0.1", "--port", str(port), "--timeout", "120",
+                "--host", host, "--port", str(port), "--timeout", "120",
                 "--log-level", "warning"]
-        proxy = Server("proxy", argv, env, f"http://127.0.0.1:{port}",
+        proxy = Server("proxy", argv, env, f"http://{host}:{port}",
                        self.workdir / "proxy.log")
         proxy.start()
         self.servers["proxy"] = proxy
@@ -369,7 +389,7 @@ class LocalCluster:
         out = []
         for name, n in (("prefill", self.p_tp * self.p_dp), ("decode", self.d_tp * self.d_dp)):
             port = self.kv_ports[name]
-            out += [f"tcp://127.0.0.1:{port + i}" for i in range(n)]
+            out += [f"tcp://{self.host(name)}:{port + i}" for i in range(n)]
         return out
 
     def url(self, name: str) -> str:

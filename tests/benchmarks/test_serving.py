@@ -1,0 +1,64 @@
+"""The serving benchmark's pure parts: ``--link`` parsing, per-repeat ratios, the report, the
+refusal without root; no engines."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from benchmarks import serving
+from benchmarks.serving import Bench, LinkInfo, LinkRow, Shape, parse_link, print_table
+
+
+def test_parse_link() -> None:
+    assert parse_link("none") == [LinkRow("none")]
+    assert parse_link("auto") == [LinkRow("uncapped"), LinkRow("factor", 0.5),
+                                  LinkRow("factor", 1.0), LinkRow("factor", 2.0)]
+    assert parse_link("uncapped, 1,1.0,none") == [LinkRow("uncapped"), LinkRow("factor", 1.0),
+                                                  LinkRow("none")]
+    assert LinkRow("factor", 1.0).key == "kv_over_prefill=1.0"
+    for bad in ("fast", "0", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_link(bad)
+
+
+def _res(rep: int, ttft: float, tput: float, tail: float | None = None) -> dict[str, object]:
+    r: dict[str, object] = {"rep": rep, "median_ttft_ms": ttft, "p99_ttft_ms": ttft * 2,
+                            "median_tpot_ms": 30.0, "request_throughput": 1.0,
+                            "output_throughput": tput, "failed": 0}
+    if tail is not None:
+        r["lw_phases_ms"] = {serving.TAIL_PHASE: tail}
+    return r
+
+
+def test_report_ratios_pair_runs_of_the_same_repeat(capsys: pytest.CaptureFixture[str]) -> None:
+    shape, row = Shape(1024, 1, 6), LinkRow("factor", 1.0)
+    bench = Bench("llama 32 layers", Path("/nonexistent/tiny-32l"), Path("/tmp"), [shape],
+                  [row], 0, 1.0)
+    bench.links[(row.key, 1024)] = LinkInfo(kv_bytes=33_554_432, prefill_s=0.5,
+                                            rate_bps=536.9e6, goodputs_bps=[515e6, 520e6])
+    k = (shape.key, row.key)
+    bench.results[(shape.key, "-", "single")] = [_res(0, 500.0, 20.0)]
+    bench.results[(*k, "lw")] = [_res(0, 600.0, 12.0, 4.0), _res(1, 800.0, 10.0, 6.0)]
+    bench.results[(*k, "lw-last")] = [_res(1, 1600.0, 8.0, 900.0), _res(0, 1200.0, 6.0, 700.0)]
+    bench.results[(*k, "peer")] = [_res(0, 1000.0, 10.0), {"error": "bench failed", "rep": 1}]
+    print_table(bench, shape, row, link_mode=True)
+    out = capsys.readouterr().out
+    label = "(llama 32 layers in1024-c1 kv_over_prefill=1.0"
+    assert f"ttft_p50_ratio_vs_peer: 0.60  {label})" in out  # rep 1 has no peer run
+    assert f"throughput_ratio_vs_peer: 1.20  {label})" in out
+    assert f"ttft_p50_ratio_progressive_vs_last_chunk: 0.50  {label}; 0.50-0.50 over 2" in out
+    assert f"throughput_ratio_progressive_vs_last_chunk: 1.62  {label}; 1.25-2.00 over 2" in out
+    assert "lw_transfer_tail_ms: progressive 5.0 (4.0-6.0), last-chunk 800.0 (700.0-900.0)" in out
+    assert "| single vLLM (no link) | 500 |" in out
+    assert "| Mooncake P/D | 1000 | 2000 |" in out and "| 1 | 1 |" in out  # 1 failed, 1 run
+    assert "tbf 536.9 Mbit/s, goodput 515-520 Mbit/s, kv_over_prefill achieved 1.03-1.04" in out
+
+
+def test_link_needs_root(monkeypatch: pytest.MonkeyPatch,
+                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(serving, "missing_requirements", lambda: "needs root (test)")
+    assert serving.main(["--link", "auto"]) == 2
+    assert "needs root (test)" in capsys.readouterr().err
