@@ -3,7 +3,7 @@ is enabled (a mixin of :class:`lw.sim.world.World`)."""
 
 from __future__ import annotations
 
-from lw.fsm.lifecycles import AWAIT_DECODER_META, META_READY, layer_sent
+from lw.fsm.lifecycles import AWAIT_DECODER_META, CHUNK_SENT, META_READY, layer_sent
 from lw.sim.config import _owner
 from lw.sim.properties import Violation
 from lw.sim.request import Req
@@ -18,16 +18,19 @@ class Checks:
         tp, d_tp = self.tp, self.d_tp
         for z in self.zombies if not self.cfg.late_writes else ():  # unbounded: stale-kv's
             self._check_owned(z[0] // tp, z[1], (), z[3] // d_tp, z[4],
-                              f"in-doubt bytes of its layer {z[2]} write from P worker {z[0]} "
-                              f"may land until t={z[5]:g}")
+                              f"in-doubt bytes of its {self.what(z[1], z[2])} write from P "
+                              f"worker {z[0]} may land until t={z[5]:g}")
         for i, fifo in enumerate(self.fifo):
             for w in fifo:  # a write addressed to an earlier incarnation of D cannot land
                 current = w[6] == self.d_inc[w[4] // d_tp]
                 self._check_owned(i // tp, w[0], w[2], w[4] // d_tp, w[3] if current else (),
-                                  f"its layer {w[1]} write from P worker {i} is in flight")
+                                  f"its {self.what(w[0], w[1])} write from P worker {i} is in "
+                                  "flight")
         if not self.p_alive:
             return
-        more = {AWAIT_DECODER_META, META_READY, *(layer_sent(k) for k in range(L - 1))}
+        # states from which the request still submits writes (CHUNK_SENT: the next chunk's)
+        more = {AWAIT_DECODER_META, META_READY, CHUNK_SENT,
+                *(layer_sent(k) for k in range(L - 1))}
         for i, ep in enumerate(self.p):
             for rid in ep.live_requests():
                 st = ep.state_of(rid)

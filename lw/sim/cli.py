@@ -20,6 +20,7 @@ from lw.sim.world import FAULT_KINDS, WorldConfig
 GALLERY: dict[str, list[str]] = {f"{name}.md": ["--design", name]
                                  for name in DESIGNS if name != "d-first"}
 
+_CHUNKED = {"chunks": 2, "blocks_per_request": 2, "d_blocks": 2, "p_blocks": 2}
 # The strong default check (`lw check` with no bound flags): d-first at these bounds, then at
 # every variant's own bounds (so d-first is checked wherever a variant is caught).
 STRONG: tuple[dict[str, Any], ...] = (
@@ -32,13 +33,27 @@ STRONG: tuple[dict[str, Any], ...] = (
      "delays": False, "d_restarts": 1},
     {"dp": 2, "requests": 2, "layers": 2, "faults": True, "delays": False, "late_writes": True,
      "kv_checksum": True},
+    # Chunked prefill (progressive push): two chunks per request. With one block per request
+    # the first chunk completes none (the request claims D at its first step and writes in its
+    # second); with two, each chunk pushes one, and the data plane may complete them out of
+    # order (the core's out-of-order bookkeeping).
+    {**BASE_BOUNDS, "chunks": 2},
+    {**BASE_BOUNDS, **_CHUNKED, "unordered_writes": True},
+    {"dp": 2, "requests": 2, "layers": 1, **_CHUNKED, "faults": True, "delays": False,
+     "unordered_writes": True},
+    {"dp": 1, "requests": 2, "layers": 1, **_CHUNKED, "faults": True, "fault_kinds": ("crash",),
+     "delays": False, "d_restarts": 1},
+    {"dp": 1, "requests": 2, "layers": 1, **_CHUNKED, "faults": True, "delays": False,
+     "late_writes": True, "kv_checksum": True, "unordered_writes": True},
+    {"dp": 1, "requests": 1, "layers": 1, **_CHUNKED, "faults": True, "fault_kinds": (),
+     "unordered_writes": True},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",
-               "p_blocks", "blocks_per_request", "prefix_hits", "faults", "fault_kinds",
+               "p_blocks", "blocks_per_request", "chunks", "prefix_hits", "faults", "fault_kinds",
                "max_faults", "retries", "no_atomic_layers", "no_p_loss_detection",
                "no_crash_zombies", "no_delays", "no_abstract_time", "d_restarts", "late_writes",
-               "kv_checksum")
+               "kv_checksum", "unordered_writes")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -70,6 +85,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--d-blocks", type=int, default=None, help="blocks per D engine")
     ap.add_argument("--p-blocks", type=int, default=None, help="blocks per P rank")
     ap.add_argument("--blocks-per-request", type=int, default=None)
+    ap.add_argument("--chunks", type=int, default=None,
+                    help="chunked prefill: P engine steps per request, one chunk each; its sent "
+                         "blocks complete chunk by chunk (the first gets the remainder and may "
+                         "complete none: needs blocks per request >= chunks - 1) and are pushed "
+                         "layer by layer as each chunk computes them (default 1)")
     ap.add_argument("--prefix-hits", type=_hits, default=None, metavar="N,N,...",
                     help="per request: its first N blocks are in D's prefix cache (never written "
                          "by P); N = --blocks-per-request is a full hit (nothing to transfer)")
@@ -107,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-checksum", action="store_true", default=None,
                     help="the endpoints' kv_checksum: D verifies what its blocks hold against "
                          "P's checksums")
+    ap.add_argument("--unordered-writes", action="store_true", default=None,
+                    help="the data plane may complete a P worker's writes in any order (lw's "
+                         "reports each destination's writes in submission order)")
     ap.add_argument("--trace-out", type=Path, default=None,
                     help="write the counterexample as Markdown with a Mermaid sequence diagram")
     ap.add_argument("--counterexamples", action="store_true",
@@ -140,6 +163,7 @@ def config_from(args: argparse.Namespace, base: dict[str, Any] | None = None) ->
     flags = {"dp": "dp", "tp": "tp", "requests": "requests", "layers": "layers", "d_dp": "d_dp",
              "d_tp": "d_tp", "mla": "mla", "kv_heads": "heads", "d_blocks": "d_blocks",
              "p_blocks": "p_blocks", "blocks_per_request": "blocks_per_request",
+             "chunks": "chunks",
              "prefix_hits": "prefix_hits", "faults": "faults", "retries": "retries",
              "d_restarts": "d_restarts", "max_faults": "max_faults"}
     for flag, field in flags.items():
@@ -159,6 +183,8 @@ def config_from(args: argparse.Namespace, base: dict[str, Any] | None = None) ->
         kw["late_writes"] = True
     if args.kv_checksum:
         kw["kv_checksum"] = True
+    if args.unordered_writes:
+        kw["unordered_writes"] = True
     if args.no_p_loss_detection:
         kw["p_loss_detection"] = False
     if "max_faults" not in kw:

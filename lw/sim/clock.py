@@ -57,25 +57,25 @@ class Clock:
         self._tick(at)
 
     def _do_wto(self, i: int) -> None:
-        r, layer, _l, remote, d, deadline, inc = self.fifo[i].pop(0)
+        r, seq, _l, remote, d, deadline, inc = self.fifo[i].pop(0)
         self._tick(deadline)
         q = self.reqs[r]
-        self._note(f"P{i}", f"t={deadline:g}: write of {q.rid} layer {layer} times out (in "
+        self._note(f"P{i}", f"t={deadline:g}: write of {q.rid} {self.what(r, seq)} times out (in "
                             "doubt)")
-        self._zombie(i, r, layer, d, remote, inc)
-        self._effects(("p", i), self.p[i].transfer_done(q.rid, layer, False, "transfer timeout",
+        self._zombie(i, r, seq, d, remote, inc)
+        self._effects(("p", i), self.p[i].transfer_done(q.rid, seq, False, "transfer timeout",
                                                         self.now, True))
 
-    def _zombie(self, i: int, r: int, layer: int, v: int, remote: tuple[int, ...],
+    def _zombie(self, i: int, r: int, seq: int, v: int, remote: tuple[int, ...],
                 inc: int) -> None:
         """Bytes of a failed write that may still land in D's blocks for transfer_timeout_s, or
         at any later time with late_writes (not in another incarnation of D: the memory they
         were addressed to is gone)."""
         if self.d_alive[v // self.d_tp] and inc == self.d_inc[v // self.d_tp]:
-            self.zombies.append((i, r, layer, v, remote, self._zombie_deadline()))
+            self.zombies.append((i, r, seq, v, remote, self._zombie_deadline()))
 
-    def _do_zexp(self, i: int, r: int, layer: int, v: int) -> None:
-        z = next(z for z in self.zombies if z[:4] == (i, r, layer, v))
+    def _do_zexp(self, i: int, r: int, seq: int, v: int) -> None:
+        z = next(z for z in self.zombies if z[:4] == (i, r, seq, v))
         self.zombies.remove(z)
         self._tick(z[5])
 

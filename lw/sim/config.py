@@ -13,8 +13,9 @@ from lw.transport.wire import KVLayout, LayerLayout
 
 Action = tuple  # ("kind", *args): hashable, replayable
 Owner = tuple[str, int]  # ("p", P worker) or ("d", D worker)
-# A write in flight: (req index, layer, local blocks, remote blocks, D worker, deadline,
-# incarnation of the D layout it was addressed with)
+# A write in flight: (req index, seq, local blocks, remote blocks, D worker, deadline,
+# incarnation of the D layout it was addressed with); seq = chunk * layers + layer, the
+# WriteLayer's number within its request (the layer, for a request prefilled in one chunk)
 Write = tuple[int, int, tuple[int, ...], tuple[int, ...], int, float, int]
 HEAD_BYTES = 4096  # bytes of one KV head in one block (layouts only; no bytes are moved)
 
@@ -38,6 +39,9 @@ class WorldConfig:
     d_blocks: int = 1  # blocks per D engine
     p_blocks: int = 1  # blocks per P rank
     blocks_per_request: int = 1
+    # P engine steps a request's prefill takes (chunked prefill, one chunk per step); its sent
+    # blocks complete chunk by chunk (chunk_sizes) and are pushed as each chunk computes them.
+    chunks: int = 1
     mla: bool = False  # latent KV (one head replicated on every rank): one writer per D worker
     heads: int = 0  # the model's KV heads; 0: lcm(tp, d_tp) (MLA: the one latent head)
     # Per request index: how many of its first blocks D already holds in its prefix cache (not
@@ -70,6 +74,11 @@ class WorldConfig:
     # P's DONE carries checksums of what it wrote; D verifies its blocks against them (the
     # endpoints' kv_checksum); the world tracks which claim's bytes each D block holds.
     kv_checksum: bool = False
+    # The data plane may complete (or fail) a P worker's writes in any order, not only in
+    # submission order (transports whose transfers complete independently: several sender
+    # threads or rails, per-transfer handles). lw's own data plane reports a destination's
+    # writes in submission order (lw.transport.dataplane.base).
+    unordered_writes: bool = False
     # Bytes of a write that failed in doubt may land at any later moment while that D process
     # lives (not only within transfer_timeout_s): past D's lease, into blocks of another claim.
     late_writes: bool = False
@@ -84,7 +93,7 @@ class WorldConfig:
         if self.design not in DESIGNS:
             raise ValueError(f"unknown design {self.design!r}; one of {', '.join(DESIGNS)}")
         for name in ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "blocks_per_request",
-                     "retries"):
+                     "chunks", "retries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("d_blocks", "p_blocks"):
@@ -109,6 +118,24 @@ class WorldConfig:
             if not 0 <= h <= self.blocks_per_request:
                 raise ValueError(f"a prefix hit must be 0..blocks_per_request="
                                  f"{self.blocks_per_request} blocks, got {h}")
+        for i in range(self.requests):
+            n = self.blocks_per_request - self.hit(i)
+            if 0 < n < self.chunks - 1:
+                raise ValueError(f"request {i} sends {n} block(s) in {self.chunks} chunks: only "
+                                 "the first chunk may complete no block (blocks_per_request "
+                                 "minus its prefix hit must be >= chunks - 1)")
+
+    def chunk_sizes(self, n: int) -> tuple[int, ...]:
+        """How many of a request's ``n`` sent blocks (those after D's prefix hit) each chunk
+        completes, in prompt order: every chunk after the first completes max(1, n // chunks),
+        the first the rest, possibly none (the core announces an empty chunk only as the
+        first: the request is added with no local block, its layers are not reported). A full
+        hit (n = 0) sends nothing in any chunk."""
+        k = self.chunks
+        if n == 0:
+            return (0,) * k
+        later = max(1, n // k)
+        return (n - (k - 1) * later, *(later,) * (k - 1))
 
     def d_blocks_registered(self) -> int:
         """Blocks D's layout registers (its pool, unless misconfigured)."""
@@ -165,6 +192,8 @@ class WorldConfig:
             faults += ", in-doubt bytes may land at any later time (late writes)"
         if self.kv_checksum:
             faults += ", KV checksums"
+        if self.unordered_writes:
+            faults += ", writes complete in any order"
         if self.misconfigured():
             faults += (f", D layout registers {self.d_blocks_registered()} block(s) x "
                        f"{self.d_layout_layers or self.layers} layer(s)")
@@ -177,6 +206,8 @@ class WorldConfig:
             extra += f"{self.kv_heads()} KV head(s), "
         if any(self.prefix_hits):
             extra += f"D prefix hits {list(self.prefix_hits)} block(s), "
+        if self.chunks > 1:
+            extra += f"{self.chunks} chunks/request, "
         return (f"P DP ranks {self.dp}{tp}, requests {self.requests}, layers {self.layers}, "
                 f"D ranks {self.d_dp}{d_tp} x {self.d_blocks} block(s), P {self.p_blocks} "
                 f"block(s)/rank, {self.blocks_per_request} block(s)/request, {extra}{faults}")

@@ -22,6 +22,9 @@ class Faults:
         if "write" in kinds:
             acts += [("fail_write", w, doubt) for w, f in enumerate(self.fifo) if f
                      for doubt in (False, True)]
+            if self.cfg.unordered_writes:  # any write in flight may fail next
+                acts += [("fail_write", w, doubt, j) for w, f in enumerate(self.fifo)
+                         for j in range(1, len(f)) for doubt in (False, True)]
         if "crash" in kinds:
             if self.p_alive:
                 acts.append(("crash_p",))
@@ -67,23 +70,23 @@ class Faults:
         self.net.duplicate(key)
         self._note(_who(key[1]), f"network duplicates {describe_key(key)}")
 
-    def _do_fail_write(self, i: int, in_doubt: bool) -> None:
-        r, layer, _l, remote, d, _dl, inc = self.fifo[i].pop(0)
+    def _do_fail_write(self, i: int, in_doubt: bool, j: int = 0) -> None:
+        r, seq, _l, remote, d, _dl, inc = self.fifo[i].pop(j)
         q = self.reqs[r]
         q.touched = True
-        self._note(f"P{i}", f"write of {q.rid} layer {layer} fails"
+        self._note(f"P{i}", f"write of {q.rid} {self.what(r, seq)} fails"
                    + (" in doubt (bytes may still land)" if in_doubt else ""))
         if in_doubt:
-            self._zombie(i, r, layer, d, remote, inc)
-        self._effects(("p", i), self.p[i].transfer_done(q.rid, layer, False, "injected",
+            self._zombie(i, r, seq, d, remote, inc)
+        self._effects(("p", i), self.p[i].transfer_done(q.rid, seq, False, "injected",
                                                         self.now, in_doubt))
 
     def _do_crash_p(self) -> None:
         self.p_alive = False
         if self.cfg.crash_zombies:  # bytes already handed to the transport may still land
             for w, fifo in enumerate(self.fifo):
-                for r, layer, _l, remote, d, _dl, inc in fifo:
-                    self._zombie(w, r, layer, d, remote, inc)
+                for r, seq, _l, remote, d, _dl, inc in fifo:
+                    self._zombie(w, r, seq, d, remote, inc)
         self.fifo = [[] for _ in self.p]  # the processes are gone: no new writes
         self.timers = {k: v for k, v in self.timers.items() if k[0][0] != "p"}
         self.net.drop_to([p_addr(w) for w in range(len(self.p))])
@@ -91,6 +94,7 @@ class Faults:
         self.p_queue = [[] for _ in range(self.cfg.dp)]
         self.p_batch = [[] for _ in range(self.cfg.dp)]
         self.p_free_pending = [[] for _ in range(self.cfg.dp)]
+        self.p_running = [[] for _ in range(self.cfg.dp)]
         self.unpolled = [[] for _ in self.p]
         self.lane = [None] * len(self.p)
         self.held = [[] for _ in self.p]
@@ -160,6 +164,8 @@ class Faults:
         if q.p_stage == "queued":
             self.p_queue[i].remove(r)
             q.p_stage = "aborted"
-        else:
+        else:  # the scheduler stops computing it (its later chunks never run)
+            if r in self.p_running[i]:
+                self.p_running[i].remove(r)
             for w in self.workers_of(i):
                 self._effects(("p", w), self.p[w].abort(q.rid, "client gone", self.now))

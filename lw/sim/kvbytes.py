@@ -49,15 +49,15 @@ class KVBytes:
             return []  # bounded: the ownership check covers every moment they may land
         return [("zland", *z[:4]) for z in self.zombies]
 
-    def _do_zland(self, i: int, r: int, layer: int, v: int) -> None:
-        z = next(z for z in self.zombies if z[:4] == (i, r, layer, v))
+    def _do_zland(self, i: int, r: int, seq: int, v: int) -> None:
+        z = next(z for z in self.zombies if z[:4] == (i, r, seq, v))
         self.zombies.remove(z)
-        self._land(i, r, layer, v, z[4])
+        self._land(i, r, seq % self.cfg.layers, v, z[4])
         for b in z[4]:  # the fault's bytes reach whichever request holds the block now
             owner = self.d_pool[v // self.d_tp][b]
             if owner is not None:
                 self.reqs[owner].touched = True
-        self._arrow(f"P{i}", f"D{v}", f"LATE bytes of {self.reqs[r].rid} layer {layer} -> "
+        self._arrow(f"P{i}", f"D{v}", f"LATE bytes of {self.reqs[r].rid} {self.what(r, seq)} -> "
                                       f"block(s) {list(z[4])}", dashed=True)
 
     def _memory_key(self) -> tuple | None:

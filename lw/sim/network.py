@@ -48,7 +48,7 @@ def msg_key(src: str, dest: str, msg: Message) -> MsgKey:
     elif isinstance(msg, AbortAck):
         extra = (msg.known, msg.in_doubt)
     elif isinstance(msg, DoneSending):
-        extra = (msg.num_layers, msg.expected_senders)
+        extra = (msg.num_layers, msg.expected_senders, msg.num_blocks)
     else:  # FailedSending
         extra = (msg.expected_senders, msg.in_doubt)
     return (dest, src, kind, msg.req_id, extra)

@@ -34,7 +34,8 @@ PROPERTIES: tuple[Property, ...] = (
              "P never writes a D block that D serves from its prefix cache"),
     Property("kv-placement", "§2.3", "always",
              "each write sends the KV of the tokens D misses (P's blocks after the prefix hit) "
-             "into the D blocks that hold those tokens, block for block"),
+             "into the D blocks that hold those tokens, block for block (chunked prefill: "
+             "exactly the blocks its chunk completes, once the forward pass computed it)"),
     Property("layout-match", "§2.2", "always",
              "a write is addressed with its D worker's current layout (an earlier "
              "incarnation's write fails), inside D's registered blocks, with as many layers as "
@@ -43,9 +44,10 @@ PROPERTIES: tuple[Property, ...] = (
              "P holds no KV outside its block pool: writes read the request's own blocks, no "
              "staged copy queues up while D is slower than compute"),
     Property("partial-kv", "§2.3", "always",
-             "D reports a request finished only when every expected sender's every layer write "
-             "has landed and none is still in flight (per D TP worker, and for the engine only "
-             "when every one of its TP workers is DONE)"),
+             "D reports a request finished only when every expected sender's write of every "
+             "layer of every block has landed, whichever chunk made it, and none is still in "
+             "flight (per D TP worker, and for the engine only when every one of its TP workers "
+             "is DONE)"),
     Property("stale-kv", "§2.3", "always",
              "fencing: no request is reported loaded while one of its D blocks holds bytes of "
              "another claim, late writes of superseded claims included (checked where the world "

@@ -9,10 +9,10 @@ class Req:
     __slots__ = ("idx", "rid", "p_rank", "d_rank", "hit", "d_stage", "p_stage", "d_blocks",
                  "p_blocks", "started", "p_added", "landed", "send_reports", "send_ok",
                  "recv_reports", "recv_ok", "accepted", "quarantined", "p_freed", "t_alloc",
-                 "t_padd", "t_dfail", "d_inc", "touched", "losses")
+                 "t_padd", "t_dfail", "d_inc", "touched", "losses", "sizes", "chunk")
 
     def __init__(self, idx: int, p_rank: int, d_rank: int, tp: int, d_tp: int = 1,
-                 hit: int = 0) -> None:
+                 hit: int = 0, sizes: tuple[int, ...] = (1,)) -> None:
         self.idx = idx
         self.rid = f"r{idx}"
         self.p_rank = p_rank
@@ -26,8 +26,12 @@ class Req:
         self.p_blocks: tuple[int, ...] | None = None
         self.started = False  # the proxy handed it to P
         self.p_added = False  # PrefillEndpoint.add_request was called
-        # (P worker, D worker, layer) writes that landed in D
-        self.landed: frozenset[tuple[int, int, int]] = frozenset()
+        # Per chunk of its prefill: how many of its sent blocks it completes
+        # (WorldConfig.chunk_sizes), and how many chunks P's scheduler has started (0: none yet).
+        self.sizes = sizes
+        self.chunk = 0
+        # (P worker, D worker, layer, D block): every (layer, block) a write landed in
+        self.landed: frozenset[tuple[int, int, int, int]] = frozenset()
         self.send_reports: tuple[int, ...] = (0,) * tp  # SendFinished per TP worker
         self.send_ok: tuple[bool, ...] = (False,) * tp
         self.recv_reports: tuple[int, ...] = (0,) * d_tp  # RecvDone/RecvFailed per D TP worker
@@ -62,7 +66,7 @@ class Req:
         t_padd = rel(self.t_padd) if min(self.send_reports) == 0 else None
         landed = tuple(sorted(self.landed)) if d_open else None
         return (self.d_stage, self.p_stage, self.d_blocks, self.p_blocks, self.started,
-                self.p_added, landed, self.send_reports, self.send_ok,
+                self.p_added, self.chunk, landed, self.send_reports, self.send_ok,
                 self.recv_reports, self.recv_ok, tuple(sorted(self.accepted)), self.quarantined,
                 self.p_freed, t_alloc, t_padd, self.d_inc,
                 (self.touched, min(self.losses, progress_budget)) if progress_budget else None)
@@ -89,3 +93,23 @@ class Req:
     def p_local(self) -> tuple[int, ...]:
         """P blocks whose KV goes to D (those of the tokens D does not hold)."""
         return (self.p_blocks or ())[self.hit:]
+
+    def span(self, c: int) -> slice:
+        """Which of the sent blocks (``p_local``, ``d_remote``) chunk ``c`` completes."""
+        lo = sum(self.sizes[:c])
+        return slice(lo, lo + self.sizes[c])
+
+    def chunk_of(self, seq: int, layers: int) -> int:
+        """The prompt chunk of this request's write ``seq`` (the core numbers its writes
+        chunk * layers + layer counting the chunks announced to it: all but an empty first)."""
+        return seq // layers + (self.sizes[0] == 0)
+
+    def more_chunks(self) -> bool:
+        """P's scheduler has chunks of its prefill still to compute."""
+        return self.chunk < len(self.sizes)
+
+    def announced(self, c: int) -> bool:
+        """Whether chunk ``c`` completes a sent block: only then is it announced to P's core
+        and are its layers reported for the request (the core announces no empty chunk but
+        the first: a request added with no local block)."""
+        return self.sizes[c] > 0

@@ -39,9 +39,9 @@ def in_flight(w: World) -> str:
     """What is still in flight in ``w`` (messages, writes, in-doubt bytes), as one line."""
     parts = [f"{describe_key(k)} {k[1].upper()}->{k[0].upper()}"
              + (f" x{n}" if n > 1 else "") for k, n in w.net.counts.items()]
-    parts += [f"write {w.reqs[x[0]].rid} layer {x[1]} P{i}->D{x[4]}"
+    parts += [f"write {w.reqs[x[0]].rid} {w.what(x[0], x[1])} P{i}->D{x[4]}"
               for i, f in enumerate(w.fifo) for x in f]
-    parts += [f"in-doubt bytes {w.reqs[z[1]].rid} layer {z[2]} P{z[0]}->D{z[3]}"
+    parts += [f"in-doubt bytes {w.reqs[z[1]].rid} {w.what(z[1], z[2])} P{z[0]}->D{z[3]}"
               for z in w.zombies]
     return ", ".join(parts) or "nothing"
 

@@ -105,7 +105,7 @@ class World(Faults, Clock, Checks, KVBytes):
         self.d_lost_seen: set[tuple[int, int]] = set()  # (P worker, D engine) peer_lost called
         self.fifo: list[list[Write]] = [[] for _ in range(nw)]  # per P worker
         # Writes that failed "in doubt" (or were in flight at a P crash): their bytes may still
-        # land in D's blocks until the deadline. (P worker, req, layer, D worker, remote, deadline)
+        # land in D's blocks until the deadline. (P worker, req, seq, D worker, remote, deadline)
         self.zombies: list[tuple[int, int, int, int, tuple[int, ...], float]] = []
         self.d_mem: Memory = {}  # whose bytes D's blocks hold (kv_checksum, late_writes)
         self.p_pool: list[list[int | None]] = [[None] * cfg.p_blocks for _ in range(cfg.dp)]
@@ -113,12 +113,16 @@ class World(Faults, Clock, Checks, KVBytes):
         self.p_queue: list[list[int]] = [[] for _ in range(cfg.dp)]
         self.d_queue: list[list[int]] = [[] for _ in range(cfg.d_dp)]
         self.p_batch: list[list[int]] = [[] for _ in range(cfg.dp)]
+        # Between steps: per DP rank, the requests whose prefill has chunks left to compute
+        # (vLLM's running requests; the next step schedules them first, with their blocks).
+        self.p_running: list[list[int]] = [[] for _ in range(cfg.dp)]
         self.p_free_pending: list[list[int]] = [[] for _ in range(cfg.dp)]
         self.phase: int | None = None  # next layer of the step in progress
         self.hooks_done = [False] * nw  # per worker, current layer (non-atomic mode)
         self.collectives = [0] * nw  # collective calls made per worker
         self.steps = 0
-        self.reqs = [Req(i, i % cfg.dp, i % cfg.d_dp, cfg.tp, cfg.d_tp, cfg.hit(i))
+        self.reqs = [Req(i, i % cfg.dp, i % cfg.d_dp, cfg.tp, cfg.d_tp, cfg.hit(i),
+                         cfg.chunk_sizes(cfg.blocks_per_request - cfg.hit(i)))
                      for i in range(cfg.requests)]
         self.arrived = 0
         self.faults_used = 0
@@ -127,7 +131,7 @@ class World(Faults, Clock, Checks, KVBytes):
         self.free_why: dict[tuple[str, int, int], str] = {}  # (pool, rank, block): last free
         self.recording = False
         self.events: list[tuple] = []  # (kind, ...) for trace diagrams, when recording
-        # quirk poll-on-step: completions P has not polled yet, per worker (req, layer, ok)
+        # quirk poll-on-step: completions P has not polled yet, per worker (req, seq, ok)
         self.unpolled: list[list[tuple[int, int, bool]]] = [[] for _ in range(nw)]
         # quirk serial-handshake: per P worker, the D address of the first contact in flight
         # and the MetaRequests held behind it (dest, message)
@@ -156,6 +160,7 @@ class World(Faults, Clock, Checks, KVBytes):
             tuple(map(tuple, self.p_pool)), tuple(map(tuple, self.d_pool)),
             tuple(map(tuple, self.p_queue)), tuple(map(tuple, self.d_queue)),
             tuple(map(tuple, self.p_batch)), tuple(map(tuple, self.p_free_pending)),
+            tuple(map(tuple, self.p_running)),
             tuple(sorted((z[0], z[1], z[2], z[3], round(z[5] - now, 6)) for z in self.zombies)),
             tuple(q.key(now, budget) for q in self.reqs),
             tuple(ep.snapshot() for ep in self.p) if self.p_alive else None,
@@ -213,6 +218,14 @@ class World(Faults, Clock, Checks, KVBytes):
         """The D workers (TP ranks) of D engine ``d``."""
         return range(d * self.d_tp, (d + 1) * self.d_tp)
 
+    def what(self, r: int, seq: int) -> str:
+        """Write ``seq`` of request ``r`` in reports: "layer k", or with chunked prefill
+        "chunk c layer k" (c the prompt's chunk, counted as P's scheduler does)."""
+        L = self.cfg.layers
+        if self.cfg.chunks == 1:
+            return f"layer {seq}"
+        return f"chunk {self.reqs[r].chunk_of(seq, L)} layer {seq % L}"
+
     def wname(self, w: int) -> str:
         """Human name of P worker ``w``."""
         if self.tp == 1:
@@ -253,7 +266,8 @@ class World(Faults, Clock, Checks, KVBytes):
                 continue
             if a[0] == "start" and a[1] == q.idx:
                 return True
-            if a[0] == "schedule" and q.idx in self.p_queue[q.p_rank]:
+            if a[0] == "schedule" and (q.idx in self.p_queue[q.p_rank]
+                                       or q.idx in self.p_running[q.p_rank]):
                 return True
             if a[0] in ("layer", "hook") and q.idx in self.p_batch[q.p_rank]:
                 return True
@@ -279,7 +293,7 @@ class World(Faults, Clock, Checks, KVBytes):
                     acts.append(("start", q.idx))
         if self.p_alive:
             if self.phase is None:
-                if any(self._schedulable(i) for i in range(cfg.dp)):
+                if any(self._schedulable(i) or self.p_running[i] for i in range(cfg.dp)):
                     acts.append(("schedule",))
             else:
                 blocked = self.blocked_hooks()
@@ -296,6 +310,8 @@ class World(Faults, Clock, Checks, KVBytes):
         for w, fifo in enumerate(self.fifo):
             if fifo:
                 acts.append(("complete", w))
+                if cfg.unordered_writes:  # any write in flight may complete next
+                    acts += [("complete", w, j) for j in range(1, len(fifo))]
         for q in self.reqs:
             if q.d_stage == "decoding":
                 acts.append(("decode", q.idx))
@@ -344,7 +360,7 @@ class World(Faults, Clock, Checks, KVBytes):
             return f"P step {self.steps + 1} scheduled on every DP rank"
         if kind in ("layer", "hook"):
             ranks = range(self.cfg.dp) if kind == "layer" else [a[1] // self.tp]
-            parts = [f"rank {i} " + (",".join(self.reqs[r].rid for r in self.p_batch[i])
+            parts = [f"rank {i} " + (",".join(self._in_step(r) for r in self.p_batch[i])
                                      or "dummy") for i in ranks]
             what = "all workers" if kind == "layer" else self.wname(a[1])
             return f"P layer {self.phase} on {what} ({'; '.join(parts)})"
@@ -357,14 +373,17 @@ class World(Faults, Clock, Checks, KVBytes):
             return f"{verb} {describe_key(key)} {_who(key[1])} -> {_who(key[0])}"
         if kind == "zland":
             z = next(z for z in self.zombies if z[:4] == a[1:])
-            return (f"LATE: the in-doubt bytes of {self.reqs[z[1]].rid} layer {z[2]} from "
-                    f"P{z[0]} land in D{z[3]} block(s) {list(z[4])}")
+            return (f"LATE: the in-doubt bytes of {self.reqs[z[1]].rid} "
+                    f"{self.what(z[1], z[2])} from P{z[0]} land in D{z[3]} block(s) "
+                    f"{list(z[4])}")
         if kind == "zexp":
             z = next(z for z in self.zombies if z[:4] == a[1:])
-            return (f"t={z[5]:g}: the in-doubt bytes of {self.reqs[z[1]].rid} layer {z[2]} from "
-                    f"P{z[0]} can no longer land in D{z[3]}")
+            return (f"t={z[5]:g}: the in-doubt bytes of {self.reqs[z[1]].rid} "
+                    f"{self.what(z[1], z[2])} from P{z[0]} can no longer land in D{z[3]}")
         if kind in ("complete", "fail_write", "wto"):
-            w = self.fifo[a[1]][0]
+            j = (a[2] if len(a) > 2 else 0) if kind == "complete" else (
+                a[3] if len(a) > 3 else 0)
+            w = self.fifo[a[1]][j]
             how = {"complete": "lands in", "fail_write": "FAILS (injected) towards",
                    "wto": "times out (in doubt) towards"}[kind]
             if kind == "fail_write" and a[2]:
@@ -373,8 +392,8 @@ class World(Faults, Clock, Checks, KVBytes):
                 how = "fails (peer dead) towards"
             elif kind == "complete" and w[6] != self.d_inc[w[4] // self.d_tp]:
                 how = "fails (peer restarted since) towards"
-            return (f"{self.wname(a[1])}: write of {self.reqs[w[0]].rid} layer {w[1]} {how} "
-                    f"D{w[4]} block(s) {list(w[3])}")
+            return (f"{self.wname(a[1])}: write of {self.reqs[w[0]].rid} {self.what(w[0], w[1])} "
+                    f"{how} D{w[4]} block(s) {list(w[3])}")
         if kind == "decode":
             q = self.reqs[a[1]]
             blocks = list(q.d_blocks or ())
@@ -507,11 +526,17 @@ class World(Faults, Clock, Checks, KVBytes):
         if "poll-on-step" in self.quirks:  # the step polls the completions of its writes
             for w, done in enumerate(self.unpolled):
                 self.unpolled[w] = []
-                for r, layer, ok in done:
+                for r, seq, ok in done:
                     self._effects(("p", w), self.p[w].transfer_done(
-                        self.reqs[r].rid, layer, ok, "" if ok else "peer gone", self.now))
+                        self.reqs[r].rid, seq, ok, "" if ok else "peer gone", self.now))
         bpr = self.cfg.blocks_per_request
         for i in range(self.cfg.dp):
+            # vLLM schedules its running requests first: each computes its next chunk, which
+            # completes the next of its blocks (announced to every worker of the rank).
+            running, self.p_running[i] = self.p_running[i], []
+            for r in running:
+                self.p_batch[i].append(r)
+                self._next_chunk(self.reqs[r])
             pool = self.p_pool[i]
             while self.p_queue[i] and pool.count(None) >= bpr:
                 r = self.p_queue[i].pop(0)
@@ -519,19 +544,41 @@ class World(Faults, Clock, Checks, KVBytes):
                 blocks = tuple([b for b, o in enumerate(pool) if o is None][:bpr])
                 for b in blocks:
                     pool[b] = r
-                q.p_blocks = blocks
+                q.p_blocks = blocks  # all of them at once (vLLM allocates chunk by chunk)
                 q.p_stage = "scheduled"
+                q.chunk = 1
                 self.p_batch[i].append(r)
                 if self.design.d_first or q.d_blocks is not None:
                     self._p_add(q)
         self.phase = 0
         self.hooks_done = [False] * len(self.p)
-        batches = "; ".join(f"P{i}: " + (",".join(self.reqs[r].rid for r in b) or "dummy")
+        batches = "; ".join(f"P{i}: " + (",".join(self._in_step(r) for r in b) or "dummy")
                             for i, b in enumerate(self.p_batch))
         self._note(self._all_p(), f"step {self.steps + 1}: {batches}")
 
+    def _next_chunk(self, q: Req) -> None:
+        """The step now starting computes chunk ``q.chunk`` of ``q``: announce its blocks to
+        every P worker of its rank (a chunk completing no block is not announced)."""
+        c = q.chunk
+        q.chunk += 1
+        if not q.p_added or not q.announced(c):
+            return
+        local = self._p_sent(q)[q.span(c)]
+        for w in self.workers_of(q.p_rank):
+            self._effects(("p", w), self.p[w].add_chunk(q.rid, local, not q.more_chunks(),
+                                                        self.now))
+
+    def _p_sent(self, q: Req) -> tuple[int, ...]:
+        """The P blocks whose KV goes to D's ``d_remote``, block for block."""
+        if "front-trim" in self.quirks:  # vllm #48633 C3: align by trimming the front
+            return (q.p_blocks or ())[:len(q.d_remote)]
+        return q.p_local
+
     def _p_add(self, q: Req) -> None:
         assert q.p_blocks is not None and q.d_blocks is not None
+        # Before any layer of the prefill is computed: at its first step (D first), or while
+        # that step waits for D's metadata in the layer-0 hook (P first).
+        assert q.chunk == 1, q.chunk
         q.p_added = True
         q.t_padd = self.now
         plan = self.plan
@@ -540,12 +587,16 @@ class World(Faults, Clock, Checks, KVBytes):
             # The D workers this TP rank writes into (none: MLA's idle ranks, a full prefix hit)
             js = plan.targets[w % self.tp] if q.loads() else ()
             n = len(plan.senders[js[0]]) if js else 1
-            local = q.p_local
-            if "front-trim" in self.quirks:  # vllm #48633 C3: align by trimming the front
-                local = (q.p_blocks or ())[:len(q.d_remote)]
+            local = self._p_sent(q)[q.span(0)]  # the blocks its first chunk completes
             req = self.store.intern(PrefillRequest(
-                q.rid, tuple(d_addr(base + j) for j in js), local, q.d_remote, n))
+                q.rid, tuple(d_addr(base + j) for j in js), local, q.d_remote, n,
+                final=not q.more_chunks()))
             self._effects(("p", w), self.p[w].add_request(req, self.now))
+
+    def _in_step(self, r: int) -> str:
+        """A request of the step in progress, with its chunk when prefills take several."""
+        q = self.reqs[r]
+        return q.rid if self.cfg.chunks == 1 else f"{q.rid} chunk {q.chunk - 1}"
 
     def _all_p(self) -> str:
         return "P0" if len(self.p) == 1 else f"P0,P{len(self.p) - 1}"
@@ -559,15 +610,30 @@ class World(Faults, Clock, Checks, KVBytes):
     def _do_hook(self, w: int, note: bool = True) -> None:
         k = self.phase
         assert k is not None
-        batch = self.p_batch[w // self.tp]
-        rids = [self.reqs[r].rid for r in batch]
+        i = w // self.tp
+        batch = self.p_batch[i]
+        reqs = self.reqs
+        # the requests whose chunk in this step is announced to the core (a first chunk that
+        # completes no block is not: its layers are not reported for the request)
+        rids = [reqs[r].rid for r in batch if reqs[r].announced(reqs[r].chunk - 1)]
+        pool = self.p_pool[i]
+        for r in batch:  # the forward pass writes the request's KV into its own blocks
+            stolen = [b for b in reqs[r].p_blocks or () if pool[b] != r]
+            if stolen:
+                how = self.free_why.get(("P", i, stolen[0]), "?")
+                raise Violation("use-after-free",
+                                f"{self.wname(w)} computes layer {k} of {reqs[r].rid} into "
+                                f"P block(s) {stolen}, freed ({how}) and now "
+                                f"{_owner(pool[stolen[0]])}")
         if "shared-layer-slot" in self.quirks:
-            for x in self.fifo[w]:
-                if x[0] in batch and x[1] != k:
+            L = self.cfg.layers
+            for x in self.fifo[w]:  # a write of this chunk's other layer reads the slot
+                q = reqs[x[0]]
+                if x[0] in batch and q.chunk_of(x[1], L) == q.chunk - 1 and x[1] % L != k:
                     raise Violation("use-after-free",
                                     f"{self.wname(w)} computes layer {k} of "
-                                    f"{self.reqs[x[0]].rid} into the physical KV slot its "
-                                    f"layer {x[1]} write is still reading")
+                                    f"{reqs[x[0]].rid} into the physical KV slot its "
+                                    f"{self.what(x[0], x[1])} write is still reading")
         try:
             effects = self.p[w].layer_computed(k, rids, self.now)
         except RuntimeError as exc:
@@ -598,18 +664,26 @@ class World(Faults, Clock, Checks, KVBytes):
             self.phase = k + 1
             self.hooks_done = [False] * len(self.p)
             return
-        # end of the step: the scheduler calls request_finished for every prefilled request
+        # end of the step: a request with chunks left stays running; the scheduler calls
+        # request_finished for every request whose prefill completed
         self.phase = None
         self.hooks_done = [False] * len(self.p)
         self.steps += 1
         for i in range(self.cfg.dp):
+            running = self.p_running[i]
             for r in self.p_batch[i]:
-                if self.design.free_on_request_finished:
+                if self.reqs[r].more_chunks():
+                    running.append(r)
+                elif self.design.free_on_request_finished:
                     self._free_p(i, r, "request_finished said free now")
             self.p_batch[i] = []
-            for r in self.p_free_pending[i]:
-                self._free_p(i, r, "finished_sending")
-            self.p_free_pending[i] = []
+            # vLLM frees a request's blocks only once it is finished: one that P's workers
+            # reported finished sending (failed) while it still computes waits for its end
+            pending = self.p_free_pending[i]
+            self.p_free_pending[i] = [r for r in pending if r in running]
+            for r in pending:
+                if r not in running:
+                    self._free_p(i, r, "finished_sending")
 
     def _free_p(self, i: int, r: int, why: str) -> None:
         q = self.reqs[r]
@@ -674,20 +748,21 @@ class World(Faults, Clock, Checks, KVBytes):
             return self.reqs[int(rid[1:])]
         return None
 
-    def _do_complete(self, i: int) -> None:
-        r, layer, _local, remote, v, _deadline, inc = self.fifo[i].pop(0)
+    def _do_complete(self, i: int, j: int = 0) -> None:
+        r, seq, _local, remote, v, _deadline, inc = self.fifo[i].pop(j)
         q = self.reqs[r]
         e = v // self.d_tp
         ok = self.d_alive[e] and inc == self.d_inc[e]
         if ok:
-            q.landed = q.landed | {(i, v, layer)}
+            layer = seq % self.cfg.layers
+            q.landed = q.landed | {(i, v, layer, b) for b in remote}
             self._land(i, r, layer, v, remote)
-            self._arrow(f"P{i}", f"D{v}", f"KV {q.rid} layer {layer} -> block(s) {list(remote)}",
-                        dashed=True)
+            self._arrow(f"P{i}", f"D{v}", f"KV {q.rid} {self.what(r, seq)} -> block(s) "
+                                          f"{list(remote)}", dashed=True)
         if "poll-on-step" in self.quirks:  # noticed only when P's engine steps next
-            self.unpolled[i].append((r, layer, ok))
+            self.unpolled[i].append((r, seq, ok))
             return
-        self._effects(("p", i), self.p[i].transfer_done(q.rid, layer, ok, "" if ok else
+        self._effects(("p", i), self.p[i].transfer_done(q.rid, seq, ok, "" if ok else
                                                         "peer gone", self.now))
 
     def _do_decode(self, r: int) -> None:
@@ -764,36 +839,56 @@ class World(Faults, Clock, Checks, KVBytes):
     def _on_write(self, i: int, e: WriteLayer) -> None:
         q = self.reqs[int(e.req_id[1:])]
         v = _d_worker_of(e.layout)
+        what = self.what(q.idx, e.seq)
         if (i, v) not in q.accepted:
             raise Violation("write-before-accept",
-                            f"{self.wname(i)} submits a write of {q.rid} layer {e.layer} before "
+                            f"{self.wname(i)} submits a write of {q.rid} {what} before "
                             f"{self.dwname(v)} accepted it as a sender")
         if v // self.d_tp != q.d_rank or i not in self.writers(q, v):
-            raise Violation("write-before-accept", f"{self.wname(i)} writes {q.rid} layer "
-                                                   f"{e.layer} into "
-                                          f"{self.dwname(v)}, which the sender plan does not "
-                                          "say it feeds")
+            raise Violation("write-before-accept", f"{self.wname(i)} writes {q.rid} {what} into "
+                                                   f"{self.dwname(v)}, which the sender plan "
+                                                   "does not say it feeds")
         cached = sorted(set(e.remote_blocks) & set(q.d_cached))
         if cached:
             raise Violation("cached-block-written",
-                            f"{self.wname(i)} writes {q.rid} layer {e.layer} into D block(s) "
+                            f"{self.wname(i)} writes {q.rid} {what} into D block(s) "
                             f"{cached}, which D serves from its prefix cache")
-        if e.local_blocks != q.p_local or e.remote_blocks != q.d_remote:
-            raise Violation("kv-placement",
-                            f"{self.wname(i)} writes {q.rid} layer {e.layer} from P block(s) "
-                            f"{list(e.local_blocks)} into D block(s) {list(e.remote_blocks)}; "
-                            f"the tokens D misses are in P block(s) {list(q.p_local)} and go to "
-                            f"D block(s) {list(q.d_remote)}")
+        self._check_placement(i, q, e)
         self._check_layout(i, q, v, e)
         if "staging-queue" in self.quirks and self.fifo[i]:
             raise Violation("p-memory-bounded",
-                            f"{self.wname(i)} stages a copy of {q.rid} layer {e.layer} while "
+                            f"{self.wname(i)} stages a copy of {q.rid} {what} while "
                             f"{len(self.fifo[i])} staged layer(s) still wait to be sent: the "
                             "queue of copies grows with every layer D is slower than compute")
-        self.fifo[i].append((q.idx, e.layer, e.local_blocks, e.remote_blocks, v,
+        self.fifo[i].append((q.idx, e.seq, e.local_blocks, e.remote_blocks, v,
                              self.now + self.cfg.transfer_timeout_s, e.layout.incarnation))
         to = f" to D{v}" if self.d_tp > 1 else ""
-        self._note(f"P{i}", f"write of {q.rid} layer {e.layer}{to} submitted (in flight)")
+        self._note(f"P{i}", f"write of {q.rid} {what}{to} submitted (in flight)")
+
+    def _check_placement(self, i: int, q: Req, e: WriteLayer) -> None:
+        """Property kv-placement: write ``seq`` (chunk * L + layer, the chunks counted as the
+        core announces them) carries exactly that chunk's P blocks (those of the tokens D
+        misses that it completes) and the D blocks that hold those tokens, block for block,
+        and only once the forward pass computed that chunk's layer."""
+        L = self.cfg.layers
+        c, k = q.chunk_of(e.seq, L), e.seq % L
+        who = f"{self.wname(i)} writes {q.rid} {self.what(q.idx, e.seq)}"
+        if k != e.layer or not 0 <= c < len(q.sizes):
+            raise Violation("kv-placement", f"{who} as layer {e.layer}: its prefill computes "
+                                            f"{len(q.sizes)} chunk(s) of {L} layer(s)")
+        span = q.span(c)
+        local, remote = q.p_local[span], q.d_remote[span]
+        if e.local_blocks != local or e.remote_blocks != remote:
+            whose = "the tokens D misses" if len(q.sizes) == 1 else (
+                f"the tokens D misses that chunk {c} completes")
+            raise Violation("kv-placement",
+                            f"{who} from P block(s) {list(e.local_blocks)} into D block(s) "
+                            f"{list(e.remote_blocks)}; {whose} are in P block(s) {list(local)} "
+                            f"and go to D block(s) {list(remote)}")
+        now = q.chunk - 1  # the chunk P computes (or last computed)
+        if c > now or (c == now and q.idx in self.p_batch[q.p_rank] and (
+                self.phase is None or k > self.phase)):
+            raise Violation("kv-placement", f"{who} before the forward pass computed it")
 
     def _check_layout(self, i: int, q: Req, v: int, e: WriteLayer) -> None:
         """Property layout-match: a write is addressed with its D worker's current layout (or
@@ -801,7 +896,7 @@ class World(Faults, Clock, Checks, KVBytes):
         byte runs that fit both blocks."""
         cur = self.d[v].layout
         lay = e.layout
-        who = f"{self.wname(i)}'s write of {q.rid} layer {e.layer} into {self.dwname(v)}"
+        who = f"{self.wname(i)}'s write of {q.rid} {self.what(q.idx, e.seq)} into {self.dwname(v)}"
         if lay.incarnation == cur.incarnation and lay != cur:
             raise Violation("layout-match", f"{who} uses a layout that is not D's own (the "
                                             "addresses of an earlier incarnation)")
@@ -842,7 +937,7 @@ class World(Faults, Clock, Checks, KVBytes):
             if w[0] == q.idx:
                 raise Violation("use-after-free",
                                 f"{self.wname(i)} released {q.rid} (SendFinished) while its "
-                                f"layer {w[1]} write is still in flight")
+                                f"{self.what(w[0], w[1])} write is still in flight")
         if min(reports) == 0:
             return  # the scheduler frees only when every TP worker reported finished_sending
         i = q.p_rank
@@ -850,9 +945,11 @@ class World(Faults, Clock, Checks, KVBytes):
             q.p_stage = "finished"
         if q.p_freed:
             q.p_stage = "released"
-        elif self.phase is None and q.idx not in self.p_batch[i]:
+        elif self.phase is None and q.idx not in self.p_batch[i] and (
+                q.idx not in self.p_running[i]):
             self._free_p(i, q.idx, "finished_sending")
-        else:  # vLLM frees between steps (and never under the step that computes the request)
+        else:  # vLLM frees between steps, and never a request it still computes (this step's
+            # or one with chunks left: a send that failed early waits for the prefill's end)
             self.p_free_pending[i].append(q.idx)
 
     def _recv_report(self, v: int, q: Req, ok: bool) -> None:
@@ -870,12 +967,15 @@ class World(Faults, Clock, Checks, KVBytes):
             oks[j] = True
             q.recv_ok = tuple(oks)
 
-    def _missing_kv(self, q: Req, v: int) -> tuple[list[tuple[int, int]], list[int]]:
-        """(P worker, layer) writes of the sender plan not landed in D worker ``v``; and the
-        layers of ``q`` still in flight towards it."""
-        want = {(w, k) for w in self.writers(q, v) for k in range(self.cfg.layers)}
-        missing = sorted(want - {(w, k) for w, x, k in q.landed if x == v})
-        inflight = [w[1] for f in self.fifo for w in f if w[0] == q.idx and w[4] == v]
+    def _missing_kv(self, q: Req, v: int) -> tuple[list[tuple[int, int, int]], list[str]]:
+        """(P worker, layer, D block) of the sender plan no write landed in D worker ``v``:
+        every layer of every block it receives, whichever chunk wrote it; and the writes of
+        ``q`` still in flight towards it."""
+        want = {(w, k, b) for w in self.writers(q, v) for k in range(self.cfg.layers)
+                for b in q.d_remote}
+        missing = sorted(want - {(w, k, b) for w, x, k, b in q.landed if x == v})
+        inflight = [self.what(w[0], w[1]) for f in self.fifo for w in f
+                    if w[0] == q.idx and w[4] == v]
         return missing, inflight
 
     def _on_recv_done(self, v: int, e: RecvDone) -> None:
@@ -885,8 +985,8 @@ class World(Faults, Clock, Checks, KVBytes):
         missing, inflight = self._missing_kv(q, v)
         if missing or inflight:
             raise Violation("partial-kv",
-                            f"D{v} reports {q.rid} done but layer writes {missing} have not "
-                            f"landed (in flight: {inflight})")
+                            f"D{v} reports {q.rid} done but no write landed for (P worker, "
+                            f"layer, D block) {missing} (in flight: {inflight})")
         if self.d_tp > 1:
             self._note(f"D{v}", f"RecvDone({q.rid}): all its layers landed")
         self._d_settle(q)
@@ -905,8 +1005,9 @@ class World(Faults, Clock, Checks, KVBytes):
             missing, inflight = self._missing_kv(q, v)
             if missing or inflight:
                 raise Violation("partial-kv",
-                                f"{self.dname(q.d_rank)} decodes {q.rid} but layer writes "
-                                f"{missing} have not landed in D{v} (in flight: {inflight})")
+                                f"{self.dname(q.d_rank)} decodes {q.rid} but no write landed "
+                                f"in D{v} for (P worker, layer, D block) {missing} (in flight: "
+                                f"{inflight})")
         self._check_fenced(q)
         q.d_stage = "decoding"
         self.flags.add("done")

@@ -284,7 +284,7 @@ def test_equal_keys_print_alike_whatever_order_their_sets_were_built_in() -> Non
     gets several fingerprints (explored twice, and the key test above compares garbage)."""
     a = World(WorldConfig(dp=1, requests=1, layers=1))
     b = World(WorldConfig(dp=1, requests=1, layers=1))
-    items = [(w, v, k) for w in range(3) for v in range(3) for k in range(40)]
+    items = [(w, v, k, 0) for w in range(3) for v in range(3) for k in range(40)]
     grown = set(items[::-1])
     for x in items[:50]:  # a set with deletions in its history iterates in another order
         grown.discard(x)

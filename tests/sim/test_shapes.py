@@ -33,7 +33,7 @@ def test_d_tp_every_d_worker_gets_every_layer() -> None:
     drain(w)
     q = w.reqs[0]
     assert q.d_stage == "done" and q.recv_reports == (1, 1) and q.recv_ok == (True, True)
-    assert q.landed == {(0, v, k) for v in (0, 1) for k in (0, 1)}
+    assert q.landed == {(0, v, k, 0) for v in (0, 1) for k in (0, 1)}  # (P, D, layer, block)
     assert all(b is None for b in w.d_pool[0])
 
 
