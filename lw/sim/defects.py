@@ -15,7 +15,7 @@ import msgspec
 from lw.fsm import ArmTimer, CancelTimer, DecodeEndpoint, Effect, PrefillEndpoint, Send
 from lw.fsm.effects import TimerKey
 from lw.fsm.lifecycles import DONE, FAILED
-from lw.fsm.messages import DoneSending, Message, MetaReply
+from lw.fsm.messages import PROTOCOL_VERSION, DoneSending, Message, MetaReply
 
 _FINAL = (DONE, FAILED)
 
@@ -173,3 +173,57 @@ class LeaseOnlyFence(DecodeEndpoint):
     def _verify(self, rec: object, key: tuple[str, int], msg: DoneSending,
                 kv_sums: object) -> str:
         return ""
+
+
+class DoneAfterLastChunk(PrefillEndpoint):
+    """Progressive push, DONE counted per chunk: P sends DONE once every write of the prompt's
+    last chunk has completed, although a write of an earlier chunk is still in flight (a
+    sender that tracks completions per chunk and takes the last chunk's as the request's;
+    only a data plane that completes writes out of order reaches it)."""
+
+    def transfer_done(self, req_id: str, seq: int, ok: bool, reason: str, now: float,
+                      in_doubt: bool = False) -> list[Effect]:
+        """The real completion, then DONE as soon as the last chunk is written."""
+        out = super().transfer_done(req_id, seq, ok, reason, now, in_doubt)
+        rec = self._reqs.get(req_id)
+        if rec is None or rec.state in _FINAL or not rec.final or rec.ack_tries:
+            return out
+        last = rec.limit - self.num_layers  # the last chunk's first write
+        if rec.submitted == rec.limit and not any(s >= last for s in rec.pending):
+            self._send_done(rec, out)
+            out.append(ArmTimer(("ack", req_id), now + self.config.ack_retry_s))
+        return out
+
+
+class DonePerChunk(PrefillEndpoint):
+    """Progressive push with a one-shot DONE path run per chunk: once every write of a chunk
+    has completed, P sends a DONE covering the blocks written so far (the core sends one DONE,
+    after the last chunk)."""
+
+    def transfer_done(self, req_id: str, seq: int, ok: bool, reason: str, now: float,
+                      in_doubt: bool = False) -> list[Effect]:
+        """The real completion, then a DONE for each chunk fully written but the last."""
+        rec = self._reqs.get(req_id)
+        before = rec.sent if rec is not None else 0
+        out = super().transfer_done(req_id, seq, ok, reason, now, in_doubt)
+        L = self.num_layers
+        if rec is None or rec.state in _FINAL or rec.sent // L == before // L:
+            return out
+        if rec.final and rec.sent == rec.limit:
+            return out  # the last chunk: the real DONE went out
+        done = sum(len(local) for local, _remote in rec.chunks[:rec.sent // L])
+        msg = DoneSending(PROTOCOL_VERSION, req_id, self.me, rec.req.expected_senders, L,
+                          num_blocks=done)
+        out += [Send(t.addr, msg) for t in rec.targets]
+        return out
+
+
+class DoneCoversAll(DecodeEndpoint):
+    """D counts a sender done at its DONE without checking which blocks it covers (the core
+    refuses a DONE whose ``num_blocks`` is not the request's)."""
+
+    def on_message(self, msg: Message, now: float, kv_sums: object = None) -> list[Effect]:
+        """The real handler, told that every DONE covers every block."""
+        if isinstance(msg, DoneSending) and msg.num_blocks is not None:
+            msg = msgspec.structs.replace(msg, num_blocks=None)
+        return super().on_message(msg, now, kv_sums)  # type: ignore[arg-type]

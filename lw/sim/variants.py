@@ -70,6 +70,10 @@ _LATE_WRITES = {"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kind
                 "late_writes": True, "kv_checksum": True, "delays": False,
                 "retries": 1}
 
+# Chunked prefill with progressive push: two chunks of one block each, pushed layer by layer.
+_CHUNKS = {"dp": 1, "requests": 1, "layers": 1, "chunks": 2, "blocks_per_request": 2,
+           "d_blocks": 2, "p_blocks": 2}
+
 _DESIGNS: tuple[Design, ...] = (
     Design(
         name="d-first", title="lw's protocol (D first)",
@@ -237,6 +241,26 @@ _DESIGNS: tuple[Design, ...] = (
         decode=defects.VerifyEachDone, expected="stale-kv",
         bounds={**_LATE_WRITES, "tp": 2},
         ruled_out="the last DONE re-verifies every sender's blocks (DecodeEndpoint.sum_senders)"),
+    Design(
+        name="done-before-earlier-chunk", title="DONE after the last chunk, an earlier in flight",
+        ref="plausible, no upstream report",
+        summary="Progressive push over a data plane that completes writes out of order: P "
+                "sends DONE once the last chunk's writes completed, while a write of an "
+                "earlier chunk is still in flight, and D decodes without that chunk's KV.",
+        prefill=defects.DoneAfterLastChunk, expected="partial-kv",
+        bounds={**_CHUNKS, "unordered_writes": True},
+        ruled_out="writes are numbered in (chunk, layer) order and DONE goes out only once "
+                  "every write up to the last chunk's last layer completed"),
+    Design(
+        name="d-counts-chunks", title="a DONE per chunk, counted as the request's",
+        ref="plausible, no upstream report",
+        summary="Progressive push bolted onto a one-shot DONE path: P sends a DONE after each "
+                "chunk is written, and D, counting one DONE per sender, takes the first "
+                "chunk's as the whole request's and decodes blocks no write reached yet.",
+        prefill=defects.DonePerChunk, decode=defects.DoneCoversAll, expected="partial-kv",
+        bounds=_CHUNKS,
+        ruled_out="one DONE per sender, after the last chunk, stating the blocks it covers "
+                  "(DoneSending.num_blocks); D refuses one that does not cover its blocks"),
 )
 
 DESIGNS: dict[str, Design] = {d.name: d for d in _DESIGNS}
