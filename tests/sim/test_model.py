@@ -45,20 +45,26 @@ NO_SHRINK = tuple(p for p in Phase if p is not Phase.shrink)
 @st.composite
 def worlds(draw: st.DrawFn, design: str) -> WorldConfig:
     """A small world of any valid shape: P TP x D TP (several P senders per D rank, one P sender
-    writing several D ranks), MLA, D prefix-cache hits (none to full), with or without faults.
-    Every field shrinks towards the plain shape (tp=d_tp=1, no MLA, no hits)."""
+    writing several D ranks), MLA, D prefix-cache hits (none to full), chunked prefill, a data
+    plane completing writes in or out of order, with or without faults. Every field shrinks
+    towards the plain shape (tp=d_tp=1, no MLA, no hits, one chunk, writes in order)."""
     tp, d_tp = draw(st.integers(1, 2), label="tp"), draw(st.integers(1, 2), label="d_tp")
     mla = draw(st.booleans(), label="mla")
     requests = draw(st.integers(1, 3), label="requests")
     bpr = draw(st.integers(1, 2), label="blocks_per_request")
-    hits = draw(st.lists(st.integers(0, bpr), max_size=requests), label="prefix_hits")
+    # Chunked prefill: up to one chunk more than blocks (the first chunk may complete none);
+    # a prefix hit must leave a block to every later chunk (or be a full hit).
+    chunks = draw(st.integers(1, bpr + 1), label="chunks")
+    fits = [h for h in range(bpr + 1) if bpr - h >= chunks - 1 or h == bpr]
+    hits = draw(st.lists(st.sampled_from(fits), max_size=requests), label="prefix_hits")
     # Late writes of superseded claims only with checksums: without them lw relies on the lease
     # alone, and the checker shows stale-kv there (lease-only-fence).
     checksum = draw(st.booleans(), label="kv_checksum")
     late = checksum and draw(st.booleans(), label="late_writes")
     return WorldConfig(
         design=design, dp=draw(st.integers(1, 3), label="dp"), tp=tp, d_tp=d_tp, mla=mla,
-        requests=requests, layers=draw(st.integers(1, 3), label="layers"),
+        requests=requests, layers=draw(st.integers(1, 3), label="layers"), chunks=chunks,
+        unordered_writes=draw(st.booleans(), label="unordered_writes"),
         d_dp=draw(st.integers(1, 2), label="d_dp"), blocks_per_request=bpr,
         d_blocks=bpr + draw(st.integers(0, 1), label="extra_d_blocks"),
         p_blocks=bpr + draw(st.integers(0, 1), label="extra_p_blocks"),
