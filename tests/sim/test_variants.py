@@ -99,3 +99,21 @@ def test_lw_check_without_flags_is_the_strong_check(capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "strong check of design d-first" in out and "RESULT: all properties hold" in out
     assert "PARTIAL" not in out
+
+
+@pytest.mark.parametrize("name", ["done-before-earlier-chunk", "d-counts-chunks"])
+def test_progressive_push_variants_need_chunks(name: str) -> None:
+    """Bugs of progressive push: caught at their bounds (two chunks), absent when the prompt is
+    prefilled in one chunk."""
+    kw = DESIGNS[name].config_overrides()
+    assert kw["chunks"] >= 2
+    res = explore(WorldConfig(design=name, **{**kw, "chunks": 1}), check_cycles=True)
+    assert res.counterexample is None and res.complete
+
+
+def test_done_before_an_earlier_chunk_needs_writes_completing_out_of_order() -> None:
+    """lw's data plane reports a destination's writes in submission order: there the last
+    chunk's writes never complete before an earlier chunk's, and the defect stays hidden."""
+    kw = {**DESIGNS["done-before-earlier-chunk"].config_overrides(), "unordered_writes": False}
+    res = explore(WorldConfig(design="done-before-earlier-chunk", **kw), check_cycles=True)
+    assert res.counterexample is None and res.complete
