@@ -49,6 +49,8 @@ MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
 MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
 PROMPT_LENGTHS = (12, 90, 300, 700)  # words ~ tokens: 1 block, 3, 10, 22 (chunked)
+# --long-prompts: 4 to 7 chunks of MAX_BATCHED_TOKENS each (progressive push shows here)
+LONG_PROMPT_LENGTHS = (1100, 1300, 1500, 1800)
 _WORDS = ("the of and to a in is it you that he was for on are with as his they be at one have "
           "this from or had by hot word but what some we can out other were all there when up use "
           "your how said an each she which do their time if will way about many then them write "
@@ -559,6 +561,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shared-prefix", action="store_true",
                     help="prompts sharing long prefixes, repeated: D's prefix cache hits; "
                          "check that only the blocks D did not hold move")
+    ap.add_argument("--long-prompts", action="store_true",
+                    help="prompts of 4 to 7 prefill chunks: P pushes each chunk's blocks while "
+                         "it computes; the summary's early_chunk_blocks must be > 0")
     ap.add_argument("--prefill-tp", type=int, default=1, help="prefill tensor-parallel size")
     ap.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel size")
     ap.add_argument("--prefill-dp", type=int, default=1, help="prefill data-parallel size")
@@ -598,6 +603,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"model      {model}")
     if args.shared_prefix:
         prompts = shared_prefix_prompts(n)
+    elif args.long_prompts:
+        prompts = [make_prompt(LONG_PROMPT_LENGTHS[i % len(LONG_PROMPT_LENGTHS)], seed=i)
+                   for i in range(n)]
     else:
         prompts = [make_prompt(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)], seed=i)
                    for i in range(n)]
@@ -639,11 +647,24 @@ def _run(args: argparse.Namespace) -> int:
         after_p, after_d = _settled_metrics(cluster, before, before_d, n)
     finally:
         cluster.stop()
-    prefix = None
+    checks = [functools.partial(_report_chunks, before, after_p, args.long_prompts)]
     if args.shared_prefix:
-        prefix = functools.partial(_report_prefix, model, token_ids, before, after_p,
-                                   before_d, after_d)
-    return _report(prompts, ref, pd, leaked, before, after_p, after_d, prefix)
+        checks.append(functools.partial(_report_prefix, model, token_ids, before, after_p,
+                                        before_d, after_d))
+    return _report(prompts, ref, pd, leaked, before, after_p, after_d, checks)
+
+
+def _report_chunks(before_p: dict[str, float], after_p: dict[str, float],
+                   required: bool) -> tuple[bool, str]:
+    """Blocks P pushed before a prompt's last chunk (progressive push); > 0 when ``required``."""
+    early = round(after_p.get("lw_early_chunk_blocks_total", 0)
+                  - before_p.get("lw_early_chunk_blocks_total", 0))
+    print(f"chunks     P wrote {early} blocks with a chunk before its prompt's last chunk "
+          "(progressive push)")
+    if required and early <= 0:
+        print("chunks     NOT PUSHED EARLY: long prompts sent every block in the last chunk",
+              file=sys.stderr)
+    return early > 0 or not required, f" early_chunk_blocks={early}"
 
 
 def _settled_metrics(cluster: LocalCluster, before_p: dict[str, float],
@@ -699,7 +720,7 @@ def _report_prefix(model: Path, token_ids: list[list[int]], before_p: dict[str, 
 def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Result], leaked: int,
             before: dict[str, float], after_p: dict[str, float],
             after_d: dict[str, float],
-            prefix: Callable[[], tuple[bool, str]] | None = None) -> int:
+            checks: Sequence[Callable[[], tuple[bool, str]]] = ()) -> int:
     print()
     print(f"{'#':>2} {'words':>5} {'TTFT 1 eng':>10} {'TTFT P/D':>9}  {'single engine':<34} "
           f"{'P/D':<34} same")
@@ -747,7 +768,10 @@ def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Resu
               f"{after_d.get('lw_requests_failed_total', 0):.0f} deadlines="
               f"{after_d.get('lw_deadlines_fired_total', 0):.0f}")
     print(f"blocks     held after the run: {leaked} (prefill + decode, from vLLM's kv cache usage)")
-    prefix_ok, extra = prefix() if prefix is not None else (True, "")
+    prefix_ok, extra = True, ""
+    for check in checks:
+        ok, text = check()
+        prefix_ok, extra = prefix_ok and ok, extra + text
     print(f"summary done={done} failed={failed} leaked_blocks={leaked} mismatched={mismatched}"
           + extra)
     return 0 if failed == 0 and leaked == 0 and mismatched == 0 and prefix_ok else 1
