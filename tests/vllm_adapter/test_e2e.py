@@ -37,11 +37,13 @@ import httpx  # noqa: E402
 from lw.vllm_adapter.demo import (  # noqa: E402
     MODEL_NAME,
     LocalCluster,
+    Result,
     blocks_in_use,
     complete,
     make_prompt,
     metrics,
 )
+from lw.vllm_adapter.oracle import TOP_K, Verdict, compare  # noqa: E402
 from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -67,17 +69,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.stop()
 
 
-_reference: dict[tuple[str, int], str] = {}
+_reference: dict[tuple[str, int], Result] = {}
 
 
-def reference(c: LocalCluster, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
-    """The single engine's greedy output (cached per prompt)."""
+def reference(c: LocalCluster, prompt: str, max_tokens: int = MAX_TOKENS) -> Result:
+    """The single engine's greedy output with its top logprobs (cached per prompt)."""
     key = (prompt, max_tokens)
     if key not in _reference:
-        r = complete(c.url("reference"), prompt, max_tokens, stream=False)
+        r = complete(c.url("reference"), prompt, max_tokens, stream=False, logprobs=TOP_K)
         assert not r.error, r.error
-        _reference[key] = r.text
+        _reference[key] = r
     return _reference[key]
+
+
+def judged(c: LocalCluster, url: str, prompt: str, stream: bool = True) -> Verdict:
+    """Send ``prompt`` to ``url`` and judge the answer against the reference with the output
+    oracle (equal tokens, or a near tie of the reference's at the first divergence)."""
+    got = complete(url, prompt, MAX_TOKENS, stream=stream, logprobs=TOP_K)
+    return compare(reference(c, prompt), got)
 
 
 def held(c: LocalCluster) -> dict[str, float]:
@@ -106,9 +115,10 @@ def test_outputs_equal_single_engine(cluster: LocalCluster) -> None:
         prompt = make_prompt(n, seed=100 + i)
         want = reference(cluster, prompt)
         for stream in (False, True):
-            got = complete(cluster.url("proxy"), prompt, MAX_TOKENS, stream=stream)
+            got = complete(cluster.url("proxy"), prompt, MAX_TOKENS, stream=stream,
+                           logprobs=TOP_K)
             assert not got.error, f"{kind} stream={stream}: {got.error}"
-            assert got.text == want, f"{kind} stream={stream}"
+            assert (v := compare(want, got)).same, f"{kind} stream={stream}: {v}"
             assert got.finish_reason == "length"
     assert not any((h := wait_idle(cluster)).values()), h
 
@@ -128,7 +138,7 @@ def test_chat_completion_equals_single_engine(cluster: LocalCluster) -> None:
 def test_transfer_figures_and_blocks_back_to_baseline(cluster: LocalCluster) -> None:
     p_before, d_before = metrics(cluster.url("prefill")), metrics(cluster.url("decode"))
     prompt = make_prompt(300, seed=11)  # 300+ tokens: 10 blocks of 32
-    assert complete(cluster.url("proxy"), prompt, MAX_TOKENS).text == reference(cluster, prompt)
+    assert (v := judged(cluster, cluster.url("proxy"), prompt)).same, v
     assert not any((h := wait_idle(cluster)).values()), h
 
     def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
@@ -159,9 +169,11 @@ def test_concurrent_requests(cluster: LocalCluster) -> None:
     want = [reference(cluster, p) for p in prompts]
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda ip: complete(cluster.url("proxy"), ip[1], MAX_TOKENS,
-                                                stream=ip[0] % 2 == 0), enumerate(prompts)))
+                                                stream=ip[0] % 2 == 0, logprobs=TOP_K),
+                            enumerate(prompts)))
     assert [g.error for g in got] == [""] * 8
-    assert [g.text for g in got] == want
+    verdicts = [compare(r, g) for r, g in zip(want, got, strict=True)]
+    assert all(v.same for v in verdicts), [str(v) for v in verdicts]
     assert not any((h := wait_idle(cluster)).values()), h
 
 
@@ -215,13 +227,11 @@ def test_openai_client_n2_and_prompt_lists_like_single_engine(cluster: LocalClus
 def test_repeated_prompt_tail_computed_on_decode(cluster: LocalCluster) -> None:
     """D holds all but the prompt's last block: it computes that itself, P moves nothing."""
     prompt = make_prompt(150, seed=311)
-    want = reference(cluster, prompt)
-    assert complete(cluster.url("proxy"), prompt, MAX_TOKENS, stream=False).text == want
+    assert (v := judged(cluster, cluster.url("proxy"), prompt, stream=False)).same, v
     assert not any((h := wait_idle(cluster)).values()), h
     d_before = metrics(cluster.url("decode"))
     calls = httpx.get(cluster.url("proxy") + "/metrics-json", timeout=10).json()
-    got = complete(cluster.url("proxy"), prompt, MAX_TOKENS, stream=True)
-    assert got.text == want and not got.error
+    assert (v := judged(cluster, cluster.url("proxy"), prompt)).same, v
     after = httpx.get(cluster.url("proxy") + "/metrics-json", timeout=10).json()
     # D asked for no prefill: no metaserver call, so P computed and moved nothing.
     assert after["metaserver_calls"] == calls["metaserver_calls"]
@@ -272,7 +282,7 @@ def test_client_aborts_leak_nothing(cluster: LocalCluster) -> None:
         "lw_requests_failed_total", "lw_quarantines_total", "lw_requests_done_total")})
     # Both servers still serve correctly.
     prompt = make_prompt(90, seed=55)
-    assert complete(proxy, prompt, MAX_TOKENS).text == reference(cluster, prompt)
+    assert (v := judged(cluster, proxy, prompt)).same, v
 
 
 def test_prefill_that_cannot_be_requested_fails_fast(cluster: LocalCluster) -> None:
@@ -422,8 +432,7 @@ def test_decode_server_killed_gives_errors_and_prefill_keeps_serving(
     assert r.error and time.monotonic() - t1 < 30, r
     # The prefill server keeps serving and gives back every block it held for D.
     prompt = make_prompt(90, seed=91)
-    direct = complete(cluster.url("prefill"), prompt, MAX_TOKENS, stream=False)
-    assert not direct.error and direct.text == reference(cluster, prompt)
+    assert (v := judged(cluster, cluster.url("prefill"), prompt, stream=False)).same, v
     deadline = time.monotonic() + P_EXTRA["request_timeout_s"] + 20
     while True:
         m = metrics(cluster.url("prefill"))
