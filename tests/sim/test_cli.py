@@ -88,3 +88,23 @@ def test_bad_prefix_hits_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -
     assert "prefix hit" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--prefix-hits", "x"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--chunks", "2"],  # one block per request: the first chunk completes none
+    ["--chunks", "2", "--blocks-per-request", "2", "--d-blocks", "2", "--p-blocks", "2",
+     "--unordered-writes"],
+])
+def test_chunked_prefill_exits_0(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue-19 done-when command, and its variant with a block per chunk."""
+    code = main(["--design", "d-first", *argv, "--dp", "2", "--requests", "2", "--layers", "2",
+                 "--mode", "exhaustive"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "2 chunks/request" in out and "RESULT: all properties hold" in out
+
+
+def test_a_chunk_split_leaving_a_later_chunk_empty_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--chunks", "3"]) == 2
+    assert "only the first chunk may complete no block" in capsys.readouterr().err
