@@ -383,15 +383,16 @@ def after_lw_run(run: Running, label: str, result: dict[str, Any], since: float)
 
 def prefill_time(url: str, model: Path, input_len: int, n: int = 5, seed: int = 0) -> float:
     """The server's prefill time for ``input_len``-token prompts: TTFT p50 (s) with
-    ``max_tokens`` 1 over ``n`` fresh prompts (sent one at a time, after one not counted: the
-    first prompt of a length is slower)."""
+    ``max_tokens`` 1 (the whole response) over ``n`` fresh prompts, sent one at a time after
+    one not counted (the first prompt of a length is slower)."""
     prompts = make_prompts(model, Shape(input_len, 1, n + 1), f"calibrate-{seed}")
     ttfts = []
     for p in prompts:
-        r = complete(url, p, max_tokens=1, timeout=300.0)
-        if r.error or r.ttft_s is None:
-            raise RuntimeError(f"prefill-time request failed: {r.error or 'no token'}")
-        ttfts.append(r.ttft_s)
+        # not streamed: a random model's one token can be empty text (no streamed chunk)
+        r = complete(url, p, max_tokens=1, stream=False, timeout=300.0)
+        if r.error:
+            raise RuntimeError(f"prefill-time request failed: {r.error}")
+        ttfts.append(r.total_s)
     return statistics.median(ttfts[1:])
 
 
