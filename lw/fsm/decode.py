@@ -447,12 +447,22 @@ class DecodeEndpoint:
         if key not in rec.claimers:
             raise ProtocolError("decode", msg.req_id, rec.state, "sender_done",
                                 f"sender {key} was never accepted for this request")
+        problem = ""
         if msg.num_layers != len(self.layout.layers):
-            self._fail(rec, f"sender {key} reports {msg.num_layers} layers, we have "
-                       f"{len(self.layout.layers)}", now, out)
+            problem = (f"sender {key} reports {msg.num_layers} layers, we have "
+                       f"{len(self.layout.layers)}")
         elif msg.num_blocks is not None and msg.num_blocks != len(rec.blocks):
-            self._fail(rec, f"sender {key}'s DONE covers {msg.num_blocks} blocks, we receive "
-                       f"{len(rec.blocks)}", now, out)
+            problem = (f"sender {key}'s DONE covers {msg.num_blocks} blocks, we receive "
+                       f"{len(rec.blocks)}")
+        if problem:
+            # A DONE that does not describe our request: the sender's view of it differs from
+            # ours, so nothing says its writes have ended (found by the model checker with a P
+            # that sends DONE per chunk). Refused; the blocks stay quarantined until the sender
+            # confirms it stopped (its FailedSending after the refusal) or the lease ends.
+            self._fail(rec, problem, now, out)
+            self._fire(rec, "sender_done", now)
+            out.append(self._ack(msg, "done", False))
+            return
         if rec.state == FAILED:
             self._fire(rec, "sender_done", now)
             rec.stopped.add(key)
@@ -461,9 +471,11 @@ class DecodeEndpoint:
             return
         if self.config.kv_checksum:
             bad = self._verify(rec, key, msg, kv_sums)
-            if bad:  # every write of this sender ended: it stopped; the rest fail as usual
+            if bad:
+                # Bytes differ from what the sender says it wrote: a write may still be in
+                # flight (a sender whose DONE came early) as well as corrupted. Refused; the
+                # blocks stay quarantined until it confirms it stopped or the lease ends.
                 self.counters["checksum_mismatches"] += 1
-                rec.stopped.add(key)
                 out.append(self._ack(msg, "done", False))
                 self._fail(rec, bad, now, out)
                 return

@@ -162,7 +162,8 @@ def test_failed_mid_chunks_stops_writing_and_releases_after_writes_end() -> None
 
 def test_d_refuses_a_done_that_does_not_cover_its_blocks() -> None:
     """A sender whose DONE covers fewer blocks than D receives (a P that lost track of its
-    chunks) fails the request on D instead of decoding partial KV."""
+    chunks) fails the request on D instead of decoding partial KV, and its blocks stay
+    quarantined until that sender confirms it stopped."""
     from lw.fsm import RecvFailed
 
     pair = make()
@@ -174,5 +175,8 @@ def test_d_refuses_a_done_that_does_not_cover_its_blocks() -> None:
     assert p.state_of("r") == "CHUNK_SENT"
     pair.absorb("d", pair.d.on_message(DoneSending(1, "r", p.me, 1, L, num_blocks=3), pair.now))
     assert pair.d.state_of("r") == "FAILED"
+    assert pair.recv == [] and "r" in pair.d.quarantined()  # nothing says P's writes ended
+    pair.deliver_all()  # P hears the refusal, stops, and says so
+    assert p.state_of("r") == "FAILED"
     (failed,) = pair.recv
     assert isinstance(failed, RecvFailed) and "covers 3 blocks, we receive 5" in failed.reason

@@ -54,6 +54,7 @@ def send_done(pair: Pair, sums: list[int], local: list[int] | None) -> None:
     pair.queue.remove(done)
     msg = decode(encode(replace(done.msg, checksums=sums)))
     pair.absorb("d", pair.d.on_message(msg, pair.now, local))
+    pair.deliver_all()  # a refused DONE: P stops and says so, which ends D's quarantine
 
 
 def test_happy_path_layers_before_meta_are_remembered() -> None:

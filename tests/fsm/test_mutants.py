@@ -425,7 +425,11 @@ def test_done_for_another_number_of_layers_is_never_decoded(layers: int) -> None
     assert not any(isinstance(e, RecvDone) for e in out)
     assert d.state_of("r") == "FAILED"
     assert _acks(out) == [("done", False)]
-    # That sender has stopped (it says it is done): nothing can land any more, blocks go back.
+    # A DONE that does not describe the request says nothing about the sender's writes: the
+    # blocks stay quarantined until it confirms it stopped (FailedSending after the refusal).
+    assert not any(isinstance(e, RecvFailed) for e in out)
+    assert "r" in d.quarantined()
+    out = d.on_message(FailedSending(PROTOCOL_VERSION, "r", s, 1, "refused"), 0.0)
     assert [e.block_ids for e in out if isinstance(e, RecvFailed)] == [(5, 6)]
 
 

@@ -263,6 +263,8 @@ def test_a_kv_checksum_mismatch_names_how_many_blocks_differ_and_the_first_four(
     sums = [i + 1 for i in range(L * 3)]  # every block differs
     msg = decode(encode(replace(done.msg, checksums=sums)))
     pair.absorb("d", pair.d.on_message(msg, pair.now, list(range(L * 3))))
+    assert pair.recv == []  # quarantined until P, told of the refusal, says it stopped
+    pair.deliver_all()
     (failed,) = pair.recv
     assert failed.reason.endswith(f"{L * 3} of {L * 3} block(s) differ, first layer 0 block 5, "
                                   "layer 0 block 6, layer 0 block 7, layer 1 block 5")
@@ -374,6 +376,10 @@ def test_d_timeline_records_what_arrives_for_a_quarantined_request() -> None:
     F = "FAILED"
     assert _d_events(pair, "r")[n:] == [("fail", F, F), ("sender_done", F, F),
                                         ("sender_stopped", F, F)]
+    # A DONE for another number of layers says nothing of rank 0's writes: still held
+    assert pair.d.live_requests() == ["r"]
+    gone = FailedSending(PROTOCOL_VERSION, "r", p_sender(0), 2, "refused")
+    pair.absorb("d", pair.d.on_message(decode(encode(gone)), pair.now))
     assert pair.d.live_requests() == []  # both stopped: released
 
 
