@@ -36,7 +36,10 @@ def test_with_checksums_the_same_late_write_fails_the_request_it_reached() -> No
     assert v is None
     assert w.d[0].counters["checksum_mismatches"] == 1
     r1 = w.reqs[1]
-    assert r1.d_stage == "failed" and r1.touched  # the late bytes are the fault that touched it
+    # Failed on D, its blocks quarantined until P confirms it stopped (a refused DONE does not
+    # say so); the late bytes are the fault that touched it.
+    assert w.d[0].state_of(r1.rid) == "FAILED" and r1.rid in w.d[0].quarantined()
+    assert r1.touched
 
 
 def test_bounded_in_doubt_bytes_have_no_late_landing_action() -> None:
