@@ -146,12 +146,15 @@ class WorkerLoop:
         self._owns_side = owns_side
         self._owns_dp = owns_data_plane
         self._max_inbox = max_inbox
-        # After a layer event the loop polls every hot_poll_s for hot_window_s, and hooks skip
-        # the wake-up write: a write wakes the loop thread, and on a busy machine the context
-        # switch it triggers costs the forward thread tens of microseconds per layer.
+        # While layer events come faster than 2 * hot_poll_s, the loop polls every hot_poll_s
+        # for hot_window_s after each, and hooks skip the wake-up write: a write wakes the loop
+        # thread, and on a busy machine the context switch it triggers costs the forward thread
+        # tens of microseconds per layer.
         self._hot_poll_ms = max(0, round(hot_poll_s * 1000))
         self._hot_window_s = hot_window_s if self._hot_poll_ms else 0.0
         self._hot_until = 0.0
+        self._hot_gap_s = 2 * hot_poll_s  # layer events closer than this keep the loop polling
+        self._last_layer_ev = -1e9
         self._clock = clock
         self._name = name
         if self.is_prefill and entries_for is None:
@@ -459,7 +462,13 @@ class WorkerLoop:
                 started = time.perf_counter()
                 self.counters["layer_events"] += 1
                 if self._hot_window_s:
-                    self._hot_until = time.monotonic() + self._hot_window_s
+                    # Polling pays only while layer events come closer than the poll interval
+                    # (GPU layers: one poll serves several). Slower layers (a CPU forward pass,
+                    # several ms each) wake the loop once per event instead: polling through a
+                    # whole chunked prefill cost P's forward pass about 10 % here.
+                    if t - self._last_layer_ev < self._hot_gap_s:
+                        self._hot_until = time.monotonic() + self._hot_window_s
+                    self._last_layer_ev = t
                 try:
                     effects = ep.layer_computed(layer, ids, self._clock())
                 except Exception as exc:

@@ -72,6 +72,9 @@ _FAST_FAIL_S = 0.5
 _MIN_NAP_S = 2e-5
 """First sleep of the poll-mode sender when nothing progressed (doubles up to the interval)."""
 
+_MAX_NAP_S = 0.002
+"""Longest sleep of the poll-mode sender (reached only for transfers in flight > 16 ms)."""
+
 _BAD_BATCH_IDS = frozenset({0, -1, (1 << 64) - 1})
 """What Mooncake's transfer_submit_write returns when it could not submit."""
 
@@ -377,7 +380,11 @@ class MooncakeDataPlane(_QueuedDataPlane):
                 with peer.cond:
                     if not peer.queue:
                         peer.cond.wait(nap)
-                nap = min(nap * 2, self._poll_interval_s)
+                # Poll at most every eighth of the oldest transfer's age (up to 2 ms): a write
+                # that has crossed a slow link for 40 ms is not polled 5,000 times a second on
+                # the core P computes on, and one on loopback still is, within microseconds.
+                age = now - flights[0].started if flights[0].started else 0.0
+                nap = min(nap * 2, max(self._poll_interval_s, min(age / 8, _MAX_NAP_S)))
 
     def _new_flight(self, session: str, job: _Job) -> _Flight:
         """Plan a transfer for the pipelined worker (coalesce, check local ranges)."""
