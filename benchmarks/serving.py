@@ -743,6 +743,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "with --link 2)")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed (same for every setup)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per shape (override)")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
+                    help="run only these shapes of the plan, e.g. in1024-c4")
     ap.add_argument("--float-frontends", action="store_true",
                     help="leave each engine's API server and EngineCore unbound (vLLM's "
                          "default; only the workers are pinned), as in the first runs")
@@ -773,6 +775,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lw.vllm_adapter.tiny_model import make_tiny_model
 
     plan = shapes(args.quick, link_mode)
+    if args.shapes:
+        known = {s.key: s for s in shapes(False, link_mode) + shapes(True, link_mode)}
+        unknown = [n for n in args.shapes if n not in known]
+        if unknown:
+            ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from "
+                     f"{', '.join(sorted(known))}")
+        plan = [s for s in plan if s.key in args.shapes] or [known[n] for n in args.shapes]
     if args.prompts:
         plan = [Shape(s.input_len, s.concurrency, args.prompts) for s in plan]
     longest = max(s.input_len for s in plan) + OUTPUT_TOKENS
