@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from lw.fsm.effects import (
     ArmTimer,
@@ -57,135 +56,12 @@ from lw.fsm.messages import (
     RequestStatus,
     Sender,
 )
+from lw.fsm.prefill_request import PrefillConfig, PrefillRequest, _Req, _Target
 from lw.fsm.snapshot import ENDPOINT_RULES, KEYS, OMIT, RECORD_RULES, Rules, derive
 from lw.fsm.status import newly_stuck, prefill_row, prefill_span, rows_of
-from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, Timeline, check_observability
+from lw.fsm.timeline import Timeline
 
 _FINAL = (DONE, FAILED)
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    """Deadlines and retry budgets of a P worker (seconds)."""
-
-    meta_retry_s: float = 0.5  # resend MetaRequest after this long without an answer
-    meta_attempts: int = 20  # give up (FAILED) after this many unanswered or "unknown" replies
-    ack_retry_s: float = 0.5
-    ack_attempts: int = 10
-    request_timeout_s: float = 30.0  # whole transfer, from add_request; D's lease must exceed it
-    tombstone_ttl_s: float = 300.0  # remember D's aborts for requests we have not seen yet
-    finished_memory: int = 4096  # finished requests remembered to recognise late duplicates
-    timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
-    stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
-    kv_checksum: bool = False  # the driver sends CRC-32C of every written block with DONE
-
-    def __post_init__(self) -> None:
-        for name in ("meta_retry_s", "ack_retry_s", "request_timeout_s", "tombstone_ttl_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"PrefillConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("meta_attempts", "ack_attempts", "finished_memory"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"PrefillConfig.{name} must be >= 1, got {getattr(self, name)}")
-        check_observability(self)
-
-
-@dataclass(frozen=True)
-class PrefillRequest:
-    """What the P scheduler knows of a request whose prefill completes in this step.
-
-    ``decoder_addr`` is the side-channel address of the D worker that allocated the blocks, or a
-    tuple of them when this rank writes into several D TP ranks (empty: nothing to send).
-
-    ``final`` false (progressive push): the prompt is computed in chunks and this step computes
-    its first one; ``local_blocks`` are the P blocks of the first ``len(local_blocks)`` remote
-    blocks, the ones complete after this chunk (possibly none); ``add_chunk`` announces the
-    rest."""
-
-    req_id: str
-    decoder_addr: str | tuple[str, ...]
-    local_blocks: tuple[int, ...]
-    remote_blocks: tuple[int, ...]
-    expected_senders: int = 1
-    final: bool = True
-
-    @property
-    def targets(self) -> tuple[str, ...]:
-        """The D workers this rank writes into, in a fixed order."""
-        a = self.decoder_addr
-        return (a,) if isinstance(a, str) else tuple(a)
-
-
-class _Target:
-    """One D worker a request is written into: its claim, layout, byte runs and acknowledgement."""
-
-    __slots__ = ("addr", "accepted", "claimed", "acked", "layout", "segs")
-
-    def __init__(self, addr: str) -> None:
-        self.addr = addr
-        self.accepted = False
-        self.claimed = False  # D accepted us: it expects DONE or FAILED from us
-        self.acked = False
-        self.layout: KVLayout | None = None
-        self.segs: tuple[tuple[Segment, ...] | None, ...] = ()  # per layer; None: whole blocks
-
-
-class _Req:
-    """Mutable per-request record of the prefill lifecycle (state + the data the table needs)."""
-
-    __slots__ = (
-        "req",
-        "state",
-        "targets",
-        "computed",
-        "submitted",
-        "sent",
-        "out_of_order",
-        "pending",
-        "inflight",
-        "meta_tries",
-        "ack_tries",
-        "reason",
-        "abort_acks",
-        "in_doubt",
-        "since",
-        "deadline",
-        "alarmed",
-        "local",
-        "chunks",
-        "limit",
-        "final",
-    )
-
-    def __init__(self, req: PrefillRequest, state: str, now: float, deadline: float) -> None:
-        self.req = req
-        self.state = state
-        self.since = now  # when the request entered its current state (observability only)
-        self.deadline = deadline  # when the request deadline fires (observability only)
-        self.alarmed = False  # reported stuck in its current state already
-        self.targets = [_Target(a) for a in req.targets]
-        # Writes are numbered seq = chunk * L + layer (one chunk: seq is the layer).
-        self.computed = 0  # writes 0..computed-1 have been computed by the forward pass
-        self.submitted = 0  # writes 0..submitted-1 have been handed to the data plane
-        self.sent = 0  # writes 0..sent-1 have been written to every target (in order)
-        self.out_of_order: set[int] = set()
-        self.pending: dict[int, int] = {}  # seq -> target writes not completed yet
-        self.local: tuple[int, ...] = ()  # P blocks of the remote blocks announced so far
-        # Per announced chunk: (P blocks, D blocks) it completes (what its layers write).
-        self.chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-        self.limit = 0  # writes the announced chunks make: len(chunks) * L
-        self.final = req.final  # the prompt's last chunk has been announced
-        self.inflight = 0
-        self.meta_tries = 0
-        self.ack_tries = 0
-        self.reason = ""
-        self.abort_acks: list[str] = []  # D addresses waiting for our AbortAck
-        self.in_doubt = False  # a write failed in a way that may still deliver bytes later
-
-    def target(self, addr: str) -> _Target | None:
-        for t in self.targets:
-            if t.addr == addr:
-                return t
-        return None
 
 
 class PrefillEndpoint:
