@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import ipaddress
 import itertools
 import os
@@ -36,6 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from lw.synthetic.netns import enter
+
 __all__ = ["Link", "missing_requirements", "close_all"]
 
 SUBNET = "10.78"  # the /16 the links' /24s come from
@@ -43,7 +44,6 @@ NS_PREFIX = "lwlink"
 BURST_S = 0.005  # tbf bucket: 5 ms at the rate
 MIN_BURST = 16 * 1024  # bytes; a bucket below one packet would drop everything
 LATENCY = "200ms"  # tbf queue: at most this long a wait before a drop
-_CLONE_NEWNET = 0x40000000
 
 _live: dict[str, Link] = {}
 _lock = threading.Lock()
@@ -78,14 +78,7 @@ def in_netns(ns: str, fn: Callable[[], T]) -> T:
 
     def body() -> None:
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-            try:
-                if libc.setns(fd, _CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns({ns}): {os.strerror(err)}")
-            finally:
-                os.close(fd)
+            enter(ns)
             out["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             out["error"] = exc

@@ -13,6 +13,15 @@ from lw.fsm.messages import KVLayout
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, check_observability
 
 
+def blocks_complete(tokens_done: int, prompt_tokens: int, block_size: int) -> int:
+    """How many of a prompt's blocks hold their final KV once ``tokens_done`` of its
+    ``prompt_tokens`` are computed: whole blocks, and the last (partial) one with the last
+    token. A block that straddles two chunks is complete with the later one."""
+    if tokens_done >= prompt_tokens:
+        return -(-prompt_tokens // block_size)
+    return tokens_done // block_size
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     """Deadlines and retry budgets of a P worker (seconds)."""

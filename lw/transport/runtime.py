@@ -598,12 +598,11 @@ class WorkerLoop:
                 except Exception as exc:
                     self._core_error("transfer_done", exc)
                     continue
-                if c.ok and any(isinstance(e, Send) and isinstance(e.msg, DoneSending)
-                                for e in effects):
+                if (effects and rid in self._last_layer_t
+                        and any(isinstance(e, Send) and isinstance(e.msg, DoneSending)
+                                for e in effects)):
                     # every write is done: the tail after the (last chunk's) last layer
-                    t0 = self._last_layer_t.pop(rid, None)
-                    if t0 is not None:
-                        self._tails.append(time.monotonic() - t0)
+                    self._tails.append(time.monotonic() - self._last_layer_t.pop(rid))
                 if effects:
                     self._execute(effects, None)
 

@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lw.fsm.prefill_request import blocks_complete
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
     PARAMS_VERSION,
@@ -171,10 +172,9 @@ class SchedulerSide:
         final = computed >= req.num_prompt_tokens
         if not final and not self.progressive:
             return  # last_chunk mode: nothing is sent before the prefill completes
-        n = tr.first_block + len(tr.remote_blocks)  # the prompt's blocks
-        # Blocks complete after this chunk (a block straddling two chunks goes with the later).
-        upto = len(tr.remote_blocks) if final else max(
-            0, min(computed // self.block_size, n) - tr.first_block)
+        # D blocks complete after this chunk (D's prefix hit, first_block, is never pushed)
+        upto = max(0, blocks_complete(computed, req.num_prompt_tokens, self.block_size)
+                   - tr.first_block)
         if upto <= tr.covered and tr.pushed:
             return  # no block completes in this chunk: its layers are not reported for rid
         manager = self.owner._kv_cache_manager

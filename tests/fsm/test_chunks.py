@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lw.fsm import DecodeEndpoint, PrefillEndpoint, PrefillRequest, ProtocolError, RecvDone
+from lw.fsm.prefill_request import blocks_complete
 from lw.transport.wire import DoneSending
 
 from .harness import D_ADDR, Pair, d_layout, d_sender, p_sender
@@ -28,6 +29,12 @@ def first_chunk(pair: Pair, local: tuple[int, ...]) -> None:
 def compute(pair: Pair) -> None:
     for layer in range(L):
         pair.absorb(0, pair.ps[0].layer_computed(layer, ["r"], pair.now))
+
+
+def finish(pair: Pair) -> None:
+    """Every write lands and every message is delivered: the request ends on P."""
+    pair.complete_writes()
+    pair.deliver_all()
 
 
 def test_each_chunk_writes_its_blocks_layer_by_layer() -> None:
@@ -89,8 +96,7 @@ def test_chunks_computed_before_meta_are_remembered() -> None:
     pair.deliver_all()
     assert [(w.seq, w.remote_blocks) for _, w in pair.writes] == (
         [(k, (10,)) for k in range(L)] + [(L + k, (11, 12, 13, 14)) for k in range(L)])
-    pair.complete_writes()
-    pair.deliver_all()
+    finish(pair)
     assert p.state_of("r") == "DONE"
 
 
@@ -104,8 +110,7 @@ def test_first_chunk_without_a_complete_block_claims_d_early() -> None:
     assert p.state_of("r") == "META_READY"
     pair.absorb(0, p.add_chunk("r", (1, 2, 3, 4, 5), True, pair.now))
     compute(pair)
-    pair.complete_writes()
-    pair.deliver_all()
+    finish(pair)
     assert p.state_of("r") == "DONE"
 
 
@@ -180,3 +185,9 @@ def test_d_refuses_a_done_that_does_not_cover_its_blocks() -> None:
     assert p.state_of("r") == "FAILED"
     (failed,) = pair.recv
     assert isinstance(failed, RecvFailed) and "covers 3 blocks, we receive 5" in failed.reason
+
+
+def test_blocks_complete_after_a_chunk() -> None:
+    """Whole blocks until the prompt ends; then the last, partial one too."""
+    assert [blocks_complete(t, 100, 16) for t in (0, 15, 16, 64, 99, 100, 120)] == [
+        0, 0, 1, 4, 6, 7, 7]
