@@ -90,11 +90,11 @@ class Shape:
 
 def shapes(quick: bool, link: bool = False) -> list[Shape]:
     """The shapes of the issue; ``--quick`` sends fewer prompts. With a link: 1,024-token
-    prompts (``--quick``), plus 4,096-token ones on the full run."""
+    prompts (``--quick``), plus 128- and 4,096-token ones on the full run."""
     if link:
         if quick:
             return [Shape(1024, 1, 6)]
-        return [Shape(1024, 1, 12), Shape(1024, 4, 16), Shape(4096, 1, 6)]
+        return [Shape(128, 1, 16), Shape(1024, 1, 12), Shape(1024, 4, 16), Shape(4096, 1, 6)]
     if quick:
         return [Shape(128, 1, 8), Shape(1024, 1, 6), Shape(1024, 4, 12)]
     return [Shape(128, 1, 32), Shape(1024, 1, 16), Shape(1024, 4, 32)]

@@ -83,6 +83,11 @@ class LwConfig:
     # once: vLLM's engine loop would otherwise spin ~1,000 steps/s on a core P or D needs, and
     # the step ends the moment a transfer does. 0 = off.
     idle_wait_ms: float = 2.0
+    # P: a computed layer wakes lw's loop (and so starts its writes) only if the last layer to
+    # do so is this old, or it is the forward's last layer; the layers in between go out with
+    # it as one transfer. Per-layer wake-ups cost P's forward a context switch, a submit and
+    # polls each; 0 = every layer.
+    layer_batch_ms: float = 15.0
     # observability: lifecycle events each worker remembers for lw status (0 = none), and the
     # fraction of a deadline after which a request still in one state is logged as stuck
     timeline_entries: int = 32768
@@ -187,6 +192,9 @@ class LwConfig:
         if not 0 <= values["idle_wait_ms"] <= 100:
             raise ConfigError("kv_connector_extra_config.idle_wait_ms must be in [0, 100], "
                               f"got {values['idle_wait_ms']}")
+        if not 0 <= values["layer_batch_ms"] <= 1000:
+            raise ConfigError("kv_connector_extra_config.layer_batch_ms must be in [0, 1000], "
+                              f"got {values['layer_batch_ms']}")
         if values["heartbeat_s"] < 0:
             raise ConfigError("kv_connector_extra_config.heartbeat_s must be >= 0 (0: off), "
                               f"got {values['heartbeat_s']}")

@@ -172,6 +172,7 @@ class WorkerSide:
             ep: Any = PrefillEndpoint(me, len(self.planes), self.cfg.prefill_config(),
                                       local=kv_layout)
             self.loop = WorkerLoop(ep, side, dp, local_layout=layout, name=name,
+                                   layer_batch_s=self.cfg.layer_batch_ms / 1000,
                                    heartbeat_s=self.cfg.heartbeat_s,
                                    heartbeat_misses=self.cfg.heartbeat_misses)
         else:

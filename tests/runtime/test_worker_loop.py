@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -87,7 +88,41 @@ def test_many_requests_in_one_batch_are_grouped_per_layer(pair: Pair) -> None:
     pair.wait_reports(6, 6)
     assert all(isinstance(r, SendFinished) and r.ok for r in pair.p_reports)
     assert all(pair.verify(rid, remote) for rid, _, remote in reqs)
-    assert pair.p.stats()["loop.transfers_submitted"] == 4  # one per layer, not per request
+    # one per wake-up of the loop (layers drained together share one), never one per request
+    assert 1 <= pair.p.stats()["loop.transfers_submitted"] <= 4
+
+
+def test_layer_batch_wakes_the_loop_for_the_first_and_last_layer_only() -> None:
+    pair = make_pair(layer_batch_s=60.0)
+    try:
+        local, remote = (1, 2), (3, 4)
+        pair.start("r1", local, remote)
+        wait_for(lambda: pair.p.run(lambda lp: lp.endpoint.state_of("r1")).result(5)
+                 == "META_READY")
+        woke: list[int] = []
+        real_wake = pair.p._wake
+
+        def counting_wake() -> None:
+            if threading.current_thread() is threading.main_thread():
+                woke.append(1)
+            real_wake()
+
+        pair.p._wake = counting_wake  # type: ignore[method-assign]
+        for layer in range(L):
+            wait_for(lambda: not pair.p._wake_pending)  # as if the loop had drained meanwhile
+            pair.compute("r1", local, range(layer, layer + 1))
+        # layer 0 (after a quiet spell) and the last layer wake it; the rest wait in the inbox
+        assert len(woke) == 2
+        pair.wait_reports(1, 1)
+        assert pair.p_reports == [SendFinished("r1", True, "")]
+        assert pair.verify("r1", remote)
+    finally:
+        pair.stop()
+
+
+def test_layer_batch_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="layer_batch_s"):
+        make_pair(layer_batch_s=-1.0)
 
 
 def test_failed_write_fails_both_sides_and_frees_after_quarantine(pair: Pair) -> None:
