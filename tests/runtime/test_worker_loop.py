@@ -93,7 +93,7 @@ def test_many_requests_in_one_batch_are_grouped_per_layer(pair: Pair) -> None:
 
 
 def test_layer_batch_wakes_the_loop_for_the_first_and_last_layer_only() -> None:
-    pair = make_pair(layer_batch_s=60.0)
+    pair = make_pair(layer_batch_s=60.0, hot_poll_s=0.0)  # no hot poll: only _wake wakes it
     try:
         local, remote = (1, 2), (3, 4)
         pair.start("r1", local, remote)
