@@ -160,7 +160,7 @@ class WorkerLoop:
         # it is the last layer): the rest wait in the inbox and go out with it as one transfer.
         # Each wake-up costs the forward's core a context switch, the core's work and a data
         # plane submit and polls: with CPU layers ms apart and a wake-up per layer of every
-        # chunk, lw's threads took 77 ms of P's one core per 1,024-token prompt (52 batched at
+        # chunk, lw's threads took 77-92 ms of P's one core per 1,024-token prompt (52 batched at
         # 15 ms). The first layer after a quiet spell still wakes at once, so a push starts
         # when its first layer is computed.
         if layer_batch_s < 0:
