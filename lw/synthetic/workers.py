@@ -251,6 +251,15 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
     # vLLM frees a request's blocks only once it is finished).
     computing: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...], int]] = {}
     failures: dict[str, str] = {}  # request -> first failure reason of a TP worker
+
+    def add_request(rid: str, d_addrs: tuple[str, ...], local: tuple[int, ...],
+                    remote: tuple[int, ...], final: bool) -> None:
+        """Hand ``rid`` to every TP worker's core, each aimed at the D ranks it feeds."""
+        for t, tp in enumerate(tps):
+            addrs = tuple(d_addrs[j] for j in targets[t])
+            tp.loop.call("add_request",
+                         PrefillRequest(rid, addrs, local, remote, n_senders[t], final))
+
     waiting: deque[tuple[str, tuple[str, ...], tuple[int, ...]]] = deque()
     steps = busy_steps = 0
     max_step = max_busy_step = max_hook = 0.0
@@ -309,10 +318,7 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
                 for tp in tps:
                     tp.loop.call("add_chunk", rid, local[lo:hi], c == last)
             elif c == last:
-                for t, tp in enumerate(tps):
-                    addrs = tuple(d_addrs[j] for j in targets[t])
-                    tp.loop.call("add_request",
-                                 PrefillRequest(rid, addrs, local, remote, n_senders[t]))
+                add_request(rid, d_addrs, local, remote, True)
             batch.append((rid, local[lo:hi]))
         while (waiting and len(batch) < cfg.max_batch
                and len(free) >= len(waiting[0][2])):
@@ -322,10 +328,7 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
             unreleased[rid] = set(range(len(tps)))
             lo, hi = bounds[0]
             if progressive or last == 0:
-                for t, tp in enumerate(tps):
-                    addrs = tuple(d_addrs[j] for j in targets[t])
-                    tp.loop.call("add_request", PrefillRequest(
-                        rid, addrs, local[lo:hi], remote, n_senders[t], final=last == 0))
+                add_request(rid, d_addrs, local[lo:hi], remote, last == 0)
             if last > 0:
                 computing[rid] = (local, remote, d_addrs, 0)
             batch.append((rid, local[lo:hi]))

@@ -477,7 +477,7 @@ class WorkerLoop:
             item = inbox.popleft()
             kind = item[0]
             if kind != _LAYER and layer_effects:
-                self._execute(layer_effects, None)  # before a call, which may depend on them
+                self._execute_layer_effects(layer_effects)  # before a call that may need them
                 layer_effects = []
             if kind == _LAYER:
                 _, layer, ids, t = item
@@ -525,9 +525,13 @@ class WorkerLoop:
                 except BaseException as exc:
                     fut.set_exception(exc)
         if layer_effects:
-            started = time.perf_counter()
-            self._execute(layer_effects, None)
-            self.counters["layer_event_s"] += time.perf_counter() - started
+            self._execute_layer_effects(layer_effects)
+
+    def _execute_layer_effects(self, effects: list[Effect]) -> None:
+        """The effects of consecutive layer events, performed at once (timed as layer work)."""
+        started = time.perf_counter()
+        self._execute(effects, None)
+        self.counters["layer_event_s"] += time.perf_counter() - started
 
     def _core_error(self, what: str, exc: Exception) -> None:
         if isinstance(exc, ProtocolError):
