@@ -610,6 +610,7 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
             cl.res.counters.update({
                 "link.packets": st.packets_pd + st.packets_dp,
                 "link.dropped": st.dropped_pd + st.dropped_dp,
+                "link.bytes": st.bytes_pd + st.bytes_dp,
                 "link.mib": (st.bytes_pd + st.bytes_dp) >> 20,
                 "link.tcp_syns": st.syns,
                 "link.relay_cpu_ms": int(st.busy_s * 1000)})

@@ -420,7 +420,8 @@ def test_lossy_and_slow_links_between_p_and_d(fault: str) -> None:
     res = run(fault)
     assert res.config.d_netns and res.config.d_host.startswith("10.77.")
     assert res.detect_s == 0  # nothing dies: no injection moment, no detection
-    assert res.counters["link.mib"] > 0  # the transfers crossed the relay
+    # the transfers crossed the relay (in bytes: under 30 % loss less than a MiB may get through)
+    assert res.counters["link.bytes"] > 0
     if fault == "lossy-link":
         assert res.counters["link.dropped"] > 0
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
