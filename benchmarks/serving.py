@@ -3,7 +3,8 @@
 For each tiny model (today's 2-layer Llama and a deep one) and each shape (input tokens,
 concurrency), it starts, in turn and fresh, on this machine: a single ``vllm serve`` (core 0),
 lw P/D (``LocalCluster`` from ``lw demo``: P and D pinned to one core each, lw's proxy) with
-``push_mode`` ``progressive`` (``lw``) and ``last_chunk`` (``lw-last``), and vLLM's in-tree
+``push_mode`` ``auto`` (``lw``, the default), ``progressive`` (``lw-progressive``) and
+``last_chunk`` (``lw-last``), and vLLM's in-tree
 MooncakeConnector P/D (same engines and cores, Mooncake over TCP, the minimal proxy in
 ``benchmarks/_peer``); every process of an engine is bound to its core (``--float-frontends``:
 only the workers, vLLM's default). Against each it runs ``vllm bench serve`` on the same prompts
@@ -65,10 +66,11 @@ from lw.vllm_adapter.demo import (  # noqa: E402
 
 PEER_DIR = Path(__file__).resolve().parent / "_peer"
 OUTPUT_TOKENS = 32
-SETUPS = ("single", "lw", "lw-last", "peer")
-LABELS = {"single": "single vLLM", "lw": "lw P/D progressive", "lw-last": "lw P/D last-chunk",
+SETUPS = ("single", "lw", "lw-progressive", "lw-last", "peer")
+LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
+          "lw-progressive": "lw P/D progressive", "lw-last": "lw P/D last-chunk",
           "peer": "Mooncake P/D"}
-PUSH_MODES = {"lw": "progressive", "lw-last": "last_chunk"}
+PUSH_MODES = {"lw": "auto", "lw-progressive": "progressive", "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
 AUTO_FACTORS = (0.5, 1.0, 2.0)
 TAIL_PHASE = "transfer tail (last layer computed -> written)"
@@ -257,8 +259,13 @@ def _start_lw(setup: str, model: Path, logs: Path, timeout: float,
 
 
 def start_lw(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
-    """lw P/D, ``push_mode`` progressive."""
+    """lw P/D, ``push_mode`` auto (the default)."""
     return _start_lw("lw", model, logs, timeout, place)
+
+
+def start_lw_progressive(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """lw P/D, ``push_mode`` progressive (every chunk from the first)."""
+    return _start_lw("lw-progressive", model, logs, timeout, place)
 
 
 def start_lw_last(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
@@ -343,7 +350,8 @@ def pin(run: Running) -> None:
 
 
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
-    "single": start_single, "lw": start_lw, "lw-last": start_lw_last, "peer": start_peer}
+    "single": start_single, "lw": start_lw, "lw-progressive": start_lw_progressive,
+    "lw-last": start_lw_last, "peer": start_peer}
 
 
 def warm_up(run: Running, n: int = 2) -> None:
@@ -660,8 +668,9 @@ def ratios(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> list[f
     return out
 
 
-COMPARISONS = (("vs_peer", "lw", "peer"), ("last_chunk_vs_peer", "lw-last", "peer"),
-               ("progressive_vs_last_chunk", "lw", "lw-last"))
+COMPARISONS = (("vs_peer", "lw", "peer"), ("progressive_vs_peer", "lw-progressive", "peer"),
+               ("last_chunk_vs_peer", "lw-last", "peer"), ("vs_last_chunk", "lw", "lw-last"),
+               ("progressive_vs_last_chunk", "lw-progressive", "lw-last"))
 
 
 def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> None:

@@ -49,6 +49,7 @@ from lw.fsm import (
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.status import status_line
 from lw.transport.blockruns import block_runs, block_sums, check_segments
+from lw.transport.linkmeter import LinkMeter, host_of
 from lw.transport.sidechannel import Inbound, SideChannel
 from lw.transport.wire import (
     MAX_MESSAGE_BYTES,
@@ -201,8 +202,10 @@ class WorkerLoop:
         self._rtts: deque[float] = deque(maxlen=tail_samples)
         # per-layer write latency (submit -> completion), drained by metrics; keyed by the id of
         # the transfer's pairs tuple, which the data plane keeps alive until it completes
-        self._submitted_at: dict[int, float] = {}
+        self._submitted_at: dict[int, tuple[float, str]] = {}  # -> (when, D host)
         self.write_latencies: deque[float] = deque(maxlen=4096)
+        # goodput per D host (what push_mode "auto" needs to know when a push must start)
+        self.link = LinkMeter()
         # kv_checksum (P): (req_id, target addr) -> {layer: per-block CRC-32C of what we wrote}
         self._checksums: dict[tuple[str, str], dict[int, list[int]]] | None = (
             {} if getattr(endpoint.config, "kv_checksum", False) else None)
@@ -617,9 +620,12 @@ class WorkerLoop:
                 self.counters["bytes_ok"] += c.nbytes
             else:
                 self.counters["transfers_failed"] += 1
-            t0 = self._submitted_at.pop(id(pairs), None)
-            if t0 is not None and c.ok:
-                self.write_latencies.append(time.monotonic() - t0)
+            sub = self._submitted_at.pop(id(pairs), None)
+            if sub is not None:
+                mono = time.monotonic()
+                self.link.completed(sub[1], c.nbytes if c.ok else 0, mono)
+                if c.ok:
+                    self.write_latencies.append(mono - sub[0])
             now = self._clock()
             for rid, seq in pairs:
                 try:
@@ -843,7 +849,7 @@ class WorkerLoop:
 
     def _submit(self, writes: list[WriteLayer]) -> list[list[Effect]]:
         """One data-plane transfer per destination session; returns effects of setup failures."""
-        groups: dict[str, tuple[list[tuple[str, int]], list[Entry]]] = {}
+        groups: dict[str, tuple[list[tuple[str, int]], list[Entry], str]] = {}
         failed: list[tuple[str, int, str]] = []
         summing = self._checksums is not None
         for w in writes:
@@ -858,18 +864,20 @@ class WorkerLoop:
             session = w.layout.te_session
             g = groups.get(session)
             if g is None:
-                g = groups[session] = ([], [])
+                g = groups[session] = ([], [], host_of(w.target))
             g[0].append((w.req_id, w.seq))
             g[1].extend(entries)
         dp = self.data_plane
-        for session, (pairs, entries) in groups.items():
+        for session, (pairs, entries, host) in groups.items():
             if dp is None:
                 failed.extend((r, k, "no data plane") for r, k in pairs)
                 continue
             xfer = tuple(pairs)
             try:
-                self._submitted_at[id(xfer)] = time.monotonic()
+                mono = time.monotonic()
+                self._submitted_at[id(xfer)] = (mono, host)
                 dp.submit(xfer, session, entries)
+                self.link.submitted(host, mono)  # (completions are polled on this thread)
                 self.counters["transfers_submitted"] += 1
             except Exception as exc:
                 self._submitted_at.pop(id(xfer), None)

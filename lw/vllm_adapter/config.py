@@ -25,7 +25,7 @@ __all__ = ["ConfigError", "LwConfig", "ModelHeads", "model_heads", "side_channel
 
 PRODUCER = "kv_producer"
 CONSUMER = "kv_consumer"
-PUSH_MODES = ("progressive", "last_chunk")
+PUSH_MODES = ("auto", "progressive", "last_chunk")
 
 
 class ConfigError(ValueError):
@@ -76,8 +76,11 @@ class LwConfig:
     # computed by D itself (no round trip); -1 = one block (block_size), 0 = always ask P
     local_tail_tokens: int = -1
     # P: "progressive" writes each chunk's complete blocks while that chunk computes (chunked
-    # prefill); "last_chunk" writes every block during the prompt's last chunk (lw before 0.3)
-    push_mode: str = "progressive"
+    # prefill), from the first chunk; "auto" starts that at the first chunk after which the
+    # compute left (as measured) would no longer cover the transfer at the link's measured
+    # goodput, so a fast link costs the early chunks nothing; "last_chunk" writes every block
+    # during the prompt's last chunk (lw before 0.3)
+    push_mode: str = "auto"
     # An engine step that computes nothing while lw transfers (D waiting for KV, P for its
     # pushes to end) waits up to this long for a transfer to finish instead of returning at
     # once: vLLM's engine loop would otherwise spin ~1,000 steps/s on a core P or D needs, and

@@ -28,7 +28,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lw.vllm_adapter.config import LwConfig
-from lw.vllm_adapter.connector_meta import LwConnectorMetadata, RecvSpec, SendSpec, kv_geometry
+from lw.vllm_adapter.connector_meta import (
+    LwConnectorMetadata,
+    LwWorkerMeta,
+    RecvSpec,
+    SendSpec,
+    kv_geometry,
+)
 from lw.vllm_adapter.metrics import LwKVConnectorStats, LwPromMetrics
 from lw.vllm_adapter.scheduler_side import SchedulerSide
 from lw.vllm_adapter.worker_side import WorkerSide
@@ -103,6 +109,10 @@ class LwConnector(KVConnectorBase_V1):
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """Every group: P writes all of the request's blocks (so none may be zeroed)."""
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def build_connector_worker_meta(self) -> LwWorkerMeta | None:
+        """P worker: its measured forward and wire rates, for the scheduler's push_mode auto."""
+        return self._worker.worker_meta() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> LwKVConnectorStats | None:
         """Worker: counters since the last call and current gauges; scheduler: its own."""

@@ -6,14 +6,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from lw.vllm_adapter.config import ConfigError
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["PARAMS_VERSION", "LwConnectorMetadata", "RecvSpec", "SendSpec", "kv_geometry", "log"]
+__all__ = ["PARAMS_VERSION", "LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "SendSpec",
+           "kv_geometry", "log"]
 
 log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
 
@@ -57,6 +61,27 @@ class LwConnectorMetadata(KVConnectorMetadata):
     recvs: list[RecvSpec] = field(default_factory=list)
     aborts: list[tuple[str, str, str]] = field(default_factory=list)  # (transfer, req, reason)
     idle: bool = False  # the engine computes nothing in this step (it only polls transfers)
+    step_tokens: int = 0  # tokens the step computes (the workers time their forward per token)
+
+
+@dataclass
+class LwWorkerMeta(KVConnectorWorkerMetadata):
+    """What P's workers measured, for the scheduler's push_mode "auto": seconds of forward per
+    token and, per decode host, seconds of wire per KV block. Workers combine by the maximum
+    (the slowest worker decides)."""
+
+    compute_s_per_token: float | None = None
+    wire_s_per_block: dict[str, float] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """The slowest of two workers' figures."""
+        if not isinstance(other, LwWorkerMeta):
+            return self
+        c = [x for x in (self.compute_s_per_token, other.compute_s_per_token) if x is not None]
+        wire = dict(self.wire_s_per_block)
+        for host, s in other.wire_s_per_block.items():
+            wire[host] = max(s, wire.get(host, s))
+        return LwWorkerMeta(max(c) if c else None, wire)
 
 
 def kv_geometry(kv_cache_config: KVCacheConfig) -> str:

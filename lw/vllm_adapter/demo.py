@@ -563,7 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "check that only the blocks D did not hold move")
     ap.add_argument("--long-prompts", action="store_true",
                     help="prompts of 4 to 7 prefill chunks: P pushes each chunk's blocks while "
-                         "it computes; the summary's early_chunk_blocks must be > 0")
+                         "it computes (push_mode progressive: on loopback, auto would wait for "
+                         "the last chunk); the summary's early_chunk_blocks must be > 0")
     ap.add_argument("--prefill-tp", type=int, default=1, help="prefill tensor-parallel size")
     ap.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel size")
     ap.add_argument("--prefill-dp", type=int, default=1, help="prefill data-parallel size")
@@ -611,9 +612,10 @@ def _run(args: argparse.Namespace) -> int:
                    for i in range(n)]
     # D verifies the CRC-32C of every block P wrote: a P/D output is judged on the same KV
     checksum = {"kv_checksum": True}
+    push = {"push_mode": "progressive"} if args.long_prompts else {}
     cluster = LocalCluster(model=model, workdir=args.workdir / "logs", p_tp=args.prefill_tp,
                            d_tp=args.decode_tp, p_dp=args.prefill_dp, d_dp=args.decode_dp,
-                           p_extra=dict(checksum), d_extra=dict(checksum))
+                           p_extra={**checksum, **push}, d_extra=dict(checksum))
     t0 = time.monotonic()
     print("starting   reference engine, prefill and decode servers (vllm serve), proxy ...",
           flush=True)

@@ -1,8 +1,9 @@
 """The scheduler-role half of lw's connector: tracks requests, builds per-step metadata.
 
 P: validates the decoder's params and pushes a request's blocks chunk by chunk as its chunked
-prefill completes them (``push_mode`` "progressive"), or all in the step its prefill completes
-("last_chunk").
+prefill completes them (``push_mode`` "progressive"), from the chunk after which the compute left
+would no longer cover the transfer ("auto", :mod:`lw.fsm.push_schedule`, on the rates the
+workers measure), or all in the step its prefill completes ("last_chunk").
 D: allocates first, then asks the proxy's metaserver (in the background) to start the prefill of
 exactly this vLLM request's prompt tokens, under a transfer id of its own (one per vLLM request:
 n > 1 children and the prompts of a list share the proxy's id); a short uncached tail after a
@@ -17,10 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lw.fsm.prefill_request import blocks_complete
+from lw.fsm.push_schedule import PushEstimate, push_starts_now
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
     PARAMS_VERSION,
     LwConnectorMetadata,
+    LwWorkerMeta,
     RecvSpec,
     SendSpec,
     log,
@@ -98,7 +101,9 @@ class SchedulerSide:
         self._lock = threading.Lock()
         self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0,
                         "early_chunk_blocks": 0, "preempted_pushes": 0}
-        self.progressive = cfg.push_mode == "progressive"
+        self.push_mode = cfg.push_mode
+        self._compute_s_per_token: float | None = None  # from the workers (LwWorkerMeta)
+        self._wire_s_per_block: dict[str, float] = {}  # D host -> seconds per block
         self._bad_params: set[str] = set()
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
@@ -170,8 +175,8 @@ class SchedulerSide:
         req = tr.request
         computed = req.num_computed_tokens + num_scheduled
         final = computed >= req.num_prompt_tokens
-        if not final and not self.progressive:
-            return  # last_chunk mode: nothing is sent before the prefill completes
+        if not final and not tr.pushed and not self._starts_now(tr, req, computed):
+            return  # nothing is sent yet: a later chunk starts the push
         # D blocks complete after this chunk (D's prefix hit, first_block, is never pushed)
         upto = max(0, blocks_complete(computed, req.num_prompt_tokens, self.block_size)
                    - tr.first_block)
@@ -201,6 +206,20 @@ class SchedulerSide:
         self._pushed[rid] = tr.transfer_id
         self._meta.sends.append(SendSpec(tr.transfer_id, rid, tr.host, tr.port, local,
                                          tr.remote_blocks, tr.decoder_tp, first, final))
+
+    def _starts_now(self, tr: _PReq, req: Any, computed: int) -> bool:
+        """Whether a request not pushed yet starts its push with a chunk that is not its last."""
+        if self.push_mode == "progressive":
+            return True
+        if self.push_mode == "last_chunk":
+            return False
+        return push_starts_now(blocks_to_send=len(tr.remote_blocks),
+                               tokens_after_chunk=req.num_prompt_tokens - computed,
+                               est=self.push_estimate(tr.host))
+
+    def push_estimate(self, host: str) -> PushEstimate:
+        """The rates push_mode "auto" decides on for a decode host (what the workers measured)."""
+        return PushEstimate(self._compute_s_per_token, self._wire_s_per_block.get(host))
 
     def _preempted(self, rid: str) -> None:
         """vLLM preempted ``rid``: it freed the request's blocks without asking us, under writes
@@ -314,6 +333,7 @@ class SchedulerSide:
                     self._meta.aborts.append((dr.transfer_id, rid, reason))
         meta, self._meta = self._meta, LwConnectorMetadata()
         meta.idle = not so.total_num_scheduled_tokens
+        meta.step_tokens = int(so.total_num_scheduled_tokens or 0)
         if self._to_post:
             # Posted after the worker has the request in this step's metadata: P's first
             # MetaRequest normally finds it registered (if not, D answers "unknown" and P retries).
@@ -354,6 +374,21 @@ class SchedulerSide:
             self._pushed.pop(rid, None)
         for rid in out.finished_recving or ():
             self._d.pop(rid, None)
+        wm = getattr(out, "kv_connector_worker_meta", None)
+        if isinstance(wm, LwWorkerMeta):
+            self._take_rates(wm)
+
+    def _take_rates(self, wm: LwWorkerMeta) -> None:
+        """The workers' latest rates (push_mode auto decides on them)."""
+        if wm.compute_s_per_token is not None:
+            self._compute_s_per_token = wm.compute_s_per_token
+        for host, s in wm.wire_s_per_block.items():
+            if host not in self._wire_s_per_block and self.push_mode == "auto":
+                log.info("lw: push_mode auto: first rates for decode host %s: %.3f ms of wire "
+                         "per block, %s ms of forward per token", host, s * 1e3,
+                         "?" if self._compute_s_per_token is None
+                         else f"{self._compute_s_per_token * 1e3:.3f}")
+            self._wire_s_per_block[host] = s
 
     def _take_post_failures(self) -> list[tuple[str, str, str]]:
         if self._poster is None:

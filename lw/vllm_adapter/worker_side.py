@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -16,8 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from lw.fsm.kvmap import describe, expected_senders, targets_of
 from lw.fsm.timeline import drain
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
-from lw.vllm_adapter.connector_meta import LwConnectorMetadata, log
+from lw.vllm_adapter.connector_meta import LwConnectorMetadata, LwWorkerMeta, log
 from lw.vllm_adapter.metrics import LwKVConnectorStats
+from lw.vllm_adapter.push_rates import PushRates
 
 if TYPE_CHECKING:
     from lw.transport.runtime import WorkerLoop
@@ -35,14 +37,16 @@ class ReadyGate:
 
     def __init__(self, loop: WorkerLoop) -> None:
         self._loop = loop
-        self._q: queue.SimpleQueue[tuple[Any, tuple[int, ...], list[str]] | None] = (
+        self._q: queue.SimpleQueue[
+            tuple[Any, tuple[int, ...], list[str], Callable[[], None] | None] | None] = (
             queue.SimpleQueue())
         self._thread = threading.Thread(target=self._run, name="lw-ready-gate", daemon=True)
         self._thread.start()
 
-    def put(self, wait: Any, planes: tuple[int, ...], tids: list[str]) -> None:
-        """Queue (never blocks)."""
-        self._q.put((wait, planes, tids))
+    def put(self, wait: Any, planes: tuple[int, ...], tids: list[str],
+            then: Callable[[], None] | None = None) -> None:
+        """Queue (never blocks); ``then`` runs once the layer is ready (the forward's timing)."""
+        self._q.put((wait, planes, tids, then))
 
     def close(self) -> None:
         """Stop after the queued items."""
@@ -50,7 +54,7 @@ class ReadyGate:
 
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
-            wait, planes, tids = item
+            wait, planes, tids, then = item
             try:
                 if wait is not None:
                     wait()
@@ -62,6 +66,8 @@ class ReadyGate:
                 continue
             for i in planes:
                 self._loop.layer_computed(i, tids)
+            if then is not None:
+                then()
 
 
 _STAT_MAP = {  # our stats key -> WorkerLoop.stats() key (monotonic counters)
@@ -102,6 +108,9 @@ class WorkerSide:
         self._step_sends: list[str] = []
         self._step_planes = 0
         self._idle_step = False
+        self._step_t0 = 0.0  # when this step's metadata arrived (its forward starts)
+        self._step_tokens = 0
+        self.rates: PushRates | None = None  # P: forward and wire rates (push_mode "auto")
         self._idle_wait_s = cfg.idle_wait_ms / 1000
         self._rid: dict[str, str] = {}  # transfer id -> vLLM request id (live in the core)
         self._held: dict[str, int] = {}  # transfer id -> blocks held for it
@@ -180,6 +189,8 @@ class WorkerSide:
             self.loop = WorkerLoop(ep, side, dp, name=name, heartbeat_s=self.cfg.heartbeat_s,
                                    heartbeat_misses=self.cfg.heartbeat_misses)
         self.loop.start()
+        if self.cfg.is_producer:
+            self.rates = PushRates(sum(p.block_len for p in self.planes))
         if ready_marker(self._sample) is not None:
             self._gate = ReadyGate(self.loop)
         log.info("lw %s: side channel %s, transfer engine %s, %d planes x %d blocks of %d "
@@ -258,6 +269,8 @@ class WorkerSide:
         self._step_sends = []
         self._step_planes = 0
         self._idle_step = meta.idle
+        self._step_t0 = time.monotonic()
+        self._step_tokens = meta.step_tokens
         if self.loop is None:
             if meta.sends or meta.recvs:
                 raise RuntimeError("lw: connector metadata before register_kv_caches")
@@ -321,13 +334,22 @@ class WorkerSide:
             for tid in tids:
                 self._t0.setdefault(tid, now)
         self._step_planes += len(planes)
+        then = None
+        rates = self.rates
+        if rates is not None and planes[-1] == len(self.planes) - 1:  # the forward's last layer
+            t0, n = self._step_t0, self._step_tokens
+
+            def then() -> None:
+                rates.forward_done(time.monotonic() - t0, n)
         if self._gate is not None:
             from lw.vllm_adapter.device import ready_marker
 
-            self._gate.put(ready_marker(kv_layer), planes, tids)
+            self._gate.put(ready_marker(kv_layer), planes, tids, then)
             return
         for i in planes:
             loop.layer_computed(i, tids)
+        if then is not None:
+            then()
 
     def end_of_forward(self) -> None:
         """A step whose forward skipped layer hooks cannot send: fail its pushes now."""
@@ -450,6 +472,14 @@ class WorkerSide:
         self._reported_gauges = gauges
         data_s["live_requests"], data_s["held_blocks"] = gauges
         return LwKVConnectorStats(data=data_s)
+
+    def worker_meta(self) -> LwWorkerMeta | None:
+        """P: the forward and wire rates for the scheduler's push_mode "auto", when changed."""
+        if self.rates is None or self.loop is None:
+            return None
+        link = self.loop.link
+        version = link.samples  # before the dict: a newer dict is re-sent, never skipped
+        return self.rates.meta(link.goodput, version)
 
     def close(self) -> None:
         """Stop the loop (closes side channel and data plane)."""

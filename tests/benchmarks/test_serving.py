@@ -41,17 +41,22 @@ def test_report_ratios_pair_runs_of_the_same_repeat(capsys: pytest.CaptureFixtur
                                             rate_bps=536.9e6, goodputs_bps=[515e6, 520e6])
     k = (shape.key, row.key)
     bench.results[(shape.key, "-", "single")] = [_res(0, 500.0, 20.0)]
-    bench.results[(*k, "lw")] = [_res(0, 600.0, 12.0, 4.0), _res(1, 800.0, 10.0, 6.0)]
+    bench.results[(*k, "lw-progressive")] = [_res(0, 600.0, 12.0, 4.0),
+                                             _res(1, 800.0, 10.0, 6.0)]
+    bench.results[(*k, "lw")] = [_res(0, 700.0, 11.0, 40.0)]
     bench.results[(*k, "lw-last")] = [_res(1, 1600.0, 8.0, 900.0), _res(0, 1200.0, 6.0, 700.0)]
     bench.results[(*k, "peer")] = [_res(0, 1000.0, 10.0), {"error": "bench failed", "rep": 1}]
     print_table(bench, shape, row, link_mode=True)
     out = capsys.readouterr().out
     label = "(llama 32 layers in1024-c1 kv_over_prefill=1.0"
-    assert f"ttft_p50_ratio_vs_peer: 0.60  {label})" in out  # rep 1 has no peer run
-    assert f"throughput_ratio_vs_peer: 1.20  {label})" in out
+    assert f"ttft_p50_ratio_progressive_vs_peer: 0.60  {label})" in out  # no peer in rep 1
+    assert f"throughput_ratio_progressive_vs_peer: 1.20  {label})" in out
+    assert f"ttft_p50_ratio_vs_peer: 0.70  {label})" in out  # lw: the default push_mode auto
+    assert f"ttft_p50_ratio_vs_last_chunk: 0.58  {label})" in out
     assert f"ttft_p50_ratio_progressive_vs_last_chunk: 0.50  {label}; 0.50-0.50 over 2" in out
     assert f"throughput_ratio_progressive_vs_last_chunk: 1.62  {label}; 1.25-2.00 over 2" in out
-    assert "lw_transfer_tail_ms: progressive 5.0 (4.0-6.0), last-chunk 800.0 (700.0-900.0)" in out
+    assert ("lw_transfer_tail_ms: auto 40.0, progressive 5.0 (4.0-6.0), last-chunk 800.0 "
+            "(700.0-900.0)") in out
     assert "| single vLLM (no link) | 500 |" in out
     assert "| Mooncake P/D | 1000 | 2000 |" in out and "| 1 | 1 |" in out  # 1 failed, 1 run
     assert "tbf 536.9 Mbit/s, goodput 515-520 Mbit/s, kv_over_prefill achieved 1.03-1.04" in out

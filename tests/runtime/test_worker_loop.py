@@ -21,6 +21,7 @@ from lw.fsm import (
     WriteLayer,
 )
 from lw.transport.hookcost import hook_cost_report, measure_hook_cost
+from lw.transport.linkmeter import LinkMeter, host_of
 from lw.transport.runtime import WorkerLoop
 from lw.transport.sidechannel import SideChannel
 from lw.transport.wire import (
@@ -59,6 +60,17 @@ def test_happy_path_moves_the_bytes(pair: Pair) -> None:
     assert s["live_requests"] == 0 and pair.d.stats()["live_requests"] == 0
     assert s["loop.protocol_errors"] == 0 and s["loop.core_errors"] == 0
     assert pair.p.tail_samples() and pair.p.stats()["tail_max_s"] < 5
+
+
+def test_the_loop_measures_goodput_per_decode_host(pair: Pair) -> None:
+    pair.p.link = LinkMeter(min_bytes=1)  # the pair's layers are small
+    local, remote = (1, 2, 3), (5, 6, 9)
+    pair.start("r1", local, remote)
+    pair.compute("r1", local)
+    pair.wait_reports(1, 1)
+    assert wait_for(lambda: pair.p.link.samples >= 1)
+    (host,) = pair.p.link.goodput
+    assert host == host_of(pair.d.addr) and pair.p.link.goodput[host] > 0
 
 
 def test_layers_computed_before_decoder_knows_the_request(pair: Pair) -> None:

@@ -55,9 +55,11 @@ from lw.vllm_adapter.config import (  # noqa: E402
     side_channel_port,
 )
 from lw.vllm_adapter.connector import LwConnectorMetadata, kv_geometry  # noqa: E402
+from lw.vllm_adapter.connector_meta import LwWorkerMeta  # noqa: E402
 from lw.vllm_adapter.demo import free_port_range  # noqa: E402
 from lw.vllm_adapter.device import merged_regions, planes_of, same_geometry  # noqa: E402
 from lw.vllm_adapter.metrics import LwKVConnectorStats  # noqa: E402
+from lw.vllm_adapter.push_rates import PushRates  # noqa: E402
 from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
 
 BS = 16  # block size
@@ -142,6 +144,7 @@ def free_blocks(s: Scheduler) -> int:
 
 
 BASELINE = NUM_BLOCKS - 1  # the null block is never free
+PROGRESSIVE = {"push_mode": "progressive"}  # push from the first chunk (the default is auto)
 
 
 def make_request(rid: str, n: int, *, params: dict[str, Any] | None = None,
@@ -213,7 +216,7 @@ def remote_prefill_params(tid: str = "t1") -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------ prefill
 def test_p_progressive_pushes_each_chunks_complete_blocks(model_dir: str) -> None:
-    s = make_scheduler(model_dir, "kv_producer")
+    s = make_scheduler(model_dir, "kv_producer", extra=PROGRESSIVE)
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=decoder_params()))
     d.step()  # chunk 1: 64 tokens = 4 complete blocks, pushed while this chunk computes
@@ -235,7 +238,7 @@ def test_p_progressive_pushes_each_chunks_complete_blocks(model_dir: str) -> Non
 
 
 def test_p_progressive_with_a_d_prefix_hit_skips_the_blocks_d_holds(model_dir: str) -> None:
-    s = make_scheduler(model_dir, "kv_producer")
+    s = make_scheduler(model_dir, "kv_producer", extra=PROGRESSIVE)
     d = Driver(s)
     # D holds the first 5 of 7 blocks: chunk 1 completes none of the rest, but claims D early
     s.add_request(make_request("r1", 100, params=decoder_params(first=5)))
@@ -253,7 +256,7 @@ def test_p_preempted_between_chunks_stops_its_push(model_dir: str) -> None:
     """vLLM frees a preempted request's blocks without asking the connector, while writes of
     its earlier chunks may still read them: the push fails (D never decodes those bytes) and
     the recomputation is not pushed again."""
-    s = make_scheduler(model_dir, "kv_producer")
+    s = make_scheduler(model_dir, "kv_producer", extra=PROGRESSIVE)
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=decoder_params()))
     d.step()
@@ -299,10 +302,70 @@ def test_p_last_chunk_mode_pushes_only_in_the_step_its_prefill_completes(
     assert all(not m.sends for m in d.metas[2:])
 
 
+def test_p_auto_waits_for_the_last_chunk_until_the_link_is_measured(model_dir: str) -> None:
+    s = make_scheduler(model_dir, "kv_producer")  # push_mode auto, the default
+    d = Driver(s)
+    s.add_request(make_request("r1", 100, params=decoder_params()))
+    d.step()  # chunk 1: no rate is known yet, so nothing is sent
+    assert d.meta.sends == []
+    d.step()  # the last chunk pushes every block (and its writes measure the link)
+    (spec,) = d.meta.sends
+    assert (spec.first, spec.final, len(spec.local_blocks)) == (True, True, 7)
+
+
+@pytest.mark.parametrize(("host", "wire_s_per_block", "early"), [
+    ("127.0.0.1", 1e-4, False),  # 7 blocks: 0.7 ms on the wire, 36 ms of compute left
+    ("127.0.0.1", 1e-2, True),  # 70 ms: the compute left after chunk 1 cannot hide it
+    ("10.9.9.9", 1e-2, False),  # another decode host's link says nothing of this one
+])
+def test_p_auto_starts_early_only_where_the_measured_link_needs_it(
+        model_dir: str, host: str, wire_s_per_block: float, early: bool) -> None:
+    s = make_scheduler(model_dir, "kv_producer")
+    d = Driver(s)
+    rates = LwWorkerMeta(1e-3, {host: wire_s_per_block})  # 1 ms of forward per token
+    d.step(KVConnectorOutput(kv_connector_worker_meta=rates))
+    s.add_request(make_request("r1", 100, params=decoder_params()))
+    d.step()  # chunk 1 of 64 tokens: 36 are left after it
+    if early:
+        (spec,) = d.meta.sends
+        assert (spec.first, spec.final, len(spec.local_blocks)) == (True, False, 4)
+    else:
+        assert d.meta.sends == []
+    d.step()
+    (spec,) = d.meta.sends
+    assert (spec.first, spec.final, len(spec.local_blocks)) == (not early, True,
+                                                              3 if early else 7)
+    assert sum(st.get("early_chunk_blocks", 0) for st in d.stats) == (4 if early else 0)
+
+
+def test_worker_meta_combines_workers_by_the_slowest() -> None:
+    a = LwWorkerMeta(1e-3, {"h1": 0.5, "h2": 0.1})
+    b = LwWorkerMeta(2e-3, {"h1": 0.2, "h3": 0.3})
+    m = a.aggregate(b)
+    assert isinstance(m, LwWorkerMeta)
+    assert m.compute_s_per_token == 2e-3
+    assert m.wire_s_per_block == {"h1": 0.5, "h2": 0.1, "h3": 0.3}
+    assert LwWorkerMeta(None, {}).aggregate(a).compute_s_per_token == 1e-3
+
+
+def test_push_rates_report_forward_per_token_and_wire_per_block_on_change() -> None:
+    r = PushRates(bytes_per_block=1000, alpha=0.5, min_tokens=32)
+    assert r.meta({}, 0) is None  # nothing measured
+    r.forward_done(0.5, 16)  # too few tokens to time a prefill: ignored
+    assert r.compute_s_per_token is None
+    r.forward_done(0.064, 64)
+    r.forward_done(0.192, 64)
+    assert r.compute_s_per_token == pytest.approx(2e-3)  # 1 ms, then half way to 3 ms
+    m = r.meta({"h": 1e6}, 1)
+    assert m is not None and m.wire_s_per_block == {"h": pytest.approx(1e-3)}
+    assert r.meta({"h": 1e6}, 1) is None  # unchanged: not re-sent
+    assert r.meta({"h": 2e6}, 2) is not None
+
+
 def test_p_abort_between_chunks_stops_the_push_and_holds_its_blocks(model_dir: str) -> None:
     """Progressive: the first chunk's writes may be in flight when the client aborts: the
     blocks stay held until the workers report the request finished sending."""
-    s = make_scheduler(model_dir, "kv_producer")
+    s = make_scheduler(model_dir, "kv_producer", extra=PROGRESSIVE)
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=decoder_params()))
     d.step()

@@ -1,0 +1,52 @@
+"""When a prompt computed in chunks starts its push (``push_mode`` "auto"): as late as the link
+allows, so that P's forward does not pay for writes that a fast link would finish anyway.
+
+Writing during a chunk costs P's host CPU (the data plane, the kernel's TCP) and so slows that
+chunk's forward; it is worth it only where the prompt's KV cannot cross the link during the
+compute that is left. The push of a request therefore starts at the first chunk after which the
+remaining compute would no longer cover the whole transfer (with ``margin``); from then on every
+chunk's complete blocks go as it computes them. The prompt's last chunk always pushes.
+
+To the endpoint a late start is a request whose first announced chunk completes the blocks of
+several engine chunks, which is what an engine with larger chunks announces: the lifecycle, and
+what the checker proves of it (``lw check --chunks``: the first chunk may hold more blocks than
+the others), are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_MARGIN", "PushEstimate", "push_starts_now"]
+
+DEFAULT_MARGIN = 1.25
+"""Start once the transfer needs more than 1/1.25 = 80 % of the compute left: room for a
+link that is slower than measured, for P's own forward slowing while it writes, and for writes
+of other requests ahead in the queue."""
+
+
+@dataclass(frozen=True)
+class PushEstimate:
+    """What P measured: seconds its forward takes per prompt token, and seconds the link to a
+    decode host takes per KV block (every layer of it); None where nothing was measured yet."""
+
+    compute_s_per_token: float | None = None
+    wire_s_per_block: float | None = None
+
+
+def push_starts_now(*, blocks_to_send: int, tokens_after_chunk: int, est: PushEstimate,
+                    margin: float = DEFAULT_MARGIN) -> bool:
+    """Whether a request not yet pushed starts its push with the chunk this step computes.
+
+    ``blocks_to_send``: the prompt's blocks D takes from P (all chunks); ``tokens_after_chunk``:
+    prompt tokens still to compute once this chunk is done (0: the last chunk). Without an
+    estimate of either rate the push waits for the last chunk, whose writes then measure the link.
+    """
+    if tokens_after_chunk <= 0 or blocks_to_send <= 0:
+        return True
+    if margin <= 0:
+        raise ValueError(f"margin must be > 0, got {margin}")
+    c, w = est.compute_s_per_token, est.wire_s_per_block
+    if c is None or w is None:
+        return False
+    return blocks_to_send * w * margin >= tokens_after_chunk * c
