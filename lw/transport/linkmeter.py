@@ -2,8 +2,11 @@
 
 A busy period runs from the first write submitted to an idle host until none is in flight; its
 goodput is the bytes it completed over its length. Only periods that moved at least
-``min_bytes`` count (a lone small write measures latency, not bandwidth), and each folds into
-an exponential average, so a link whose rate changes is followed within a few requests.
+``min_bytes`` count (a lone small write measures latency, not bandwidth). A period slower than
+the estimate replaces it at once; a faster one moves it by ``alpha`` of the difference. The
+asymmetry follows the costs: believing a link faster than it is leaves a prompt's transfer
+behind its compute (a tail of up to the whole wire time), believing it slower only starts a
+push a chunk early (some of P's CPU).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class _Period:
 
 
 class LinkMeter:
-    """Per host: writes in flight, the current busy period, the averaged goodput (bytes/s)."""
+    """Per host: writes in flight, the current busy period, the estimated goodput (bytes/s)."""
 
     def __init__(self, min_bytes: int = 1 << 20, alpha: float = 0.5) -> None:
         if min_bytes < 1 or not 0 < alpha <= 1:
@@ -63,6 +66,6 @@ class LinkMeter:
             return
         rate = p.nbytes / span
         old = self.goodput.get(host)
-        new = rate if old is None else old + self.alpha * (rate - old)
+        new = rate if old is None or rate < old else old + self.alpha * (rate - old)
         self.goodput = {**self.goodput, host: new}
         self.samples += 1
