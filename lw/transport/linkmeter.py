@@ -1,8 +1,9 @@
 """Goodput of P's writes per decode host, measured over the time writes were in flight.
 
 A busy period runs from the first write submitted to an idle host until none is in flight; its
-goodput is the bytes it completed over its length. Only periods that moved at least
-``min_bytes`` count (a lone small write measures latency, not bandwidth). A period slower than
+goodput is the bytes it completed over its length. Periods are pooled (bytes and busy time
+summed, the idle time between them left out) until they moved at least ``min_bytes``, so that
+many small writes measure the link together rather than one write's latency. A sample slower than
 the estimate replaces it at once; a faster one moves it by ``alpha`` of the difference. The
 asymmetry follows the costs: believing a link faster than it is leaves a prompt's transfer
 behind its compute (a tail of up to the whole wire time), believing it slower only starts a
@@ -28,6 +29,8 @@ class _Period:
     inflight: int = 0
     start: float = 0.0
     nbytes: int = 0
+    pooled_bytes: int = 0  # ended periods not yet enough for a sample
+    pooled_s: float = 0.0
 
 
 class LinkMeter:
@@ -59,12 +62,15 @@ class LinkMeter:
             return  # submitted before the meter knew the host: not measurable
         p.inflight -= 1
         p.nbytes += max(0, nbytes)
-        if p.inflight or p.nbytes < self.min_bytes:
+        if p.inflight:
             return
-        span = now - p.start
-        if span <= 0:
+        p.pooled_bytes += p.nbytes
+        p.pooled_s += max(0.0, now - p.start)
+        p.nbytes = 0
+        if p.pooled_bytes < self.min_bytes or p.pooled_s <= 0:
             return
-        rate = p.nbytes / span
+        rate = p.pooled_bytes / p.pooled_s
+        p.pooled_bytes, p.pooled_s = 0, 0.0
         old = self.goodput.get(host)
         new = rate if old is None or rate < old else old + self.alpha * (rate - old)
         self.goodput = {**self.goodput, host: new}

@@ -81,6 +81,9 @@ class LwConfig:
     # goodput, so a fast link costs the early chunks nothing; "last_chunk" writes every block
     # during the prompt's last chunk (lw before 0.3)
     push_mode: str = "auto"
+    # P, push_mode auto: start when the transfer x this margin needs the compute left after the
+    # chunk (> 1: earlier, for hosts where writes cost the forward nothing)
+    push_start_margin: float = 1.0
     # An engine step that computes nothing while lw transfers (D waiting for KV, P for its
     # pushes to end) waits up to this long for a transfer to finish instead of returning at
     # once: vLLM's engine loop would otherwise spin ~1,000 steps/s on a core P or D needs, and
@@ -211,6 +214,9 @@ class LwConfig:
         if values["data_plane"] not in ("mooncake", "inprocess"):
             raise ConfigError(f"kv_connector_extra_config.data_plane="
                               f"{values['data_plane']!r}: expected 'mooncake' or 'inprocess'")
+        if not 0 < values["push_start_margin"] <= 10:
+            raise ConfigError("kv_connector_extra_config.push_start_margin must be in (0, 10], "
+                              f"got {values['push_start_margin']}")
         if values["push_mode"] not in PUSH_MODES:
             raise ConfigError(f"kv_connector_extra_config.push_mode={values['push_mode']!r}: "
                               f"expected one of {', '.join(PUSH_MODES)}")

@@ -215,7 +215,8 @@ class SchedulerSide:
             return False
         return push_starts_now(blocks_to_send=len(tr.remote_blocks),
                                tokens_after_chunk=req.num_prompt_tokens - computed,
-                               est=self.push_estimate(tr.host))
+                               est=self.push_estimate(tr.host),
+                               margin=self.cfg.push_start_margin)
 
     def push_estimate(self, host: str) -> PushEstimate:
         """The rates push_mode "auto" decides on for a decode host (what the workers measured)."""

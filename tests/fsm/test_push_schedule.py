@@ -29,7 +29,7 @@ def start_chunk(est: PushEstimate, chunks: int = 4, tokens: int = 1024, blocks: 
 
 def test_the_start_chunk_follows_the_link() -> None:
     assert start_chunk(EST["uncapped"]) == 3  # the last chunk carries it all
-    assert start_chunk(EST["kv_over_prefill=0.5"]) == 1  # 307 ms x 1.25 > 2 chunks left
+    assert start_chunk(EST["kv_over_prefill=0.5"]) == 1  # 307 ms > the 2 chunks left after 1
     assert start_chunk(EST["kv_over_prefill=1.0"]) == 0
 
 

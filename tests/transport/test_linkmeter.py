@@ -20,15 +20,18 @@ def test_a_busy_period_measures_bytes_over_its_length_with_overlapping_writes() 
     assert m.samples == 1
 
 
-def test_idle_time_between_periods_is_not_counted_and_small_periods_are_ignored() -> None:
+def test_idle_time_between_periods_is_left_out_and_small_periods_are_pooled() -> None:
     m = LinkMeter(min_bytes=MiB, alpha=1.0)
     m.submitted("h", 0.0)
     m.completed("h", 4 * MiB, 0.5)  # 8 MiB/s
-    m.submitted("h", 100.0)  # long idle gap: not part of any period
-    m.completed("h", 1000, 100.5)  # latency, not bandwidth: below min_bytes
     assert m.goodput == {"h": pytest.approx(8 * MiB)}
-    m.submitted("h", 200.0)
-    m.completed("h", 2 * MiB, 201.0)  # alpha 1: the newest period replaces the average
+    # Four writes of 256 KiB, each alone on the link for 0.125 s, with long idle gaps: pooled
+    # into one sample of 1 MiB over 0.5 s of busy time (the gaps do not count).
+    for i in range(4):
+        m.submitted("h", 100.0 * (i + 1))
+        assert m.samples == 1
+        m.completed("h", MiB // 4, 100.0 * (i + 1) + 0.125)
+    assert m.samples == 2
     assert m.goodput == {"h": pytest.approx(2 * MiB)}
 
 

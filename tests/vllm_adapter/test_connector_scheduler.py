@@ -313,14 +313,16 @@ def test_p_auto_waits_for_the_last_chunk_until_the_link_is_measured(model_dir: s
     assert (spec.first, spec.final, len(spec.local_blocks)) == (True, True, 7)
 
 
-@pytest.mark.parametrize(("host", "wire_s_per_block", "early"), [
-    ("127.0.0.1", 1e-4, False),  # 7 blocks: 0.7 ms on the wire, 36 ms of compute left
-    ("127.0.0.1", 1e-2, True),  # 70 ms: the compute left after chunk 1 cannot hide it
-    ("10.9.9.9", 1e-2, False),  # another decode host's link says nothing of this one
+@pytest.mark.parametrize(("host", "wire_s_per_block", "margin", "early"), [
+    ("127.0.0.1", 1e-4, 1.0, False),  # 7 blocks: 0.7 ms on the wire, 36 ms of compute left
+    ("127.0.0.1", 1e-2, 1.0, True),  # 70 ms: the compute left after chunk 1 cannot hide it
+    ("127.0.0.1", 4e-3, 1.0, False),  # 28 ms fits in the 36 ms left ...
+    ("127.0.0.1", 4e-3, 1.5, True),  # ... but not with push_start_margin 1.5
+    ("10.9.9.9", 1e-2, 1.0, False),  # another decode host's link says nothing of this one
 ])
 def test_p_auto_starts_early_only_where_the_measured_link_needs_it(
-        model_dir: str, host: str, wire_s_per_block: float, early: bool) -> None:
-    s = make_scheduler(model_dir, "kv_producer")
+        model_dir: str, host: str, wire_s_per_block: float, margin: float, early: bool) -> None:
+    s = make_scheduler(model_dir, "kv_producer", extra={"push_start_margin": margin})
     d = Driver(s)
     rates = LwWorkerMeta(1e-3, {host: wire_s_per_block})  # 1 ms of forward per token
     d.step(KVConnectorOutput(kv_connector_worker_meta=rates))
@@ -764,6 +766,9 @@ def _build(**over: Any) -> LwConfig:
     ({"extra": {"data_plane": "nixl"}}, "data_plane"),
     ({"extra": {"local_tail_tokens": -2}}, "local_tail_tokens must be >= 0"),
     ({"extra": {"stuck_fraction": 1.5}}, "stuck_fraction must be in (0, 1]"),
+    ({"extra": {"push_start_margin": 0}}, "push_start_margin must be in (0, 10]"),
+    ({"extra": {"push_mode": "eager"}}, "push_mode='eager': expected one of auto, progressive"),
+    ({"extra": {"layer_batch_ms": 2000}}, "layer_batch_ms must be in [0, 1000]"),
     ({"extra": {"timeline_entries": -1}}, "timeline_entries must be >= 0"),
     ({"extra": {"kv_checksum": "yes"}}, "kv_checksum must be true or false"),
     ({"extra": {"heartbeat_s": -1}}, "heartbeat_s must be >= 0"),
@@ -1133,12 +1138,15 @@ def test_ready_gate_orders_layers_after_the_device_and_aborts_on_device_errors()
     def bad() -> None:
         raise RuntimeError("device lost")
 
-    gate.put(lambda: waited.append(0), (0, 1), ["t1"])
-    gate.put(bad, (2, 3), ["t1", "t2"])
+    def timed(what: str) -> Callable[[], None]:  # the forward's timing, after its layers
+        return lambda: loop.events.append(("timed", what, None))
+
+    gate.put(lambda: waited.append(0), (0, 1), ["t1"], timed("ok"))
+    gate.put(bad, (2, 3), ["t1", "t2"], timed("lost"))
     gate.close()
     gate._thread.join(5)
     assert waited == [0]
-    assert loop.events == [("layer", 0, ("t1",)), ("layer", 1, ("t1",)),
+    assert loop.events == [("layer", 0, ("t1",)), ("layer", 1, ("t1",)), ("timed", "ok", None),
                            ("abort", "t1", None), ("abort", "t2", None)]
 
 
