@@ -26,7 +26,6 @@ class PushRates:
         self.min_tokens = min_tokens
         self.compute_s_per_token: float | None = None
         self._lock = threading.Lock()  # the ready gate's thread and the engine's both time
-        self._sent: tuple[float | None, int] = (None, 0)
 
     def forward_done(self, seconds: float, tokens: int) -> None:
         """A forward of ``tokens`` tokens took ``seconds`` (to its last layer)."""
@@ -37,13 +36,12 @@ class PushRates:
             old = self.compute_s_per_token
             self.compute_s_per_token = x if old is None else old + self.alpha * (x - old)
 
-    def meta(self, goodput: dict[str, float], version: int) -> LwWorkerMeta | None:
-        """The figures for the scheduler, when they changed since the last report
-        (``version`` counts the goodput's changes)."""
+    def meta(self, goodput: dict[str, float]) -> LwWorkerMeta | None:
+        """The figures for the scheduler, every step once something is measured: vLLM combines
+        the workers' reports of one step, so a worker that stayed silent would let a faster
+        worker's figures stand for the slowest's."""
         c = self.compute_s_per_token
-        key = (c, version)
-        if key == self._sent or (c is None and not goodput):
+        if c is None and not goodput:
             return None
-        self._sent = key
         wire = {h: self.bytes_per_block / g for h, g in goodput.items() if g > 0}
         return LwWorkerMeta(c, wire)

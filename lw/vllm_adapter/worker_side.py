@@ -474,12 +474,10 @@ class WorkerSide:
         return LwKVConnectorStats(data=data_s)
 
     def worker_meta(self) -> LwWorkerMeta | None:
-        """P: the forward and wire rates for the scheduler's push_mode "auto", when changed."""
+        """P: the forward and wire rates for the scheduler's push_mode "auto"."""
         if self.rates is None or self.loop is None:
             return None
-        link = self.loop.link
-        version = link.samples  # before the dict: a newer dict is re-sent, never skipped
-        return self.rates.meta(link.goodput, version)
+        return self.rates.meta(self.loop.link.goodput)
 
     def close(self) -> None:
         """Stop the loop (closes side channel and data plane)."""

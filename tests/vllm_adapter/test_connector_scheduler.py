@@ -350,18 +350,17 @@ def test_worker_meta_combines_workers_by_the_slowest() -> None:
     assert LwWorkerMeta(None, {}).aggregate(a).compute_s_per_token == 1e-3
 
 
-def test_push_rates_report_forward_per_token_and_wire_per_block_on_change() -> None:
+def test_push_rates_report_forward_per_token_and_wire_per_block() -> None:
     r = PushRates(bytes_per_block=1000, alpha=0.5, min_tokens=32)
-    assert r.meta({}, 0) is None  # nothing measured
+    assert r.meta({}) is None  # nothing measured
     r.forward_done(0.5, 16)  # too few tokens to time a prefill: ignored
     assert r.compute_s_per_token is None
     r.forward_done(0.064, 64)
     r.forward_done(0.192, 64)
     assert r.compute_s_per_token == pytest.approx(2e-3)  # 1 ms, then half way to 3 ms
-    m = r.meta({"h": 1e6}, 1)
+    m = r.meta({"h": 1e6})
     assert m is not None and m.wire_s_per_block == {"h": pytest.approx(1e-3)}
-    assert r.meta({"h": 1e6}, 1) is None  # unchanged: not re-sent
-    assert r.meta({"h": 2e6}, 2) is not None
+    assert m.compute_s_per_token == pytest.approx(2e-3)
 
 
 def test_p_abort_between_chunks_stops_the_push_and_holds_its_blocks(model_dir: str) -> None:
