@@ -17,7 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MARGIN", "PushEstimate", "push_starts_now"]
+__all__ = ["DEFAULT_MARGIN", "PUSH_MODES", "PushEstimate", "push_starts_now"]
+
+PUSH_MODES = ("auto", "progressive", "last_chunk")
+"""When a prompt computed in chunks starts its push: as the link needs it, at its first chunk,
+or at its last."""
 
 DEFAULT_MARGIN = 1.0
 """Start once the transfer needs all of the compute left after this chunk. Both rates are
@@ -38,14 +42,21 @@ class PushEstimate:
 
 
 def push_starts_now(*, blocks_to_send: int, tokens_after_chunk: int, est: PushEstimate,
-                    margin: float = DEFAULT_MARGIN) -> bool:
+                    margin: float = DEFAULT_MARGIN, mode: str = "auto") -> bool:
     """Whether a request not yet pushed starts its push with the chunk this step computes.
 
     ``blocks_to_send``: the prompt's blocks D takes from P (all chunks); ``tokens_after_chunk``:
-    prompt tokens still to compute once this chunk is done (0: the last chunk). Without an
-    estimate of either rate the push waits for the last chunk, whose writes then measure the link.
+    prompt tokens still to compute once this chunk is done (0: the last chunk). Under "auto",
+    without an estimate of either rate the push waits for the last chunk, whose writes then
+    measure the link.
     """
-    if tokens_after_chunk <= 0 or blocks_to_send <= 0:
+    if mode not in PUSH_MODES:
+        raise ValueError(f"push mode must be one of {', '.join(PUSH_MODES)}, got {mode!r}")
+    if tokens_after_chunk <= 0 or mode == "progressive":
+        return True
+    if mode == "last_chunk":
+        return False
+    if blocks_to_send <= 0:
         return True
     if margin <= 0:
         raise ValueError(f"margin must be > 0, got {margin}")

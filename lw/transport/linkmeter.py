@@ -51,8 +51,8 @@ class LinkMeter:
         p = self._periods.get(host)
         if p is None:
             p = self._periods[host] = _Period()
-        if p.inflight == 0:
-            p.start, p.nbytes = now, 0
+        if p.inflight == 0:  # a busy period starts (the last one's bytes went to the pool)
+            p.start = now
         p.inflight += 1
 
     def completed(self, host: str, nbytes: int, now: float) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from lw.fsm import DecodeConfig, PrefillConfig, check_lease
 from lw.fsm.kvmap import tp_problem
+from lw.fsm.push_schedule import PUSH_MODES
 from lw.transport.sidechannel import parse_cluster_key
 
 __all__ = ["ConfigError", "LwConfig", "ModelHeads", "model_heads", "side_channel_port",
@@ -25,7 +26,6 @@ __all__ = ["ConfigError", "LwConfig", "ModelHeads", "model_heads", "side_channel
 
 PRODUCER = "kv_producer"
 CONSUMER = "kv_consumer"
-PUSH_MODES = ("auto", "progressive", "last_chunk")
 
 
 class ConfigError(ValueError):

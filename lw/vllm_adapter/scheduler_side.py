@@ -101,7 +101,6 @@ class SchedulerSide:
         self._lock = threading.Lock()
         self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0,
                         "early_chunk_blocks": 0, "preempted_pushes": 0}
-        self.push_mode = cfg.push_mode
         self._compute_s_per_token: float | None = None  # from the workers (LwWorkerMeta)
         self._wire_s_per_block: dict[str, float] = {}  # D host -> seconds per block
         self._bad_params: set[str] = set()
@@ -209,18 +208,10 @@ class SchedulerSide:
 
     def _starts_now(self, tr: _PReq, req: Any, computed: int) -> bool:
         """Whether a request not pushed yet starts its push with a chunk that is not its last."""
-        if self.push_mode == "progressive":
-            return True
-        if self.push_mode == "last_chunk":
-            return False
+        est = PushEstimate(self._compute_s_per_token, self._wire_s_per_block.get(tr.host))
         return push_starts_now(blocks_to_send=len(tr.remote_blocks),
-                               tokens_after_chunk=req.num_prompt_tokens - computed,
-                               est=self.push_estimate(tr.host),
-                               margin=self.cfg.push_start_margin)
-
-    def push_estimate(self, host: str) -> PushEstimate:
-        """The rates push_mode "auto" decides on for a decode host (what the workers measured)."""
-        return PushEstimate(self._compute_s_per_token, self._wire_s_per_block.get(host))
+                               tokens_after_chunk=req.num_prompt_tokens - computed, est=est,
+                               margin=self.cfg.push_start_margin, mode=self.cfg.push_mode)
 
     def _preempted(self, rid: str) -> None:
         """vLLM preempted ``rid``: it freed the request's blocks without asking us, under writes
@@ -384,7 +375,7 @@ class SchedulerSide:
         if wm.compute_s_per_token is not None:
             self._compute_s_per_token = wm.compute_s_per_token
         for host, s in wm.wire_s_per_block.items():
-            if host not in self._wire_s_per_block and self.push_mode == "auto":
+            if host not in self._wire_s_per_block and self.cfg.push_mode == "auto":
                 log.info("lw: push_mode auto: first rates for decode host %s: %.3f ms of wire "
                          "per block, %s ms of forward per token", host, s * 1e3,
                          "?" if self._compute_s_per_token is None
