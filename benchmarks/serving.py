@@ -373,9 +373,10 @@ def after_lw_run(run: Running, label: str, result: dict[str, Any], since: float)
     from lw.ops.client import MAX_TIMELINE, query
     from lw.ops.phases import format_phases, milestones, phase_means
 
-    snap = query(run.cluster.status_workers(), timeline=MAX_TIMELINE, timeout_s=10)
+    snap = query(run.cluster.status_workers(), run.cluster.cluster_key, timeline=MAX_TIMELINE,
+                 timeout_s=10)
     try:
-        proxy = httpx.get(run.url + "/lw/timeline", timeout=10).json()
+        proxy = httpx.get(run.cluster.control_url + "/lw/timeline", timeout=10).json()
     except httpx.HTTPError as exc:
         print(f"  (no proxy timeline: {exc})")
         proxy = {}

@@ -52,7 +52,9 @@ class LwConfig:
     host: str = ""  # address peers reach this engine at (side channel + transfer engine)
     bind_host: str = ""  # side-channel listen address; "" = host (e.g. 0.0.0.0 in containers)
     peer_tp_size: int = 0  # TP of the other side; 0 = same as ours (D counts senders with it)
-    cluster_key: str = ""  # side-channel HMAC key shared by P and D ("hex:..." or text, >= 16 B)
+    # HMAC key shared by P, D and the proxy ("hex:..." or text, >= 16 B; default $LW_CLUSTER_KEY):
+    # authenticates the side channel and D's metaserver calls
+    cluster_key: str = ""
     # prefill (P) deadlines
     request_timeout_s: float = 30.0
     meta_retry_s: float = 0.5
@@ -239,6 +241,10 @@ class LwConfig:
         if not 0 <= dp_rank < max(dp_size, 1):
             raise ConfigError(f"data parallel rank {dp_rank} outside data_parallel_size "
                               f"{dp_size}")
+        if not values["cluster_key"]:
+            # The environment keeps the key off `ps` (the kv_transfer_config is on the command
+            # line); `lw status` and `lw proxy` read the same variable.
+            values["cluster_key"] = os.environ.get("LW_CLUSTER_KEY", "")
         if values["cluster_key"]:
             try:
                 parse_cluster_key(values["cluster_key"])

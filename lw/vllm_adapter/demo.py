@@ -276,6 +276,10 @@ class LocalCluster:
     # server name -> address it binds and advertises (VLLM_HOST_IP, lw's host); default loopback
     hosts: dict[str, str] = field(default_factory=dict)
     netns: dict[str, str] = field(default_factory=dict)  # server name -> `ip netns` it runs in
+    # Shared by P, D and the proxy through LW_CLUSTER_KEY (off the command line): it
+    # authenticates the side channel and D's metaserver calls; `lw status` needs it too.
+    cluster_key: str = field(default_factory=lambda: "hex:" + os.urandom(32).hex())
+    control_url: str = ""  # the proxy's control plane (metaserver, /lw/timeline, /metrics-json)
 
     def host(self, name: str) -> str:
         """The address server ``name`` binds and advertises."""
@@ -293,7 +297,8 @@ class LocalCluster:
                    VLLM_CPU_OMP_THREADS_BIND=cores, PYTHONUNBUFFERED="1",
                    # the whole engine (API server, EngineCore) on its workers' cores
                    LW_CPU_AFFINITY=",".join(sorted(set(cores.split("|")))),
-                   VLLM_HOST_IP=host, TOKENIZERS_PARALLELISM="false")
+                   VLLM_HOST_IP=host, TOKENIZERS_PARALLELISM="false",
+                   LW_CLUSTER_KEY=self.cluster_key)
         if self.p_tp * self.p_dp + self.d_tp * self.d_dp > 2:
             # More workers than cores: an idle worker's OpenMP threads must sleep, not spin on
             # the core a busy worker needs (D waiting for KV starved P's TP ranks otherwise).
@@ -368,17 +373,20 @@ class LocalCluster:
         if old is not None:
             old.stop()
         port = free_port()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        # D calls the metaserver at the proxy's own address: one D can reach
+        control = next(p for p in iter(free_port, None) if p != port)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", LW_CLUSTER_KEY=self.cluster_key)
+        # D calls the metaserver on the proxy's control port at the proxy's address: one D
+        # can reach
         host = self.host("proxy")
         argv = [sys.executable, "-m", "lw.vllm_adapter.proxy",
                 "--prefill", self.servers["prefill"].url, "--decode", self.servers["decode"].url,
-                "--host", host, "--port", str(port), "--timeout", "120",
-                "--log-level", "warning"]
+                "--host", host, "--port", str(port), "--control-host", host,
+                "--control-port", str(control), "--timeout", "120", "--log-level", "warning"]
         proxy = Server("proxy", argv, env, f"http://{host}:{port}",
                        self.workdir / "proxy.log")
         proxy.start()
         self.servers["proxy"] = proxy
+        self.control_url = f"http://{host}:{control}"
         wait_ready([proxy], timeout)
 
     def status_workers(self) -> list[str]:

@@ -1,4 +1,5 @@
-"""D's background caller of the proxy's metaserver: asks for a prefill without blocking vLLM."""
+"""D's background caller of the proxy's metaserver: asks for a prefill without blocking vLLM;
+each call is signed with the cluster key (lw.vllm_adapter.control_auth)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import time
 from collections import deque
 from typing import Any
 
+from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import log
+from lw.vllm_adapter.control_auth import signed_call
 
 __all__ = ["MetaserverPoster"]
 
@@ -19,6 +22,7 @@ class MetaserverPoster:
 
     def __init__(self, cfg: LwConfig) -> None:
         self.cfg = cfg
+        self._key = parse_cluster_key(cfg.cluster_key or None)
         self._q: queue.Queue[tuple[str, str, str, dict[str, Any]] | None] = queue.Queue()
         self._cancelled: set[str] = set()
         self._failures: deque[tuple[str, str, str]] = deque()
@@ -70,8 +74,9 @@ class MetaserverPoster:
         for attempt in range(self.cfg.metaserver_attempts):
             if attempt:
                 time.sleep(min(2.0, 0.2 * 2 ** attempt))
+            content, headers = signed_call(self._key, body)  # a fresh nonce per attempt
             try:
-                resp = client.post(url, json=body)
+                resp = client.post(url, content=content, headers=headers)
             except Exception as exc:  # noqa: BLE001 - any transport error: retry, then report
                 reason = f"POST {url}: {type(exc).__name__}: {exc}"
                 continue

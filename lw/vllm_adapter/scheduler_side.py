@@ -307,6 +307,8 @@ class SchedulerSide:
         body = {"transfer_id": params["transfer_id"], "sub_transfer_id": tid,
                 "prompt_token_ids": list(request.prompt_token_ids or ()),
                 "kv_transfer_params": kv}
+        if isinstance(params.get("metaserver_grant"), str):
+            body["grant"] = params["metaserver_grant"]  # binds the call to this transfer
         self._to_post.append((rid, tid, params["metaserver"], body))
 
     # ------------------------------------------------------------------------------- common

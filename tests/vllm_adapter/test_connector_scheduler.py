@@ -211,7 +211,8 @@ def decoder_params(s_d: Scheduler | None = None, tid: str = "t1", n: int = 100,
 def remote_prefill_params(tid: str = "t1") -> dict[str, Any]:
     """What the proxy sends to D."""
     return {"do_remote_prefill": True, "do_remote_decode": False,
-            "metaserver": "http://127.0.0.1:9/v1/metaserver", "transfer_id": tid}
+            "metaserver": "http://127.0.0.1:9/v1/metaserver", "transfer_id": tid,
+            "metaserver_grant": "g" * 32}
 
 
 # ------------------------------------------------------------------------------------ prefill
@@ -463,6 +464,7 @@ def test_d_allocates_first_posts_and_decodes_after_recv(model_dir: str,
     assert (rid, tid, url) == ("r1", "t1@r1", "http://127.0.0.1:9/v1/metaserver")
     assert (body["transfer_id"], body["sub_transfer_id"]) == ("t1", "t1@r1")
     assert body["prompt_token_ids"] == list(range(10, 110))
+    assert body["grant"] == "g" * 32  # the proxy's grant goes back with the call
     params = body["kv_transfer_params"]
     assert params["remote_block_ids"] == list(spec.block_ids)
     assert params["remote_first_block"] == 0
@@ -1182,3 +1184,13 @@ def test_cluster_kv_checksums_pass_clean_writes_and_catch_a_corrupt_one(
     c.run_until(lambda: "r2" in c.d.finished and c.idle())
     assert c.d.finished["r2"] == "error"  # policy fail: never decoded on wrong KV
     assert c.d.total("checksum_mismatches") == 1
+
+
+def test_config_takes_the_cluster_key_from_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LW_CLUSTER_KEY", "hex:" + "ab" * 16)
+    assert _build().cluster_key == "hex:" + "ab" * 16
+    assert _build(extra={"cluster_key": "x" * 16}).cluster_key == "x" * 16  # the key wins
+    monkeypatch.setenv("LW_CLUSTER_KEY", "short")
+    with pytest.raises(ConfigError, match="cluster_key"):
+        _build()

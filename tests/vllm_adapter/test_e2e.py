@@ -230,9 +230,9 @@ def test_repeated_prompt_tail_computed_on_decode(cluster: LocalCluster) -> None:
     assert (v := judged(cluster, cluster.url("proxy"), prompt, stream=False)).same, v
     assert not any((h := wait_idle(cluster)).values()), h
     d_before = metrics(cluster.url("decode"))
-    calls = httpx.get(cluster.url("proxy") + "/metrics-json", timeout=10).json()
+    calls = httpx.get(cluster.control_url + "/metrics-json", timeout=10).json()
     assert (v := judged(cluster, cluster.url("proxy"), prompt)).same, v
-    after = httpx.get(cluster.url("proxy") + "/metrics-json", timeout=10).json()
+    after = httpx.get(cluster.control_url + "/metrics-json", timeout=10).json()
     # D asked for no prefill: no metaserver call, so P computed and moved nothing.
     assert after["metaserver_calls"] == calls["metaserver_calls"]
     assert after["requests"] == calls["requests"] + 1
@@ -335,7 +335,7 @@ def test_lw_status_lists_a_request_in_flight_then_an_empty_table(cluster: LocalC
             deadline = time.monotonic() + 10
             rows: list[Any] = []
             while not rows and time.monotonic() < deadline:
-                snap = query(workers, timeout_s=3)
+                snap = query(workers, cluster.cluster_key, timeout_s=3)
                 rows = [(r, q) for r in snap.replies for q in r.requests]
                 time.sleep(0.1)
             assert not snap.silent, snap.silent
@@ -347,7 +347,7 @@ def test_lw_status_lists_a_request_in_flight_then_an_empty_table(cluster: LocalC
             assert 0 < row.deadline_in_s <= D_EXTRA["prefill_timeout_s"]
         # the client left: D aborts the request, nothing was claimed, the blocks come back
         assert not any((h := wait_idle(cluster)).values()), h
-        snap = query(workers, timeout_s=3)
+        snap = query(workers, cluster.cluster_key, timeout_s=3)
         assert not snap.silent and not any(r.requests for r in snap.replies), table(snap)
         assert "0 live request(s)" in table(snap)
     finally:
@@ -413,7 +413,8 @@ def test_decode_server_killed_gives_errors_and_prefill_keeps_serving(
     deadline = time.monotonic() + 0.5  # kill once P works on one of them (if it gets there)
     with httpx.Client(timeout=5) as client:
         while time.monotonic() < deadline:
-            if client.get(proxy + "/metrics-json").json()["prefill"][0]["in_flight"] > 0:
+            if client.get(cluster.control_url + "/metrics-json").json()["prefill"][0][
+                    "in_flight"] > 0:
                 break
             time.sleep(0.01)
     killed_at = time.monotonic()

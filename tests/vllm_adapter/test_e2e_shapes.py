@@ -140,7 +140,7 @@ def test_outputs_equal_single_engine(shaped: tuple[str, LocalCluster]) -> None:
     assert sum(done_d.values()) >= 2 * n, done_d
     # ... and D checked the CRC-32C of every block P wrote (a mismatch fails the request above)
     d_workers = c.status_workers()[c.p_tp * c.p_dp:]
-    snap = query(d_workers, timeout_s=5)
+    snap = query(d_workers, c.cluster_key, timeout_s=5)
     assert not snap.silent, snap.silent
     verified = sum(r.counters.get("loop.checksums_verified", 0.0) for r in snap.replies)
     mismatches = sum(r.counters.get("core.checksum_mismatches", 0.0) for r in snap.replies)

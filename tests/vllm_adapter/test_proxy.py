@@ -6,9 +6,12 @@ waits until the fake P has served the prefill for that transfer, then answers. P
 steer the fakes: ``hang`` (P never answers), ``fail`` (P answers 500), ``slowfail`` (P fails after
 0.3 s), ``early`` (D streams one chunk before waiting for the prefill), ``nowait`` (D does not wait
 for the prefill), ``dhang`` (D never answers), ``twice`` (D posts to the metaserver twice),
-``local`` (D computes the prompt itself: no post). Like vLLM, the fake D makes one sub-request per
-prompt of a ``prompt`` list and per ``n`` (sub-transfer ``<id>@<k>``) and posts one character
-code per "token"; the fake P reads its keywords back from those ids.
+``local`` (D computes the prompt itself: no post), ``slowpost`` (D posts 0.5 s after receiving
+the request), ``extra`` (D posts one sub-transfer more than the request allows), ``alien`` (D
+also posts a sub-transfer id of another transfer). D signs its calls with the cluster key.
+Like vLLM, the fake D makes one sub-request per prompt of a ``prompt`` list and per ``n``
+(sub-transfer ``<id>@<k>``) and posts one character code per "token"; the fake P reads its
+keywords back from those ids.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import uvicorn  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
 
+from lw.vllm_adapter.control_auth import signed_call  # noqa: E402
 from lw.vllm_adapter.proxy import (  # noqa: E402
-    build_app,
+    build_apps,
     build_decode_body,
     build_prefill_body,
     main,
@@ -44,6 +48,7 @@ from lw.vllm_adapter.proxy import (  # noqa: E402
 )
 
 TOKENS = [" t0", " t1", " t2"]
+KEY = b"proxy-test-cluster-key-0123456789"
 D_PARAMS = {"remote_host": "127.0.0.1", "remote_port": 5555, "remote_block_ids": [3, 4],
             "remote_dp_rank": 0}
 
@@ -63,6 +68,7 @@ class World:
     prefill_done: set[str] = field(default_factory=set)
     meta_replies: dict[str, list[tuple[int, dict[str, Any]]]] = field(default_factory=dict)
     release: threading.Event = field(default_factory=threading.Event)
+    key: bytes | None = None  # the cluster key the fake D signs its metaserver calls with
 
     def record(self, kind: str, server: str, tid: str) -> None:
         with self.lock:
@@ -175,19 +181,30 @@ def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
         subs = {f"{tid}@{k}": text for k, text in enumerate(_sub_prompts(body))}
         if "local" in prompt:
             subs = {}
+        if "slowpost" in prompt:  # leaves an attacker time to post first
+            world.record("d_allocated", name, tid)
+            await asyncio.sleep(0.5)
+        if "extra" in prompt:  # one sub-transfer more than n x prompts allows
+            subs[f"{tid}@{len(subs)}"] = "extra"
+        if "alien" in prompt:  # a sub-transfer id that is not of this transfer
+            subs["f" * 32 + "@0"] = "alien"
         async with httpx.AsyncClient(timeout=5) as client:
             for sub, text in subs.items():
                 msg = {"transfer_id": tid, "sub_transfer_id": sub,
                        "prompt_token_ids": [ord(ch) for ch in text],
-                       "kv_transfer_params": {**D_PARAMS, "remote_engine_id": name}}
+                       "kv_transfer_params": {**D_PARAMS, "remote_engine_id": name},
+                       "grant": params["metaserver_grant"]}
                 for _ in range(2 if "twice" in prompt else 1):
-                    r = await client.post(params["metaserver"], json=msg)
+                    content, headers = signed_call(world.key, msg)
+                    r = await client.post(params["metaserver"], content=content,
+                                          headers=headers)
                     with world.lock:
                         world.meta_replies.setdefault(sub, []).append((r.status_code, r.json()))
 
         def prefilled() -> bool:
             with world.lock:
-                return "nowait" in prompt or all(sub in world.prefill_done for sub in subs)
+                return "nowait" in prompt or all(sub in world.prefill_done for sub in subs
+                                                 if world.meta_replies[sub][-1][0] == 202)
 
         if not body.get("stream"):
             outcome = await _poll_until(request, prefilled, deadline_s)
@@ -234,26 +251,38 @@ def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
 class ServerThread:
     """A uvicorn server for ``app`` on a free loopback port, run in a daemon thread."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, also: tuple[ServerThread, Any] | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1,
-                                lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
+        if app is None:  # only a port, for ``also`` (known before its app is built)
+            return
+        # ``also``: a second app served by the same event loop (the proxy's control plane
+        # shares the public app's state, HTTP client and tasks, as in ``lw proxy``).
+        self.pairs = [(app, self.sock)] + ([(also[1], also[0].sock)] if also else [])
+        self.servers = [uvicorn.Server(uvicorn.Config(a, log_level="warning",
+                                                      timeout_graceful_shutdown=1,
+                                                      lifespan="on")) for a, _ in self.pairs]
+        self.server = self.servers[0]
+        self.others = [also[0]] if also else []
+        self.thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
+
+    async def _serve(self) -> None:
+        await asyncio.gather(*(srv.serve(sockets=[sock])
+                               for srv, (_, sock) in zip(self.servers, self.pairs, strict=True)))
 
     def start(self) -> ServerThread:
         self.thread.start()
-        wait_for(lambda: self.server.started, timeout=10)
+        wait_for(lambda: all(s.started for s in self.servers), timeout=10)
         return self
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        for s in self.servers:
+            s.should_exit = True
         self.thread.join(timeout=5)
-        self.sock.close()
+        for t in [self, *self.others]:
+            t.sock.close()
 
 
 def closed_port_url() -> str:
@@ -269,13 +298,14 @@ class Cluster:
     """Proxy + fakes, and what the fakes saw."""
 
     url: str
+    control: str  # the control plane's base URL
     world: World
     prefill_urls: list[str]
     decode_urls: list[str]
     servers: list[ServerThread]
 
     def metrics(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/metrics-json", timeout=5).json()
+        return httpx.get(self.control + "/metrics-json", timeout=5).json()
 
 
 @contextlib.contextmanager
@@ -296,13 +326,19 @@ def cluster(n_prefill: int = 1, n_decode: int = 1, *, prefill_urls: list[str] | 
             servers += ds
             decode_urls = [s.url for s in ds]
         proxy_kwargs.setdefault("timeout_s", 10.0)
-        proxy = ServerThread(build_app(prefill_urls, decode_urls, **proxy_kwargs)).start()
+        proxy_kwargs.setdefault("cluster_key", KEY)
+        world.key = proxy_kwargs["cluster_key"]
+        control = ServerThread(None)
+        apps = build_apps(prefill_urls, decode_urls,
+                          metaserver_url=control.url + "/v1/metaserver", **proxy_kwargs)
+        proxy = ServerThread(apps.public, also=(control, apps.control)).start()
         servers.append(proxy)
-        yield Cluster(proxy.url, world, prefill_urls, decode_urls, servers)
+        yield Cluster(proxy.url, control.url, world, prefill_urls, decode_urls, servers)
     finally:
         world.release.set()
         for s in servers:
-            s.server.should_exit = True
+            for srv in s.servers:
+                srv.should_exit = True
         for s in servers:
             s.stop()
 
@@ -355,10 +391,11 @@ def test_build_prefill_body_token_ids_one_token_no_stream_merged_params() -> Non
 
 
 def test_build_decode_body_sets_proxy_params() -> None:
-    out = build_decode_body({"model": "m", "prompt": "p"}, "rid", "http://x/v1/metaserver")
+    out = build_decode_body({"model": "m", "prompt": "p"}, "rid", "http://x/v1/metaserver",
+                            "g" * 32)
     assert out["kv_transfer_params"] == {"do_remote_prefill": True, "do_remote_decode": False,
                                          "metaserver": "http://x/v1/metaserver",
-                                         "transfer_id": "rid"}
+                                         "transfer_id": "rid", "metaserver_grant": "g" * 32}
 
 
 def test_normalize_url() -> None:
@@ -383,9 +420,20 @@ def test_validate_request_rejects(api: str, body: Any, fragment: str) -> None:
         validate_request(api, body)
 
 
-def test_main_rejects_wildcard_host_without_metaserver_url() -> None:
+def test_main_rejects_wildcard_control_host_without_metaserver_url(
+        capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["--prefill", "h:1", "--decode", "h:2", "--host", "0.0.0.0"])
+        main(["--prefill", "h:1", "--decode", "h:2", "--control-host", "0.0.0.0",
+              "--insecure-trusted-network"])
+    assert "--metaserver-url" in capsys.readouterr().err
+
+
+def test_main_keeps_the_control_plane_off_the_public_port(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--prefill", "h:1", "--decode", "h:2", "--port", "8000", "--control-port", "8000",
+              "--insecure-trusted-network"])
+    assert "own address or port" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,9 +448,12 @@ def test_non_stream_flow() -> None:
         rid = r.headers["x-request-id"]
         w = c.world
         d_body, p_body = w.bodies[("d", rid)], w.bodies[("p", rid + "@0")]
+        grant = d_body["kv_transfer_params"]["metaserver_grant"]
         assert d_body["kv_transfer_params"] == {
             "do_remote_prefill": True, "do_remote_decode": False,
-            "metaserver": c.url + "/v1/metaserver", "transfer_id": rid}
+            "metaserver": c.control + "/v1/metaserver", "transfer_id": rid,
+            "metaserver_grant": grant}
+        assert len(grant) == 32 and grant not in r.text and grant not in str(r.headers)
         assert w.headers[("d", rid)]["x-request-id"] == rid
         assert w.headers[("p", rid + "@0")]["x-request-id"] == rid
         assert p_body["max_tokens"] == 1 and p_body["stream"] is False and p_body["n"] == 1
@@ -438,7 +489,7 @@ def test_stream_flow_passes_sse_through() -> None:
         d_body = c.world.bodies[("d", rid)]
         assert d_body["stream"] is True and d_body["min_tokens"] == 2
         assert c.world.has("d_done", tid=rid)
-        seen = httpx.get(c.url + "/lw/timeline", timeout=5).json()
+        seen = httpx.get(c.control + "/lw/timeline", timeout=5).json()
         whole, sub = seen[rid], seen[rid + "@0"]
         assert list(whole) == ["received", "d_sent", "first_token", "end"]
         assert sorted(whole.values()) == list(whole.values())
@@ -634,15 +685,25 @@ def test_metaserver_is_idempotent_per_transfer() -> None:
         assert c.world.tids("p_request") == [rid + "@0"]
 
 
+def signed_post(url: str, body: Any, key: bytes | None = KEY) -> httpx.Response:
+    """POST ``body`` the way D's connector does: signed with ``key``."""
+    content, headers = signed_call(key, body)
+    return httpx.post(url, content=content, headers=headers, timeout=10)
+
+
 def test_metaserver_rejects_unknown_and_malformed() -> None:
     with cluster() as c:
-        url = c.url + "/v1/metaserver"
+        url = c.control + "/v1/metaserver"
         ok = {"transfer_id": "nope", "sub_transfer_id": "nope@0", "prompt_token_ids": [1, 2],
               "kv_transfer_params": {}}
-        r = httpx.post(url, json=ok)
+        r = signed_post(url, ok)
         assert r.status_code == 404 and r.json()["status"] == "error"
-        r = httpx.post(url, content=b"{not json")
-        assert r.status_code == 400 and r.json()["status"] == "error"
+        content, headers = signed_call(KEY, "x")
+        r = httpx.post(url, content=b"{not json", headers=headers)
+        assert r.status_code == 401, "the signature covers the body"
+        r = httpx.post(url, content=b"{not json",
+                       headers=signed_call(KEY, None)[1] | {"x-lw-signature": "0"})
+        assert r.status_code == 401
         for bad, fragment in [
             ({"transfer_id": None}, "'transfer_id'"),
             ({"sub_transfer_id": None}, "'sub_transfer_id'"),
@@ -652,7 +713,7 @@ def test_metaserver_rejects_unknown_and_malformed() -> None:
             ({"prompt_token_ids": [1, "2"]}, "'prompt_token_ids'"),
             ({"kv_transfer_params": [1]}, "'kv_transfer_params'"),
         ]:
-            r = httpx.post(url, json={**ok, **bad})
+            r = signed_post(url, {**ok, **bad})
             assert r.status_code == 400 and fragment in r.json()["detail"], bad
 
 
@@ -715,13 +776,16 @@ def test_request_d_computes_itself_needs_no_prefill(stream: bool) -> None:
 def test_health_reports_reachability() -> None:
     with cluster() as c:
         r = httpx.get(c.url + "/health", timeout=10)
+        assert r.status_code == 200 and r.content == b""  # as vLLM: no server URLs
+        r = httpx.get(c.control + "/lw/health", timeout=10)
         assert r.status_code == 200
         h = r.json()
         assert h["status"] == "ok"
         assert [p["reachable"] for p in h["prefill"] + h["decode"]] == [True, True]
     dead = closed_port_url()
     with cluster(decode_urls=[dead]) as c:
-        h = httpx.get(c.url + "/health", timeout=10).json()
+        assert httpx.get(c.url + "/health", timeout=10).status_code == 503
+        h = httpx.get(c.control + "/lw/health", timeout=10).json()
         assert h["status"] == "degraded"
         assert h["prefill"][0]["reachable"] is True
         assert h["decode"][0] == {**h["decode"][0], "url": dead, "reachable": False}
@@ -768,3 +832,129 @@ def test_proxy_timeline_keeps_first_times_and_is_bounded() -> None:
     tl.mark("b", "received", 3.0)
     tl.mark("c", "received", 4.0)
     assert tl.snapshot() == {"b": {"received": 3.0}, "c": {"received": 4.0}}
+
+
+# ---------------------------------------------------------------------------------------------
+# The control plane as an attacker sees it (issue: nothing gets in where it does not belong)
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/metaserver"), ("GET", "/lw/timeline"),
+                                         ("GET", "/metrics-json"), ("GET", "/lw/health")])
+def test_public_port_serves_no_control_endpoint(method: str, path: str) -> None:
+    with cluster() as c:
+        r = httpx.request(method, c.url + path, json={}, timeout=10)
+        assert r.status_code == 404, (path, r.text)
+        assert httpx.request(method, c.control + path, json={}, timeout=10).status_code != 404
+
+
+def _victim(c: Cluster, prompt: str = "victim slowpost") -> tuple[threading.Thread, list[Any],
+                                                                    str]:
+    """Start a client request whose D posts late; return it, its result box and transfer id."""
+    box: list[Any] = []
+    t = threading.Thread(target=lambda: box.append(httpx.post(
+        c.url + "/v1/completions", json=completion(prompt), timeout=10)), daemon=True)
+    t.start()
+    wait_for(lambda: c.world.has("d_allocated"))
+    [(_, _, tid)] = [e for e in c.world.events if e[0] == "d_allocated"]
+    return t, box, tid
+
+
+def _forged(tid: str, sub: str | None = None, grant: str = "0" * 32) -> dict[str, Any]:
+    """A metaserver body aimed at another request's transfer, at blocks the attacker names."""
+    return {"transfer_id": tid, "sub_transfer_id": sub or tid + "@0",
+            "prompt_token_ids": [ord(ch) for ch in "evil tokens"],
+            "kv_transfer_params": {**D_PARAMS, "remote_block_ids": [0, 1, 2, 3]},
+            "grant": grant}
+
+
+def _victim_unharmed(c: Cluster, t: threading.Thread, box: list[Any], tid: str) -> None:
+    """The victim got its own answer, and P prefilled only D's own call, with D's blocks."""
+    t.join(10)
+    [r] = box
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "".join(TOKENS)
+    assert c.world.tids("p_request") == [tid + "@0"]
+    p_body = c.world.bodies[("p", tid + "@0")]
+    assert p_body["prompt"] == [ord(ch) for ch in "victim slowpost"]
+    assert p_body["kv_transfer_params"]["remote_block_ids"] == D_PARAMS["remote_block_ids"]
+
+
+def test_unsigned_forged_and_grantless_calls_racing_d_are_refused() -> None:
+    with cluster() as c:
+        t, box, tid = _victim(c)
+        url = c.control + "/v1/metaserver"
+        unsigned = httpx.post(url, json=_forged(tid), timeout=10)
+        assert unsigned.status_code == 401 and "unsigned" in unsigned.json()["detail"]
+        forged = signed_post(url, _forged(tid), key=b"an-attackers-own-key-0123456789")
+        assert forged.status_code == 401 and "bad signature" in forged.json()["detail"]
+        # A cluster member's key, but not the grant the proxy gave the victim's D.
+        grantless = signed_post(url, _forged(tid))
+        assert grantless.status_code == 403 and "grant" in grantless.json()["detail"]
+        _victim_unharmed(c, t, box, tid)
+        m = c.metrics()
+        assert m["metaserver_refused"] == 3 and m["prefills"] == 1
+
+
+def test_replayed_and_stale_calls_are_refused() -> None:
+    with cluster() as c:
+        t, box, tid = _victim(c)
+        d_params = c.world.bodies[("d", tid)]["kv_transfer_params"]
+        # A copy of a valid call (what a sniffer of the control network would resend): the
+        # body is D's, so only the first is accepted.
+        body = _forged(tid, grant=d_params["metaserver_grant"])
+        content, headers = signed_call(KEY, body)
+        url = c.control + "/v1/metaserver"
+        first = httpx.post(url, content=content, headers=headers, timeout=10)
+        assert first.status_code == 202
+        again = httpx.post(url, content=content, headers=headers, timeout=10)
+        assert again.status_code == 401 and "replayed" in again.json()["detail"]
+        old_content, old = signed_call(KEY, body, now=time.time() - 120)
+        stale = httpx.post(url, content=old_content, headers=old, timeout=10)
+        assert stale.status_code == 401 and "stale" in stale.json()["detail"]
+        t.join(10)
+        assert c.metrics()["metaserver_refused"] == 2 and c.metrics()["prefills"] == 1
+
+
+def test_calls_beyond_the_request_or_for_another_transfer_are_refused() -> None:
+    with cluster() as c:
+        r = httpx.post(c.url + "/v1/completions", json=completion("extra alien"), timeout=10)
+        assert r.status_code == 200, r.text
+        rid = r.headers["x-request-id"]
+        assert c.world.meta_replies[rid + "@0"][0][0] == 202
+        [(status, reply)] = c.world.meta_replies[rid + "@1"]
+        assert status == 403 and "allows" in reply["detail"]
+        [(status, reply)] = c.world.meta_replies["f" * 32 + "@0"]
+        assert status == 403 and "not a sub-transfer" in reply["detail"]
+        assert c.world.tids("p_request") == [rid + "@0"]
+        # n=2 x 2 prompts allows four.
+        r = httpx.post(c.url + "/v1/completions", json=completion(["a", "b"], n=2), timeout=10)
+        assert r.status_code == 200 and len(c.world.tids("p_request")) == 5
+
+
+def test_a_grant_is_bound_to_its_transfer() -> None:
+    with cluster() as c:
+        t, box, tid = _victim(c)
+        other = httpx.post(c.url + "/v1/completions", json=completion("other"), timeout=10)
+        assert other.status_code == 200
+        other_grant = c.world.bodies[("d", other.headers["x-request-id"])][
+            "kv_transfer_params"]["metaserver_grant"]
+        r = signed_post(c.control + "/v1/metaserver", _forged(tid, grant=other_grant))
+        assert r.status_code == 403
+        t.join(10)
+        assert c.world.tids("p_request").count(tid + "@0") == 1
+
+
+def test_no_cluster_key_needs_an_explicit_trusted_network(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LW_CLUSTER_KEY", raising=False)
+    with pytest.raises(ValueError, match="insecure-trusted-network"):
+        build_apps(["http://p"], ["http://d"], metaserver_url="http://c/v1/metaserver",
+                   cluster_key=None)
+    with pytest.raises(SystemExit):
+        main(["--prefill", "h:1", "--decode", "h:2"])
+    assert "--insecure-trusted-network" in capsys.readouterr().err
+    # Trusted network: unsigned calls pass, the grant is still required.
+    with cluster(cluster_key=None, insecure_trusted_network=True) as c:
+        t, box, tid = _victim(c)
+        r = httpx.post(c.control + "/v1/metaserver", json=_forged(tid), timeout=10)
+        assert r.status_code == 403
+        _victim_unharmed(c, t, box, tid)

@@ -1,0 +1,95 @@
+"""Signed calls to the proxy's control plane: D signs each metaserver call, the proxy checks it.
+
+A call carries three headers: a wall-clock timestamp, a random nonce and an HMAC-SHA256 of
+``purpose, timestamp, nonce, body`` under the cluster key (the key of the P/D side channel). The
+proxy accepts a call only if the MAC is right, the timestamp is within ``window_s`` of its own
+clock, and the nonce was not seen in that window: a call cannot be forged without the key, nor
+replayed, and the body (transfer, sub-transfer, grant, D's block ids) cannot be altered.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["CallVerifier", "signed_call", "SIGNATURE", "TIMESTAMP", "NONCE"]
+
+SIGNATURE = "x-lw-signature"
+TIMESTAMP = "x-lw-timestamp"
+NONCE = "x-lw-nonce"
+_PURPOSE = b"lw-metaserver-call/1"
+"""Domain separation: a MAC made for the side channel is never a valid control-plane MAC."""
+
+
+def _mac(key: bytes, ts: str, nonce: str, content: bytes) -> str:
+    msg = b"\n".join((_PURPOSE, ts.encode(), nonce.encode(), content))
+    return hmac.digest(key, msg, "sha256").hex()
+
+
+def signed_call(key: bytes | None, body: Any, now: float | None = None,
+                nonce: str | None = None) -> tuple[bytes, dict[str, str]]:
+    """The bytes and headers of a POST of ``body`` (JSON), signed when there is a key."""
+    content = json.dumps(body, separators=(",", ":")).encode()
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        ts = f"{time.time() if now is None else now:.3f}"
+        nonce = nonce or os.urandom(16).hex()
+        headers.update({TIMESTAMP: ts, NONCE: nonce, SIGNATURE: _mac(key, ts, nonce, content)})
+    return content, headers
+
+
+class CallVerifier:
+    """The proxy's check of a signed call; ``key`` None accepts every call (trusted network)."""
+
+    def __init__(self, key: bytes | None, window_s: float = 30.0,
+                 max_nonces: int = 200_000) -> None:
+        if window_s <= 0:
+            raise ValueError(f"signature window must be > 0 s, got {window_s}")
+        self.key = key
+        self.window_s = window_s
+        self.max_nonces = max_nonces
+        self._seen: set[str] = set()
+        self._expiry: deque[tuple[float, str]] = deque()  # (forget after, nonce), in order
+
+    def check(self, headers: Mapping[str, str], content: bytes, now: float | None = None
+              ) -> str:
+        """Why this call is refused ("" if it is accepted; then its nonce is spent)."""
+        if self.key is None:
+            return ""
+        now = time.time() if now is None else now
+        sig, ts, nonce = (headers.get(h) for h in (SIGNATURE, TIMESTAMP, NONCE))
+        if not sig or not ts or not nonce:
+            return (f"unsigned call (headers {SIGNATURE}, {TIMESTAMP} and {NONCE} required): "
+                    "the caller does not have the cluster key (kv_connector_extra_config."
+                    "cluster_key or LW_CLUSTER_KEY on the decode server)")
+        try:
+            sent = float(ts)
+        except ValueError:
+            return f"{TIMESTAMP} is not a number: {ts[:40]!r}"
+        if not 8 <= len(nonce) <= 64:
+            return f"{NONCE} must have 8..64 characters"
+        if not hmac.compare_digest(sig, _mac(self.key, ts, nonce, content)):
+            return "bad signature: the body was altered or signed with another key"
+        if abs(now - sent) > self.window_s:
+            return (f"stale call: signed {now - sent:+.1f} s from the proxy's clock, the window "
+                    f"is +-{self.window_s:g} s (clocks out of sync, or a replay)")
+        self._forget(now)
+        if nonce in self._seen:
+            return "replayed call: this nonce was already used"
+        if len(self._seen) >= self.max_nonces:
+            return f"more than {self.max_nonces} calls within {self.window_s:g} s; refused"
+        self._seen.add(nonce)
+        # A nonce is needed only while its timestamp is inside the window.
+        self._expiry.append((sent + self.window_s, nonce))
+        return ""
+
+    def _forget(self, now: float) -> None:
+        # Expiries arrive nearly in order (timestamps within the window): a few may stay a
+        # little longer than needed, never shorter.
+        while self._expiry and self._expiry[0][0] < now:
+            self._seen.discard(self._expiry.popleft()[1])

@@ -1,0 +1,156 @@
+"""The proxy's control plane: the metaserver D calls and lw's introspection, served on an
+internal address of its own, never on the public OpenAI port (docs/deployment.md).
+
+``POST /v1/metaserver`` starts a prefill only for a call that is signed with the cluster key
+(lw.vllm_adapter.control_auth), carries the grant the proxy gave the decode server it sent that
+transfer to, names a sub-transfer of that transfer and stays within the sub-transfers the client
+request allows (``n`` x prompts). ``GET /lw/timeline``, ``GET /metrics-json`` and
+``GET /lw/health`` tell what the proxy saw (request ids, timings, server URLs): internal only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from lw.vllm_adapter.proxy_exchange import run_prefill
+from lw.vllm_adapter.proxy_state import (
+    MAX_TRANSFER_ID,
+    Backend,
+    ProxyState,
+    SubPrefill,
+    Transfer,
+    _describe,
+    build_prefill_body,
+    log,
+)
+
+__all__ = ["build_control_app", "health_report"]
+
+
+def _metaserver_problem(msg: Any) -> str:
+    """Why a metaserver body is malformed, or "" if it is well formed."""
+    if not isinstance(msg, dict):
+        return "body must be a JSON object"
+    for key in ("transfer_id", "sub_transfer_id"):
+        value = msg.get(key)
+        if not isinstance(value, str) or not value or len(value) > MAX_TRANSFER_ID:
+            return f"'{key}' (string of 1..{MAX_TRANSFER_ID} characters) required"
+    ids = msg.get("prompt_token_ids")
+    if (not isinstance(ids, list) or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+        return "'prompt_token_ids' (non-empty list of token ids) required"
+    if not isinstance(msg.get("kv_transfer_params", {}), dict):
+        return "'kv_transfer_params' must be an object"
+    return ""
+
+
+def _call_problem(tr: Transfer, msg: dict[str, Any]) -> str:
+    """Why this well-formed, signed call may not start a prefill of ``tr`` ("" if it may)."""
+    if not hmac.compare_digest(str(msg.get("grant", "")).encode(), tr.grant.encode()):
+        return ("the call does not carry this transfer's grant: only the decode server the "
+                "proxy sent the request to may ask for its prefill")
+    head, sep, _ = msg["sub_transfer_id"].partition("@")
+    if not sep or not head or not tr.request_id.startswith(head) or (
+            head != tr.request_id and len(head) < MAX_TRANSFER_ID - 33):
+        return (f"sub_transfer_id {msg['sub_transfer_id'][:80]!r} is not a sub-transfer of "
+                f"transfer {tr.request_id} (<transfer_id>@<request>)")
+    if msg["sub_transfer_id"] not in tr.prefills and len(tr.prefills) >= tr.allowance:
+        return (f"transfer {tr.request_id} already has the {tr.allowance} sub-transfer(s) its "
+                "client request allows (one per prompt and choice)")
+    return ""
+
+
+async def health_report(state: ProxyState) -> dict[str, Any]:
+    """Whether each prefill and decode server answers its /health."""
+
+    async def probe(b: Backend) -> dict[str, Any]:
+        try:
+            r = await state.client.get(b.url + "/health", timeout=state.health_timeout)
+            return {"url": b.url, "reachable": True, "healthy": r.is_success,
+                    "status_code": r.status_code}
+        except httpx.HTTPError as exc:
+            return {"url": b.url, "reachable": False, "healthy": False,
+                    "error": _describe(exc)}
+
+    results = await asyncio.gather(*(probe(b) for b in state.prefills + state.decodes))
+    pre, dec = results[: len(state.prefills)], results[len(state.prefills):]
+    ok = all(r["healthy"] for r in results)
+    return {"status": "ok" if ok else "degraded", "prefill": pre, "decode": dec}
+
+
+def build_control_app(state: ProxyState) -> FastAPI:
+    """The control-plane app over ``state`` (shared with the public app)."""
+    app = FastAPI(title="lw D-first proxy: control plane")
+
+    def refuse(status: int, detail: str, request: Request, msg: Any = None) -> JSONResponse:
+        state.counters["metaserver_refused"] += 1
+        peer = request.client.host if request.client else "?"
+        ids = {k: msg.get(k) for k in ("transfer_id", "sub_transfer_id")} if isinstance(
+            msg, dict) else {}
+        log.warning("metaserver call from %s refused (%d): %s %s", peer, status, detail, ids)
+        return JSONResponse({"status": "error", **ids, "detail": detail}, status)
+
+    @app.post("/v1/metaserver", name="metaserver")
+    async def metaserver(request: Request) -> JSONResponse:
+        """Called by D's connector once a vLLM request's blocks are allocated: start its prefill."""
+        state.counters["metaserver_calls"] += 1
+        raw = await request.body()
+        why = state.verifier.check(request.headers, raw)
+        if why:
+            return refuse(401, why, request)
+        try:
+            msg = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return JSONResponse({"status": "error", "detail": f"body is not JSON: {exc}"}, 400)
+        problem = _metaserver_problem(msg)
+        if problem:
+            return JSONResponse({"status": "error", "detail": problem}, 400)
+        tid, sub_id = msg["transfer_id"], msg["sub_transfer_id"]
+        tr = state.transfers.get(tid)
+        if tr is None:
+            return JSONResponse({"status": "error", "transfer_id": tid,
+                                 "sub_transfer_id": sub_id, "prefill_url": None,
+                                 "detail": "unknown transfer_id (request finished or never "
+                                           "seen)"}, 404)
+        why = _call_problem(tr, msg)
+        if why:
+            return refuse(403, why, request, msg)
+        sub = tr.prefills.get(sub_id)
+        if sub is not None:
+            return JSONResponse({"status": "ok", "transfer_id": tid, "sub_transfer_id": sub_id,
+                                 "prefill_url": sub.backend.url,
+                                 "detail": f"prefill already {sub.state}"}, 202)
+        sub = SubPrefill(sub_id, state.pick(state.prefills))
+        tr.prefills[sub_id] = sub
+        state.counters["prefills"] += 1
+        state.timeline.mark(sub_id, "meta_posted")
+        body = build_prefill_body(tr.body, msg.get("kv_transfer_params", {}), sub_id,
+                                  msg["prompt_token_ids"])
+        sub.task = state.spawn(run_prefill(state, tr, sub, body))
+        return JSONResponse({"status": "ok", "transfer_id": tid, "sub_transfer_id": sub_id,
+                             "prefill_url": sub.backend.url, "detail": "prefill started"}, 202)
+
+    @app.get("/lw/timeline")
+    async def timeline() -> JSONResponse:
+        """What the proxy saw of recent transfers: id -> milestone -> wall time (see
+        lw.vllm_adapter.proxy_timeline); with lw status timelines, lw.ops.phases."""
+        return JSONResponse(state.timeline.snapshot())
+
+    @app.get("/metrics-json")
+    async def metrics() -> JSONResponse:
+        """Counters: requests, errors, refused metaserver calls, in-flight per server."""
+        return JSONResponse(state.metrics())
+
+    @app.get("/lw/health")
+    async def health() -> JSONResponse:
+        """Proxy alive, plus whether each server answers its /health (always 200)."""
+        return JSONResponse(await health_report(state))
+
+    return app

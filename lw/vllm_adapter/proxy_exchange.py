@@ -1,0 +1,250 @@
+"""One client exchange of the D-first proxy: the D request relayed to the client, the prefills
+the metaserver starts, client disconnects and failures (contract: lw.vllm_adapter.proxy)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import httpx
+from fastapi.responses import Response
+
+from lw.vllm_adapter.proxy_state import (
+    COMPLETIONS,
+    ProxyState,
+    Receive,
+    Scope,
+    Send,
+    SubPrefill,
+    Transfer,
+    _describe,
+    _quote,
+    build_decode_body,
+    error_body,
+    log,
+)
+
+__all__ = ["Exchange", "run_prefill"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill (started by the metaserver)
+
+
+async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: dict[str, Any]
+                       ) -> None:
+    """POST one sub-transfer's prefill request; record success or failure on ``tr``."""
+    backend = sub.backend
+    url = backend.url + COMPLETIONS
+    headers = {**tr.headers, "X-Request-Id": tr.request_id}
+    backend.in_flight += 1
+    backend.requests += 1
+    status = 502
+    state.timeline.mark(sub.sub_id, "p_sent")
+    try:
+        try:
+            resp = await state.client.post(url, json=body, headers=headers)
+            state.timeline.mark(sub.sub_id, "p_done")
+        except httpx.TimeoutException as exc:
+            status = 504
+            error = f"prefill server {backend.url} timed out on {COMPLETIONS}: {_describe(exc)}"
+        except httpx.HTTPError as exc:
+            error = f"prefill server {backend.url} failed on {COMPLETIONS}: {_describe(exc)}"
+        else:
+            if resp.is_success:
+                sub.state = "done"
+                return
+            error = (f"prefill server {backend.url} returned HTTP {resp.status_code} on "
+                     f"{COMPLETIONS}: {_quote(resp.content)}")
+        backend.errors += 1
+        state.counters["prefill_failures"] += 1
+        sub.state = "failed"
+        if tr.prefill_error is None:
+            tr.prefill_error = error
+            tr.prefill_error_status = status
+            tr.prefill_error_server = backend.url
+        tr.prefill_failed.set()
+        log.warning("request %s (sub-transfer %s): %s", tr.request_id, sub.sub_id, error)
+    except asyncio.CancelledError:
+        sub.state = "cancelled"
+        raise
+    finally:
+        backend.in_flight -= 1
+
+
+def _cancel_prefills(tr: Transfer) -> None:
+    """Cancel every prefill request of ``tr`` still running (closes their connections)."""
+    for sub in tr.prefills.values():
+        if sub.task is not None and not sub.task.done():
+            sub.task.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# One client exchange
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    """Return when the client disconnects (the request body has already been read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Exchange(Response):
+    """ASGI response that runs one client request against D until it ends.
+
+    Three things race: the D request (``_run``), the client disconnecting, and the prefill failing
+    before D's answer has started. The first decides; the others are cancelled.
+    """
+
+    def __init__(self, state: ProxyState, tr: Transfer) -> None:
+        super().__init__()
+        self.state = state
+        self.tr = tr
+        self.started = False  # response start sent to the client
+        self.relayed = False  # a byte of D's answer was sent to the client
+        self.ok = False  # D's answer was relayed completely
+        self._upstream: httpx.Response | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        tr, state = self.tr, self.state
+        run = asyncio.ensure_future(self._run(send))
+        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
+        prefill_failed = asyncio.ensure_future(tr.prefill_failed.wait())
+        waiting: set[asyncio.Future[Any]] = {run, disconnect, prefill_failed}
+        try:
+            while True:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if run in done:
+                    run.result()
+                    break
+                if disconnect in done:
+                    state.counters["client_disconnects"] += 1
+                    log.info("request %s: client disconnected; cancelling", tr.request_id)
+                    await _cancel_and_wait(run)
+                    break
+                if prefill_failed in done:
+                    waiting.discard(prefill_failed)
+                    if not self.relayed:  # headers may be out; then the error goes in-band
+                        await _cancel_and_wait(run)
+                        await self._error(send, tr.prefill_error_status,
+                                          tr.prefill_error or "prefill failed", stage="prefill",
+                                          server=tr.prefill_error_server)
+                        break
+        finally:
+            for task in (run, disconnect, prefill_failed):
+                task.cancel()
+            self._finish()
+
+    def _finish(self) -> None:
+        """Release the transfer: counters, transfer table, and the prefill unless D succeeded."""
+        tr = self.tr
+        tr.decode.in_flight -= 1
+        self.state.transfers.pop(tr.request_id, None)
+        if not self.ok:
+            _cancel_prefills(tr)
+
+    async def _start(self, send: Send, status: int, content_type: str) -> None:
+        """Send the response head to the client."""
+        self.started = True
+        headers = [(b"content-type", content_type.encode("latin-1")),
+                   (b"x-request-id", self.tr.request_id.encode())]
+        if self.tr.stream and status == 200:
+            headers.append((b"cache-control", b"no-cache"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _error(self, send: Send, status: int, message: str, *, stage: str,
+                     server: str | None) -> None:
+        """Report an error to the client: a JSON response, or a final SSE event mid-stream."""
+        self.state.counters["errors"] += 1
+        type_ = "timeout" if status == 504 else "upstream_error"
+        body = error_body(message, type_=type_, stage=stage, server=server,
+                          request_id=self.tr.request_id)
+        data = json.dumps(body).encode()
+        if not self.started:
+            await self._start(send, status, "application/json")
+            await send({"type": "http.response.body", "body": data})
+        else:
+            event = b"data: " + data + b"\n\n" if self.tr.stream else b""
+            await send({"type": "http.response.body", "body": event})
+
+    async def _run(self, send: Send) -> None:
+        """Send the request to D and relay its answer; failures become client errors."""
+        tr, state = self.tr, self.state
+        server = tr.decode.url
+        try:
+            body = build_decode_body(tr.body, tr.request_id, tr.metaserver, tr.grant)
+            headers = {**tr.headers, "X-Request-Id": tr.request_id}
+            request = state.client.build_request("POST", server + tr.api, json=body,
+                                                 headers=headers)
+            state.timeline.mark(tr.request_id, "d_sent")
+            resp = await state.client.send(request, stream=True)
+            self._upstream = resp
+            if resp.status_code != 200:
+                data = await resp.aread()
+                await self._upstream_status(send, resp, data)
+                return
+            content_type = resp.headers.get("content-type", "application/json")
+            if not tr.stream:
+                data = await resp.aread()
+                state.timeline.mark(tr.request_id, "first_token")
+                await self._start(send, 200, content_type)
+                self.relayed = True
+                await send({"type": "http.response.body", "body": data})
+            else:
+                # D accepted the request: the client gets its headers now, not with the first
+                # token (which waits for the whole P/D round trip); later errors go in-band.
+                await self._start(send, 200, content_type)
+                async for chunk in resp.aiter_bytes():
+                    if not chunk:
+                        continue
+                    if not self.relayed:
+                        state.timeline.mark(tr.request_id, "first_token")
+                    self.relayed = True
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+            self.ok = True
+            state.timeline.mark(tr.request_id, "end")
+        except httpx.TimeoutException as exc:
+            tr.decode.errors += 1
+            await self._error(send, 504, f"decode server {server} timed out on {tr.api}: "
+                              f"{_describe(exc)}", stage="decode", server=server)
+        except httpx.HTTPError as exc:
+            tr.decode.errors += 1
+            what = "unreachable" if isinstance(exc, httpx.ConnectError) else "failed"
+            await self._error(send, 502, f"decode server {server} {what} on {tr.api}: "
+                              f"{_describe(exc)}", stage="decode", server=server)
+        except (asyncio.CancelledError, OSError):
+            raise
+        except Exception as exc:  # a bug here must still answer the client
+            log.exception("request %s: proxy failure", tr.request_id)
+            with contextlib.suppress(Exception):  # in-band if the head is already out
+                await self._error(send, 500, f"proxy failure: {_describe(exc)}", stage="proxy",
+                                  server=None)
+        finally:
+            if self._upstream is not None:
+                await self._upstream.aclose()
+
+    async def _upstream_status(self, send: Send, resp: httpx.Response, data: bytes) -> None:
+        """Relay a non-200 answer of D: 4xx unchanged, anything else as 502."""
+        tr = self.tr
+        if 400 <= resp.status_code < 500:
+            self.state.counters["errors"] += 1
+            await self._start(send, resp.status_code,
+                              resp.headers.get("content-type", "application/json"))
+            await send({"type": "http.response.body", "body": data})
+            return
+        tr.decode.errors += 1
+        await self._error(send, 502, f"decode server {tr.decode.url} returned HTTP "
+                          f"{resp.status_code} on {tr.api}: {_quote(data)}", stage="decode",
+                          server=tr.decode.url)
+
+
+async def _cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has finished its cleanup."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

@@ -1,0 +1,305 @@
+"""The D-first proxy's shared state and pure helpers: servers, transfers in flight, request and
+body builders (the contract is in lw.vllm_adapter.proxy)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import ipaddress
+import logging
+import secrets
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from lw.vllm_adapter.control_auth import CallVerifier
+from lw.vllm_adapter.proxy_timeline import ProxyTimeline
+
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "BadRequest",
+    "Backend",
+    "ProxyState",
+    "SubPrefill",
+    "Transfer",
+    "build_decode_body",
+    "build_prefill_body",
+    "error_body",
+    "normalize_url",
+    "sub_transfer_allowance",
+    "validate_request",
+]
+
+
+log = logging.getLogger("lw.proxy")
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MAX_TRANSFER_ID = 256
+"""Longest sub-transfer id accepted (the KV connectors' transfer id limit)."""
+MAX_ERROR_BODY = 2000
+"""Characters of an upstream error body quoted in our error messages."""
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class BadRequest(ValueError):
+    """A client request the proxy refuses (answered with 400)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def normalize_url(url: str) -> str:
+    """Base URL of a server: add ``http://`` if missing, strip a trailing ``/`` and ``/v1``."""
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+def validate_request(api: str, body: Any) -> dict[str, Any]:
+    """Check a client body for ``api``; return it or raise ``BadRequest`` with a clear message."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string")
+    if api == COMPLETIONS:
+        prompt = body.get("prompt")
+        if prompt is None or prompt == "" or prompt == []:
+            raise BadRequest("'prompt' is required for /v1/completions")
+        if not isinstance(prompt, str | list):
+            raise BadRequest("'prompt' must be a string or a list")
+    else:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' is required for /v1/chat/completions (non-empty list)")
+    if not isinstance(body.get("stream", False), bool):
+        raise BadRequest("'stream' must be a boolean")
+    return body
+
+
+def build_decode_body(body: dict[str, Any], request_id: str, metaserver: str,
+                      grant: str) -> dict[str, Any]:
+    """The body sent to D: the client's, with the proxy's ``kv_transfer_params`` (``grant``: the
+    transfer's secret that D's metaserver calls must carry; only D and the proxy see it)."""
+    out = dict(body)
+    out["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "metaserver": metaserver,
+        "transfer_id": request_id,
+        "metaserver_grant": grant,
+    }
+    return out
+
+
+def sub_transfer_allowance(api: str, body: dict[str, Any]) -> int:
+    """How many sub-transfers D may create for a client request: one per prompt and choice.
+
+    vLLM makes one request per prompt of a completions ``prompt`` list (a list of token ids is
+    one prompt) and ``n`` children of each; D posts at most one metaserver call per request.
+    """
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    prompt = body.get("prompt") if api == COMPLETIONS else None
+    prompts = 1
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompts = len(prompt)
+    return n * prompts
+
+
+PREFILL_KEPT = ("cache_salt", "priority")
+"""Client fields that still matter to P's prefill of token ids (cache isolation, scheduling)."""
+
+
+def build_prefill_body(
+    body: dict[str, Any], decode_params: dict[str, Any], transfer_id: str,
+    prompt_token_ids: list[int],
+) -> dict[str, Any]:
+    """The body P gets (``/v1/completions``): D's token ids, one token, not streamed, D's params."""
+    out: dict[str, Any] = {"model": body["model"], "prompt": list(prompt_token_ids),
+                           "max_tokens": 1, "n": 1, "stream": False}
+    for key in PREFILL_KEPT:
+        if key in body:
+            out[key] = copy.deepcopy(body[key])
+    params = dict(decode_params)
+    params.update(do_remote_decode=True, do_remote_prefill=False, transfer_id=transfer_id)
+    out["kv_transfer_params"] = params
+    return out
+
+
+def error_body(
+    message: str,
+    *,
+    type_: str = "proxy_error",
+    stage: str = "proxy",
+    server: str | None = None,
+    request_id: str | None = None,
+) -> dict[str, Any]:
+    """An OpenAI-shaped error object, plus the stage and server that failed."""
+    err: dict[str, Any] = {"message": message, "type": type_, "stage": stage, "server": server}
+    if request_id is not None:
+        err["request_id"] = request_id
+    return {"error": err}
+
+
+def _describe(exc: BaseException) -> str:
+    """Short description of an httpx exception."""
+    text = str(exc) or repr(exc)
+    return f"{type(exc).__name__}: {text}"
+
+
+def _quote(data: bytes) -> str:
+    """An upstream body shortened for an error message."""
+    text = data.decode("utf-8", errors="replace")
+    return text if len(text) <= MAX_ERROR_BODY else text[:MAX_ERROR_BODY] + "..."
+
+
+def _url_host(host: str) -> str:
+    """Host as written in a URL (IPv6 in brackets)."""
+    try:
+        if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
+            return f"[{host}]"
+    except ValueError:
+        pass
+    return host
+
+
+# ---------------------------------------------------------------------------------------------
+# State
+
+
+@dataclass(eq=False)
+class Backend:
+    """A prefill or decode server and its counters."""
+
+    url: str
+    role: str
+    in_flight: int = 0
+    requests: int = 0
+    errors: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters as JSON."""
+        return {"url": self.url, "in_flight": self.in_flight, "requests": self.requests,
+                "errors": self.errors}
+
+
+@dataclass(eq=False)
+class SubPrefill:
+    """The prefill of one vLLM request of a client request (one sub-transfer)."""
+
+    sub_id: str
+    backend: Backend
+    task: asyncio.Task[None] | None = None
+    state: str = "running"  # running -> done | failed | cancelled
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One client request in flight: its D request, and the prefills D asked for."""
+
+    request_id: str
+    api: str
+    body: dict[str, Any]
+    stream: bool
+    headers: dict[str, str]
+    metaserver: str
+    decode: Backend
+    allowance: int = 1  # sub-transfers D may create (sub_transfer_allowance)
+    # The transfer's secret for D's metaserver calls: sent to D only, never to the client.
+    grant: str = field(default_factory=lambda: secrets.token_hex(16))
+    prefills: dict[str, SubPrefill] = field(default_factory=dict)  # sub-transfer id -> prefill
+    prefill_error: str | None = None  # the first failure
+    prefill_error_status: int = 502
+    prefill_error_server: str | None = None
+    prefill_failed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ProxyState:
+    """Everything the proxy app shares: servers, transfers in flight, HTTP client, counters."""
+
+    def __init__(
+        self,
+        prefill_urls: Iterable[str],
+        decode_urls: Iterable[str],
+        *,
+        timeout_s: float,
+        connect_timeout_s: float,
+        health_timeout_s: float,
+        metaserver_url: str,
+        verifier: CallVerifier,
+    ) -> None:
+        self.prefills = [Backend(normalize_url(u), "prefill") for u in prefill_urls]
+        self.decodes = [Backend(normalize_url(u), "decode") for u in decode_urls]
+        if not self.prefills or not self.decodes:
+            raise ValueError("the proxy needs at least one prefill and one decode server")
+        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.health_timeout = httpx.Timeout(health_timeout_s)
+        self.short_timeout = httpx.Timeout(min(timeout_s, 30.0), connect=connect_timeout_s)
+        self.metaserver_url = metaserver_url
+        self.verifier = verifier
+        self.client = httpx.AsyncClient(
+            timeout=self.timeout,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.transfers: dict[str, Transfer] = {}
+        self.timeline = ProxyTimeline()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._rr = {"prefill": 0, "decode": 0}
+        self.counters = {
+            "requests": 0,
+            "errors": 0,
+            "bad_requests": 0,
+            "client_disconnects": 0,
+            "metaserver_calls": 0,
+            "metaserver_refused": 0,
+            "prefills": 0,
+            "prefill_failures": 0,
+        }
+
+    def pick(self, backends: list[Backend]) -> Backend:
+        """The backend with the fewest outstanding requests; ties broken round robin."""
+        role = backends[0].role
+        start = self._rr[role] % len(backends)
+        self._rr[role] += 1
+        rotated = backends[start:] + backends[:start]
+        return min(rotated, key=lambda b: b.in_flight)
+
+    def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        """Run ``coro`` as a background task kept referenced until it ends."""
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters as JSON."""
+        return {
+            **self.counters,
+            "in_flight": len(self.transfers),
+            "prefill": [b.snapshot() for b in self.prefills],
+            "decode": [b.snapshot() for b in self.decodes],
+        }
+
+    async def aclose(self) -> None:
+        """Cancel background tasks and close the HTTP client."""
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.client.aclose()
+
+
