@@ -84,6 +84,12 @@ def check_lease(
         )
 
 
+def _brief(blocks: Sequence[int], most: int = 16) -> str:
+    """Block ids for a reason text (bounded: reasons travel in messages)."""
+    head = ", ".join(map(str, blocks[:most]))
+    return f"[{head}{', ...' if len(blocks) > most else ''}] ({len(blocks)})"
+
+
 class _Req:
     """Mutable per-request record of the decode lifecycle."""
 
@@ -341,6 +347,11 @@ class DecodeEndpoint:
 
     def _claim_problem(self, rec: _Req, msg: MetaRequest) -> str:
         """Why a new sender may not write into this request's blocks ("" if it may)."""
+        if tuple(msg.blocks) != rec.blocks:
+            # Its prefill was started with other block ids than D registered (a forged or
+            # mistaken metaserver call): its writes would land in another request's blocks.
+            return (f"the sender would write D block(s) {_brief(msg.blocks)}, but this request "
+                    f"receives into {_brief(rec.blocks)}")
         why = pair_problem(msg.fmt, self.layout.fmt)
         if why:
             return why

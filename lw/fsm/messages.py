@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 import msgspec
 
 MAX_TIMELINE = 100_000  # timeline entries one StatusQuery may ask for
-PROTOCOL_VERSION = 2  # 2: KVFormat in layouts and claims (heterogeneous TP, MLA)
+# 2: KVFormat in layouts and claims (heterogeneous TP, MLA); 3: a claim names the D blocks
+PROTOCOL_VERSION = 3
 
 # Bounds that make absurd values a decode error rather than a problem for the core.
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -23,6 +24,7 @@ _Addr = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # msgspec bounds a
 _Len = Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
 _NBlocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 32)]
 _Incarnation = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+_BlockId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=True):
@@ -81,6 +83,9 @@ class MetaRequest(_Msg, tag="meta_req"):
     req_id: _Id
     sender: Sender
     want_layout: bool
+    # The D blocks this sender was told to write (by the metaserver call that started its
+    # prefill): D accepts only the blocks it registered for the request.
+    blocks: Annotated[tuple[_BlockId, ...], msgspec.Meta(max_length=1 << 20)]
     fmt: KVFormat = msgspec.field(default_factory=KVFormat)  # the heads this sender holds
 
 

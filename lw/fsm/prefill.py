@@ -553,14 +553,15 @@ class PrefillEndpoint:
         for t in rec.targets:
             if not t.accepted:
                 out.append(Send(t.addr, MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me,
-                                                    t.addr not in self._layouts, self.fmt)))
+                                                    t.addr not in self._layouts,
+                                                    rec.req.remote_blocks, self.fmt)))
         out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
 
     def _send_meta_request(self, rec: _Req, t: _Target, now: float, out: list[Effect]) -> None:
         """Ask one target again (its layout is needed); the retry timer covers the others."""
         rec.meta_tries += 1
         out.append(Send(t.addr, MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me,
-                                            True, self.fmt)))
+                                            True, rec.req.remote_blocks, self.fmt)))
         out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
 
     def _send_done(self, rec: _Req, out: list[Effect]) -> None:

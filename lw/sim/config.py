@@ -19,9 +19,13 @@ Owner = tuple[str, int]  # ("p", P worker) or ("d", D worker)
 Write = tuple[int, int, tuple[int, ...], tuple[int, ...], int, float, int]
 HEAD_BYTES = 4096  # bytes of one KV head in one block (layouts only; no bytes are moved)
 
-FAULT_KINDS = ("drop", "dup", "write", "crash", "abort")
+# "forge": the proxy starts a request's prefill with D block ids D did not register for it (a
+# forged or mistaken metaserver call); not among the default kinds, which are the faults of
+# processes and the network.
+FAULT_KINDS = ("drop", "dup", "write", "crash", "abort", "forge")
+DEFAULT_FAULT_KINDS = ("drop", "dup", "write", "crash", "abort")
 FAULT_ACTIONS = frozenset({"drop", "dup", "fail_write", "crash_p", "crash_d", "abort_d",
-                           "abort_p"})
+                           "abort_p", "forge"})
 EPSILON = 0.001  # abstract time: "just before" a deadline (below every timer's duration)
 
 
@@ -48,7 +52,7 @@ class WorldConfig:
     # written by P; missing entries 0). blocks_per_request is a full hit: nothing to transfer.
     prefix_hits: tuple[int, ...] = ()
     faults: bool = False
-    fault_kinds: tuple[str, ...] = FAULT_KINDS
+    fault_kinds: tuple[str, ...] = DEFAULT_FAULT_KINDS
     max_faults: int = 1
     # With faults, the clock may also move at any time (arbitrary delays: any timer may fire
     # before pending work, and the world may idle until just before the next deadline). Off: the

@@ -15,7 +15,7 @@ import msgspec
 from lw.fsm import ArmTimer, CancelTimer, DecodeEndpoint, Effect, PrefillEndpoint, Send
 from lw.fsm.effects import TimerKey
 from lw.fsm.lifecycles import DONE, FAILED
-from lw.fsm.messages import PROTOCOL_VERSION, DoneSending, Message, MetaReply
+from lw.fsm.messages import PROTOCOL_VERSION, DoneSending, Message, MetaReply, MetaRequest
 
 _FINAL = (DONE, FAILED)
 
@@ -227,3 +227,13 @@ class DoneCoversAll(DecodeEndpoint):
         if isinstance(msg, DoneSending) and msg.num_blocks is not None:
             msg = msgspec.structs.replace(msg, num_blocks=None)
         return super().on_message(msg, now, kv_sums)  # type: ignore[arg-type]
+
+
+class ClaimBlocksUnchecked(DecodeEndpoint):
+    """D before protocol 3: a sender is accepted for a request whatever D blocks its prefill
+    was started with (the claim named only the request), so a forged or mistaken metaserver
+    call aims P's writes at another request's blocks."""
+
+    def _claim_problem(self, rec: object, msg: MetaRequest) -> str:  # type: ignore[override]
+        honest = msgspec.structs.replace(msg, blocks=rec.blocks)  # type: ignore[attr-defined]
+        return super()._claim_problem(rec, honest)  # type: ignore[arg-type]

@@ -94,6 +94,10 @@ class Describe:
             return f"client aborts {self.reqs[a[1]].rid} on D"
         if kind == "abort_p":
             return f"client aborts {self.reqs[a[1]].rid} on P"
+        if kind == "forge":
+            q = self.reqs[a[1]]
+            return (f"a forged metaserver call starts the prefill of {q.rid} into D block(s) "
+                    f"{list(self._forged_blocks(q))}, not its {list(q.d_remote)}")
         return repr(a)
 
     def summary(self) -> list[str]:

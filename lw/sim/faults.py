@@ -29,6 +29,8 @@ class Faults:
             if self.p_alive:
                 acts.append(("crash_p",))
             acts += [("crash_d", d) for d in range(self.cfg.d_dp) if self.d_alive[d]]
+        if "forge" in kinds and self.design.d_first and self.p_alive:
+            acts += [("forge", q.idx) for q in self.reqs if self._forgeable(q)]
         if "abort" in kinds:
             for q in self.reqs:
                 if self._d_abortable(q):
@@ -36,6 +38,27 @@ class Faults:
                 if self._p_abortable(q):
                     acts.append(("abort_p", q.idx))
         return acts
+
+    def _forged_blocks(self, q: Req) -> tuple[int, ...]:
+        """Other D blocks of the same size: each of q's blocks moved one along D's pool (into
+        another request's blocks, a free one, or q's own in another order)."""
+        n = len(self.d_pool[q.d_rank])
+        return tuple((b + 1) % n for b in q.d_remote)
+
+    def _forgeable(self, q: Req) -> bool:
+        # Before D's own call started the prefill (the proxy starts one per sub-transfer).
+        return (q.d_stage == "allocated" and not q.started and q.p_stage == "none"
+                and q.loads() and self._forged_blocks(q) != q.d_remote)
+
+    def _do_forge(self, r: int) -> None:
+        q = self.reqs[r]
+        q.forged = self._forged_blocks(q)
+        q.touched = True
+        q.started = True
+        q.p_stage = "queued"
+        self.p_queue[q.p_rank].append(r)
+        self._arrow("Proxy", f"P{q.p_rank * self.tp}",
+                    f"prefill {q.rid} into D block(s) {list(q.forged)} (forged call)")
 
     def _d_abortable(self, q: Req) -> bool:
         if q.d_stage in ("waiting", "decoding"):

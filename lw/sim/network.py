@@ -37,7 +37,7 @@ def msg_key(src: str, dest: str, msg: Message) -> MsgKey:
     """A hashable identity of a message in flight: everything a receiver's decision depends on."""
     kind = _SHORT[type(msg)]
     if isinstance(msg, MetaRequest):
-        extra: tuple = (msg.want_layout,)
+        extra: tuple = (msg.want_layout, msg.blocks)  # D accepts only its own blocks
     elif isinstance(msg, MetaReply):  # with D restarts the incarnations decide what P does
         extra = (msg.status, msg.layout is not None, msg.responder.incarnation,
                  None if msg.layout is None else msg.layout.incarnation)

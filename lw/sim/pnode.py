@@ -103,7 +103,7 @@ class PNode:
             n = len(plan.senders[js[0]]) if js else 1
             local = self._p_sent(q)[q.span(0)]  # the blocks its first chunk completes
             req = self.store.intern(PrefillRequest(
-                q.rid, tuple(d_addr(base + j) for j in js), local, q.d_remote, n,
+                q.rid, tuple(d_addr(base + j) for j in js), local, q.p_target, n,
                 final=not q.more_chunks()))
             self._effects(("p", w), self.p[w].add_request(req, self.now))
 

@@ -9,7 +9,7 @@ class Req:
     __slots__ = ("idx", "rid", "p_rank", "d_rank", "hit", "d_stage", "p_stage", "d_blocks",
                  "p_blocks", "started", "p_added", "landed", "send_reports", "send_ok",
                  "recv_reports", "recv_ok", "accepted", "quarantined", "p_freed", "t_alloc",
-                 "t_padd", "t_dfail", "d_inc", "touched", "losses", "sizes", "chunk")
+                 "t_padd", "t_dfail", "d_inc", "touched", "losses", "sizes", "chunk", "forged")
 
     def __init__(self, idx: int, p_rank: int, d_rank: int, tp: int, d_tp: int = 1,
                  hit: int = 0, sizes: tuple[int, ...] = (1,)) -> None:
@@ -46,6 +46,8 @@ class Req:
         self.d_inc = 0  # incarnation of the D engine that allocated it (0: not allocated)
         self.touched = False  # a fault hit it: crash of its engines, abort, failed write
         self.losses = 0  # its messages the network dropped
+        # D blocks a forged metaserver call named for it (P is told to write there), or None
+        self.forged: tuple[int, ...] | None = None
 
     def key(self, now: float, progress_budget: int = 0) -> tuple:
         """Hashable content (times relative to ``now``). ``progress_budget``: P's retry budget
@@ -68,7 +70,7 @@ class Req:
         return (self.d_stage, self.p_stage, self.d_blocks, self.p_blocks, self.started,
                 self.p_added, self.chunk, landed, self.send_reports, self.send_ok,
                 self.recv_reports, self.recv_ok, tuple(sorted(self.accepted)), self.quarantined,
-                self.p_freed, t_alloc, t_padd, self.d_inc,
+                self.p_freed, t_alloc, t_padd, self.d_inc, self.forged,
                 (self.touched, min(self.losses, progress_budget)) if progress_budget else None)
 
     def d_final(self) -> bool:
@@ -83,6 +85,11 @@ class Req:
     def d_remote(self) -> tuple[int, ...]:
         """D blocks P writes into (after the prefix-cache hit)."""
         return (self.d_blocks or ())[self.hit:]
+
+    @property
+    def p_target(self) -> tuple[int, ...]:
+        """D blocks P is told to write into: D's own, unless a forged call named others."""
+        return self.d_remote if self.forged is None else self.forged
 
     @property
     def d_cached(self) -> tuple[int, ...]:

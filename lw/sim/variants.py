@@ -261,6 +261,18 @@ _DESIGNS: tuple[Design, ...] = (
         bounds=_CHUNKS,
         ruled_out="one DONE per sender, after the last chunk, stating the blocks it covers "
                   "(DoneSending.num_blocks); D refuses one that does not cover its blocks"),
+    Design(
+        name="unchecked-claim-blocks", title="a claim accepted whatever blocks it targets",
+        ref="sglang #39400 class (unauthenticated control plane); lw issue 23",
+        summary="The proxy starts a prefill from a metaserver call that names other D blocks "
+                "than D registered (forged, or another request's); D accepts the sender on the "
+                "request id alone, and P's writes land in blocks of another request.",
+        decode=defects.ClaimBlocksUnchecked, expected="kv-placement",
+        bounds={"dp": 1, "requests": 2, "layers": 1, "d_blocks": 2, "faults": True,
+                "fault_kinds": ("forge",), "delays": False},
+        ruled_out="a claim names the D blocks its sender was told to write, and D accepts only "
+                  "the blocks it registered for that request (protocol 3); the proxy takes "
+                  "only signed calls bound to the transfer (docs/deployment.md)"),
 )
 
 DESIGNS: dict[str, Design] = {d.name: d for d in _DESIGNS}

@@ -272,7 +272,8 @@ def test_prefill_restart_fails_its_claims_on_decoder() -> None:
     old = p_sender()
     newer = Sender(old.engine_id, old.rank, 2, old.addr)
     pair.absorb("d", pair.d.add_request("r2", (9,), 1, 0.0))
-    pair.absorb("d", pair.d.on_message(MetaRequest(PROTOCOL_VERSION, "r2", newer, False), 0.0))
+    pair.absorb("d", pair.d.on_message(MetaRequest(PROTOCOL_VERSION, "r2", newer, False, (9,)),
+                                           0.0))
     assert pair.d.state_of("r1") == "FAILED" and pair.d.counters["peer_restarts"] == 1
     assert any(isinstance(e, Quarantine) and e.req_id == "r1" for e in pair.other)
 

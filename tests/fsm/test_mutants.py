@@ -131,7 +131,8 @@ def test_decode_forgets_the_oldest_finished_request_first() -> None:
         d.abort(rid, "gone", 0.0)  # never claimed: FAILED and released at once
     assert [d.state_of(r) for r in ("a", "b", "c")] == [None, "FAILED", "FAILED"]
     # A late claim of a remembered request is refused; a forgotten one is only "unknown".
-    status = {rid: d.on_message(MetaRequest(PROTOCOL_VERSION, rid, p_sender(), True), 0.0)[0]
+    status = {rid: d.on_message(MetaRequest(PROTOCOL_VERSION, rid, p_sender(), True, (1,)),
+                                0.0)[0]
               .msg.status for rid in ("a", "c")}
     assert status == {"a": "unknown", "c": "refused"}
 
@@ -165,7 +166,7 @@ def test_long_failure_reasons_are_cut_to_what_the_wire_carries() -> None:
     aborts = _crosses_wire(pair.d.abort("r1", LONG, 0.0), Abort)
     assert [len(m.reason) for m in aborts] == [1024]
     # D failed r1 with that reason: a new sender's claim is refused with it, cut to size.
-    late = MetaRequest(PROTOCOL_VERSION, "r1", p_sender(1), True)
+    late = MetaRequest(PROTOCOL_VERSION, "r1", p_sender(1), True, (5, 6))
     replies = _crosses_wire(pair.d.on_message(late, 0.0), MetaReply)
     assert [(m.status, len(m.reason)) for m in replies] == [("refused", 1024)]
     # P fails with a long reason of its own: FailedSending carries its first 1024 chars.
@@ -215,7 +216,7 @@ def test_a_live_request_cannot_be_added_twice() -> None:
     """A second add would reset the record under writes that may be in flight."""
     d = _d()
     d.add_request("r1", (5,), 1, 0.0)
-    d.on_message(MetaRequest(PROTOCOL_VERSION, "r1", p_sender(), True), 0.0)
+    d.on_message(MetaRequest(PROTOCOL_VERSION, "r1", p_sender(), True, (5,)), 0.0)
     with pytest.raises(ValueError, match="already live"):
         d.add_request("r1", (6,), 1, 0.0)
     assert d.state_of("r1") == "RECEIVING" and d.awaited_peers()  # still claimed
@@ -270,8 +271,15 @@ def test_unknown_timer_kinds_are_refused() -> None:
 
 
 # ------------------------------------------------------------------------------ peers and restarts
+def _registered(d: DecodeEndpoint, rid: str) -> tuple[int, ...]:
+    """The blocks D registered for ``rid`` (what an honest sender's claim names)."""
+    rec = d._reqs.get(rid)
+    return rec.blocks if rec is not None else ()
+
+
 def _claim(d: DecodeEndpoint, rid: str, sender: Sender) -> str:
-    out = d.on_message(MetaRequest(PROTOCOL_VERSION, rid, sender, True), 0.0)
+    out = d.on_message(MetaRequest(PROTOCOL_VERSION, rid, sender, True, _registered(d, rid)),
+                       0.0)
     return next(e.msg.status for e in out if isinstance(e, Send) and isinstance(e.msg, MetaReply))
 
 
@@ -314,8 +322,8 @@ def test_sender_memory_is_bounded_against_forged_senders() -> None:
     d.add_request("r", (1,), 1, 0.0)
     assert _claim(d, "r", Sender("P", 0, 1, "tcp://p0/0")) == "accepted"
     for i in range(65536 + 8):
-        d.on_message(MetaRequest(PROTOCOL_VERSION, "nope", Sender(f"F{i}", 0, 1, "x"), True),
-                     0.0)
+        d.on_message(MetaRequest(PROTOCOL_VERSION, "nope", Sender(f"F{i}", 0, 1, "x"), True,
+                                 ()), 0.0)
     assert len(d._incarnations) == 65536
     _claim(d, "nope", Sender("P", 0, 2, "tcp://p0/0"))
     assert d.state_of("r") == "FAILED"
@@ -333,7 +341,8 @@ def _d_fmt(fmt: KVFormat) -> DecodeEndpoint:
 
 
 def _claim_fmt(d: DecodeEndpoint, rid: str, sender: Sender, fmt: KVFormat) -> MetaReply:
-    out = d.on_message(MetaRequest(PROTOCOL_VERSION, rid, sender, True, fmt), 0.0)
+    out = d.on_message(MetaRequest(PROTOCOL_VERSION, rid, sender, True, _registered(d, rid),
+                                   fmt), 0.0)
     return next(e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, MetaReply))
 
 
@@ -693,8 +702,9 @@ def test_reference_machine_knows_only_the_declared_events(decl: Declaration) -> 
 # ------------------------------------------------------------------------------ wire compatibility
 # Bytes of protocol version 2 as a peer built from another commit sends them.
 GOLDEN_CLAIM = (
-    b"\x86\xa4kind\xa8meta_req\xa7version\x02\xa6req_id\xa2r1\xa6sender\x84\xa9engine_id\xa1P"
-    b"\xa4rank\x00\xabincarnation\x01\xa4addr\xa8tcp://p0\xabwant_layout\xc3\xa3fmt\x89\xa5dtype"
+    b"\x87\xa4kind\xa8meta_req\xa7version\x03\xa6req_id\xa2r1\xa6sender\x84\xa9engine_id\xa1P"
+    b"\xa4rank\x00\xabincarnation\x01\xa4addr\xa8tcp://p0\xabwant_layout\xc3"
+    b"\xa6blocks\x92\x05\x06\xa3fmt\x89\xa5dtype"
     b"\xa4bf16\xacblock_tokens\x10\xa5order\xa3HND\xabtotal_heads\x04\xa7head_lo\x00\xa7head_hi"
     b"\x02\xa7tp_rank\x00\xa7tp_size\x02\xa3mla\xc2")
 
@@ -704,7 +714,7 @@ def test_messages_of_this_protocol_version_keep_their_bytes() -> None:
     the same bytes (a change of version or field must be deliberate)."""
     msg = decode(GOLDEN_CLAIM)
     assert msg == MetaRequest(PROTOCOL_VERSION, "r1", Sender("P", 0, 1, "tcp://p0"), True,
-                              _fmt(tp_size=2))
+                              (5, 6), _fmt(tp_size=2))
     assert encode(msg) == GOLDEN_CLAIM
 
 
@@ -712,7 +722,7 @@ def test_a_claim_without_a_format_is_an_opaque_single_head_block() -> None:
     """An omitted format (an older sender) means whole opaque blocks: one head, one rank,
     not MLA; D with the same default format accepts it."""
     raw = msgspec.msgpack.encode({"kind": "meta_req", "version": PROTOCOL_VERSION,
-                                  "req_id": "r1", "want_layout": True,
+                                  "req_id": "r1", "want_layout": True, "blocks": [5],
                                   "sender": {"engine_id": "P", "rank": 0, "incarnation": 1,
                                              "addr": "tcp://p0/0"}})
     msg = decode(raw)
@@ -852,7 +862,7 @@ def test_meta_requests_are_sent_meta_attempts_times_then_the_request_fails() -> 
 def test_prefill_refuses_messages_only_a_decoder_receives() -> None:
     p = PrefillEndpoint(p_sender(), L)
     _meta_ready(p)
-    for msg in (MetaRequest(PROTOCOL_VERSION, "r", p_sender(1), True),
+    for msg in (MetaRequest(PROTOCOL_VERSION, "r", p_sender(1), True, (1,)),
                 DoneSending(PROTOCOL_VERSION, "r", p_sender(1), 1, L)):
         with pytest.raises(ProtocolError, match="only accepts MetaReply, Ack and Abort"):
             p.on_message(msg, 0.0)
@@ -1080,3 +1090,28 @@ def test_in_doubt_memory_is_bounded_with_the_finished_memory() -> None:
     assert p.snapshot()[4] == ("a",)
     p.add_request(PrefillRequest("b", (), (1,), (2,)), 1.0)  # finishes at once: "a" forgotten
     assert p.state_of("a") is None and p.snapshot()[4] == ()
+
+
+def test_a_claim_for_other_blocks_is_refused_and_writes_nothing() -> None:
+    """A prefill started with D block ids D did not register for the request (a forged or
+    mistaken metaserver call) is refused at its claim: no layout, no write, and D's request
+    still waits for an honest sender."""
+    d = _d()
+    d.add_request("r1", (5, 6), 1, 0.0)
+    for blocks in ((6, 5), (5,), (5, 6, 7), (0, 1), ()):
+        out = d.on_message(MetaRequest(PROTOCOL_VERSION, "r1", p_sender(), True, blocks), 0.0)
+        [reply] = [e.msg for e in out if isinstance(e, Send)]
+        assert reply.status == "refused" and reply.layout is None, blocks
+        assert "receives into [5, 6]" in reply.reason
+    assert d.state_of("r1") == "PREFILL_REQUESTED" and d.counters["refused"] == 5
+    assert _claim(d, "r1", p_sender()) == "accepted"  # the honest one still gets in
+    # End to end: P told other blocks fails its request and writes nothing.
+    pair = Pair([PrefillEndpoint(p_sender(), L)], _d())
+    pair.absorb("d", pair.d.add_request("r2", (5, 6), 1, 0.0))
+    pair.absorb(0, pair.ps[0].add_request(PrefillRequest("r2", D_ADDR, (1, 2), (7, 8)), 0.0))
+    pair.deliver_all()
+    assert pair.ps[0].state_of("r2") == "FAILED"
+    assert not effects_of_type(pair.ps[0].layer_computed(0, ["r2"], 0.0), WriteLayer)
+    long = d.on_message(MetaRequest(PROTOCOL_VERSION, "r1", p_sender(1), True,
+                                    tuple(range(10_000))), 0.0)
+    assert len(long[0].msg.reason) < 200  # bounded, whatever the claim names

@@ -67,7 +67,9 @@ def test_d_local_abort_of_an_unknown_or_finished_request_does_nothing() -> None:
 
 def _meta(pair, rid: str, rank: int) -> str:  # type: ignore[no-untyped-def]  # noqa: ANN001
     """P rank ``rank`` sends a MetaRequest for ``rid`` to D: D's answer ("status: reason")."""
-    msg = MetaRequest(PROTOCOL_VERSION, rid, p_sender(rank), want_layout=False)
+    rec = pair.d._reqs.get(rid)  # an honest sender names the blocks D registered
+    msg = MetaRequest(PROTOCOL_VERSION, rid, p_sender(rank), want_layout=False,
+                      blocks=rec.blocks if rec is not None else ())
     (reply,) = [e.msg for e in pair.d.on_message(decode(encode(msg)), pair.now)
                 if isinstance(e, Send)]
     return f"{reply.status}: {reply.reason}"
@@ -173,7 +175,7 @@ def test_rows_are_stuck_strictly_past_the_fraction_of_their_own_deadline() -> No
 def test_d_rows_say_which_senders_are_awaited() -> None:
     pair = make_pair(n_ranks=2)
     pair.absorb("d", pair.d.add_request("any", (5, 6, 7), 2, pair.now))
-    pair.absorb("d", pair.d.add_request("tp", (8, 9), {0, 1}, pair.now))
+    pair.absorb("d", pair.d.add_request("tp", (5, 6, 7), {0, 1}, pair.now))
     rows = {r.req_id: r for r in pair.d.status(pair.now)}
     assert "waiting for MetaRequest from 2 P sender(s)" in rows["any"].waiting_for
     assert "waiting for MetaRequest from P TP rank 0, P TP rank 1" in rows["tp"].waiting_for
@@ -225,7 +227,8 @@ def test_d_checksums_cover_the_bytes_each_head_sliced_sender_wrote(
 
     d = _sliced_d(fmt(d_rank, d_tp), d_block)
     d.add_request("r", (3, 4), 1, 0.0)
-    claim = MetaRequest(PROTOCOL_VERSION, "r", p_sender(p_rank), False, fmt(p_rank, p_tp))
+    claim = MetaRequest(PROTOCOL_VERSION, "r", p_sender(p_rank), False, (3, 4),
+                        fmt(p_rank, p_tp))
     (reply,) = [e.msg for e in d.on_message(decode(encode(claim)), 0.0) if isinstance(e, Send)]
     assert reply.status == "accepted", reply.reason
     assert d.sum_plan("r", ("P", p_rank)) == ((3, 4), [runs] * L)

@@ -31,7 +31,7 @@ Factory = Callable[..., SideChannel]
 
 
 def meta(rid: str = "r1", addr: str = "tcp://127.0.0.1:1") -> MetaRequest:
-    return MetaRequest(PROTOCOL_VERSION, rid, Sender("P", 0, 1, addr), True)
+    return MetaRequest(PROTOCOL_VERSION, rid, Sender("P", 0, 1, addr), True, (1,))
 
 
 def recv(ch: SideChannel, n: int = 1, timeout: float = 3.0) -> list[Inbound]:

@@ -198,7 +198,7 @@ def test_protocol_errors_from_the_network_are_counted_and_dropped(pair: Pair) ->
         bogus_ack = AbortAck(PROTOCOL_VERSION, "never-seen", Sender("X", 0, 1, rogue.addr), True)
         rogue.send(pair.d.addr, bogus_ack)  # refused by the core: a protocol error
         rogue.send(pair.p.addr, MetaRequest(PROTOCOL_VERSION, "x", Sender("X", 0, 1,
-                                                                         rogue.addr), True))
+                                                                         rogue.addr), True, ()))
         wait_for(lambda: pair.d.stats()["loop.protocol_errors"] == 1
                  and pair.d.stats()["core.unknown_requests"] == 1
                  and pair.p.stats()["loop.protocol_errors"] == 1)
@@ -308,10 +308,10 @@ def test_decoder_fails_claims_of_a_restarted_prefill_engine(pair: Pair) -> None:
         pair.d.call("add_request", "old", (1,), 1).result(5)
         pair.d.call("add_request", "new", (2,), 1).result(5)
         rogue.send(pair.d.addr, MetaRequest(PROTOCOL_VERSION, "old",
-                                            Sender("P9", 0, 1, rogue.addr), True))
+                                            Sender("P9", 0, 1, rogue.addr), True, (1,)))
         wait_for(lambda: pair.d.stats()["loop.messages"] >= 1)
         rogue.send(pair.d.addr, MetaRequest(PROTOCOL_VERSION, "new",
-                                            Sender("P9", 0, 2, rogue.addr), True))
+                                            Sender("P9", 0, 2, rogue.addr), True, (2,)))
         pair.wait_reports(0, 1)
         [rep] = pair.d_reports
         # quarantined, not freed: bytes the old incarnation handed to the transport may land

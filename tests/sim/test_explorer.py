@@ -302,7 +302,7 @@ def test_equal_keys_print_alike_whatever_order_their_sets_were_built_in() -> Non
 def _meta_request() -> object:
     from lw.fsm.messages import PROTOCOL_VERSION, MetaRequest, Sender
 
-    return MetaRequest(PROTOCOL_VERSION, "r0", Sender("P", 0, 1, "p0"), True)
+    return MetaRequest(PROTOCOL_VERSION, "r0", Sender("P", 0, 1, "p0"), True, (0,))
 
 
 def test_a_world_with_no_fault_kind_has_its_faults_exhausted_from_the_start() -> None:
@@ -317,3 +317,18 @@ def test_a_world_with_no_fault_kind_has_its_faults_exhausted_from_the_start() ->
     assert not faults_exhausted(World(WorldConfig(faults=True, fault_kinds=("drop",))))
     res = explore(WorldConfig(faults=True, fault_kinds=(), dp=1, requests=1, layers=2))
     assert res.complete and res.counterexample is None and res.reduced > 0
+
+
+def test_a_forged_prefill_is_refused_at_its_claim() -> None:
+    """Fault kind forge: a prefill started with other D blocks than D registered (a forged
+    metaserver call). D refuses the claim, nothing is written, the victim ends by its deadline;
+    with two requests sharing D's pool the forged blocks are the other request's."""
+    for kw in (dict(requests=2, d_blocks=2), dict(requests=1, d_blocks=2, layers=2),
+               dict(requests=1, d_blocks=3, blocks_per_request=2, p_blocks=2, chunks=2)):
+        cfg = WorldConfig(design="d-first", **{"dp": 1, "layers": 1, "faults": True,
+                                               "fault_kinds": ("forge",), "delays": False,
+                                               **kw})
+        res = explore(cfg)
+        assert res.counterexample is None, (kw, res.counterexample)
+        assert res.complete and {"done", "deadline"} <= res.seen, kw
+    assert "forge" not in WorldConfig().fault_kinds  # a control-plane attack, not a default

@@ -33,7 +33,8 @@ layouts = st.builds(KVLayout, ids, st.integers(0, 2**62), st.text(max_size=60),
                     st.lists(layers, min_size=1, max_size=8))
 V = st.just(PROTOCOL_VERSION)
 messages = st.one_of(
-    st.builds(MetaRequest, V, ids, senders, st.booleans()),
+    st.builds(MetaRequest, V, ids, senders, st.booleans(),
+              st.lists(st.integers(0, 2**32 - 1), max_size=8).map(tuple)),
     st.builds(MetaReply, V, ids, st.sampled_from(["accepted", "refused", "unknown"]), senders,
               st.none() | layouts, st.text(max_size=100)),
     st.builds(DoneSending, V, ids, senders, st.integers(1, 64), st.integers(1, 200)),
@@ -94,6 +95,10 @@ def _sender() -> dict:
         ({"kind": "abort", "version": 9, "req_id": "r", "responder": _sender(), "reason": ""},
          "unsupported protocol version 9"),
         ({"kind": "meta_req", "version": 1, "req_id": "r", "sender": _sender()}, "want_layout"),
+        ({"kind": "meta_req", "version": 1, "req_id": "r", "sender": _sender(),
+          "want_layout": True}, "blocks"),
+        ({"kind": "meta_req", "version": 1, "req_id": "r", "sender": _sender(),
+          "want_layout": True, "blocks": [-1]}, "blocks"),
         ({"kind": "done", "version": 1, "req_id": "r", "sender": _sender(),
           "expected_senders": "2", "num_layers": 2}, "expected_senders"),
         ({"kind": "done", "version": 1, "req_id": "r", "sender": _sender(),

@@ -10,12 +10,16 @@ mid-run gives errors, not hangs, and the prefill server keeps serving and releas
 the official ``openai`` client's ``n=2`` (completions and chat, streaming and not) and a
 two-prompt list get as many choices as from the single engine (one transfer per vLLM request);
 a repeated prompt is served from D's prefix cache (its tail computed on D, nothing moved);
-``lw status`` lists a request waiting on D and an empty table once it is gone.
+``lw status`` lists a request waiting on D and an empty table once it is gone; forged
+metaserver calls (unsigned, another key, no grant, replayed) are refused and the control plane
+is not on the public port, with the victim's output unharmed; a prefill aimed at other D blocks
+than D registered is refused at its claim before a byte moves.
 The decode-server kill is the last test: it ends the cluster.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
@@ -34,6 +38,8 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
+from lw.transport.sidechannel import parse_cluster_key  # noqa: E402
+from lw.vllm_adapter.control_auth import signed_call  # noqa: E402
 from lw.vllm_adapter.demo import (  # noqa: E402
     MODEL_NAME,
     LocalCluster,
@@ -44,6 +50,7 @@ from lw.vllm_adapter.demo import (  # noqa: E402
     metrics,
 )
 from lw.vllm_adapter.oracle import TOP_K, Verdict, compare  # noqa: E402
+from lw.vllm_adapter.proxy_state import build_prefill_body  # noqa: E402
 from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -300,6 +307,124 @@ def test_prefill_that_cannot_be_requested_fails_fast(cluster: LocalCluster) -> N
         "length", "stop"), r.text
     assert not any((h := wait_idle(cluster)).values()), h
     assert metrics(cluster.url("decode")).get("lw_metaserver_failures_total", 0) >= 1
+
+
+def test_forged_metaserver_calls_are_refused_and_the_victim_unharmed(
+        cluster: LocalCluster) -> None:
+    """An attacker who can send completions, and one who even holds the cluster key, cannot
+    start a prefill of a victim's request: the control plane is not on the public port, and
+    unsigned, forged, replayed and grantless calls are refused; the victim's output equals the
+    single engine's and P prefilled nothing but the victim's own call."""
+    proxy, control = cluster.url("proxy"), cluster.control_url
+    for method, path in (("POST", "/v1/metaserver"), ("GET", "/lw/timeline"),
+                         ("GET", "/metrics-json")):
+        assert httpx.request(method, proxy + path, json={}, timeout=10).status_code == 404
+    before = httpx.get(control + "/metrics-json", timeout=10).json()
+    known = set(httpx.get(control + "/lw/timeline", timeout=10).json())
+    prompt = make_prompt(700, seed=91)  # chunked on P: the request is live for a while
+    box: list[Verdict] = []
+    victim = threading.Thread(target=lambda: box.append(judged(cluster, proxy, prompt)))
+    victim.start()
+    tid = ""
+    for _ in range(400):  # the id a client sees (x-request-id); read here from the timeline
+        fresh = set(httpx.get(control + "/lw/timeline", timeout=10).json()) - known
+        tid = next((t for t in fresh if "@" not in t), "")
+        if tid:
+            break
+        time.sleep(0.005)
+    assert tid, "the victim's transfer never showed up"
+    forged = {"transfer_id": tid, "sub_transfer_id": f"{tid}@cmpl-{tid}-0",
+              "prompt_token_ids": [1, 2, 3],
+              "kv_transfer_params": {"remote_host": "127.0.0.1", "remote_port": 1,
+                                     "remote_block_ids": [0, 1, 2]},
+              "grant": "0" * 32}
+    url = control + "/v1/metaserver"
+    codes = [httpx.post(url, json=forged, timeout=10).status_code]  # unsigned
+    content, headers = signed_call(b"an-attackers-own-key-0123456789", forged)
+    codes.append(httpx.post(url, content=content, headers=headers, timeout=10).status_code)
+    # A holder of the cluster key still lacks the grant, and a copy of a call is refused.
+    content, headers = signed_call(parse_cluster_key(cluster.cluster_key), forged)
+    codes += [httpx.post(url, content=content, headers=headers, timeout=10).status_code
+              for _ in range(2)]
+    victim.join(120)
+    [verdict] = box
+    assert verdict.same, verdict
+    assert codes == [401, 401, 403, 401], codes
+    after = httpx.get(control + "/metrics-json", timeout=10).json()
+    assert after["metaserver_refused"] - before["metaserver_refused"] == 4
+    assert after["prefills"] - before["prefills"] == 1  # the victim's own, nothing else
+    assert not any((h := wait_idle(cluster)).values()), h
+
+
+class _Interposer(http.server.BaseHTTPRequestHandler):
+    """A metaserver that a forged call got through: it starts D's prefill on P with D's block
+    ids reversed (what a forged or mistaken call would name), then the honest one."""
+
+    prefill_url = ""
+    seen: list[dict[str, Any]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        msg = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        type(self).seen.append(msg)
+        self.send_response(202)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+        threading.Thread(target=self._prefill_twice, args=(msg,), daemon=True).start()
+
+    def _prefill_twice(self, msg: dict[str, Any]) -> None:
+        kv = msg["kv_transfer_params"]
+        honest = build_prefill_body({"model": MODEL_NAME}, kv, msg["sub_transfer_id"],
+                                    msg["prompt_token_ids"])
+        forged = build_prefill_body({"model": MODEL_NAME}, {
+            **kv, "remote_block_ids": kv["remote_block_ids"][::-1]}, msg["sub_transfer_id"],
+            msg["prompt_token_ids"])
+        url = type(self).prefill_url + "/v1/completions"
+        httpx.post(url, json=forged, timeout=60)
+        time.sleep(1.0)  # P's push of the forged one has failed by now (D refused its claim)
+        httpx.post(url, json=honest, timeout=60)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_decode_refuses_a_prefill_aimed_at_other_blocks(cluster: LocalCluster) -> None:
+    """The second line: a prefill started with other D block ids than D registered for the
+    request (here its own blocks reversed, which would scramble its KV) is refused at P's claim
+    before a byte moves; the honest prefill that follows still lands and the output equals the
+    single engine's."""
+    _Interposer.prefill_url, _Interposer.seen = cluster.url("prefill"), []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Interposer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        prompt = make_prompt(90, seed=92)  # several blocks: reversed is another placement
+        got = complete(cluster.url("decode"), prompt, MAX_TOKENS, stream=False,
+                       logprobs=TOP_K, extra={"kv_transfer_params": {
+                           "do_remote_prefill": True, "do_remote_decode": False,
+                           "transfer_id": "e2e-interposed",
+                           "metaserver": f"http://127.0.0.1:{server.server_port}/m"}})
+    finally:
+        server.shutdown()
+    [msg] = _Interposer.seen
+    assert len(msg["kv_transfer_params"]["remote_block_ids"]) > 1
+    assert not got.error, got.error
+    assert (v := compare(reference(cluster, prompt), got)).same, v
+    # P's lifecycle of that request: the forged prefill failed at its claim, before META_READY
+    # (no layer is written before it), then the honest one went through.
+    from lw.ops.client import query
+
+    sub = msg["sub_transfer_id"]
+    snap = query(cluster.status_workers(), cluster.cluster_key, timeline=10_000, timeout_s=5)
+    events = sorted((e for r in snap.replies if r.role == "prefill" for e in r.timeline
+                     if sub in e.req_ids), key=lambda e: e.t)
+    admitted = [i for i, e in enumerate(events) if e.event == "admitted"]
+    assert len(admitted) == 2, [(e.event, e.dst, e.detail) for e in events]
+    first = events[admitted[0]:admitted[1]]
+    assert [e.dst for e in first][-1] == "FAILED", [(e.event, e.dst, e.detail) for e in first]
+    assert not any(e.dst == "META_READY" or e.dst.startswith("LAYER_") for e in first)
+    assert "receives into" in " ".join(e.detail for e in first)
+    assert any(e.dst == "DONE" for e in events[admitted[1]:])
+    assert not any((h := wait_idle(cluster)).values()), h
 
 
 def test_lw_status_lists_a_request_in_flight_then_an_empty_table(cluster: LocalCluster) -> None:
