@@ -1,4 +1,5 @@
-"""The properties the checker establishes (DESIGN.md §2), and the explanation of a stuck state."""
+"""The properties the checker establishes (docs/design.md section 4), and the explanation of a
+stuck state."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 @dataclass(frozen=True)
 class Property:
-    """One checked property: its id (printed on violation), DESIGN.md item and meaning."""
+    """One checked property: its id (printed on violation), docs/design.md property and meaning."""
 
     id: str
     item: str
@@ -20,54 +21,54 @@ class Property:
 
 
 PROPERTIES: tuple[Property, ...] = (
-    Property("forward-never-waits", "§2.1", "always",
+    Property("forward-never-waits", "property 1", "always",
              "a layer hook returns without waiting on the network, and every DP rank makes the "
              "same sequence of collective calls (a step in progress can always take its next "
              "layer)"),
-    Property("use-after-free", "§2.2", "always",
+    Property("use-after-free", "property 2", "always",
              "no P or D block is freed or reused while a transfer into or out of it may still "
              "happen (in flight, or still to be submitted by a live request)"),
-    Property("write-before-accept", "§2.2", "always",
+    Property("write-before-accept", "property 2", "always",
              "P writes into a D worker's blocks only after that worker answered its MetaRequest "
              "with 'accepted', and only where the sender plan (lw.fsm.kvmap) says it writes"),
-    Property("cached-block-written", "§2.2", "always",
+    Property("cached-block-written", "property 2", "always",
              "P never writes a D block that D serves from its prefix cache"),
-    Property("kv-placement", "§2.3", "always",
+    Property("kv-placement", "property 3", "always",
              "each write sends the KV of the tokens D misses (P's blocks after the prefix hit) "
              "into the D blocks that hold those tokens, block for block (chunked prefill: "
              "exactly the blocks its chunk completes, once the forward pass computed it)"),
-    Property("layout-match", "§2.2", "always",
+    Property("layout-match", "property 2", "always",
              "a write is addressed with its D worker's current layout (an earlier "
              "incarnation's write fails), inside D's registered blocks, with as many layers as "
              "P computes and byte runs that fit both blocks"),
-    Property("p-memory-bounded", "§2.1", "always",
+    Property("p-memory-bounded", "property 1", "always",
              "P holds no KV outside its block pool: writes read the request's own blocks, no "
              "staged copy queues up while D is slower than compute"),
-    Property("partial-kv", "§2.3", "always",
+    Property("partial-kv", "property 3", "always",
              "D reports a request finished only when every expected sender's write of every "
              "layer of every block has landed, whichever chunk made it, and none is still in "
              "flight (per D TP worker, and for the engine only when every one of its TP workers "
              "is DONE)"),
-    Property("stale-kv", "§2.3", "always",
+    Property("stale-kv", "property 7", "always",
              "fencing: no request is reported loaded while one of its D blocks holds bytes of "
              "another claim, late writes of superseded claims included (checked where the world "
              "tracks D's memory: kv_checksum or late_writes)"),
-    Property("double-free", "§2.4", "always", "each block is freed exactly once"),
-    Property("reported-twice", "§2.4", "always",
+    Property("double-free", "property 4", "always", "each block is freed exactly once"),
+    Property("reported-twice", "property 4", "always",
              "no request is reported finished (sending or receiving) twice"),
-    Property("core-protocol-error", "§2", "always",
+    Property("core-protocol-error", "all", "always",
              "the core never raises ProtocolError (an event its own table says is impossible)"),
-    Property("deadlock", "§2.5", "eventually",
+    Property("deadlock", "property 5", "eventually",
              "no reachable state is stuck: when no action is enabled every request is final "
              "on both sides (otherwise the cycle of waits is printed)"),
-    Property("request-ends", "§2.5", "eventually",
+    Property("request-ends", "property 5", "eventually",
              "every request reaches DONE or FAILED on both live sides, reported exactly once, "
              "within its deadlines"),
-    Property("no-deadline-without-faults", "§2.5", "always",
+    Property("no-deadline-without-faults", "property 5", "always",
              "without faults no timer ever fires (no deadline, retry or lease is needed)"),
-    Property("blocks-return", "§2.6", "eventually",
+    Property("blocks-return", "property 6", "eventually",
              "when traffic stops every P and D block is back in its pool, nothing quarantined"),
-    Property("progress", "§2.5", "eventually",
+    Property("progress", "property 5", "eventually",
              "with a timely clock, every request ends DONE unless a fault touched it: without "
              "faults no request fails, and k < retry-budget message losses never fail one; a "
              "crash, abort or failed write of one request or D never fails another"),

@@ -1,7 +1,8 @@
 """Hypothesis stateful tests: random requests, deliveries, steps, faults and clock advances.
 
 Every step applies one enabled world action (which checks the safety properties), an invariant
-re-checks them, and teardown runs a fair drain and the liveness properties (DESIGN.md §2).
+re-checks them, and teardown runs a fair drain and the liveness properties (docs/design.md
+section 4).
 """
 
 from __future__ import annotations
