@@ -2,7 +2,8 @@
 
 A :class:`Declaration` is the single source of truth. From it we build (1) ``transitions``'
 reference machine, (2) the compiled dispatch table used on the hot path and (3) the Mermaid
-diagrams. ``tests/test_fsm_tables.py`` proves (1) and (2) agree on every (state, event) pair.
+diagrams. ``tests/fsm/test_tables.py`` proves (1) and (2) agree on every (state, event) pair;
+``transitions`` is needed only for (1) (the ``reference`` extra).
 """
 
 from __future__ import annotations
@@ -77,7 +78,11 @@ class Declaration:
 
     def reference_machine(self, model: Any, initial: str | None = None) -> Any:
         """Build ``transitions``' own Machine for ``model`` (the reference semantics)."""
-        from transitions import Machine
+        try:
+            from transitions import Machine
+        except ImportError as exc:  # only the reference check needs it, not the hot path
+            raise ImportError("the reference machine needs the 'transitions' package: pip "
+                              "install 'lw-layerwise[reference]'") from exc
 
         m = Machine(
             model=model,

@@ -98,7 +98,8 @@ def test_finding_2_peer_lost_must_not_release_before_the_lease() -> None:
 
 
 def test_finding_2_found_by_the_explorer() -> None:
-    """d-first with faults (crashes, timeouts) must hold; it does not while finding 2 is open."""
+    """d-first with faults (crashes, timeouts) holds where finding 2 was found (it failed
+    there while finding 2 was open)."""
     cfg = WorldConfig(design="d-first", dp=1, requests=1, layers=1, faults=True,
                       crash_zombies=False, abstract_time=False)  # as found
     res = explore(cfg)

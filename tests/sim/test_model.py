@@ -25,10 +25,6 @@ from lw.sim.world import Action, World, WorldConfig
 
 from .profiles import sim_settings
 
-# Core finding 2 (test_core_findings.py) is fixed: the random model runs with D-side P-loss
-# detection on, like `lw check`.
-P_LOSS_DETECTION = True
-
 PROXY = frozenset({"arrive", "alloc", "start"})
 P_STEP = frozenset({"schedule", "layer", "hook", "barrier"})
 DATA = frozenset({"complete", "decode", "zland"})
@@ -73,7 +69,7 @@ def worlds(draw: st.DrawFn, design: str) -> WorldConfig:
         max_faults=draw(st.integers(1, 4), label="max_faults"),
         delays=draw(st.booleans(), label="delays"),
         d_restarts=draw(st.integers(0, 1), label="d_restarts"),
-        atomic_layers=draw(st.booleans(), label="atomic"), p_loss_detection=P_LOSS_DETECTION,
+        atomic_layers=draw(st.booleans(), label="atomic"),
         kv_checksum=checksum, late_writes=late)
 
 
