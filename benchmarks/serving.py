@@ -418,8 +418,15 @@ def run_bench(url: str, model: Path, dataset: Path, shape: Shape, out: Path,
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
             "--disable-tqdm"]
+    # vllm bench serve's ShareGPT loader drops prompts over 1,024 tokens (and prompt + output
+    # over 2,048) without a flag to change it; our prompts are exactly shape.input_len long.
     code = ("import sys\nfrom lw.vllm_adapter.serve import install_version_shim\n"
-            "install_version_shim()\nfrom vllm.entrypoints.cli.main import main\n"
+            "install_version_shim()\n"
+            "import vllm.benchmarks.datasets.datasets as ds\n"
+            "_valid = ds.is_valid_sequence\n"
+            "ds.is_valid_sequence = lambda p, o, **kw: _valid(\n"
+            "    p, o, **{**kw, 'max_prompt_len': 1 << 20, 'max_total_len': 1 << 20})\n"
+            "from vllm.entrypoints.cli.main import main\n"
             "sys.argv = ['vllm', *sys.argv[1:]]\nmain()\n")
     log = out.with_suffix(".log")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

@@ -82,7 +82,12 @@ Other public endpoints: ``GET /health`` (200 with an empty body while at least o
 one decode server answer, 503 otherwise: no server URLs), ``GET /v1/models`` (passed through from
 a decode server). Control endpoints: ``GET /lw/health`` (per-server reachability),
 ``GET /metrics-json`` (counters), ``GET /lw/timeline`` (milestones per transfer).
-Error bodies have the OpenAI shape ``{"error": {"message", "type", "stage", "server", ...}}``.
+Errors. A client body the proxy cannot route D first (not JSON, not an object, no prompt or
+messages, ...) goes to a decode server unchanged, so the client gets vLLM's own answer; a body
+without ``model`` is served with the decode servers' model, as vLLM serves its only one. The
+proxy's own errors (upstream failures) have vLLM's shape, ``{"error": {"message", "type",
+"param", "code"}}`` (type from the status: ``BadGatewayError``, ``GatewayTimeoutError``), with
+lw's details at the end of the message: ``[lw proxy: stage=..., server=..., request=...]``.
 
 The client sees its transfer id (``x-request-id``, and inside D's response ids): knowing it is
 not enough to address the control plane, which also needs the cluster key and the transfer's
@@ -140,11 +145,38 @@ __all__ = [
 log = logging.getLogger("lw.proxy")
 
 
-def _bad_request(state: ProxyState, message: str) -> JSONResponse:
-    """A 400 answer."""
-    state.counters["bad_requests"] += 1
-    return JSONResponse(error_body(message, type_="invalid_request_error", stage="proxy"),
-                        status_code=400)
+async def _relay_unroutable(state: ProxyState, request: Request, api: str, raw: bytes,
+                            why: str) -> Response:
+    """A body the proxy cannot route D first goes to a decode server as it is, so the client
+    gets vLLM's own answer (its error status, type and message: clients parse them)."""
+    decode = state.pick(state.decodes)
+    headers = {k: v for k, v in request.headers.items()
+               if k.lower() in ("content-type", "authorization")}
+    try:
+        r = await state.client.post(decode.url + api, content=raw, headers=headers,
+                                    timeout=state.short_timeout)
+    except httpx.HTTPError as exc:
+        state.counters["errors"] += 1
+        return JSONResponse(error_body(f"request refused ({why}), and decode server "
+                                       f"{decode.url} did not answer: {_describe(exc)}", 502,
+                                       stage="decode", server=decode.url), status_code=502)
+    state.counters["bad_requests" if r.status_code >= 400 else "relayed_unroutable"] += 1
+    return Response(r.content, status_code=r.status_code,
+                    media_type=r.headers.get("content-type", "application/json"))
+
+
+async def _served_model(state: ProxyState) -> str | None:
+    """The model a decode server serves (for a body without ``model``, as vLLM serves its
+    only one); None if none answers."""
+    if state.default_model is None:
+        for b in state.decodes:
+            try:
+                r = await state.client.get(b.url + "/v1/models", timeout=state.short_timeout)
+                state.default_model = str(r.json()["data"][0]["id"])
+                break
+            except (httpx.HTTPError, ValueError, LookupError, TypeError):
+                continue
+    return state.default_model
 
 
 @dataclass(frozen=True)
@@ -199,9 +231,14 @@ def build_apps(
         try:
             body = validate_request(api, json.loads(raw))
         except (ValueError, UnicodeDecodeError) as exc:
-            msg = str(exc) if isinstance(exc, BadRequest) else f"request body is not JSON: {exc}"
-            return _bad_request(state, msg)
+            why = str(exc) if isinstance(exc, BadRequest) else f"request body is not JSON: {exc}"
+            return await _relay_unroutable(state, request, api, raw, why)
         body = dict(body)
+        if "model" not in body:
+            model = await _served_model(state)
+            if model is None:
+                return await _relay_unroutable(state, request, api, raw, "no model named")
+            body["model"] = model
         body.pop("kv_transfer_params", None)
         forwarded = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         decode = state.pick(state.decodes)
@@ -248,8 +285,8 @@ def build_apps(
                             media_type=r.headers.get("content-type", "application/json"))
         state.counters["errors"] += 1
         return JSONResponse(error_body("no decode server answered /v1/models: "
-                                       + "; ".join(errors), type_="upstream_error",
-                                       stage="decode"), status_code=502)
+                                       + "; ".join(errors), 502, stage="decode"),
+                            status_code=502)
 
     return ProxyApps(app, build_control_app(state), state)
 

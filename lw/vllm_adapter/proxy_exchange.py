@@ -160,8 +160,7 @@ class Exchange(Response):
                      server: str | None) -> None:
         """Report an error to the client: a JSON response, or a final SSE event mid-stream."""
         self.state.counters["errors"] += 1
-        type_ = "timeout" if status == 504 else "upstream_error"
-        body = error_body(message, type_=type_, stage=stage, server=server,
+        body = error_body(message, status, stage=stage, server=server,
                           request_id=self.tr.request_id)
         data = json.dumps(body).encode()
         if not self.started:

@@ -10,6 +10,7 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 import httpx
@@ -28,6 +29,7 @@ __all__ = [
     "build_decode_body",
     "build_prefill_body",
     "error_body",
+    "error_type",
     "normalize_url",
     "sub_transfer_allowance",
     "validate_request",
@@ -69,12 +71,13 @@ def normalize_url(url: str) -> str:
 
 
 def validate_request(api: str, body: Any) -> dict[str, Any]:
-    """Check a client body for ``api``; return it or raise ``BadRequest`` with a clear message."""
+    """Check that the proxy can route a client body for ``api`` (D first); return it or raise
+    ``BadRequest`` saying why. ``model`` may be absent (vLLM then serves its only model)."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a non-empty string")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise BadRequest("'model' must be a non-empty string")
     if api == COMPLETIONS:
         prompt = body.get("prompt")
         if prompt is None or prompt == "" or prompt == []:
@@ -140,19 +143,24 @@ def build_prefill_body(
     return out
 
 
-def error_body(
-    message: str,
-    *,
-    type_: str = "proxy_error",
-    stage: str = "proxy",
-    server: str | None = None,
-    request_id: str | None = None,
-) -> dict[str, Any]:
-    """An OpenAI-shaped error object, plus the stage and server that failed."""
-    err: dict[str, Any] = {"message": message, "type": type_, "stage": stage, "server": server}
-    if request_id is not None:
-        err["request_id"] = request_id
-    return {"error": err}
+def error_type(status: int) -> str:
+    """vLLM's error ``type`` for an HTTP status: its phrase as one word ending in "Error"
+    (400 BadRequestError, 502 BadGatewayError, 504 GatewayTimeoutError, ...)."""
+    try:
+        word = "".join(HTTPStatus(status).phrase.split())
+    except ValueError:
+        word = "Unknown"
+    return word if word.endswith("Error") else word + "Error"
+
+
+def error_body(message: str, status: int, *, stage: str = "proxy",
+               server: str | None = None, request_id: str | None = None) -> dict[str, Any]:
+    """An error in vLLM's shape (``{"error": {"message", "type", "param", "code"}}``, what a
+    client of vLLM parses); lw's details (stage, server, request) go at the end of the message."""
+    where = f"stage={stage}" + (f", server={server}" if server else "") + (
+        f", request={request_id}" if request_id else "")
+    return {"error": {"message": f"{message} [lw proxy: {where}]", "type": error_type(status),
+                      "param": None, "code": status}}
 
 
 def _describe(exc: BaseException) -> str:
@@ -251,6 +259,7 @@ class ProxyState:
         self.short_timeout = httpx.Timeout(min(timeout_s, 30.0), connect=connect_timeout_s)
         self.metaserver_url = metaserver_url
         self.verifier = verifier
+        self.default_model: str | None = None  # served when a body names none (as vLLM)
         self.client = httpx.AsyncClient(
             timeout=self.timeout,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
@@ -263,6 +272,7 @@ class ProxyState:
             "requests": 0,
             "errors": 0,
             "bad_requests": 0,
+            "relayed_unroutable": 0,
             "client_disconnects": 0,
             "metaserver_calls": 0,
             "metaserver_refused": 0,

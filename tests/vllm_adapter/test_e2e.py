@@ -309,6 +309,29 @@ def test_prefill_that_cannot_be_requested_fails_fast(cluster: LocalCluster) -> N
     assert metrics(cluster.url("decode")).get("lw_metaserver_failures_total", 0) >= 1
 
 
+@pytest.mark.parametrize("path,content", [
+    ("/v1/completions", json.dumps({"model": MODEL_NAME, "prompt": ""})),
+    ("/v1/chat/completions", json.dumps({"model": MODEL_NAME, "messages": []})),
+    ("/v1/completions", "{not json"),
+    ("/v1/chat/completions", "{not json"),
+    ("/v1/completions", "[1, 2]"),
+    ("/v1/completions", json.dumps({"prompt": "hello there", "max_tokens": 2})),
+])
+def test_proxy_answers_like_a_single_vllm_server(cluster: LocalCluster, path: str,
+                                                 content: str) -> None:
+    """What a client parses is the same through lw's proxy as from one vLLM server: status,
+    and for an error the whole body; a body without ``model`` is served."""
+    answers = [httpx.post(cluster.url(name) + path, content=content,
+                          headers={"content-type": "application/json"}, timeout=60)
+               for name in ("reference", "proxy")]
+    single, proxied = answers
+    assert proxied.status_code == single.status_code, (single.text, proxied.text)
+    if single.status_code == 200:
+        assert proxied.json()["choices"] and proxied.json()["model"] == single.json()["model"]
+    else:
+        assert proxied.json() == single.json()
+
+
 def test_forged_metaserver_calls_are_refused_and_the_victim_unharmed(
         cluster: LocalCluster) -> None:
     """An attacker who can send completions, and one who even holds the cluster key, cannot

@@ -166,8 +166,14 @@ def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
     app = FastAPI()
 
     async def serve(request: Request) -> Response:
-        body = await request.json()
-        params = body["kv_transfer_params"]
+        try:
+            body = json.loads(await request.body())
+            params = body["kv_transfer_params"]
+        except (ValueError, TypeError, KeyError) as exc:  # what the proxy relays unrouted
+            world.record("d_relayed", name, "")
+            return JSONResponse({"error": {"message": f"fake vLLM refuses: {exc!r}",
+                                           "type": "BadRequestError", "param": None,
+                                           "code": 400}}, 400)
         tid = params["transfer_id"]
         with world.lock:
             world.bodies[("d", tid)] = body
@@ -360,6 +366,14 @@ def request_error(r: httpx.Response, stream: bool) -> dict[str, Any]:
     return dict(last["error"])
 
 
+def lw_detail(err: dict[str, Any]) -> dict[str, str]:
+    """lw's details at the end of a proxy error's message (``[lw proxy: stage=..., ...]``), the
+    rest of the body being vLLM's shape."""
+    assert set(err) == {"message", "type", "param", "code"}, err
+    tail = err["message"].rsplit("[lw proxy: ", 1)[1].rstrip("]")
+    return dict(part.split("=", 1) for part in tail.split(", "))
+
+
 def sse_text(raw: str) -> str:
     """Concatenated ``text`` of the SSE events in ``raw``."""
     out = []
@@ -408,7 +422,7 @@ def test_normalize_url() -> None:
     "api,body,fragment",
     [
         ("/v1/completions", [1, 2], "JSON object"),
-        ("/v1/completions", {"prompt": "x"}, "'model'"),
+        ("/v1/completions", {"model": 3, "prompt": "x"}, "'model'"),
         ("/v1/completions", {"model": "m"}, "'prompt'"),
         ("/v1/completions", {"model": "m", "prompt": 3}, "'prompt'"),
         ("/v1/chat/completions", {"model": "m", "prompt": "x"}, "'messages'"),
@@ -555,7 +569,7 @@ def test_decode_unreachable_gives_502_quickly() -> None:
         assert time.monotonic() - t0 < 3
         assert r.status_code == 502
         err = r.json()["error"]
-        assert err["stage"] == "decode" and err["server"] == dead
+        assert lw_detail(err)["stage"] == "decode" and lw_detail(err)["server"] == dead
         assert dead in err["message"] and "unreachable" in err["message"]
         m = c.metrics()
         assert m["errors"] == 1 and m["decode"][0]["errors"] == 1 and m["in_flight"] == 0
@@ -567,7 +581,8 @@ def test_decode_timeout_gives_504_and_cancels_decode() -> None:
         r = httpx.post(c.url + "/v1/completions", json=completion("dhang"), timeout=10)
         assert time.monotonic() - t0 < 3
         assert r.status_code == 504
-        assert r.json()["error"]["type"] == "timeout"
+        assert r.json()["error"]["type"] == "GatewayTimeoutError"
+        assert r.json()["error"]["code"] == 504
         wait_for(lambda: c.world.has("d_cancelled"))
 
 
@@ -577,7 +592,8 @@ def test_prefill_failure_reaches_client_and_cancels_decode(stream: bool) -> None
         r = httpx.post(c.url + "/v1/completions", json=completion("fail", stream=stream),
                        timeout=10)
         err = request_error(r, stream)
-        assert err["stage"] == "prefill" and err["server"] == c.prefill_urls[0]
+        assert lw_detail(err) | {"request": ""} == {"stage": "prefill", "request": "",
+                                                    "server": c.prefill_urls[0]}
         assert "HTTP 500" in err["message"] and c.prefill_urls[0] in err["message"]
         wait_for(lambda: c.world.has("d_cancelled"))
         assert not c.world.has("d_deadline")
@@ -594,7 +610,7 @@ def test_prefill_unreachable_gives_502() -> None:
         assert time.monotonic() - t0 < 3
         assert r.status_code == 502
         err = r.json()["error"]
-        assert err["stage"] == "prefill" and err["server"] == dead
+        assert lw_detail(err)["stage"] == "prefill" and lw_detail(err)["server"] == dead
 
 
 def test_stream_headers_come_before_the_prefill_completes() -> None:
@@ -625,7 +641,8 @@ def test_prefill_failure_after_stream_head_is_an_sse_error_and_cancels_decode() 
             assert not c.world.has("p_failed")
             raw = r.read().decode()
         err = json.loads(raw.strip().splitlines()[-1][len("data: "):])["error"]
-        assert err["stage"] == "prefill" and err["server"] == c.prefill_urls[0]
+        assert lw_detail(err) | {"request": ""} == {"stage": "prefill", "request": "",
+                                                    "server": c.prefill_urls[0]}
         assert "HTTP 500" in err["message"]
         wait_for(lambda: c.world.has("d_cancelled"))
         assert not c.world.has("d_deadline") and not c.world.has("d_done")
@@ -743,7 +760,8 @@ def test_one_failed_sub_prefill_fails_the_request(stream: bool) -> None:
         body = completion(["fine", "fail"], stream=stream)
         r = httpx.post(c.url + "/v1/completions", json=body, timeout=10)
         err = request_error(r, stream)
-        assert err["stage"] == "prefill" and err["server"] == c.prefill_urls[0]
+        assert lw_detail(err) | {"request": ""} == {"stage": "prefill", "request": "",
+                                                    "server": c.prefill_urls[0]}
         wait_for(lambda: c.world.has("d_cancelled"))
         wait_for(lambda: c.metrics()["in_flight"] == 0)
         assert c.metrics()["prefill_failures"] == 1
@@ -802,25 +820,51 @@ def test_models_passthrough() -> None:
 
 
 @pytest.mark.parametrize(
-    "path,content,fragment",
+    "path,content",
     [
-        ("/v1/completions", b"{not json", "not JSON"),
-        ("/v1/completions", b'"just a string"', "JSON object"),
-        ("/v1/completions", json.dumps({"prompt": "x"}).encode(), "'model'"),
-        ("/v1/completions", json.dumps({"model": "m"}).encode(), "'prompt'"),
-        ("/v1/chat/completions", json.dumps({"model": "m"}).encode(), "'messages'"),
+        ("/v1/completions", b"{not json"),
+        ("/v1/completions", b'"just a string"'),
+        ("/v1/completions", b"[1, 2]"),
+        ("/v1/completions", json.dumps({"model": "m"}).encode()),
+        ("/v1/completions", json.dumps({"model": "m", "prompt": ""}).encode()),
+        ("/v1/chat/completions", json.dumps({"model": "m"}).encode()),
+        ("/v1/chat/completions", json.dumps({"model": "m", "messages": []}).encode()),
+        ("/v1/chat/completions", b"{not json"),
     ],
 )
-def test_bad_input_gives_400(path: str, content: bytes, fragment: str) -> None:
+def test_unroutable_input_gets_vllms_own_answer(path: str, content: bytes) -> None:
+    """The proxy does not invent errors for bodies it cannot route: D's vLLM answers them."""
     with cluster() as c:
         r = httpx.post(c.url + path, content=content,
                        headers={"content-type": "application/json"}, timeout=10)
         assert r.status_code == 400
         err = r.json()["error"]
-        assert fragment in err["message"] and err["type"] == "invalid_request_error"
-        assert not c.world.has("d_request")
+        assert err["message"].startswith("fake vLLM refuses") and err["type"] == "BadRequestError"
+        assert c.world.has("d_relayed") and not c.world.has("d_request")
         m = c.metrics()
         assert m["bad_requests"] == 1 and m["requests"] == 0
+
+
+def test_a_body_without_model_is_served_with_the_decode_servers_model() -> None:
+    with cluster() as c:
+        r = httpx.post(c.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2},
+                       timeout=10)
+        assert r.status_code == 200, r.text
+        rid = r.headers["x-request-id"]
+        assert c.world.bodies[("d", rid)]["model"] == "tiny"
+        assert c.world.bodies[("p", rid + "@0")]["model"] == "tiny"
+
+
+def test_proxy_errors_have_vllms_shape() -> None:
+    from lw.vllm_adapter.proxy_state import error_body, error_type
+
+    assert [error_type(s) for s in (400, 404, 500, 502, 503, 504)] == [
+        "BadRequestError", "NotFoundError", "InternalServerError", "BadGatewayError",
+        "ServiceUnavailableError", "GatewayTimeoutError"]
+    body = error_body("P failed", 502, stage="prefill", server="http://p", request_id="r")
+    assert body == {"error": {"message": "P failed [lw proxy: stage=prefill, server=http://p, "
+                                         "request=r]", "type": "BadGatewayError",
+                              "param": None, "code": 502}}
 
 
 def test_proxy_timeline_keeps_first_times_and_is_bounded() -> None:
