@@ -153,8 +153,9 @@ async def _relay_unroutable(state: ProxyState, request: Request, api: str, raw: 
     headers = {k: v for k, v in request.headers.items()
                if k.lower() in ("content-type", "authorization")}
     try:
-        r = await state.client.post(decode.url + api, content=raw, headers=headers,
-                                    timeout=state.short_timeout)
+        # If vLLM accepts what the proxy could not route, D serves it alone (no P/D): the
+        # whole answer, within the proxy's ordinary timeout.
+        r = await state.client.post(decode.url + api, content=raw, headers=headers)
     except httpx.HTTPError as exc:
         state.counters["errors"] += 1
         return JSONResponse(error_body(f"request refused ({why}), and decode server "
