@@ -52,7 +52,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 class BadRequest(ValueError):
-    """A client request the proxy refuses (answered with 400)."""
+    """A client body the proxy cannot route D first (relayed to a decode server as it is, which
+    answers it as vLLM does)."""
 
 
 # ---------------------------------------------------------------------------------------------
