@@ -44,7 +44,7 @@ class LinkMeter:
         self.alpha = alpha
         self._periods: dict[str, _Period] = {}
         self.goodput: dict[str, float] = {}  # replaced, never mutated: safe to read elsewhere
-        self.samples = 0  # samples folded into the estimate (a version for readers)
+        self.samples = 0  # samples folded into the estimate (tests wait on it)
 
     def submitted(self, host: str, now: float) -> None:
         """A write to ``host`` was handed to the data plane."""

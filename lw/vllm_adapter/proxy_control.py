@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse
 
 from lw.vllm_adapter.proxy_exchange import run_prefill
 from lw.vllm_adapter.proxy_state import (
-    MAX_TRANSFER_ID,
     Backend,
     ProxyState,
     SubPrefill,
@@ -30,6 +29,7 @@ from lw.vllm_adapter.proxy_state import (
     build_prefill_body,
     log,
 )
+from lw.vllm_adapter.transfer_ids import MAX_TRANSFER_ID, is_sub_transfer_of
 
 __all__ = ["build_control_app", "health_report"]
 
@@ -56,9 +56,7 @@ def _call_problem(tr: Transfer, msg: dict[str, Any]) -> str:
     if not hmac.compare_digest(str(msg.get("grant", "")).encode(), tr.grant.encode()):
         return ("the call does not carry this transfer's grant: only the decode server the "
                 "proxy sent the request to may ask for its prefill")
-    head, sep, _ = msg["sub_transfer_id"].partition("@")
-    if not sep or not head or not tr.request_id.startswith(head) or (
-            head != tr.request_id and len(head) < MAX_TRANSFER_ID - 33):
+    if not is_sub_transfer_of(msg["sub_transfer_id"], tr.request_id):
         return (f"sub_transfer_id {msg['sub_transfer_id'][:80]!r} is not a sub-transfer of "
                 f"transfer {tr.request_id} (<transfer_id>@<request>)")
     if msg["sub_transfer_id"] not in tr.prefills and len(tr.prefills) >= tr.allowance:

@@ -40,8 +40,6 @@ log = logging.getLogger("lw.proxy")
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-MAX_TRANSFER_ID = 256
-"""Longest sub-transfer id accepted (the KV connectors' transfer id limit)."""
 MAX_ERROR_BODY = 2000
 """Characters of an upstream error body quoted in our error messages."""
 

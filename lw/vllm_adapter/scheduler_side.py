@@ -12,7 +12,6 @@ prefix-cache hit is computed locally instead.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,7 @@ from lw.vllm_adapter.connector_meta import (
 )
 from lw.vllm_adapter.metaserver_client import MetaserverPoster
 from lw.vllm_adapter.metrics import LwKVConnectorStats
+from lw.vllm_adapter.transfer_ids import sub_transfer_id
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -42,16 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerSide", "sub_transfer_id"]
 
 _NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
-MAX_TRANSFER_ID = 256  # the core's id limit (lw.fsm.messages)
-
-
-def sub_transfer_id(transfer_id: str, request_id: str) -> str:
-    """The transfer id of one vLLM request of a proxy transfer: deterministic, <= 256 chars."""
-    sub = f"{transfer_id}@{request_id}"
-    if len(sub) <= MAX_TRANSFER_ID:
-        return sub
-    digest = hashlib.blake2b(f"{transfer_id}\0{request_id}".encode(), digest_size=16).hexdigest()
-    return f"{transfer_id[:MAX_TRANSFER_ID - len(digest) - 1]}@{digest}"
 
 
 @dataclass
