@@ -868,6 +868,9 @@ class WorkerLoop:
             g[0].append((w.req_id, w.seq))
             g[1].extend(entries)
         dp = self.data_plane
+        # The link meter sees one batch per host and tick: D's TP ranks are sessions of one
+        # host, and writes submitted together are not a backlog.
+        batches: dict[str, tuple[float, int]] = {}
         for session, (pairs, entries, host) in groups.items():
             if dp is None:
                 failed.extend((r, k, "no data plane") for r, k in pairs)
@@ -877,11 +880,14 @@ class WorkerLoop:
                 mono = time.monotonic()
                 self._submitted_at[id(xfer)] = (mono, host)
                 dp.submit(xfer, session, entries)
-                self.link.submitted(host, mono)  # (completions are polled on this thread)
+                first, n = batches.get(host, (mono, 0))
+                batches[host] = (first, n + 1)
                 self.counters["transfers_submitted"] += 1
             except Exception as exc:
                 self._submitted_at.pop(id(xfer), None)
                 failed.extend((r, k, f"data plane refused the transfer: {exc}") for r, k in pairs)
+        for host, (mono, n) in batches.items():
+            self.link.submitted(host, mono, n)  # (completions are polled on this thread)
         out: list[list[Effect]] = []
         now = self._clock()
         for rid, seq, reason in failed:

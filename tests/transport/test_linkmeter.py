@@ -20,31 +20,62 @@ def test_a_busy_period_measures_bytes_over_its_length_with_overlapping_writes() 
     assert m.samples == 1
 
 
+def _backlogged(m: LinkMeter, t: float, nbytes: int, seconds: float) -> None:
+    """Two writes queued on the link at ``t``, moving ``nbytes`` in ``seconds``."""
+    m.submitted("h", t)
+    m.submitted("h", t)
+    m.completed("h", nbytes // 2, t + seconds / 2)
+    m.completed("h", nbytes - nbytes // 2, t + seconds)
+
+
 def test_idle_time_between_periods_is_left_out_and_small_periods_are_pooled() -> None:
     m = LinkMeter(min_bytes=MiB, alpha=1.0)
-    m.submitted("h", 0.0)
-    m.completed("h", 4 * MiB, 0.5)  # 8 MiB/s
+    _backlogged(m, 0.0, 4 * MiB, 0.5)  # 8 MiB/s
     assert m.goodput == {"h": pytest.approx(8 * MiB)}
-    # Four writes of 256 KiB, each alone on the link for 0.125 s, with long idle gaps: pooled
-    # into one sample of 1 MiB over 0.5 s of busy time (the gaps do not count).
+    # Four backlogged periods of 256 KiB, each 0.125 s, with long idle gaps: pooled into one
+    # sample of 1 MiB over 0.5 s of busy time (the gaps do not count).
     for i in range(4):
-        m.submitted("h", 100.0 * (i + 1))
         assert m.samples == 1
-        m.completed("h", MiB // 4, 100.0 * (i + 1) + 0.125)
+        _backlogged(m, 100.0 * (i + 1), MiB // 4, 0.125)
     assert m.samples == 2
     assert m.goodput == {"h": pytest.approx(2 * MiB)}
 
 
-def test_a_slower_period_is_believed_at_once_a_faster_one_gradually() -> None:
+def test_a_slower_backlogged_period_is_believed_at_once_a_faster_one_gradually() -> None:
     m = LinkMeter(min_bytes=MiB, alpha=0.5)
-    t = 0.0
     seen = []
-    for rate in (100, 10, 100, 100):
-        m.submitted("h", t)
-        t += 1.0
-        m.completed("h", rate * MiB, t)
+    for i, rate in enumerate((100, 10, 100, 100)):
+        _backlogged(m, 10.0 * i, rate * MiB, 1.0)
         seen.append(m.goodput["h"] / MiB)
     assert seen == pytest.approx([100, 10, 55, 77.5])
+
+
+def test_a_link_that_kept_pace_only_bounds_the_estimate_from_below() -> None:
+    """Writes that each ended before the next came say the link carries at least their rate
+    (small writes show their fixed costs, not the link): they raise an estimate no backlog has
+    set and never lower one; once a backlog measured the link they say nothing."""
+    m = LinkMeter(min_bytes=MiB, alpha=0.5)
+    for t, seconds in ((0.0, 1.0), (10.0, 0.25), (20.0, 0.5)):  # 1, 4, then 2 MiB/s
+        m.submitted("h", t)
+        m.completed("h", MiB, t + seconds)
+    assert m.goodput == {"h": pytest.approx(4 * MiB)}  # the best it has shown
+    _backlogged(m, 30.0, MiB, 0.5)  # queued writes measure it: 2 MiB/s, believed at once
+    assert m.goodput == {"h": pytest.approx(2 * MiB)}
+    m.submitted("h", 40.0)
+    m.completed("h", MiB, 40.1)  # 10 MiB/s alone (a burst the shaper let through): no news
+    assert m.goodput == {"h": pytest.approx(2 * MiB)}
+    assert m.samples == 5
+
+
+def test_writes_submitted_together_are_not_a_backlog() -> None:
+    m = LinkMeter(min_bytes=MiB)
+    m.submitted("h", 0.0, writes=2)  # D's two TP ranks, one tick
+    m.completed("h", MiB, 0.5)
+    m.completed("h", MiB, 1.0)
+    assert m.goodput == {"h": pytest.approx(2 * MiB)}
+    m.submitted("h", 5.0)
+    m.completed("h", MiB, 6.0)  # slower, but the link kept pace: no news
+    assert m.goodput == {"h": pytest.approx(2 * MiB)}
 
 
 def test_hosts_are_separate_and_failed_writes_move_no_bytes() -> None:
@@ -62,6 +93,8 @@ def test_bad_parameters_are_refused() -> None:
         LinkMeter(alpha=0)
     with pytest.raises(ValueError, match="min_bytes"):
         LinkMeter(min_bytes=0)
+    with pytest.raises(ValueError, match="writes"):
+        LinkMeter().submitted("h", 0.0, writes=0)
 
 
 @pytest.mark.parametrize(("addr", "host"), [
