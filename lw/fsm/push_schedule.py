@@ -7,6 +7,12 @@ compute that is left. The push of a request therefore starts at the first chunk 
 remaining compute would no longer cover the whole transfer (with ``margin``); from then on every
 chunk's complete blocks go as it computes them. The prompt's last chunk always pushes.
 
+The remaining compute is not the tokens left times one rate: each token attends to every token
+before it, so a prompt's later chunks cost more per token than its first (on the 2-core testbed a
+4,096-token prompt's last chunk took about twice its average). The estimate has a part per token
+and a part per (token, earlier token) pair, and the tokens left after position ``k`` of a prompt
+of ``n`` tokens hold ``(n - k) * (n + k) / 2`` pairs.
+
 To the endpoint a late start is a request whose first announced chunk completes the blocks of
 several engine chunks, which is what an engine with larger chunks announces: the lifecycle, and
 what the checker proves of it (``lw check --chunks``: the first chunk may hold more blocks than
@@ -17,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MARGIN", "PUSH_MODES", "PushEstimate", "push_starts_now"]
+__all__ = ["DEFAULT_MARGIN", "PUSH_MODES", "PushEstimate", "attended_pairs", "compute_left",
+           "push_starts_now"]
 
 PUSH_MODES = ("auto", "progressive", "last_chunk")
 """When a prompt computed in chunks starts its push: as the link needs it, at its first chunk,
@@ -34,21 +41,41 @@ rose ~10 %). ``push_start_margin`` > 1 starts earlier, where writes cost the for
 
 @dataclass(frozen=True)
 class PushEstimate:
-    """What P measured: seconds its forward takes per prompt token, and seconds the link to a
-    decode host takes per KV block (every layer of it); None where nothing was measured yet."""
+    """What P measured: seconds its forward takes per prompt token and per pair of a token and
+    one it attends to, and seconds the link to a decode host takes per KV block (every layer of
+    it); None where nothing was measured yet."""
 
     compute_s_per_token: float | None = None
     wire_s_per_block: float | None = None
+    compute_s_per_pair: float = 0.0
+
+
+def attended_pairs(start: int, end: int) -> int:
+    """Pairs of a token in positions ``start``..``end``-1 and a token at or before it: the
+    attention work of computing those positions (the same sum the workers time a step by)."""
+    if not 0 <= start <= end:
+        raise ValueError(f"need 0 <= start <= end, got {start}, {end}")
+    return (end - start) * (start + end + 1) // 2
+
+
+def compute_left(est: PushEstimate, computed: int, total: int) -> float | None:
+    """Seconds of forward for positions ``computed``..``total``-1 (None: not measured yet)."""
+    if est.compute_s_per_token is None:
+        return None
+    return ((total - computed) * est.compute_s_per_token
+            + attended_pairs(computed, total) * est.compute_s_per_pair)
 
 
 def push_starts_now(*, blocks_to_send: int, tokens_after_chunk: int, est: PushEstimate,
-                    margin: float = DEFAULT_MARGIN, mode: str = "auto") -> bool:
+                    margin: float = DEFAULT_MARGIN, mode: str = "auto",
+                    tokens_computed: int = 0) -> bool:
     """Whether a request not yet pushed starts its push with the chunk this step computes.
 
     ``blocks_to_send``: the prompt's blocks D takes from P (all chunks); ``tokens_after_chunk``:
-    prompt tokens still to compute once this chunk is done (0: the last chunk). Under "auto",
-    without an estimate of either rate the push waits for the last chunk, whose writes then
-    measure the link.
+    prompt tokens still to compute once this chunk is done (0: the last chunk);
+    ``tokens_computed``: prompt tokens computed once this chunk is done. Under "auto", without
+    an estimate of either rate the push waits for the last chunk, whose writes then measure the
+    link.
     """
     if mode not in PUSH_MODES:
         raise ValueError(f"push mode must be one of {', '.join(PUSH_MODES)}, got {mode!r}")
@@ -60,7 +87,7 @@ def push_starts_now(*, blocks_to_send: int, tokens_after_chunk: int, est: PushEs
         return True
     if margin <= 0:
         raise ValueError(f"margin must be > 0, got {margin}")
-    c, w = est.compute_s_per_token, est.wire_s_per_block
-    if c is None or w is None:
+    left = compute_left(est, tokens_computed, tokens_computed + tokens_after_chunk)
+    if left is None or est.wire_s_per_block is None:
         return False
-    return blocks_to_send * w * margin >= tokens_after_chunk * c
+    return blocks_to_send * est.wire_s_per_block * margin >= left

@@ -62,16 +62,18 @@ class LwConnectorMetadata(KVConnectorMetadata):
     aborts: list[tuple[str, str, str]] = field(default_factory=list)  # (transfer, req, reason)
     idle: bool = False  # the engine computes nothing in this step (it only polls transfers)
     step_tokens: int = 0  # tokens the step computes (the workers time their forward per token)
+    step_pairs: int = 0  # (token, earlier token) pairs those tokens attend (and per pair)
 
 
 @dataclass
 class LwWorkerMeta(KVConnectorWorkerMetadata):
     """What P's workers measured, for the scheduler's push_mode "auto": seconds of forward per
-    token and, per decode host, seconds of wire per KV block. Workers combine by the maximum
-    (the slowest worker decides)."""
+    token and per attended pair and, per decode host, seconds of wire per KV block. Workers
+    combine by the maximum (the slowest worker decides)."""
 
     compute_s_per_token: float | None = None
     wire_s_per_block: dict[str, float] = field(default_factory=dict)
+    compute_s_per_pair: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """The slowest of two workers' figures."""
@@ -81,7 +83,8 @@ class LwWorkerMeta(KVConnectorWorkerMetadata):
         wire = dict(self.wire_s_per_block)
         for host, s in other.wire_s_per_block.items():
             wire[host] = max(s, wire.get(host, s))
-        return LwWorkerMeta(max(c) if c else None, wire)
+        return LwWorkerMeta(max(c) if c else None, wire,
+                            max(self.compute_s_per_pair, other.compute_s_per_pair))
 
 
 def kv_geometry(kv_cache_config: KVCacheConfig) -> str:

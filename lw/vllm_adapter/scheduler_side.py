@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lw.fsm.prefill_request import blocks_complete
-from lw.fsm.push_schedule import PushEstimate, push_starts_now
+from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
     PARAMS_VERSION,
@@ -69,6 +69,16 @@ class _DReq:
     aborted: bool = False
 
 
+def step_pairs(so: SchedulerOutput) -> int:
+    """The (token, earlier token) pairs a step's tokens attend: the attention part of its
+    forward, which P's workers time it by (lw.fsm.push_schedule)."""
+    done = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    cached = so.scheduled_cached_reqs
+    done.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    return sum(attended_pairs(done.get(rid, 0), done.get(rid, 0) + n)
+               for rid, n in so.num_scheduled_tokens.items())
+
+
 class SchedulerSide:
     """Scheduler-role half: tracks requests, builds per-step metadata, calls the metaserver."""
 
@@ -92,6 +102,7 @@ class SchedulerSide:
         self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0,
                         "early_chunk_blocks": 0, "preempted_pushes": 0}
         self._compute_s_per_token: float | None = None  # from the workers (LwWorkerMeta)
+        self._compute_s_per_pair = 0.0
         self._wire_s_per_block: dict[str, float] = {}  # D host -> seconds per block
         self._bad_params: set[str] = set()
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
@@ -198,10 +209,12 @@ class SchedulerSide:
 
     def _starts_now(self, tr: _PReq, req: Any, computed: int) -> bool:
         """Whether a request not pushed yet starts its push with a chunk that is not its last."""
-        est = PushEstimate(self._compute_s_per_token, self._wire_s_per_block.get(tr.host))
+        est = PushEstimate(self._compute_s_per_token, self._wire_s_per_block.get(tr.host),
+                           self._compute_s_per_pair)
         return push_starts_now(blocks_to_send=len(tr.remote_blocks),
                                tokens_after_chunk=req.num_prompt_tokens - computed, est=est,
-                               margin=self.cfg.push_start_margin, mode=self.cfg.push_mode)
+                               margin=self.cfg.push_start_margin, mode=self.cfg.push_mode,
+                               tokens_computed=computed)
 
     def _preempted(self, rid: str) -> None:
         """vLLM preempted ``rid``: it freed the request's blocks without asking us, under writes
@@ -318,6 +331,8 @@ class SchedulerSide:
         meta, self._meta = self._meta, LwConnectorMetadata()
         meta.idle = not so.total_num_scheduled_tokens
         meta.step_tokens = int(so.total_num_scheduled_tokens or 0)
+        if self.cfg.is_producer:
+            meta.step_pairs = step_pairs(so)
         if self._to_post:
             # Posted after the worker has the request in this step's metadata: P's first
             # MetaRequest normally finds it registered (if not, D answers "unknown" and P retries).
@@ -366,6 +381,7 @@ class SchedulerSide:
         """The workers' latest rates (push_mode auto decides on them)."""
         if wm.compute_s_per_token is not None:
             self._compute_s_per_token = wm.compute_s_per_token
+            self._compute_s_per_pair = wm.compute_s_per_pair
         for host, s in wm.wire_s_per_block.items():
             if host not in self._wire_s_per_block and self.cfg.push_mode == "auto":
                 log.info("lw: push_mode auto: first rates for decode host %s: %.3f ms of wire "

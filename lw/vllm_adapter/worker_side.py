@@ -110,6 +110,7 @@ class WorkerSide:
         self._idle_step = False
         self._step_t0 = 0.0  # when this step's metadata arrived (its forward starts)
         self._step_tokens = 0
+        self._step_pairs = 0
         self.rates: PushRates | None = None  # P: forward and wire rates (push_mode "auto")
         self._idle_wait_s = cfg.idle_wait_ms / 1000
         self._rid: dict[str, str] = {}  # transfer id -> vLLM request id (live in the core)
@@ -271,6 +272,7 @@ class WorkerSide:
         self._idle_step = meta.idle
         self._step_t0 = time.monotonic()
         self._step_tokens = meta.step_tokens
+        self._step_pairs = meta.step_pairs
         if self.loop is None:
             if meta.sends or meta.recvs:
                 raise RuntimeError("lw: connector metadata before register_kv_caches")
@@ -322,30 +324,42 @@ class WorkerSide:
     def layer_done(self, layer_name: str, kv_layer: Any) -> None:
         """Forward hook: enqueue "layer computed" for this step's pushes; never waits."""
         tids = self._step_sends
-        if not tids:
+        rates = self.rates
+        if not tids and (rates is None or self._step_tokens < rates.min_tokens):
             return
         planes = self._plane_idx.get(layer_name)
         if not planes:
             return
-        loop = self.loop
-        assert loop is not None
+        then = None
+        if rates is not None and planes[-1] == len(self.planes) - 1:  # the forward's last layer
+            # Every prefill step is timed, pushing or not: "auto" needs the early chunks' cost
+            # before it decides to push them.
+            t0, n, pairs = self._step_t0, self._step_tokens, self._step_pairs
+
+            def then() -> None:
+                rates.forward_done(time.monotonic() - t0, n, pairs)
+        if not tids:
+            if then is not None:
+                self._after_ready(kv_layer, (), tids, then)
+            return
         if planes[0] == 0:
             now = time.monotonic()
             for tid in tids:
                 self._t0.setdefault(tid, now)
         self._step_planes += len(planes)
-        then = None
-        rates = self.rates
-        if rates is not None and planes[-1] == len(self.planes) - 1:  # the forward's last layer
-            t0, n = self._step_t0, self._step_tokens
+        self._after_ready(kv_layer, planes, tids, then)
 
-            def then() -> None:
-                rates.forward_done(time.monotonic() - t0, n)
+    def _after_ready(self, kv_layer: Any, planes: tuple[int, ...], tids: list[str],
+                     then: Callable[[], None] | None) -> None:
+        """Once the layer's kernels finished (at once on a CPU): report its planes computed for
+        ``tids``, then run ``then``."""
         if self._gate is not None:
             from lw.vllm_adapter.device import ready_marker
 
             self._gate.put(ready_marker(kv_layer), planes, tids, then)
             return
+        loop = self.loop
+        assert loop is not None
         for i in planes:
             loop.layer_computed(i, tids)
         if then is not None:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lw.fsm.push_schedule import PushEstimate, push_starts_now
+from lw.fsm.push_schedule import PushEstimate, attended_pairs, compute_left, push_starts_now
 
 # 1,024 tokens in 4 chunks of 256, 64 blocks; 0.6 ms of forward per token (~150 ms a chunk)
 EST = {
@@ -51,3 +51,32 @@ def test_a_slower_link_never_starts_later(compute: float, wire: float, chunks: i
     slow = start_chunk(PushEstimate(compute, wire * 2), chunks, tokens, blocks)
     fast = start_chunk(PushEstimate(compute, wire), chunks, tokens, blocks)
     assert slow <= fast <= chunks - 1
+
+
+def test_attended_pairs_counts_each_token_with_those_at_or_before_it() -> None:
+    assert attended_pairs(0, 1) == 1
+    assert attended_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert attended_pairs(2, 4) == 3 + 4
+    assert attended_pairs(5, 5) == 0
+    assert attended_pairs(0, 256) + attended_pairs(256, 1024) == attended_pairs(0, 1024)
+    with pytest.raises(ValueError, match="start <= end"):
+        attended_pairs(4, 2)
+
+
+def test_later_chunks_cost_more_so_the_push_starts_later_than_an_average_rate_says() -> None:
+    """4,096 tokens in 16 chunks; half the forward is attention. The average rate over the
+    prompt puts too little compute after the early chunks, and the push would start early."""
+    tokens, chunks, blocks = 4096, 16, 256
+    per_token, per_pair = 0.7e-3, 0.7e-3 * tokens / attended_pairs(0, tokens)
+    exact = PushEstimate(per_token, 4e-3, per_pair)
+    average = PushEstimate(per_token + per_pair * attended_pairs(0, tokens) / tokens, 4e-3)
+    assert compute_left(exact, 0, tokens) == pytest.approx(compute_left(average, 0, tokens))
+
+    def start(est: PushEstimate) -> int:
+        per = tokens // chunks
+        return next(c for c in range(chunks) if push_starts_now(
+            blocks_to_send=blocks, tokens_after_chunk=tokens - per * (c + 1), est=est,
+            tokens_computed=per * (c + 1)))
+
+    assert start(average) < start(exact) < chunks - 1
+    assert compute_left(PushEstimate(), 0, 10) is None

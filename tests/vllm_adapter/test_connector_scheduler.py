@@ -48,6 +48,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 import lw.vllm_adapter.connector as conn_mod  # noqa: E402
 import lw.vllm_adapter.scheduler_side as sched_mod  # noqa: E402
 import lw.vllm_adapter.worker_side as worker_mod  # noqa: E402
+from lw.fsm.push_schedule import PushEstimate, attended_pairs, compute_left  # noqa: E402
 from lw.vllm_adapter.config import (  # noqa: E402
     ConfigError,
     LwConfig,
@@ -341,6 +342,18 @@ def test_p_auto_starts_early_only_where_the_measured_link_needs_it(
     assert sum(st.get("early_chunk_blocks", 0) for st in d.stats) == (4 if early else 0)
 
 
+def test_p_tells_the_workers_the_pairs_each_step_attends(model_dir: str) -> None:
+    """The workers time each step by its tokens and attended pairs: chunk 2 of a prompt
+    attends to chunk 1 too."""
+    s = make_scheduler(model_dir, "kv_producer")
+    d = Driver(s)
+    s.add_request(make_request("r1", 100, params=decoder_params()))
+    d.step()
+    assert (d.meta.step_tokens, d.meta.step_pairs) == (64, attended_pairs(0, 64))
+    d.step()
+    assert (d.meta.step_tokens, d.meta.step_pairs) == (36, attended_pairs(64, 100))
+
+
 def test_worker_meta_combines_workers_by_the_slowest() -> None:
     a = LwWorkerMeta(1e-3, {"h1": 0.5, "h2": 0.1})
     b = LwWorkerMeta(2e-3, {"h1": 0.2, "h3": 0.3})
@@ -351,17 +364,44 @@ def test_worker_meta_combines_workers_by_the_slowest() -> None:
     assert LwWorkerMeta(None, {}).aggregate(a).compute_s_per_token == 1e-3
 
 
-def test_push_rates_report_forward_per_token_and_wire_per_block() -> None:
+def test_push_rates_fit_the_forward_to_tokens_and_attended_pairs() -> None:
+    """A prompt's later chunks cost more per token (each token attends to more): the fit
+    separates the part per token from the part per attended pair, so that the compute left
+    after a chunk is not taken from the average chunk."""
     r = PushRates(bytes_per_block=1000, alpha=0.5, min_tokens=32)
     assert r.meta({}) is None  # nothing measured
-    r.forward_done(0.5, 16)  # too few tokens to time a prefill: ignored
+    r.forward_done(0.5, 16, attended_pairs(0, 16))  # too few tokens to time a prefill: ignored
     assert r.compute_s_per_token is None
-    r.forward_done(0.064, 64)
-    r.forward_done(0.192, 64)
-    assert r.compute_s_per_token == pytest.approx(2e-3)  # 1 ms, then half way to 3 ms
+    per_token, per_pair = 1e-3, 2e-6
+    for lo, hi in ((0, 64), (64, 128), (128, 192)):
+        pairs = attended_pairs(lo, hi)
+        r.forward_done(per_token * (hi - lo) + per_pair * pairs, hi - lo, pairs)
+    assert r.compute_s_per_token == pytest.approx(per_token)
+    assert r.compute_s_per_pair == pytest.approx(per_pair)
     m = r.meta({"h": 1e6})
     assert m is not None and m.wire_s_per_block == {"h": pytest.approx(1e-3)}
-    assert m.compute_s_per_token == pytest.approx(2e-3)
+    assert (m.compute_s_per_token, m.compute_s_per_pair) == pytest.approx((per_token, per_pair))
+    est = PushEstimate(m.compute_s_per_token, None, m.compute_s_per_pair)
+    assert compute_left(est, 192, 256) == pytest.approx(
+        per_token * 64 + per_pair * attended_pairs(192, 256))
+
+
+def test_push_rates_fall_back_to_one_rate_where_the_steps_cannot_tell() -> None:
+    r = PushRates(bytes_per_block=1000, alpha=0.5, min_tokens=32)
+    r.forward_done(0.064, 64)  # no pairs reported: per token only
+    r.forward_done(0.192, 64)
+    assert r.compute_s_per_token == pytest.approx((0.5 * 1e-3 + 3e-3) / 1.5)
+    assert r.compute_s_per_pair == 0
+    # The same pairs per token every step (first chunks of one length): one rate per token.
+    r = PushRates(bytes_per_block=1000, alpha=0.5, min_tokens=32)
+    for seconds in (0.1, 0.1):
+        r.forward_done(seconds, 64, attended_pairs(0, 64))
+    assert (r.compute_s_per_token, r.compute_s_per_pair) == pytest.approx((0.1 / 64, 0))
+    # Later chunks cheaper than earlier ones (noise): no negative cost per pair.
+    r = PushRates(bytes_per_block=1000, alpha=0.5, min_tokens=32)
+    r.forward_done(0.2, 64, attended_pairs(0, 64))
+    r.forward_done(0.1, 64, attended_pairs(64, 128))
+    assert r.compute_s_per_token > 0 and r.compute_s_per_pair == 0
 
 
 def test_p_abort_between_chunks_stops_the_push_and_holds_its_blocks(model_dir: str) -> None:
