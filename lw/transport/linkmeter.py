@@ -2,20 +2,23 @@
 
 A busy period runs from the first write submitted to an idle host until none is in flight; its
 goodput is the bytes it completed over its length. Periods are pooled (bytes and busy time
-summed, the idle time between them left out) until they moved at least ``min_bytes``, so that
-many small writes measure the link together rather than one write's latency.
+summed, the idle time between them left out) until they moved at least ``min_bytes``.
 
-What a sample says depends on whether the link fell behind. In a *backlogged* period a write was
-submitted while another was still in flight: the writes queued, so their goodput is what the
-link (and P's side of it) can carry. In a period where every write ended before the next one came
-the link kept pace, and the goodput is only a lower bound on what it could carry: a write's fixed
-costs (the submission, the completion poll) dominate small writes. Such samples only raise an
-estimate that no backlogged period has measured yet; once the link has been seen backlogged they
-say nothing more. A backlogged sample slower than the estimate replaces it at once; a faster one
-moves it by ``alpha`` of the difference. The asymmetry follows the costs: believing a link faster
-than it is leaves a prompt's transfer behind its compute (a tail of up to the whole wire time),
-believing it slower starts a push early (some of P's CPU), and taking small writes' latency for
-the link's rate would start every push early.
+What a sample says depends on how much its periods moved. Every period pays a write's fixed
+costs once (the submission, the sender's status polls, the completion reaching the loop: a few
+milliseconds on a host whose core also runs the forward), so a period of small writes shows those
+costs rather than the link; and a shaped link lets a small write through at line rate from its
+burst allowance. A sample whose periods moved ``trust_bytes`` each on average *measures* the link:
+a slower one replaces the estimate at once, a faster one moves it by ``alpha`` of the difference.
+A sample of smaller periods only bounds the link from below: it raises an estimate no measuring
+sample has set yet, and says nothing once one has. A link that cannot keep up merges a push's
+writes into one long period, so a slow link is measured whatever the size of its writes.
+
+The asymmetry follows the costs: believing a link faster than it is leaves a prompt's transfer
+behind its compute (a tail of up to the whole wire time), believing it slower starts a push
+early (some of P's CPU), and taking small writes' fixed costs for the link's rate would start
+every push early (on the 2-core testbed, 1-2 MB periods of 200-300 MB/s against 4 MB ones of
+400-1,000 MB/s over an uncapped veth).
 """
 
 from __future__ import annotations
@@ -37,24 +40,26 @@ class _Period:
     inflight: int = 0
     start: float = 0.0
     nbytes: int = 0
-    backlogged: bool = False  # a write was submitted while another was in flight
     pooled_bytes: int = 0  # ended periods not yet enough for a sample
     pooled_s: float = 0.0
-    pooled_backlogged: bool = False
+    pooled_periods: int = 0
 
 
 class LinkMeter:
     """Per host: writes in flight, the current busy period, the estimated goodput (bytes/s)."""
 
-    def __init__(self, min_bytes: int = 1 << 20, alpha: float = 0.5) -> None:
-        if min_bytes < 1 or not 0 < alpha <= 1:
-            raise ValueError(f"LinkMeter(min_bytes={min_bytes}, alpha={alpha}): need "
-                             "min_bytes >= 1 and 0 < alpha <= 1")
+    def __init__(self, min_bytes: int = 1 << 20, alpha: float = 0.5,
+                 trust_bytes: int = 4 << 20) -> None:
+        if min_bytes < 1 or trust_bytes < 1 or not 0 < alpha <= 1:
+            raise ValueError(f"LinkMeter(min_bytes={min_bytes}, alpha={alpha}, trust_bytes="
+                             f"{trust_bytes}): need min_bytes >= 1, trust_bytes >= 1 and "
+                             "0 < alpha <= 1")
         self.min_bytes = min_bytes
+        self.trust_bytes = trust_bytes
         self.alpha = alpha
         self._periods: dict[str, _Period] = {}
         self.goodput: dict[str, float] = {}  # replaced, never mutated: safe to read elsewhere
-        self._measured: set[str] = set()  # hosts whose estimate a backlogged period set
+        self._measured: set[str] = set()  # hosts whose estimate a measuring sample set
         self.samples = 0  # samples taken, whether or not they moved the estimate (tests wait)
 
     def submitted(self, host: str, now: float, writes: int = 1) -> None:
@@ -66,8 +71,6 @@ class LinkMeter:
             p = self._periods[host] = _Period()
         if p.inflight == 0:  # a busy period starts (the last one's bytes went to the pool)
             p.start = now
-        else:
-            p.backlogged = True
         p.inflight += writes
 
     def completed(self, host: str, nbytes: int, now: float) -> None:
@@ -81,22 +84,23 @@ class LinkMeter:
             return
         p.pooled_bytes += p.nbytes
         p.pooled_s += max(0.0, now - p.start)
-        p.pooled_backlogged |= p.backlogged
-        p.nbytes, p.backlogged = 0, False
+        p.pooled_periods += 1
+        p.nbytes = 0
         if p.pooled_bytes < self.min_bytes or p.pooled_s <= 0:
             return
-        rate, backlogged = p.pooled_bytes / p.pooled_s, p.pooled_backlogged
-        p.pooled_bytes, p.pooled_s, p.pooled_backlogged = 0, 0.0, False
+        rate = p.pooled_bytes / p.pooled_s
+        measures = p.pooled_bytes >= self.trust_bytes * p.pooled_periods
+        p.pooled_bytes, p.pooled_s, p.pooled_periods = 0, 0.0, 0
         self.samples += 1
         old = self.goodput.get(host)
-        if backlogged:
+        if measures:
             if old is None or host not in self._measured or rate < old:
                 new = rate
             else:
                 new = old + self.alpha * (rate - old)
             self._measured.add(host)
         elif host in self._measured or (old is not None and rate <= old):
-            return  # the link kept pace: no news about what it can carry
+            return  # small periods: no news about what the link can carry
         else:
             new = rate
         self.goodput = {**self.goodput, host: new}

@@ -868,8 +868,8 @@ class WorkerLoop:
             g[0].append((w.req_id, w.seq))
             g[1].extend(entries)
         dp = self.data_plane
-        # The link meter sees one batch per host and tick: D's TP ranks are sessions of one
-        # host, and writes submitted together are not a backlog.
+        # The link meter sees one batch per host and tick (D's TP ranks are sessions of one
+        # host): a busy period starts with the tick's first submit, whatever its session.
         batches: dict[str, tuple[float, int]] = {}
         for session, (pairs, entries, host) in groups.items():
             if dp is None:
