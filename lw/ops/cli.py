@@ -8,10 +8,13 @@ Examples::
     lw status --workers ... REQUEST_ID                             # one request's whole history
     lw status --workers ... --timeline REQUEST_ID                  # as a Mermaid diagram
     lw status --workers ... --trace-out trace.json                 # Chrome trace of the timelines
+    lw status --proxy http://127.0.0.1:8001                        # the workers a proxy has seen
 
 The cluster key comes from ``--cluster-key`` or ``LW_CLUSTER_KEY`` (the side channel refuses
-unauthenticated queries when the workers have one). Exit status: 0 when every worker answered,
-1 when some did not, 2 on bad arguments.
+unauthenticated queries when the workers have one). ``--proxy`` takes the workers from an lw
+proxy's control port: D's as its signed metaserver calls name them, P's as its prefill responses
+do, so a worker shows once a request went through it. Exit status: 0 when every worker answered,
+1 when some did not (or the proxy could not say), 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 import sys
 import time
 
-from lw.ops.client import MAX_TIMELINE, Snapshot, expand_addrs, query
+from lw.ops.client import MAX_TIMELINE, Snapshot, expand_addrs, query, workers_from_proxy
 from lw.ops.render import chrome_trace, history, mermaid_timeline, table, to_json
 
 
@@ -32,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", "-w", action="append", default=[],
                    help="side-channel addresses: tcp://HOST:PORT, HOST:PORT or HOST:FIRST-LAST, "
                         "comma separated or repeated (default: $LW_STATUS_WORKERS)")
+    p.add_argument("--proxy", default="", metavar="URL",
+                   help="ask an lw proxy's control port (lw proxy --control-port) for the "
+                        "workers it has seen in its traffic, instead of --workers")
     p.add_argument("--cluster-key", default=None, help="side-channel key (default: "
                    "$LW_CLUSTER_KEY); text, or hex:...")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for answers")
@@ -67,14 +73,23 @@ def render(args: argparse.Namespace, snap: Snapshot) -> str:
     return table(snap, width)
 
 
+def _from_proxy(args: argparse.Namespace) -> list[str]:
+    return workers_from_proxy(args.proxy, args.timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``lw status``."""
     ap = _parser()
     args = ap.parse_args(argv)
+    if args.proxy and args.workers:
+        ap.error("give --workers or --proxy, not both")
     specs = args.workers or [os.environ.get("LW_STATUS_WORKERS", "")]
     try:
-        addrs = expand_addrs(specs)
+        addrs = expand_addrs(specs) if not args.proxy else _from_proxy(args)
     except ValueError as exc:
+        if args.proxy:
+            print(f"lw status: {exc}", file=sys.stderr)
+            return 1
         ap.error(str(exc))
     if not addrs:
         ap.error("no workers given: pass --workers HOST:PORT[-LAST],... or set "
@@ -85,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--watch needs a positive interval")
     try:
         while True:
+            if args.proxy and args.watch is not None:  # workers seen since the last round
+                try:
+                    addrs = _from_proxy(args)
+                except ValueError as exc:
+                    print(f"lw status: {exc} (keeping the last list)", file=sys.stderr)
             snap = snapshot(args, addrs)
             if args.trace_out:
                 with open(args.trace_out, "w", encoding="utf-8") as f:

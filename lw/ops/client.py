@@ -8,15 +8,18 @@ never waited for beyond the timeout.
 
 from __future__ import annotations
 
+import json
 import re
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 
 from lw.fsm.messages import MAX_TIMELINE
 from lw.transport.sidechannel import SideChannel, parse_cluster_key
 from lw.transport.wire import PROTOCOL_VERSION, StatusQuery, StatusReply
 
-__all__ = ["MAX_TIMELINE", "Snapshot", "expand_addrs", "query"]
+__all__ = ["MAX_TIMELINE", "Snapshot", "expand_addrs", "query", "workers_from_proxy"]
 
 _RANGE = re.compile(r"^(?P<scheme>tcp://)?(?P<host>[^:/]+|\[[^\]]+\]):(?P<lo>\d+)(-(?P<hi>\d+))?$")
 
@@ -84,3 +87,25 @@ def query(addrs: list[str], cluster_key: str | bytes | None = None, *, req_id: s
     order = {a: i for i, a in enumerate(addrs)}
     snap.replies.sort(key=lambda r: order.get(r.worker.addr, len(order)))
     return snap
+
+
+def workers_from_proxy(url: str, timeout_s: float = 2.0) -> list[str]:
+    """The P and D workers an lw proxy has seen in its traffic (``GET /lw/workers`` on its control
+    port); ValueError saying what went wrong (unreachable, not an lw proxy, nothing seen yet)."""
+    endpoint = url.rstrip("/") + "/lw/workers"
+    try:
+        with urllib.request.urlopen(endpoint, timeout=timeout_s) as resp:
+            body = json.loads(resp.read(1 << 20))
+    except urllib.error.HTTPError as exc:
+        hint = " (the public port? lw status needs the control port)" if exc.code == 404 else ""
+        raise ValueError(f"{endpoint}: HTTP {exc.code}{hint}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ValueError(f"{endpoint}: {getattr(exc, 'reason', exc)}") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"{endpoint}: not an lw proxy's answer")
+    addrs = [a for role in ("prefill", "decode") for a in body.get(role) or []
+             if isinstance(a, str)]
+    if not addrs:
+        raise ValueError(f"{endpoint}: the proxy has seen no worker yet (it learns them from "
+                         "the requests it relays)")
+    return expand_addrs(addrs)

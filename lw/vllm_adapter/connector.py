@@ -95,7 +95,8 @@ class LwConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """P: keep pushed blocks until SendFinished; D: abort a receive still in progress."""
         assert self._sched is not None
-        return self._sched.request_finished(request), None
+        params = self._sched.response_params(request)
+        return self._sched.request_finished(request), params
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Forget requests the workers reported finished."""

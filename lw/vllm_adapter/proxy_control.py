@@ -4,8 +4,9 @@ internal address of its own, never on the public OpenAI port (docs/deployment.md
 ``POST /v1/metaserver`` starts a prefill only for a call that is signed with the cluster key
 (lw.vllm_adapter.control_auth), carries the grant the proxy gave the decode server it sent that
 transfer to, names a sub-transfer of that transfer and stays within the sub-transfers the client
-request allows (``n`` x prompts). ``GET /lw/timeline``, ``GET /metrics-json`` and
-``GET /lw/health`` tell what the proxy saw (request ids, timings, server URLs): internal only.
+request allows (``n`` x prompts). ``GET /lw/timeline``, ``GET /metrics-json``, ``GET /lw/health``
+and ``GET /lw/workers`` tell what the proxy saw (request ids, timings, server URLs, the workers'
+side channels): internal only.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lw.vllm_adapter.proxy_state import (
     log,
 )
 from lw.vllm_adapter.transfer_ids import MAX_TRANSFER_ID, is_sub_transfer_of
+from lw.vllm_adapter.worker_addrs import decode_workers
 
 __all__ = ["build_control_app", "health_report"]
 
@@ -120,6 +122,7 @@ def build_control_app(state: ProxyState) -> FastAPI:
         why = _call_problem(tr, msg)
         if why:
             return refuse(403, why, request, msg)
+        state.workers.learn("decode", decode_workers(msg.get("kv_transfer_params")))
         sub = tr.prefills.get(sub_id)
         if sub is not None:
             return JSONResponse({"status": "ok", "transfer_id": tid, "sub_transfer_id": sub_id,
@@ -140,6 +143,12 @@ def build_control_app(state: ProxyState) -> FastAPI:
         """What the proxy saw of recent transfers: id -> milestone -> wall time (see
         lw.vllm_adapter.proxy_timeline); with lw status timelines, lw.ops.phases."""
         return JSONResponse(state.timeline.snapshot())
+
+    @app.get("/lw/workers")
+    async def workers() -> JSONResponse:
+        """The P and D workers' side-channel addresses seen in traffic: D's in its signed
+        metaserver calls, P's in its prefill responses (what ``lw status --proxy`` asks)."""
+        return JSONResponse(state.workers.snapshot())
 
     @app.get("/metrics-json")
     async def metrics() -> JSONResponse:

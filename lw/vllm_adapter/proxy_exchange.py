@@ -25,6 +25,7 @@ from lw.vllm_adapter.proxy_state import (
     error_body,
     log,
 )
+from lw.vllm_adapter.worker_addrs import PREFILL_WORKERS_KEY
 
 __all__ = ["Exchange", "run_prefill"]
 
@@ -55,6 +56,7 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
         else:
             if resp.is_success:
                 sub.state = "done"
+                state.workers.learn("prefill", _prefill_workers(resp))
                 return
             error = (f"prefill server {backend.url} returned HTTP {resp.status_code} on "
                      f"{COMPLETIONS}: {_quote(resp.content)}")
@@ -72,6 +74,15 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
         raise
     finally:
         backend.in_flight -= 1
+
+
+def _prefill_workers(resp: httpx.Response) -> Any:
+    """The workers a prefill response names in its ``kv_transfer_params`` (None if none)."""
+    try:
+        params = resp.json().get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return None
+    return params.get(PREFILL_WORKERS_KEY) if isinstance(params, dict) else None
 
 
 def _cancel_prefills(tr: Transfer) -> None:

@@ -17,6 +17,7 @@ import httpx
 
 from lw.vllm_adapter.control_auth import CallVerifier
 from lw.vllm_adapter.proxy_timeline import ProxyTimeline
+from lw.vllm_adapter.worker_addrs import KnownWorkers
 
 __all__ = [
     "CHAT",
@@ -265,6 +266,7 @@ class ProxyState:
         )
         self.transfers: dict[str, Transfer] = {}
         self.timeline = ProxyTimeline()
+        self.workers = KnownWorkers()  # side channels seen in traffic (lw status --proxy)
         self.tasks: set[asyncio.Task[None]] = set()
         self._rr = {"prefill": 0, "decode": 0}
         self.counters = {

@@ -30,6 +30,7 @@ from lw.vllm_adapter.connector_meta import (
 from lw.vllm_adapter.metaserver_client import MetaserverPoster
 from lw.vllm_adapter.metrics import LwKVConnectorStats
 from lw.vllm_adapter.transfer_ids import sub_transfer_id
+from lw.vllm_adapter.worker_addrs import PREFILL_WORKERS_KEY, worker_addrs
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -343,6 +344,14 @@ class SchedulerSide:
             self._to_post = []
         return meta
 
+    def response_params(self, request: Request) -> dict[str, Any] | None:
+        """P: what a finished prefill tells its caller (the proxy) in ``kv_transfer_params``:
+        this engine's workers, which ``lw status --proxy`` then asks."""
+        if not self.cfg.is_producer or request.request_id not in self._p:
+            return None
+        first = self.cfg.port(tp_rank=0)
+        return {PREFILL_WORKERS_KEY: worker_addrs(self.cfg.host, first, self.cfg.tp_size)}
+
     def request_finished(self, request: Request) -> bool:
         """Whether the blocks must outlive the request (P: pushed); queue aborts for workers."""
         rid = request.request_id
@@ -383,11 +392,15 @@ class SchedulerSide:
             self._compute_s_per_token = wm.compute_s_per_token
             self._compute_s_per_pair = wm.compute_s_per_pair
         for host, s in wm.wire_s_per_block.items():
-            if host not in self._wire_s_per_block and self.cfg.push_mode == "auto":
-                log.info("lw: push_mode auto: first rates for decode host %s: %.3f ms of wire "
-                         "per block, %s ms of forward per token", host, s * 1e3,
-                         "?" if self._compute_s_per_token is None
-                         else f"{self._compute_s_per_token * 1e3:.3f}")
+            old = self._wire_s_per_block.get(host)
+            # Logged when first known and when it moves by a quarter: what auto decides on.
+            if self.cfg.push_mode == "auto" and (old is None or abs(s - old) > old / 4):
+                c = self._compute_s_per_token
+                log.info("lw: push_mode auto: decode host %s: %.3f ms of wire per block%s; "
+                         "forward %s ms per token + %.3f us per attended pair", host, s * 1e3,
+                         "" if old is None else f" (was {old * 1e3:.3f})",
+                         "?" if c is None else f"{c * 1e3:.3f}",
+                         self._compute_s_per_pair * 1e6)
             self._wire_s_per_block[host] = s
 
     def _take_post_failures(self) -> list[tuple[str, str, str]]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
+import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -129,3 +132,47 @@ def test_phases_of_a_request_from_both_sides_and_the_proxy() -> None:
     assert rows["D allocated -> metaserver called"] == 0  # this test has no metaserver
     assert rows["transfer tail (last layer computed -> written)"] == 1
     assert "sum of the means" in format_phases(phase_means(ms))
+
+
+class _FakeProxy(http.server.BaseHTTPRequestHandler):
+    """A proxy's control port: ``GET /lw/workers`` answers ``answer`` (None: 404)."""
+
+    answer: Any = None
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = json.dumps(type(self).answer).encode()
+        found = self.path == "/lw/workers" and type(self).answer is not None
+        self.send_response(200 if found else 404)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_cli_takes_the_workers_from_a_proxy(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--proxy URL``: the workers the proxy has seen; a proxy that cannot say is named."""
+    pair = make_pair()
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeProxy)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        pair.d.call("add_request", "q1", (1,), 1).result(5)
+        _FakeProxy.answer = {"prefill": [pair.p.addr], "decode": [pair.d.addr]}
+        assert cli.main(["--proxy", url, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert [w["worker"]["addr"] for w in data["workers"]] == [pair.p.addr, pair.d.addr]
+        assert data["workers"][1]["requests"][0]["req_id"] == "q1"
+        for answer, why in (({"prefill": [], "decode": []}, "has seen no worker yet"),
+                            (None, "HTTP 404 (the public port?")):
+            _FakeProxy.answer = answer
+            assert cli.main(["--proxy", url]) == 1
+            assert why in capsys.readouterr().err
+        assert cli.main(["--proxy", "http://127.0.0.1:9"]) == 1
+        assert "/lw/workers" in capsys.readouterr().err
+    finally:
+        srv.shutdown()
+        pair.stop()
+    with pytest.raises(SystemExit):
+        cli.main(["--proxy", url, "--workers", "h:1"])

@@ -62,6 +62,7 @@ from lw.vllm_adapter.device import merged_regions, planes_of, same_geometry  # n
 from lw.vllm_adapter.metrics import LwKVConnectorStats  # noqa: E402
 from lw.vllm_adapter.push_rates import PushRates  # noqa: E402
 from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
+from lw.vllm_adapter.worker_addrs import PREFILL_WORKERS_KEY, worker_addrs  # noqa: E402
 
 BS = 16  # block size
 NUM_BLOCKS = 64
@@ -164,6 +165,7 @@ class Driver:
         self.s = s
         self.metas: list[LwConnectorMetadata] = []
         self.finished: dict[str, Any] = {}
+        self.params: dict[str, Any] = {}  # kv_transfer_params of finished requests
         self.stats: list[dict[str, Any]] = []
 
     def step(self, kv: KVConnectorOutput | None = None,
@@ -189,6 +191,7 @@ class Driver:
             for o in outs.outputs:
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = o.finish_reason
+                    self.params[o.request_id] = o.kv_transfer_params
         return so
 
     @property
@@ -340,6 +343,22 @@ def test_p_auto_starts_early_only_where_the_measured_link_needs_it(
     assert (spec.first, spec.final, len(spec.local_blocks)) == (not early, True,
                                                               3 if early else 7)
     assert sum(st.get("early_chunk_blocks", 0) for st in d.stats) == (4 if early else 0)
+
+
+def test_p_names_its_workers_in_a_finished_prefills_params(model_dir: str) -> None:
+    """What the proxy learns P's side channels from (lw status --proxy); not for requests
+    that are not lw's."""
+    s = make_scheduler(model_dir, "kv_producer")
+    d = Driver(s)
+    s.add_request(make_request("r1", 100, params=decoder_params()))
+    s.add_request(make_request("plain", 20, start=500))
+    for _ in range(4):
+        d.step()
+    assert set(d.finished) == {"r1", "plain"}
+    cfg = s.connector.cfg
+    assert d.params["r1"][PREFILL_WORKERS_KEY] == worker_addrs(
+        cfg.host, cfg.port(tp_rank=0), cfg.tp_size)
+    assert not d.params["plain"]
 
 
 def test_p_tells_the_workers_the_pairs_each_step_attends(model_dir: str) -> None:

@@ -458,13 +458,20 @@ def test_decode_refuses_a_prefill_aimed_at_other_blocks(cluster: LocalCluster) -
     assert not any((h := wait_idle(cluster)).values()), h
 
 
-def test_lw_status_lists_a_request_in_flight_then_an_empty_table(cluster: LocalCluster) -> None:
+def test_lw_status_lists_a_request_in_flight_then_an_empty_table(
+        cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
     """A metaserver that accepts the prefill request and never starts it keeps the request on D
-    waiting for its senders: lw status names it; after the client leaves, nothing is live."""
+    waiting for its senders: lw status names it; after the client leaves, nothing is live. The
+    workers are those the proxy learned from a request it relayed (``lw status --proxy``)."""
     import http.server
 
-    from lw.ops.client import query
+    from lw.ops import cli
+    from lw.ops.client import query, workers_from_proxy
     from lw.ops.render import table
+
+    assert judged(cluster, cluster.url("proxy"), make_prompt(40, seed=72)).same
+    workers = workers_from_proxy(cluster.control_url)
+    assert sorted(workers) == sorted(cluster.status_workers())
 
     class Silent(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - http.server's naming
@@ -484,7 +491,6 @@ def test_lw_status_lists_a_request_in_flight_then_an_empty_table(cluster: LocalC
             "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
                                    "metaserver": f"http://127.0.0.1:{srv.server_port}/meta",
                                    "transfer_id": "e2e-status"}}
-    workers = cluster.status_workers()
     try:
         with httpx.Client(timeout=30) as client, client.stream(
                 "POST", cluster.url("decode") + "/v1/completions", json=body):
@@ -501,6 +507,12 @@ def test_lw_status_lists_a_request_in_flight_then_an_empty_table(cluster: LocalC
             assert reply.role == "decode" and row.req_id.startswith("e2e-status@"), text
             assert row.state == "PREFILL_REQUESTED" and "MetaRequest" in row.waiting_for
             assert 0 < row.deadline_in_s <= D_EXTRA["prefill_timeout_s"]
+            capsys.readouterr()
+            code = cli.main(["--proxy", cluster.control_url, "--json",
+                             "--cluster-key", cluster.cluster_key])
+            out = json.loads(capsys.readouterr().out)
+            assert code == 0 and not out["silent"], out["silent"]
+            assert row.req_id in [q["req_id"] for w in out["workers"] for q in w["requests"]]
         # the client left: D aborts the request, nothing was claimed, the blocks come back
         assert not any((h := wait_idle(cluster)).values()), h
         snap = query(workers, cluster.cluster_key, timeout_s=3)

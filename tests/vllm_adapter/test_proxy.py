@@ -46,11 +46,12 @@ from lw.vllm_adapter.proxy import (  # noqa: E402
     normalize_url,
     validate_request,
 )
+from lw.vllm_adapter.worker_addrs import PREFILL_WORKERS_KEY  # noqa: E402
 
 TOKENS = [" t0", " t1", " t2"]
 KEY = b"proxy-test-cluster-key-0123456789"
 D_PARAMS = {"remote_host": "127.0.0.1", "remote_port": 5555, "remote_block_ids": [3, 4],
-            "remote_dp_rank": 0}
+            "remote_dp_rank": 0, "remote_tp_size": 2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +154,11 @@ def fake_prefill(name: str, world: World) -> FastAPI:
         with world.lock:
             world.prefill_done.add(tid)
         world.record("p_done", name, tid)
-        return JSONResponse({"id": "cmpl-" + tid, "choices": [{"index": 0, "text": "x"}]})
+        workers: Any = [f"tcp://127.0.0.1:{6000 + int(name[1:])}"]
+        if "badworkers" in prompt:
+            workers = ["tcp://127.0.0.1:99999", "not an address", 7, "tcp://h:1;rm -rf"]
+        return JSONResponse({"id": "cmpl-" + tid, "choices": [{"index": 0, "text": "x"}],
+                             "kv_transfer_params": {PREFILL_WORKERS_KEY: workers}})
 
     app.post("/v1/completions")(serve)
     app.post("/v1/chat/completions")(serve)
@@ -789,6 +794,21 @@ def test_request_d_computes_itself_needs_no_prefill(stream: bool) -> None:
         m = c.metrics()
         assert m["in_flight"] == 0 and m["prefills"] == 0 and m["metaserver_calls"] == 0
         assert m["decode"][0]["in_flight"] == 0 and m["errors"] == 0
+
+
+def test_the_control_plane_names_the_workers_seen_in_traffic() -> None:
+    """D's workers from its signed metaserver calls (rank-0 port + TP rank), P's from its
+    prefill responses; malformed addresses are ignored; the public port does not tell."""
+    with cluster(n_prefill=2) as c:
+        assert httpx.get(c.control + "/lw/workers", timeout=5).json() == {
+            "prefill": [], "decode": []}
+        for prompt in ("one", "two", "badworkers"):
+            r = httpx.post(c.url + "/v1/completions", json=completion(prompt), timeout=10)
+            assert r.status_code == 200, r.text
+        seen = httpx.get(c.control + "/lw/workers", timeout=5).json()
+        assert sorted(seen["prefill"]) == ["tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001"]
+        assert seen["decode"] == ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"]
+        assert httpx.get(c.url + "/lw/workers", timeout=5).status_code == 404
 
 
 def test_health_reports_reachability() -> None:
