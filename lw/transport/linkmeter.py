@@ -11,8 +11,10 @@ costs rather than the link; and a shaped link lets a small write through at line
 burst allowance. A sample whose periods moved ``trust_bytes`` each on average *measures* the link:
 a slower one replaces the estimate at once, a faster one moves it by ``alpha`` of the difference.
 A sample of smaller periods only bounds the link from below: it raises an estimate no measuring
-sample has set yet, and says nothing once one has. A link that cannot keep up merges a push's
-writes into one long period, so a slow link is measured whatever the size of its writes.
+sample has set in the last ``hold_s`` seconds, and says nothing while one has. A link that cannot
+keep up merges a push's writes into one long period, so a slow link busy with pushes keeps being
+measured whatever the size of its writes; one that got faster (congestion over, another route)
+shows it in small periods once its last measurement is ``hold_s`` old.
 
 The asymmetry follows the costs: believing a link faster than it is leaves a prompt's transfer
 behind its compute (a tail of up to the whole wire time), believing it slower starts a push
@@ -49,17 +51,18 @@ class LinkMeter:
     """Per host: writes in flight, the current busy period, the estimated goodput (bytes/s)."""
 
     def __init__(self, min_bytes: int = 1 << 20, alpha: float = 0.5,
-                 trust_bytes: int = 4 << 20) -> None:
-        if min_bytes < 1 or trust_bytes < 1 or not 0 < alpha <= 1:
+                 trust_bytes: int = 4 << 20, hold_s: float = 5.0) -> None:
+        if min_bytes < 1 or trust_bytes < 1 or not 0 < alpha <= 1 or hold_s < 0:
             raise ValueError(f"LinkMeter(min_bytes={min_bytes}, alpha={alpha}, trust_bytes="
-                             f"{trust_bytes}): need min_bytes >= 1, trust_bytes >= 1 and "
-                             "0 < alpha <= 1")
+                             f"{trust_bytes}, hold_s={hold_s}): need min_bytes >= 1, "
+                             "trust_bytes >= 1, 0 < alpha <= 1 and hold_s >= 0")
         self.min_bytes = min_bytes
         self.trust_bytes = trust_bytes
         self.alpha = alpha
+        self.hold_s = hold_s
         self._periods: dict[str, _Period] = {}
         self.goodput: dict[str, float] = {}  # replaced, never mutated: safe to read elsewhere
-        self._measured: set[str] = set()  # hosts whose estimate a measuring sample set
+        self._measured: dict[str, float] = {}  # host -> when a measuring sample last came
         self.samples = 0  # samples taken, whether or not they moved the estimate (tests wait)
 
     def submitted(self, host: str, now: float, writes: int = 1) -> None:
@@ -93,13 +96,14 @@ class LinkMeter:
         p.pooled_bytes, p.pooled_s, p.pooled_periods = 0, 0.0, 0
         self.samples += 1
         old = self.goodput.get(host)
+        held = now - self._measured.get(host, -float("inf")) < self.hold_s
         if measures:
-            if old is None or host not in self._measured or rate < old:
+            if old is None or not held or rate < old:
                 new = rate
             else:
                 new = old + self.alpha * (rate - old)
-            self._measured.add(host)
-        elif host in self._measured or (old is not None and rate <= old):
+            self._measured[host] = now
+        elif held or (old is not None and rate <= old):
             return  # small periods: no news about what the link can carry
         else:
             new = rate

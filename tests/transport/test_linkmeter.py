@@ -43,7 +43,7 @@ def test_idle_time_between_periods_is_left_out_and_small_periods_are_pooled() ->
 
 
 def test_a_slower_measurement_is_believed_at_once_a_faster_one_gradually() -> None:
-    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, alpha=0.5)
+    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, alpha=0.5, hold_s=100)
     seen = []
     for i, rate in enumerate((100, 10, 100, 100)):
         _period(m, 10.0 * i, rate * MiB, 1.0)
@@ -53,9 +53,9 @@ def test_a_slower_measurement_is_believed_at_once_a_faster_one_gradually() -> No
 
 def test_small_periods_only_bound_the_link_from_below() -> None:
     """Periods of small writes show their fixed costs (and a shaper's burst), not the link:
-    they raise an estimate no large period has set and never lower one; once a large period
-    measured the link they say nothing."""
-    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, alpha=0.5)
+    they raise an estimate no large period has set and never lower one; while a large period's
+    measurement holds they say nothing."""
+    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, alpha=0.5, hold_s=100)
     for t, seconds in ((0.0, 1.0), (10.0, 0.25), (20.0, 0.5)):  # 1, 4, then 2 MiB/s
         _period(m, t, MiB, seconds)
     assert m.goodput == {"h": pytest.approx(4 * MiB)}  # the best they showed
@@ -64,6 +64,22 @@ def test_small_periods_only_bound_the_link_from_below() -> None:
     _period(m, 40.0, MiB, 0.1)  # 10 MiB/s in a small period (a burst let through): no news
     assert m.goodput == {"h": pytest.approx(2 * MiB)}
     assert m.samples == 5
+
+
+def test_a_measurement_holds_for_hold_s_then_small_periods_may_raise_it() -> None:
+    """A link measured slow (a congested moment, a capped row) that got faster shows it in
+    small periods once the measurement is hold_s old; a slow link that stays busy keeps being
+    measured (its pushes merge into large periods)."""
+    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, alpha=0.5, hold_s=5.0)
+    _period(m, 0.0, 8 * MiB, 8.0)  # 1 MiB/s, measured at t=8
+    _period(m, 10.0, MiB, 0.1)  # 10 MiB/s in a small period, 2.1 s later: held
+    assert m.goodput == {"h": pytest.approx(MiB)}
+    _period(m, 20.0, MiB, 0.1)  # 12 s later: the link shows it is faster
+    assert m.goodput == {"h": pytest.approx(10 * MiB)}
+    _period(m, 30.0, 8 * MiB, 4.0)  # measured again (2 MiB/s): believed at once
+    assert m.goodput == {"h": pytest.approx(2 * MiB)}
+    with pytest.raises(ValueError, match="hold_s"):
+        LinkMeter(hold_s=-1)
 
 
 def test_writes_submitted_together_count_once_in_flight() -> None:
