@@ -3,7 +3,8 @@
 Nothing in this package does I/O, starts threads or reads a clock: events in, effects out.
 """
 
-from lw.fsm.decode import DecodeConfig, DecodeEndpoint, check_lease
+from lw.fsm.decode import DecodeEndpoint
+from lw.fsm.decode_request import DecodeConfig, check_lease
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 
+from lw.fsm.decode_request import (
+    DecodeConfig,
+    DecodeRecord,
+    KVSums,
+    SenderKey,
+)
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
@@ -31,7 +36,6 @@ from lw.fsm.messages import (
     Ack,
     DoneSending,
     FailedSending,
-    KVFormat,
     KVLayout,
     Message,
     MetaReply,
@@ -41,78 +45,15 @@ from lw.fsm.messages import (
 )
 from lw.fsm.snapshot import ENDPOINT_RULES, OMIT, RECORD_RULES, Rules, derive
 from lw.fsm.status import decode_row, decode_span, newly_stuck, rows_of
-from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, Timeline, check_observability
+from lw.fsm.timeline import Timeline
 
 _FINAL = (DONE, FAILED)
-SenderKey = tuple[str, int]  # (engine_id, rank)
-# The driver's CRC-32C of our blocks per sender (or, bare, those of the DONE's own sender)
-KVSums = Mapping[SenderKey, Sequence[int]] | Sequence[int]
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Deadlines of a D worker (seconds)."""
-
-    prefill_timeout_s: float = 60.0  # from allocation to every sender's DONE
-    lease_s: float = 90.0  # quarantine bound; must exceed P's request timeout + transfer timeout
-    finished_memory: int = 4096
-    timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
-    stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
-    # Every sender's DONE must carry per-block CRC-32C that match what landed in our blocks
-    # (the driver recomputes them, see sum_plan); a mismatch fails the request. The last DONE
-    # re-verifies every sender: bytes of a superseded claim landing late are never accepted.
-    kv_checksum: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("prefill_timeout_s", "lease_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"DecodeConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.finished_memory < 1:
-            raise ValueError("DecodeConfig.finished_memory must be >= 1")
-        check_observability(self)
-
-
-def check_lease(
-    decode: DecodeConfig, p_request_timeout_s: float, transfer_timeout_s: float
-) -> None:
-    """Refuse deadlines under which a P write could land after D released a quarantine."""
-    need = p_request_timeout_s + transfer_timeout_s
-    if decode.lease_s <= need:
-        raise ValueError(
-            f"decode lease_s={decode.lease_s} must exceed P request_timeout_s + transfer timeout "
-            f"= {p_request_timeout_s} + {transfer_timeout_s} = {need}"
-        )
 
 
 def _brief(blocks: Sequence[int], most: int = 16) -> str:
     """Block ids for a reason text (bounded: reasons travel in messages)."""
     head = ", ".join(map(str, blocks[:most]))
     return f"[{head}{', ...' if len(blocks) > most else ''}] ({len(blocks)})"
-
-
-class _Req:
-    """Mutable per-request record of the decode lifecycle."""
-
-    __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
-                 "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums")
-
-    def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
-                 ranks: frozenset[int] | None, now: float, deadline: float) -> None:
-        self.req_id = req_id
-        self.state = PREFILL_REQUESTED
-        self.since = now  # when the request entered its current state (observability only)
-        self.deadline = deadline  # prefill deadline, then the lease end (observability only)
-        self.alarmed = False  # reported stuck in its current state already
-        self.formats: dict[SenderKey, KVFormat] = {}  # each accepted sender's head format
-        self.blocks = blocks
-        self.expected = expected
-        self.ranks = ranks  # the P TP ranks that write into us; None: any ``expected`` senders
-        self.by_rank: dict[int, SenderKey] = {}  # P TP rank -> the sender that claimed it
-        self.claimers: dict[SenderKey, Sender] = {}
-        self.done: set[SenderKey] = set()
-        self.stopped: set[SenderKey] = set()
-        self.reason = ""
-        self.sums: dict[SenderKey, tuple[int, ...]] = {}  # kv_checksum: each DONE sender's sums
 
 
 class DecodeEndpoint:
@@ -126,7 +67,7 @@ class DecodeEndpoint:
         self.config = config or DecodeConfig()
         self.declaration = decode_declaration()
         self._table = self.declaration.compile()
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, DecodeRecord] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._incarnations: dict[SenderKey, int] = {}  # newest incarnation seen per P worker
         self.timeline = Timeline(self.config.timeline_entries)
@@ -180,7 +121,7 @@ class DecodeEndpoint:
         return newly_stuck(self, decode_row, decode_span, now)
 
     # ----------------------------------------------------------------------------- dispatch
-    def _fire(self, rec: _Req, event: str, now: float, detail: str | int = "") -> str:
+    def _fire(self, rec: DecodeRecord, event: str, now: float, detail: str | int = "") -> str:
         src = rec.state
         try:
             nxt = self._table[(src, event)]
@@ -217,7 +158,7 @@ class DecodeEndpoint:
             raise ValueError(f"request {req_id!r}: expected_senders must be >= 1")
         self._finished.pop(req_id, None)
         deadline = now + self.config.prefill_timeout_s
-        self._reqs[req_id] = _Req(req_id, tuple(block_ids), count, ranks, now, deadline)
+        self._reqs[req_id] = DecodeRecord(req_id, tuple(block_ids), count, ranks, now, deadline)
         self.counters["requests"] += 1
         self.timeline.record(now, req_id, "allocated", "", PREFILL_REQUESTED,
                              f"{len(block_ids)} blocks, expects "
@@ -345,7 +286,7 @@ class DecodeEndpoint:
         self._fire(rec, "claim", now, f"P {key[0]} rank {key[1]}")
         out.append(self._reply(msg, "accepted", layout=layout))
 
-    def _claim_problem(self, rec: _Req, msg: MetaRequest) -> str:
+    def _claim_problem(self, rec: DecodeRecord, msg: MetaRequest) -> str:
         """Why a new sender may not write into this request's blocks ("" if it may)."""
         if tuple(msg.blocks) != rec.blocks:
             # Its prefill was started with other block ids than D registered (a forged or
@@ -408,7 +349,7 @@ class DecodeEndpoint:
             return []
         return self._to_verify(rec, key)
 
-    def _to_verify(self, rec: _Req, key: SenderKey) -> list[SenderKey]:
+    def _to_verify(self, rec: DecodeRecord, key: SenderKey) -> list[SenderKey]:
         # An earlier sender's blocks were verified at its DONE, but bytes of a superseded claim
         # (an in-doubt write of a request these blocks served before) may land after that:
         # the last DONE verifies everything the request is about to be reported loaded with.
@@ -416,7 +357,7 @@ class DecodeEndpoint:
             return [key]
         return [*sorted(rec.done - {key}), key]
 
-    def _checksum_problem(self, rec: _Req, key: SenderKey, sent: Sequence[int],
+    def _checksum_problem(self, rec: DecodeRecord, key: SenderKey, sent: Sequence[int],
                           kv_sums: Sequence[int] | None) -> str:
         """"" when the sender's checksums match ours, else what differs (layer and block)."""
         who = f"sender {key[0]} rank {key[1]}"
@@ -435,7 +376,7 @@ class DecodeEndpoint:
         return (f"KV checksum mismatch from {who}: {len(bad)} of {want} block(s) differ, "
                 f"first {first}")
 
-    def _verify(self, rec: _Req, key: SenderKey, msg: DoneSending,
+    def _verify(self, rec: DecodeRecord, key: SenderKey, msg: DoneSending,
                 kv_sums: KVSums | None) -> str:
         """"" when every sender :meth:`_to_verify` names still matches its checksums."""
         local = kv_sums if isinstance(kv_sums, Mapping) else {key: kv_sums}
@@ -550,7 +491,7 @@ class DecodeEndpoint:
         self.counters["stale_messages"] += 1
         return fin
 
-    def _fail(self, rec: _Req, reason: str, now: float, out: list[Effect]) -> None:
+    def _fail(self, rec: DecodeRecord, reason: str, now: float, out: list[Effect]) -> None:
         if rec.state in _FINAL:
             self._fire(rec, "fail", now)
             return
@@ -568,19 +509,19 @@ class DecodeEndpoint:
         rec.deadline = now + self.config.lease_s
         out.append(ArmTimer(("lease", rec.req_id), rec.deadline))
 
-    def _maybe_release(self, rec: _Req, out: list[Effect]) -> None:
+    def _maybe_release(self, rec: DecodeRecord, out: list[Effect]) -> None:
         if rec.state == FAILED and all(k in rec.stopped for k in rec.claimers):
             out.append(CancelTimer(("lease", rec.req_id)))
             self._release(rec, out)
 
-    def _release(self, rec: _Req, out: list[Effect]) -> None:
+    def _release(self, rec: DecodeRecord, out: list[Effect]) -> None:
         if self._reqs.get(rec.req_id) is not rec:
             return
         self.counters["failed"] += 1
         out.append(RecvFailed(rec.req_id, rec.blocks, rec.reason))
         self._forget(rec)
 
-    def _forget(self, rec: _Req) -> None:
+    def _forget(self, rec: DecodeRecord) -> None:
         del self._reqs[rec.req_id]
         self._finished[rec.req_id] = rec.state
         while len(self._finished) > self.config.finished_memory:
@@ -594,5 +535,5 @@ SNAPSHOT_RULES: Rules = {
         **ENDPOINT_RULES,
         "layout": (OMIT, "fixed when made (own layout)"),
     },
-    _Req: RECORD_RULES,
+    DecodeRecord: RECORD_RULES,
 }

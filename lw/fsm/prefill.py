@@ -56,7 +56,7 @@ from lw.fsm.messages import (
     RequestStatus,
     Sender,
 )
-from lw.fsm.prefill_request import PrefillConfig, PrefillRequest, _Req, _Target
+from lw.fsm.prefill_request import PrefillConfig, PrefillRecord, PrefillRequest, _Target
 from lw.fsm.snapshot import ENDPOINT_RULES, KEYS, OMIT, RECORD_RULES, Rules, derive
 from lw.fsm.status import newly_stuck, prefill_row, prefill_span, rows_of
 from lw.fsm.timeline import Timeline
@@ -82,7 +82,7 @@ class PrefillEndpoint:
         self.fmt = local.fmt if local is not None else KVFormat()
         self.declaration = prefill_declaration(num_layers)
         self._table = self.declaration.compile()
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, PrefillRecord] = {}
         self._layouts: dict[str, KVLayout] = {}  # per D worker address
         self._segs: dict[tuple[str, int], tuple[tuple[Segment, ...] | None, ...]] = {}
         self._tombstones: dict[str, float] = {}  # req_id -> expiry (aborted by D before we saw it)
@@ -140,7 +140,7 @@ class PrefillEndpoint:
         return newly_stuck(self, prefill_row, prefill_span, now)
 
     # ----------------------------------------------------------------------------- dispatch
-    def _fire(self, rec: _Req, event: str, now: float, detail: str | int = "") -> str:
+    def _fire(self, rec: PrefillRecord, event: str, now: float, detail: str | int = "") -> str:
         src = rec.state
         try:
             nxt = self._table[(src, event)]
@@ -176,7 +176,7 @@ class PrefillEndpoint:
             raise ValueError(f"request {req.req_id!r}: a decoder is named twice in "
                              f"{req.targets}")
         self._finished.pop(req.req_id, None)
-        rec = _Req(req, AWAIT_DECODER_META, now, now + self.config.request_timeout_s)
+        rec = PrefillRecord(req, AWAIT_DECODER_META, now, now + self.config.request_timeout_s)
         if req.local_blocks or req.final:
             self._announce(rec, req.local_blocks)
         self._reqs[req.req_id] = rec
@@ -272,7 +272,7 @@ class PrefillEndpoint:
         rec.final = final
         return out
 
-    def _announce(self, rec: _Req, local_blocks: tuple[int, ...]) -> None:
+    def _announce(self, rec: PrefillRecord, local_blocks: tuple[int, ...]) -> None:
         """Record a chunk: the blocks its layers write (P side and D side)."""
         lo = len(rec.local)
         hi = lo + len(local_blocks)
@@ -457,7 +457,7 @@ class PrefillEndpoint:
         else:
             self._fire(rec, "target_accepted", now)  # found by the model checker (finding 3)
 
-    def _accept_layout(self, rec: _Req, t: _Target, layout: KVLayout) -> str:
+    def _accept_layout(self, rec: PrefillRecord, t: _Target, layout: KVLayout) -> str:
         """Check D's layout for this request and fix the byte runs; "" or why it cannot work."""
         if len(layout.layers) != self.num_layers:
             return f"decoder {t.addr} has {len(layout.layers)} layers, we have {self.num_layers}"
@@ -547,7 +547,7 @@ class PrefillEndpoint:
     def _forget_layout(self, addr: str) -> None:
         self._layouts.pop(addr, None)
 
-    def _send_meta_requests(self, rec: _Req, now: float, out: list[Effect]) -> None:
+    def _send_meta_requests(self, rec: PrefillRecord, now: float, out: list[Effect]) -> None:
         """(Re)send MetaRequest to every target that has not accepted yet; one retry timer."""
         rec.meta_tries += 1
         for t in rec.targets:
@@ -557,14 +557,15 @@ class PrefillEndpoint:
                                                     rec.req.remote_blocks, self.fmt)))
         out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
 
-    def _send_meta_request(self, rec: _Req, t: _Target, now: float, out: list[Effect]) -> None:
+    def _send_meta_request(self, rec: PrefillRecord, t: _Target, now: float,
+                           out: list[Effect]) -> None:
         """Ask one target again (its layout is needed); the retry timer covers the others."""
         rec.meta_tries += 1
         out.append(Send(t.addr, MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me,
                                             True, rec.req.remote_blocks, self.fmt)))
         out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
 
-    def _send_done(self, rec: _Req, out: list[Effect]) -> None:
+    def _send_done(self, rec: PrefillRecord, out: list[Effect]) -> None:
         rec.ack_tries += 1
         msg = DoneSending(PROTOCOL_VERSION, rec.req.req_id, self.me, rec.req.expected_senders,
                           self.num_layers, num_blocks=len(rec.local))
@@ -572,7 +573,7 @@ class PrefillEndpoint:
             if not t.acked:
                 out.append(Send(t.addr, msg))
 
-    def _submit_ready(self, rec: _Req, out: list[Effect]) -> None:
+    def _submit_ready(self, rec: PrefillRecord, out: list[Effect]) -> None:
         rid = rec.req.req_id
         n = len(rec.targets)
         L = self.num_layers
@@ -589,7 +590,7 @@ class PrefillEndpoint:
             rec.inflight += n
             self.counters["layer_writes"] += n
 
-    def _fail(self, rec: _Req, reason: str, now: float, out: list[Effect]) -> None:
+    def _fail(self, rec: PrefillRecord, reason: str, now: float, out: list[Effect]) -> None:
         if rec.state in _FINAL:
             self._fire(rec, "fail", now)
             return
@@ -608,7 +609,7 @@ class PrefillEndpoint:
         for kind in ("meta", "ack", "deadline"):
             out.append(CancelTimer((kind, rid)))
 
-    def _maybe_release(self, rec: _Req, out: list[Effect]) -> None:
+    def _maybe_release(self, rec: PrefillRecord, out: list[Effect]) -> None:
         """Hand the blocks back only when final and no write can still read them."""
         if rec.state not in _FINAL or rec.inflight > 0:
             return
@@ -647,6 +648,6 @@ SNAPSHOT_RULES: Rules = {
         "_tombstones": (KEYS, "the values are expiry times no decision reads (the tomb timer "
                               "ends a tombstone)"),
     },
-    _Req: RECORD_RULES,
+    PrefillRecord: RECORD_RULES,
     _Target: {},
 }

@@ -87,7 +87,7 @@ class _Target:
         self.segs: tuple[tuple[Segment, ...] | None, ...] = ()  # per layer; None: whole blocks
 
 
-class _Req:
+class PrefillRecord:
     """Mutable per-request record of the prefill lifecycle (state + the data the table needs)."""
 
     __slots__ = (

@@ -7,16 +7,33 @@ these functions turn that into :class:`RequestStatus` rows. Pure: ``now`` is an 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lw.fsm.lifecycles import AWAIT_DECODER_META, DONE, FAILED, PREFILL_REQUESTED, RECEIVING
 from lw.fsm.messages import RequestStatus, Sender
 
 if TYPE_CHECKING:
-    from lw.fsm.decode import DecodeEndpoint
-    from lw.fsm.decode import _Req as DReq
-    from lw.fsm.prefill import PrefillEndpoint
-    from lw.fsm.prefill import _Req as PReq
+    from lw.fsm.decode_request import DecodeConfig
+    from lw.fsm.decode_request import DecodeRecord as DReq
+    from lw.fsm.prefill_request import PrefillConfig
+    from lw.fsm.prefill_request import PrefillRecord as PReq
+
+
+class PrefillEndpoint(Protocol):
+    """What a P row needs of its endpoint (lw.fsm.prefill.PrefillEndpoint has it)."""
+
+    @property
+    def config(self) -> PrefillConfig: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+
+class DecodeEndpoint(Protocol):
+    """What a D row needs of its endpoint (lw.fsm.decode.DecodeEndpoint has it)."""
+
+    @property
+    def config(self) -> DecodeConfig: ...
 
 
 def _join(xs: list[str], limit: int = 4) -> str:

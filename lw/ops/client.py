@@ -15,9 +15,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from lw.fsm.messages import MAX_TIMELINE
+from lw.fsm.messages import MAX_TIMELINE, PROTOCOL_VERSION, StatusQuery, StatusReply
 from lw.transport.sidechannel import SideChannel, parse_cluster_key
-from lw.transport.wire import PROTOCOL_VERSION, StatusQuery, StatusReply
 
 __all__ = ["MAX_TIMELINE", "Snapshot", "expand_addrs", "query", "workers_from_proxy"]
 

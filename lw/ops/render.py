@@ -14,9 +14,9 @@ from typing import Any
 import msgspec
 
 from lw import seqdiagram
+from lw.fsm.messages import RequestStatus, StatusReply
 from lw.fsm.status import status_line
 from lw.ops.client import Snapshot
-from lw.transport.wire import RequestStatus, StatusReply
 
 __all__ = ["chrome_trace", "history", "mermaid_timeline", "table", "to_json"]
 

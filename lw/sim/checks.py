@@ -65,13 +65,11 @@ class Checks:
 
     def check_terminal(self) -> None:
         """The 'eventually' properties at a state where no action is enabled."""
-        from lw.sim.properties import explain_stuck
-
         stuck = [q for q in self.reqs if not self._finished_both(q)]
         if stuck:
             names = ", ".join(q.rid for q in stuck)
             raise Violation("deadlock", f"no action is enabled but {names} never finished",
-                            explain_stuck(self))
+                            self.explain_stuck())
         for q in self.reqs:
             once = (1 if q.loads() else 0,) * self.d_tp  # a full prefix hit has nothing to load
             current = q.d_inc == self.d_inc[q.d_rank]  # not lost with an earlier incarnation
@@ -132,3 +130,94 @@ class Checks:
         else:
             p_ok = False
         return d_ok and p_ok
+
+    def explain_stuck(self) -> list[str]:
+        """Why nothing can move: the cycle of waits if there is one, else what each party
+        waits for."""
+        edges: dict[str, list[str]] = {}
+        label: dict[str, str] = {}
+
+        def edge(a: str, b: str) -> None:
+            edges.setdefault(a, [])
+            if b not in edges[a]:
+                edges[a].append(b)
+
+        blocked = self.blocked_hooks()  # rank -> requests it waits for in its hook
+        stepping = self.phase is not None and self.p_alive
+        for wk in range(len(self.p)):
+            node = f"P{wk}"
+            if wk in blocked:
+                label[node] = (f"{self.wname(wk)} is blocked inside the layer-{self.phase} save "
+                               f"hook, waiting for D's metadata of {', '.join(blocked[wk])}")
+                for rid in blocked[wk]:
+                    edge(node, f"meta:{rid}")
+            elif stepping and blocked:
+                others = sorted(blocked)
+                label[node] = (f"{self.wname(wk)} passed its layer-{self.phase} hook and waits in "
+                               f"the layer-{self.phase} collective for "
+                               f"{', '.join(self.wname(o) for o in others)}")
+                for o in others:
+                    edge(node, f"P{o}")
+        for q in self.reqs:
+            rid = q.rid
+            if q.d_stage == "waiting":
+                d = q.d_rank
+                holders = sorted({o for o in self.d_pool[d] if o is not None})
+                dn = self.dname(d)
+                label[f"meta:{rid}"] = (f"{rid} has no D metadata: it waits in {dn}'s queue for a "
+                                        f"free block ({dn} has {len(self.d_pool[d])} block(s), all "
+                                        f"held)" if holders else
+                                        f"{rid} waits in {dn}'s queue for a free block")
+                for h in holders:
+                    edge(f"meta:{rid}", f"req:r{h}")
+            if q.d_stage == "allocated" and q.d_blocks is not None:
+                d = q.d_rank
+                blocks = list(q.d_blocks)
+                writers = sorted({wk for v in self.d_workers_of(d) for wk in self.writers(q, v)})
+                senders = [f"P{wk}" for wk in writers]
+                who = " and ".join(self.wname(wk) for wk in writers) or "nobody"
+                label[f"req:{rid}"] = (f"{self.dname(d)} block(s) {blocks} are held by {rid}, "
+                                       f"which waits for its KV from {who}")
+                for node in senders:
+                    edge(f"req:{rid}", node)
+        cycle = _find_cycle(edges)
+        if cycle:
+            starts = [n for n in cycle if n.startswith("P") and int(n[1:]) in blocked]
+            if starts:
+                k = cycle.index(starts[0])
+                cycle = cycle[k:] + cycle[:k]
+            lines = ["cycle of waits:", f"   {label.get(cycle[0], cycle[0])}"]
+            lines += [f"-> {label.get(node, node)}" for node in cycle[1:]]
+            lines.append(f"-> back to: {label.get(cycle[0], cycle[0])}")
+            return lines
+        lines = ["stuck state (no cycle found among the modelled waits):"]
+        lines += [f"  {text}" for text in label.values()]
+        lines += [f"  {line}" for line in self.summary()]
+        return lines
+
+
+def _find_cycle(edges: dict[str, list[str]]) -> list[str]:
+    """A cycle in a small directed graph (depth-first search), as its list of nodes."""
+    color: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(n: str) -> list[str]:
+        color[n] = 1
+        stack.append(n)
+        for m in edges.get(n, []):
+            if color.get(m) == 1:
+                return stack[stack.index(m):]
+            if color.get(m) is None:
+                found = dfs(m)
+                if found:
+                    return found
+        stack.pop()
+        color[n] = 2
+        return []
+
+    for n in sorted(edges):
+        if n not in color:
+            found = dfs(n)
+            if found:
+                return found
+    return []

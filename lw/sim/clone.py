@@ -20,9 +20,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from lw.fsm.decode import _Req as _DecodeReq
-from lw.fsm.prefill import _Req as _PrefillReq
+from lw.fsm.decode_request import DecodeRecord as _DecodeReq
 from lw.fsm.prefill import _Target
+from lw.fsm.prefill_request import PrefillRecord as _PrefillReq
 from lw.fsm.timeline import Timeline
 
 SLOT_RECORDS: tuple[type, ...] = (_PrefillReq, _Target, _DecodeReq)

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 from lw.fsm import DecodeConfig, PrefillConfig
 from lw.fsm.kvmap import expected_senders, make_format, targets_of, tp_problem
-from lw.fsm.messages import KVFormat
+from lw.fsm.messages import KVFormat, KVLayout, LayerLayout
 from lw.sim.variants import DESIGNS
-from lw.transport.wire import KVLayout, LayerLayout
 
 Action = tuple  # ("kind", *args): hashable, replayable
 Owner = tuple[str, int]  # ("p", P worker) or ("d", D worker)

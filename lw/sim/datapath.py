@@ -5,9 +5,9 @@ mixin of :class:`lw.sim.world.World`)."""
 from __future__ import annotations
 
 from lw.fsm import WriteLayer
+from lw.fsm.messages import KVLayout
 from lw.sim.properties import Violation
 from lw.sim.request import Req
-from lw.transport.wire import KVLayout
 
 
 class DataPath:

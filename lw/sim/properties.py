@@ -1,13 +1,9 @@
-"""The properties the checker establishes (docs/design.md section 4), and the explanation of a
-stuck state."""
+"""The properties the checker establishes (docs/design.md section 4) and the violation they
+raise; the world checks them (lw.sim.checks)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from lw.sim.world import World
 
 
 @dataclass(frozen=True)
@@ -97,94 +93,3 @@ class Violation(Exception):
     def headline(self) -> str:
         """One line naming the property (the word the CLI prints) and what happened."""
         return f"VIOLATION {self.prop} ({PROPERTY_BY_ID[self.prop].item}): {self.message}"
-
-
-def explain_stuck(w: World) -> list[str]:
-    """Why nothing can move: the cycle of waits if there is one, else what each party waits for."""
-    edges: dict[str, list[str]] = {}
-    label: dict[str, str] = {}
-
-    def edge(a: str, b: str) -> None:
-        edges.setdefault(a, [])
-        if b not in edges[a]:
-            edges[a].append(b)
-
-    blocked = w.blocked_hooks()  # rank -> requests it waits for in its hook
-    stepping = w.phase is not None and w.p_alive
-    for wk in range(len(w.p)):
-        node = f"P{wk}"
-        if wk in blocked:
-            label[node] = (f"{w.wname(wk)} is blocked inside the layer-{w.phase} save hook, "
-                           f"waiting for D's metadata of {', '.join(blocked[wk])}")
-            for rid in blocked[wk]:
-                edge(node, f"meta:{rid}")
-        elif stepping and blocked:
-            others = sorted(blocked)
-            label[node] = (f"{w.wname(wk)} passed its layer-{w.phase} hook and waits in the "
-                           f"layer-{w.phase} collective for "
-                           f"{', '.join(w.wname(o) for o in others)}")
-            for o in others:
-                edge(node, f"P{o}")
-    for q in w.reqs:
-        rid = q.rid
-        if q.d_stage == "waiting":
-            d = q.d_rank
-            holders = sorted({o for o in w.d_pool[d] if o is not None})
-            dn = w.dname(d)
-            label[f"meta:{rid}"] = (f"{rid} has no D metadata: it waits in {dn}'s queue for a "
-                                    f"free block ({dn} has {len(w.d_pool[d])} block(s), all "
-                                    f"held)" if holders else
-                                    f"{rid} waits in {dn}'s queue for a free block")
-            for h in holders:
-                edge(f"meta:{rid}", f"req:r{h}")
-        if q.d_stage == "allocated" and q.d_blocks is not None:
-            d = q.d_rank
-            blocks = list(q.d_blocks)
-            writers = sorted({wk for v in w.d_workers_of(d) for wk in w.writers(q, v)})
-            senders = [f"P{wk}" for wk in writers]
-            who = " and ".join(w.wname(wk) for wk in writers) or "nobody"
-            label[f"req:{rid}"] = (f"{w.dname(d)} block(s) {blocks} are held by {rid}, which "
-                                   f"waits for its KV from {who}")
-            for node in senders:
-                edge(f"req:{rid}", node)
-    cycle = _find_cycle(edges)
-    if cycle:
-        starts = [n for n in cycle if n.startswith("P") and int(n[1:]) in blocked]
-        if starts:
-            k = cycle.index(starts[0])
-            cycle = cycle[k:] + cycle[:k]
-        lines = ["cycle of waits:", f"   {label.get(cycle[0], cycle[0])}"]
-        lines += [f"-> {label.get(node, node)}" for node in cycle[1:]]
-        lines.append(f"-> back to: {label.get(cycle[0], cycle[0])}")
-        return lines
-    lines = ["stuck state (no cycle found among the modelled waits):"]
-    lines += [f"  {text}" for text in label.values()]
-    lines += [f"  {line}" for line in w.summary()]
-    return lines
-
-
-def _find_cycle(edges: dict[str, list[str]]) -> list[str]:
-    """A cycle in a small directed graph (depth-first search), as its list of nodes."""
-    color: dict[str, int] = {}
-    stack: list[str] = []
-
-    def dfs(n: str) -> list[str]:
-        color[n] = 1
-        stack.append(n)
-        for m in edges.get(n, []):
-            if color.get(m) == 1:
-                return stack[stack.index(m):]
-            if color.get(m) is None:
-                found = dfs(m)
-                if found:
-                    return found
-        stack.pop()
-        color[n] = 2
-        return []
-
-    for n in sorted(edges):
-        if n not in color:
-            found = dfs(n)
-            if found:
-                return found
-    return []

@@ -35,7 +35,15 @@ from lw.fsm import (
     WriteLayer,
     check_lease,
 )
-from lw.fsm.messages import KVFormat
+from lw.fsm.messages import (
+    DoneSending,
+    KVFormat,
+    KVLayout,
+    LayerLayout,
+    MetaReply,
+    MetaRequest,
+    Sender,
+)
 from lw.sim.checks import Checks
 from lw.sim.clock import Clock
 from lw.sim.clone import Cloner, Store
@@ -65,16 +73,7 @@ from lw.sim.pnode import PNode
 from lw.sim.properties import Violation
 from lw.sim.request import Req
 from lw.sim.variants import DESIGNS, Design
-from lw.transport.wire import (
-    DoneSending,
-    KVLayout,
-    LayerLayout,
-    MetaReply,
-    MetaRequest,
-    Sender,
-    decode,
-    encode,
-)
+from lw.transport.wire import decode, encode
 
 # Abstract time: the world may idle before these (P's engine busy or slow to start, schedule or
 # compute a layer; in the fine-grained model only before the first hook of a layer, so that both

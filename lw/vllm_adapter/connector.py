@@ -64,11 +64,18 @@ class LwConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.cfg, vllm_config, self.geometry, self)
+            self._sched = SchedulerSide(self.cfg, vllm_config, self.geometry, self._block_ids)
         else:
             self._worker = WorkerSide(self.cfg, vllm_config, kv_cache_config)
 
     # ---------------------------------------------------------------------- scheduler side
+    def _block_ids(self, rid: str) -> list[int]:
+        """A request's block ids (one KV cache group), from the manager vLLM bound to us."""
+        manager = self._kv_cache_manager
+        assert manager is not None, "bind_kv_cache_manager was not called"
+        (block_ids,) = manager.get_block_ids(rid)
+        return list(block_ids)
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         """D: the uncached prompt arrives asynchronously (a short tail is computed); P: none."""

@@ -13,6 +13,7 @@ prefix-cache hit is computed locally instead.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-    from lw.vllm_adapter.connector import LwConnector
 
 __all__ = ["SchedulerSide", "sub_transfer_id"]
 
@@ -84,9 +83,9 @@ class SchedulerSide:
     """Scheduler-role half: tracks requests, builds per-step metadata, calls the metaserver."""
 
     def __init__(self, cfg: LwConfig, vllm_config: Any, geometry: str,
-                 owner: LwConnector) -> None:
+                 block_ids: Callable[[str], list[int]]) -> None:
         self.cfg = cfg
-        self.owner = owner
+        self.block_ids = block_ids  # a request's block ids, from vLLM's KV cache manager
         self.geometry = geometry
         self.block_size = int(vllm_config.cache_config.block_size)
         self._p: dict[str, _PReq] = {}  # vLLM req id -> tracked (P)
@@ -183,9 +182,7 @@ class SchedulerSide:
                    - tr.first_block)
         if upto <= tr.covered and tr.pushed:
             return  # no block completes in this chunk: its layers are not reported for rid
-        manager = self.owner._kv_cache_manager
-        assert manager is not None, "bind_kv_cache_manager was not called"
-        (block_ids,) = manager.get_block_ids(rid)
+        block_ids = self.block_ids(rid)
         lo, hi = tr.first_block + tr.covered, tr.first_block + upto
         local = tuple(block_ids[lo:hi])
         if len(local) != hi - lo:

@@ -1,0 +1,78 @@
+"""What D keeps per worker and per request: its deadlines (DecodeConfig) and the mutable
+record of one request's decode lifecycle (read by the endpoint, lw.fsm.decode, and by
+``lw status``'s rows, lw.fsm.status)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from lw.fsm.lifecycles import PREFILL_REQUESTED
+from lw.fsm.messages import KVFormat, Sender
+from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, check_observability
+
+__all__ = ["DecodeConfig", "DecodeRecord", "KVSums", "SenderKey", "check_lease"]
+
+SenderKey = tuple[str, int]  # (engine_id, rank)
+# The driver's CRC-32C of our blocks per sender (or, bare, those of the DONE's own sender)
+KVSums = Mapping[SenderKey, Sequence[int]] | Sequence[int]
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Deadlines of a D worker (seconds)."""
+
+    prefill_timeout_s: float = 60.0  # from allocation to every sender's DONE
+    lease_s: float = 90.0  # quarantine bound; must exceed P's request timeout + transfer timeout
+    finished_memory: int = 4096
+    timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
+    stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
+    # Every sender's DONE must carry per-block CRC-32C that match what landed in our blocks
+    # (the driver recomputes them, see sum_plan); a mismatch fails the request. The last DONE
+    # re-verifies every sender: bytes of a superseded claim landing late are never accepted.
+    kv_checksum: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_timeout_s", "lease_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"DecodeConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.finished_memory < 1:
+            raise ValueError("DecodeConfig.finished_memory must be >= 1")
+        check_observability(self)
+
+
+def check_lease(
+    decode: DecodeConfig, p_request_timeout_s: float, transfer_timeout_s: float
+) -> None:
+    """Refuse deadlines under which a P write could land after D released a quarantine."""
+    need = p_request_timeout_s + transfer_timeout_s
+    if decode.lease_s <= need:
+        raise ValueError(
+            f"decode lease_s={decode.lease_s} must exceed P request_timeout_s + transfer timeout "
+            f"= {p_request_timeout_s} + {transfer_timeout_s} = {need}"
+        )
+
+
+class DecodeRecord:
+    """Mutable per-request record of the decode lifecycle."""
+
+    __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
+                 "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums")
+
+    def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
+                 ranks: frozenset[int] | None, now: float, deadline: float) -> None:
+        self.req_id = req_id
+        self.state = PREFILL_REQUESTED
+        self.since = now  # when the request entered its current state (observability only)
+        self.deadline = deadline  # prefill deadline, then the lease end (observability only)
+        self.alarmed = False  # reported stuck in its current state already
+        self.formats: dict[SenderKey, KVFormat] = {}  # each accepted sender's head format
+        self.blocks = blocks
+        self.expected = expected
+        self.ranks = ranks  # the P TP ranks that write into us; None: any ``expected`` senders
+        self.by_rank: dict[int, SenderKey] = {}  # P TP rank -> the sender that claimed it
+        self.claimers: dict[SenderKey, Sender] = {}
+        self.done: set[SenderKey] = set()
+        self.stopped: set[SenderKey] = set()
+        self.reason = ""
+        self.sums: dict[SenderKey, tuple[int, ...]] = {}  # kv_checksum: each DONE sender's sums
