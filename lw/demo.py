@@ -16,7 +16,7 @@ import sys
 from typing import TextIO
 
 from lw.synthetic import netem, netns
-from lw.synthetic.cluster import ClusterResult, run_cluster
+from lw.synthetic.cluster import run_cluster
 from lw.synthetic.config import (
     FAULTS,
     LINK_FAULTS,
@@ -25,6 +25,7 @@ from lw.synthetic.config import (
     ClusterConfig,
     canonical_fault,
 )
+from lw.synthetic.result import ClusterResult
 
 
 def _parser() -> argparse.ArgumentParser:

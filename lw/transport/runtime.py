@@ -30,8 +30,6 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import msgspec
-
 from lw.fsm import (
     ArmTimer,
     CancelTimer,
@@ -48,7 +46,7 @@ from lw.fsm import (
 )
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.status import status_line
-from lw.transport.blockruns import block_runs, block_sums, check_segments
+from lw.transport.kvmemory import Entry, KVMemory
 from lw.transport.linkmeter import LinkMeter, host_of
 from lw.transport.sidechannel import Inbound, SideChannel
 from lw.transport.wire import (
@@ -95,7 +93,6 @@ def _gil_holding_write() -> Callable[[int, bytes, int], int] | None:
 
 _raw_write = _gil_holding_write()
 
-Entry = tuple[int, int, int]
 _REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's connection
 _REQUESTS = (MetaRequest, DoneSending, FailedSending, Abort)  # questions: correlated
 _CALLS = frozenset({"add_request", "add_chunk", "abort", "peer_lost"})
@@ -142,8 +139,8 @@ class WorkerLoop:
         self.is_prefill = isinstance(endpoint, PrefillEndpoint)
         self.side = side
         self.data_plane = data_plane
-        self._local = list(local_layout) if local_layout is not None else None
-        self._entries_for = entries_for
+        self.memory = KVMemory(local_layout, entries_for,
+                               summing=getattr(endpoint.config, "kv_checksum", False))
         self._on_report = on_report
         self._owns_side = owns_side
         self._owns_dp = owns_data_plane
@@ -170,13 +167,13 @@ class WorkerLoop:
         self._batch_woken = -1e9
         self._clock = clock
         self._name = name
+        local = self.memory.local
         if self.is_prefill and entries_for is None:
-            if self._local is None:
+            if local is None:
                 raise ValueError("a prefill WorkerLoop needs local_layout (or entries_for)")
-            if len(self._local) != endpoint.num_layers:
-                raise ValueError(f"local_layout has {len(self._local)} layers, endpoint has "
+            if len(local) != endpoint.num_layers:
+                raise ValueError(f"local_layout has {len(local)} layers, endpoint has "
                                  f"{endpoint.num_layers}")
-        self._local_uniform = self._uniform(self._local) if self._local else None
         self._num_layers = endpoint.num_layers if self.is_prefill else 0
         # engine -> loop
         self._inbox: deque[tuple] = deque()
@@ -192,9 +189,6 @@ class WorkerLoop:
         self._heap: list[tuple[float, int, tuple[str, str]]] = []
         self._seq = 0
         # transfers
-        # req_id -> [(key, offset runs)], one per target D worker
-        self._runs: dict[str, list[tuple[tuple, list[Entry]]]] = {}
-        self._remote_uniform: dict[tuple[str, int], tuple[int, int] | None] = {}
         self._sessions: dict[str, str] = {}  # decoder side-channel addr -> te_session
         self._hinted: set[str] = set()
         self._last_layer_t: dict[str, float] = {}
@@ -206,9 +200,6 @@ class WorkerLoop:
         self.write_latencies: deque[float] = deque(maxlen=4096)
         # goodput per D host (what push_mode "auto" needs to know when a push must start)
         self.link = LinkMeter()
-        # kv_checksum (P): (req_id, target addr) -> {layer: per-block CRC-32C of what we wrote}
-        self._checksums: dict[tuple[str, str], dict[int, list[int]]] | None = (
-            {} if getattr(endpoint.config, "kv_checksum", False) else None)
         self._stuck_check_s = stuck_check_s
         self._next_stuck_check = 0.0
         # Liveness of the peers our live requests need: a peer silent for heartbeat_misses
@@ -569,8 +560,10 @@ class WorkerLoop:
         try:
             if (not self.is_prefill and isinstance(msg, DoneSending) and msg.checksums
                     and self.endpoint.config.kv_checksum):
-                effects = self.endpoint.on_message(  # type: ignore[call-arg]
-                    msg, now, self._local_sums(msg))
+                assert isinstance(self.endpoint, DecodeEndpoint)
+                sums = KVMemory.local_sums(self.endpoint, msg)
+                self.counters["checksums_verified"] += len(sums)
+                effects = self.endpoint.on_message(msg, now, sums)
             else:
                 effects = self.endpoint.on_message(msg, now)
         except Exception as exc:  # a message must never stop the loop
@@ -702,39 +695,6 @@ class WorkerLoop:
                 self.counters["heartbeats_sent"] += 1
                 self.side.send(addr, Heartbeat(PROTOCOL_VERSION, self.endpoint.me))
 
-    # ------------------------------------------------------------ KV checksums
-    def _sum_write(self, w: WriteLayer) -> None:
-        """P: CRC-32C of each block this write sends, from our source memory (kv_checksum)."""
-        assert self._local is not None and self._checksums is not None
-        loc = self._local[w.layer]
-        runs = (((0, loc.block_len),) if w.segments is None
-                else tuple((src, n) for src, _dst, n in w.segments))
-        sums = block_sums(loc.base_addr, loc.block_stride, loc.num_blocks, w.local_blocks, runs)
-        # chunk by chunk, a layer's blocks are written in request order: append
-        self._checksums.setdefault((w.req_id, w.target), {}).setdefault(w.layer, []).extend(sums)
-
-    def _with_checksums(self, msg: DoneSending, dest: str) -> DoneSending:
-        """P: the DONE for ``dest`` with the checksums of every layer we wrote there."""
-        assert self._checksums is not None
-        per_layer = self._checksums.get((msg.req_id, dest))
-        if not per_layer or len(per_layer) != msg.num_layers:
-            return msg  # D refuses a DONE without them: the failure is reported, not hidden
-        flat = [c for layer in range(msg.num_layers) for c in per_layer[layer]]
-        return msgspec.structs.replace(msg, checksums=flat)
-
-    def _local_sums(self, msg: DoneSending) -> dict[tuple[str, int], list[int]]:
-        """D: CRC-32C of our blocks, layer by layer, where each sender the core names for this
-        DONE wrote (the last DONE re-reads every sender's blocks: see sum_plans)."""
-        ep = self.endpoint
-        assert isinstance(ep, DecodeEndpoint)
-        out: dict[tuple[str, int], list[int]] = {}
-        for key, (blocks, runs) in ep.sum_plans(msg).items():
-            out[key] = [c for lay, layer_runs in zip(ep.layout.layers, runs, strict=True)
-                        for c in block_sums(lay.base_addr, lay.block_stride, lay.num_blocks,
-                                            blocks, layer_runs)]
-            self.counters["checksums_verified"] += 1
-        return out
-
     # ------------------------------------------------------------ observability
     def _check_stuck(self, now: float) -> None:
         """Log each request that just spent too long in one state, once, as ``lw status``
@@ -821,8 +781,8 @@ class WorkerLoop:
 
     def _send(self, e: Send, ib: Inbound | None) -> None:
         msg = e.msg
-        if self._checksums is not None and isinstance(msg, DoneSending):
-            msg = self._with_checksums(msg, e.dest)
+        if self.memory.summing and isinstance(msg, DoneSending):
+            msg = self.memory.with_checksums(msg, e.dest)
         if ib is not None and isinstance(msg, _REPLIES):
             src = ib.msg
             origin = getattr(src, "sender", None) or getattr(src, "responder", None)
@@ -834,11 +794,8 @@ class WorkerLoop:
     def _report(self, e: Effect) -> None:
         self.counters["reports"] += 1
         if isinstance(e, SendFinished):
-            self._runs.pop(e.req_id, None)
+            self.memory.forget(e.req_id)
             self._last_layer_t.pop(e.req_id, None)
-            if self._checksums is not None:
-                for key in [k for k in self._checksums if k[0] == e.req_id]:
-                    del self._checksums[key]
         self._reports.append(e)
         self._report_event.set()
         if self._on_report is not None:
@@ -851,13 +808,13 @@ class WorkerLoop:
         """One data-plane transfer per destination session; returns effects of setup failures."""
         groups: dict[str, tuple[list[tuple[str, int]], list[Entry], str]] = {}
         failed: list[tuple[str, int, str]] = []
-        summing = self._checksums is not None
+        summing = self.memory.summing
         for w in writes:
             self.counters["layer_writes"] += 1
             try:
-                entries = self._entries(w)
+                entries = self.memory.entries(w)
                 if summing:
-                    self._sum_write(w)
+                    self.memory.sum_write(w)
             except Exception as exc:  # bad layout or block ids: this write fails, nothing else
                 failed.append((w.req_id, w.seq, f"cannot address blocks: {exc}"))
                 continue
@@ -897,62 +854,3 @@ class WorkerLoop:
             except Exception as exc:
                 self._core_error("transfer_done", exc)
         return out
-
-    @staticmethod
-    def _uniform(layers: Sequence[LayerLayout] | None) -> tuple[int, int] | None:
-        """(stride, len) when every layer has the same block geometry, else None."""
-        if not layers:
-            return None
-        first = layers[0]
-        for lay in layers:
-            if lay.block_stride != first.block_stride or lay.block_len != first.block_len:
-                return None
-        return first.block_stride, first.block_len
-
-    def _entries(self, w: WriteLayer) -> list[Entry]:
-        """(src, dst, len) for one layer of one request (head-sliced when ``w.segments``);
-        runs adjacent on both sides are pre-merged."""
-        if self._entries_for is not None:
-            return self._entries_for(w)
-        assert self._local is not None
-        loc = self._local[w.layer]
-        rem = w.layout.layers[w.layer]
-        check_segments(w.segments, loc.block_len, rem.block_len, w.layer)
-        runs = self._runs_for(w)
-        if runs is None:
-            runs = block_runs(w.local_blocks, w.remote_blocks, loc.block_stride,
-                               rem.block_stride, loc.block_len, w.segments, loc.num_blocks,
-                               rem.num_blocks)
-        lb, rb = loc.base_addr, rem.base_addr
-        return [(lb + lo, rb + ro, n) for lo, ro, n in runs]
-
-    def _runs_for(self, w: WriteLayer) -> list[Entry] | None:
-        """Per-request (local offset, remote offset, len) runs, valid for every layer, cached
-        per (D layout, blocks, segments); None when a side's block geometry varies by layer."""
-        lu = self._local_uniform
-        if lu is None:
-            return None
-        lay = w.layout
-        rkey = (lay.te_session, lay.incarnation)
-        ru = self._remote_uniform.get(rkey, False)
-        if ru is False:
-            ru = self._uniform(lay.layers)
-            if len(self._remote_uniform) > 4096:
-                self._remote_uniform.clear()
-            self._remote_uniform[rkey] = ru
-        if ru is None:
-            return None
-        key = (rkey, w.local_blocks, w.remote_blocks, w.segments)
-        cached = self._runs.get(w.req_id)
-        if cached is None:
-            cached = self._runs[w.req_id] = []
-        for k, runs in cached:  # one entry per target D worker: a short list
-            if k == key:
-                return runs
-        runs = block_runs(w.local_blocks, w.remote_blocks, lu[0], ru[0], lu[1], w.segments,
-                           self._local[0].num_blocks,  # type: ignore[index]
-                           lay.layers[0].num_blocks)
-        if len(cached) >= 16:  # the same request re-addressed many times: keep it bounded
-            cached.clear()
-        cached.append((key, runs))
-        return runs

@@ -15,58 +15,53 @@ server's prefix cache hits (partly, and fully: a short tail D computes itself); 
 ``prefix_hit_blocks=<n>`` and the run also fails unless the bytes P wrote equal the blocks D did
 not hold (predicted from the prompts' token ids), times the block bytes of every layer.
 
-The process management here (:class:`Server`, :class:`LocalCluster`) is also what the end-to-end
-tests use.
+The process management (:mod:`lw.vllm_adapter.local_cluster`) and the client
+(:mod:`lw.vllm_adapter.demo_client`) are also what the end-to-end tests and the benchmarks use;
+their names are re-exported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
-import random
-import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from lw.vllm_adapter.demo_client import (
+    MODEL_NAME,
+    Result,
+    blocks_in_use,
+    complete,
+    make_prompt,
+    metrics,
+    tokenize,
+    wait_blocks_released,
+)
+from lw.vllm_adapter.local_cluster import (
+    BLOCK_SIZE,
+    MAX_BATCHED_TOKENS,
+    LocalCluster,
+    Server,
+    free_port,
+    free_port_range,
+    kv_transfer_config,
+    wait_ready,
+)
 from lw.vllm_adapter.oracle import TOP_K, compare
 
-__all__ = ["LocalCluster", "Server", "complete", "main", "make_prompt", "metrics",
-           "shared_prefix_prompts"]
+__all__ = ["BLOCK_SIZE", "MAX_BATCHED_TOKENS", "MODEL_NAME", "LocalCluster", "Result", "Server",
+           "blocks_in_use", "complete", "free_port", "free_port_range", "kv_transfer_config",
+           "main", "make_prompt", "metrics", "shared_prefix_prompts", "tokenize",
+           "wait_blocks_released", "wait_ready"]
 
-MODEL_NAME = "tiny"
-BLOCK_SIZE = 32
-MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
 PROMPT_LENGTHS = (12, 90, 300, 700)  # words ~ tokens: 1 block, 3, 10, 22 (chunked)
 # --long-prompts: 4 to 7 chunks of MAX_BATCHED_TOKENS each (progressive push shows here)
 LONG_PROMPT_LENGTHS = (1100, 1300, 1500, 1800)
-_WORDS = ("the of and to a in is it you that he was for on are with as his they be at one have "
-          "this from or had by hot word but what some we can out other were all there when up use "
-          "your how said an each she which do their time if will way about many then them write "
-          "would like so these her long make thing see him two has look more day could go come "
-          "did number sound no most people my over know water than call first who may down side "
-          "been now find any new work part take get place made live where after back little only "
-          "round man year came show every good me give our under name very through just form "
-          "sentence great think say help low line").split()
-
-
-def make_prompt(n_words: int, seed: int) -> str:
-    """A deterministic prompt of ``n_words`` words the tiny model's tokenizer knows."""
-    rng = random.Random(seed)
-    return " ".join(rng.choice(_WORDS) for _ in range(n_words))
-
-
 # (prefix, suffix words, suffix seed): cold, partial hit, full hit (a repeat), ... in turn.
 _SHARED = ((0, 40, 1), (0, 40, 2), (0, 40, 1), (1, 70, 3), (1, 70, 4), (0, 40, 2), (1, 70, 3),
            (0, 100, 5))
@@ -115,425 +110,6 @@ def block_layer_bytes(model: Path) -> tuple[int, int]:
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     # vLLM CPU: one plane per layer, (blocks, kv heads, block size, K+V head dims), bf16.
     return heads * BLOCK_SIZE * 2 * head_dim * 2, int(cfg["num_hidden_layers"])
-
-
-def tokenize(base_url: str, prompt: str) -> list[int]:
-    """The prompt's token ids, from a server's /tokenize."""
-    import httpx
-
-    r = httpx.post(base_url + "/tokenize", json={"model": MODEL_NAME, "prompt": prompt},
-                   timeout=30.0)
-    r.raise_for_status()
-    return [int(t) for t in r.json()["tokens"]]
-
-
-def free_port(netns: str | None = None) -> int:
-    """A TCP port free on loopback right now; with ``netns`` (an ``ip netns`` name), free in
-    that network namespace too (a server started there binds it)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if netns is None or subprocess.run(
-                ["ip", "netns", "exec", netns, sys.executable, "-c",
-                 f"import socket; socket.socket().bind(('0.0.0.0', {port}))"],
-                capture_output=True).returncode == 0:
-            return port
-    raise RuntimeError(f"no port free both here and in network namespace {netns}")
-
-
-def free_port_range(n: int, lo: int = 20000, hi: int = 29000) -> int:
-    """The first of ``n`` consecutive loopback ports free right now."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(lo, hi - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports in {lo}..{hi}")
-
-
-# ------------------------------------------------------------------------------------ servers
-class Server:
-    """One child process in its own session (so it and its children can be killed together)."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str,
-                 log_path: Path, health: str = "/health") -> None:
-        self.name = name
-        self.argv = argv
-        self.env = env
-        self.url = url
-        self.log_path = log_path
-        self.health = health
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        """Spawn (non-blocking)."""
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-
-    @property
-    def alive(self) -> bool:
-        """The top process has not exited."""
-        return self.proc is not None and self.proc.poll() is None
-
-    def ready(self) -> bool:
-        """Health endpoint answers 200."""
-        import httpx
-
-        try:
-            return httpx.get(self.url + self.health, timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def tail(self, lines: int = 30) -> str:
-        """The end of the server's log."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` to the server's whole process group."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM the group, then SIGKILL what is left."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        self.signal(signal.SIGKILL)  # children (engine core) of an exited parent too
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-
-
-def wait_ready(servers: Sequence[Server], timeout: float) -> None:
-    """Wait until every server is healthy; RuntimeError with its log if one dies or times out."""
-    deadline = time.monotonic() + timeout
-    pending = list(servers)
-    while pending:
-        for s in list(pending):
-            if not s.alive:
-                raise RuntimeError(f"{s.name} exited with {s.proc.returncode if s.proc else '?'}"
-                                   f":\n{s.tail()}")
-            if s.ready():
-                pending.remove(s)
-        if pending:
-            if time.monotonic() > deadline:
-                names = ", ".join(s.name for s in pending)
-                raise RuntimeError(f"{names} not healthy after {timeout:.0f}s:\n"
-                                   f"{pending[0].tail()}")
-            time.sleep(0.5)
-
-
-def kv_transfer_config(role: str, kv_port: int, engine_id: str,
-                       extra: dict[str, Any] | None = None,
-                       policy: str = "fail") -> dict[str, Any]:
-    """The --kv-transfer-config for lw's connector."""
-    return {"kv_connector": "LwConnector", "kv_connector_module_path": "lw.vllm_adapter",
-            "kv_role": role, "kv_port": kv_port, "engine_id": engine_id,
-            "kv_load_failure_policy": policy,
-            "kv_connector_extra_config": {"host": "127.0.0.1", **(extra or {})}}
-
-
-@dataclass
-class LocalCluster:
-    """Reference engine (optional) + prefill + decode ``vllm serve`` + the proxy, on loopback."""
-
-    model: Path
-    workdir: Path
-    reference: bool = True
-    p_extra: dict[str, Any] = field(default_factory=dict)
-    d_extra: dict[str, Any] = field(default_factory=dict)
-    policy: str = "fail"
-    p_tp: int = 1  # prefill tensor-parallel size
-    d_tp: int = 1
-    p_dp: int = 1  # prefill data-parallel size (dense models: independent engines)
-    d_dp: int = 1
-    engine_args: list[str] = field(default_factory=list)  # extra `vllm serve` args, every engine
-    servers: dict[str, Server] = field(default_factory=dict)
-    kv_ports: dict[str, int] = field(default_factory=dict)  # first side-channel port per side
-    # server name -> address it binds and advertises (VLLM_HOST_IP, lw's host); default loopback
-    hosts: dict[str, str] = field(default_factory=dict)
-    netns: dict[str, str] = field(default_factory=dict)  # server name -> `ip netns` it runs in
-    # Shared by P, D and the proxy through LW_CLUSTER_KEY (off the command line): it
-    # authenticates the side channel and D's metaserver calls; `lw status` needs it too.
-    cluster_key: str = field(default_factory=lambda: "hex:" + os.urandom(32).hex())
-    control_url: str = ""  # the proxy's control plane (metaserver, /lw/timeline, /metrics-json)
-
-    def host(self, name: str) -> str:
-        """The address server ``name`` binds and advertises."""
-        return self.hosts.get(name, "127.0.0.1")
-
-    def _engine(self, name: str, first_core: int, kv: dict[str, Any] | None, tp: int = 1,
-                dp: int = 1) -> Server:
-        port = free_port(self.netns.get(name))
-        host = self.host(name)
-        env = dict(os.environ)
-        # One core per worker, round robin from ``first_core`` (vLLM needs an explicit binding
-        # for more than one worker: "Not enough allowed NUMA nodes" otherwise).
-        cores = "|".join(str((first_core + i) % 2) for i in range(tp * dp))
-        env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_CPU_OMP_THREADS_BIND=cores, PYTHONUNBUFFERED="1",
-                   # the whole engine (API server, EngineCore) on its workers' cores
-                   LW_CPU_AFFINITY=",".join(sorted(set(cores.split("|")))),
-                   VLLM_HOST_IP=host, TOKENIZERS_PARALLELISM="false",
-                   LW_CLUSTER_KEY=self.cluster_key)
-        if self.p_tp * self.p_dp + self.d_tp * self.d_dp > 2:
-            # More workers than cores: an idle worker's OpenMP threads must sleep, not spin on
-            # the core a busy worker needs (D waiting for KV starved P's TP ranks otherwise).
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        argv = [sys.executable, "-m", "lw.vllm_adapter.serve", str(self.model),
-                "--host", host, "--port", str(port), "--served-model-name", MODEL_NAME,
-                "--dtype", "bfloat16", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
-                "--max-model-len", "2048", "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
-                "--max-num-seqs", "16", "--seed", "0"]
-        if tp > 1:
-            argv += ["--tensor-parallel-size", str(tp)]
-        if dp > 1:  # its RPC port is fixed by default: two DP servers on one host would clash
-            argv += ["--data-parallel-size", str(dp), "--data-parallel-rpc-port",
-                     str(free_port())]
-        argv += self.engine_args
-        if kv is not None:
-            argv += ["--kv-transfer-config", json.dumps(kv)]
-        if name in self.netns:
-            argv = ["ip", "netns", "exec", self.netns[name], *argv]
-        return Server(name, argv, env, f"http://{host}:{port}",
-                      self.workdir / f"{name}.log")
-
-    def start(self, timeout: float = 240.0) -> None:
-        """Start every server (engines in parallel) and wait until all are healthy."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        kv_p = free_port_range(max(4, self.p_tp * self.p_dp))
-        kv_d = free_port_range(max(4, self.d_tp * self.d_dp))
-        self.kv_ports = {"prefill": kv_p, "decode": kv_d}
-        # Each side is told the other's TP: D counts its senders with it, P checks D's.
-        p_extra = {"peer_tp_size": self.d_tp, "host": self.host("prefill"), **self.p_extra}
-        d_extra = {"peer_tp_size": self.p_tp, "host": self.host("decode"), **self.d_extra}
-        if self.reference:
-            self.servers["reference"] = self._engine("reference", 0, None)
-        self.servers["prefill"] = self._engine(
-            "prefill", 0, kv_transfer_config("kv_producer", kv_p, "prefill", p_extra),
-            self.p_tp, self.p_dp)
-        self.servers["decode"] = self._engine(
-            "decode", 1, kv_transfer_config("kv_consumer", kv_d, "decode", d_extra,
-                                            self.policy), self.d_tp, self.d_dp)
-        engines = list(self.servers.values())
-        for s in engines:
-            s.start()
-        try:
-            wait_ready(engines, timeout)
-            self.warm_up(timeout)
-            self.start_proxy()
-        except BaseException:
-            self.stop()
-            raise
-
-    def warm_up(self, timeout: float) -> None:
-        """One plain completion on each engine (no transfer): a TP engine's first forward on a
-        busy CPU can take longer than a transfer deadline (lazy imports, shared-memory setup)."""
-        import httpx
-
-        def one(server: Server) -> None:
-            body = {"model": MODEL_NAME, "prompt": make_prompt(12, seed=-1), "max_tokens": 1}
-            r = httpx.post(server.url + "/v1/completions", json=body, timeout=timeout)
-            if r.status_code != 200:
-                raise RuntimeError(f"{server.name} warm-up answered {r.status_code}: "
-                                   f"{r.text[:300]}\n{server.tail()}")
-
-        # Not the reference: without lw's connector nothing asks for AMX permission, and a
-        # one-token prompt is what kills vllm-cpu's worker with SIGILL on AMX machines.
-        engines = [self.servers[n] for n in ("prefill", "decode")]
-        with ThreadPoolExecutor(len(engines)) as pool:
-            list(pool.map(one, engines))
-
-    def start_proxy(self, timeout: float = 60.0) -> None:
-        """(Re)start the proxy in front of the prefill and decode servers."""
-        old = self.servers.pop("proxy", None)
-        if old is not None:
-            old.stop()
-        port = free_port()
-        control = next(p for p in iter(free_port, None) if p != port)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", LW_CLUSTER_KEY=self.cluster_key)
-        # D calls the metaserver on the proxy's control port at the proxy's address: one D
-        # can reach
-        host = self.host("proxy")
-        argv = [sys.executable, "-m", "lw.vllm_adapter.proxy",
-                "--prefill", self.servers["prefill"].url, "--decode", self.servers["decode"].url,
-                "--host", host, "--port", str(port), "--control-host", host,
-                "--control-port", str(control), "--timeout", "120", "--log-level", "warning"]
-        proxy = Server("proxy", argv, env, f"http://{host}:{port}",
-                       self.workdir / "proxy.log")
-        proxy.start()
-        self.servers["proxy"] = proxy
-        self.control_url = f"http://{host}:{control}"
-        wait_ready([proxy], timeout)
-
-    def status_workers(self) -> list[str]:
-        """Side-channel addresses of every P and D worker (what ``lw status --workers`` takes)."""
-        out = []
-        for name, n in (("prefill", self.p_tp * self.p_dp), ("decode", self.d_tp * self.d_dp)):
-            port = self.kv_ports[name]
-            out += [f"tcp://{self.host(name)}:{port + i}" for i in range(n)]
-        return out
-
-    def url(self, name: str) -> str:
-        """Base URL of a server."""
-        return self.servers[name].url
-
-    def stop(self) -> None:
-        """Stop everything this cluster started (proxy first)."""
-        for name in ("proxy", "decode", "prefill", "reference"):
-            s = self.servers.get(name)
-            if s is not None:
-                s.stop()
-
-    def __enter__(self) -> LocalCluster:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-# ------------------------------------------------------------------------------------ client
-@dataclass
-class Result:
-    """One completion: text, time to first token, total time, error (if any); with
-    ``complete(logprobs=k)`` also the generated tokens and each position's top-k logprobs."""
-
-    text: str = ""
-    ttft_s: float | None = None
-    total_s: float = 0.0
-    error: str = ""
-    finish_reason: str | None = None
-    tokens: list[str] = field(default_factory=list)  # "token_id:<id>", one per generated token
-    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
-
-    def add_logprobs(self, lp: dict[str, Any] | None) -> None:
-        """Append a completions ``logprobs`` object (a whole answer or one streamed chunk)."""
-        if lp:
-            self.tokens += list(lp.get("tokens") or ())
-            self.top_logprobs += list(lp.get("top_logprobs") or ())
-
-
-def complete(base_url: str, prompt: str | list[int], max_tokens: int = 16, stream: bool = True,
-             timeout: float = 120.0, extra: dict[str, Any] | None = None,
-             logprobs: int | None = None) -> Result:
-    """Greedy /v1/completions; TTFT is measured on the first streamed text. ``logprobs=k``:
-    the result carries the tokens (as token ids) and each position's top-k logprobs."""
-    import httpx
-
-    body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0.0, "ignore_eos": True, "stream": stream}
-    if logprobs is not None:
-        body |= {"logprobs": logprobs, "return_tokens_as_token_ids": True}
-    body |= extra or {}
-    res = Result()
-    t0 = time.perf_counter()
-    try:
-        with httpx.Client(timeout=timeout) as client:
-            if not stream:
-                r = client.post(base_url + "/v1/completions", json=body)
-                res.total_s = time.perf_counter() - t0
-                if r.status_code != 200:
-                    res.error = f"HTTP {r.status_code}: {r.text[:300]}"
-                    return res
-                choice = r.json()["choices"][0]
-                res.text, res.finish_reason = choice["text"], choice.get("finish_reason")
-                res.add_logprobs(choice.get("logprobs"))
-                res.ttft_s = res.total_s
-                return res
-            with client.stream("POST", base_url + "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    res.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}"
-                    return res
-                for line in r.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    event = json.loads(data)
-                    if "error" in event:
-                        res.error = json.dumps(event["error"])[:300]
-                        break
-                    for choice in event.get("choices", ()):
-                        if choice.get("text"):
-                            if res.ttft_s is None:
-                                res.ttft_s = time.perf_counter() - t0
-                            res.text += choice["text"]
-                        res.add_logprobs(choice.get("logprobs"))
-                        if choice.get("finish_reason"):
-                            res.finish_reason = choice["finish_reason"]
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-    res.total_s = time.perf_counter() - t0
-    return res
-
-
-_METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-
-
-def metrics(base_url: str) -> dict[str, float]:
-    """Prometheus text from /metrics, summed over label sets: name -> value."""
-    import httpx
-
-    out: dict[str, float] = {}
-    text = httpx.get(base_url + "/metrics", timeout=10.0).text
-    for line in text.splitlines():
-        m = _METRIC.match(line)
-        if m is None or line.startswith("#"):
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
-        if name.endswith("_created"):
-            continue
-        if name == "vllm:cache_config_info":
-            nb = re.search(r'num_gpu_blocks="(\d+)"', labels)
-            if nb:
-                out["num_gpu_blocks"] = float(nb.group(1))
-            continue
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return out
-
-
-def blocks_in_use(base_url: str) -> int:
-    """KV blocks held on a server now (vLLM's kv cache usage x its block count)."""
-    m = metrics(base_url)
-    return round(m.get("vllm:kv_cache_usage_perc", 0.0) * m.get("num_gpu_blocks", 0.0))
-
-
-def wait_blocks_released(urls: Sequence[str], timeout: float = 10.0) -> int:
-    """Blocks still in use on ``urls`` once they reach 0 or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        held = sum(blocks_in_use(u) for u in urls)
-        if held == 0 or time.monotonic() > deadline:
-            return held
-        time.sleep(0.25)
 
 
 # ------------------------------------------------------------------------------------ report

@@ -155,26 +155,28 @@ def test_sliced_entries_and_their_cache() -> None:
         w1 = WriteLayer("r", 1, d[1], (1, 2), (4, 5), ((UNIT, 0, UNIT),))
         # P TP 1 -> D TP 2 (HND): head 0 of each block to D rank 0, head 1 to D rank 1; the
         # local runs are not adjacent (the other head sits between), so nothing merges
-        assert loop._entries(w0) == [(0x11000 + 1 * 2 * UNIT, 0x91000 + 4 * UNIT, UNIT),
-                                     (0x11000 + 2 * 2 * UNIT, 0x91000 + 5 * UNIT, UNIT)]
-        assert loop._entries(w1) == [(0x11000 + 1 * 2 * UNIT + UNIT, 0x99000 + 4 * UNIT, UNIT),
-                                     (0x11000 + 2 * 2 * UNIT + UNIT, 0x99000 + 5 * UNIT, UNIT)]
+        mem = loop.memory
+        assert mem.entries(w0) == [(0x11000 + 1 * 2 * UNIT, 0x91000 + 4 * UNIT, UNIT),
+                                   (0x11000 + 2 * 2 * UNIT, 0x91000 + 5 * UNIT, UNIT)]
+        assert mem.entries(w1) == [(0x11000 + 1 * 2 * UNIT + UNIT, 0x99000 + 4 * UNIT, UNIT),
+                                   (0x11000 + 2 * 2 * UNIT + UNIT, 0x99000 + 5 * UNIT, UNIT)]
         # the per-request cache keeps one entry per target and tells the segments apart
-        assert len(loop._runs["r"]) == 2
+        assert len(loop.memory._runs["r"]) == 2
         w0b = WriteLayer("r", 0, d[0], (1, 2), (4, 5), ((UNIT, 0, UNIT),))
-        assert loop._entries(w0b)[0] == (0x10000 + 2 * UNIT + UNIT, 0x90000 + 4 * UNIT, UNIT)
-        assert len(loop._runs["r"]) == 3
+        assert loop.memory.entries(w0b)[0] == (0x10000 + 2 * UNIT + UNIT, 0x90000 + 4 * UNIT, UNIT)
+        assert len(loop.memory._runs["r"]) == 3
         # runs adjacent on both sides merge, across byte runs and across blocks
         whole = KVLayout("D", 2, "t", [LayerLayout(0xA0000 + i * 0x1000, 2 * UNIT, 2 * UNIT, 32)
                                        for i in range(2)])
         w2 = WriteLayer("q", 0, whole, (1, 2, 3), (4, 5, 7), ((0, 0, UNIT), (UNIT, UNIT, UNIT)))
-        assert loop._entries(w2) == [(0x10000 + 2 * UNIT, 0xA0000 + 8 * UNIT, 4 * UNIT),
+        assert loop.memory.entries(w2) == [(0x10000 + 2 * UNIT, 0xA0000 + 8 * UNIT, 4 * UNIT),
                                      (0x10000 + 6 * UNIT, 0xA0000 + 14 * UNIT, 2 * UNIT)]
         # a run outside either block is refused (the write fails, not the loop)
         with pytest.raises(ValueError, match="outside"):
-            loop._entries(WriteLayer("x", 0, d[0], (1,), (1,), ((UNIT, 0, 2 * UNIT),)))
+            loop.memory.entries(WriteLayer("x", 0, d[0], (1,), (1,), ((UNIT, 0, 2 * UNIT),)))
         with pytest.raises(ValueError, match="block_len"):
-            loop._entries(WriteLayer("y", 0, d[0], (1,), (1,)))  # whole blocks of unequal size
+            # whole blocks of unequal size
+            loop.memory.entries(WriteLayer("y", 0, d[0], (1,), (1,)))
     finally:
         loop.stop()
 
@@ -192,7 +194,8 @@ def test_sliced_entries_without_uniform_geometry() -> None:
         remote = KVLayout("D", 1, "s", [LayerLayout(0x90000, UNIT, UNIT, 32),
                                         LayerLayout(0xA0000, 2 * UNIT, 2 * UNIT, 32)])
         w = WriteLayer("r", 1, remote, (1, 2), (3, 4), ((2 * UNIT, 0, 2 * UNIT),))
-        assert loop._entries(w) == [(0x20000 + 4 * UNIT + 2 * UNIT, 0xA0000 + 6 * UNIT, 2 * UNIT),
-                                    (0x20000 + 8 * UNIT + 2 * UNIT, 0xA0000 + 8 * UNIT, 2 * UNIT)]
+        assert loop.memory.entries(w) == [
+            (0x20000 + 4 * UNIT + 2 * UNIT, 0xA0000 + 6 * UNIT, 2 * UNIT),
+            (0x20000 + 8 * UNIT + 2 * UNIT, 0xA0000 + 8 * UNIT, 2 * UNIT)]
     finally:
         loop.stop()

@@ -248,12 +248,12 @@ def test_entries_merge_contiguous_block_runs() -> None:
         remote = KVLayout("D", 1, "s", [LayerLayout(0x90000 + i * 0x1000, 64, 64, 32)
                                         for i in range(2)])
         w = WriteLayer("r", 1, remote, (1, 2, 3, 7), (4, 5, 6, 9))
-        assert loop._entries(w) == [(0x11000 + 64, 0x91000 + 4 * 64, 3 * 64),
+        assert loop.memory.entries(w) == [(0x11000 + 64, 0x91000 + 4 * 64, 3 * 64),
                                     (0x11000 + 7 * 64, 0x91000 + 9 * 64, 64)]
         strided = KVLayout("D", 2, "s", [LayerLayout(0x90000, 128, 64, 32),
                                          LayerLayout(0xA0000, 64, 64, 32)])
         w2 = WriteLayer("q", 0, strided, (1, 2), (4, 5))  # remote stride != len: no merging
-        assert loop._entries(w2) == [(0x10000 + 64, 0x90000 + 4 * 128, 64),
+        assert loop.memory.entries(w2) == [(0x10000 + 64, 0x90000 + 4 * 128, 64),
                                      (0x10000 + 128, 0x90000 + 5 * 128, 64)]
     finally:
         loop.stop()
