@@ -322,7 +322,8 @@ class WorkerSide:
             self._call("abort", tid, reason, rid=rid, tid=tid)
 
     def layer_done(self, layer_name: str, kv_layer: Any) -> None:
-        """Forward hook: enqueue "layer computed" for this step's pushes; never waits."""
+        """Forward hook: enqueue "layer computed" for this step's pushes, and time a prefill
+        step's forward at its last layer (push_mode auto); never waits."""
         tids = self._step_sends
         rates = self.rates
         if not tids and (rates is None or self._step_tokens < rates.min_tokens):
