@@ -11,6 +11,17 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null
 fi
 
+# Debian's Prometheus server: the e2e test scrapes P and D with it. RUNLEVEL=1 keeps the
+# package from starting its own daemon; the test runs one of its own on loopback.
+if ! command -v prometheus >/dev/null 2>&1; then
+    echo "bootstrap: installing prometheus (Debian's server, for the metrics e2e test)"
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 apt-get install -y -qq \
+        --no-install-recommends prometheus >/dev/null \
+        || echo "bootstrap: prometheus not installed; its e2e test will be skipped" >&2
+fi
+
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 STAMP=.venv/.lw-stamp
