@@ -4,27 +4,27 @@ A busy period runs from the first write submitted to an idle host until none is 
 goodput is the bytes it completed over its length. Periods are pooled (bytes and busy time
 summed, the idle time between them left out) until they moved at least ``min_bytes``.
 
-What a sample says depends on how much its periods moved. Every period pays a write's fixed
-costs once (the submission, the sender's status polls, the completion reaching the loop: a few
-milliseconds on a host whose core also runs the forward), so a period of small writes shows those
-costs rather than the link; and a shaped link lets a small write through at line rate from its
-burst allowance. A sample whose periods moved ``trust_bytes`` each on average *measures* the link:
-a slower one replaces the estimate at once, a faster one moves it by ``alpha`` of the difference.
-A sample of smaller periods only bounds the link from below: it raises an estimate no measuring
-sample has set in the last ``hold_s`` seconds, and says nothing while one has. A link that cannot
-keep up merges a push's writes into one long period, so a slow link busy with pushes keeps being
-measured whatever the size of its writes; one that got faster (congestion over, another route)
-shows it in small periods once its last measurement is ``hold_s`` old.
+A busy period is longer than the link needs whenever the sender cannot run: every period pays a
+write's fixed costs (the submission, the sender's status polls, the completion reaching the
+loop: a few milliseconds on a host whose core also runs the forward), and writes queued behind
+a starved sender look like a slow link. So the estimate is the *best* goodput the link showed
+recently, not the latest: a sample whose periods moved ``trust_bytes`` each on average measures
+the link, and the estimate is the highest such measurement of the last ``hold_s`` seconds (the
+newest one when none is that recent). A sample of smaller periods (fixed costs, or a shaper's
+burst allowance letting a small write through at line rate) only bounds the link from below: it
+raises an estimate that no measurement of the last ``hold_s`` seconds backs, and says nothing
+while one does. A link that cannot keep up merges a push's writes into one long period, so a
+slow link is measured whatever its writes; one that got slower is believed once its faster
+measurements are ``hold_s`` old, and one that got faster shows it in any period.
 
-The asymmetry follows the costs: believing a link faster than it is leaves a prompt's transfer
-behind its compute (a tail of up to the whole wire time), believing it slower starts a push
-early (some of P's CPU), and taking small writes' fixed costs for the link's rate would start
-every push early (on the 2-core testbed, 1-2 MB periods of 200-300 MB/s against 4 MB ones of
-400-1,000 MB/s over an uncapped veth).
+On the 2-core testbed (1,024-token prompts over an uncapped veth) periods of 4 MiB and more
+showed 130-1,000 MB/s while P computed; the slowest of them made ``push_mode`` auto start a push
+a chunk early, and a push that started at the last chunk ended 4 ms after its last layer.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 __all__ = ["LinkMeter", "host_of"]
@@ -50,19 +50,19 @@ class _Period:
 class LinkMeter:
     """Per host: writes in flight, the current busy period, the estimated goodput (bytes/s)."""
 
-    def __init__(self, min_bytes: int = 1 << 20, alpha: float = 0.5,
-                 trust_bytes: int = 4 << 20, hold_s: float = 5.0) -> None:
-        if min_bytes < 1 or trust_bytes < 1 or not 0 < alpha <= 1 or hold_s < 0:
-            raise ValueError(f"LinkMeter(min_bytes={min_bytes}, alpha={alpha}, trust_bytes="
-                             f"{trust_bytes}, hold_s={hold_s}): need min_bytes >= 1, "
-                             "trust_bytes >= 1, 0 < alpha <= 1 and hold_s >= 0")
+    def __init__(self, min_bytes: int = 1 << 20, trust_bytes: int = 4 << 20,
+                 hold_s: float = 5.0) -> None:
+        if min_bytes < 1 or trust_bytes < 1 or hold_s < 0:
+            raise ValueError(f"LinkMeter(min_bytes={min_bytes}, trust_bytes={trust_bytes}, "
+                             f"hold_s={hold_s}): need min_bytes >= 1, trust_bytes >= 1 and "
+                             "hold_s >= 0")
         self.min_bytes = min_bytes
         self.trust_bytes = trust_bytes
-        self.alpha = alpha
         self.hold_s = hold_s
         self._periods: dict[str, _Period] = {}
         self.goodput: dict[str, float] = {}  # replaced, never mutated: safe to read elsewhere
-        self._measured: dict[str, float] = {}  # host -> when a measuring sample last came
+        # host -> recent measurements (when, bytes/s), newest last; bounded
+        self._measured: dict[str, deque[tuple[float, float]]] = {}
         self.samples = 0  # samples taken, whether or not they moved the estimate (tests wait)
 
     def submitted(self, host: str, now: float, writes: int = 1) -> None:
@@ -96,14 +96,15 @@ class LinkMeter:
         p.pooled_bytes, p.pooled_s, p.pooled_periods = 0, 0.0, 0
         self.samples += 1
         old = self.goodput.get(host)
-        held = now - self._measured.get(host, -float("inf")) < self.hold_s
+        recent = self._measured.get(host)
         if measures:
-            if old is None or not held or rate < old:
-                new = rate
-            else:
-                new = old + self.alpha * (rate - old)
-            self._measured[host] = now
-        elif held or (old is not None and rate <= old):
+            if recent is None:
+                recent = self._measured[host] = deque(maxlen=256)
+            recent.append((now, rate))
+            while len(recent) > 1 and now - recent[0][0] >= self.hold_s:
+                recent.popleft()
+            new = max(r for _, r in recent)
+        elif (recent and now - recent[-1][0] < self.hold_s) or (old is not None and rate <= old):
             return  # small periods: no news about what the link can carry
         else:
             new = rate

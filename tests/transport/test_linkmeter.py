@@ -30,7 +30,7 @@ def _period(m: LinkMeter, t: float, nbytes: int, seconds: float, writes: int = 2
 
 
 def test_idle_time_between_periods_is_left_out_and_small_periods_are_pooled() -> None:
-    m = LinkMeter(min_bytes=MiB, trust_bytes=MiB // 4, alpha=1.0)
+    m = LinkMeter(min_bytes=MiB, trust_bytes=MiB // 4, hold_s=0)
     _period(m, 0.0, 4 * MiB, 0.5)  # 8 MiB/s
     assert m.goodput == {"h": pytest.approx(8 * MiB)}
     # Four periods of 256 KiB, each 0.125 s, with long idle gaps: pooled into one sample of
@@ -42,41 +42,44 @@ def test_idle_time_between_periods_is_left_out_and_small_periods_are_pooled() ->
     assert m.goodput == {"h": pytest.approx(2 * MiB)}
 
 
-def test_a_slower_measurement_is_believed_at_once_a_faster_one_gradually() -> None:
-    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, alpha=0.5, hold_s=100)
+def test_the_best_measurement_of_the_last_hold_s_counts() -> None:
+    """A slow period on a fast link (a sender starved by the forward) does not make it slow;
+    a link that stays slow is believed once its faster measurements are hold_s old."""
+    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, hold_s=5.0)
     seen = []
-    for i, rate in enumerate((100, 10, 100, 100)):
-        _period(m, 10.0 * i, rate * MiB, 1.0)
+    for t, rate in ((0.0, 100), (1.0, 10), (2.0, 60), (10.0, 10), (11.0, 20), (12.0, 15)):
+        _period(m, t, 8 * MiB, 8 / rate)
         seen.append(m.goodput["h"] / MiB)
-    assert seen == pytest.approx([100, 10, 55, 77.5])
+    assert seen == pytest.approx([100, 100, 100, 10, 20, 20])
+
+
+def _small(m: LinkMeter, t: float, rate: float) -> None:
+    _period(m, t, MiB, 1.0 / rate)
 
 
 def test_small_periods_only_bound_the_link_from_below() -> None:
     """Periods of small writes show their fixed costs (and a shaper's burst), not the link:
-    they raise an estimate no large period has set and never lower one; while a large period's
-    measurement holds they say nothing."""
-    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, alpha=0.5, hold_s=100)
-    for t, seconds in ((0.0, 1.0), (10.0, 0.25), (20.0, 0.5)):  # 1, 4, then 2 MiB/s
-        _period(m, t, MiB, seconds)
+    they raise an estimate no recent measurement backs and never lower one; while a
+    measurement of the last hold_s backs it they say nothing."""
+    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, hold_s=100)
+    for t, rate in ((0.0, 1), (10.0, 4), (20.0, 2)):
+        _small(m, t, rate)
     assert m.goodput == {"h": pytest.approx(4 * MiB)}  # the best they showed
-    _period(m, 30.0, 8 * MiB, 4.0)  # a large period measures it: 2 MiB/s, believed at once
+    _period(m, 30.0, 8 * MiB, 4.0)  # a large period measures it: 2 MiB/s
     assert m.goodput == {"h": pytest.approx(2 * MiB)}
-    _period(m, 40.0, MiB, 0.1)  # 10 MiB/s in a small period (a burst let through): no news
+    _small(m, 40.0, 10)  # 10 MiB/s in a small period (a burst let through): no news
     assert m.goodput == {"h": pytest.approx(2 * MiB)}
     assert m.samples == 5
 
 
-def test_a_measurement_holds_for_hold_s_then_small_periods_may_raise_it() -> None:
-    """A link measured slow (a congested moment, a capped row) that got faster shows it in
-    small periods once the measurement is hold_s old; a slow link that stays busy keeps being
-    measured (its pushes merge into large periods)."""
-    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, alpha=0.5, hold_s=5.0)
+def test_a_link_that_got_faster_shows_it_once_its_measurement_is_old() -> None:
+    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, hold_s=5.0)
     _period(m, 0.0, 8 * MiB, 8.0)  # 1 MiB/s, measured at t=8
-    _period(m, 10.0, MiB, 0.1)  # 10 MiB/s in a small period, 2.1 s later: held
+    _small(m, 10.0, 10)  # 10 MiB/s in a small period, 2.1 s later: the measurement holds
     assert m.goodput == {"h": pytest.approx(MiB)}
-    _period(m, 20.0, MiB, 0.1)  # 12 s later: the link shows it is faster
+    _small(m, 20.0, 10)  # 12 s later: the link shows it is faster
     assert m.goodput == {"h": pytest.approx(10 * MiB)}
-    _period(m, 30.0, 8 * MiB, 4.0)  # measured again (2 MiB/s): believed at once
+    _period(m, 30.0, 8 * MiB, 4.0)  # measured again (2 MiB/s), nothing recent beside it
     assert m.goodput == {"h": pytest.approx(2 * MiB)}
     with pytest.raises(ValueError, match="hold_s"):
         LinkMeter(hold_s=-1)
@@ -92,7 +95,7 @@ def test_writes_submitted_together_count_once_in_flight() -> None:
 
 
 def test_hosts_are_separate_and_failed_writes_move_no_bytes() -> None:
-    m = LinkMeter(min_bytes=MiB, alpha=1.0, trust_bytes=MiB)
+    m = LinkMeter(min_bytes=MiB, trust_bytes=MiB)
     m.submitted("a", 0.0)
     m.submitted("b", 0.0)
     m.completed("b", 0, 0.2)  # failed: nothing measured
@@ -102,8 +105,6 @@ def test_hosts_are_separate_and_failed_writes_move_no_bytes() -> None:
 
 
 def test_bad_parameters_are_refused() -> None:
-    with pytest.raises(ValueError, match="alpha"):
-        LinkMeter(alpha=0)
     with pytest.raises(ValueError, match="min_bytes"):
         LinkMeter(min_bytes=0)
     with pytest.raises(ValueError, match="trust_bytes"):
