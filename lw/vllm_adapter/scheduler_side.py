@@ -74,7 +74,8 @@ def step_pairs(so: SchedulerOutput) -> int:
     forward, which P's workers time it by (lw.fsm.push_schedule)."""
     done = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
     cached = so.scheduled_cached_reqs
-    done.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    # vLLM keeps the two lists parallel; timing figures are not worth stopping a scheduler for
+    done.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
     return sum(attended_pairs(done.get(rid, 0), done.get(rid, 0) + n)
                for rid, n in so.num_scheduled_tokens.items())
 
