@@ -557,6 +557,59 @@ def _stream(url: str, prompt: str, max_tokens: int, started: threading.Event,
     out.append((error, finish, time.monotonic()))
 
 
+def test_a_real_prometheus_scrapes_lws_series(cluster: LocalCluster,
+                                               tmp_path: Any) -> None:
+    """Debian's Prometheus server scrapes P's and D's vLLM /metrics; lw's series come back
+    through its HTTP API with vLLM's labels (model_name, engine), one per server."""
+    import shutil
+    import subprocess
+    from urllib.parse import urlsplit
+
+    exe = shutil.which("prometheus")
+    if exe is None:
+        pytest.skip("Debian's prometheus is not installed (scripts/bootstrap.sh installs it)")
+    assert judged(cluster, cluster.url("proxy"), make_prompt(40, seed=81)).same
+    targets = [urlsplit(cluster.url(name)).netloc for name in ("prefill", "decode")]
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+        "scrape_configs:\n  - job_name: lw\n    static_configs:\n"
+        f"      - targets: {json.dumps(targets)}\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    api = f"http://127.0.0.1:{port}/api/v1/query"
+    with open(tmp_path / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(
+            [exe, f"--config.file={tmp_path / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        series: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(series) < 2:
+            time.sleep(0.5)
+            try:
+                r = httpx.get(api, params={"query": "lw_requests_done_total"}, timeout=5)
+            except httpx.HTTPError:
+                continue  # not listening yet
+            if r.status_code == 200:
+                series = r.json()["data"]["result"]
+        assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+        by_instance = {x["metric"]["instance"]: x for x in series}
+        assert set(by_instance) == set(targets), (series, targets)
+        for x in series:
+            assert x["metric"]["model_name"] == MODEL_NAME and "engine" in x["metric"], x
+            assert float(x["value"][1]) >= 1, x  # the request above, at least, on each side
+        r = httpx.get(api, params={"query": 'count by (__name__)({__name__=~"lw_.+"})'},
+                      timeout=5)
+        names = {x["metric"]["__name__"] for x in r.json()["data"]["result"]}
+        assert {"lw_requests_done_total", "lw_live_requests"} <= names, names
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_decode_server_killed_gives_errors_and_prefill_keeps_serving(
         cluster: LocalCluster) -> None:
     proxy = cluster.url("proxy")
@@ -614,56 +667,3 @@ def test_decode_server_killed_gives_errors_and_prefill_keeps_serving(
     gave_up = p_after.get("lw_requests_failed_total", 0) - p_before.get(
         "lw_requests_failed_total", 0)
     print(f"prefill pushes that failed with D gone: {gave_up:.0f}")
-
-
-def test_a_real_prometheus_scrapes_lws_series(cluster: LocalCluster,
-                                               tmp_path: Any) -> None:
-    """Debian's Prometheus server scrapes P's and D's vLLM /metrics; lw's series come back
-    through its HTTP API with vLLM's labels (model_name, engine), one per server."""
-    import shutil
-    import subprocess
-    from urllib.parse import urlsplit
-
-    exe = shutil.which("prometheus")
-    if exe is None:
-        pytest.skip("Debian's prometheus is not installed (scripts/bootstrap.sh installs it)")
-    assert judged(cluster, cluster.url("proxy"), make_prompt(40, seed=81)).same
-    targets = [urlsplit(cluster.url(name)).netloc for name in ("prefill", "decode")]
-    (tmp_path / "prometheus.yml").write_text(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-        "scrape_configs:\n  - job_name: lw\n    static_configs:\n"
-        f"      - targets: {json.dumps(targets)}\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    api = f"http://127.0.0.1:{port}/api/v1/query"
-    with open(tmp_path / "prometheus.log", "wb") as log:
-        proc = subprocess.Popen(
-            [exe, f"--config.file={tmp_path / 'prometheus.yml'}",
-             f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        series: list[dict[str, Any]] = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(series) < 2:
-            time.sleep(0.5)
-            try:
-                r = httpx.get(api, params={"query": "lw_requests_done_total"}, timeout=5)
-            except httpx.HTTPError:
-                continue  # not listening yet
-            if r.status_code == 200:
-                series = r.json()["data"]["result"]
-        assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
-        by_instance = {x["metric"]["instance"]: x for x in series}
-        assert set(by_instance) == set(targets), (series, targets)
-        for x in series:
-            assert x["metric"]["model_name"] == MODEL_NAME and "engine" in x["metric"], x
-            assert float(x["value"][1]) >= 1, x  # the request above, at least, on each side
-        r = httpx.get(api, params={"query": 'count by (__name__)({__name__=~"lw_.+"})'},
-                      timeout=5)
-        names = {x["metric"]["__name__"] for x in r.json()["data"]["result"]}
-        assert {"lw_requests_done_total", "lw_live_requests"} <= names, names
-    finally:
-        proc.terminate()
-        proc.wait(10)
