@@ -10,7 +10,9 @@ mid-run gives errors, not hangs, and the prefill server keeps serving and releas
 the official ``openai`` client's ``n=2`` (completions and chat, streaming and not) and a
 two-prompt list get as many choices as from the single engine (one transfer per vLLM request);
 a repeated prompt is served from D's prefix cache (its tail computed on D, nothing moved);
-``lw status`` lists a request waiting on D and an empty table once it is gone; forged
+``lw status --proxy`` (the workers the proxy learned from a request it relayed) lists a request
+waiting on D and an empty table once it is gone; a real Prometheus server scrapes lw's series
+from P's and D's /metrics; forged
 metaserver calls (unsigned, another key, no grant, replayed) are refused and the control plane
 is not on the public port, with the victim's output unharmed; a prefill aimed at other D blocks
 than D registered is refused at its claim before a byte moves.
