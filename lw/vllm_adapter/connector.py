@@ -74,7 +74,7 @@ class LwConnector(KVConnectorBase_V1):
         manager = self._kv_cache_manager
         assert manager is not None, "bind_kv_cache_manager was not called"
         (block_ids,) = manager.get_block_ids(rid)
-        return list(block_ids)
+        return block_ids
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lw.vllm_adapter.demo_client import MODEL_NAME, make_prompt
+from lw.vllm_adapter.worker_addrs import worker_addrs
 
 __all__ = ["BLOCK_SIZE", "MAX_BATCHED_TOKENS", "LocalCluster", "Server", "free_port",
            "free_port_range", "kv_transfer_config", "wait_ready"]
@@ -294,8 +295,7 @@ class LocalCluster:
         """Side-channel addresses of every P and D worker (what ``lw status --workers`` takes)."""
         out = []
         for name, n in (("prefill", self.p_tp * self.p_dp), ("decode", self.d_tp * self.d_dp)):
-            port = self.kv_ports[name]
-            out += [f"tcp://{self.host(name)}:{port + i}" for i in range(n)]
+            out += worker_addrs(self.host(name), self.kv_ports[name], n)  # consecutive ports
         return out
 
     def url(self, name: str) -> str:
