@@ -44,8 +44,8 @@ CONFIGS = {  # name -> lw kv_connector_extra_config (P and D)
     "per-layer": {"push_mode": "progressive", "layer_batch_ms": 0},
     "batched-15ms": {"push_mode": "progressive", "layer_batch_ms": 15},
     "last-chunk": {"push_mode": "last_chunk"},
+    "auto": {"push_mode": "auto"},
 }
-BASE = "per-layer"
 
 
 def worker_pid(root_pid: int) -> int:
@@ -60,19 +60,25 @@ def worker_pid(root_pid: int) -> int:
     raise RuntimeError(f"no VLLM::Worker process under pid {root_pid}")
 
 
-def side_thread_ticks(pid: int) -> int:
-    """CPU clock ticks of every thread of ``pid`` but its main thread."""
-    total = 0
+def thread_ticks(pid: int) -> dict[str, int]:
+    """CPU clock ticks of the threads of ``pid`` by thread name (``main``: the forward pass's
+    thread), so that a cost can be told apart: lw's loop, its data-plane senders, Mooncake's."""
+    out: dict[str, int] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
-        if int(tid) == pid:
-            continue
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                head, rest = f.read().rsplit(")", 1)
         except OSError:
             continue  # a thread that just ended
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total
+        fields = rest.split()
+        name = "main" if int(tid) == pid else head.split("(", 1)[1]
+        out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])  # utime, stime
+    return out
+
+
+def side_thread_ticks(pid: int) -> int:
+    """CPU clock ticks of every thread of ``pid`` but its main thread."""
+    return sum(v for k, v in thread_ticks(pid).items() if k != "main")
 
 
 def prefill_sum(url: str) -> tuple[float, float]:
@@ -88,10 +94,27 @@ def prefill_sum(url: str) -> tuple[float, float]:
     return s, c
 
 
-def measure(name: str, model: Path, logs: Path, prompts: list[str]) -> dict[str, float]:
-    """Start lw P/D with ``CONFIGS[name]``, push ``prompts``; per-prompt figures in ms."""
+def measure(name: str, model: Path, logs: Path, prompts: list[str],
+            link_mbit: float | None = None) -> dict[str, float]:
+    """Start lw P/D with ``CONFIGS[name]``, push ``prompts``; per-prompt figures in ms. With
+    ``link_mbit``, D sits behind a veth capped at that rate (0: uncapped veth)."""
     extra = CONFIGS[name]
-    cluster = Placement().cluster(model, logs, p_extra=dict(extra), d_extra=dict(extra))
+    link = None
+    if link_mbit is not None:
+        from benchmarks._link import Link
+
+        link = Link.create(link_mbit * 1e6 if link_mbit > 0 else None)
+    place = Placement(link=link)
+    try:
+        return _measure(name, place, model, logs, prompts, extra)
+    finally:
+        if link is not None:
+            link.close()
+
+
+def _measure(name: str, place: Placement, model: Path, logs: Path, prompts: list[str],
+             extra: dict[str, object]) -> dict[str, float]:
+    cluster = place.cluster(model, logs, p_extra=dict(extra), d_extra=dict(extra))
     cluster.start(timeout=300)
     run = Running(name, dict(cluster.servers), cluster.url("proxy"), cluster)
     try:
@@ -99,18 +122,23 @@ def measure(name: str, model: Path, logs: Path, prompts: list[str]) -> dict[str,
         warm_up(run)
         p_url = run.servers["prefill"].url
         pid = worker_pid(run.servers["prefill"].proc.pid)  # type: ignore[union-attr]
-        ticks0, (s0, c0) = side_thread_ticks(pid), prefill_sum(p_url)
+        ticks0, (s0, c0) = thread_ticks(pid), prefill_sum(p_url)
         ttfts = []
         for p in prompts:
             r = complete(run.url, p, max_tokens=2, timeout=300.0)
             if r.error:
                 raise RuntimeError(f"{name}: request failed: {r.error}")
             ttfts.append(r.ttft_s or r.total_s)
-        ticks1, (s1, c1) = side_thread_ticks(pid), prefill_sum(p_url)
+        ticks1, (s1, c1) = thread_ticks(pid), prefill_sum(p_url)
     finally:
         run.stop()
     n = len(prompts)
-    return {"side_cpu_ms": (ticks1 - ticks0) / os.sysconf("SC_CLK_TCK") / n * 1e3,
+    per = {k: (v - ticks0.get(k, 0)) / os.sysconf("SC_CLK_TCK") / n * 1e3
+           for k, v in ticks1.items()}
+    threads = ", ".join(f"{k} {v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])
+                        if v >= 1)
+    print(f"  {name}: P worker threads, CPU ms/prompt: {threads}", flush=True)
+    return {"side_cpu_ms": sum(v for k, v in per.items() if k != "main"),
             "p_prefill_ms": (s1 - s0) / max(c1 - c0, 1) * 1e3,
             "ttft_p50_ms": statistics.median(ttfts) * 1e3}
 
@@ -121,6 +149,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS)[:3],
+                    help="configurations to compare (the first is the base of the ratios)")
+    ap.add_argument("--link-mbit", type=float, default=None,
+                    help="put D behind a veth capped at this many Mbit/s (0: uncapped veth; "
+                         "default: loopback); needs root (ip netns, tc)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.prompts < 1:
         ap.error("--repeats and --prompts must be >= 1")
@@ -131,20 +164,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="lw-push-cpu-"))
     model = make_tiny_model(work / f"tiny-{args.layers}l", num_layers=args.layers)
-    names = list(CONFIGS)
+    names = list(args.configs)
+    base = names[0]
     results: dict[str, list[dict[str, float]]] = {k: [] for k in names}
     t_all = time.monotonic()
     for rep in range(args.repeats):
         order = names[rep % len(names):] + names[:rep % len(names)]
         prompts = make_prompts(model, Shape(1024, 1, args.prompts), f"push-cpu-{rep}")
         for name in order:
-            r = measure(name, model, work / f"{name}-r{rep}", prompts)
+            r = measure(name, model, work / f"{name}-r{rep}", prompts, args.link_mbit)
             results[name].append(r)
             print(f"[rep {rep}] {name:13s} P side threads {r['side_cpu_ms']:6.1f} ms/prompt, "
                   f"P prefill {r['p_prefill_ms']:5.0f} ms, TTFT p50 {r['ttft_p50_ms']:5.0f} ms",
                   flush=True)
     print(f"\n### llama {args.layers} layers, 1,024-token prompts, {args.prompts} per start, "
-          f"{args.repeats} repeat(s), loopback")
+          f"{args.repeats} repeat(s), "
+          + ("loopback" if args.link_mbit is None else
+             f"veth {'uncapped' if not args.link_mbit else f'{args.link_mbit:g} Mbit/s'}"))
     print("| configuration | P side-thread CPU ms/prompt | P prefill ms | TTFT p50 ms |")
     print("|---|---|---|---|")
     for name in names:
@@ -157,11 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"| {name} | {span('side_cpu_ms')} | {span('p_prefill_ms')} | "
               f"{span('ttft_p50_ms')} |")
     for name in names:
-        if name == BASE:
+        if name == base:
             continue
         for key in ("side_cpu_ms", "p_prefill_ms"):
-            ratios = [a[key] / b[key] for a, b in zip(results[name], results[BASE], strict=True)]
-            print(f"{key}_ratio_vs_{BASE}: {statistics.median(ratios):.2f}  ({name}; "
+            ratios = [a[key] / b[key] for a, b in zip(results[name], results[base], strict=True)]
+            print(f"{key}_ratio_vs_{base}: {statistics.median(ratios):.2f}  ({name}; "
                   f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} repeat(s))")
     print(f"total time {time.monotonic() - t_all:.0f}s; logs in {work}")
     return 0
