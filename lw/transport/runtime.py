@@ -48,6 +48,7 @@ from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.status import status_line
 from lw.transport.kvmemory import Entry, KVMemory
 from lw.transport.linkmeter import LinkMeter, host_of
+from lw.transport.osthread import name_os_thread
 from lw.transport.sidechannel import Inbound, SideChannel
 from lw.transport.wire import (
     MAX_MESSAGE_BYTES,
@@ -393,6 +394,7 @@ class WorkerLoop:
 
     # ============================================================ loop thread
     def _run(self) -> None:
+        name_os_thread()
         fds = [self._wake_r]
         dp_fd = -1
         if self.data_plane is not None:

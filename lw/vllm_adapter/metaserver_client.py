@@ -9,6 +9,7 @@ import time
 from collections import deque
 from typing import Any
 
+from lw.transport.osthread import name_os_thread
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import log
@@ -51,6 +52,7 @@ class MetaserverPoster:
         self._q.put(None)
 
     def _run(self) -> None:
+        name_os_thread()
         import httpx
 
         with httpx.Client(timeout=self.cfg.metaserver_timeout_s) as client:

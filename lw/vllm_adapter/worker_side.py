@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from lw.fsm.kvmap import describe, expected_senders, targets_of
 from lw.fsm.timeline import drain
+from lw.transport.osthread import name_os_thread
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
 from lw.vllm_adapter.connector_meta import LwConnectorMetadata, LwWorkerMeta, log
 from lw.vllm_adapter.metrics import LwKVConnectorStats
@@ -53,6 +54,7 @@ class ReadyGate:
         self._q.put(None)
 
     def _run(self) -> None:
+        name_os_thread()
         while (item := self._q.get()) is not None:
             wait, planes, tids, then = item
             try:

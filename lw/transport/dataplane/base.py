@@ -20,6 +20,8 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, Self, runtime_checkable
 
+from lw.transport.osthread import name_os_thread
+
 __all__ = [
     "DEFAULT_MAX_BATCH_ENTRIES",
     "Completion",
@@ -420,6 +422,7 @@ class _QueuedDataPlane:
 
     def _worker(self, peer: _Peer) -> None:
         """Sender thread for one destination: runs its jobs strictly in FIFO order."""
+        name_os_thread(f"lw-dp:{peer.session.rsplit(':', 1)[-1]}")
         while True:
             with peer.cond:
                 while not peer.queue and not self._closed:
