@@ -414,15 +414,18 @@ class _QueuedDataPlane:
             if connect:
                 peer.queue.append(_Job(None, [], 0, is_connect=True))
             peer.thread = threading.Thread(
-                target=self._worker, args=(peer,), name=f"lw-dp->{session}", daemon=True
+                target=self._named_worker, args=(peer,), name=f"lw-dp->{session}", daemon=True
             )
             self._peers[session] = peer
             peer.thread.start()
             return peer
 
+    def _named_worker(self, peer: _Peer) -> None:
+        name_os_thread(f"lw-dp:{peer.session.rsplit(':', 1)[-1]}")
+        self._worker(peer)
+
     def _worker(self, peer: _Peer) -> None:
         """Sender thread for one destination: runs its jobs strictly in FIFO order."""
-        name_os_thread(f"lw-dp:{peer.session.rsplit(':', 1)[-1]}")
         while True:
             with peer.cond:
                 while not peer.queue and not self._closed:
