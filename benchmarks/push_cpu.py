@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.serving import (  # noqa: E402
+    CORES,
     Placement,
     Running,
     Shape,
@@ -74,6 +75,18 @@ def thread_ticks(pid: int) -> dict[str, int]:
         name = "main" if int(tid) == pid else head.split("(", 1)[1]
         out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])  # utime, stime
     return out
+
+
+def irq_ticks(core: int) -> int:
+    """Ticks core ``core`` spent in interrupts and softirqs (``/proc/stat``): the kernel's
+    network work for both ends of a veth runs there on the sending core, charged to no thread
+    when the kernel accounts IRQ time."""
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith(f"cpu{core} "):
+                v = line.split()
+                return int(v[6]) + int(v[7])  # irq, softirq
+    return 0
 
 
 def side_thread_ticks(pid: int) -> int:
@@ -123,6 +136,7 @@ def _measure(name: str, place: Placement, model: Path, logs: Path, prompts: list
         p_url = run.servers["prefill"].url
         pid = worker_pid(run.servers["prefill"].proc.pid)  # type: ignore[union-attr]
         ticks0, (s0, c0) = thread_ticks(pid), prefill_sum(p_url)
+        ticks0["irq+softirq (P's core)"] = irq_ticks(CORES["prefill"])
         ttfts = []
         for p in prompts:
             r = complete(run.url, p, max_tokens=2, timeout=300.0)
@@ -130,14 +144,17 @@ def _measure(name: str, place: Placement, model: Path, logs: Path, prompts: list
                 raise RuntimeError(f"{name}: request failed: {r.error}")
             ttfts.append(r.ttft_s or r.total_s)
         ticks1, (s1, c1) = thread_ticks(pid), prefill_sum(p_url)
+        ticks1["irq+softirq (P's core)"] = irq_ticks(CORES["prefill"])
     finally:
         run.stop()
     n = len(prompts)
     per = {k: (v - ticks0.get(k, 0)) / os.sysconf("SC_CLK_TCK") / n * 1e3
            for k, v in ticks1.items()}
+    irq = per.pop("irq+softirq (P's core)")
     threads = ", ".join(f"{k} {v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])
                         if v >= 1)
     print(f"  {name}: P worker threads, CPU ms/prompt: {threads}", flush=True)
+    print(f"  {name}: P's core in interrupts and softirqs: {irq:.0f} ms/prompt", flush=True)
     return {"side_cpu_ms": sum(v for k, v in per.items() if k != "main"),
             "p_prefill_ms": (s1 - s0) / max(c1 - c0, 1) * 1e3,
             "ttft_p50_ms": statistics.median(ttfts) * 1e3}
