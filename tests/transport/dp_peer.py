@@ -21,8 +21,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", type=int, default=16 << 20)
     parser.add_argument("--split", action="store_true")
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve Mooncake on")
     args = parser.parse_args()
-    plane = MooncakeDataPlane("127.0.0.1")
+    plane = MooncakeDataPlane(args.host)
     buf = np.zeros(args.size, dtype=np.uint8)
     addr = buf.ctypes.data
     if args.split:

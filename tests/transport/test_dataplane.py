@@ -340,8 +340,10 @@ def needs_mooncake(fn: Callable[..., None]) -> Callable[..., None]:
 class Peer:
     """A dp_peer.py subprocess: a Mooncake engine with a registered buffer in another process."""
 
-    def __init__(self, size: int = 16 << 20, split: bool = False) -> None:
-        args = [sys.executable, str(HERE / "dp_peer.py"), "--size", str(size)]
+    def __init__(self, size: int = 16 << 20, split: bool = False, host: str = "127.0.0.1",
+                 wrap: Callable[[list[str]], list[str]] = list) -> None:
+        args = wrap([sys.executable, str(HERE / "dp_peer.py"), "--size", str(size),
+                     "--host", host])
         env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
         self.proc = subprocess.Popen(
             args + (["--split"] if split else []),
