@@ -332,8 +332,11 @@ class DecodeEndpoint:
     def sum_plans(self, msg: DoneSending
                   ) -> dict[SenderKey, tuple[tuple[int, ...], list[tuple[tuple[int, int], ...]]]]:
         """What the driver checksums for this DONE: :meth:`sum_plan` of each sender
-        :meth:`sum_senders` names (the ``kv_sums`` of :meth:`on_message` has the same keys)."""
+        :meth:`sum_senders` names (the ``kv_sums`` of :meth:`on_message` has the same keys);
+        nothing without ``kv_checksum``: whether to verify is this core's decision."""
         plans = {}
+        if not self.config.kv_checksum:
+            return plans
         for key in self.sum_senders(msg):
             plan = self.sum_plan(msg.req_id, key)
             if plan is not None:

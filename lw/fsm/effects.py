@@ -12,10 +12,13 @@ TimerKey = tuple[str, str]  # (kind, req_id), e.g. ("meta", "req-7")
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Send a side-channel message to the worker listening at ``dest``."""
+    """Send a side-channel message to the worker listening at ``dest``. ``with_sums`` (P's
+    DONE, ``kv_checksum``): the driver puts the checksums of what this sender wrote to ``dest``
+    (the writes the core marked ``checksum``) into the message before it goes."""
 
     dest: str
     msg: Message
+    with_sums: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,7 @@ class WriteLayer:
     # The write's number within its request, in (chunk, layer) order: chunk * L + layer (-1 when
     # made: the layer, a request pushed in one chunk). ``transfer_done`` takes it back.
     seq: int = -1
+    checksum: bool = False  # kv_checksum: the driver keeps the CRC-32C of what this writes
 
     def __post_init__(self) -> None:
         if self.seq < 0:

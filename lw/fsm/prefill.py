@@ -569,9 +569,10 @@ class PrefillEndpoint:
         rec.ack_tries += 1
         msg = DoneSending(PROTOCOL_VERSION, rec.req.req_id, self.me, rec.req.expected_senders,
                           self.num_layers, num_blocks=len(rec.local))
+        sums = self.config.kv_checksum
         for t in rec.targets:
             if not t.acked:
-                out.append(Send(t.addr, msg))
+                out.append(Send(t.addr, msg, with_sums=sums))
 
     def _submit_ready(self, rec: PrefillRecord, out: list[Effect]) -> None:
         rid = rec.req.req_id
@@ -584,7 +585,7 @@ class PrefillEndpoint:
             for t in rec.targets:
                 assert t.layout is not None
                 out.append(WriteLayer(rid, layer, t.layout, local, remote, t.segs[layer],
-                                      t.addr, seq))
+                                      t.addr, seq, self.config.kv_checksum))
             rec.pending[seq] = n
             rec.submitted += 1
             rec.inflight += n

@@ -35,7 +35,7 @@ class PrefillConfig:
     finished_memory: int = 4096  # finished requests remembered to recognise late duplicates
     timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
     stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
-    kv_checksum: bool = False  # the driver sends CRC-32C of every written block with DONE
+    kv_checksum: bool = False  # writes are summed (CRC-32C) and DONE carries the sums
 
     def __post_init__(self) -> None:
         for name in ("meta_retry_s", "ack_retry_s", "request_timeout_s", "tombstone_ttl_s"):

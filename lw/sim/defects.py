@@ -8,6 +8,7 @@ that the checker runs lw's own protocol with exactly that defect put back. They 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import msgspec
@@ -52,8 +53,8 @@ class SuffixedRequestId(PrefillEndpoint):
         for i in range(n, len(out)):
             e = out[i]
             if isinstance(e, Send) and isinstance(e.msg, DoneSending):
-                out[i] = Send(e.dest, msgspec.structs.replace(e.msg,
-                                                              req_id=e.msg.req_id + SUFFIX))
+                out[i] = dataclasses.replace(e, msg=msgspec.structs.replace(
+                    e.msg, req_id=e.msg.req_id + SUFFIX))
 
 
 class MetaErrorKillsWorker(PrefillEndpoint):
@@ -214,7 +215,7 @@ class DonePerChunk(PrefillEndpoint):
         done = sum(len(local) for local, _remote in rec.chunks[:rec.sent // L])
         msg = DoneSending(PROTOCOL_VERSION, req_id, self.me, rec.req.expected_senders, L,
                           num_blocks=done)
-        out += [Send(t.addr, msg) for t in rec.targets]
+        out += [Send(t.addr, msg, with_sums=self.config.kv_checksum) for t in rec.targets]
         return out
 
 

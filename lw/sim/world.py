@@ -20,8 +20,6 @@ the routing of the endpoints' effects.
 from __future__ import annotations
 
 from lw.fsm import (
-    ArmTimer,
-    CancelTimer,
     DecodeEndpoint,
     Effect,
     PrefillEndpoint,
@@ -30,16 +28,18 @@ from lw.fsm import (
     Quarantine,
     RecvDone,
     RecvFailed,
-    Send,
     SendFinished,
     WriteLayer,
     check_lease,
 )
+from lw.fsm.effects import TimerKey
+from lw.fsm.interpreter import Report, perform
 from lw.fsm.messages import (
     DoneSending,
     KVFormat,
     KVLayout,
     LayerLayout,
+    Message,
     MetaReply,
     MetaRequest,
     Sender,
@@ -429,8 +429,9 @@ class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
             if not self.d_alive[e]:
                 return
             try:
-                if self.cfg.kv_checksum and isinstance(msg, DoneSending):
-                    effects = self.d[idx].on_message(msg, self.now, self._kv_sums(idx, msg))
+                if isinstance(msg, DoneSending):  # sums over what the core asks (sum_plans)
+                    effects = self.d[idx].on_message(msg, self.now,
+                                                     self._kv_sums(idx, msg) or None)
                 else:
                     effects = self.d[idx].on_message(msg, self.now)
             except ProtocolError:
@@ -451,42 +452,17 @@ class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
 
     # ------------------------------------------------------------------ effects
     def _effects(self, owner: Owner, effects: list[Effect]) -> None:
-        kind, idx = owner
-        me = p_addr(idx) if kind == "p" else d_addr(idx)
-        for e in effects:
-            if isinstance(e, Send):
-                if kind == "p" and "serial-handshake" in self.quirks and isinstance(
-                        e.msg, MetaRequest) and e.msg.want_layout:
-                    self._handshake(idx, e.dest, e.msg)
-                elif kind == "p" and self.cfg.kv_checksum and isinstance(e.msg, DoneSending):
-                    self.net.add(me, e.dest, self._with_checksums(idx, e.msg))
-                else:
-                    self.net.add(me, e.dest, e.msg)
-            elif isinstance(e, WriteLayer):
-                self._on_write(idx, e)
-            elif isinstance(e, ArmTimer):
-                if self.design.timers:
-                    self.timers[(owner, e.key)] = e.at
-            elif isinstance(e, CancelTimer):
-                self.timers.pop((owner, e.key), None)
-            elif isinstance(e, SendFinished):
-                self._on_send_finished(idx, e)
-            elif isinstance(e, RecvDone):
-                self._on_recv_done(idx, e)
-            elif isinstance(e, RecvFailed):
-                self._on_recv_failed(idx, e)
-            elif isinstance(e, Quarantine):
-                q = self.reqs[int(e.req_id[1:])]
-                if tuple(e.block_ids) != q.d_remote:
-                    raise Violation("double-free", f"D{idx} quarantines blocks "
-                                                   f"{list(e.block_ids)} for {q.rid}, which "
-                                                   f"receives into {list(q.d_remote)}")
-                q.quarantined = True
-                q.t_dfail = self.now
-                self._note(f"D{idx}", f"{e.req_id} FAILED, block(s) {list(e.block_ids)} "
-                                      f"quarantined")
-            else:  # pragma: no cover - the Effect union is closed
-                raise AssertionError(f"unknown effect {e!r}")
+        perform(effects, _WorldPorts(self, owner))  # the runtime's interpreter, the world's ports
+
+    def _quarantine(self, idx: int, e: Quarantine) -> None:
+        q = self.reqs[int(e.req_id[1:])]
+        if tuple(e.block_ids) != q.d_remote:
+            raise Violation("double-free", f"D{idx} quarantines blocks "
+                                           f"{list(e.block_ids)} for {q.rid}, which "
+                                           f"receives into {list(q.d_remote)}")
+        q.quarantined = True
+        q.t_dfail = self.now
+        self._note(f"D{idx}", f"{e.req_id} FAILED, block(s) {list(e.block_ids)} quarantined")
 
     def _handshake(self, w: int, dest: str, msg: MetaRequest) -> None:
         """Quirk serial-handshake: one first contact in flight per P worker; others wait."""
@@ -516,3 +492,50 @@ def _where_raised(exc: BaseException) -> str:
     path = code.co_filename
     k = path.rfind("/lw/")
     return f"{path[k + 1:] if k >= 0 else path}:{tb.tb_lineno} ({code.co_name})"
+
+
+class _WorldPorts:
+    """The world's ports for :func:`lw.fsm.interpreter.perform`, for one endpoint (``owner``):
+    messages into the network multiset, writes into the P worker's FIFO data plane, timers
+    into the world's clock, reports into its bookkeeping and property checks."""
+
+    __slots__ = ("idx", "kind", "me", "world")
+
+    def __init__(self, world: World, owner: Owner) -> None:
+        self.world = world
+        self.kind, self.idx = owner
+        self.me = p_addr(self.idx) if self.kind == "p" else d_addr(self.idx)
+
+    def send(self, dest: str, msg: Message) -> None:
+        w = self.world
+        if self.kind == "p" and "serial-handshake" in w.quirks and isinstance(
+                msg, MetaRequest) and msg.want_layout:
+            w._handshake(self.idx, dest, msg)
+        else:
+            w.net.add(self.me, dest, msg)
+
+    def write(self, writes: list[WriteLayer]) -> list[list[Effect]]:
+        for e in writes:
+            self.world._on_write(self.idx, e)
+        return []  # the world's data plane fails writes later, as actions
+
+    def arm(self, key: TimerKey, at: float) -> None:
+        if self.world.design.timers:
+            self.world.timers[((self.kind, self.idx), key)] = at
+
+    def cancel(self, key: TimerKey) -> None:
+        self.world.timers.pop(((self.kind, self.idx), key), None)
+
+    def report(self, e: Report) -> None:
+        w = self.world
+        if isinstance(e, SendFinished):
+            w._on_send_finished(self.idx, e)
+        elif isinstance(e, RecvDone):
+            w._on_recv_done(self.idx, e)
+        elif isinstance(e, RecvFailed):
+            w._on_recv_failed(self.idx, e)
+        else:
+            w._quarantine(self.idx, e)
+
+    def checksummed(self, msg: DoneSending, dest: str) -> DoneSending:
+        return self.world._with_checksums(self.idx, msg)

@@ -26,11 +26,11 @@ class KVMemory:
     """A worker's block memory: write addressing (cached per request and target) and checksums.
 
     ``local_layout`` gives, per layer, where this worker's blocks live (P); ``entries_for`` may
-    replace the address computation; ``summing``: P keeps the CRC-32C of what it wrote."""
+    replace the address computation. P keeps the CRC-32C of the writes the core marks
+    ``checksum`` (kv_checksum)."""
 
     def __init__(self, local_layout: Sequence[LayerLayout] | None,
-                 entries_for: Callable[[WriteLayer], list[Entry]] | None = None,
-                 summing: bool = False) -> None:
+                 entries_for: Callable[[WriteLayer], list[Entry]] | None = None) -> None:
         self.local = list(local_layout) if local_layout is not None else None
         self._entries_for = entries_for
         self._local_uniform = _uniform(self.local) if self.local else None
@@ -38,18 +38,12 @@ class KVMemory:
         self._runs: dict[str, list[tuple[tuple, list[Entry]]]] = {}
         self._remote_uniform: dict[tuple[str, int], tuple[int, int] | None] = {}
         # kv_checksum (P): (req_id, target addr) -> {layer: per-block CRC-32C of what we wrote}
-        self._checksums: dict[tuple[str, str], dict[int, list[int]]] | None = (
-            {} if summing else None)
-
-    @property
-    def summing(self) -> bool:
-        """Whether P sums what it writes (kv_checksum)."""
-        return self._checksums is not None
+        self._checksums: dict[tuple[str, str], dict[int, list[int]]] = {}
 
     def forget(self, req_id: str) -> None:
         """The request is finished: drop its cached runs and sums."""
         self._runs.pop(req_id, None)
-        if self._checksums is not None:
+        if self._checksums:
             for key in [k for k in self._checksums if k[0] == req_id]:
                 del self._checksums[key]
 
@@ -104,7 +98,7 @@ class KVMemory:
     # ------------------------------------------------------------ KV checksums
     def sum_write(self, w: WriteLayer) -> None:
         """P: CRC-32C of each block this write sends, from our source memory (kv_checksum)."""
-        assert self.local is not None and self._checksums is not None
+        assert self.local is not None
         loc = self.local[w.layer]
         runs = (((0, loc.block_len),) if w.segments is None
                 else tuple((src, n) for src, _dst, n in w.segments))
@@ -114,7 +108,6 @@ class KVMemory:
 
     def with_checksums(self, msg: DoneSending, dest: str) -> DoneSending:
         """P: the DONE for ``dest`` with the checksums of every layer we wrote there."""
-        assert self._checksums is not None
         per_layer = self._checksums.get((msg.req_id, dest))
         if not per_layer or len(per_layer) != msg.num_layers:
             return msg  # D refuses a DONE without them: the failure is reported, not hidden

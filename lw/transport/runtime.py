@@ -8,21 +8,18 @@ entry points (:meth:`WorkerLoop.layer_computed`, :meth:`WorkerLoop.call`,
 once per loop turn, write one byte to a pipe. Nothing an engine thread calls waits on the network,
 on the data plane or on the loop.
 
-The loop performs the core's effects: ``Send`` goes to the side channel (answers travel back on the
-connection the question came in on), ``WriteLayer`` becomes one data-plane transfer per destination
-session per core call (addresses from the local layout and D's ``KVLayout``; only the byte runs
-of each block that ``WriteLayer.segments`` names, for head-sliced TP layouts), ``ArmTimer`` /
-``CancelTimer`` edit a heap, and ``SendFinished`` / ``RecvDone`` / ``RecvFailed`` / ``Quarantine``
-become reports for the engine. A message from the network that the core refuses
-(``ProtocolError``) is counted and dropped; no message can stop the loop.
+The core's effects are performed by the one interpreter every driver uses
+(:func:`lw.fsm.interpreter.perform`) through this loop's ports: ``Send`` goes to the side channel
+(answers travel back on the connection the question came in on), ``WriteLayer`` becomes one
+data-plane transfer per destination session (:class:`~lw.transport.writepath.WritePath`),
+timers go to :class:`~lw.transport.timers.Timers`, reports to the engine. A message from the
+network that the core refuses (``ProtocolError``) is counted and dropped; no message can stop the
+loop.
 """
 
 from __future__ import annotations
 
-import ctypes
-import heapq
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -31,27 +28,27 @@ from concurrent.futures import Future
 from typing import Any
 
 from lw.fsm import (
-    ArmTimer,
-    CancelTimer,
     DecodeEndpoint,
     Effect,
     PrefillEndpoint,
     ProtocolError,
-    Quarantine,
-    RecvDone,
-    RecvFailed,
     Send,
     SendFinished,
     WriteLayer,
 )
+from lw.fsm.effects import TimerKey
+from lw.fsm.interpreter import Report, perform
 from lw.fsm.lifecycles import DONE, FAILED
+from lw.fsm.messages import Message
 from lw.fsm.status import status_line
 from lw.transport.kvmemory import Entry, KVMemory
-from lw.transport.linkmeter import LinkMeter, host_of
+from lw.transport.liveness import Liveness
 from lw.transport.osthread import name_os_thread
 from lw.transport.sidechannel import Inbound, SideChannel
+from lw.transport.statusreply import status_reply
+from lw.transport.timers import Timers
+from lw.transport.wakepipe import WakePipe
 from lw.transport.wire import (
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
@@ -66,43 +63,29 @@ from lw.transport.wire import (
     Sender,
     StatusQuery,
     StatusReply,
-    TimelineEntry,
-    encode,
 )
+from lw.transport.writepath import WritePath
 
 __all__ = ["WorkerLoop"]
 
 log = logging.getLogger("lw.runtime")
 
 
-def _gil_holding_write() -> Callable[[int, bytes, int], int] | None:
-    """libc ``write`` called WITHOUT releasing the GIL (ctypes.PyDLL), or None if unavailable.
-
-    ``os.write`` releases the GIL; the loop thread, woken by that very byte, then grabs the GIL
-    and the forward hook waits for the loop's whole turn before it can return (a convoy of up to
-    a millisecond at 256 requests, measured). Writing one byte to a non-blocking pipe cannot
-    block, so keeping the GIL is safe and the hook returns at once.
-    """
-    try:
-        fn = ctypes.PyDLL(None).write
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    fn.restype = ctypes.c_ssize_t
-    return fn
-
-
-_raw_write = _gil_holding_write()
-
 _REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's connection
 _REQUESTS = (MetaRequest, DoneSending, FailedSending, Abort)  # questions: correlated
 _CALLS = frozenset({"add_request", "add_chunk", "abort", "peer_lost"})
-_REPORTS = (SendFinished, RecvDone, RecvFailed, Quarantine)
 
 # inbox item kinds
 _LAYER = 0
 _CALL = 1
 _FN = 2
+
+_COUNTERS = ("turns", "layer_events", "calls", "messages", "protocol_errors", "core_errors",
+    "effect_errors", "call_errors", "timers_fired", "transfers_submitted", "transfers_ok",
+    "transfers_failed", "layer_writes", "write_setup_failures", "bytes_ok", "connects",
+    "inbox_overflow", "reports", "status_queries", "stuck_requests", "checksums_verified",
+    "heartbeats_sent", "peers_lost", "self_stalls")
+"""The loop's monotonic counters (``stats()`` prefixes them ``loop.``)."""
 
 
 class WorkerLoop:
@@ -138,10 +121,10 @@ class WorkerLoop:
     ) -> None:
         self.endpoint = endpoint
         self.is_prefill = isinstance(endpoint, PrefillEndpoint)
+        self._role = "prefill" if self.is_prefill else "decode"
         self.side = side
         self.data_plane = data_plane
-        self.memory = KVMemory(local_layout, entries_for,
-                               summing=getattr(endpoint.config, "kv_checksum", False))
+        self.memory = KVMemory(local_layout, entries_for)
         self._on_report = on_report
         self._owns_side = owns_side
         self._owns_dp = owns_data_plane
@@ -178,71 +161,27 @@ class WorkerLoop:
         self._num_layers = endpoint.num_layers if self.is_prefill else 0
         # engine -> loop
         self._inbox: deque[tuple] = deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._pipe = WakePipe()
         self._wake_pending = False
         # loop -> engine
         self._reports: deque[Effect] = deque()
         self._report_event = threading.Event()
-        # timers: key -> (at, seq); heap of (at, seq, key) with lazy deletion
-        self._timers: dict[tuple[str, str], tuple[float, int]] = {}
-        self._heap: list[tuple[float, int, tuple[str, str]]] = []
-        self._seq = 0
+        self.timers = Timers()
         # transfers
         self._sessions: dict[str, str] = {}  # decoder side-channel addr -> te_session
         self._hinted: set[str] = set()
         self._last_layer_t: dict[str, float] = {}
         self._tails: deque[float] = deque(maxlen=tail_samples)
         self._rtts: deque[float] = deque(maxlen=tail_samples)
-        # per-layer write latency (submit -> completion), drained by metrics; keyed by the id of
-        # the transfer's pairs tuple, which the data plane keeps alive until it completes
-        self._submitted_at: dict[int, tuple[float, str]] = {}  # -> (when, D host)
-        self.write_latencies: deque[float] = deque(maxlen=4096)
-        # goodput per D host (what push_mode "auto" needs to know when a push must start)
-        self.link = LinkMeter()
         self._stuck_check_s = stuck_check_s
         self._next_stuck_check = 0.0
         # Liveness of the peers our live requests need: a peer silent for heartbeat_misses
         # intervals (no message at all, heartbeats unanswered) goes to the core's peer_lost.
-        if heartbeat_s < 0 or heartbeat_misses < 1:
-            raise ValueError("heartbeat_s must be >= 0 (0: off) and heartbeat_misses >= 1")
-        self._hb_s = heartbeat_s
-        self._hb_lost_s = heartbeat_s * heartbeat_misses
-        self._next_hb = 0.0
-        self._last_hb_round = 0.0
-        self._heard: dict[str, float] = {}  # peer address -> when we last heard from it
+        self.liveness = Liveness(heartbeat_s, heartbeat_misses)
         self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
-        self.counters: dict[str, int | float] = dict.fromkeys(
-            (
-                "turns",
-                "layer_events",
-                "calls",
-                "messages",
-                "protocol_errors",
-                "core_errors",
-                "effect_errors",
-                "call_errors",
-                "timers_fired",
-                "transfers_submitted",
-                "transfers_ok",
-                "transfers_failed",
-                "layer_writes",
-                "write_setup_failures",
-                "bytes_ok",
-                "connects",
-                "inbox_overflow",
-                "reports",
-                "status_queries",
-                "stuck_requests",
-                "checksums_verified",
-                "heartbeats_sent",
-                "peers_lost",
-                "self_stalls",
-            ),
-            0,
-        )
+        self.counters: dict[str, int | float] = dict.fromkeys(_COUNTERS, 0)
         self.counters["layer_event_s"] = 0.0
+        self.writes = WritePath(self.memory, self.counters)
         self._stopping = False
         self._finished = False
         self._thread: threading.Thread | None = None
@@ -333,7 +272,7 @@ class WorkerLoop:
         transfer tail (last layer's hook -> last write done) and side-channel round trips."""
         out: dict[str, Any] = {f"loop.{k}": v for k, v in self.counters.items()}
         out["loop.inbox"] = len(self._inbox)
-        out["loop.timers"] = len(self._timers)
+        out["loop.timers"] = len(self.timers)
         out["loop.crashed"] = repr(self.crashed) if self.crashed else ""
         out["live_requests"] = len(self.endpoint.live_requests())
         for k, v in dict(self.endpoint.counters).items():
@@ -374,28 +313,14 @@ class WorkerLoop:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def __del__(self) -> None:
-        for fd in (getattr(self, "_wake_r", -1), getattr(self, "_wake_w", -1)):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-
     def _wake(self) -> None:
         self._wake_pending = True
-        if _raw_write is not None:
-            _raw_write(self._wake_w, b"\x00", 1)  # -1 (pipe full: already readable) is fine
-            return
-        try:
-            os.write(self._wake_w, b"\x00")
-        except (BlockingIOError, OSError):  # pipe full (already readable) or closed at stop
-            pass
+        self._pipe.wake()
 
     # ============================================================ loop thread
     def _run(self) -> None:
         name_os_thread()
-        fds = [self._wake_r]
+        fds = [self._pipe.fd]
         dp_fd = -1
         if self.data_plane is not None:
             dp_fd = self.data_plane.fileno()
@@ -404,12 +329,8 @@ class WorkerLoop:
             while not self._stopping:
                 self.counters["turns"] += 1
                 inbound, ready = self.side.poll(self._timeout_ms(), fds)
-                if self._wake_r in ready:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
+                if self._pipe.fd in ready:
+                    self._pipe.drain()
                 # Clear before draining: a hook that appends after the drain writes the pipe again.
                 self._wake_pending = False
                 self._drain_inbox()
@@ -456,9 +377,10 @@ class WorkerLoop:
             cap = self._hot_poll_ms
         if self._inbox:
             return 0
-        due = self._heap[0][0] if self._heap else None
-        if self._hb_s and (due is None or self._next_hb < due):
-            due = self._next_hb  # heartbeat rounds keep their pace on an idle loop
+        due = self.timers.next_at()
+        hb = self.liveness
+        if hb.on and (due is None or hb.next_round < due):
+            due = hb.next_round  # heartbeat rounds keep their pace on an idle loop
         if due is None:
             return cap
         wait = due - self._clock()
@@ -545,8 +467,8 @@ class WorkerLoop:
             self._rtts.append(ib.rtt_s)
         now = self._clock()
         origin = getattr(msg, "sender", None) or getattr(msg, "responder", None)
-        if origin is not None and self._hb_s:
-            self._heard[origin.addr] = now
+        if origin is not None and self.liveness.on:
+            self.liveness.heard(origin.addr, now)
         if isinstance(msg, Heartbeat):
             self.side.reply(ib, msg.sender.addr,
                             HeartbeatAck(PROTOCOL_VERSION, self.endpoint.me))
@@ -560,12 +482,10 @@ class WorkerLoop:
             self.counters["protocol_errors"] += 1  # only ``lw status`` asks for these
             return
         try:
-            if (not self.is_prefill and isinstance(msg, DoneSending) and msg.checksums
-                    and self.endpoint.config.kv_checksum):
-                assert isinstance(self.endpoint, DecodeEndpoint)
-                sums = KVMemory.local_sums(self.endpoint, msg)
+            if isinstance(msg, DoneSending) and isinstance(self.endpoint, DecodeEndpoint):
+                sums = KVMemory.local_sums(self.endpoint, msg)  # what the core asks (sum_plans)
                 self.counters["checksums_verified"] += len(sums)
-                effects = self.endpoint.on_message(msg, now, sums)
+                effects = self.endpoint.on_message(msg, now, sums or None)
             else:
                 effects = self.endpoint.on_message(msg, now)
         except Exception as exc:  # a message must never stop the loop
@@ -610,17 +530,7 @@ class WorkerLoop:
             pairs = c.xfer_id
             if not isinstance(pairs, tuple):
                 continue  # not ours (a plane shared with something else)
-            if c.ok:
-                self.counters["transfers_ok"] += 1
-                self.counters["bytes_ok"] += c.nbytes
-            else:
-                self.counters["transfers_failed"] += 1
-            sub = self._submitted_at.pop(id(pairs), None)
-            if sub is not None:
-                mono = time.monotonic()
-                self.link.completed(sub[1], c.nbytes if c.ok else 0, mono)
-                if c.ok:
-                    self.write_latencies.append(mono - sub[0])
+            self.writes.completed(c)
             now = self._clock()
             for rid, seq in pairs:
                 try:
@@ -637,15 +547,8 @@ class WorkerLoop:
                     self._execute(effects, None)
 
     def _fire_timers(self) -> None:
-        heap = self._heap
-        timers = self._timers
         now = self._clock()
-        while heap and heap[0][0] <= now:
-            at, seq, key = heapq.heappop(heap)
-            cur = timers.get(key)
-            if cur is None or cur[1] != seq:
-                continue  # replaced or cancelled
-            del timers[key]
+        for key in self.timers.due(now):
             self.counters["timers_fired"] += 1
             try:
                 effects = self.endpoint.on_timer(key, now)
@@ -653,17 +556,12 @@ class WorkerLoop:
                 self._core_error(f"timer {key}", exc)
                 continue
             self._execute(effects, None)
-        if self._hb_s and now >= self._next_hb:
-            self._next_hb = now + self._hb_s
+        if self.liveness.due(now):
             self._heartbeat(now)
         if self._stuck_check_s > 0 and now >= self._next_stuck_check:
             self._next_stuck_check = now + self._stuck_check_s
             self._check_stuck(now)
-        if len(heap) > 2 * len(timers) + 1024:  # drop cancelled entries now and then
-            self._heap = [(at, seq, key) for key, (at, seq) in timers.items()]
-            heapq.heapify(self._heap)
 
-    # ------------------------------------------------------------ liveness
     def _heartbeat(self, now: float) -> None:
         """Probe quiet peers that live requests need; hand silent ones to the core."""
         try:
@@ -671,31 +569,22 @@ class WorkerLoop:
         except Exception as exc:
             self._core_error("awaited_peers", exc)
             return
-        heard = self._heard
-        for addr in [a for a in heard if a not in peers]:
-            del heard[addr]  # not needed now: its clock starts again when it is
-        stalled = now - self._last_hb_round > 2 * self._hb_s
-        self._last_hb_round = now
-        if stalled:  # we were stopped or starved ourselves: our silence, not the peers'
+        probe, lost, late = self.liveness.round(peers, now)
+        if late:  # we were stopped or starved ourselves: our silence, not the peers'
             self.counters["self_stalls"] += 1
-            for addr in heard:
-                heard[addr] = now
-        for addr, peer in peers.items():
-            quiet = now - heard.setdefault(addr, now)
-            if quiet > self._hb_lost_s:
-                del heard[addr]
-                self.counters["peers_lost"] += 1
-                why = f"no message or heartbeat answer for {quiet:.1f}s"
-                log.warning("%s: peer %s lost: %s", self._name, addr, why)
-                try:
-                    effects = self.endpoint.peer_lost(peer, why, now)
-                except Exception as exc:
-                    self._core_error("peer_lost", exc)
-                    continue
-                self._execute(effects, None)
-            elif quiet >= self._hb_s * 0.9:
-                self.counters["heartbeats_sent"] += 1
-                self.side.send(addr, Heartbeat(PROTOCOL_VERSION, self.endpoint.me))
+        for addr, quiet in lost:
+            self.counters["peers_lost"] += 1
+            why = f"no message or heartbeat answer for {quiet:.1f}s"
+            log.warning("%s: peer %s lost: %s", self._name, addr, why)
+            try:
+                effects = self.endpoint.peer_lost(peers[addr], why, now)
+            except Exception as exc:
+                self._core_error("peer_lost", exc)
+                continue
+            self._execute(effects, None)
+        for addr in probe:
+            self.counters["heartbeats_sent"] += 1
+            self.side.send(addr, Heartbeat(PROTOCOL_VERSION, self.endpoint.me))
 
     # ------------------------------------------------------------ observability
     def _check_stuck(self, now: float) -> None:
@@ -712,35 +601,11 @@ class WorkerLoop:
             self.stuck.append(line)
             self.counters["stuck_requests"] += 1  # last: observers see the line once counted
 
-    @property
-    def _role(self) -> str:
-        return "prefill" if self.is_prefill else "decode"
-
     def status_reply(self, req_id: str = "", timeline: int = 0) -> StatusReply:
         """This worker's live requests (or one), its newest timeline entries and counters,
         trimmed to fit one side-channel message. Loop thread only."""
-        ep = self.endpoint
-        now, wall = self._clock(), time.time()  # together: they place timeline times
-        rows = ep.status(now, req_id)
-        entries: list = []
-        if timeline:
-            src = ep.timeline.of(req_id) if req_id else ep.timeline.last(timeline)
-            entries = [TimelineEntry(t, [r] if isinstance(r, str) else list(r), ev, a, b,
-                                     str(d)[:1024])
-                       for t, r, ev, a, b, d in src[-timeline:]]
-        counters = {f"loop.{k}": float(v) for k, v in self.counters.items()}
-        counters.update({f"core.{k}": float(v) for k, v in ep.counters.items()})
-        truncated = False
-        while True:
-            reply = StatusReply(PROTOCOL_VERSION, ep.me, self._role, now, wall, rows,
-                                entries, counters, truncated)
-            if len(encode(reply)) <= MAX_MESSAGE_BYTES - 4096 or not (rows or entries):
-                return reply
-            truncated = True
-            if len(entries) > len(rows):
-                entries = entries[len(entries) // 2:]  # keep the newest
-            else:
-                rows = rows[: len(rows) // 2]
+        return status_reply(self.endpoint, self._role, self.counters, self._clock(), req_id,
+                            timeline)
 
     def _answer_status(self, ib: Inbound, q: StatusQuery, now: float) -> None:
         self.counters["status_queries"] += 1
@@ -753,47 +618,25 @@ class WorkerLoop:
 
     # ------------------------------------------------------------ effects
     def _execute(self, effects: list[Effect], ib: Inbound | None) -> None:
-        """Perform effects; synthesized write failures feed back until nothing is left."""
-        work: deque[list[Effect]] = deque([effects])
-        while work:
-            batch = work.popleft()
-            writes: list[WriteLayer] = []
-            for e in batch:
-                try:
-                    if isinstance(e, Send):
-                        self._send(e, ib)
-                    elif isinstance(e, WriteLayer):
-                        writes.append(e)
-                    elif isinstance(e, ArmTimer):
-                        self._seq += 1
-                        self._timers[e.key] = (e.at, self._seq)
-                        heapq.heappush(self._heap, (e.at, self._seq, e.key))
-                    elif isinstance(e, CancelTimer):
-                        self._timers.pop(e.key, None)
-                    elif isinstance(e, _REPORTS):
-                        self._report(e)
-                    else:
-                        raise TypeError(f"unknown effect {e!r}")
-                except Exception as exc:
-                    self.counters["effect_errors"] += 1
-                    log.error("%s: effect %r failed: %r", self._name, e, exc, exc_info=exc)
-            if writes:
-                for failed in self._submit(writes):
-                    work.append(failed)
+        """Perform effects through the shared interpreter; ``ib``: the message they answer."""
+        # Made per call: ports kept on the loop would be a reference cycle, and a loop freed by
+        # the cyclic collector may finalize its zmq context before its sockets (term() hangs).
+        perform(effects, _LoopPorts(self, ib), self._effect_failed)
 
-    def _send(self, e: Send, ib: Inbound | None) -> None:
-        msg = e.msg
-        if self.memory.summing and isinstance(msg, DoneSending):
-            msg = self.memory.with_checksums(msg, e.dest)
+    def _effect_failed(self, e: Effect, exc: Exception) -> None:
+        self.counters["effect_errors"] += 1
+        log.error("%s: effect %r failed: %r", self._name, e, exc, exc_info=exc)
+
+    def _send(self, dest: str, msg: Message, ib: Inbound | None) -> None:
         if ib is not None and isinstance(msg, _REPLIES):
             src = ib.msg
             origin = getattr(src, "sender", None) or getattr(src, "responder", None)
-            if origin is not None and origin.addr == e.dest:
-                self.side.reply(ib, e.dest, msg)
+            if origin is not None and origin.addr == dest:
+                self.side.reply(ib, dest, msg)
                 return
-        self.side.send(e.dest, msg, expect_reply=isinstance(msg, _REQUESTS))
+        self.side.send(dest, msg, expect_reply=isinstance(msg, _REQUESTS))
 
-    def _report(self, e: Effect) -> None:
+    def _report(self, e: Report) -> None:
         self.counters["reports"] += 1
         if isinstance(e, SendFinished):
             self.memory.forget(e.req_id)
@@ -806,53 +649,42 @@ class WorkerLoop:
             except Exception:
                 log.exception("%s: on_report callback raised", self._name)
 
-    def _submit(self, writes: list[WriteLayer]) -> list[list[Effect]]:
-        """One data-plane transfer per destination session; returns effects of setup failures."""
-        groups: dict[str, tuple[list[tuple[str, int]], list[Entry], str]] = {}
-        failed: list[tuple[str, int, str]] = []
-        summing = self.memory.summing
-        for w in writes:
-            self.counters["layer_writes"] += 1
-            try:
-                entries = self.memory.entries(w)
-                if summing:
-                    self.memory.sum_write(w)
-            except Exception as exc:  # bad layout or block ids: this write fails, nothing else
-                failed.append((w.req_id, w.seq, f"cannot address blocks: {exc}"))
-                continue
-            session = w.layout.te_session
-            g = groups.get(session)
-            if g is None:
-                g = groups[session] = ([], [], host_of(w.target))
-            g[0].append((w.req_id, w.seq))
-            g[1].extend(entries)
-        dp = self.data_plane
-        # The link meter sees one batch per host and tick (D's TP ranks are sessions of one
-        # host): a busy period starts with the tick's first submit, whatever its session.
-        batches: dict[str, tuple[float, int]] = {}
-        for session, (pairs, entries, host) in groups.items():
-            if dp is None:
-                failed.extend((r, k, "no data plane") for r, k in pairs)
-                continue
-            xfer = tuple(pairs)
-            try:
-                mono = time.monotonic()
-                self._submitted_at[id(xfer)] = (mono, host)
-                dp.submit(xfer, session, entries)
-                first, n = batches.get(host, (mono, 0))
-                batches[host] = (first, n + 1)
-                self.counters["transfers_submitted"] += 1
-            except Exception as exc:
-                self._submitted_at.pop(id(xfer), None)
-                failed.extend((r, k, f"data plane refused the transfer: {exc}") for r, k in pairs)
-        for host, (mono, n) in batches.items():
-            self.link.submitted(host, mono, n)  # (completions are polled on this thread)
+    def _write(self, writes: list[WriteLayer]) -> list[list[Effect]]:
+        """Start ``writes``; the core's effects for those that could not start."""
         out: list[list[Effect]] = []
         now = self._clock()
-        for rid, seq, reason in failed:
-            self.counters["write_setup_failures"] += 1
+        for rid, seq, reason in self.writes.submit(writes, self.data_plane):
             try:
                 out.append(self.endpoint.transfer_done(rid, seq, False, reason, now))
             except Exception as exc:
                 self._core_error("transfer_done", exc)
         return out
+
+
+class _LoopPorts:
+    """The runtime's ports for :func:`lw.fsm.interpreter.perform`: the side channel (a reply
+    goes back on the asker's connection), the data plane, the loop's timer heap, the reports."""
+
+    __slots__ = ("ib", "loop")
+
+    def __init__(self, loop: WorkerLoop, ib: Inbound | None) -> None:
+        self.loop = loop
+        self.ib = ib  # the message being answered, if any
+
+    def send(self, dest: str, msg: Message) -> None:
+        self.loop._send(dest, msg, self.ib)
+
+    def write(self, writes: list[WriteLayer]) -> list[list[Effect]]:
+        return self.loop._write(writes)
+
+    def arm(self, key: TimerKey, at: float) -> None:
+        self.loop.timers.arm(key, at)
+
+    def cancel(self, key: TimerKey) -> None:
+        self.loop.timers.cancel(key)
+
+    def report(self, effect: Report) -> None:
+        self.loop._report(effect)
+
+    def checksummed(self, msg: DoneSending, dest: str) -> DoneSending:
+        return self.loop.memory.with_checksums(msg, dest)

@@ -483,7 +483,7 @@ class WorkerSide:
             self._extra["transfer_seconds"] = self._extra["quarantines"] = 0.0
         data_s: dict[str, Any] = dict(data)
         data_s["time_in_state"] = [list(x) for x in loop.endpoint.timeline.drain_durations()]
-        data_s["layer_write_seconds"] = drain(loop.write_latencies)
+        data_s["layer_write_seconds"] = drain(loop.writes.latencies)
         if not any(data_s.values()) and gauges == self._reported_gauges:
             return None
         self._reported_gauges = gauges
@@ -494,7 +494,7 @@ class WorkerSide:
         """P: the forward and wire rates for the scheduler's push_mode "auto"."""
         if self.rates is None or self.loop is None:
             return None
-        return self.rates.meta(self.loop.link.goodput)
+        return self.rates.meta(self.loop.writes.link.goodput)
 
     def close(self) -> None:
         """Stop the loop (closes side channel and data plane)."""

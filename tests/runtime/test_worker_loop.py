@@ -63,14 +63,14 @@ def test_happy_path_moves_the_bytes(pair: Pair) -> None:
 
 
 def test_the_loop_measures_goodput_per_decode_host(pair: Pair) -> None:
-    pair.p.link = LinkMeter(min_bytes=1)  # the pair's layers are small
+    pair.p.writes.link = LinkMeter(min_bytes=1)  # the pair's layers are small
     local, remote = (1, 2, 3), (5, 6, 9)
     pair.start("r1", local, remote)
     pair.compute("r1", local)
     pair.wait_reports(1, 1)
-    assert wait_for(lambda: pair.p.link.samples >= 1)
-    (host,) = pair.p.link.goodput
-    assert host == host_of(pair.d.addr) and pair.p.link.goodput[host] > 0
+    assert wait_for(lambda: pair.p.writes.link.samples >= 1)
+    (host,) = pair.p.writes.link.goodput
+    assert host == host_of(pair.d.addr) and pair.p.writes.link.goodput[host] > 0
 
 
 def test_layers_computed_before_decoder_knows_the_request(pair: Pair) -> None:

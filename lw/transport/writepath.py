@@ -1,0 +1,96 @@
+"""P's layer writes on their way through the data plane: grouped into one transfer per D session,
+timed from submit to completion, and fed to the link meter that ``push_mode: auto`` reads.
+
+The worker loop (lw.transport.runtime) owns one :class:`WritePath`; the core decides what is
+written and what a completion means, this only moves and measures."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from lw.fsm import WriteLayer
+from lw.transport.dataplane import Completion
+from lw.transport.kvmemory import Entry, KVMemory
+from lw.transport.linkmeter import LinkMeter, host_of
+
+__all__ = ["WritePath"]
+
+Failure = tuple[str, int, str]
+"""A write that could not start: (request id, write seq, why)."""
+
+
+class WritePath:
+    """Submits layer writes (one data-plane transfer per D session and tick) and accounts their
+    completions; ``counters`` is the loop's (layer_writes, transfers_*, bytes_ok)."""
+
+    def __init__(self, memory: KVMemory, counters: dict[str, int | float]) -> None:
+        self.memory = memory
+        self.counters = counters
+        # goodput per D host (what push_mode "auto" needs to know when a push must start)
+        self.link = LinkMeter()
+        # per-transfer write latency (submit -> completion), drained by metrics; keyed by the id
+        # of the transfer's pairs tuple, which the data plane keeps alive until it completes
+        self._submitted_at: dict[int, tuple[float, str]] = {}  # -> (when, D host)
+        self.latencies: deque[float] = deque(maxlen=4096)
+
+    def submit(self, writes: list[WriteLayer], dp: Any | None) -> list[Failure]:
+        """Start ``writes`` on data plane ``dp`` (the loop's, which a test or a reconnect may
+        swap); the ones that could not start (bad addressing, no data plane, the plane
+        refused), for the core's ``transfer_done(..., ok=False)``."""
+        groups: dict[str, tuple[list[tuple[str, int]], list[Entry], str]] = {}
+        failed: list[Failure] = []
+        memory, counters = self.memory, self.counters
+        for w in writes:
+            counters["layer_writes"] += 1
+            try:
+                entries = memory.entries(w)
+                if w.checksum:
+                    memory.sum_write(w)
+            except Exception as exc:  # bad layout or block ids: this write fails, nothing else
+                failed.append((w.req_id, w.seq, f"cannot address blocks: {exc}"))
+                continue
+            session = w.layout.te_session
+            g = groups.get(session)
+            if g is None:
+                g = groups[session] = ([], [], host_of(w.target))
+            g[0].append((w.req_id, w.seq))
+            g[1].extend(entries)
+        # The link meter sees one batch per host and tick (D's TP ranks are sessions of one
+        # host): a busy period starts with the tick's first submit, whatever its session.
+        batches: dict[str, tuple[float, int]] = {}
+        for session, (pairs, entries, host) in groups.items():
+            if dp is None:
+                failed.extend((r, k, "no data plane") for r, k in pairs)
+                continue
+            xfer = tuple(pairs)
+            try:
+                mono = time.monotonic()
+                self._submitted_at[id(xfer)] = (mono, host)
+                dp.submit(xfer, session, entries)
+                first, n = batches.get(host, (mono, 0))
+                batches[host] = (first, n + 1)
+                counters["transfers_submitted"] += 1
+            except Exception as exc:
+                self._submitted_at.pop(id(xfer), None)
+                failed.extend((r, k, f"data plane refused the transfer: {exc}") for r, k in pairs)
+        for host, (mono, n) in batches.items():
+            self.link.submitted(host, mono, n)  # (completions are polled on the same thread)
+        counters["write_setup_failures"] += len(failed)
+        return failed
+
+    def completed(self, c: Completion) -> None:
+        """Account one of our transfers' completion (counters, latency, link meter)."""
+        counters = self.counters
+        if c.ok:
+            counters["transfers_ok"] += 1
+            counters["bytes_ok"] += c.nbytes
+        else:
+            counters["transfers_failed"] += 1
+        sub = self._submitted_at.pop(id(c.xfer_id), None)
+        if sub is not None:
+            mono = time.monotonic()
+            self.link.completed(sub[1], c.nbytes if c.ok else 0, mono)
+            if c.ok:
+                self.latencies.append(mono - sub[0])
