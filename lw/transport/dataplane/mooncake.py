@@ -141,6 +141,15 @@ class MooncakeDataPlane(_QueuedDataPlane):
             os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, math.ceil(timeout_s)))
         for key, value in (env or {}).items():
             os.environ[key] = value
+        if os.environ.get("MC_TCP_PROTO") == "1":
+            # Measured (tests/transport/test_landed_at_completion.py): with Mooncake's legacy
+            # TCP framing a write completes once it leaves the sender's socket buffer, and
+            # lw's DONE, on another connection, can reach D before the last bytes do.
+            raise ValueError(
+                "MC_TCP_PROTO=1 (Mooncake's unacknowledged TCP framing) is set: a write would be "
+                "reported complete before its bytes land at D, and lw's DONE could overtake "
+                "them; unset it (every P and D node needs a Mooncake whose TCP transport "
+                "acknowledges writes)")
         from mooncake.engine import TransferEngine  # deferred: optional dependency
 
         self.timeout_s = timeout_s
