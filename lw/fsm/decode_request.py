@@ -42,14 +42,14 @@ class DecodeConfig:
 
 
 def check_lease(
-    decode: DecodeConfig, p_request_timeout_s: float, transfer_timeout_s: float
+    decode: DecodeConfig, request_timeout_s: float, transfer_timeout_s: float
 ) -> None:
     """Refuse deadlines under which a P write could land after D released a quarantine."""
-    need = p_request_timeout_s + transfer_timeout_s
+    need = request_timeout_s + transfer_timeout_s
     if decode.lease_s <= need:
         raise ValueError(
             f"decode lease_s={decode.lease_s} must exceed P request_timeout_s + transfer timeout "
-            f"= {p_request_timeout_s} + {transfer_timeout_s} = {need}"
+            f"= {request_timeout_s} + {transfer_timeout_s} = {need}"
         )
 
 

@@ -87,8 +87,8 @@ class WorldConfig:
     late_writes: bool = False
     meta_retry_s: float = 1.0
     ack_retry_s: float = 1.0
-    p_timeout_s: float = 30.0
-    d_timeout_s: float = 60.0
+    request_timeout_s: float = 30.0
+    prefill_timeout_s: float = 60.0
     lease_s: float = 90.0
     transfer_timeout_s: float = 10.0
 
@@ -172,12 +172,12 @@ class WorldConfig:
         """The P endpoints' deadlines and retry budgets in this world."""
         return PrefillConfig(meta_retry_s=self.meta_retry_s, meta_attempts=self.retries,
                              ack_retry_s=self.ack_retry_s, ack_attempts=self.retries,
-                             request_timeout_s=self.p_timeout_s, kv_checksum=self.kv_checksum,
+                             request_timeout_s=self.request_timeout_s, kv_checksum=self.kv_checksum,
                              timeline_entries=0)  # observability only: the checker needs none
 
     def decode_config(self) -> DecodeConfig:
         """The D endpoints' deadline and lease in this world."""
-        return DecodeConfig(prefill_timeout_s=self.d_timeout_s, lease_s=self.lease_s,
+        return DecodeConfig(prefill_timeout_s=self.prefill_timeout_s, lease_s=self.lease_s,
                             kv_checksum=self.kv_checksum,
                             timeline_entries=0)  # observability only: the checker needs none
 

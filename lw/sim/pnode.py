@@ -230,7 +230,7 @@ class PNode:
         oks = list(q.send_ok)
         oks[t] = e.ok
         q.send_ok = tuple(oks)
-        bound = self.cfg.p_timeout_s + self.cfg.transfer_timeout_s
+        bound = self.cfg.request_timeout_s + self.cfg.transfer_timeout_s
         if self.design.timers and q.t_padd is not None and self.now - q.t_padd > bound + 1e-9:
             raise Violation("request-ends", f"{self.wname(i)} released {q.rid} "
                                             f"{self.now - q.t_padd:g} s after it started, beyond "

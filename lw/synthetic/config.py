@@ -100,8 +100,8 @@ class ClusterConfig:
     meta_attempts: int = 15
     ack_retry_s: float = 0.2
     ack_attempts: int = 10
-    p_request_timeout_s: float = 4.0
-    d_prefill_timeout_s: float = 6.0
+    request_timeout_s: float = 4.0
+    prefill_timeout_s: float = 6.0
     transfer_timeout_s: float = 5.0  # Mooncake's MC_TRANSFER_TIMEOUT (5 is its minimum)
     lease_margin_s: float = 1.0
     freeze_s: float = 6.0  # how long a frozen decoder stays stopped
@@ -165,7 +165,7 @@ class ClusterConfig:
         if self.block_bytes % (8 * self.kv_heads):
             raise ValueError(f"block_bytes must be a multiple of 8 bytes per KV head "
                              f"({8 * self.kv_heads})")
-        check_lease(self.decode_config(), self.p_request_timeout_s, self.transfer_timeout_s)
+        check_lease(self.decode_config(), self.request_timeout_s, self.transfer_timeout_s)
 
     @property
     def head_bytes(self) -> int:
@@ -204,12 +204,12 @@ class ClusterConfig:
             meta_attempts=self.meta_attempts,
             ack_retry_s=self.ack_retry_s,
             ack_attempts=self.ack_attempts,
-            request_timeout_s=self.p_request_timeout_s,
+            request_timeout_s=self.request_timeout_s,
             kv_checksum=self.kv_checksum,
         )
 
     def decode_config(self) -> DecodeConfig:
         """Deadlines of the decoder; the lease covers P's deadline plus the transfer timeout."""
-        lease = self.p_request_timeout_s + self.transfer_timeout_s + self.lease_margin_s
-        return DecodeConfig(prefill_timeout_s=self.d_prefill_timeout_s, lease_s=lease,
+        lease = self.request_timeout_s + self.transfer_timeout_s + self.lease_margin_s
+        return DecodeConfig(prefill_timeout_s=self.prefill_timeout_s, lease_s=lease,
                             kv_checksum=self.kv_checksum)
