@@ -5,17 +5,20 @@ goodput is the bytes it completed over its length. Periods are pooled (bytes and
 summed, the idle time between them left out) until they moved at least ``min_bytes``.
 
 A busy period is longer than the link needs whenever the sender cannot run: every period pays a
-write's fixed costs (the submission, the sender's status polls, the completion reaching the
-loop: a few milliseconds on a host whose core also runs the forward), and writes queued behind
-a starved sender look like a slow link. So the estimate is the *best* goodput the link showed
-recently, not the latest: a sample whose periods moved ``trust_bytes`` each on average measures
-the link, and the estimate is the highest such measurement of the last ``hold_s`` seconds (the
-newest one when none is that recent). A sample of smaller periods (fixed costs, or a shaper's
+write's fixed costs (the submission, the sender's status polls, the completion reaching the loop: a
+few milliseconds on a host whose core also runs the forward), and writes queued behind a starved
+sender look like a slow link. So the estimate is the *best* goodput the link showed recently, not
+the latest: a sample whose periods moved ``trust_bytes`` each on average measures the link, and the
+estimate is the highest such measurement of the last ``hold_s`` seconds (the newest one when none
+is that recent), unless the two newest agree (within a quarter) on a slower link: then the link got
+slower, and the faster ones are forgotten. A sample of smaller periods (fixed costs, or a shaper's
 burst allowance letting a small write through at line rate) only bounds the link from below: it
-raises an estimate that no measurement of the last ``hold_s`` seconds backs, and says nothing
-while one does. A link that cannot keep up merges a push's writes into one long period, so a
-slow link is measured whatever its writes; one that got slower is believed once its faster
-measurements are ``hold_s`` old, and one that got faster shows it in any period.
+raises an estimate that no measurement of the last ``hold_s`` seconds backs, and says nothing while
+one does. A link that cannot keep up merges a push's writes into one long period, so a slow link is
+measured whatever its writes; one that got slower is believed after two agreeing measurements (at
+the latest once its faster ones are ``hold_s`` old: a push of one prompt is often one period, and a
+row of the serving benchmark that followed a faster one had started most of its pushes a chunk late
+on the faster link's figure), and one that got faster shows it in any period.
 
 On the 2-core testbed (1,024-token prompts over an uncapped veth) periods of 4 MiB and more
 showed 130-1,000 MB/s while P computed; the slowest of them made ``push_mode`` auto start a push
@@ -103,6 +106,14 @@ class LinkMeter:
             recent.append((now, rate))
             while len(recent) > 1 and now - recent[0][0] >= self.hold_s:
                 recent.popleft()
+            if len(recent) > 2:
+                a, b = recent[-2][1], recent[-1][1]
+                hi = max(a, b)
+                if hi <= 1.25 * min(a, b) and any(r > 1.25 * hi for _, r in recent):
+                    # Two measurements in a row agree on a slower link: it got slower (a
+                    # starved sender's periods scatter far more than a quarter).
+                    for _ in range(len(recent) - 2):
+                        recent.popleft()
             new = max(r for _, r in recent)
         elif (recent and now - recent[-1][0] < self.hold_s) or (old is not None and rate <= old):
             return  # small periods: no news about what the link can carry

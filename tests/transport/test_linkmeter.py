@@ -53,6 +53,15 @@ def test_the_best_measurement_of_the_last_hold_s_counts() -> None:
     assert seen == pytest.approx([100, 100, 100, 10, 20, 20])
 
 
+def test_a_link_that_got_slower_is_believed_after_two_agreeing_measurements() -> None:
+    m = LinkMeter(min_bytes=MiB, trust_bytes=4 * MiB, hold_s=5.0)
+    seen = []
+    for t, rate in ((0.0, 100), (1.0, 50), (2.0, 45), (3.0, 48), (4.0, 100)):
+        _period(m, t, 8 * MiB, 8 / rate)
+        seen.append(m.goodput["h"] / MiB)
+    assert seen == pytest.approx([100, 100, 50, 50, 100])  # faster again: shown at once
+
+
 def _small(m: LinkMeter, t: float, rate: float) -> None:
     _period(m, t, MiB, 1.0 / rate)
 
