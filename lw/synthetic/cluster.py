@@ -416,11 +416,13 @@ class _Cluster:
             self.pump(0.05)
 
     def settled(self) -> bool:
-        """Every live worker reports no live request and no held block."""
+        """Every live worker reports no live request, no held block and (P) no prefill still
+        queued for admission: a queued one is admitted later, holds blocks and is live when the
+        run stops (its decoder may be gone, so it ends only at P's request timeout)."""
         self.poll_stats()
         for w in self.workers():
             s = w.stats
-            if s is None or s["held_blocks"] or s["live_requests"]:
+            if s is None or s["held_blocks"] or s["live_requests"] or s.get("waiting"):
                 return False
         return True
 
