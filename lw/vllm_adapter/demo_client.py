@@ -64,9 +64,10 @@ class Result:
 
 def complete(base_url: str, prompt: str | list[int], max_tokens: int = 16, stream: bool = True,
              timeout: float = 120.0, extra: dict[str, Any] | None = None,
-             logprobs: int | None = None) -> Result:
+             logprobs: int | None = None, headers: dict[str, str] | None = None) -> Result:
     """Greedy /v1/completions; TTFT is measured on the first streamed text. ``logprobs=k``:
-    the result carries the tokens (as token ids) and each position's top-k logprobs."""
+    the result carries the tokens (as token ids) and each position's top-k logprobs;
+    ``headers`` go with the request (e.g. a routing sidecar's prefill target)."""
     import httpx
 
     body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
@@ -77,7 +78,7 @@ def complete(base_url: str, prompt: str | list[int], max_tokens: int = 16, strea
     res = Result()
     t0 = time.perf_counter()
     try:
-        with httpx.Client(timeout=timeout) as client:
+        with httpx.Client(timeout=timeout, headers=headers) as client:
             if not stream:
                 r = client.post(base_url + "/v1/completions", json=body)
                 res.total_s = time.perf_counter() - t0

@@ -89,6 +89,12 @@ proxy's own errors (upstream failures) have vLLM's shape, ``{"error": {"message"
 "param", "code"}}`` (type from the status: ``BadGatewayError``, ``GatewayTimeoutError``), with
 lw's details at the end of the message: ``[lw proxy: stage=..., server=..., request=...]``.
 
+Sidecar mode (``--sidecar``, llm-d's decode-side routing sidecar; lw.vllm_adapter.sidecar): one
+local decode server; the prefill server of each request is the one its ``x-prefiller-host-port``
+header names (if the allowlist admits it: 403 otherwise, 400 if malformed), else the proxy's own
+``--prefill`` choice, else none (D computes the prompt alone and gets no ``kv_transfer_params``);
+``/health`` is the decode server's; every other path is relayed to it.
+
 The client sees its transfer id (``x-request-id``, and inside D's response ids): knowing it is
 not enough to address the control plane, which also needs the cluster key and the transfer's
 grant, and listens where clients cannot reach.
@@ -114,11 +120,13 @@ from fastapi.responses import JSONResponse, Response
 
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.control_auth import CallVerifier
+from lw.vllm_adapter.passthrough import passthrough_handler
 from lw.vllm_adapter.proxy_control import build_control_app, health_report
 from lw.vllm_adapter.proxy_exchange import Exchange
 from lw.vllm_adapter.proxy_state import (
     CHAT,
     COMPLETIONS,
+    Backend,
     BadRequest,
     ProxyState,
     Transfer,
@@ -131,6 +139,7 @@ from lw.vllm_adapter.proxy_state import (
     sub_transfer_allowance,
     validate_request,
 )
+from lw.vllm_adapter.sidecar import BadTarget, Sidecar, parse_allow
 
 __all__ = [
     "ProxyApps",
@@ -201,13 +210,15 @@ def build_apps(
     timeout_s: float = 300.0,
     connect_timeout_s: float = 5.0,
     health_timeout_s: float = 2.0,
+    sidecar: Sidecar | None = None,
 ) -> ProxyApps:
     """Build the proxy for these servers (base URLs such as ``http://10.0.0.1:8100``).
 
     ``metaserver_url`` is what D is told to call: the control app's ``/v1/metaserver`` at an
     address D reaches. ``cluster_key`` signs D's calls; None is refused unless
     ``insecure_trusted_network``. ``timeout_s`` bounds every read/write/pool wait of an outgoing
-    call, ``connect_timeout_s`` every connect.
+    call, ``connect_timeout_s`` every connect. ``sidecar``: run as llm-d's decode-side routing
+    sidecar (lw.vllm_adapter.sidecar) in front of the one decode server.
     """
     if cluster_key is None and not insecure_trusted_network:
         raise ValueError("no cluster key: the metaserver would start a prefill for anyone who "
@@ -217,7 +228,7 @@ def build_apps(
     state = ProxyState(prefill_urls, decode_urls, timeout_s=timeout_s,
                        connect_timeout_s=connect_timeout_s, health_timeout_s=health_timeout_s,
                        metaserver_url=metaserver_url,
-                       verifier=CallVerifier(cluster_key, signature_window_s))
+                       verifier=CallVerifier(cluster_key, signature_window_s), sidecar=sidecar)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -241,12 +252,22 @@ def build_apps(
                 return await _relay_unroutable(state, request, api, raw, "no model named")
             body["model"] = model
         body.pop("kv_transfer_params", None)
+        target: Backend | None = None
+        if state.sidecar is not None:
+            try:
+                target = state.sidecar.target(request.headers.items(), state.prefills)
+            except BadTarget as exc:
+                state.counters["errors"] += 1
+                log.warning("request refused (%d): %s", exc.status, exc)
+                return JSONResponse(error_body(str(exc), exc.status, stage="sidecar"),
+                                    status_code=exc.status)
         forwarded = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         decode = state.pick(state.decodes)
         tr = Transfer(request_id=uuid.uuid4().hex, api=api, body=body,
                       stream=bool(body.get("stream", False)), headers=forwarded,
                       metaserver=state.metaserver_url, decode=decode,
-                      allowance=sub_transfer_allowance(api, body))
+                      allowance=sub_transfer_allowance(api, body), prefill_target=target,
+                      local=target is None and not state.prefills)
         decode.in_flight += 1
         decode.requests += 1
         state.counters["requests"] += 1
@@ -269,7 +290,9 @@ def build_apps(
         """As vLLM's: 200 with no body while the proxy can serve (a prefill and a decode server
         answer), 503 otherwise; the details are on the control port (/lw/health)."""
         report = await health_report(state)
-        up = all(any(r["healthy"] for r in report[side]) for side in ("prefill", "decode"))
+        # a sidecar's prefill servers come with the requests: its decode server is what it needs
+        sides = ("decode",) if state.sidecar is not None else ("prefill", "decode")
+        up = all(any(r["healthy"] for r in report[side]) for side in sides)
         return Response(status_code=200 if up else 503)
 
     @app.get("/v1/models")
@@ -289,6 +312,12 @@ def build_apps(
                                        + "; ".join(errors), 502, stage="decode"),
                             status_code=502)
 
+    if sidecar is not None:
+        # As llm-d's sidecar: every other path of the pod's port is its decode server's
+        # (/metrics, /tokenize, ...); lw's control plane stays on its own port.
+        app.add_api_route("/{path:path}", passthrough_handler(state),
+                          methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"],
+                          include_in_schema=False)
     return ProxyApps(app, build_control_app(state), state)
 
 
@@ -320,14 +349,49 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _sidecar_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace
+                       ) -> Sidecar | None:
+    """The sidecar mode's settings, or None without --sidecar; bad ones end in ap.error."""
+    if not args.sidecar:
+        if args.allow_prefiller or args.allow_any_prefiller:
+            ap.error("--allow-prefiller / --allow-any-prefiller apply only with --sidecar")
+        return None
+    if len(args.decode) != 1:
+        ap.error(f"--sidecar serves exactly one (its local) decode server; got "
+                 f"{len(args.decode)} --decode")
+    try:
+        allow = [parse_allow(spec) for spec in args.allow_prefiller]
+    except ValueError as exc:
+        ap.error(f"--allow-prefiller: {exc}")
+    if not allow and not args.allow_any_prefiller and not args.prefill:
+        ap.error("--sidecar: say which prefill servers a request's header may name "
+                 "(--allow-prefiller SPEC, e.g. the prefill pods' network 10.0.0.0/16:8000) "
+                 "or --allow-any-prefiller; otherwise every named server would be refused")
+    if args.allow_any_prefiller:
+        log.warning("--allow-any-prefiller: the sidecar posts prompts to any server a "
+                    "request's header names")
+    return Sidecar(allow, allow_any=args.allow_any_prefiller)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``lw proxy``: parse ``--prefill``/``--decode`` URLs (repeatable), the public and control
     addresses and the cluster key; serve both planes."""
     ap = argparse.ArgumentParser(prog="lw proxy", description="D-first proxy for lw.")
-    ap.add_argument("--prefill", action="append", required=True, metavar="URL",
-                    help="prefill server base URL (repeatable)")
+    ap.add_argument("--prefill", action="append", default=[], metavar="URL",
+                    help="prefill server base URL (repeatable; with --sidecar optional: the "
+                         "servers used when a request names none)")
     ap.add_argument("--decode", action="append", required=True, metavar="URL",
-                    help="decode server base URL (repeatable)")
+                    help="decode server base URL (repeatable; with --sidecar exactly one)")
+    ap.add_argument("--sidecar", action="store_true",
+                    help="run as llm-d's decode-side routing sidecar: the prefill server is "
+                         "the one each request's x-prefiller-host-port header names")
+    ap.add_argument("--allow-prefiller", action="append", default=[], metavar="SPEC",
+                    help="with --sidecar: a prefill server a header may name (HOST, "
+                         "HOST:PORT, CIDR, CIDR:PORT, [V6]:PORT; repeatable); --prefill "
+                         "servers are always allowed")
+    ap.add_argument("--allow-any-prefiller", action="store_true",
+                    help="with --sidecar: accept any prefill server a header names (only "
+                         "where nothing but the scheduler reaches the public port)")
     ap.add_argument("--host", default="127.0.0.1", help="public (OpenAI API) address")
     ap.add_argument("--port", type=int, default=8000, help="public (OpenAI API) port")
     ap.add_argument("--control-host", default="127.0.0.1",
@@ -353,6 +417,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--connect-timeout", type=float, default=5.0)
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
+    sidecar = _sidecar_from_args(ap, args)
+    if sidecar is None and not args.prefill:
+        ap.error("at least one --prefill server is needed (or --sidecar, where each request "
+                 "names its prefill server)")
     control_port = args.port + 1 if args.control_port is None else args.control_port
     if (args.control_host, control_port) == (args.host, args.port):
         ap.error("the control plane needs its own address or port (--control-host/"
@@ -375,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         apps = build_apps(args.prefill, args.decode, metaserver_url=metaserver_url,
                           cluster_key=key, insecure_trusted_network=args.insecure_trusted_network,
                           signature_window_s=args.signature_window, timeout_s=args.timeout,
-                          connect_timeout_s=args.connect_timeout)
+                          connect_timeout_s=args.connect_timeout, sidecar=sidecar)
     except ValueError as exc:
         ap.error(str(exc))
     if key is None:

@@ -55,6 +55,9 @@ def _metaserver_problem(msg: Any) -> str:
 
 def _call_problem(tr: Transfer, msg: dict[str, Any]) -> str:
     """Why this well-formed, signed call may not start a prefill of ``tr`` ("" if it may)."""
+    if tr.local:
+        return (f"transfer {tr.request_id} is computed by the decode server alone (no prefill "
+                "server named or configured)")
     if not hmac.compare_digest(str(msg.get("grant", "")).encode(), tr.grant.encode()):
         return ("the call does not carry this transfer's grant: only the decode server the "
                 "proxy sent the request to may ask for its prefill")
@@ -128,7 +131,7 @@ def build_control_app(state: ProxyState) -> FastAPI:
             return JSONResponse({"status": "ok", "transfer_id": tid, "sub_transfer_id": sub_id,
                                  "prefill_url": sub.backend.url,
                                  "detail": f"prefill already {sub.state}"}, 202)
-        sub = SubPrefill(sub_id, state.pick(state.prefills))
+        sub = SubPrefill(sub_id, tr.prefill_target or state.pick(state.prefills))
         tr.prefills[sub_id] = sub
         state.counters["prefills"] += 1
         state.timeline.mark(sub_id, "meta_posted")

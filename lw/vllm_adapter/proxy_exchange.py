@@ -186,7 +186,8 @@ class Exchange(Response):
         tr, state = self.tr, self.state
         server = tr.decode.url
         try:
-            body = build_decode_body(tr.body, tr.request_id, tr.metaserver, tr.grant)
+            body = tr.body if tr.local else build_decode_body(tr.body, tr.request_id,
+                                                              tr.metaserver, tr.grant)
             headers = {**tr.headers, "X-Request-Id": tr.request_id}
             request = state.client.build_request("POST", server + tr.api, json=body,
                                                  headers=headers)

@@ -8,10 +8,10 @@ import copy
 import ipaddress
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -227,6 +227,10 @@ class Transfer:
     metaserver: str
     decode: Backend
     allowance: int = 1  # sub-transfers D may create (sub_transfer_allowance)
+    # Sidecar mode: the prefill server the request's header named (None: the proxy picks), and
+    # whether D computes the prompt alone (no header and no prefill server of our own).
+    prefill_target: Backend | None = None
+    local: bool = False
     # The transfer's secret for D's metaserver calls: sent to D only, never to the client.
     grant: str = field(default_factory=lambda: secrets.token_hex(16))
     prefills: dict[str, SubPrefill] = field(default_factory=dict)  # sub-transfer id -> prefill
@@ -234,6 +238,17 @@ class Transfer:
     prefill_error_status: int = 502
     prefill_error_server: str | None = None
     prefill_failed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class PrefillTargets(Protocol):
+    """Where a request's prefill goes when the request names it (lw.vllm_adapter.sidecar)."""
+
+    backends: Mapping[str, Backend]
+
+    def target(self, headers: Iterable[tuple[str, str]], known: Iterable[Backend] = ()
+               ) -> Backend | None:
+        """The prefill server a request's headers name (None: none); raises on a refused one."""
+        ...
 
 
 class ProxyState:
@@ -249,10 +264,16 @@ class ProxyState:
         health_timeout_s: float,
         metaserver_url: str,
         verifier: CallVerifier,
+        sidecar: PrefillTargets | None = None,
     ) -> None:
         self.prefills = [Backend(normalize_url(u), "prefill") for u in prefill_urls]
         self.decodes = [Backend(normalize_url(u), "decode") for u in decode_urls]
-        if not self.prefills or not self.decodes:
+        # as llm-d's routing sidecar: one local D; the prefill server comes with each request
+        self.sidecar = sidecar
+        if sidecar is not None and len(self.decodes) != 1:
+            raise ValueError(f"a sidecar serves exactly one (its local) decode server, "
+                             f"got {len(self.decodes)}")
+        if not self.decodes or (not self.prefills and sidecar is None):
             raise ValueError("the proxy needs at least one prefill and one decode server")
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.health_timeout = httpx.Timeout(health_timeout_s)
@@ -301,7 +322,9 @@ class ProxyState:
         return {
             **self.counters,
             "in_flight": len(self.transfers),
-            "prefill": [b.snapshot() for b in self.prefills],
+            "prefill": [b.snapshot() for b in self.prefills] + (
+                [b.snapshot() for b in self.sidecar.backends.values()
+                 if b.url not in {p.url for p in self.prefills}] if self.sidecar else []),
             "decode": [b.snapshot() for b in self.decodes],
         }
 

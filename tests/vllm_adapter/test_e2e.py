@@ -15,7 +15,8 @@ waiting on D and an empty table once it is gone; a real Prometheus server scrape
 from P's and D's /metrics; forged
 metaserver calls (unsigned, another key, no grant, replayed) are refused and the control plane
 is not on the public port, with the victim's output unharmed; a prefill aimed at other D blocks
-than D registered is refused at its claim before a byte moves.
+than D registered is refused at its claim before a byte moves; ``lw proxy --sidecar`` (llm-d's
+routing sidecar position) prefills on the P its request header names.
 The decode-server kill is the last test: it ends the cluster.
 """
 
@@ -26,6 +27,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -51,6 +53,7 @@ from lw.vllm_adapter.demo import (  # noqa: E402
     make_prompt,
     metrics,
 )
+from lw.vllm_adapter.local_cluster import Server, free_port, wait_ready  # noqa: E402
 from lw.vllm_adapter.oracle import TOP_K, Verdict, compare  # noqa: E402
 from lw.vllm_adapter.proxy_state import build_prefill_body  # noqa: E402
 from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
@@ -522,6 +525,61 @@ def test_lw_status_lists_a_request_in_flight_then_an_empty_table(
         assert "0 live request(s)" in table(snap)
     finally:
         srv.shutdown()
+
+
+def test_sidecar_prefills_on_the_prefill_server_the_header_names(
+        cluster: LocalCluster, tmp_path: Any) -> None:
+    """``lw proxy --sidecar`` in front of the cluster's D, driven as llm-d's scheduler drives its
+    routing sidecar: a request naming P in ``x-prefiller-host-port`` is prefilled there (P's
+    prompt tokens grow by it) and its output equals the single engine's; without the header D
+    computes it alone (P sees nothing); a P outside the allowlist is refused before D sees it;
+    D's own /metrics answers through the sidecar; nothing stays held."""
+    p_url, d_url = cluster.url("prefill"), cluster.url("decode")
+    target = p_url.removeprefix("http://")
+    port = free_port()
+    control = next(p for p in iter(free_port, None) if p != port)
+    argv = [sys.executable, "-m", "lw.vllm_adapter.proxy", "--sidecar", "--decode", d_url,
+            "--allow-prefiller", target, "--host", "127.0.0.1", "--port", str(port),
+            "--control-host", "127.0.0.1", "--control-port", str(control), "--timeout", "120",
+            "--log-level", "warning"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LW_CLUSTER_KEY=cluster.cluster_key)
+    side = Server("sidecar", argv, env, f"http://127.0.0.1:{port}", tmp_path / "sidecar.log")
+    side.start()
+    try:
+        wait_ready([side], 60)
+
+        def prompt_tokens(url: str) -> float:
+            return metrics(url).get("vllm:prompt_tokens_total", 0.0)
+
+        p_before = prompt_tokens(p_url)
+        for i, stream in enumerate((False, True)):
+            prompt = make_prompt(90, seed=300 + i)
+            got = complete(side.url, prompt, MAX_TOKENS, stream=stream, logprobs=TOP_K,
+                           headers={"x-prefiller-host-port": target})
+            assert not got.error, f"stream={stream}: {got.error}\n{side.tail()}"
+            assert (v := compare(reference(cluster, prompt), got)).same, v
+        assert prompt_tokens(p_url) - p_before >= 2 * 80  # both prompts prefilled on P
+        m = httpx.get(f"http://127.0.0.1:{control}/metrics-json", timeout=10).json()
+        assert m["prefills"] == 2 and m["prefill_failures"] == 0, m
+        assert [b["url"] for b in m["prefill"]] == [p_url] and m["prefill"][0]["requests"] == 2
+
+        p_before, d_before = prompt_tokens(p_url), prompt_tokens(d_url)
+        prompt = make_prompt(60, seed=302)
+        got = complete(side.url, prompt, MAX_TOKENS, stream=True, logprobs=TOP_K)
+        assert not got.error, got.error
+        assert (v := compare(reference(cluster, prompt), got)).same, v
+        assert prompt_tokens(p_url) == p_before and prompt_tokens(d_url) > d_before
+
+        body = {"model": MODEL_NAME, "prompt": make_prompt(20, seed=303), "max_tokens": 2}
+        d_before = prompt_tokens(d_url)
+        r = httpx.post(side.url + "/v1/completions", json=body, timeout=30,
+                       headers={"x-prefiller-host-port": "127.0.0.1:1"})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "ForbiddenError", r.text
+        assert prompt_tokens(d_url) == d_before
+        assert "vllm:kv_cache_usage_perc" in httpx.get(side.url + "/metrics", timeout=10).text
+        assert not any((h := wait_idle(cluster)).values()), h
+    finally:
+        side.stop()
 
 
 def _closed_port() -> int:

@@ -173,6 +173,8 @@ def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
     async def serve(request: Request) -> Response:
         try:
             body = json.loads(await request.body())
+            if isinstance(body, dict) and "kv_transfer_params" not in body and _prompt(body):
+                return alone(body)  # no P/D (a sidecar with no prefill server named)
             params = body["kv_transfer_params"]
         except (ValueError, TypeError, KeyError) as exc:  # what the proxy relays unrouted
             world.record("d_relayed", name, "")
@@ -252,10 +254,29 @@ def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def alone(body: dict[str, Any]) -> Response:
+        """The prompt computed here, as a vLLM server without P/D answers it."""
+        world.record("d_alone", name, _prompt(body))
+        if not body.get("stream"):
+            return JSONResponse({"id": "cmpl-alone", "server": name,
+                                 "choices": [{"index": 0, "text": "".join(TOKENS)}]})
+        chunks = [b"data: " + json.dumps({"choices": [{"index": 0, "text": tok}]}).encode()
+                  + b"\n\n" for tok in TOKENS]
+        return StreamingResponse(iter([*chunks, b"data: [DONE]\n\n"]),
+                                 media_type="text/event-stream")
+
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await request.json()
+        return JSONResponse({"tokens": [ord(ch) for ch in body["prompt"]], "server": name,
+                             "query": request.url.query})
+
     app.post("/v1/completions")(serve)
     app.post("/v1/chat/completions")(serve)
     app.get("/health")(lambda: {"ok": True})
     app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "tiny", "server": name}]})
+    app.get("/metrics")(lambda: Response(f"fake_vllm_up{{server=\"{name}\"}} 1\n",
+                                         media_type="text/plain"))
+    app.post("/tokenize")(tokenize)
     return app
 
 
