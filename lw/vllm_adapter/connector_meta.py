@@ -42,6 +42,8 @@ class SendSpec:
     decoder_tp: int = 1  # D's tensor-parallel size: which of its ranks this P rank writes into
     first: bool = True  # the request's first push (the core adds it; else a further chunk)
     final: bool = True  # the prompt's last chunk: every remote block is covered after it
+    # the request's W3C trace context (first push, vLLM tracing on; lw.vllm_adapter.tracing)
+    trace: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class RecvSpec:
     transfer_id: str
     req_id: str
     block_ids: tuple[int, ...]
+    trace: tuple[tuple[str, str], ...] = ()  # as SendSpec.trace
 
 
 @dataclass

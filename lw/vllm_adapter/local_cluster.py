@@ -182,6 +182,8 @@ class LocalCluster:
     # authenticates the side channel and D's metaserver calls; `lw status` needs it too.
     cluster_key: str = field(default_factory=lambda: "hex:" + os.urandom(32).hex())
     control_url: str = ""  # the proxy's control plane (metaserver, /lw/timeline, /metrics-json)
+    # vLLM's --otlp-traces-endpoint for every engine (OTLP/HTTP; spans exported within 0.2 s)
+    otlp_endpoint: str | None = None
 
     def host(self, name: str) -> str:
         """The address server ``name`` binds and advertises."""
@@ -216,6 +218,10 @@ class LocalCluster:
             argv += ["--data-parallel-size", str(dp), "--data-parallel-rpc-port",
                      str(free_port())]
         argv += self.engine_args
+        if self.otlp_endpoint:
+            argv += ["--otlp-traces-endpoint", self.otlp_endpoint]
+            env.update(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
+                       OTEL_BSP_SCHEDULE_DELAY="200")
         if kv is not None:
             argv += ["--kv-transfer-config", json.dumps(kv)]
         if name in self.netns:

@@ -20,8 +20,9 @@ Contract (the KV connectors on both sides rely on it)
         "transfer_id": <request_id>, "metaserver_grant": <random secret of this transfer>}
 
    and the header ``X-Request-Id: <request_id>`` (vLLM then names the request
-   ``cmpl-<request_id>`` / ``chatcmpl-<request_id>``). A client-supplied ``kv_transfer_params`` is
-   dropped.
+   ``cmpl-<request_id>`` / ``chatcmpl-<request_id>``), plus the client's ``Authorization``,
+   ``traceparent`` and ``tracestate`` (so vLLM's spans and lw's join the client's trace; also
+   on P's requests). A client-supplied ``kv_transfer_params`` is dropped.
 3. One client request becomes several vLLM requests on D (``n`` > 1 children, each prompt of a
    ``prompt`` list), all carrying the proxy's ``transfer_id``; a *sub-transfer* is one of them.
    For each vLLM request whose prefill it wants, D's connector (scheduler side, once it has
@@ -140,6 +141,7 @@ from lw.vllm_adapter.proxy_state import (
     validate_request,
 )
 from lw.vllm_adapter.sidecar import BadTarget, Sidecar, parse_allow
+from lw.vllm_adapter.tracing import TRACE_HEADERS
 
 __all__ = [
     "ProxyApps",
@@ -261,7 +263,9 @@ def build_apps(
                 log.warning("request refused (%d): %s", exc.status, exc)
                 return JSONResponse(error_body(str(exc), exc.status, stage="sidecar"),
                                     status_code=exc.status)
-        forwarded = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        # the client's credentials, and its trace context (vLLM's spans and lw's join its trace)
+        forwarded = {k: v for k, v in request.headers.items()
+                     if k.lower() in ("authorization", *TRACE_HEADERS)}
         decode = state.pick(state.decodes)
         tr = Transfer(request_id=uuid.uuid4().hex, api=api, body=body,
                       stream=bool(body.get("stream", False)), headers=forwarded,

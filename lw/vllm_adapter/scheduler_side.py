@@ -30,6 +30,7 @@ from lw.vllm_adapter.connector_meta import (
 )
 from lw.vllm_adapter.metaserver_client import MetaserverPoster
 from lw.vllm_adapter.metrics import LwKVConnectorStats
+from lw.vllm_adapter.tracing import trace_headers_of, tracing_endpoint
 from lw.vllm_adapter.transfer_ids import sub_transfer_id
 from lw.vllm_adapter.worker_addrs import PREFILL_WORKERS_KEY, worker_addrs
 
@@ -106,6 +107,7 @@ class SchedulerSide:
         self._compute_s_per_pair = 0.0
         self._wire_s_per_block: dict[str, float] = {}  # D host -> seconds per block
         self._bad_params: set[str] = set()
+        self._traced = tracing_endpoint(vllm_config) is not None  # hand trace context on
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
 
@@ -203,8 +205,9 @@ class SchedulerSide:
         tr.covered = upto
         tr.final = final
         self._pushed[rid] = tr.transfer_id
+        trace = trace_headers_of(req) if first and self._traced else ()
         self._meta.sends.append(SendSpec(tr.transfer_id, rid, tr.host, tr.port, local,
-                                         tr.remote_blocks, tr.decoder_tp, first, final))
+                                         tr.remote_blocks, tr.decoder_tp, first, final, trace))
 
     def _starts_now(self, tr: _PReq, req: Any, computed: int) -> bool:
         """Whether a request not pushed yet starts its push with a chunk that is not its last."""
@@ -292,7 +295,8 @@ class SchedulerSide:
         remote = tuple(block_ids[first:need])
         tid = sub_transfer_id(params["transfer_id"], rid)
         self._d[rid] = _DReq(tid)
-        self._meta.recvs.append(RecvSpec(tid, rid, remote))
+        self._meta.recvs.append(RecvSpec(tid, rid, remote, trace_headers_of(request)
+                                         if self._traced else ()))
         with self._lock:
             self._counts["prefix_hit_blocks"] += first
         kv = {

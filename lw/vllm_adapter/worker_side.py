@@ -21,6 +21,7 @@ from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_head
 from lw.vllm_adapter.connector_meta import LwConnectorMetadata, LwWorkerMeta, log
 from lw.vllm_adapter.metrics import LwKVConnectorStats
 from lw.vllm_adapter.push_rates import PushRates
+from lw.vllm_adapter.tracing import LifecycleTracer, tracing_endpoint
 
 if TYPE_CHECKING:
     from lw.transport.runtime import WorkerLoop
@@ -131,6 +132,8 @@ class WorkerSide:
         self._last_stats_t = 0.0
         self._dirty = False
         self._reported_gauges: tuple[int, int] = (0, 0)
+        self._trace_endpoint = tracing_endpoint(vllm_config)
+        self.tracer: LifecycleTracer | None = None  # vLLM's tracing on: transfer spans
 
     # ---------------------------------------------------------------------------- start
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -194,6 +197,13 @@ class WorkerSide:
         self.loop.start()
         if self.cfg.is_producer:
             self.rates = PushRates(sum(p.block_len for p in self.planes))
+        if self._trace_endpoint:
+            try:
+                self.tracer = LifecycleTracer(self._trace_endpoint, "prefill" if
+                                              self.cfg.is_producer else "decode", name,
+                                              len(self.planes))
+            except Exception as exc:  # noqa: BLE001 - no spans, the transfers go on
+                log.warning("lw: OpenTelemetry spans off: %s", exc)
         if ready_marker(self._sample) is not None:
             self._gate = ReadyGate(self.loop)
         log.info("lw %s: side channel %s, transfer engine %s, %d planes x %d blocks of %d "
@@ -286,6 +296,8 @@ class WorkerSide:
             with self._lock:
                 self._rid[r.transfer_id] = r.req_id
                 self._held[r.transfer_id] = len(r.block_ids)
+            if self.tracer is not None:
+                self.tracer.begin(r.transfer_id, r.trace, {"lw.request_id": r.req_id})
             senders = expected_senders(self.fmt, self.cfg.peer_tp_size or self.cfg.tp_size)
             self._call("add_request", r.transfer_id, r.block_ids, senders, rid=r.req_id,
                        tid=r.transfer_id)
@@ -309,6 +321,10 @@ class WorkerSide:
                 self._rid[s.transfer_id] = s.req_id
                 self._held[s.transfer_id] = len(s.local_blocks)
                 self._ours.add(s.req_id)
+            if self.tracer is not None:
+                self.tracer.begin(s.transfer_id, s.trace, {
+                    "lw.request_id": s.req_id, "lw.peer": f"{s.decoder_host}:{s.decoder_port}",
+                    "lw.decode_tp": s.decoder_tp})
             # D's TP rank j listens on its rank-0 port + j; which ranks we feed follows the heads.
             addrs = tuple(f"tcp://{s.decoder_host}:{s.decoder_port + j}"
                           for j in targets_of(self.fmt, s.decoder_tp))
@@ -393,6 +409,7 @@ class WorkerSide:
             self._idle_step = False
             loop.wait_reports(self._idle_wait_s)
         now = time.monotonic()
+        ended: list[tuple[str, bool, str, dict[str, Any]]] = []  # traced requests that ended
         for e in loop.drain_reports():
             self._dirty = True
             tid = e.req_id
@@ -406,7 +423,12 @@ class WorkerSide:
                                 e.reason)
                     continue
                 del self._rid[tid]
-                self._held.pop(tid, None)
+                blocks = self._held.pop(tid, 0)
+            if self.tracer is not None and self.tracer.traced(tid):
+                ok = isinstance(e, (SendFinished, RecvDone)) and getattr(e, "ok", True)
+                ended.append((tid, ok, getattr(e, "reason", ""), {
+                    "lw.blocks": blocks, "lw.bytes": blocks * self._block_bytes()}))
+            with self._lock:
                 if isinstance(e, SendFinished):
                     self._pending_sending.add(rid)
                     t0 = self._t0.pop(tid, None)
@@ -427,6 +449,8 @@ class WorkerSide:
                         log.warning("lw: receive of %s (transfer %s) failed: %s", rid, tid,
                                     e.reason)
                 self._aborted.discard(tid)
+        if ended and self.tracer is not None:  # list() of a deque is one C call: no torn read
+            self.tracer.finish_all(ended, list(loop.endpoint.timeline.ring or ()))
         if loop.crashed is not None:
             self._fail_everything(f"lw worker loop crashed: {loop.crashed!r}")
         with self._lock:
@@ -440,6 +464,10 @@ class WorkerSide:
                 self._pending_failed - recving)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
+
+    def _block_bytes(self) -> int:
+        """Bytes of one block over every layer plane of this worker."""
+        return sum(p.block_len for p in self.planes)
 
     def _fail_everything(self, reason: str) -> None:
         with self._lock:

@@ -16,7 +16,8 @@ from P's and D's /metrics; forged
 metaserver calls (unsigned, another key, no grant, replayed) are refused and the control plane
 is not on the public port, with the victim's output unharmed; a prefill aimed at other D blocks
 than D registered is refused at its claim before a byte moves; ``lw proxy --sidecar`` (llm-d's
-routing sidecar position) prefills on the P its request header names.
+routing sidecar position) prefills on the P its request header names; with vLLM's tracing on,
+a traced request's trace holds vLLM's and lw's spans (OTLP/HTTP to a local receiver).
 The decode-server kill is the last test: it ends the cluster.
 """
 
@@ -57,6 +58,7 @@ from lw.vllm_adapter.local_cluster import Server, free_port, wait_ready  # noqa:
 from lw.vllm_adapter.oracle import TOP_K, Verdict, compare  # noqa: E402
 from lw.vllm_adapter.proxy_state import build_prefill_body  # noqa: E402
 from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
+from tests.vllm_adapter.otlp_receiver import Receiver  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -69,11 +71,19 @@ D_EXTRA = {"prefill_timeout_s": 15, "lease_s": 20, "peer_request_timeout_s": 10,
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def otlp() -> Iterator[Receiver]:
+    """Where every engine of the cluster exports its OpenTelemetry spans (vLLM's and lw's)."""
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, otlp: Receiver) -> Iterator[LocalCluster]:
     work = tmp_path_factory.mktemp("e2e")
     model = make_tiny_model(work / "model")
     c = LocalCluster(model=model, workdir=work / "logs", reference=True, p_extra=P_EXTRA,
-                     d_extra=D_EXTRA)
+                     d_extra=D_EXTRA, otlp_endpoint=otlp.url)
     try:
         c.start(timeout=360)
         yield c
@@ -525,6 +535,44 @@ def test_lw_status_lists_a_request_in_flight_then_an_empty_table(
         assert "0 live request(s)" in table(snap)
     finally:
         srv.shutdown()
+
+
+def test_transfer_spans_join_the_clients_trace(cluster: LocalCluster, otlp: Receiver) -> None:
+    """vLLM's tracing is on in every engine: a request carrying a W3C traceparent gets, in that
+    trace, vLLM's request span from P and from D and lw's transfer span from each side (all
+    children of the client's span: vLLM 0.32 makes its request span only at the end, in its API
+    server), with lw's lifecycle phases beneath lw's spans."""
+    trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+    prompt = make_prompt(90, seed=310)
+    got = complete(cluster.url("proxy"), prompt, MAX_TOKENS, stream=True, logprobs=TOP_K,
+                   headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+    assert not got.error, got.error
+    assert compare(reference(cluster, prompt), got).same
+
+    def complete_tree(spans: list[Any]) -> bool:
+        names = [s.name for s in spans]
+        return (names.count("llm_request") >= 2 and "lw.kv_push" in names
+                and "lw.kv_receive" in names and "lw.await_done_ack" in names
+                and "lw.receiving" in names)
+
+    spans = otlp.wait(trace_id, complete_tree, timeout=30)
+    names = sorted(s.name for s in spans)
+    assert complete_tree(spans), names
+    by_name = {s.name: s for s in spans}
+    push, recv = by_name["lw.kv_push"], by_name["lw.kv_receive"]
+    tops = [s for s in spans if s.name in ("llm_request", "lw.kv_push", "lw.kv_receive")]
+    assert all(s.parent_id == client_span for s in tops), [(s.name, s.parent_id) for s in tops]
+    assert push.attributes["lw.outcome"] == "ok" and recv.attributes["lw.outcome"] == "ok"
+    assert push.attributes["lw.transfer_id"] == recv.attributes["lw.transfer_id"]
+    assert push.attributes["lw.bytes"] > 0 and ":" in push.attributes["lw.peer"]
+    under_push = {s.name for s in spans if s.parent_id == push.span_id}
+    assert {"lw.claim", "lw.chunk_written", "lw.await_done_ack"} <= under_push, under_push
+    assert {s.name for s in spans if s.parent_id == recv.span_id} == {"lw.await_claim",
+                                                                      "lw.receiving"}
+    chunk = next(s for s in spans if s.name == "lw.chunk_written")
+    assert chunk.events and chunk.events[0][0] == "layer_written"
+    assert push.start_ns <= chunk.start_ns <= chunk.end_ns <= push.end_ns
+    assert not any(s.error for s in spans), [(s.name, s.error) for s in spans if s.error]
 
 
 def test_sidecar_prefills_on_the_prefill_server_the_header_names(
