@@ -6,9 +6,11 @@ core effects become vLLM return values (``SendFinished`` -> finished sending; ``
 finished receiving; ``RecvFailed`` -> finished *and* failed receiving plus load-error blocks).
 Every protocol decision (deadlines, retries, quarantine, when blocks may be freed) is the core's.
 
-Prefill (``kv_producer``): a request carrying ``do_remote_decode`` is pushed only in the step where
-its prefill completes (earlier chunks send nothing); each layer's write then covers all its
-blocks. ``request_finished`` keeps the blocks (delay_free) until the core's ``SendFinished``.
+Prefill (``kv_producer``): a request carrying ``do_remote_decode`` is pushed layer by layer as
+its chunks compute (``push_mode``: from the chunk after which the compute left no longer covers
+the transfer, from the first chunk, or in its last chunk only); each layer's write covers the
+blocks its chunk completed. ``request_finished`` keeps the blocks (delay_free) until the core's
+``SendFinished``.
 Decode (``kv_consumer``): blocks are allocated first (``get_num_new_matched_tokens`` returns the
 whole uncached prompt, loaded asynchronously); the prefill is requested from the proxy's
 metaserver by a background thread; the request decodes when the core reports ``RecvDone``.
@@ -18,6 +20,7 @@ The core's request id is a transfer id D derives per vLLM request from the proxy
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -203,3 +206,16 @@ class LwConnector(KVConnectorBase_V1):
             self._sched.close()
 
 
+
+
+def register_with_vllm() -> None:
+    """Make ``LwConnector`` known to vLLM's connector factory by name (idempotent): vLLM's
+    MultiConnector rebuilds each wrapped connector's stats in its logger process by name and
+    fails on an unregistered one, which would lose lw's series behind a MultiConnector."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    with contextlib.suppress(ValueError):  # registered already (this module imported twice)
+        KVConnectorFactory.register_connector("LwConnector", __name__, "LwConnector")
+
+
+register_with_vllm()
