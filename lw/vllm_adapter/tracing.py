@@ -16,7 +16,9 @@ nothing here runs (the adapter holds no tracer).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -139,23 +141,51 @@ def _decode_phases(entries: list[tuple], end: float) -> list[Phase]:
     return out
 
 
+def system_random_ids() -> Any:
+    """An OpenTelemetry id generator drawing from the OS (``secrets``), not from ``random``.
+
+    vLLM seeds ``random`` in every engine process (``--seed``, 0 by default), and the SDK's
+    default generator draws span ids from it: P's and D's workers then make the same span ids in
+    the same order, and a trace holds several spans with one id."""
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+
+    class SystemRandomIds(IdGenerator):
+        def generate_span_id(self) -> int:
+            return secrets.randbits(64) or 1  # 0 is the invalid id
+
+        def generate_trace_id(self) -> int:
+            return secrets.randbits(128) or 1
+
+    return SystemRandomIds()
+
+
+def own_provider(endpoint: str, worker: str) -> Any:
+    """lw's tracer provider for one worker: ids from the OS, vLLM's exporter for ``endpoint``
+    (``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` as vLLM reads it), batched off the step thread."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from vllm.tracing.otel import get_span_exporter
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "lw",
+                                                        "lw.worker": worker}),
+                              id_generator=system_random_ids())
+    provider.add_span_processor(BatchSpanProcessor(get_span_exporter(endpoint)))
+    atexit.register(provider.shutdown)
+    return provider
+
+
 class LifecycleTracer:
-    """Exports one worker's transfer spans through the process's OpenTelemetry provider (vLLM
-    sets it up from ``--otlp-traces-endpoint``; lw sets one up the same way if it did not), or
-    through ``provider``."""
+    """Exports one worker's transfer spans to vLLM's ``--otlp-traces-endpoint`` through a provider
+    of its own (:func:`own_provider`), or through ``provider``."""
 
     def __init__(self, endpoint: str, role: str, worker: str, layers: int,
                  provider: Any = None) -> None:
         from opentelemetry import trace
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        if provider is None and isinstance(trace.get_tracer_provider(),
-                                           trace.ProxyTracerProvider):
-            from vllm.tracing.otel import init_otel_tracer
-
-            init_otel_tracer("lw", endpoint)
         self._trace = trace
-        self._tracer = (provider or trace.get_tracer_provider()).get_tracer("lw")
+        self._tracer = (provider or own_provider(endpoint, worker)).get_tracer("lw")
         self._propagator = TraceContextTextMapPropagator()
         self.role = role
         self.worker = worker

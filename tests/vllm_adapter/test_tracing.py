@@ -18,7 +18,12 @@ from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 
 from lw.fsm import DecodeEndpoint, PrefillEndpoint, PrefillRequest  # noqa: E402
-from lw.vllm_adapter.tracing import LifecycleTracer, phases_of, trace_headers_of  # noqa: E402
+from lw.vllm_adapter.tracing import (  # noqa: E402
+    LifecycleTracer,
+    phases_of,
+    system_random_ids,
+    trace_headers_of,
+)
 from tests.fsm.harness import D_ADDR, Pair, d_layout, d_sender, p_sender  # noqa: E402
 from tests.vllm_adapter.otlp_receiver import Receiver  # noqa: E402
 
@@ -113,7 +118,7 @@ def receiver() -> Iterator[Receiver]:
 
 
 def test_spans_reach_a_real_otlp_receiver_as_a_tree(receiver: Receiver) -> None:
-    provider = TracerProvider()
+    provider = TracerProvider(id_generator=system_random_ids())
     provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=receiver.url)))
     tracer = LifecycleTracer(receiver.url, "prefill", "lw-p0", L, provider=provider)
     ok, bad = three_chunks(), three_chunks(fail=True)
@@ -147,3 +152,18 @@ def test_spans_reach_a_real_otlp_receiver_as_a_tree(receiver: Receiver) -> None:
     assert failed.attributes["lw.outcome"] == "failed"
     assert all(by_id.get(s.parent_id) in (good, failed) or s.parent_id in (PARENT, "1" * 16)
                for s in spans)
+
+
+def test_span_ids_do_not_follow_a_seeded_random() -> None:
+    """vLLM seeds ``random`` alike in every engine: the SDK's default ids then repeat across P
+    and D; lw's come from the OS."""
+    import random
+
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    def ids(gen: object) -> list[int]:
+        random.seed(0)
+        return [gen.generate_span_id() for _ in range(3)]  # type: ignore[attr-defined]
+
+    assert ids(RandomIdGenerator()) == ids(RandomIdGenerator())  # what vLLM's seed does
+    assert ids(system_random_ids()) != ids(system_random_ids())
