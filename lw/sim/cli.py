@@ -47,6 +47,20 @@ STRONG: tuple[dict[str, Any], ...] = (
      "late_writes": True, "kv_checksum": True, "unordered_writes": True},
     {"dp": 1, "requests": 1, "layers": 1, **_CHUNKED, "faults": True, "fault_kinds": (),
      "unordered_writes": True},
+    # Shapes a bug class hid in before (issue 20): two senders per D rank (P TP 2 into D TP 1)
+    # with duplicated and dropped messages, the mirror (one sender into two D ranks), MLA (one
+    # writer per D rank; with TP on either side), and D prefix hits next to a full request.
+    {"dp": 1, "tp": 2, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("drop", "dup"),
+     "delays": False},
+    {"dp": 1, "d_tp": 2, "requests": 2, "layers": 1, "faults": True,
+     "fault_kinds": ("drop", "dup"), "delays": False},
+    {"dp": 1, "tp": 2, "mla": True, "requests": 2, "layers": 2},
+    {"dp": 1, "tp": 2, "mla": True, "requests": 2, "layers": 1, "faults": True,
+     "fault_kinds": ("drop", "dup"), "delays": False},
+    {"dp": 1, "d_tp": 2, "mla": True, "requests": 2, "layers": 1, "faults": True,
+     "fault_kinds": ("dup", "crash"), "delays": False},
+    {"dp": 2, "requests": 2, "layers": 1, "blocks_per_request": 2, "d_blocks": 2, "p_blocks": 2,
+     "prefix_hits": (1, 0), "faults": True, "fault_kinds": ("drop", "dup"), "delays": False},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",
