@@ -40,6 +40,24 @@ class StaleLayoutCache(PrefillEndpoint):
         return super().on_message(msg, now)
 
 
+class DeadIncarnationLayout(PrefillEndpoint):
+    """vllm-ascend #4650 and nothing else: D's cached layout outlives D's restart and is used as
+    it is, with the dead process's addresses (and its incarnation): P takes the restarted D's
+    reply as coming from the process whose layout it holds."""
+
+    def _forget_layout(self, addr: str) -> None:
+        return None  # a lost or restarted peer keeps its cached layout
+
+    def on_message(self, msg: Message, now: float) -> list[Effect]:
+        """A reply without a layout confirms the cached one, whatever its incarnation."""
+        if isinstance(msg, MetaReply) and msg.status == "accepted" and msg.layout is None:
+            cached = self._layouts.get(msg.responder.addr)
+            if cached is not None and cached.incarnation != msg.responder.incarnation:
+                who = msgspec.structs.replace(msg.responder, incarnation=cached.incarnation)
+                msg = msgspec.structs.replace(msg, responder=who)
+        return super().on_message(msg, now)
+
+
 SUFFIX = "-7f3a"  # what vLLM appends to a request id inside the engine (vllm #27987)
 
 

@@ -136,7 +136,9 @@ class Faults:
         self.zombies = [z for z in self.zombies if z[3] not in dead]
         self.d_queue[d] = []
         for q in self.reqs:
-            if q.d_rank == d:
+            # only requests that reached this engine: one arriving after a restart must end
+            # DONE like any other (progress), one arriving at a dead engine is touched then
+            if q.d_rank == d and q.d_stage != "new":
                 q.touched = True
                 if not q.d_final():
                     q.d_stage = "lost"

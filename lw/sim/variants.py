@@ -106,6 +106,17 @@ _DESIGNS: tuple[Design, ...] = (
         ruled_out="layouts are cached per (D worker, incarnation); a reply from another "
                   "incarnation makes P ask for the layout again"),
     Design(
+        name="dead-incarnation-layout", title="a dead D's layout used after its restart",
+        ref="vllm-ascend #4650",
+        summary="Only the cache bug: P keeps a D worker's layout across its restart and writes "
+                "with the dead incarnation's addresses; the writes fail, and a request that "
+                "reached the restarted D after the restart, which no fault touched, fails.",
+        prefill=defects.DeadIncarnationLayout, expected="progress",
+        bounds={"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("crash",),
+                "d_restarts": 1, "delays": False},
+        ruled_out="layouts are cached per (D worker, incarnation) and forgotten when the peer is "
+                  "lost; a reply from another incarnation makes P ask for the layout again"),
+    Design(
         name="request-id-suffix", title="DONE under P's internal request id",
         ref="vllm-ascend #6360 (vllm #27987)",
         summary="P's DONE carries the engine-internal request id (vLLM appends a random suffix), "
