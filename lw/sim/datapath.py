@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from lw.fsm import WriteLayer
 from lw.fsm.messages import KVLayout
+from lw.sim.config import HEAD_BYTES
+from lw.sim.heads import write_problem
 from lw.sim.properties import Violation
 from lw.sim.request import Req
 
@@ -92,6 +94,14 @@ class DataPath:
             if bad:
                 raise Violation("layout-match", f"{who} has byte runs {bad} outside the blocks "
                                                 f"({src} bytes on P, {dst} on D)")
+        if mine is not None and lay.incarnation == cur.incarnation:
+            # the world's own head model (lw.sim.heads), not kvmap's answer to itself
+            why = write_problem(i % self.tp, self.tp, v % self.d_tp, self.d_tp,
+                                self.cfg.kv_heads(), self.cfg.mla, e.segments,
+                                mine.layers[e.layer].block_len, lay.layers[e.layer].block_len,
+                                HEAD_BYTES)
+            if why:
+                raise Violation("kv-placement", f"{who}: {why}")
 
     def _do_complete(self, i: int, j: int = 0) -> None:
         r, seq, _local, remote, v, _deadline, inc = self.fifo[i].pop(j)

@@ -32,7 +32,8 @@ PROPERTIES: tuple[Property, ...] = (
     Property("kv-placement", "property 3", "always",
              "each write sends the KV of the tokens D misses (P's blocks after the prefix hit) "
              "into the D blocks that hold those tokens, block for block (chunked prefill: "
-             "exactly the blocks its chunk completes, once the forward pass computed it)"),
+             "exactly the blocks its chunk completes, once the forward pass computed it), each "
+             "head into that head's own slot of D's block"),
     Property("layout-match", "property 2", "always",
              "a write is addressed with its D worker's current layout (an earlier "
              "incarnation's write fails), inside D's registered blocks, with as many layers as "
