@@ -158,6 +158,17 @@ def kv_transfer_config(role: str, kv_port: int, engine_id: str,
             "kv_connector_extra_config": {"host": "127.0.0.1", **(extra or {})}}
 
 
+def in_multi_connector(kv: dict[str, Any]) -> dict[str, Any]:
+    """``kv`` (lw's config) as the only connector inside vLLM's MultiConnector. The engine id
+    stays outside: vLLM 0.32 passes it to each child's config itself, and a child that also
+    names one fails to start ("got multiple values for keyword argument 'engine_id'")."""
+    inner = {k: v for k, v in kv.items() if k != "engine_id"}
+    return {"kv_connector": "MultiConnector", "kv_role": kv["kv_role"],
+            "engine_id": kv["engine_id"],
+            "kv_load_failure_policy": kv.get("kv_load_failure_policy", "fail"),
+            "kv_connector_extra_config": {"connectors": [inner]}}
+
+
 @dataclass
 class LocalCluster:
     """Reference engine (optional) + prefill + decode ``vllm serve`` + the proxy, on loopback."""
@@ -184,6 +195,7 @@ class LocalCluster:
     control_url: str = ""  # the proxy's control plane (metaserver, /lw/timeline, /metrics-json)
     # vLLM's --otlp-traces-endpoint for every engine (OTLP/HTTP; spans exported within 0.2 s)
     otlp_endpoint: str | None = None
+    multi_connector: bool = False  # lw inside vLLM's MultiConnector on P and D
 
     def host(self, name: str) -> str:
         """The address server ``name`` binds and advertises."""
@@ -240,12 +252,12 @@ class LocalCluster:
         d_extra = {"peer_tp_size": self.p_tp, "host": self.host("decode"), **self.d_extra}
         if self.reference:
             self.servers["reference"] = self._engine("reference", 0, None)
-        self.servers["prefill"] = self._engine(
-            "prefill", 0, kv_transfer_config("kv_producer", kv_p, "prefill", p_extra),
-            self.p_tp, self.p_dp)
-        self.servers["decode"] = self._engine(
-            "decode", 1, kv_transfer_config("kv_consumer", kv_d, "decode", d_extra,
-                                            self.policy), self.d_tp, self.d_dp)
+        kv_pc = kv_transfer_config("kv_producer", kv_p, "prefill", p_extra)
+        kv_dc = kv_transfer_config("kv_consumer", kv_d, "decode", d_extra, self.policy)
+        if self.multi_connector:
+            kv_pc, kv_dc = in_multi_connector(kv_pc), in_multi_connector(kv_dc)
+        self.servers["prefill"] = self._engine("prefill", 0, kv_pc, self.p_tp, self.p_dp)
+        self.servers["decode"] = self._engine("decode", 1, kv_dc, self.d_tp, self.d_dp)
         engines = list(self.servers.values())
         for s in engines:
             s.start()
