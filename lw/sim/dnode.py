@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from lw.fsm import RecvDone, RecvFailed
 from lw.sim.config import _owner
+from lw.sim.heads import held
 from lw.sim.properties import Violation
 from lw.sim.request import Req
 
@@ -55,6 +56,26 @@ class DNode:
                     if w[0] == q.idx and w[4] == v]
         return missing, inflight
 
+    def _check_heads_covered(self, q: Req, v: int) -> None:
+        """Property partial-kv by the world's own head model (lw.sim.heads), not the sender
+        plan kvmap computed: every head D worker ``v`` holds, of every layer and block it
+        decodes ``q`` from, came with a write that landed."""
+        cfg = self.cfg
+        need = held(v % self.d_tp, self.d_tp, cfg.kv_heads(), cfg.mla)
+        got: dict[tuple[int, int], set[int]] = {}
+        for w, x, k, b in q.landed:
+            if x == v:
+                got.setdefault((k, b), set()).update(held(w % self.tp, self.tp, cfg.kv_heads(),
+                                                          cfg.mla))
+        for k in range(cfg.layers):
+            for b in q.d_remote:
+                lost = sorted(set(need) - got.get((k, b), set()))
+                if lost:
+                    raise Violation("partial-kv",
+                                    f"{self.dname(q.d_rank)} decodes {q.rid} but no write "
+                                    f"carried head(s) {lost} of D{v} block {b} layer {k} (its "
+                                    f"senders: P worker(s) {sorted(self.writers(q, v))})")
+
     def _on_recv_done(self, v: int, e: RecvDone) -> None:
         q = self.reqs[int(e.req_id[1:])]
         self._recv_report(v, q, True)
@@ -85,6 +106,7 @@ class DNode:
                                 f"{self.dname(q.d_rank)} decodes {q.rid} but no write landed "
                                 f"in D{v} for (P worker, layer, D block) {missing} (in flight: "
                                 f"{inflight})")
+            self._check_heads_covered(q, v)
         self._check_fenced(q)
         q.d_stage = "decoding"
         self.flags.add("done")

@@ -69,3 +69,30 @@ def test_without_its_own_model_the_world_passed_that_offset(
     monkeypatch.setattr(datapath, "write_problem", lambda *a: "")
     res = explore(CFG, max_seconds=60)
     assert res.counterexample is None and res.complete
+
+
+def _plan_without_rank_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvmap's sender plan with a slip: P TP rank 1 writes nowhere and D expects only rank 0
+    (so head 1 has no writer), while everything else stays consistent with it."""
+    import lw.sim.config as config
+
+    monkeypatch.setattr(config, "expected_senders", lambda fmt, tp: frozenset({0}))
+    monkeypatch.setattr(config, "targets_of", lambda fmt, d_tp: (0,) if fmt.tp_rank == 0 else ())
+
+
+def test_a_head_nobody_writes_is_caught_by_the_worlds_coverage(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _plan_without_rank_1(monkeypatch)
+    ce = explore(CFG, max_seconds=60).counterexample
+    assert ce is not None and ce.violation.prop == "partial-kv", ce and ce.violation
+    assert "no write carried head(s) [1]" in ce.violation.message
+
+
+def test_without_its_own_coverage_the_world_passed_that_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import lw.sim.dnode as dnode
+
+    _plan_without_rank_1(monkeypatch)
+    monkeypatch.setattr(dnode.DNode, "_check_heads_covered", lambda self, q, v: None)
+    res = explore(CFG, max_seconds=60)
+    assert res.counterexample is None and res.complete
