@@ -73,8 +73,14 @@ Contract (the KV connectors on both sides rely on it)
    (504 if the prefill timed out), or the final SSE event if the stream's head is already out.
    Once D's answer has started a prefill error is only logged: either that KV had arrived, or
    (another choice of the same answer streaming) D's own deadline fails the vLLM request whose KV
-   never comes. D unreachable -> 502; D timing out -> 504; D answering 5xx -> 502; D answering
-   4xx -> passed through unchanged. Every outgoing call has a timeout.
+   never comes. D unreachable, dropping the connection or answering 5xx before any byte of its
+   answer reached the client -> the request starts afresh on another decode server (a new
+   transfer id and grant; the old one's prefills cancelled), at most ``--decode-failovers``
+   times, then 502 naming the servers tried; after a byte was relayed -> 502 (in-band). D
+   timing out -> 504 (not retried: D may still be computing); D answering 4xx -> passed through
+   unchanged. A server that failed so is avoided for new requests for 1 s, doubling per
+   consecutive failure up to 30 s (jittered), unless every server is. Every outgoing call has a
+   timeout.
 7. Client disconnect (streaming or not) -> the D request is closed (vLLM aborts it) and every
    in-flight prefill request of the client request is cancelled (closed, so P aborts it too).
    Prefills still running when D's answer completed normally are left to finish.
@@ -213,6 +219,7 @@ def build_apps(
     connect_timeout_s: float = 5.0,
     health_timeout_s: float = 2.0,
     sidecar: Sidecar | None = None,
+    decode_failovers: int = 2,
 ) -> ProxyApps:
     """Build the proxy for these servers (base URLs such as ``http://10.0.0.1:8100``).
 
@@ -220,7 +227,9 @@ def build_apps(
     address D reaches. ``cluster_key`` signs D's calls; None is refused unless
     ``insecure_trusted_network``. ``timeout_s`` bounds every read/write/pool wait of an outgoing
     call, ``connect_timeout_s`` every connect. ``sidecar``: run as llm-d's decode-side routing
-    sidecar (lw.vllm_adapter.sidecar) in front of the one decode server.
+    sidecar (lw.vllm_adapter.sidecar) in front of the one decode server. ``decode_failovers``:
+    other decode servers a request may move to when its D fails before a byte of its answer
+    reached the client.
     """
     if cluster_key is None and not insecure_trusted_network:
         raise ValueError("no cluster key: the metaserver would start a prefill for anyone who "
@@ -230,7 +239,8 @@ def build_apps(
     state = ProxyState(prefill_urls, decode_urls, timeout_s=timeout_s,
                        connect_timeout_s=connect_timeout_s, health_timeout_s=health_timeout_s,
                        metaserver_url=metaserver_url,
-                       verifier=CallVerifier(cluster_key, signature_window_s), sidecar=sidecar)
+                       verifier=CallVerifier(cluster_key, signature_window_s), sidecar=sidecar,
+                       decode_failovers=decode_failovers)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -419,9 +429,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="read/write timeout of every outgoing call, seconds")
     ap.add_argument("--connect-timeout", type=float, default=5.0)
+    ap.add_argument("--decode-failovers", type=int, default=2, metavar="N",
+                    help="a request whose decode server fails (refused, dropped, 5xx) before a "
+                         "byte of its answer reached the client moves to another one, at most "
+                         "N times (0: never)")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     sidecar = _sidecar_from_args(ap, args)
+    if args.decode_failovers < 0:
+        ap.error(f"--decode-failovers must be >= 0, got {args.decode_failovers}")
     if sidecar is None and not args.prefill:
         ap.error("at least one --prefill server is needed (or --sidecar, where each request "
                  "names its prefill server)")
@@ -447,7 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         apps = build_apps(args.prefill, args.decode, metaserver_url=metaserver_url,
                           cluster_key=key, insecure_trusted_network=args.insecure_trusted_network,
                           signature_window_s=args.signature_window, timeout_s=args.timeout,
-                          connect_timeout_s=args.connect_timeout, sidecar=sidecar)
+                          connect_timeout_s=args.connect_timeout, sidecar=sidecar,
+                          decode_failovers=args.decode_failovers)
     except ValueError as exc:
         ap.error(str(exc))
     if key is None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import secrets
+import uuid
 from typing import Any
 
 import httpx
@@ -13,6 +16,7 @@ from fastapi.responses import Response
 
 from lw.vllm_adapter.proxy_state import (
     COMPLETIONS,
+    Backend,
     ProxyState,
     Receive,
     Scope,
@@ -56,10 +60,13 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
         else:
             if resp.is_success:
                 sub.state = "done"
+                backend.answered()
                 state.workers.learn("prefill", _prefill_workers(resp))
                 return
             error = (f"prefill server {backend.url} returned HTTP {resp.status_code} on "
                      f"{COMPLETIONS}: {_quote(resp.content)}")
+        if status != 504:  # refused, dropped or 5xx: route new prefills elsewhere a while
+            backend.failed(asyncio.get_running_loop().time())
         backend.errors += 1
         state.counters["prefill_failures"] += 1
         sub.state = "failed"
@@ -119,13 +126,16 @@ class Exchange(Response):
         self.relayed = False  # a byte of D's answer was sent to the client
         self.ok = False  # D's answer was relayed completely
         self._upstream: httpx.Response | None = None
+        self._swapped = asyncio.Event()  # the request moved to another D (see _failover)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        tr, state = self.tr, self.state
+        state = self.state
         run = asyncio.ensure_future(self._run(send))
         disconnect = asyncio.ensure_future(_wait_disconnect(receive))
-        prefill_failed = asyncio.ensure_future(tr.prefill_failed.wait())
-        waiting: set[asyncio.Future[Any]] = {run, disconnect, prefill_failed}
+        watched = self.tr  # the attempt whose prefill failure ends the request
+        prefill_failed = asyncio.ensure_future(watched.prefill_failed.wait())
+        swapped = asyncio.ensure_future(self._swapped.wait())
+        waiting: set[asyncio.Future[Any]] = {run, disconnect, prefill_failed, swapped}
         try:
             while True:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -134,11 +144,23 @@ class Exchange(Response):
                     break
                 if disconnect in done:
                     state.counters["client_disconnects"] += 1
-                    log.info("request %s: client disconnected; cancelling", tr.request_id)
+                    log.info("request %s: client disconnected; cancelling", self.tr.request_id)
                     await _cancel_and_wait(run)
                     break
+                if swapped in done or (prefill_failed in done and watched is not self.tr):
+                    # failed over to another D: only the new attempt's prefills matter
+                    self._swapped.clear()
+                    for f in (swapped, prefill_failed):
+                        waiting.discard(f)
+                        f.cancel()
+                    watched = self.tr
+                    prefill_failed = asyncio.ensure_future(watched.prefill_failed.wait())
+                    swapped = asyncio.ensure_future(self._swapped.wait())
+                    waiting |= {prefill_failed, swapped}
+                    continue
                 if prefill_failed in done:
                     waiting.discard(prefill_failed)
+                    tr = self.tr
                     if not self.relayed:  # headers may be out; then the error goes in-band
                         await _cancel_and_wait(run)
                         await self._error(send, tr.prefill_error_status,
@@ -146,7 +168,7 @@ class Exchange(Response):
                                           server=tr.prefill_error_server)
                         break
         finally:
-            for task in (run, disconnect, prefill_failed):
+            for task in (run, disconnect, prefill_failed, swapped):
                 task.cancel()
             self._finish()
 
@@ -159,7 +181,9 @@ class Exchange(Response):
             _cancel_prefills(tr)
 
     async def _start(self, send: Send, status: int, content_type: str) -> None:
-        """Send the response head to the client."""
+        """Send the response head to the client (once: an attempt after a failover does not)."""
+        if self.started:
+            return
         self.started = True
         headers = [(b"content-type", content_type.encode("latin-1")),
                    (b"x-request-id", self.tr.request_id.encode())]
@@ -182,9 +206,57 @@ class Exchange(Response):
             await send({"type": "http.response.body", "body": event})
 
     async def _run(self, send: Send) -> None:
-        """Send the request to D and relay its answer; failures become client errors."""
+        """Send the request to D and relay its answer; a D that fails before any byte of its
+        answer reached the client is replaced by another (at most ``decode_failovers``); other
+        failures become client errors."""
+        tried = [self.tr.decode]
+        while True:
+            failure = await self._attempt(send)
+            if failure is None:
+                return
+            status, message = failure
+            nxt = None
+            if len(tried) <= self.state.decode_failovers:
+                with contextlib.suppress(ValueError):
+                    nxt = self.state.pick(self.state.decodes, exclude=tried)
+            if nxt is None:
+                more = (f" (tried {len(tried)} decode servers: "
+                        f"{', '.join(b.url for b in tried)})") if len(tried) > 1 else ""
+                await self._error(send, status, message + more, stage="decode",
+                                  server=self.tr.decode.url)
+                return
+            log.warning("request %s: %s; moving it to decode server %s", self.tr.request_id,
+                        message, nxt.url)
+            self._failover(nxt)
+            tried.append(nxt)
+
+    def _failover(self, nxt: Backend) -> None:
+        """Start the request afresh on decode server ``nxt``: a new transfer (id, grant), the
+        old one's prefills cancelled and its late metaserver calls unknown."""
+        old, state = self.tr, self.state
+        old.decode.in_flight -= 1
+        state.transfers.pop(old.request_id, None)
+        _cancel_prefills(old)
+        tr = dataclasses.replace(old, request_id=uuid.uuid4().hex, decode=nxt,
+                                 grant=secrets.token_hex(16), prefills={},
+                                 prefill_error=None, prefill_error_status=502,
+                                 prefill_error_server=None,
+                                 prefill_failed=asyncio.Event())
+        nxt.in_flight += 1
+        nxt.requests += 1
+        state.transfers[tr.request_id] = tr
+        state.counters["decode_failovers"] += 1
+        state.timeline.mark(tr.request_id, "received")
+        self.tr = tr
+        self._swapped.set()
+
+    async def _attempt(self, send: Send) -> tuple[int, str] | None:
+        """One try on the transfer's D. None when it ended (relayed, or an error reported);
+        (status, message) when D failed before any byte reached the client: refused or dropped
+        connection, or a 5xx answer (another D may take the request)."""
         tr, state = self.tr, self.state
         server = tr.decode.url
+        now = asyncio.get_running_loop().time
         try:
             body = tr.body if tr.local else build_decode_body(tr.body, tr.request_id,
                                                               tr.metaserver, tr.grant)
@@ -196,8 +268,15 @@ class Exchange(Response):
             self._upstream = resp
             if resp.status_code != 200:
                 data = await resp.aread()
+                if resp.status_code >= 500:
+                    tr.decode.errors += 1
+                    tr.decode.failed(now())
+                    return 502, (f"decode server {server} returned HTTP {resp.status_code} on "
+                                 f"{tr.api}: {_quote(data)}")
+                tr.decode.answered()
                 await self._upstream_status(send, resp, data)
-                return
+                return None
+            tr.decode.answered()
             content_type = resp.headers.get("content-type", "application/json")
             if not tr.stream:
                 data = await resp.aread()
@@ -219,14 +298,22 @@ class Exchange(Response):
                 await send({"type": "http.response.body", "body": b""})
             self.ok = True
             state.timeline.mark(tr.request_id, "end")
+        except (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout) as exc:
+            tr.decode.errors += 1
+            tr.decode.failed(now())
+            what = "unreachable" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) \
+                else "failed"
+            message = f"decode server {server} {what} on {tr.api}: {_describe(exc)}"
+            if not self.relayed:
+                return 502, message
+            await self._error(send, 502, message, stage="decode", server=server)
         except httpx.TimeoutException as exc:
             tr.decode.errors += 1
             await self._error(send, 504, f"decode server {server} timed out on {tr.api}: "
                               f"{_describe(exc)}", stage="decode", server=server)
         except httpx.HTTPError as exc:
             tr.decode.errors += 1
-            what = "unreachable" if isinstance(exc, httpx.ConnectError) else "failed"
-            await self._error(send, 502, f"decode server {server} {what} on {tr.api}: "
+            await self._error(send, 502, f"decode server {server} failed on {tr.api}: "
                               f"{_describe(exc)}", stage="decode", server=server)
         except (asyncio.CancelledError, OSError):
             raise
@@ -238,11 +325,19 @@ class Exchange(Response):
         finally:
             if self._upstream is not None:
                 await self._upstream.aclose()
+                self._upstream = None
+        return None
 
     async def _upstream_status(self, send: Send, resp: httpx.Response, data: bytes) -> None:
-        """Relay a non-200 answer of D: 4xx unchanged, anything else as 502."""
+        """Relay a non-200 answer of D: 4xx unchanged (in-band if the stream's head is out),
+        anything else as 502."""
         tr = self.tr
         if 400 <= resp.status_code < 500:
+            if self.started:  # a later attempt of a stream whose head is out: in-band
+                await self._error(send, resp.status_code, f"decode server {tr.decode.url} "
+                                  f"returned HTTP {resp.status_code} on {tr.api}: "
+                                  f"{_quote(data)}", stage="decode", server=tr.decode.url)
+                return
             self.state.counters["errors"] += 1
             await self._start(send, resp.status_code,
                               resp.headers.get("content-type", "application/json"))

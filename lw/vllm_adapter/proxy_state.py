@@ -7,6 +7,7 @@ import asyncio
 import copy
 import ipaddress
 import logging
+import random
 import secrets
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -189,6 +190,11 @@ def _url_host(host: str) -> str:
 # State
 
 
+BACKOFF_S = (1.0, 30.0)
+"""A server that failed is avoided for 1 s, doubling per consecutive failure up to 30 s (each
+±20 %, so that proxies do not come back in step): no retry storm on a dead server."""
+
+
 @dataclass(eq=False)
 class Backend:
     """A prefill or decode server and its counters."""
@@ -198,11 +204,28 @@ class Backend:
     in_flight: int = 0
     requests: int = 0
     errors: int = 0
+    fails: int = 0  # consecutive connection-level failures
+    down_until: float = 0.0  # (loop time) avoided until then
+
+    def failed(self, now: float) -> None:
+        """The server did not answer (connection refused or dropped, 5xx): avoid it a while."""
+        self.fails += 1
+        lo, hi = BACKOFF_S
+        self.down_until = now + min(hi, lo * 2 ** (self.fails - 1)) * random.uniform(0.8, 1.2)
+
+    def answered(self) -> None:
+        """The server answered: route to it as usual."""
+        self.fails = 0
+        self.down_until = 0.0
+
+    def up(self, now: float) -> bool:
+        """Not being avoided after a failure."""
+        return self.down_until <= now
 
     def snapshot(self) -> dict[str, Any]:
         """Counters as JSON."""
         return {"url": self.url, "in_flight": self.in_flight, "requests": self.requests,
-                "errors": self.errors}
+                "errors": self.errors, "consecutive_failures": self.fails}
 
 
 @dataclass(eq=False)
@@ -251,6 +274,14 @@ class PrefillTargets(Protocol):
         ...
 
 
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class ProxyState:
     """Everything the proxy app shares: servers, transfers in flight, HTTP client, counters."""
 
@@ -265,11 +296,14 @@ class ProxyState:
         metaserver_url: str,
         verifier: CallVerifier,
         sidecar: PrefillTargets | None = None,
+        decode_failovers: int = 2,
     ) -> None:
         self.prefills = [Backend(normalize_url(u), "prefill") for u in prefill_urls]
         self.decodes = [Backend(normalize_url(u), "decode") for u in decode_urls]
         # as llm-d's routing sidecar: one local D; the prefill server comes with each request
         self.sidecar = sidecar
+        # other decode servers a request may move to when its D fails before a token was sent
+        self.decode_failovers = decode_failovers
         if sidecar is not None and len(self.decodes) != 1:
             raise ValueError(f"a sidecar serves exactly one (its local) decode server, "
                              f"got {len(self.decodes)}")
@@ -300,14 +334,23 @@ class ProxyState:
             "metaserver_refused": 0,
             "prefills": 0,
             "prefill_failures": 0,
+            "decode_failovers": 0,
         }
 
-    def pick(self, backends: list[Backend]) -> Backend:
-        """The backend with the fewest outstanding requests; ties broken round robin."""
-        role = backends[0].role
-        start = self._rr[role] % len(backends)
+    def pick(self, backends: list[Backend], exclude: Iterable[Backend] = ()) -> Backend:
+        """The backend with the fewest outstanding requests, ties broken round robin, among
+        those not avoided after a failure (all of them if every one is); never one of
+        ``exclude`` (ValueError if nothing else is left)."""
+        skip = set(exclude)
+        cands = [b for b in backends if b not in skip]
+        if not cands:
+            raise ValueError("no server left to try")
+        now = asyncio.get_running_loop().time() if _loop_running() else 0.0
+        live = [b for b in cands if b.up(now)] or cands
+        role = live[0].role
+        start = self._rr[role] % len(live)
         self._rr[role] += 1
-        rotated = backends[start:] + backends[:start]
+        rotated = live[start:] + live[:start]
         return min(rotated, key=lambda b: b.in_flight)
 
     def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:

@@ -16,7 +16,8 @@ from P's and D's /metrics; forged
 metaserver calls (unsigned, another key, no grant, replayed) are refused and the control plane
 is not on the public port, with the victim's output unharmed; a prefill aimed at other D blocks
 than D registered is refused at its claim before a byte moves; ``lw proxy --sidecar`` (llm-d's
-routing sidecar position) prefills on the P its request header names; with vLLM's tracing on,
+routing sidecar position) prefills on the P its request header names; a proxy whose first decode
+server is dead moves the request to the live one; with vLLM's tracing on,
 a traced request's trace holds vLLM's and lw's spans (OTLP/HTTP to a local receiver).
 The decode-server kill is the last test: it ends the cluster.
 """
@@ -630,6 +631,34 @@ def test_sidecar_prefills_on_the_prefill_server_the_header_names(
         assert not any((h := wait_idle(cluster)).values()), h
     finally:
         side.stop()
+
+
+def test_a_dead_decode_server_is_replaced_before_the_first_token(
+        cluster: LocalCluster, tmp_path: Any) -> None:
+    """A proxy whose first decode server is dead: the request moves to the live D (a fresh
+    transfer) and its output equals the single engine's; the dead one is then avoided."""
+    port = free_port()
+    control = next(p for p in iter(free_port, None) if p != port)
+    argv = [sys.executable, "-m", "lw.vllm_adapter.proxy", "--prefill", cluster.url("prefill"),
+            "--decode", f"http://127.0.0.1:{_closed_port()}", "--decode", cluster.url("decode"),
+            "--port", str(port), "--control-port", str(control), "--timeout", "120",
+            "--log-level", "warning"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LW_CLUSTER_KEY=cluster.cluster_key)
+    proxy = Server("failover-proxy", argv, env, f"http://127.0.0.1:{port}",
+                   tmp_path / "proxy.log", health="/v1/models")
+    proxy.start()
+    try:
+        wait_ready([proxy], 60)
+        for i, stream in enumerate((True, False)):
+            prompt = make_prompt(90, seed=530 + i)
+            got = complete(proxy.url, prompt, MAX_TOKENS, stream=stream, logprobs=TOP_K)
+            assert not got.error, f"{got.error}\n{proxy.tail()}"
+            assert (v := compare(reference(cluster, prompt), got)).same, v
+        m = httpx.get(f"http://127.0.0.1:{control}/metrics-json", timeout=10).json()
+        assert m["decode_failovers"] == 1 and m["errors"] == 0, m
+        assert not any((h := wait_idle(cluster)).values()), h
+    finally:
+        proxy.stop()
 
 
 def _closed_port() -> int:

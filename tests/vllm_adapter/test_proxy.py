@@ -6,7 +6,9 @@ waits until the fake P has served the prefill for that transfer, then answers. P
 steer the fakes: ``hang`` (P never answers), ``fail`` (P answers 500), ``slowfail`` (P fails after
 0.3 s), ``early`` (D streams one chunk before waiting for the prefill), ``nowait`` (D does not wait
 for the prefill), ``dhang`` (D never answers), ``twice`` (D posts to the metaserver twice),
-``local`` (D computes the prompt itself: no post), ``slowpost`` (D posts 0.5 s after receiving
+``local`` (D computes the prompt itself: no post), ``<D name>down`` / ``<D name>postdown`` /
+``<D name>middown`` (that decode server answers 500 at once / after posting to the metaserver /
+dies after streaming its first token), ``slowpost`` (D posts 0.5 s after receiving
 the request), ``extra`` (D posts one sub-transfer more than the request allows), ``alien`` (D
 also posts a sub-transfer id of another transfer). D signs its calls with the cluster key.
 Like vLLM, the fake D makes one sub-request per prompt of a ``prompt`` list and per ``n``
@@ -187,6 +189,9 @@ def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
             world.headers[("d", tid)] = dict(request.headers)
         world.record("d_request", name, tid)
         prompt = _prompt(body)
+        if f"{name}down" in prompt:  # this decode server fails before doing anything
+            world.record("d_failed", name, tid)
+            return JSONResponse({"error": {"message": "engine dead"}}, 500)
         if "dhang" in prompt:
             if await _poll_until(request, world.release.is_set, 30) == "disconnected":
                 world.record("d_cancelled", name, tid)
@@ -213,6 +218,10 @@ def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
                                           headers=headers)
                     with world.lock:
                         world.meta_replies.setdefault(sub, []).append((r.status_code, r.json()))
+
+        if f"{name}postdown" in prompt:  # fails after asking for the prefill
+            world.record("d_failed", name, tid)
+            return JSONResponse({"error": {"message": "engine died"}}, 500)
 
         def prefilled() -> bool:
             with world.lock:
@@ -246,6 +255,9 @@ def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
                     chunk = {"id": "cmpl-" + tid, "choices": [{"index": 0, "text": tok}]}
                     yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
                     await asyncio.sleep(0.01)
+                    if f"{name}middown" in prompt:  # dies after the first token went out
+                        world.record("d_failed", name, tid)
+                        raise RuntimeError("decode engine died mid-stream")
                 yield b"data: [DONE]\n\n"
                 world.record("d_done", name, tid)
             except (asyncio.CancelledError, GeneratorExit):
@@ -343,8 +355,9 @@ class Cluster:
 @contextlib.contextmanager
 def cluster(n_prefill: int = 1, n_decode: int = 1, *, prefill_urls: list[str] | None = None,
             decode_urls: list[str] | None = None, d_deadline_s: float = 5.0,
-            **proxy_kwargs: Any) -> Iterator[Cluster]:
-    """Start fakes (unless URLs are given) and a proxy in front of them."""
+            dead_decodes: int = 0, **proxy_kwargs: Any) -> Iterator[Cluster]:
+    """Start fakes (unless URLs are given) and a proxy in front of them; ``dead_decodes``
+    addresses nobody listens on go first in the decode list."""
     world = World()
     servers: list[ServerThread] = []
     try:
@@ -357,6 +370,7 @@ def cluster(n_prefill: int = 1, n_decode: int = 1, *, prefill_urls: list[str] | 
                   for i in range(n_decode)]
             servers += ds
             decode_urls = [s.url for s in ds]
+        decode_urls = [closed_port_url() for _ in range(dead_decodes)] + decode_urls
         proxy_kwargs.setdefault("timeout_s", 10.0)
         proxy_kwargs.setdefault("cluster_key", KEY)
         world.key = proxy_kwargs["cluster_key"]
