@@ -16,46 +16,59 @@ import msgspec
 from lw.fsm import ArmTimer, CancelTimer, DecodeEndpoint, Effect, PrefillEndpoint, Send
 from lw.fsm.effects import TimerKey
 from lw.fsm.lifecycles import DONE, FAILED
-from lw.fsm.messages import PROTOCOL_VERSION, DoneSending, Message, MetaReply, MetaRequest
+from lw.fsm.messages import (
+    PROTOCOL_VERSION,
+    DoneSending,
+    KVLayout,
+    Message,
+    MetaReply,
+    MetaRequest,
+)
 
 _FINAL = (DONE, FAILED)
 
 
-class StaleLayoutCache(PrefillEndpoint):
-    """vllm-ascend #4650: D's layout is cached per D address with no notion of incarnation.
-
-    A restarted D's answer is taken as confirming the cached layout (upstream keyed the cache by
-    engine and never invalidated it), so P writes at the addresses of the dead process."""
+class _LayoutOutlivesRestart(PrefillEndpoint):
+    """The #4650 defects' common part: a D worker's layout is never forgotten, and ``_confirm``
+    says what P makes of a restarted D's acceptance that comes without a layout."""
 
     def _forget_layout(self, addr: str) -> None:
         return None  # a lost or restarted peer keeps its cached layout
 
-    def on_message(self, msg: Message, now: float) -> list[Effect]:
-        """Take any accepting D as the owner of the cached layout, whatever its incarnation."""
-        if isinstance(msg, MetaReply) and msg.status == "accepted" and msg.layout is None:
-            cached = self._layouts.get(msg.responder.addr)
-            if cached is not None and cached.incarnation != msg.responder.incarnation:
-                self._layouts[msg.responder.addr] = msgspec.structs.replace(
-                    cached, incarnation=msg.responder.incarnation)
-        return super().on_message(msg, now)
-
-
-class DeadIncarnationLayout(PrefillEndpoint):
-    """vllm-ascend #4650 and nothing else: D's cached layout outlives D's restart and is used as
-    it is, with the dead process's addresses (and its incarnation): P takes the restarted D's
-    reply as coming from the process whose layout it holds."""
-
-    def _forget_layout(self, addr: str) -> None:
-        return None  # a lost or restarted peer keeps its cached layout
+    def _confirm(self, msg: MetaReply, cached: KVLayout) -> MetaReply:
+        raise NotImplementedError
 
     def on_message(self, msg: Message, now: float) -> list[Effect]:
         """A reply without a layout confirms the cached one, whatever its incarnation."""
         if isinstance(msg, MetaReply) and msg.status == "accepted" and msg.layout is None:
             cached = self._layouts.get(msg.responder.addr)
             if cached is not None and cached.incarnation != msg.responder.incarnation:
-                who = msgspec.structs.replace(msg.responder, incarnation=cached.incarnation)
-                msg = msgspec.structs.replace(msg, responder=who)
+                msg = self._confirm(msg, cached)
         return super().on_message(msg, now)
+
+
+class StaleLayoutCache(_LayoutOutlivesRestart):
+    """vllm-ascend #4650: D's layout is cached per D address with no notion of incarnation.
+
+    A restarted D's answer is taken as confirming the cached layout (upstream keyed the cache by
+    engine and never invalidated it), so P writes at the addresses of the dead process."""
+
+    def _confirm(self, msg: MetaReply, cached: KVLayout) -> MetaReply:
+        """The cached addresses, relabelled as the new incarnation's."""
+        self._layouts[msg.responder.addr] = msgspec.structs.replace(
+            cached, incarnation=msg.responder.incarnation)
+        return msg
+
+
+class DeadIncarnationLayout(_LayoutOutlivesRestart):
+    """vllm-ascend #4650 and nothing else: D's cached layout outlives D's restart and is used as
+    it is, with the dead process's addresses (and its incarnation): P takes the restarted D's
+    reply as coming from the process whose layout it holds."""
+
+    def _confirm(self, msg: MetaReply, cached: KVLayout) -> MetaReply:
+        """The reply, as if the dead process had sent it."""
+        who = msgspec.structs.replace(msg.responder, incarnation=cached.incarnation)
+        return msgspec.structs.replace(msg, responder=who)
 
 
 SUFFIX = "-7f3a"  # what vLLM appends to a request id inside the engine (vllm #27987)

@@ -86,15 +86,21 @@ def _first(entries: list[tuple], event: str, dst: str | None = None) -> float | 
     return next((e[0] for e in entries if e[2] == event and (dst is None or e[4] == dst)), None)
 
 
+def _wait(name: str, start: float, until: float | None, end: float, missing: str) -> Phase:
+    """A phase from ``start`` until ``until``; one that never ended runs to ``end`` as an error
+    saying what was ``missing``."""
+    return Phase(name, start, until if until is not None else end,
+                 error="" if until is not None else missing)
+
+
 def _prefill_phases(entries: list[tuple], end: float, layers: int) -> list[Phase]:
     """P: claim (admitted -> every target accepted), one span per chunk written, DONE ack."""
     out: list[Phase] = []
     if not entries:
         return out
     t0 = entries[0][0]
-    accepted = _first(entries, "meta_accepted", "META_READY")
-    out.append(Phase("lw.claim", t0, accepted if accepted is not None else end,
-                     error="" if accepted is not None else "no decoder accepted"))
+    out.append(_wait("lw.claim", t0, _first(entries, "meta_accepted", "META_READY"), end,
+                     "no decoder accepted"))
     starts = [t0] + [e[0] for e in entries if e[2] == "chunk_scheduled"]
     chunk: Phase | None = None
     k = 0
@@ -115,9 +121,8 @@ def _prefill_phases(entries: list[tuple], end: float, layers: int) -> list[Phase
             last_layer = None
             k += 1
     if last_layer is not None:
-        acked = _first(entries, "ack", "DONE")
-        out.append(Phase("lw.await_done_ack", last_layer, acked if acked is not None else end,
-                         error="" if acked is not None else "no acknowledgement"))
+        out.append(_wait("lw.await_done_ack", last_layer, _first(entries, "ack", "DONE"), end,
+                         "no acknowledgement"))
     return out
 
 
@@ -128,12 +133,10 @@ def _decode_phases(entries: list[tuple], end: float) -> list[Phase]:
         return out
     t0 = entries[0][0]
     claimed = _first(entries, "claim", "RECEIVING")
-    out.append(Phase("lw.await_claim", t0, claimed if claimed is not None else end,
-                     error="" if claimed is not None else "no sender claimed the request"))
+    out.append(_wait("lw.await_claim", t0, claimed, end, "no sender claimed the request"))
     if claimed is not None:
-        done = _first(entries, "all_done", "DONE")
-        recv = Phase("lw.receiving", claimed, done if done is not None else end,
-                     error="" if done is not None else "not every sender finished")
+        recv = _wait("lw.receiving", claimed, _first(entries, "all_done", "DONE"), end,
+                     "not every sender finished")
         for e in entries:
             if e[2] == "sender_done":
                 recv.events.append(("sender_done", e[0], {"lw.detail": str(e[5])}))
