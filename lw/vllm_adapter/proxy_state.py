@@ -211,7 +211,8 @@ class Backend:
         """The server did not answer (connection refused or dropped, 5xx): avoid it a while."""
         self.fails += 1
         lo, hi = BACKOFF_S
-        self.down_until = now + min(hi, lo * 2 ** (self.fails - 1)) * random.uniform(0.8, 1.2)
+        wait = min(hi, lo * 2 ** min(self.fails - 1, 16))  # the exponent capped: no overflow
+        self.down_until = now + wait * random.uniform(0.8, 1.2)
 
     def answered(self) -> None:
         """The server answered: route to it as usual."""
