@@ -107,3 +107,18 @@ def test_a_prefill_server_that_failed_is_avoided_by_the_next_requests() -> None:
             assert _post(c.url, f"fine {i}").status_code == 200
         by_url = {p["url"]: p for p in c.metrics()["prefill"]}
         assert by_url[bad]["requests"] == 1 and by_url[bad]["consecutive_failures"] == 1
+
+
+def test_backoff_grows_is_jittered_and_bounded() -> None:
+    from lw.vllm_adapter.proxy_state import BACKOFF_S, Backend
+
+    b = Backend("http://d", "decode")
+    waits = []
+    for _ in range(2000):  # a server down for a long time: no overflow, never past the cap
+        b.failed(100.0)
+        waits.append(b.down_until - 100.0)
+    lo, hi = BACKOFF_S
+    assert 0.8 * lo <= waits[0] <= 1.2 * lo and waits[1] > waits[0] * 1.2
+    assert max(waits) <= 1.2 * hi and not b.up(100.0) and b.up(100.0 + 1.2 * hi)
+    b.answered()
+    assert b.up(100.0) and b.fails == 0
