@@ -22,6 +22,22 @@ def blocks_complete(tokens_done: int, prompt_tokens: int, block_size: int) -> in
     return tokens_done // block_size
 
 
+def received_blocks(prompt_tokens: int, cached_tokens: int, block_size: int) -> range:
+    """The blocks of a prompt (indices into its block table) D receives from P: those holding
+    tokens ``cached_tokens`` to the end, where ``cached_tokens`` is D's own prefix-cache hit
+    (whole blocks, less than the prompt). Raises ValueError saying which input is impossible."""
+    if block_size < 1 or prompt_tokens < 1:
+        raise ValueError(f"block size {block_size} and prompt of {prompt_tokens} tokens must "
+                         "be >= 1")
+    if not 0 <= cached_tokens < prompt_tokens:
+        raise ValueError(f"a prefix hit of {cached_tokens} tokens on a prompt of "
+                         f"{prompt_tokens} leaves nothing to receive")
+    if cached_tokens % block_size:
+        raise ValueError(f"a prefix hit of {cached_tokens} tokens is not whole blocks of "
+                         f"{block_size}: its last block would be written over")
+    return range(cached_tokens // block_size, -(-prompt_tokens // block_size))
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     """Deadlines and retry budgets of a P worker (seconds)."""

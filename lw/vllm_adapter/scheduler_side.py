@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lw.fsm.prefill_request import blocks_complete
+from lw.fsm.prefill_request import blocks_complete, received_blocks
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
@@ -163,7 +163,7 @@ class SchedulerSide:
         if geo != self.geometry:
             raise ValueError(f"KV geometry differs: decode has {geo!r}, prefill has "
                              f"{self.geometry!r}")
-        need = -(-request.num_prompt_tokens // self.block_size)
+        need = received_blocks(request.num_prompt_tokens, 0, self.block_size).stop
         if first + len(blocks) != need:
             raise ValueError(f"{first}+{len(blocks)} remote blocks for a prompt of "
                              f"{request.num_prompt_tokens} tokens ({need} blocks)")
@@ -265,6 +265,13 @@ class SchedulerSide:
             self._tails[rid] = n // self.block_size  # counted once allocated (after_alloc)
             return 0, False
         self._tails.pop(rid, None)  # the hit changed since an earlier, unallocated call
+        try:
+            received_blocks(request.num_prompt_tokens, n, self.block_size)
+        except ValueError as exc:  # not from vLLM's own block-sized hits; never written over
+            if rid not in self._bad_params:
+                self._bad_params.add(rid)
+                log.error("lw: request %s: %s; computing its prefill locally", rid, exc)
+            return 0, False
         if request.prompt_token_ids is None:
             if rid not in self._bad_params:
                 self._bad_params.add(rid)
@@ -290,9 +297,10 @@ class SchedulerSide:
             return
         self._d_seen.add(rid)
         (block_ids,) = blocks.get_block_ids()
-        first = (request.num_prompt_tokens - num_external) // self.block_size
-        need = -(-request.num_prompt_tokens // self.block_size)
-        remote = tuple(block_ids[first:need])
+        span = received_blocks(request.num_prompt_tokens,
+                               request.num_prompt_tokens - num_external, self.block_size)
+        first = span.start
+        remote = tuple(block_ids[span.start:span.stop])
         tid = sub_transfer_id(params["transfer_id"], rid)
         self._d[rid] = _DReq(tid)
         self._meta.recvs.append(RecvSpec(tid, rid, remote, trace_headers_of(request)
