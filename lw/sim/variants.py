@@ -71,6 +71,9 @@ _LATE_WRITES = {"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kind
                 "retries": 1}
 
 # Chunked prefill with progressive push: two chunks of one block each, pushed layer by layer.
+# A D engine crashes and restarts while a second request is still to come (the #4650 variants).
+_D_RESTART = {"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("crash",),
+              "d_restarts": 1, "delays": False}
 _CHUNKS = {"dp": 1, "requests": 1, "layers": 1, "chunks": 2, "blocks_per_request": 2,
            "d_blocks": 2, "p_blocks": 2}
 
@@ -101,8 +104,7 @@ _DESIGNS: tuple[Design, ...] = (
         summary="P caches D's KV layout per D address and never drops it: after D restarts, P "
                 "writes at the addresses the dead process had registered.",
         prefill=defects.StaleLayoutCache, expected="layout-match",
-        bounds={"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("crash",),
-                "d_restarts": 1, "delays": False},
+        bounds=_D_RESTART,
         ruled_out="layouts are cached per (D worker, incarnation); a reply from another "
                   "incarnation makes P ask for the layout again"),
     Design(
@@ -112,8 +114,7 @@ _DESIGNS: tuple[Design, ...] = (
                 "with the dead incarnation's addresses; the writes fail, and a request that "
                 "reached the restarted D after the restart, which no fault touched, fails.",
         prefill=defects.DeadIncarnationLayout, expected="progress",
-        bounds={"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("crash",),
-                "d_restarts": 1, "delays": False},
+        bounds=_D_RESTART,
         ruled_out="layouts are cached per (D worker, incarnation) and forgotten when the peer is "
                   "lost; a reply from another incarnation makes P ask for the layout again"),
     Design(

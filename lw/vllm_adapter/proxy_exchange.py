@@ -132,8 +132,8 @@ class Exchange(Response):
         state = self.state
         run = asyncio.ensure_future(self._run(send))
         disconnect = asyncio.ensure_future(_wait_disconnect(receive))
-        watched = self.tr  # the attempt whose prefill failure ends the request
-        prefill_failed = asyncio.ensure_future(watched.prefill_failed.wait())
+        # the current attempt's prefill failure ends the request
+        prefill_failed = asyncio.ensure_future(self.tr.prefill_failed.wait())
         swapped = asyncio.ensure_future(self._swapped.wait())
         waiting: set[asyncio.Future[Any]] = {run, disconnect, prefill_failed, swapped}
         try:
@@ -147,14 +147,13 @@ class Exchange(Response):
                     log.info("request %s: client disconnected; cancelling", self.tr.request_id)
                     await _cancel_and_wait(run)
                     break
-                if swapped in done or (prefill_failed in done and watched is not self.tr):
+                if swapped in done:  # set before an old prefill could end anything
                     # failed over to another D: only the new attempt's prefills matter
                     self._swapped.clear()
                     for f in (swapped, prefill_failed):
                         waiting.discard(f)
                         f.cancel()
-                    watched = self.tr
-                    prefill_failed = asyncio.ensure_future(watched.prefill_failed.wait())
+                    prefill_failed = asyncio.ensure_future(self.tr.prefill_failed.wait())
                     swapped = asyncio.ensure_future(self._swapped.wait())
                     waiting |= {prefill_failed, swapped}
                     continue

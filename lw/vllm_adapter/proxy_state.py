@@ -275,14 +275,6 @@ class PrefillTargets(Protocol):
         ...
 
 
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 class ProxyState:
     """Everything the proxy app shares: servers, transfers in flight, HTTP client, counters."""
 
@@ -346,7 +338,7 @@ class ProxyState:
         cands = [b for b in backends if b not in skip]
         if not cands:
             raise ValueError("no server left to try")
-        now = asyncio.get_running_loop().time() if _loop_running() else 0.0
+        now = asyncio.get_running_loop().time()  # every caller is a request handler
         live = [b for b in cands if b.up(now)] or cands
         role = live[0].role
         start = self._rr[role] % len(live)

@@ -157,7 +157,6 @@ class Sidecar:
         self.allow = tuple(allow)
         self.allow_any = allow_any
         self.backends: OrderedDict[str, Backend] = OrderedDict()
-        self.refused = 0
 
     def target(self, headers: Mapping[str, str] | Iterable[tuple[str, str]],
                known: Iterable[Backend] = ()) -> Backend | None:
@@ -172,7 +171,6 @@ class Sidecar:
             return mine
         host, port = _split(url)
         if not self.allow_any and not any(e.admits(host, port) for e in self.allow):
-            self.refused += 1
             raise BadTarget(f"prefill server {host}:{port} named by the request is not "
                             "allowed (lw proxy --allow-prefiller)", 403)
         backend = self.backends.get(url)

@@ -196,7 +196,7 @@ class WorkerSide:
                                    heartbeat_misses=self.cfg.heartbeat_misses)
         self.loop.start()
         if self.cfg.is_producer:
-            self.rates = PushRates(sum(p.block_len for p in self.planes))
+            self.rates = PushRates(self._block_bytes())
         if self._trace_endpoint:
             try:
                 self.tracer = LifecycleTracer(self._trace_endpoint, "prefill" if
