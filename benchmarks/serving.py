@@ -17,14 +17,15 @@ cache), 32 output tokens, and prints one table per model and shape plus
 (``benchmarks/_link.py``) whose P -> D direction is capped with tbf; P, the proxies and the
 client stay in the root namespace, and each set-up crosses a link made the same way. Values:
 ``none`` (loopback, the default), ``uncapped`` (veth, no tbf), factors of ``kv_over_prefill`` =
-(KV bytes of one prompt / link rate) / (the single server's prefill time of that prompt), and
+(KV bytes of one prompt / link goodput) / (the single server's prefill time of that prompt), and
 ``auto`` = ``uncapped,0.5,1.0,2.0``. The prefill time is the single server's TTFT p50 with
-``max_tokens`` 1 over a few prompts of the shape's length; the rate is
-``R = KV bytes x 8 / (factor x prefill time)`` bit/s, and a TCP transfer through the shaped
-veth reports the goodput achieved. With ``--link`` each set-up is started once per repeat
-(``--repeats``, order rotated per repeat) and runs every link row and shape on fresh prompts;
-the ratios are medians of the per-repeat ratios, with their min-max spread. Needs root and
-iproute2.
+``max_tokens`` 1 over a few prompts of the shape's length; the goodput wanted is
+``KV bytes x 8 / (factor x prefill time)`` bit/s, and the tbf rate is scaled (the first time a
+row is set) until a TCP transfer through the shaped veth achieves it within 1 %; every setting
+reports the goodput and the ``kv_over_prefill`` achieved. With ``--link`` each set-up is
+started once per repeat (``--repeats``, order rotated per repeat) and runs every link row and
+shape on fresh prompts; the ratios are medians of the per-repeat ratios, with their min-max
+spread. Needs root and iproute2.
 
 ``.venv/bin/python benchmarks/serving.py [--quick] [--link auto]`` from the repository root.
 """
@@ -458,6 +459,8 @@ class LinkInfo:
     kv_bytes: int = 0
     prefill_s: float = 0.0
     rate_bps: float | None = None  # tbf rate (None: uncapped)
+    target_bps: float | None = None  # the goodput the row's factor asks for (None: uncapped)
+    rate_fitted: bool = False  # rate_bps scaled so that the goodput meets target_bps
     goodputs_bps: list[float] = field(default_factory=list)
 
     def achieved(self) -> list[float]:
@@ -517,11 +520,31 @@ class Bench:
             after_lw_run(run, f"{shape.key} {row.key}", res, wall1)
 
 
+GOODPUT_TOLERANCE = 0.01
+"""A capped row's goodput within this fraction of its target is left as it is."""
+
+
 def set_link(link: Link, bench: Bench, row: LinkRow, shape: Shape) -> None:
-    """Cap ``link`` for this row and prompt length, measure the goodput and print it."""
+    """Cap ``link`` for this row and prompt length, measure the goodput and print it.
+
+    ``kv_over_prefill`` is defined by the goodput (the issue's definition), and TCP through tbf
+    delivers about 4 % less than the tbf rate: the first time a row is set, its tbf rate is
+    scaled until the goodput is within ``GOODPUT_TOLERANCE`` of the target (two corrections at
+    most); later repeats reuse that rate and only measure."""
     info = bench.links[(row.key, shape.input_len)]
     link.set_rate(info.rate_bps)
     good = link.goodput(seconds=1.0 if info.rate_bps else 0.5)
+    target = info.target_bps
+    for _ in range(2 if target and not info.rate_fitted else 0):
+        if abs(good * 8 / target - 1.0) <= GOODPUT_TOLERANCE:
+            break
+        assert info.rate_bps is not None
+        print(f"  link {row.key} {shape.key}: tbf {info.rate_bps / 1e6:.1f} Mbit/s gave "
+              f"{good * 8 / 1e6:.1f} Mbit/s of {target / 1e6:.1f} wanted; scaling", flush=True)
+        info.rate_bps *= target / (good * 8)
+        link.set_rate(info.rate_bps)
+        good = link.goodput(seconds=1.0)
+    info.rate_fitted = True
     info.goodputs_bps.append(good * 8)
     cap = "uncapped" if info.rate_bps is None else f"tbf {info.rate_bps / 1e6:.1f} Mbit/s"
     achieved = (f", kv_over_prefill achieved {info.achieved()[-1]:.2f}"
@@ -621,14 +644,16 @@ def calibrate(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ..
             info.kv_bytes = kv_bytes(bench.model, sh.input_len)
             info.prefill_s = prefill.get(sh.input_len, 0.0)
             if row.kind == "factor":
-                info.rate_bps = info.kv_bytes * 8 / (row.factor * info.prefill_s)
+                info.target_bps = info.kv_bytes * 8 / (row.factor * info.prefill_s)
+                info.rate_bps = info.target_bps  # scaled to the goodput by set_link
     for row in bench.rows:
         for n in sorted({sh.input_len for sh in bench.plan}):
             info = bench.links[(row.key, n)]
             if row.kind == "factor":
                 print(f"  {row.key}, {n} tokens: KV {info.kv_bytes / 1e6:.1f} MB per prompt / "
-                      f"({row.factor} x {info.prefill_s * 1e3:.0f} ms) -> tbf "
-                      f"{info.rate_bps / 1e6:.1f} Mbit/s", flush=True)  # type: ignore[operator]
+                      f"({row.factor} x {info.prefill_s * 1e3:.0f} ms) -> goodput "
+                      f"{info.target_bps / 1e6:.1f} Mbit/s wanted",  # type: ignore[operator]
+                      flush=True)
 
 
 def run_model(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ...]) -> None:
