@@ -24,8 +24,10 @@ client stay in the root namespace, and each set-up crosses a link made the same 
 row is set) until a TCP transfer through the shaped veth achieves it within 1 %; every setting
 reports the goodput and the ``kv_over_prefill`` achieved. With ``--link`` each set-up is
 started once per repeat (``--repeats``, order rotated per repeat) and runs every link row and
-shape on fresh prompts; the ratios are medians of the per-repeat ratios, with their min-max
-spread. Needs root and iproute2.
+shape on fresh prompts, each run after two unmeasured prompts of its own (``--row-warmups``:
+every set-up meets a row's link in its steady state, as lw's auto push must learn a link that
+the benchmark changes every few seconds); the ratios are medians of the per-repeat ratios, with
+their min-max spread. Needs root and iproute2.
 
 ``.venv/bin/python benchmarks/serving.py [--quick] [--link auto]`` from the repository root.
 """
@@ -484,6 +486,7 @@ class Bench:
     results: dict[tuple[str, str, str], list[dict[str, Any]]] = field(default_factory=dict)
     links: dict[tuple[str, int], LinkInfo] = field(default_factory=dict)
     failures: int = 0
+    row_warmups: int = 0
 
     def dataset(self, rep: int, row: LinkRow, shape: Shape) -> Path:
         """Fresh prompts per repeat and link row (a started set-up runs several rows: repeated
@@ -495,10 +498,34 @@ class Bench:
                                              f"{self.seed}-r{rep}-{row.key}"))
         return path
 
+    def warm_row(self, run: Running, rep: int, row: LinkRow, shape: Shape) -> None:
+        """``row_warmups`` prompts of the shape's length, not measured, before a row's run:
+        each set-up meets the row's link in its steady state (lw's ``push_mode`` auto learns a
+        link from its own writes, and a row follows a faster or slower one within seconds, not
+        as a deployment's link changes). Fresh prompts of their own: a warm-up that repeated a
+        measured prompt would give that prompt a prefix-cache hit."""
+        if not self.row_warmups:
+            return
+        prompts = make_prompts(self.model, Shape(shape.input_len, 1, self.row_warmups),
+                               f"{self.seed}-warm-r{rep}-{row.key}")
+        for p in prompts:
+            r = complete(run.url, p, max_tokens=2, stream=False, timeout=300.0)
+            if r.error:
+                raise RuntimeError(f"warm-up request failed: {r.error}")
+
     def measure(self, run: Running, setup: str, rep: int, row: LinkRow, shape: Shape,
                 logs: Path) -> None:
-        """One ``vllm bench serve`` run; stored under (shape, row, setup)."""
+        """One ``vllm bench serve`` run (after the row's warm-ups); stored under (shape, row,
+        setup)."""
         label = f"{self.model_name} {LABELS[setup]} {shape.key} {row.key} rep {rep}"
+        try:
+            self.warm_row(run, rep, row, shape)
+        except RuntimeError as exc:
+            print(f"[{label}] FAILED: {exc}", flush=True)
+            self.failures += 1
+            self.results.setdefault((shape.key, "-" if setup == "single" else row.key, setup),
+                                    []).append({"error": "warm-up failed", "rep": rep})
+            return
         t1, wall1 = time.monotonic(), time.time()
         key = (shape.key, "-" if setup == "single" else row.key, setup)
         try:
@@ -784,6 +811,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="start each P/D set-up this many times, order rotated (default 1; "
                          "with --link 2)")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed (same for every setup)")
+    ap.add_argument("--row-warmups", type=int, default=None, metavar="N",
+                    help="unmeasured prompts of the shape's length before each run of a set-up "
+                         "on a link row (default 2 with --link, else 0)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per shape (override)")
     ap.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                     help="run only these shapes of the plan, e.g. in1024-c4")
@@ -824,6 +854,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from "
                      f"{', '.join(sorted(known))}")
         plan = [s for s in plan if s.key in args.shapes] or [known[n] for n in args.shapes]
+    if args.row_warmups is not None and args.row_warmups < 0:
+        ap.error(f"--row-warmups must be >= 0, got {args.row_warmups}")
     if args.prompts:
         plan = [Shape(s.input_len, s.concurrency, args.prompts) for s in plan]
     longest = max(s.input_len for s in plan) + OUTPUT_TOKENS
@@ -835,9 +867,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_all = time.monotonic()
     pm = "" if push_mode_supported() else (
         " (lw's config has no push_mode yet: both lw set-ups run its one mode)")
+    warm = args.row_warmups if args.row_warmups is not None else 2 if link_mode else 0
     print(f"serving benchmark: setups {', '.join(args.setups)}{pm}; link rows "
-          f"{', '.join(r.key for r in args.link)}; repeats {args.repeats}; work dir {work}",
-          flush=True)
+          f"{', '.join(r.key for r in args.link)}; repeats {args.repeats}; {warm} unmeasured "
+          f"prompt(s) before each run; work dir {work}", flush=True)
     benches: list[Bench] = []
     failures = 0
     try:
@@ -846,7 +879,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = make_tiny_model(work / f"tiny-{layers}l{suffix}", num_layers=layers,
                                     **model_kw)
             bench = Bench(f"llama {layers} layers", model, work, plan, list(args.link),
-                          args.seed, args.bench_timeout)
+                          args.seed, args.bench_timeout,
+                          row_warmups=warm)
             benches.append(bench)
             try:
                 run_model(bench, args, engine_args)

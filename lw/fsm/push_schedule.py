@@ -74,8 +74,9 @@ def push_starts_now(*, blocks_to_send: int, tokens_after_chunk: int, est: PushEs
     ``blocks_to_send``: the prompt's blocks D takes from P (all chunks); ``tokens_after_chunk``:
     prompt tokens still to compute once this chunk is done (0: the last chunk);
     ``tokens_computed``: prompt tokens computed once this chunk is done. Under "auto", without
-    an estimate of either rate the push waits for the last chunk, whose writes then measure the
-    link.
+    an estimate of either rate the push starts now: on a link never measured, starting early
+    costs at most the forward time its writes take, starting late can leave the whole transfer
+    after the last layer (and the early writes measure the link as well).
     """
     if mode not in PUSH_MODES:
         raise ValueError(f"push mode must be one of {', '.join(PUSH_MODES)}, got {mode!r}")
@@ -89,5 +90,5 @@ def push_starts_now(*, blocks_to_send: int, tokens_after_chunk: int, est: PushEs
         raise ValueError(f"margin must be > 0, got {margin}")
     left = compute_left(est, tokens_computed, tokens_computed + tokens_after_chunk)
     if left is None or est.wire_s_per_block is None:
-        return False
+        return True
     return blocks_to_send * est.wire_s_per_block * margin >= left

@@ -33,9 +33,12 @@ def test_the_start_chunk_follows_the_link() -> None:
     assert start_chunk(EST["kv_over_prefill=1.0"]) == 0
 
 
-def test_without_an_estimate_the_push_waits_for_the_last_chunk() -> None:
-    assert start_chunk(PushEstimate()) == 3
-    assert start_chunk(PushEstimate(6e-4, None)) == 3
+def test_without_an_estimate_the_push_starts_at_the_first_chunk() -> None:
+    """An unmeasured link may be slow: starting late could leave the whole transfer after the
+    last layer, starting early costs only the early writes' share of the forward."""
+    assert start_chunk(PushEstimate()) == 0
+    assert start_chunk(PushEstimate(6e-4, None)) == 0
+    assert start_chunk(PushEstimate(None, 1e-3)) == 0
 
 
 def test_bad_margin_is_refused() -> None:

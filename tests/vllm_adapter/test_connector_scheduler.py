@@ -307,15 +307,16 @@ def test_p_last_chunk_mode_pushes_only_in_the_step_its_prefill_completes(
     assert all(not m.sends for m in d.metas[2:])
 
 
-def test_p_auto_waits_for_the_last_chunk_until_the_link_is_measured(model_dir: str) -> None:
+def test_p_auto_pushes_from_the_first_chunk_until_the_link_is_measured(model_dir: str) -> None:
     s = make_scheduler(model_dir, "kv_producer")  # push_mode auto, the default
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=decoder_params()))
-    d.step()  # chunk 1: no rate is known yet, so nothing is sent
-    assert d.meta.sends == []
-    d.step()  # the last chunk pushes every block (and its writes measure the link)
+    d.step()  # chunk 1: no rate is known yet, so its complete blocks go (and measure the link)
     (spec,) = d.meta.sends
-    assert (spec.first, spec.final, len(spec.local_blocks)) == (True, True, 7)
+    assert (spec.first, spec.final, len(spec.local_blocks)) == (True, False, 4)
+    d.step()  # the last chunk pushes the rest
+    (spec,) = d.meta.sends
+    assert (spec.first, spec.final, len(spec.local_blocks)) == (False, True, 3)
 
 
 @pytest.mark.parametrize(("host", "wire_s_per_block", "margin", "early"), [
@@ -323,7 +324,7 @@ def test_p_auto_waits_for_the_last_chunk_until_the_link_is_measured(model_dir: s
     ("127.0.0.1", 1e-2, 1.0, True),  # 70 ms: the compute left after chunk 1 cannot hide it
     ("127.0.0.1", 4e-3, 1.0, False),  # 28 ms fits in the 36 ms left ...
     ("127.0.0.1", 4e-3, 1.5, True),  # ... but not with push_start_margin 1.5
-    ("10.9.9.9", 1e-2, 1.0, False),  # another decode host's link says nothing of this one
+    ("10.9.9.9", 1e-4, 1.0, True),  # another decode host's link says nothing of this one
 ])
 def test_p_auto_starts_early_only_where_the_measured_link_needs_it(
         model_dir: str, host: str, wire_s_per_block: float, margin: float, early: bool) -> None:
