@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lw.fsm.prefill_request import blocks_complete, received_blocks
+from lw.fsm.block_choice import blocks_to_push, blocks_to_receive
+from lw.fsm.prefill_request import received_blocks
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
@@ -180,29 +181,25 @@ class SchedulerSide:
         final = computed >= req.num_prompt_tokens
         if not final and not tr.pushed and not self._starts_now(tr, req, computed):
             return  # nothing is sent yet: a later chunk starts the push
-        # D blocks complete after this chunk (D's prefix hit, first_block, is never pushed)
-        upto = max(0, blocks_complete(computed, req.num_prompt_tokens, self.block_size)
-                   - tr.first_block)
-        if upto <= tr.covered and tr.pushed:
-            return  # no block completes in this chunk: its layers are not reported for rid
-        block_ids = self.block_ids(rid)
-        lo, hi = tr.first_block + tr.covered, tr.first_block + upto
-        local = tuple(block_ids[lo:hi])
-        if len(local) != hi - lo:
-            log.error("lw: request %s has %d blocks, %d expected; not pushed", rid,
-                      len(block_ids), hi)
+        try:  # the P blocks this chunk completes that D misses (the core's decision)
+            local = blocks_to_push(self.block_ids(rid), req.num_prompt_tokens, computed,
+                                   tr.first_block, tr.covered, self.block_size)
+        except ValueError as exc:
+            log.error("lw: request %s: %s; not pushed", rid, exc)
             if tr.pushed:  # the workers hold it: stop them (D is told)
                 tr.dead = True
                 self._meta.aborts.append((tr.transfer_id, rid, "P lost track of its blocks"))
             else:
                 del self._p[rid]
             return
+        if not local and tr.pushed:
+            return  # no block completes in this chunk: its layers are not reported for rid
         first = not tr.pushed
         if not final:
             with self._lock:
-                self._counts["early_chunk_blocks"] += hi - lo
+                self._counts["early_chunk_blocks"] += len(local)
         tr.pushed = True
-        tr.covered = upto
+        tr.covered += len(local)
         tr.final = final
         self._pushed[rid] = tr.transfer_id
         trace = trace_headers_of(req) if first and self._traced else ()
@@ -297,10 +294,11 @@ class SchedulerSide:
             return
         self._d_seen.add(rid)
         (block_ids,) = blocks.get_block_ids()
-        span = received_blocks(request.num_prompt_tokens,
-                               request.num_prompt_tokens - num_external, self.block_size)
-        first = span.start
-        remote = tuple(block_ids[span.start:span.stop])
+        # The blocks P writes, after D's own hit (checked whole blocks by num_new_matched_tokens;
+        # vLLM allocated every block of the prompt, so this does not raise).
+        first, remote = blocks_to_receive(block_ids, request.num_prompt_tokens,
+                                          request.num_prompt_tokens - num_external,
+                                          self.block_size)
         tid = sub_transfer_id(params["transfer_id"], rid)
         self._d[rid] = _DReq(tid)
         self._meta.recvs.append(RecvSpec(tid, rid, remote, trace_headers_of(request)
