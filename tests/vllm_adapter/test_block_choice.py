@@ -3,9 +3,10 @@ that do not ask the connector: token t of a prompt lives in block t // BS of vLL
 table, D's prefix cache is the blocks vLLM shares with an earlier request, and in a cluster the
 values P's forward wrote for each block's tokens (Cluster._verify). Each check is shown to
 catch a slip planted in the core's choice functions (lw.fsm.block_choice), slips that passed
-every earlier adapter test: D front-trimming or shifting its blocks after a prefix hit, P
-handing on a block whose last tokens a later chunk computes, and D loading a request twice after
-vLLM preempted it."""
+every earlier adapter test: D front-trimming or shifting its blocks after a prefix hit, and P
+handing on a block whose last tokens a later chunk computes. Also: D never loads a request twice
+after vLLM preempted it (earlier tests pinned that rule only on the recompute-after-failure path).
+"""
 
 from __future__ import annotations
 
