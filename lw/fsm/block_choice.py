@@ -1,5 +1,6 @@
 """Which block ids of a request's block table each side hands to its core: D the blocks it
-registers and names to P after its own prefix hit, P the blocks each prefill chunk completes.
+registers and names to P after its own prefix hit, P the blocks each prefill chunk completes
+(and, in :class:`PushCursor`, how far a request's push has got on P's scheduler).
 
 These are the slices where a front-trimmed or shifted block list would put the right KV into
 the wrong blocks (vllm #48633's class); drivers call them instead of slicing tables themselves.
@@ -9,11 +10,12 @@ Index arithmetic over a prompt's blocks is :mod:`lw.fsm.prefill_request`'s (``re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from lw.fsm.prefill_request import blocks_complete, received_blocks
 
-__all__ = ["blocks_to_push", "blocks_to_receive"]
+__all__ = ["Push", "PushCursor", "blocks_to_push", "blocks_to_receive"]
 
 
 def blocks_to_receive(table: Sequence[int], prompt_tokens: int, cached_tokens: int,
@@ -48,3 +50,52 @@ def blocks_to_push(table: Sequence[int], prompt_tokens: int, tokens_done: int,
         raise ValueError(f"a block table of {len(table)} blocks, {complete} are complete "
                          f"after {tokens_done} of {prompt_tokens} tokens")
     return tuple(table[first_block + pushed:complete])
+
+
+@dataclass(frozen=True)
+class Push:
+    """One chunk's push: P's blocks it hands on; ``first``: the request's first push (the
+    workers add it to their cores, else they announce a further chunk); ``final``: its last."""
+
+    local: tuple[int, ...]
+    first: bool
+    final: bool
+
+
+@dataclass
+class PushCursor:
+    """How far one request's push has got, for P's scheduler (a process without the cores):
+    what a chunk hands on follows the rules :meth:`PrefillEndpoint.add_chunk` enforces (an
+    empty chunk is announced only as the first, none after the last or after a stop)."""
+
+    first_block: int  # the prompt's first blocks, which D holds itself (never pushed)
+    started: bool = False  # pushed once: the workers' cores hold the request
+    pushed: int = 0  # D blocks handed on so far
+    final: bool = False  # its last chunk was pushed
+    stopped: bool = False  # stopped after its first push (preempted): never pushed again
+
+    def chunk(self, table: Sequence[int], prompt_tokens: int, tokens_done: int,
+              block_size: int, start_early: Callable[[], bool]) -> Push | None:
+        """A chunk ending after ``tokens_done`` tokens is computed: what it pushes, or None.
+        ``start_early``: whether a push not started yet starts with a chunk before the last
+        (asked only then). Raises ValueError as :func:`blocks_to_push` does."""
+        if self.final or self.stopped:
+            return None
+        final = tokens_done >= prompt_tokens
+        if not final and not self.started and not start_early():
+            return None  # a later chunk starts the push
+        local = blocks_to_push(table, prompt_tokens, tokens_done, self.first_block,
+                               self.pushed, block_size)
+        if not local and self.started:
+            return None  # completes no block: its layers are not reported for the request
+        push = Push(local, not self.started, final)
+        self.started, self.pushed, self.final = True, self.pushed + len(local), final
+        return push
+
+    def stop(self) -> bool:
+        """The request's blocks were freed under its push (vLLM preempted it): whether the
+        workers must abort it (they hold it and it is not over); no chunk is pushed after."""
+        if not self.started or self.final or self.stopped:
+            return False
+        self.stopped = True
+        return True

@@ -13,8 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lw.fsm.block_choice import blocks_to_push, blocks_to_receive
+from lw.fsm import DecodeEndpoint, PrefillEndpoint, PrefillRequest
+from lw.fsm.block_choice import Push, PushCursor, blocks_to_push, blocks_to_receive
 from lw.fsm.prefill_request import blocks_complete
+
+from .harness import D_ADDR, Pair, d_layout, d_sender, p_sender
 
 ChooseD = Callable[[Sequence[int], int, int, int], tuple[int, tuple[int, ...]]]
 ChooseP = Callable[[Sequence[int], int, int, int, int, int], tuple[int, ...]]
@@ -157,3 +160,74 @@ def test_planted_slips_are_caught(which: str, plant: Callable[..., object],
     kw = {"choose_d": plant} if which == "d" else {"choose_p": plant}
     assert problem(*case, **kw) != ""  # type: ignore[arg-type]
     assert problem(*case) == ""
+
+
+# ------------------------------------------------ P's push cursor, judged by the cores themselves
+@st.composite
+def pushes(draw: st.DrawFn) -> tuple[list[int], list[int], int, int, int, list[int], list[bool]]:
+    bs = draw(st.integers(1, 16))
+    prompt = draw(st.integers(1, 64 * bs))
+    n = -(-prompt // bs)
+    cached = bs * draw(st.integers(0, (prompt - 1) // bs))
+    ids = st.lists(st.integers(0, 63), min_size=n, max_size=n, unique=True)  # D's pool: 64
+    cuts = draw(st.lists(st.integers(1, prompt), max_size=5, unique=True))
+    ends = sorted({*cuts, prompt})
+    # push_mode's verdict per chunk: whether a push not started yet starts with it
+    early = draw(st.lists(st.booleans(), min_size=len(ends), max_size=len(ends)))
+    return draw(ids), draw(ids), prompt, cached, bs, ends, early
+
+
+@given(pushes())
+def test_the_push_cursor_announces_what_the_cores_accept_and_the_tokens_say(
+        case: tuple[list[int], list[int], int, int, int, list[int], list[bool]]) -> None:
+    """Each push is fed to a real PrefillEndpoint writing into a real DecodeEndpoint: no chunk
+    is refused, D receives the request, and every write carries (P block, D block) pairs the
+    token oracle pairs, each once, in a chunk that had computed them."""
+    p_table, d_table, prompt, cached, bs, ends, early = case
+    first, remote = blocks_to_receive(d_table, prompt, cached, bs)
+    L = 2
+    pair = Pair([PrefillEndpoint(p_sender(0), L)], DecodeEndpoint(d_sender(), d_layout(L)))
+    pair.absorb("d", pair.d.add_request("r", remote, 1, pair.now))
+    cursor = PushCursor(first)
+    want = oracle(p_table, d_table, prompt, cached, bs, ends)
+    written: list[tuple[int, int]] = []
+    may: list[tuple[int, int]] = []  # pairs whose tokens are computed so far
+    for end, go, chunk_want in zip(ends, early, want, strict=True):
+        may += chunk_want
+        push = cursor.chunk(p_table[:-(-end // bs)], prompt, end, bs, lambda go=go: go)
+        if push is None:
+            continue
+        p = pair.ps[0]
+        if push.first:
+            req = PrefillRequest("r", D_ADDR, push.local, remote, 1, final=push.final)
+            pair.absorb(0, p.add_request(req, pair.now))
+        else:
+            pair.absorb(0, p.add_chunk("r", push.local, push.final, pair.now))
+        pair.deliver_all()
+        if not push.local:
+            continue  # a first push with no block reports no layer (the worker's rule, too)
+        for layer in range(L):
+            pair.absorb(0, p.layer_computed(layer, ["r"], pair.now))
+        for _, w in pair.writes:
+            pairs = list(zip(w.local_blocks, w.remote_blocks, strict=True))
+            assert set(pairs) <= set(may), (pairs, may)  # never ahead of the tokens
+            if w.layer == 0:
+                written += pairs
+        pair.complete_writes()
+        pair.deliver_all()
+    assert pair.ps[0].counters.get("bad_chunks", 0) == 0
+    assert cursor.final and written == [x for chunk in want for x in chunk]
+    assert [type(e).__name__ for e in pair.recv] == ["RecvDone"]
+
+
+def test_a_stopped_push_pushes_nothing_more_and_only_a_started_one_needs_stopping() -> None:
+    c = PushCursor(0)
+    assert not c.stop()  # nothing pushed yet: the workers do not hold it
+    assert c.chunk([1, 2, 3], 48, 16, 16, lambda: True) == Push((1,), True, False)
+    assert c.chunk([1, 2, 3], 48, 20, 16, lambda: True) is None  # completes no block
+    assert c.stop() and not c.stop()
+    assert c.chunk([1, 2, 3], 48, 48, 16, lambda: True) is None
+    late = PushCursor(1)
+    assert late.chunk([1, 2], 48, 32, 16, lambda: False) is None  # push_mode: not yet
+    assert late.chunk([1, 2, 3], 48, 48, 16, lambda: False) == Push((2, 3), True, True)
+    assert not late.stop()  # over: nothing to abort

@@ -2,12 +2,12 @@
 that do not ask the connector: token t of a prompt lives in block t // BS of vLLM's own block
 table, D's prefix cache is the blocks vLLM shares with an earlier request, and in a cluster the
 values P's forward wrote for each block's tokens (Cluster._verify). Each check is shown to
-catch a slip planted in the core's choice functions (lw.fsm.block_choice), slips that passed
-every earlier adapter test: D front-trimming or shifting its blocks after a prefix hit, and P
-handing on a block whose last tokens a later chunk computes. Also: D never loads a request twice
-after vLLM preempted it (earlier tests pinned that rule only on the recompute-after-failure path).
+catch a slip planted in the core's choice functions (lw.fsm.block_choice, which P's push cursor
+calls), slips that passed every earlier adapter test: D front-trimming or shifting its blocks
+after a prefix hit, and P handing on a block whose last tokens a later chunk computes. Also: D
+never loads a request twice after vLLM preempted it (earlier tests pinned that rule only on the
+recompute-after-failure path).
 """
-
 from __future__ import annotations
 
 import time
@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
+import lw.fsm.block_choice as block_choice  # noqa: E402
 import lw.vllm_adapter.scheduler_side as sched_mod  # noqa: E402
 from lw.fsm.block_choice import blocks_to_push, blocks_to_receive  # noqa: E402
 
@@ -136,7 +137,7 @@ def _p_partial_block_early(table: Sequence[int], prompt: int, done: int, first: 
 
 def test_a_block_pushed_before_its_last_token_is_caught(
         model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sched_mod, "blocks_to_push", _p_partial_block_early)
+    monkeypatch.setattr(block_choice, "blocks_to_push", _p_partial_block_early)
     assert "the tokens say" in _p_chunk_problem(model_dir)
 
 
@@ -172,7 +173,7 @@ def _p_ignores_the_hit(table: Sequence[int], prompt: int, done: int, first: int,
 
 def test_cluster_catches_p_writing_from_the_prompts_start(
         cluster_factory: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sched_mod, "blocks_to_push", _p_ignores_the_hit)
+    monkeypatch.setattr(block_choice, "blocks_to_push", _p_ignores_the_hit)
     assert _cluster_hit_verified(cluster_factory)["r2"] is False
 
 
