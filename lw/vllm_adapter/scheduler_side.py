@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lw.fsm.prefill_request import blocks_complete, received_blocks
+from lw.fsm.block_choice import PushCursor, blocks_to_receive
+from lw.fsm.prefill_request import received_blocks
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
@@ -54,12 +55,8 @@ class _PReq:
     host: str
     port: int
     remote_blocks: tuple[int, ...]
-    first_block: int
+    push: PushCursor  # how far its push got (from D's prefix hit on)
     decoder_tp: int = 1
-    pushed: bool = False  # the workers' cores hold it (from its first push on)
-    covered: int = 0  # remote blocks handed to the workers so far
-    final: bool = False  # its last chunk was pushed
-    dead: bool = False  # preempted after its first push: never pushed again
 
 
 @dataclass
@@ -167,47 +164,36 @@ class SchedulerSide:
         if first + len(blocks) != need:
             raise ValueError(f"{first}+{len(blocks)} remote blocks for a prompt of "
                              f"{request.num_prompt_tokens} tokens ({need} blocks)")
-        return _PReq(request, tid, host, port, tuple(blocks), first, tp)
+        return _PReq(request, tid, host, port, tuple(blocks), PushCursor(first), tp)
 
     def _push_chunk(self, rid: str, num_scheduled: int) -> None:
         """This step computes a chunk of ``rid``: push the blocks it completes (progressive), or
         every block if it is the prompt's last chunk."""
         tr = self._p.get(rid)
-        if tr is None or tr.final or tr.dead:
+        if tr is None or tr.push.final or tr.push.stopped:
             return
         req = tr.request
         computed = req.num_computed_tokens + num_scheduled
-        final = computed >= req.num_prompt_tokens
-        if not final and not tr.pushed and not self._starts_now(tr, req, computed):
-            return  # nothing is sent yet: a later chunk starts the push
-        # D blocks complete after this chunk (D's prefix hit, first_block, is never pushed)
-        upto = max(0, blocks_complete(computed, req.num_prompt_tokens, self.block_size)
-                   - tr.first_block)
-        if upto <= tr.covered and tr.pushed:
-            return  # no block completes in this chunk: its layers are not reported for rid
-        block_ids = self.block_ids(rid)
-        lo, hi = tr.first_block + tr.covered, tr.first_block + upto
-        local = tuple(block_ids[lo:hi])
-        if len(local) != hi - lo:
-            log.error("lw: request %s has %d blocks, %d expected; not pushed", rid,
-                      len(block_ids), hi)
-            if tr.pushed:  # the workers hold it: stop them (D is told)
-                tr.dead = True
+        try:  # what this chunk pushes, if anything, is the core's decision
+            push = tr.push.chunk(self.block_ids(rid), req.num_prompt_tokens, computed,
+                                 self.block_size, lambda: self._starts_now(tr, req, computed))
+        except ValueError as exc:
+            log.error("lw: request %s: %s; not pushed", rid, exc)
+            if tr.push.stop():  # the workers hold it: stop them (D is told)
                 self._meta.aborts.append((tr.transfer_id, rid, "P lost track of its blocks"))
             else:
                 del self._p[rid]
             return
-        first = not tr.pushed
-        if not final:
+        if push is None:
+            return
+        if not push.final:
             with self._lock:
-                self._counts["early_chunk_blocks"] += hi - lo
-        tr.pushed = True
-        tr.covered = upto
-        tr.final = final
+                self._counts["early_chunk_blocks"] += len(push.local)
         self._pushed[rid] = tr.transfer_id
-        trace = trace_headers_of(req) if first and self._traced else ()
-        self._meta.sends.append(SendSpec(tr.transfer_id, rid, tr.host, tr.port, local,
-                                         tr.remote_blocks, tr.decoder_tp, first, final, trace))
+        trace = trace_headers_of(req) if push.first and self._traced else ()
+        self._meta.sends.append(SendSpec(tr.transfer_id, rid, tr.host, tr.port, push.local,
+                                         tr.remote_blocks, tr.decoder_tp, push.first,
+                                         push.final, trace))
 
     def _starts_now(self, tr: _PReq, req: Any, computed: int) -> bool:
         """Whether a request not pushed yet starts its push with a chunk that is not its last."""
@@ -223,9 +209,8 @@ class SchedulerSide:
         of earlier chunks that may still read them. Stop the push (D fails the request; the
         bytes read from reused blocks are never decoded); the recomputation is not pushed."""
         tr = self._p.get(rid)
-        if tr is None or not tr.pushed or tr.final or tr.dead:
+        if tr is None or not tr.push.stop():
             return
-        tr.dead = True
         with self._lock:
             self._counts["preempted_pushes"] += 1
         log.warning("lw: prefill request %s (transfer %s) was preempted between chunks; its "
@@ -297,10 +282,11 @@ class SchedulerSide:
             return
         self._d_seen.add(rid)
         (block_ids,) = blocks.get_block_ids()
-        span = received_blocks(request.num_prompt_tokens,
-                               request.num_prompt_tokens - num_external, self.block_size)
-        first = span.start
-        remote = tuple(block_ids[span.start:span.stop])
+        # The blocks P writes, after D's own hit (checked whole blocks by num_new_matched_tokens;
+        # vLLM allocated every block of the prompt, so this does not raise).
+        first, remote = blocks_to_receive(block_ids, request.num_prompt_tokens,
+                                          request.num_prompt_tokens - num_external,
+                                          self.block_size)
         tid = sub_transfer_id(params["transfer_id"], rid)
         self._d[rid] = _DReq(tid)
         self._meta.recvs.append(RecvSpec(tid, rid, remote, trace_headers_of(request)
@@ -368,7 +354,7 @@ class SchedulerSide:
         self._bad_params.discard(rid)
         if self.cfg.is_producer:
             tr = self._p.pop(rid, None)
-            if tr is None or not tr.pushed:
+            if tr is None or not tr.push.started:
                 return False
             if request.status.name not in _NORMAL_FINISH:
                 self._meta.aborts.append((tr.transfer_id, rid,
