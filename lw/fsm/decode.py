@@ -10,12 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
-from lw.fsm.decode_request import (
-    DecodeConfig,
-    DecodeRecord,
-    KVSums,
-    SenderKey,
-)
+from lw.fsm.decode_request import DecodeConfig, DecodeRecord, SenderKey
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
@@ -24,6 +19,9 @@ from lw.fsm.effects import (
     RecvDone,
     RecvFailed,
     Send,
+    SumBlocks,
+    SumPlan,
+    Sums,
     TimerKey,
 )
 from lw.fsm.kvmap import block_segments, pair_problem
@@ -166,11 +164,9 @@ class DecodeEndpoint:
                                 else f"{count} sender(s)"))
         return [ArmTimer(("deadline", req_id), deadline)]
 
-    def on_message(self, msg: Message, now: float,
-                   kv_sums: KVSums | None = None) -> list[Effect]:
-        """A side-channel message from a P worker arrived. With ``kv_checksum``, a DoneSending
-        comes with ``kv_sums``: the driver's CRC-32C of our blocks over :meth:`sum_plan`, for
-        each sender :meth:`sum_senders` names (a bare sequence: the message's sender's)."""
+    def on_message(self, msg: Message, now: float) -> list[Effect]:
+        """A side-channel message from a P worker arrived. With ``kv_checksum`` a DoneSending
+        is finished by :meth:`on_sums`, once the driver summed what :class:`SumBlocks` asks."""
         out: list[Effect] = []
         sender = getattr(msg, "sender", None)
         if sender is not None:
@@ -178,7 +174,7 @@ class DecodeEndpoint:
         if isinstance(msg, MetaRequest):
             self._on_meta_request(msg, now, out)
         elif isinstance(msg, DoneSending):
-            self._on_done(msg, now, out, kv_sums)
+            self._on_done(msg, now, out)
         elif isinstance(msg, FailedSending):
             self._on_failed(msg, now, out)
         elif isinstance(msg, AbortAck):
@@ -312,45 +308,24 @@ class DecodeEndpoint:
     def _ack(self, msg: DoneSending | FailedSending, of: str, accepted: bool) -> Send:
         return Send(msg.sender.addr, Ack(PROTOCOL_VERSION, msg.req_id, of, self.me, accepted))
 
-    def sum_plan(self, req_id: str, sender: tuple[str, int]
-                 ) -> tuple[tuple[int, ...], list[tuple[tuple[int, int], ...]]] | None:
-        """Where ``sender`` wrote for a live request: our block ids in request order, and per
-        layer the (offset, length) runs of each block it wrote (what its checksums cover)."""
+    def sum_plan(self, req_id: str, sender: SenderKey) -> SumPlan | None:
+        """Where ``sender`` wrote for a live request (None if it did not claim it)."""
         rec = self._reqs.get(req_id)
-        fmt = rec.formats.get(sender) if rec is not None else None
-        if rec is None or fmt is None:
+        if rec is None or sender not in rec.formats:
             return None
-        mine = self.layout.fmt
+        return self._plan(rec, sender)
+
+    def _plan(self, rec: DecodeRecord, sender: SenderKey) -> SumPlan:
+        """Our block ids in request order and, per layer, the (offset, length) runs of each
+        block ``sender`` (a claimer) wrote: what its checksums cover."""
+        fmt, mine = rec.formats[sender], self.layout.fmt
         n_p, n_d = fmt.head_hi - fmt.head_lo, mine.head_hi - mine.head_lo
         runs = []
         for lay in self.layout.layers:
             p_len = lay.block_len // n_d * n_p  # pair_problem made the head sizes equal
             segs = block_segments(fmt, p_len, mine, lay.block_len)
             runs.append(tuple((dst, n) for _src, dst, n in segs))
-        return rec.blocks, runs
-
-    def sum_plans(self, msg: DoneSending
-                  ) -> dict[SenderKey, tuple[tuple[int, ...], list[tuple[tuple[int, int], ...]]]]:
-        """What the driver checksums for this DONE: :meth:`sum_plan` of each sender
-        :meth:`sum_senders` names (the ``kv_sums`` of :meth:`on_message` has the same keys);
-        nothing without ``kv_checksum``: whether to verify is this core's decision."""
-        plans = {}
-        if not self.config.kv_checksum:
-            return plans
-        for key in self.sum_senders(msg):
-            plan = self.sum_plan(msg.req_id, key)
-            if plan is not None:
-                plans[key] = plan
-        return plans
-
-    def sum_senders(self, msg: DoneSending) -> list[SenderKey]:
-        """The senders whose blocks the driver checksums for this DONE (``kv_checksum``): its
-        own sender and, when it is the request's last DONE, every sender already done."""
-        rec = self._reqs.get(msg.req_id)
-        key = (msg.sender.engine_id, msg.sender.rank)
-        if rec is None or key not in rec.claimers or rec.state == FAILED:
-            return []
-        return self._to_verify(rec, key)
+        return SumPlan(sender, rec.blocks, tuple(runs))
 
     def _to_verify(self, rec: DecodeRecord, key: SenderKey) -> list[SenderKey]:
         # An earlier sender's blocks were verified at its DONE, but bytes of a superseded claim
@@ -361,16 +336,16 @@ class DecodeEndpoint:
         return [*sorted(rec.done - {key}), key]
 
     def _checksum_problem(self, rec: DecodeRecord, key: SenderKey, sent: Sequence[int],
-                          kv_sums: Sequence[int] | None) -> str:
+                          kv_sums: Sequence[int]) -> str:
         """"" when the sender's checksums match ours, else what differs (layer and block)."""
         who = f"sender {key[0]} rank {key[1]}"
         if not sent:
             return f"KV checksum: {who} sent none (is kv_checksum on on the prefill side?)"
         want = len(self.layout.layers) * len(rec.blocks)
-        if kv_sums is None or len(kv_sums) != want or len(sent) != want:
-            got = "no local sums" if kv_sums is None else f"{len(kv_sums)} local sums"
-            return (f"KV checksum: {who} sent {len(sent)} checksums ({got}), expected {want} "
-                    f"({len(self.layout.layers)} layers x {len(rec.blocks)} blocks)")
+        if len(kv_sums) != want or len(sent) != want:
+            return (f"KV checksum: {who} sent {len(sent)} checksums ({len(kv_sums)} local "
+                    f"sums), expected {want} ({len(self.layout.layers)} layers x "
+                    f"{len(rec.blocks)} blocks)")
         nb = len(rec.blocks)
         bad = [i for i, (a, b) in enumerate(zip(sent, kv_sums, strict=True)) if a != b]
         if not bad:
@@ -380,19 +355,18 @@ class DecodeEndpoint:
                 f"first {first}")
 
     def _verify(self, rec: DecodeRecord, key: SenderKey, msg: DoneSending,
-                kv_sums: KVSums | None) -> str:
-        """"" when every sender :meth:`_to_verify` names still matches its checksums."""
-        local = kv_sums if isinstance(kv_sums, Mapping) else {key: kv_sums}
+                local: Mapping[SenderKey, Sequence[int]]) -> str:
+        """"" when every sender :meth:`_to_verify` names still matches its checksums
+        (``local``: the driver's sums over our blocks, per sender it was asked for)."""
         for k in self._to_verify(rec, key):
             sent = msg.checksums if k == key else rec.sums.get(k, ())
-            bad = self._checksum_problem(rec, k, sent, local.get(k))
+            bad = self._checksum_problem(rec, k, sent, local.get(k, ()))
             if bad:
                 return bad if k == key else f"{bad} (found at the last DONE, from {key[0]} " \
                                             f"rank {key[1]}: bytes changed after it was verified)"
         return ""
 
-    def _on_done(self, msg: DoneSending, now: float, out: list[Effect],
-                 kv_sums: KVSums | None = None) -> None:
+    def _on_done(self, msg: DoneSending, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             fin = self._stale(msg)
@@ -425,16 +399,45 @@ class DecodeEndpoint:
             self._maybe_release(rec, out)
             return
         if self.config.kv_checksum:
-            bad = self._verify(rec, key, msg, kv_sums)
-            if bad:
-                # Bytes differ from what the sender says it wrote: a write may still be in
-                # flight (a sender whose DONE came early) as well as corrupted. Refused; the
-                # blocks stay quarantined until it confirms it stopped or the lease ends.
-                self.counters["checksum_mismatches"] += 1
-                out.append(self._ack(msg, "done", False))
-                self._fail(rec, bad, now, out)
-                return
-            rec.sums[key] = tuple(msg.checksums)
+            # Only our memory says whether the bytes match: ask for its sums over every sender
+            # this DONE verifies; on_sums finishes the DONE with the answer, in the same
+            # interpreter call (no other event comes between: lw.fsm.effects).
+            rec.asked = msg
+            plans = tuple(self._plan(rec, k) for k in self._to_verify(rec, key))
+            out.append(SumBlocks(rec.req_id, self.layout, plans))
+            return
+        self._sender_done(rec, key, msg, now, out)
+
+    def on_sums(self, answer: Sums, now: float) -> list[Effect]:
+        """The driver's CRC-32C of our blocks that a :class:`SumBlocks` asked for: verify the
+        DONE that asked against them, then count its sender done or fail the request."""
+        ask = answer.ask
+        rec = self._reqs.get(ask.req_id)
+        msg = rec.asked if rec is not None else None
+        if rec is None or msg is None or not isinstance(ask, SumBlocks):
+            raise ProtocolError("decode", ask.req_id, rec.state if rec else "UNKNOWN", "sums",
+                                "checksums nobody asked for")
+        rec.asked = None
+        key = (msg.sender.engine_id, msg.sender.rank)
+        local = {plan.sender: [c for layer in sums for c in layer]
+                 for plan, sums in zip(ask.plans, answer.sums, strict=True)}
+        out: list[Effect] = []
+        bad = self._verify(rec, key, msg, local)
+        if bad:
+            # Bytes differ from what the sender says it wrote: a write may still be in
+            # flight (a sender whose DONE came early) as well as corrupted. Refused; the
+            # blocks stay quarantined until it confirms it stopped or the lease ends.
+            self.counters["checksum_mismatches"] += 1
+            out.append(self._ack(msg, "done", False))
+            self._fail(rec, bad, now, out)
+            return out
+        rec.sums[key] = tuple(msg.checksums)
+        self._sender_done(rec, key, msg, now, out)
+        return out
+
+    def _sender_done(self, rec: DecodeRecord, key: SenderKey, msg: DoneSending, now: float,
+                     out: list[Effect]) -> None:
+        """A sender's DONE is accepted: count it, and finish the request at the last one."""
         self._fire(rec, "sender_done", now, f"P {key[0]} rank {key[1]}")
         rec.done.add(key)
         out.append(self._ack(msg, "done", True))

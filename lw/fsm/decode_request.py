@@ -4,18 +4,15 @@ record of one request's decode lifecycle (read by the endpoint, lw.fsm.decode, a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lw.fsm.lifecycles import PREFILL_REQUESTED
-from lw.fsm.messages import KVFormat, Sender
+from lw.fsm.messages import DoneSending, KVFormat, Sender
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, check_observability
 
-__all__ = ["DecodeConfig", "DecodeRecord", "KVSums", "SenderKey", "check_lease"]
+__all__ = ["DecodeConfig", "DecodeRecord", "SenderKey", "check_lease"]
 
 SenderKey = tuple[str, int]  # (engine_id, rank)
-# The driver's CRC-32C of our blocks per sender (or, bare, those of the DONE's own sender)
-KVSums = Mapping[SenderKey, Sequence[int]] | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -28,8 +25,9 @@ class DecodeConfig:
     timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
     stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
     # Every sender's DONE must carry per-block CRC-32C that match what landed in our blocks
-    # (the driver recomputes them, see sum_plan); a mismatch fails the request. The last DONE
-    # re-verifies every sender: bytes of a superseded claim landing late are never accepted.
+    # (the driver recomputes them where the core's SumBlocks says); a mismatch fails the
+    # request. The last DONE re-verifies every sender: bytes of a superseded claim landing late
+    # are never accepted.
     kv_checksum: bool = False
 
     def __post_init__(self) -> None:
@@ -57,7 +55,7 @@ class DecodeRecord:
     """Mutable per-request record of the decode lifecycle."""
 
     __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
-                 "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums")
+                 "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums", "asked")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
                  ranks: frozenset[int] | None, now: float, deadline: float) -> None:
@@ -76,3 +74,6 @@ class DecodeRecord:
         self.stopped: set[SenderKey] = set()
         self.reason = ""
         self.sums: dict[SenderKey, tuple[int, ...]] = {}  # kv_checksum: each DONE sender's sums
+        # kv_checksum: the DONE whose SumBlocks awaits its answer (set only within one
+        # interpreter call: never seen by the checker's states between events)
+        self.asked: DoneSending | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,13 +13,10 @@ TimerKey = tuple[str, str]  # (kind, req_id), e.g. ("meta", "req-7")
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Send a side-channel message to the worker listening at ``dest``. ``with_sums`` (P's
-    DONE, ``kv_checksum``): the driver puts the checksums of what this sender wrote to ``dest``
-    (the writes the core marked ``checksum``) into the message before it goes."""
+    """Send a side-channel message to the worker listening at ``dest``."""
 
     dest: str
     msg: Message
-    with_sums: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +91,64 @@ class Quarantine:
     reason: str
 
 
+# KV checksums (kv_checksum) are questions the core asks its driver, answered by the interpreter
+# in the same call it performs them (lw.fsm.interpreter): the driver's ports compute or look up
+# CRC-32C over memory, and the answer goes straight back to the core's ``on_sums`` as a
+# :class:`Sums` event. Synchronous on purpose: no other event (a late write's completion, an
+# abort, a deadline, a second DONE) can come between a question and its answer, so the pending
+# question needs no state of the lifecycle tables and adds no interleaving for the checker.
+# (An asynchronous answer would need that state, and rules for everything that may come first.)
+# A port that raises leaves a question unanswered: P's ack timer asks again, D asks again at
+# the DONE's retry, and the deadlines still hold. P's CRCs are computed as its writes leave, not
+# when DONE is due: a pass over every block then would lengthen the tail after the last layer.
+
+Runs = tuple[tuple[int, int], ...]
+"""(offset, length) byte runs within one block."""
+
+
+@dataclass(frozen=True, slots=True)
+class SumPlan:
+    """Where one sender wrote into D's blocks: its (engine id, rank), D's block ids in request
+    order and, per layer, the runs of each block it wrote (what its checksums cover)."""
+
+    sender: tuple[str, int]
+    blocks: tuple[int, ...]
+    runs: tuple[Runs, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SumBlocks:
+    """D: the CRC-32C of what our blocks hold now where each plan's sender wrote, per layer of
+    ``layout`` (our own); answered with :class:`Sums` through ``DecodeEndpoint.on_sums``."""
+
+    req_id: str
+    layout: KVLayout
+    plans: tuple[SumPlan, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KeptSums:
+    """P: the CRC-32C the driver kept of the writes to each of ``targets`` (those the core
+    marked ``WriteLayer.checksum``), per layer of ``layers``; answered with :class:`Sums`
+    through ``PrefillEndpoint.on_sums``, which sends each target its DONE with them."""
+
+    req_id: str
+    targets: tuple[str, ...]
+    layers: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sums:
+    """The answer to a :class:`SumBlocks` or :class:`KeptSums` (an event for the core): per plan
+    or target of ``ask``, in its order, per layer, the CRC-32C of each block."""
+
+    ask: SumBlocks | KeptSums
+    sums: tuple[Sequence[Sequence[int]], ...]
+
+
 Effect = (
     Send | WriteLayer | ArmTimer | CancelTimer | SendFinished | RecvDone | RecvFailed | Quarantine
+    | SumBlocks | KeptSums
 )
 
 

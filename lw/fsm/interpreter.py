@@ -3,30 +3,36 @@ world) carries them out through here, supplying only its ports.
 
 What an effect means is decided once: writes of one batch go out together after its other
 effects (one data-plane submit per destination), a write that could not even start feeds the
-core's answer back into the same loop, and a DONE carries the sender's checksums when the
-core marks it so (the driver only computes the CRCs). A driver's ports only move bytes, messages
-and timers; they decide nothing about a request. No I/O here: ports do it.
+core's answer back into the same loop, and a checksum question (``SumBlocks`` on D,
+``KeptSums`` on P) is answered here and now: the ports compute or look up the CRCs and the
+interpreter hands them to the core's ``on_sums`` before anything else can happen (why:
+lw.fsm.effects). A driver's ports only move bytes, messages and timers and sum memory; they
+decide nothing about a request. No I/O here: ports do it.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
     Effect,
+    KeptSums,
     Quarantine,
     RecvDone,
     RecvFailed,
     Send,
     SendFinished,
+    SumBlocks,
+    SumPlan,
+    Sums,
     TimerKey,
     WriteLayer,
 )
-from lw.fsm.messages import DoneSending, Message
+from lw.fsm.messages import KVLayout, Message
 
 Report = SendFinished | RecvDone | RecvFailed | Quarantine
 """Effects that tell the driver's owner (vLLM's scheduler, the world's bookkeeping) an outcome."""
@@ -54,15 +60,26 @@ class EffectPorts(Protocol):
     def report(self, effect: Report) -> None:
         """Hand an outcome to the driver's owner."""
 
-    def checksummed(self, msg: DoneSending, dest: str) -> DoneSending:
-        """P: ``msg`` with the checksums of the writes to ``dest`` the core marked
-        ``checksum`` (a DONE the core sends ``with_sums``)."""
+    def sum_blocks(self, layout: KVLayout, plan: SumPlan) -> Sequence[Sequence[int]]:
+        """D: per layer of ``layout`` (our memory), the CRC-32C of each of ``plan.blocks`` over
+        that layer's ``plan.runs``."""
+        ...
+
+    def kept_sums(self, req_id: str, target: str, layers: int) -> Sequence[Sequence[int]]:
+        """P: per layer up to ``layers``, the CRC-32C kept of each block the writes of
+        ``req_id`` to ``target`` marked ``checksum`` sent (empty where none was kept)."""
+        ...
+
+    def answer(self, sums: Sums) -> list[Effect]:
+        """Hand ``sums`` to the core (its ``on_sums``, at the driver's now); its effects."""
         ...
 
 
 def perform(effects: list[Effect], ports: EffectPorts,
             on_error: Callable[[Effect, Exception], None] | None = None) -> None:
-    """Carry out ``effects`` in order, the writes of each batch together after the rest.
+    """Carry out ``effects`` in order, the writes of each batch together after the rest; the
+    core's effects for writes that could not start, and its answer to checksums it asked for,
+    are performed after the batch that caused them.
 
     ``on_error``: called with an effect whose port raised, and the loop goes on (the runtime:
     one bad effect must not stop the others); ``None`` lets the exception out (the checker:
@@ -73,10 +90,7 @@ def perform(effects: list[Effect], ports: EffectPorts,
         for e in work.popleft():
             try:
                 if isinstance(e, Send):
-                    msg = e.msg
-                    if e.with_sums and isinstance(msg, DoneSending):
-                        msg = ports.checksummed(msg, e.dest)
-                    ports.send(e.dest, msg)
+                    ports.send(e.dest, e.msg)
                 elif isinstance(e, WriteLayer):
                     writes.append(e)
                 elif isinstance(e, ArmTimer):
@@ -85,6 +99,12 @@ def perform(effects: list[Effect], ports: EffectPorts,
                     ports.cancel(e.key)
                 elif isinstance(e, _REPORTS):
                     ports.report(e)
+                elif isinstance(e, SumBlocks):
+                    got = tuple(ports.sum_blocks(e.layout, plan) for plan in e.plans)
+                    work.append(ports.answer(Sums(e, got)))
+                elif isinstance(e, KeptSums):
+                    got = tuple(ports.kept_sums(e.req_id, t, e.layers) for t in e.targets)
+                    work.append(ports.answer(Sums(e, got)))
                 else:
                     raise TypeError(f"unknown effect {e!r}")
             except Exception as exc:

@@ -27,8 +27,10 @@ from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
     Effect,
+    KeptSums,
     Send,
     SendFinished,
+    Sums,
     TimerKey,
     WriteLayer,
 )
@@ -567,12 +569,33 @@ class PrefillEndpoint:
 
     def _send_done(self, rec: PrefillRecord, out: list[Effect]) -> None:
         rec.ack_tries += 1
-        msg = DoneSending(PROTOCOL_VERSION, rec.req.req_id, self.me, rec.req.expected_senders,
-                          self.num_layers, num_blocks=len(rec.local))
-        sums = self.config.kv_checksum
-        for t in rec.targets:
-            if not t.acked:
-                out.append(Send(t.addr, msg, with_sums=sums))
+        todo = tuple(t.addr for t in rec.targets if not t.acked)
+        if self.config.kv_checksum:
+            # Each target's DONE carries the CRC-32C of what we wrote there, which the driver
+            # kept as the writes left (WriteLayer.checksum): ask for them; on_sums sends the
+            # DONEs, in the same interpreter call (lw.fsm.effects).
+            out.append(KeptSums(rec.req.req_id, todo, self.num_layers))
+            return
+        msg = self._done_msg(rec, [])
+        out += [Send(addr, msg) for addr in todo]
+
+    def _done_msg(self, rec: PrefillRecord, checksums: list[int]) -> DoneSending:
+        """This sender's DONE for ``rec``: every layer of every block written."""
+        return DoneSending(PROTOCOL_VERSION, rec.req.req_id, self.me, rec.req.expected_senders,
+                           self.num_layers, checksums=checksums, num_blocks=len(rec.local))
+
+    def on_sums(self, answer: Sums, now: float) -> list[Effect]:
+        """The CRC-32C the driver kept that a :class:`KeptSums` asked for: each target's DONE
+        with those of the writes to it, layer by layer."""
+        ask = answer.ask
+        rec = self._reqs.get(ask.req_id)
+        # (a live record is not final here: DONE is asked for once every write has completed,
+        # and a request that fails or ends with none in flight is released at once)
+        if rec is None or not isinstance(ask, KeptSums):
+            raise ProtocolError("prefill", ask.req_id, rec.state if rec else "UNKNOWN", "sums",
+                                "checksums nobody asked for")
+        return [Send(addr, self._done_msg(rec, [c for layer in sums for c in layer]))
+                for addr, sums in zip(ask.targets, answer.sums, strict=True)]
 
     def _submit_ready(self, rec: PrefillRecord, out: list[Effect]) -> None:
         rid = rec.req.req_id

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from lw.fsm import DecodeConfig, PrefillConfig
 from lw.fsm.kvmap import expected_senders, make_format, targets_of, tp_problem
 from lw.fsm.messages import KVFormat, KVLayout, LayerLayout
+from lw.fsm.settings import core_config
 from lw.sim.variants import DESIGNS
 
 Action = tuple  # ("kind", *args): hashable, replayable
@@ -169,17 +170,14 @@ class WorldConfig:
         return self.prefix_hits[idx] if idx < len(self.prefix_hits) else 0
 
     def prefill_config(self) -> PrefillConfig:
-        """The P endpoints' deadlines and retry budgets in this world."""
-        return PrefillConfig(meta_retry_s=self.meta_retry_s, meta_attempts=self.retries,
-                             ack_retry_s=self.ack_retry_s, ack_attempts=self.retries,
-                             request_timeout_s=self.request_timeout_s, kv_checksum=self.kv_checksum,
-                             timeline_entries=0)  # observability only: the checker needs none
+        """The P endpoints' deadlines and retry budgets in this world (one budget, ``retries``,
+        for both; no timeline: observability only, the checker needs none)."""
+        return core_config(PrefillConfig, vars(self), meta_attempts=self.retries,
+                           ack_attempts=self.retries, timeline_entries=0)
 
     def decode_config(self) -> DecodeConfig:
-        """The D endpoints' deadline and lease in this world."""
-        return DecodeConfig(prefill_timeout_s=self.prefill_timeout_s, lease_s=self.lease_s,
-                            kv_checksum=self.kv_checksum,
-                            timeline_entries=0)  # observability only: the checker needs none
+        """The D endpoints' deadline and lease in this world (no timeline, as for P)."""
+        return core_config(DecodeConfig, vars(self), timeline_entries=0)
 
     def bounds(self) -> str:
         """One line with the bounds, for reports."""

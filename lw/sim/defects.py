@@ -8,13 +8,12 @@ that the checker runs lw's own protocol with exactly that defect put back. They 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import msgspec
 
 from lw.fsm import ArmTimer, CancelTimer, DecodeEndpoint, Effect, PrefillEndpoint, Send
-from lw.fsm.effects import TimerKey
+from lw.fsm.effects import KeptSums, TimerKey
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
@@ -78,14 +77,9 @@ class SuffixedRequestId(PrefillEndpoint):
     """vllm-ascend #6360: DONE carries P's engine-internal request id (with vLLM's random
     suffix) instead of the id D registered, so D can never match it."""
 
-    def _send_done(self, rec: object, out: list[Effect]) -> None:
-        n = len(out)
-        super()._send_done(rec, out)  # type: ignore[arg-type]
-        for i in range(n, len(out)):
-            e = out[i]
-            if isinstance(e, Send) and isinstance(e.msg, DoneSending):
-                out[i] = dataclasses.replace(e, msg=msgspec.structs.replace(
-                    e.msg, req_id=e.msg.req_id + SUFFIX))
+    def _done_msg(self, rec: object, checksums: list[int]) -> DoneSending:
+        msg = super()._done_msg(rec, checksums)  # type: ignore[arg-type]
+        return msgspec.structs.replace(msg, req_id=msg.req_id + SUFFIX)
 
 
 class MetaErrorKillsWorker(PrefillEndpoint):
@@ -138,7 +132,8 @@ class DoneSentOnce(PrefillEndpoint):
         out = super().on_timer(key, now)
         if key[0] != "ack":
             return out
-        return [e for e in out if not (isinstance(e, Send) and isinstance(e.msg, DoneSending))]
+        return [e for e in out if not (isinstance(e, KeptSums) or (
+            isinstance(e, Send) and isinstance(e.msg, DoneSending)))]
 
 
 class FailedWriteAsDone(PrefillEndpoint):
@@ -203,7 +198,7 @@ class LeaseOnlyFence(DecodeEndpoint):
     to the claim; only waiting out the lease keeps a late write off a reused block."""
 
     def _verify(self, rec: object, key: tuple[str, int], msg: DoneSending,
-                kv_sums: object) -> str:
+                local: object) -> str:
         return ""
 
 
@@ -246,7 +241,7 @@ class DonePerChunk(PrefillEndpoint):
         done = sum(len(local) for local, _remote in rec.chunks[:rec.sent // L])
         msg = DoneSending(PROTOCOL_VERSION, req_id, self.me, rec.req.expected_senders, L,
                           num_blocks=done)
-        out += [Send(t.addr, msg, with_sums=self.config.kv_checksum) for t in rec.targets]
+        out += [Send(t.addr, msg) for t in rec.targets]  # no sums: refused for its blocks first
         return out
 
 
@@ -254,11 +249,11 @@ class DoneCoversAll(DecodeEndpoint):
     """D counts a sender done at its DONE without checking which blocks it covers (the core
     refuses a DONE whose ``num_blocks`` is not the request's)."""
 
-    def on_message(self, msg: Message, now: float, kv_sums: object = None) -> list[Effect]:
+    def on_message(self, msg: Message, now: float) -> list[Effect]:
         """The real handler, told that every DONE covers every block."""
         if isinstance(msg, DoneSending) and msg.num_blocks is not None:
             msg = msgspec.structs.replace(msg, num_blocks=None)
-        return super().on_message(msg, now, kv_sums)  # type: ignore[arg-type]
+        return super().on_message(msg, now)
 
 
 class ClaimBlocksUnchecked(DecodeEndpoint):

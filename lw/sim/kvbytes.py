@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import math
 
-import msgspec
-
-from lw.fsm.messages import DoneSending
+from lw.fsm.effects import SumPlan
 from lw.sim.config import Action
 from lw.sim.properties import Violation
 from lw.sim.request import Req
@@ -75,23 +73,19 @@ class KVBytes:
         dead = self.d_workers_of(d)
         self.d_mem = {k: r for k, r in self.d_mem.items() if k[0] not in dead}
 
-    def _with_checksums(self, i: int, msg: DoneSending) -> DoneSending:
-        """P worker ``i``'s DONE as its runtime sends it with kv_checksum: a sum per layer and
-        block it wrote (a sum here is the writing request's index + 1)."""
-        q = self.reqs[int(msg.req_id[1:])]
-        n = self.cfg.layers * len(q.d_remote)
-        return msgspec.structs.replace(msg, checksums=[q.idx + 1] * n)
+    def _kept_sums(self, req_id: str, layers: int) -> list[list[int]]:
+        """What P's driver kept of its writes with kv_checksum, per layer: a sum per block it
+        wrote (a sum here is the writing request's index + 1)."""
+        q = self.reqs[int(req_id[1:])]
+        return [[q.idx + 1] * len(q.d_remote) for _ in range(layers)]
 
-    def _kv_sums(self, v: int, msg: DoneSending) -> dict[tuple[str, int], list[int]]:
-        """D worker ``v``'s driver: its sums over its own memory for each sender the core
-        names for this DONE (0 where nothing was written)."""
-        ep = self.d[v]
-        layers = range(len(ep.layout.layers))
-        out: dict[tuple[str, int], list[int]] = {}
-        for key, (blocks, _runs) in ep.sum_plans(msg).items():
-            s = self._slice(key[1])
-            out[key] = [self.d_mem.get((v, b, k, s), -1) + 1 for k in layers for b in blocks]
-        return out
+    def _block_sums(self, v: int, plan: SumPlan, layers: int) -> list[list[int]]:
+        """D worker ``v``'s sums over its own memory where the plan's sender wrote, per layer
+        (0 where nothing was written). The memory is kept per head slice, the one the plan's
+        runs cover."""
+        s = self._slice(plan.sender[1])
+        return [[self.d_mem.get((v, b, k, s), -1) + 1 for b in plan.blocks]
+                for k in range(layers)]
 
     def _check_fenced(self, q: Req) -> None:
         """Property stale-kv, when D's engine starts decoding ``q``."""

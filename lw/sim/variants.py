@@ -252,7 +252,7 @@ _DESIGNS: tuple[Design, ...] = (
                 "late bytes of a superseded claim landing before the last DONE went unseen.",
         decode=defects.VerifyEachDone, expected="stale-kv",
         bounds={**_LATE_WRITES, "tp": 2},
-        ruled_out="the last DONE re-verifies every sender's blocks (DecodeEndpoint.sum_senders)"),
+        ruled_out="the last DONE's SumBlocks re-reads every sender's blocks (DecodeEndpoint)"),
     Design(
         name="done-before-earlier-chunk", title="DONE after the last chunk, an earlier in flight",
         ref="plausible, no upstream report",

@@ -32,10 +32,9 @@ from lw.fsm import (
     WriteLayer,
     check_lease,
 )
-from lw.fsm.effects import TimerKey
+from lw.fsm.effects import SumPlan, Sums, TimerKey
 from lw.fsm.interpreter import Report, perform
 from lw.fsm.messages import (
-    DoneSending,
     KVFormat,
     KVLayout,
     LayerLayout,
@@ -429,11 +428,7 @@ class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
             if not self.d_alive[e]:
                 return
             try:
-                if isinstance(msg, DoneSending):  # sums over what the core asks (sum_plans)
-                    effects = self.d[idx].on_message(msg, self.now,
-                                                     self._kv_sums(idx, msg) or None)
-                else:
-                    effects = self.d[idx].on_message(msg, self.now)
+                effects = self.d[idx].on_message(msg, self.now)
             except ProtocolError:
                 q = self.req_of(msg.req_id)
                 if q is None or q.d_inc == self.d_inc[e] or self.d[idx].state_of(q.rid):
@@ -497,7 +492,8 @@ def _where_raised(exc: BaseException) -> str:
 class _WorldPorts:
     """The world's ports for :func:`lw.fsm.interpreter.perform`, for one endpoint (``owner``):
     messages into the network multiset, writes into the P worker's FIFO data plane, timers
-    into the world's clock, reports into its bookkeeping and property checks."""
+    into the world's clock, reports into its bookkeeping and property checks, sums over the
+    memory the world keeps (lw.sim.kvbytes), the endpoint for their answers."""
 
     __slots__ = ("idx", "kind", "me", "world")
 
@@ -537,5 +533,13 @@ class _WorldPorts:
         else:
             w._quarantine(self.idx, e)
 
-    def checksummed(self, msg: DoneSending, dest: str) -> DoneSending:
-        return self.world._with_checksums(self.idx, msg)
+    def sum_blocks(self, layout: KVLayout, plan: SumPlan) -> list[list[int]]:
+        return self.world._block_sums(self.idx, plan, len(layout.layers))
+
+    def kept_sums(self, req_id: str, target: str, layers: int) -> list[list[int]]:
+        return self.world._kept_sums(req_id, layers)
+
+    def answer(self, sums: Sums) -> list[Effect]:
+        w = self.world
+        ep = w.p[self.idx] if self.kind == "p" else w.d[self.idx]
+        return ep.on_sums(sums, w.now)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from lw.fsm import DecodeConfig, PrefillConfig, check_lease
 from lw.fsm.kvmap import make_format, tp_problem
 from lw.fsm.messages import KVFormat
+from lw.fsm.settings import core_config
 from lw.transport.sidechannel import parse_cluster_key
 
 FAULTS: dict[str, str] = {
@@ -198,18 +199,10 @@ class ClusterConfig:
         return self.d_blocks // self.blocks_per_request
 
     def prefill_config(self) -> PrefillConfig:
-        """Deadlines of every P rank."""
-        return PrefillConfig(
-            meta_retry_s=self.meta_retry_s,
-            meta_attempts=self.meta_attempts,
-            ack_retry_s=self.ack_retry_s,
-            ack_attempts=self.ack_attempts,
-            request_timeout_s=self.request_timeout_s,
-            kv_checksum=self.kv_checksum,
-        )
+        """Deadlines of every P rank (the settings named as the core names them)."""
+        return core_config(PrefillConfig, vars(self))
 
     def decode_config(self) -> DecodeConfig:
         """Deadlines of the decoder; the lease covers P's deadline plus the transfer timeout."""
         lease = self.request_timeout_s + self.transfer_timeout_s + self.lease_margin_s
-        return DecodeConfig(prefill_timeout_s=self.prefill_timeout_s, lease_s=lease,
-                            kv_checksum=self.kv_checksum)
+        return core_config(DecodeConfig, vars(self), lease_s=lease)

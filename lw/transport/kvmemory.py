@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import msgspec
-
-from lw.fsm import DecodeEndpoint, WriteLayer
-from lw.fsm.messages import DoneSending, LayerLayout
+from lw.fsm import WriteLayer
+from lw.fsm.effects import SumPlan
+from lw.fsm.messages import KVLayout, LayerLayout
 from lw.transport.blockruns import block_runs, block_sums, check_segments
 
 __all__ = ["Entry", "KVMemory"]
@@ -106,24 +105,17 @@ class KVMemory:
         # chunk by chunk, a layer's blocks are written in request order: append
         self._checksums.setdefault((w.req_id, w.target), {}).setdefault(w.layer, []).extend(sums)
 
-    def with_checksums(self, msg: DoneSending, dest: str) -> DoneSending:
-        """P: the DONE for ``dest`` with the checksums of every layer we wrote there."""
-        per_layer = self._checksums.get((msg.req_id, dest))
-        if not per_layer or len(per_layer) != msg.num_layers:
-            return msg  # D refuses a DONE without them: the failure is reported, not hidden
-        flat = [c for layer in range(msg.num_layers) for c in per_layer[layer]]
-        return msgspec.structs.replace(msg, checksums=flat)
+    def kept_sums(self, req_id: str, target: str, layers: int) -> list[list[int]]:
+        """P: per layer, the CRC-32C kept of what we wrote to ``target`` (empty: none)."""
+        per_layer = self._checksums.get((req_id, target), {})
+        return [per_layer.get(layer, []) for layer in range(layers)]
 
     @staticmethod
-    def local_sums(ep: DecodeEndpoint, msg: DoneSending) -> dict[tuple[str, int], list[int]]:
-        """D: CRC-32C of our blocks, layer by layer, where each sender the core names for this
-        DONE wrote (the last DONE re-reads every sender's blocks: see sum_plans)."""
-        out: dict[tuple[str, int], list[int]] = {}
-        for key, (blocks, runs) in ep.sum_plans(msg).items():
-            out[key] = [c for lay, layer_runs in zip(ep.layout.layers, runs, strict=True)
-                        for c in block_sums(lay.base_addr, lay.block_stride, lay.num_blocks,
-                                            blocks, layer_runs)]
-        return out
+    def sums_over(layout: KVLayout, plan: SumPlan) -> list[list[int]]:
+        """D: per layer of ``layout`` (our memory), the CRC-32C of each of the plan's blocks
+        over that layer's runs."""
+        return [block_sums(lay.base_addr, lay.block_stride, lay.num_blocks, plan.blocks, runs)
+                for lay, runs in zip(layout.layers, plan.runs, strict=True)]
 
 
 def _uniform(layers: Sequence[LayerLayout] | None) -> tuple[int, int] | None:

@@ -36,7 +36,7 @@ from lw.fsm import (
     SendFinished,
     WriteLayer,
 )
-from lw.fsm.effects import TimerKey
+from lw.fsm.effects import KeptSums, SumPlan, Sums, TimerKey
 from lw.fsm.interpreter import Report, perform
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import Message
@@ -57,6 +57,7 @@ from lw.transport.wire import (
     FailedSending,
     Heartbeat,
     HeartbeatAck,
+    KVLayout,
     LayerLayout,
     MetaReply,
     MetaRequest,
@@ -482,12 +483,7 @@ class WorkerLoop:
             self.counters["protocol_errors"] += 1  # only ``lw status`` asks for these
             return
         try:
-            if isinstance(msg, DoneSending) and isinstance(self.endpoint, DecodeEndpoint):
-                sums = KVMemory.local_sums(self.endpoint, msg)  # what the core asks (sum_plans)
-                self.counters["checksums_verified"] += len(sums)
-                effects = self.endpoint.on_message(msg, now, sums or None)
-            else:
-                effects = self.endpoint.on_message(msg, now)
+            effects = self.endpoint.on_message(msg, now)
         except Exception as exc:  # a message must never stop the loop
             self._core_error(type(msg).__name__, exc)
             return
@@ -539,8 +535,8 @@ class WorkerLoop:
                     self._core_error("transfer_done", exc)
                     continue
                 if (effects and rid in self._last_layer_t
-                        and any(isinstance(e, Send) and isinstance(e.msg, DoneSending)
-                                for e in effects)):
+                        and any(isinstance(e, KeptSums) or (isinstance(e, Send) and isinstance(
+                            e.msg, DoneSending)) for e in effects)):
                     # every write is done: the tail after the (last chunk's) last layer
                     self._tails.append(time.monotonic() - self._last_layer_t.pop(rid))
                 if effects:
@@ -663,7 +659,8 @@ class WorkerLoop:
 
 class _LoopPorts:
     """The runtime's ports for :func:`lw.fsm.interpreter.perform`: the side channel (a reply
-    goes back on the asker's connection), the data plane, the loop's timer heap, the reports."""
+    goes back on the asker's connection), the data plane, the loop's timer heap, the reports,
+    CRC-32C over the worker's memory, and the core for the answers to checksum questions."""
 
     __slots__ = ("ib", "loop")
 
@@ -686,5 +683,12 @@ class _LoopPorts:
     def report(self, effect: Report) -> None:
         self.loop._report(effect)
 
-    def checksummed(self, msg: DoneSending, dest: str) -> DoneSending:
-        return self.loop.memory.with_checksums(msg, dest)
+    def sum_blocks(self, layout: KVLayout, plan: SumPlan) -> list[list[int]]:
+        self.loop.counters["checksums_verified"] += 1
+        return KVMemory.sums_over(layout, plan)
+
+    def kept_sums(self, req_id: str, target: str, layers: int) -> list[list[int]]:
+        return self.loop.memory.kept_sums(req_id, target, layers)
+
+    def answer(self, sums: Sums) -> list[Effect]:
+        return self.loop.endpoint.on_sums(sums, self.loop._clock())

@@ -19,6 +19,7 @@ from typing import Any
 from lw.fsm import DecodeConfig, PrefillConfig, check_lease
 from lw.fsm.kvmap import tp_problem
 from lw.fsm.push_schedule import PUSH_MODES
+from lw.fsm.settings import core_config
 from lw.transport.sidechannel import parse_cluster_key
 
 __all__ = ["ConfigError", "LwConfig", "ModelHeads", "model_heads", "side_channel_port",
@@ -114,20 +115,12 @@ class LwConfig:
         return self.role == PRODUCER
 
     def prefill_config(self) -> PrefillConfig:
-        """The core's P deadlines."""
-        return PrefillConfig(meta_retry_s=self.meta_retry_s, meta_attempts=self.meta_attempts,
-                             ack_retry_s=self.ack_retry_s, ack_attempts=self.ack_attempts,
-                             request_timeout_s=self.request_timeout_s,
-                             timeline_entries=self.timeline_entries,
-                             stuck_fraction=self.stuck_fraction,
-                             kv_checksum=self.kv_checksum)
+        """The core's P settings (those this config names as the core does)."""
+        return core_config(PrefillConfig, vars(self))
 
     def decode_config(self) -> DecodeConfig:
-        """The core's D deadlines."""
-        return DecodeConfig(prefill_timeout_s=self.prefill_timeout_s, lease_s=self.lease_s,
-                            timeline_entries=self.timeline_entries,
-                            stuck_fraction=self.stuck_fraction,
-                            kv_checksum=self.kv_checksum)
+        """The core's D settings (those this config names as the core does)."""
+        return core_config(DecodeConfig, vars(self))
 
     def port(self, tp_rank: int, dp_rank: int | None = None) -> int:
         """Side-channel port of one of this engine's workers."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lw.fsm import (
@@ -14,9 +15,11 @@ from lw.fsm import (
     RecvFailed,
     Send,
     SendFinished,
+    SumBlocks,
+    Sums,
     WriteLayer,
 )
-from lw.transport.wire import KVLayout, LayerLayout, Sender, decode, encode
+from lw.transport.wire import DoneSending, KVLayout, LayerLayout, Sender, decode, encode
 
 P_ADDR = "tcp://p0"
 D_ADDR = "tcp://d0"
@@ -34,6 +37,21 @@ def d_layout(num_layers: int, incarnation: int = 1, num_blocks: int = 64) -> KVL
     layers = [LayerLayout(0x1000_0000 + i * 0x100_0000, 4096, 4096, num_blocks)
               for i in range(num_layers)]
     return KVLayout("D", incarnation, "127.0.0.1:15000", layers)
+
+
+def done_to_d(d: DecodeEndpoint, msg: DoneSending, now: float,
+              local: Mapping[tuple[str, int], Sequence[int]] | Sequence[int]) -> list[Effect]:
+    """Hand D a DONE and answer the SumBlocks it asks (kv_checksum) with ``local`` as the
+    driver's sums, flat per sender (bare: the DONE's sender's); a sender not in it: none."""
+    out = d.on_message(msg, now)
+    asks = [e for e in out if isinstance(e, SumBlocks)]
+    if not asks:
+        return out
+    (ask,) = asks
+    if not isinstance(local, Mapping):
+        local = {(msg.sender.engine_id, msg.sender.rank): local}
+    got = tuple((tuple(local[p.sender]),) if p.sender in local else () for p in ask.plans)
+    return [e for e in out if e is not ask] + d.on_sums(Sums(ask, got), now)
 
 
 @dataclass

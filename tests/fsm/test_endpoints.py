@@ -17,7 +17,7 @@ from lw.fsm import (
 )
 from lw.transport.wire import PROTOCOL_VERSION, Ack, MetaReply, MetaRequest, Sender
 
-from .harness import D_ADDR, Pair, d_layout, d_sender, p_sender
+from .harness import D_ADDR, Pair, d_layout, d_sender, done_to_d, p_sender
 
 L = 3
 
@@ -39,7 +39,7 @@ def compute_all(pair: Pair, rid: str = "r1", rank: int = 0) -> None:
         pair.absorb(rank, pair.ps[rank].layer_computed(layer, [rid], pair.now))
 
 
-def send_done(pair: Pair, sums: list[int], local: list[int] | None) -> None:
+def send_done(pair: Pair, sums: list[int], local: list[int]) -> None:
     """Run r1 to its DONE and hand that DONE to D with ``sums`` as its checksums and ``local``
     as D's own sums (the driver's CRC-32C)."""
     from msgspec.structs import replace
@@ -53,7 +53,7 @@ def send_done(pair: Pair, sums: list[int], local: list[int] | None) -> None:
     (done,) = [s for s in pair.queue if isinstance(s.msg, DoneSending)]
     pair.queue.remove(done)
     msg = decode(encode(replace(done.msg, checksums=sums)))
-    pair.absorb("d", pair.d.on_message(msg, pair.now, local))
+    pair.absorb("d", done_to_d(pair.d, msg, pair.now, local))
     pair.deliver_all()  # a refused DONE: P stops and says so, which ends D's quarantine
 
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import msgspec
+from collections.abc import Sequence
+
 import pytest
 
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
     Effect,
+    KeptSums,
     RecvDone,
     Send,
     SendFinished,
+    SumBlocks,
+    SumPlan,
+    Sums,
     TimerKey,
     WriteLayer,
 )
@@ -56,8 +61,17 @@ class Ports:
             raise RuntimeError("port broke")
         self.log.append(("report", effect))
 
-    def checksummed(self, msg: DoneSending, dest: str) -> DoneSending:
-        return msgspec.structs.replace(msg, checksums=[7])
+    def sum_blocks(self, layout: KVLayout, plan: SumPlan) -> Sequence[Sequence[int]]:
+        self.log.append(("sum", layout, plan))
+        return [[b + 10 for b in plan.blocks]]
+
+    def kept_sums(self, req_id: str, target: str, layers: int) -> Sequence[Sequence[int]]:
+        self.log.append(("kept", req_id, target, layers))
+        return [[7]] * layers
+
+    def answer(self, sums: Sums) -> list[Effect]:
+        self.log.append(("answer", sums))
+        return [Send("tcp://d:1", done(sums.ask.req_id))]
 
 
 def test_writes_of_a_batch_go_out_together_after_the_rest() -> None:
@@ -75,12 +89,17 @@ def test_writes_that_cannot_start_feed_the_cores_answer_back() -> None:
                          ("report", SendFinished("b", False, "no plane"))]
 
 
-@pytest.mark.parametrize("sums", [False, True])
-def test_a_done_carries_checksums_when_the_core_marks_it(sums: bool) -> None:
+def test_a_checksum_question_is_answered_to_the_core_within_the_same_call() -> None:
     ports = Ports()
-    perform([Send("tcp://d:1", done("r"), with_sums=sums)], ports)
-    [(_, dest, msg)] = ports.log
-    assert dest == "tcp://d:1" and msg.checksums == ([7] if sums else [])
+    plan = SumPlan(("p", 0), (1, 2), (((0, 64),),))
+    ask_d, ask_p = SumBlocks("r", LAYOUT, (plan,)), KeptSums("q", ("tcp://d:1", "tcp://d:2"), 2)
+    perform([ask_d, ask_p, ArmTimer(("ack", "q"), 1.0)], ports)
+    assert ports.log == [
+        ("sum", LAYOUT, plan), ("answer", Sums(ask_d, ([[11, 12]],))),
+        ("kept", "q", "tcp://d:1", 2), ("kept", "q", "tcp://d:2", 2),
+        ("answer", Sums(ask_p, ([[7], [7]], [[7], [7]]))),
+        ("arm", ("ack", "q"), 1.0),
+        ("send", "tcp://d:1", done("r")), ("send", "tcp://d:1", done("q"))]
 
 
 def test_a_failing_port_stops_the_checker_but_not_the_runtime() -> None:

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from lw.fsm import DecodeConfig, PrefillConfig
+import pytest
+
+from lw.fsm import (
+    DecodeConfig,
+    KeptSums,
+    PrefillConfig,
+    ProtocolError,
+    RecvDone,
+    SumBlocks,
+    SumPlan,
+    Sums,
+)
 from lw.fsm.status import status_line
 from lw.fsm.timeline import Timeline, state_class
 
@@ -147,8 +158,8 @@ def test_sum_plan_names_the_blocks_and_runs_a_sender_wrote() -> None:
     pair = make_pair()
     start(pair)
     pair.deliver_all()
-    blocks, runs = pair.d.sum_plan("r1", ("P", 0))  # type: ignore[misc]
-    assert blocks == (5, 6, 7) and runs == [((0, 4096),)] * L
+    plan = pair.d.sum_plan("r1", ("P", 0))
+    assert plan == SumPlan(("P", 0), (5, 6, 7), (((0, 4096),),) * L)
     assert pair.d.sum_plan("r1", ("P", 9)) is None and pair.d.sum_plan("nope", ("P", 0)) is None
 
 
@@ -304,8 +315,12 @@ def _two_senders_done(first_sums: dict, last_sums: dict):  # type: ignore[no-unt
     for send, local in zip(dones, (first_sums, last_sums), strict=True):
         pair.queue.remove(send)
         msg = replace(send.msg, checksums=list(range(L * 3)))
-        asked.append(pair.d.sum_senders(msg))
-        pair.absorb("d", pair.d.on_message(msg, pair.now, local))
+        out = pair.d.on_message(msg, pair.now)
+        (ask,) = [e for e in out if isinstance(e, SumBlocks)]
+        asked.append([p.sender for p in ask.plans])
+        got = tuple((tuple(local[p.sender]),) if p.sender in local else () for p in ask.plans)
+        pair.absorb("d", [e for e in out if e is not ask] + pair.d.on_sums(Sums(ask, got),
+                                                                          pair.now))
     pair.deliver_all()  # a failure aborts rank 0 (done earlier); its AbortAck releases
     return pair, asked
 
@@ -329,7 +344,7 @@ def test_the_last_done_re_verifies_every_sender_bytes_landing_late_are_caught() 
     # A driver that gave no sums for an earlier sender fails the request: never accepted blind.
     pair, _ = _two_senders_done({("P", 0): good}, {("P", 1): good})
     (failed,) = pair.recv
-    assert "no local sums" in failed.reason
+    assert "(0 local sums)" in failed.reason
 def _happy_path_from(t0: float) -> tuple:  # type: ignore[type-arg]
     """One request from t0: claimed at t0+1, every layer written at t0+3, acked at t0+6."""
     pair = make_pair()
@@ -399,7 +414,10 @@ def test_last_one_is_the_newest_event() -> None:
     assert [e[2] for e in tl.last(1)] == ["y"]
 
 
-def test_sum_senders_names_nobody_for_unknown_unclaimed_or_failed_requests() -> None:
+def test_d_asks_for_sums_only_for_a_done_it_may_count() -> None:
+    """A live, claimed request's DONE asks the driver for the sums over its sender's blocks;
+    a DONE of an unknown or failed request asks for nothing (it is refused outright), and
+    one from a sender never accepted is a protocol error."""
     from msgspec.structs import replace
 
     from lw.transport.wire import DoneSending
@@ -410,12 +428,49 @@ def test_sum_senders_names_nobody_for_unknown_unclaimed_or_failed_requests() -> 
     compute_all(pair)
     pair.complete_writes()
     (done,) = [s.msg for s in pair.queue if isinstance(s.msg, DoneSending)]
-    assert pair.d.sum_senders(done) == [("P", 0)]
-    assert pair.d.sum_plans(done) == {("P", 0): pair.d.sum_plan("r1", ("P", 0))}
-    assert pair.d.sum_plans(replace(done, req_id="nope")) == {}
-    assert pair.d.sum_senders(replace(done, req_id="nope")) == []
-    stranger = replace(done, sender=replace(done.sender, rank=7))
-    assert pair.d.sum_senders(stranger) == []
+
+    def asks(msg: DoneSending) -> list[SumBlocks]:
+        return [e for e in pair.d.on_message(msg, pair.now) if isinstance(e, SumBlocks)]
+
+    (ask,) = asks(done)
+    assert ask.plans == (pair.d.sum_plan("r1", ("P", 0)),) and ask.layout is pair.d.layout
+    assert asks(replace(done, req_id="nope")) == []
+    with pytest.raises(ProtocolError):
+        asks(replace(done, sender=replace(done.sender, rank=7)))
     pair.absorb("d", pair.d.abort("r1", "test", pair.now))
     assert pair.d.state_of("r1") == "FAILED"
-    assert pair.d.sum_senders(done) == []  # a failed request is verified by nobody
+    assert asks(done) == []  # a failed request is verified by nobody
+
+
+def test_sums_nobody_asked_for_are_a_protocol_error_on_both_sides() -> None:
+    """P's DONE is built from the sums its KeptSums asked for. The answer to a checksum
+    question comes in the same interpreter call as the question: one without its question
+    (another side's, answered twice, or for a request that is gone) is refused."""
+    from lw.transport.wire import decode, encode
+
+    pair = make_pair(pcfg=PrefillConfig(kv_checksum=True), dcfg=DecodeConfig(kv_checksum=True))
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    pair.complete_writes()
+    (kept,) = [e for e in pair.other if isinstance(e, KeptSums)]
+    assert kept.targets == (D_ADDR,) and kept.layers == L and pair.queue == []
+    p = pair.ps[0]
+    (send,) = p.on_sums(Sums(kept, ([[1, 2, 3]] * L,)), pair.now)
+    assert send.dest == D_ADDR and send.msg.checksums == [1, 2, 3] * L
+    with pytest.raises(ProtocolError, match="nobody asked"):
+        p.on_sums(Sums(KeptSums("nope", kept.targets, L), ([],)), pair.now)
+    (ask,) = [e for e in pair.d.on_message(decode(encode(send.msg)), pair.now)
+              if isinstance(e, SumBlocks)]
+    with pytest.raises(ProtocolError, match="nobody asked"):
+        pair.d.on_sums(Sums(kept, ([],)), pair.now)  # P's question, not D's
+    with pytest.raises(ProtocolError, match="nobody asked"):
+        p.on_sums(Sums(ask, ([],)), pair.now)  # and the other way round
+    pair.absorb("d", pair.d.on_sums(Sums(ask, ([[1, 2, 3]] * L,)), pair.now))
+    assert pair.recv == [RecvDone("r1")]
+    with pytest.raises(ProtocolError, match="nobody asked"):
+        pair.d.on_sums(Sums(ask, ([[1, 2, 3]] * L,)), pair.now)  # answered twice
+    pair.deliver_all()  # D's Ack
+    assert p.state_of("r1") == "DONE"
+    with pytest.raises(ProtocolError, match="nobody asked"):
+        p.on_sums(Sums(kept, ([[1, 2, 3]] * L,)), pair.now)  # a finished request

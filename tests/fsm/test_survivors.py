@@ -16,6 +16,7 @@ from lw.fsm import (
     PrefillRequest,
     ProtocolError,
     Send,
+    SumPlan,
 )
 from lw.fsm.kvmap import make_format
 from lw.fsm.status import status_line
@@ -39,7 +40,7 @@ from lw.transport.wire import (
     encode,
 )
 
-from .harness import D_ADDR, P_ADDR, Pair, d_layout, d_sender, p_sender
+from .harness import D_ADDR, P_ADDR, Pair, d_layout, d_sender, done_to_d, p_sender
 from .test_endpoints import L, compute_all, make_pair, send_done, start
 
 
@@ -231,24 +232,23 @@ def test_d_checksums_cover_the_bytes_each_head_sliced_sender_wrote(
                         fmt(p_rank, p_tp))
     (reply,) = [e.msg for e in d.on_message(decode(encode(claim)), 0.0) if isinstance(e, Send)]
     assert reply.status == "accepted", reply.reason
-    assert d.sum_plan("r", ("P", p_rank)) == ((3, 4), [runs] * L)
+    assert d.sum_plan("r", ("P", p_rank)) == SumPlan(("P", p_rank), (3, 4), (runs,) * L)
 
 
 @pytest.mark.parametrize(("sent", "mine"), [
     (L * 3 - 1, L * 3),  # the sender sent one checksum too few
     (L * 3 + 1, L * 3),  # or one too many
     (L * 3, L * 3 - 1),  # the driver summed one block too few
-    (L * 3, None),  # the driver passed no checksums at all
+    (L * 3, 0),  # the driver passed no checksums at all
 ])
-def test_kv_checksums_of_the_wrong_count_fail_the_request(sent: int, mine: int | None) -> None:
+def test_kv_checksums_of_the_wrong_count_fail_the_request(sent: int, mine: int) -> None:
     """Checksums are compared one per (layer, block): any other count fails the request, it is
     never taken as a match."""
     pair = make_pair(dcfg=DecodeConfig(kv_checksum=True))
-    send_done(pair, list(range(sent)), None if mine is None else list(range(mine)))
+    send_done(pair, list(range(sent)), list(range(mine)))
     (failed,) = pair.recv
     assert type(failed).__name__ == "RecvFailed"
-    got = "no local sums" if mine is None else f"{mine} local sums"
-    assert f"sent {sent} checksums ({got}), expected {L * 3}" in failed.reason
+    assert f"sent {sent} checksums ({mine} local sums), expected {L * 3}" in failed.reason
 
 
 def test_a_kv_checksum_mismatch_names_how_many_blocks_differ_and_the_first_four() -> None:
@@ -265,7 +265,7 @@ def test_a_kv_checksum_mismatch_names_how_many_blocks_differ_and_the_first_four(
     pair.queue.remove(done)
     sums = [i + 1 for i in range(L * 3)]  # every block differs
     msg = decode(encode(replace(done.msg, checksums=sums)))
-    pair.absorb("d", pair.d.on_message(msg, pair.now, list(range(L * 3))))
+    pair.absorb("d", done_to_d(pair.d, msg, pair.now, list(range(L * 3))))
     assert pair.recv == []  # quarantined until P, told of the refusal, says it stopped
     pair.deliver_all()
     (failed,) = pair.recv
