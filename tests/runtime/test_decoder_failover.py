@@ -85,3 +85,20 @@ def test_kill_one_of_two_decoders_fails_only_requests_past_their_first_token() -
     # the kill found requests before their first token; each moved and was verified anew
     assert res.failovers > 0 and res.counters["failovers_done"] == res.failovers
     assert res.ok
+
+
+def test_demo_with_two_decoders_reports_tokens_and_the_new_summary_field(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from lw.demo import main
+
+    rc = main(["--engine", "synthetic", "--data-plane", "inprocess", "--requests", "6",
+               "--layers", "3", "--decoders", "2", "--token-ms", "1", "--quiet"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0, "\n".join(out)
+    assert out[-1] == ("summary done=6 failed=0 leaked_blocks=0 corrupt=0 "
+                       "failed_after_first_token=0")
+    assert any("2 decoders (least loaded first), 8 tokens per request" in ln for ln in out)
+    assert any("tokens streamed to the client" in ln and ln.endswith(" 48") for ln in out)
+    # a fault aimed at the one decoder is refused with several
+    assert main(["--engine", "synthetic", "--decoders", "2", "--fault",
+                 "freeze-decoder-mid-transfer"]) == 2
