@@ -289,6 +289,8 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
         lines.append(f"  {'moved to another decoder (no token yet)':<40} {res.failovers}")
         lines.append(f"  {'failed after their first token':<40} "
                      f"{res.failed_after_first_token}")
+    if res.client_gone:
+        lines.append(f"  {'failed after the client went away':<40} {res.client_gone}")
     if res.rss_kib:
         lines.append(f"  {'RSS start / warm (10 %) / end, MiB':<40} " + ", ".join(
             f"{w} {a / 1024:.0f} / {b / 1024:.0f} / {c / 1024:.0f}"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
-import re
 import shutil
 import signal
 import tempfile
@@ -38,11 +37,10 @@ from lw.synthetic.config import (
 from lw.synthetic.netem import Link
 from lw.synthetic.netns import Partition
 from lw.synthetic.observe import status_table, write_trace
-from lw.synthetic.result import ClusterResult
+from lw.synthetic.result import ClusterResult, short_reason
 from lw.synthetic.router import Lost, Router
 from lw.synthetic.workers import BarrierAction, decode_main, ghost_steps, prefill_main
 
-_NUMBERS = re.compile(r"\d[\w.:/-]*")
 ProgressFn = Callable[["ClusterResult"], None]
 
 
@@ -110,6 +108,7 @@ class _Cluster:
         self.heal_at: float | None = None
         self.rng = random.Random(cfg.seed)
         self.aborts_due: list[tuple[float, str]] = []
+        self.gone: set[str] = set()  # clients that sent an abort: never moved, not counted in K
         self.t_first = 0.0
         self.t_last = 0.0
 
@@ -236,7 +235,7 @@ class _Cluster:
             _, _rank, rid, ok, reason = ev
             self.assigned.pop(rid, None)
             if not ok:
-                self.res.reasons[f"P: {_short(reason)}"] += 1
+                self.res.reasons[f"P: {short_reason(reason)}"] += 1
                 self.detected()
         elif kind == "d_result":
             _, rid, outcome, reason, latency = ev
@@ -278,7 +277,8 @@ class _Cluster:
             self.res.reasons[f"corrupt: {reason}"] += 1
         else:
             self.res.failed += 1
-            self.res.reasons[f"D: {_short(reason)}"] += 1
+            self.res.client_gone += rid in self.gone
+            self.res.reasons[f"D: {short_reason(reason)}"] += 1
             self.detected()
         if self.progress is not None:
             self.progress(self.res)
@@ -310,7 +310,9 @@ class _Cluster:
         cfg = self.cfg
         moved: list[Lost] = []
         for lost in self.router.decoder_lost(w.slot):
-            if self.router.may_move(lost, max_tries=cfg.decoders):
+            if lost.client in self.gone:  # nobody to answer: nothing to move or count
+                self.record(lost.client, "failed", f"decoder died ({why})", None)
+            elif self.router.may_move(lost, max_tries=cfg.decoders):
                 moved.append(lost)
                 rank = self.assigned.get(lost.attempt)
                 if rank is not None:
@@ -414,15 +416,18 @@ class _Cluster:
 
     def _victim(self) -> _Worker | None:
         """The D engine for kill-decoder to kill, once an eighth of the requests are done: one
-        that holds requests that streamed a token and requests that did not (with P, or
-        receiving); or, with none left to send, the busiest before they all run dry."""
+        that holds requests that streamed a token and at least two still with P (queued or
+        being pushed: their first token cannot be on its way already, as a request's just
+        verified may be); or, with none left to send, the busiest before they all run dry."""
         router = self.router
         if self.res.done < max(1, self.cfg.requests // 8):
             return None
-        held = {d.slot: list(router.held(d.slot).values())
+        held = {d.slot: router.held(d.slot)
                 for d in self.live_decoders() if d.pid and router.load(d.slot)}
         for slot, tokens in held.items():
-            if any(tokens) and not all(tokens):
+            with_p = sum(1 for rid, n in tokens.items() if not n and rid in self.assigned
+                         and router.client_of(rid) not in self.gone)
+            if any(tokens.values()) and with_p >= 2:
                 return self.decoders[slot]
         busiest = max(held, key=lambda s: len(held[s]), default=None)
         if busiest is not None and not router.pending and len(held[busiest]) <= 2:
@@ -448,6 +453,7 @@ class _Cluster:
             if client in self.outcome:
                 continue
             self.res.aborts += 1
+            self.gone.add(client)
             rid = self.router.current.get(client)
             slot = self.router.slot_of(rid) if rid is not None else None
             d = self.decoders[slot] if slot is not None else None
@@ -513,11 +519,6 @@ class _Cluster:
             if s is None or s["held_blocks"] or s["live_requests"] or s.get("waiting"):
                 return False
         return True
-
-
-def _short(reason: str) -> str:
-    """A failure reason without numbers and addresses, for grouping."""
-    return _NUMBERS.sub("#", reason)[:72]
 
 
 def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,

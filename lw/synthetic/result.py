@@ -3,13 +3,21 @@ the fault's detection time, the bytes moved and the summary line ``lw demo`` end
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from lw.synthetic.config import FAILURES_EXPECTED, ClusterConfig
 
-__all__ = ["ClusterResult"]
+__all__ = ["ClusterResult", "short_reason"]
+
+_NUMBERS = re.compile(r"\d[\w.:/-]*")
+
+
+def short_reason(reason: str) -> str:
+    """A failure reason without numbers and addresses, for grouping in ``reasons``."""
+    return _NUMBERS.sub("#", reason)[:72]
 
 # Worker counters worth a line in the report (summed per role, "p." or "d." before each).
 _INTERESTING = ("side.unauthenticated", "side.forged", "side.wire_errors", "side.replayed",
@@ -50,6 +58,7 @@ class ClusterResult:
     dead_ranks: list[int] = field(default_factory=list)
     detect_s: float = 0.0  # injected fault (kill, freeze) -> first request failed because of it
     aborts: int = 0  # client aborts sent to the decoder
+    client_gone: int = 0  # failed requests whose client had sent an abort
     # several decoders: requests of a dead decoder that had streamed a token (failed: the
     # client saw part of an answer), and attempts moved to another decoder before their first
     failed_after_first_token: int = 0
@@ -105,10 +114,10 @@ class ClusterResult:
             and self.double_reports == 0
             and not self.errors
             and (self.failed == 0 or cfg.fault in FAILURES_EXPECTED)
-            # with a live decoder to move to, only a request that had streamed a token may
-            # fail when a decoder dies
+            # with a live decoder to move to, only a request that had streamed a token (or
+            # whose client went away) may fail when a decoder dies
             and not (cfg.fault == "kill-decoder" and cfg.decoders > 1
-                     and self.failed != self.failed_after_first_token)
+                     and self.failed != self.failed_after_first_token + self.client_gone)
         )
 
     @property
