@@ -4,7 +4,8 @@
 ``--engine synthetic`` runs :mod:`lw.synthetic`: P DP-rank processes in lock step over numpy KV
 caches, a decoder that verifies every byte, real ZMQ side channels and real Mooncake transfers;
 ``--prefill-tp`` / ``--decode-tp`` / ``--mla`` give both sides tensor-parallel workers that move
-head slices.
+head slices; ``--decoders`` runs several D engines behind a router that moves a dead one's
+requests to a live one before their first token.
 Exit status 0 iff every request is accounted for, no block leaked and nothing was corrupt.
 """
 
@@ -20,6 +21,7 @@ from lw.synthetic.cluster import run_cluster
 from lw.synthetic.config import (
     FAULTS,
     LINK_FAULTS,
+    ONE_DECODER_FAULTS,
     PARTITION_FAULTS,
     PROCESS_FAULTS,
     ClusterConfig,
@@ -37,6 +39,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="P tensor-parallel workers per DP rank (each holds its KV heads)")
     p.add_argument("--decode-tp", type=int, default=1,
                    help="decoder tensor-parallel workers (one shared block pool)")
+    p.add_argument("--decoders", type=int, default=1,
+                   help="synthetic: D engines, each with --decode-tp workers and its own pool; "
+                        "requests go to the least loaded")
+    p.add_argument("--decode-tokens", type=int, default=-1,
+                   help="synthetic: tokens D streams per request after verifying its KV "
+                        "(default: 8 with several decoders, else 0)")
+    p.add_argument("--token-ms", type=float, default=5.0,
+                   help="synthetic: time between two streamed tokens")
     p.add_argument("--kv-heads", type=int, default=0,
                    help="KV heads of the model (default: the larger TP size)")
     p.add_argument("--mla", action="store_true",
@@ -84,8 +94,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(vllm_demo.main(_without_engine(args_list)) or 0)
     args = _parser().parse_args(args_list)
+    # each row: a fault and how many decoders it runs with
+    rows: list[tuple[str, int]]
     if args.fault_table or args.fault == "all":
         faults = list(FAULTS)
+        if args.decoders > 1:
+            print("lw demo: skipping the rows aimed at a single decoder (freeze, partition, "
+                  "link)", file=sys.stderr)
+            faults = [f for f in faults if f not in ONE_DECODER_FAULTS]
         if args.data_plane == "inprocess":
             faults = [f for f in faults if f not in PROCESS_FAULTS]
         why = netns.unavailable() if any(f in PARTITION_FAULTS for f in faults) else ""
@@ -96,12 +112,18 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             print(f"lw demo: skipping the lossy and slow link rows: {why}", file=sys.stderr)
             faults = [f for f in faults if f not in LINK_FAULTS]
+        rows = [(f, args.decoders) for f in faults]
+        if args.decoders == 1 and "kill-decoder" in faults:
+            # the failover row next to the restart row: two decoders, one killed
+            i = rows.index(("kill-decoder", 1))
+            rows.insert(i + 1, ("kill-decoder", 2))
     else:
         try:
-            faults = [canonical_fault(args.fault)]
+            rows = [(canonical_fault(args.fault), args.decoders)]
         except ValueError as exc:
             print(f"lw demo: {exc}", file=sys.stderr)
             return 2
+    faults = [f for f, _n in rows]
     if args.data_plane == "mooncake":
         try:
             import mooncake.engine  # noqa: F401
@@ -114,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_auth:
         key = args.cluster_key if args.cluster_key else os.urandom(32)
     results = []
-    for fault in faults:
+    for fault, decoders in rows:
         try:
             cfg = ClusterConfig(
                 requests=args.requests,
                 prefill_dp=args.prefill_dp,
                 prefill_tp=args.prefill_tp,
                 decode_tp=args.decode_tp,
+                decoders=decoders,
+                decode_tokens=args.decode_tokens,
+                token_ms=args.token_ms,
                 kv_heads=args.kv_heads,
                 mla=args.mla,
                 layers=args.layers,
@@ -148,11 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"lw demo: {exc}", file=sys.stderr)
             return 2
-        results.append(_run_one(cfg, quiet=args.quiet or len(faults) > 1))
-        if len(faults) > 1:
+        results.append(_run_one(cfg, quiet=args.quiet or len(rows) > 1))
+        if len(rows) > 1:
             print(_row(results[-1]) if len(results) > 1 else _table_header() + "\n"
                   + _row(results[-1]), flush=True)
-    if len(faults) == 1:
+    if len(rows) == 1:
         _print_report(results[0], sys.stdout)
         summary = results[0].summary_line()
     else:
@@ -231,6 +256,9 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
         + ("MLA latent KV (replicated)" if cfg.mla else f"{cfg.kv_heads} KV heads")
         + ", HND blocks",
         f"  prefill in {len(cfg.chunk_bounds())} chunk(s) per prompt, push mode {cfg.push_mode}",
+        *([f"  {cfg.decoders} decoders (least loaded first), {cfg.decode_tokens} tokens per "
+           f"request every {cfg.token_ms:g} ms after its KV is verified"]
+          if cfg.decoders > 1 or cfg.decode_tokens else []),
         "",
         f"  {'requests done / failed / corrupt':<40} {res.done} / {res.failed} / {res.corrupt}",
         f"  {'bytes moved':<40} {res.bytes_moved / 2**20:.1f} MiB",
@@ -255,6 +283,14 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
         lines.append(f"  {'fault -> first request failed':<40} {_ms(res.detect_s)}")
     if res.aborts:
         lines.append(f"  {'client aborts sent':<40} {res.aborts}")
+    if cfg.decode_tokens:
+        lines.append(f"  {'tokens streamed to the client':<40} {res.tokens}")
+    if res.failovers or res.failed_after_first_token:
+        lines.append(f"  {'moved to another decoder (no token yet)':<40} {res.failovers}")
+        lines.append(f"  {'failed after their first token':<40} "
+                     f"{res.failed_after_first_token}")
+    if res.client_gone:
+        lines.append(f"  {'failed after the client went away':<40} {res.client_gone}")
     if res.rss_kib:
         lines.append(f"  {'RSS start / warm (10 %) / end, MiB':<40} " + ", ".join(
             f"{w} {a / 1024:.0f} / {b / 1024:.0f} / {c / 1024:.0f}"
@@ -296,10 +332,14 @@ def _row(res: ClusterResult) -> str:
             notes.append(f"{c[key]} {label}")
     if res.decoder_generations > 1:
         notes.append(f"decoder restarted ({res.decoder_generations} incarnations)")
+    if res.failovers or res.failed_after_first_token:
+        notes.append(f"{res.failovers} moved to a live decoder before their first token, "
+                     f"{res.failed_after_first_token} failed after it")
     if res.errors:
         notes.append("ERRORS: " + "; ".join(res.errors))
     ok = "ok" if res.ok else "NOT OK"
     detect = f"{res.detect_s:6.2f}s" if res.detect_s else f"{'-':>7}"
-    return (f"{cfg.fault:<31} {f'{res.done}/{res.failed}':>11} {res.corrupt:>7} "
+    name = cfg.fault + (f", {cfg.decoders} decoders" if cfg.decoders > 1 else "")
+    return (f"{name:<31} {f'{res.done}/{res.failed}':>11} {res.corrupt:>7} "
             f"{_ms(res.max_step_s):>15} {res.leaked:>6}  {detect}  {res.elapsed_s:5.1f}s  {ok}; "
             + ", ".join(notes))

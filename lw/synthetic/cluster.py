@@ -1,10 +1,12 @@
-"""The synthetic cluster: a D-first proxy/coordinator that runs P DP ranks and a decoder.
+"""The synthetic cluster: a D-first proxy/coordinator that runs P DP ranks and decoders.
 
 :func:`run_cluster` starts the workers (OS processes with the Mooncake data plane, threads with
-the in-process one), feeds requests to the decoder (which allocates first and asks for the
-prefill), routes each prefill to a live P rank, injects the configured fault, waits until every
-request is accounted for and every held block came back, and returns a :class:`ClusterResult`.
-Every worker it started is stopped or killed before it returns.
+the in-process one), feeds requests to the decoders (each allocates first and asks for the
+prefill; with several, :mod:`lw.synthetic.router` picks one per request and moves a dead one's
+requests that streamed no token yet), routes each prefill to a live P rank, injects the
+configured fault, waits until every request is accounted for and every held block came back,
+and returns a :class:`ClusterResult`. Every worker it started is stopped or killed before it
+returns.
 
 Worker processes are started with ``spawn``: a script that calls :func:`run_cluster` needs the
 usual ``if __name__ == "__main__":`` guard. Worker stderr (Mooncake's logs) goes to files in
@@ -16,13 +18,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
-import re
 import shutil
 import signal
 import tempfile
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -37,10 +37,10 @@ from lw.synthetic.config import (
 from lw.synthetic.netem import Link
 from lw.synthetic.netns import Partition
 from lw.synthetic.observe import status_table, write_trace
-from lw.synthetic.result import ClusterResult
-from lw.synthetic.workers import barrier_action, decode_main, prefill_main
+from lw.synthetic.result import ClusterResult, short_reason
+from lw.synthetic.router import Lost, Router
+from lw.synthetic.workers import BarrierAction, decode_main, ghost_steps, prefill_main
 
-_NUMBERS = re.compile(r"\d[\w.:/-]*")
 ProgressFn = Callable[["ClusterResult"], None]
 
 
@@ -56,6 +56,8 @@ class _Worker:
     stats: dict[str, Any] | None = None
     final: dict[str, Any] | None = None
     frozen: bool = False
+    slot: int = 0  # which D engine (several decoders); 0 for P ranks
+    key: str = ""  # short name in reports: p<rank>, d<generation>, d<slot>g<generation>
 
     @property
     def pid(self) -> int | None:
@@ -81,19 +83,20 @@ class _Cluster:
         if self.as_process:
             assert self.ctx is not None
             self.flags = self.ctx.RawArray("i", 2)
-            self.barrier = self.ctx.Barrier(cfg.prefill_dp, action=_Action(self.flags))
+            self.barrier = self.ctx.Barrier(cfg.prefill_dp, action=BarrierAction(self.flags))
         else:
             self.flags = [0, 0]
-            self.barrier = threading.Barrier(cfg.prefill_dp, action=_Action(self.flags))
+            self.barrier = threading.Barrier(cfg.prefill_dp, action=BarrierAction(self.flags))
         self.ranks: list[_Worker] = []
-        self.decoder: _Worker | None = None
-        self.d_ports: list[int] = [0] * cfg.decode_tp  # kept across decoder restarts
-        self.d_generation = 0
+        # per D engine: its current incarnation, ports (kept across restarts), generation
+        self.decoders: list[_Worker | None] = [None] * cfg.decoders
+        self.d_all: list[_Worker] = []  # every D incarnation started (all are reaped)
+        self.d_ports: list[list[int]] = [[0] * cfg.decode_tp for _ in range(cfg.decoders)]
+        self.d_generation = [0] * cfg.decoders
         self.req_ids = [f"req-{i}" for i in range(cfg.requests)]
-        self.next_req = 0
-        self.at_d: dict[str, int] = {}  # request -> decoder generation it was sent to
-        self.outcome: dict[str, str] = {}
-        self.assigned: dict[str, int] = {}  # request -> P rank (until SendFinished)
+        self.router = Router(self.req_ids, cfg.decoders, cfg.window or cfg.d_capacity)
+        self.outcome: dict[str, str] = {}  # client request -> outcome
+        self.assigned: dict[str, int] = {}  # attempt -> P rank (until SendFinished)
         self.ghosts: list[threading.Thread] = []
         self.fault_fired = False
         self.fault_at = 0.0
@@ -105,6 +108,7 @@ class _Cluster:
         self.heal_at: float | None = None
         self.rng = random.Random(cfg.seed)
         self.aborts_due: list[tuple[float, str]] = []
+        self.gone: set[str] = set()  # clients that sent an abort: never moved, not counted in K
         self.t_first = 0.0
         self.t_last = 0.0
 
@@ -132,23 +136,32 @@ class _Cluster:
             prefill_main,
             lambda c, e, p: (cfg, rank, c, e, barrier, flags, inc, p),
             f"lw-prefill-dp{rank}")
-        self.ranks.append(_Worker("p", rank, cmd, ev, proc))
+        self.ranks.append(_Worker("p", rank, cmd, ev, proc, key=f"p{rank}"))
 
-    def start_decoder(self) -> None:
-        self.d_generation += 1
-        cfg, ports, gen, inc = self.cfg, list(self.d_ports), self.d_generation, time.time_ns()
+    def start_decoder(self, slot: int = 0) -> None:
+        self.d_generation[slot] += 1
+        cfg, ports, inc = self.cfg, list(self.d_ports[slot]), time.time_ns()
+        gen = self.d_generation[slot]
         proc, cmd, ev = self._spawn(
             decode_main,
-            lambda c, e, p: (cfg, c, e, ports, inc, gen, p),
-            f"lw-decode-gen{gen}")
-        self.decoder = _Worker("d", gen, cmd, ev, proc)
-        self.res.decoder_generations = gen
+            lambda c, e, p: (cfg, c, e, ports, inc, gen, p, slot),
+            f"lw-decode-gen{gen}" if slot == 0 else f"lw-decode{slot}-gen{gen}")
+        w = _Worker("d", gen, cmd, ev, proc, slot=slot,
+                    key=f"d{gen}" if cfg.decoders == 1 else f"d{slot}g{gen}")
+        self.decoders[slot] = w
+        self.d_all.append(w)
+        self.res.decoder_generations = max(self.d_generation)
+
+    @property
+    def decoder(self) -> _Worker | None:
+        """The first D engine: the one single-decoder faults act on."""
+        return self.decoders[0]
+
+    def live_decoders(self) -> list[_Worker]:
+        return [d for d in self.decoders if d is not None and d.alive]
 
     def workers(self) -> list[_Worker]:
-        ws = [w for w in self.ranks if w.alive]
-        if self.decoder is not None and self.decoder.alive:
-            ws.append(self.decoder)
-        return ws
+        return [w for w in self.ranks if w.alive] + self.live_decoders()
 
     def send(self, w: _Worker, item: tuple) -> None:
         if not w.alive or w.frozen:
@@ -202,12 +215,15 @@ class _Cluster:
         if kind == "ready":
             w.ready = ev[3]
             if w.role == "d":
-                self.d_ports = list(ev[3]["ports"])
+                self.d_ports[w.slot] = list(ev[3]["ports"])
         elif kind == "start_prefill":
             _, rid, d_addrs, blocks = ev  # one side-channel address per D TP worker
+            client = self.router.client_of(rid)
+            if client is None:
+                return  # an attempt that already ended (its decoder died meanwhile)
             if self.cfg.abort_rate and self.rng.random() < self.cfg.abort_rate:
                 # the client goes away at some moment of the transfer (or just before it)
-                self.aborts_due.append((time.monotonic() + self.rng.uniform(0, 0.01), rid))
+                self.aborts_due.append((time.monotonic() + self.rng.uniform(0, 0.01), client))
             live = [r for r in self.ranks if r.alive]
             if not live:
                 return  # nobody to prefill: D's deadline fails the request
@@ -219,12 +235,18 @@ class _Cluster:
             _, _rank, rid, ok, reason = ev
             self.assigned.pop(rid, None)
             if not ok:
-                self.res.reasons[f"P: {_short(reason)}"] += 1
+                self.res.reasons[f"P: {short_reason(reason)}"] += 1
                 self.detected()
         elif kind == "d_result":
             _, rid, outcome, reason, latency = ev
-            self.at_d.pop(rid, None)
-            self.record(rid, outcome, reason, latency)
+            client = self.router.ended(rid)
+            if client is None:
+                self.res.counters["stale_results"] += 1
+                return
+            self.record(client, outcome, reason, latency)
+        elif kind == "token":
+            self.router.streamed(ev[1], ev[2])
+            self.res.tokens += 1
         elif kind == "stats":
             w.stats = ev[3]
         elif kind == "final":
@@ -246,6 +268,8 @@ class _Cluster:
             self.res.max_outcome_s = max(self.res.max_outcome_s, latency)
         if outcome == "done":
             self.res.done += 1
+            if self.router.tries[rid] > 1:  # moved off a dead decoder, verified by another
+                self.res.counters["failovers_done"] += 1
             if latency is not None:
                 self.res.latencies_s.append(latency)
         elif outcome == "corrupt":
@@ -253,7 +277,8 @@ class _Cluster:
             self.res.reasons[f"corrupt: {reason}"] += 1
         else:
             self.res.failed += 1
-            self.res.reasons[f"D: {_short(reason)}"] += 1
+            self.res.client_gone += rid in self.gone
+            self.res.reasons[f"D: {short_reason(reason)}"] += 1
             self.detected()
         if self.progress is not None:
             self.progress(self.res)
@@ -265,40 +290,65 @@ class _Cluster:
             print(f"[lw] {time.monotonic():.3f} lost {w.role}{w.index}: {why}", flush=True)
         w.alive = False
         if w.role == "d":
-            # Everything the dead decoder held is lost: account for it once, here.
-            for rid, gen in list(self.at_d.items()):
-                if gen == w.index:
-                    del self.at_d[rid]
-                    self.record(rid, "failed", f"decoder died ({why})", None)
-            if self.cfg.fault in DECODER_RESTARTS and self.d_generation < 2:
-                self.start_decoder()
+            if w is self.decoders[w.slot]:
+                self.decoder_lost(w, why)
         else:
             self.res.dead_ranks.append(w.index)
             for rid, rank in list(self.assigned.items()):
                 if rank == w.index:
                     del self.assigned[rid]
             # A dead rank's place in the lock step is taken by a dummy stepper.
-            ghost = threading.Thread(target=_ghost, args=(self.barrier,),
+            ghost = threading.Thread(target=ghost_steps, args=(self.barrier,),
                                      name=f"lw-ghost-dp{w.index}", daemon=True)
             ghost.start()
             self.ghosts.append(ghost)
 
+    def decoder_lost(self, w: _Worker, why: str) -> None:
+        """Everything the dead D engine held is lost: account for each request once, here. A
+        request that streamed no token moves to a live D (a fresh D-first round; its P side is
+        cancelled, as the real proxy closes the old prefill); one that did fails."""
+        cfg = self.cfg
+        moved: list[Lost] = []
+        for lost in self.router.decoder_lost(w.slot):
+            if lost.client in self.gone:  # nobody to answer: nothing to move or count
+                self.record(lost.client, "failed", f"decoder died ({why})", None)
+            elif self.router.may_move(lost, max_tries=cfg.decoders):
+                moved.append(lost)
+                rank = self.assigned.get(lost.attempt)
+                if rank is not None:
+                    self.send(self.ranks[rank], ("cancel", lost.attempt))
+            elif lost.tokens:
+                self.res.failed_after_first_token += 1
+                self.record(lost.client, "failed", f"decoder died after {lost.tokens} tokens "
+                            f"were streamed ({why})", None)
+            else:
+                self.record(lost.client, "failed", f"decoder died ({why})", None)
+        for lost in reversed(moved):  # ahead of the queue, in the order they came
+            self.router.retry(lost.client)
+        if moved:
+            self.res.failovers += len(moved)
+            self.detected()
+        if (cfg.decoders == 1 and cfg.fault in DECODER_RESTARTS
+                and self.d_generation[w.slot] < 2):
+            self.start_decoder(w.slot)
+            self.router.revive(w.slot)
+
     # ------------------------------------------------------------------- driving
     def feed(self) -> None:
-        d = self.decoder
-        if d is None or not d.alive or not d.ready or d.frozen:
-            return
-        window = self.cfg.window or self.cfg.d_capacity
-        while self.next_req < len(self.req_ids) and len(self.at_d) < window:
-            if not d.alive or d.frozen or d is not self.decoder:
-                # A send below found the decoder dead: its requests were accounted in lost();
-                # the rest wait for the next incarnation (assigning them here stranded them).
-                break
-            rid = self.req_ids[self.next_req]
-            self.next_req += 1
-            self.at_d[rid] = d.index
+        """Send waiting requests to the D engines the router picks, while they have room."""
+        router = self.router
+        while router.pending:
+            # recomputed each time: a send below may find a decoder dead (lost() moved or
+            # accounted its requests; the rest wait for a live one)
+            ready = [d.slot for d in self.live_decoders() if d.ready and not d.frozen]
+            slot = router.pick(ready)
+            if slot is None:
+                return
+            rid = router.start(router.pending.popleft(), slot)
             if not self.t_first:
                 self.t_first = time.monotonic()
+            d = self.decoders[slot]
+            assert d is not None
             self.send(d, ("request", rid))
 
     def inject(self) -> None:
@@ -329,13 +379,20 @@ class _Cluster:
                 self.fault_fired = True
                 self.fault_at = now
             return
-        if cfg.fault == "freeze-decoder-before-contact":
+        if cfg.fault == "kill-decoder" and cfg.decoders > 1:
+            victim = self._victim()
+            if victim is not None:
+                self._count_stages(victim.slot)
+                os.kill(victim.pid, signal.SIGKILL)
+                self.fault_fired = True
+                self.fault_at = now
+        elif cfg.fault == "freeze-decoder-before-contact":
             if d is not None and d.ready:
                 self.send(d, ("freeze_after_alloc",))
                 self.fault_fired = True
                 self.fault_at = now
         elif (self.res.done >= trigger and d is not None and d.alive and d.pid
-              and (self.at_d or self.next_req >= len(self.req_ids))):
+              and (self.router.load(d.slot) or not self.router.pending)):
             # only while the decoder holds requests (a fast machine can finish a whole window
             # between two looks: a kill then would test nothing), or when none will come
             if cfg.fault == "kill-decoder":
@@ -357,26 +414,63 @@ class _Cluster:
                 self.fault_fired = True
                 self.fault_at = now
 
+    def _victim(self) -> _Worker | None:
+        """The D engine for kill-decoder to kill, once an eighth of the requests are done: one
+        that holds requests that streamed a token and at least two still with P (queued or
+        being pushed: their first token cannot be on its way already, as a request's just
+        verified may be); or, with none left to send, the busiest before they all run dry."""
+        router = self.router
+        if self.res.done < max(1, self.cfg.requests // 8):
+            return None
+        held = {d.slot: router.held(d.slot)
+                for d in self.live_decoders() if d.pid and router.load(d.slot)}
+        for slot, tokens in held.items():
+            with_p = sum(1 for rid, n in tokens.items() if not n and rid in self.assigned
+                         and router.client_of(rid) not in self.gone)
+            if any(tokens.values()) and with_p >= 2:
+                return self.decoders[slot]
+        busiest = max(held, key=lambda s: len(held[s]), default=None)
+        if busiest is not None and not router.pending and len(held[busiest]) <= 2:
+            return self.decoders[busiest]
+        return None
+
+    def _count_stages(self, slot: int) -> None:
+        """Where the requests of the D engine about to die are, for the report: streaming
+        tokens, with a P rank (queued or being pushed), or neither (not yet routed to P, or
+        pushed and not yet verified or decoded)."""
+        for rid, tokens in self.router.held(slot).items():
+            stage = "streaming" if tokens else "prefilling" if rid in self.assigned else "other"
+            self.res.counters[f"killed_with.{stage}"] += 1
+
     def fire_aborts(self) -> None:
         """Send the client aborts that are due to the decoder."""
         now = time.monotonic()
         due = [x for x in self.aborts_due if x[0] <= now]
-        if not due or self.decoder is None:
+        if not due:
             return
         self.aborts_due = [x for x in self.aborts_due if x[0] > now]
-        for _t, rid in due:
-            if rid not in self.outcome:
-                self.res.aborts += 1
-                self.send(self.decoder, ("abort", rid))
+        for _t, client in due:
+            if client in self.outcome:
+                continue
+            self.res.aborts += 1
+            self.gone.add(client)
+            rid = self.router.current.get(client)
+            slot = self.router.slot_of(rid) if rid is not None else None
+            d = self.decoders[slot] if slot is not None else None
+            if d is not None:
+                self.send(d, ("abort", rid))
+            elif client in self.router.pending:  # moved off a dead decoder, not yet resent
+                self.router.pending.remove(client)
+                self.record(client, "failed", "client went away before a decoder had it",
+                            None)
 
     def record_rss(self, point: int) -> None:
         """Resident memory of every worker (from its last stats) at ``point`` 0 (start), 1
         (warm: 10 % of the requests ended) or 2 (end)."""
-        everyone = self.ranks + ([self.decoder] if self.decoder is not None else [])
-        for w in everyone:
+        for w in self.ranks + self.d_all:
             s = w.final or w.stats
             if s and s.get("rss_kib") and (w.alive or w.final is not None):
-                key = f"{w.role}{w.index}"
+                key = w.key
                 cur = list(self.res.rss_kib.get(key, (0, 0, 0)))
                 cur[point] = s["rss_kib"]
                 self.res.rss_kib[key] = (cur[0], cur[1], cur[2])
@@ -396,7 +490,7 @@ class _Cluster:
             return
         now = time.monotonic()
         if self.cfg.fault == "none" or not self.fault_at:
-            due = self.cfg.fault == "none" and self.next_req > self.cfg.requests // 2
+            due = self.cfg.fault == "none" and self.router.started > self.cfg.requests // 2
             title = "midway"
         else:
             due = now - self.fault_at >= 1.0  # before heartbeats give up on a frozen peer
@@ -427,32 +521,6 @@ class _Cluster:
         return True
 
 
-class _Action:
-    """Picklable barrier action: publish the stop request (see workers.barrier_action)."""
-
-    def __init__(self, flags: Any) -> None:
-        self.flags = flags
-
-    def __call__(self) -> None:
-        barrier_action(self.flags)
-
-
-def _ghost(barrier: Any) -> None:
-    """Dummy steps for a dead rank: take its turn in every lock-step wait until the barrier is
-    aborted at the end (it cannot tell a step's first wait from the others, so it never leaves
-    on its own: the live ranks leave at a step start and the ghost is then alone)."""
-    while True:
-        try:
-            barrier.wait()
-        except threading.BrokenBarrierError:
-            return
-
-
-def _short(reason: str) -> str:
-    """A failure reason without numbers and addresses, for grouping."""
-    return _NUMBERS.sub("#", reason)[:72]
-
-
 def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
                 on_status: Callable[[str], None] | None = None) -> ClusterResult:
     """Run the synthetic cluster for ``cfg`` and return what happened (workers always reaped);
@@ -478,12 +546,14 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
                 cl.res.errors.append(str(exc))
                 return cl.res
             cfg.p_host, cfg.d_host, cfg.d_netns = cl.link.host_ip, cl.link.ns_ip, cl.link.name
-        cl.start_decoder()
+        for slot in range(cfg.decoders):
+            cl.start_decoder(slot)
         for rank in range(cfg.prefill_dp):
             cl.start_rank(rank)
         deadline = time.monotonic() + 60
-        while not all(w.ready for w in cl.workers()) or len(cl.workers()) < cfg.prefill_dp + 1:
-            dead = [w for w in cl.ranks + [cl.decoder] if w is not None and not w.alive]
+        while (not all(w.ready for w in cl.workers())
+               or len(cl.workers()) < cfg.prefill_dp + cfg.decoders):
+            dead = [w for w in cl.ranks + cl.d_all if not w.alive]
             if time.monotonic() > deadline or cl.res.errors or dead:
                 cl.res.errors.append("workers did not start" + (
                     f" ({len(dead)} died; logs in {cfg.log_dir})" if dead else ""))
@@ -506,12 +576,11 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
             cl.maybe_show_status()
             cl.feed()
             cl.pump(0.02)
-            if cl.decoder is None or (not cl.decoder.alive
-                                      and cfg.fault not in DECODER_RESTARTS):
-                # decoder gone for good: every request not yet sent fails with it
-                for rid in cl.req_ids[cl.next_req:]:
-                    cl.record(rid, "failed", "no decoder", None)
-                cl.next_req = len(cl.req_ids)
+            if not cl.live_decoders():
+                # every decoder gone for good (a restart starts the new one at once): every
+                # request not yet sent fails with them
+                while cl.router.pending:
+                    cl.record(cl.router.pending.popleft(), "failed", "no decoder", None)
         cl.res.elapsed_s = (cl.t_last or time.monotonic()) - (cl.t_first or t_start)
         # thaw a still frozen decoder, heal a cut link, before settling
         while cl.thaw_at is not None or cl.heal_at is not None:
@@ -560,14 +629,14 @@ def _debug(cl: _Cluster, what: str) -> None:
     if _DEBUG:
         print(f"[lw] {time.monotonic():.3f} {what}: " + ", ".join(
             f"{w.role}{w.index} alive={w.alive} stats={None if w.stats is None else {k: w.stats.get(k) for k in ('held_blocks', 'live_requests')}}"  # noqa: E501
-            for w in cl.ranks + ([cl.decoder] if cl.decoder else [])), flush=True)
+            for w in cl.ranks + cl.d_all), flush=True)
 
 
 def _stop(cl: _Cluster) -> None:
-    """Stop the P ranks at the same step (barrier action) and the decoder; wait for finals."""
+    """Stop the P ranks at the same step (barrier action) and the decoders; wait for finals."""
     cl.flags[0] = 1
-    if cl.decoder is not None:
-        cl.send(cl.decoder, ("stop",))
+    for d in cl.live_decoders():
+        cl.send(d, ("stop",))
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(w.final is None for w in cl.workers()):
         cl.pump(0.05)
@@ -581,41 +650,17 @@ def _collect(cl: _Cluster) -> None:
             continue  # a dead rank's memory died with it
         if s is None:
             res.errors.append(f"P rank {w.index} sent no final stats")
-            continue
-        res.leaked_p += s["held_blocks"]
-        res.bytes_moved += int(s.get("dp.bytes", 0))
-        res.tails_s.extend(s.get("tails", []))
-        res.max_step_s = max(res.max_step_s, s["max_step_s"])
-        res.max_busy_step_s = max(res.max_busy_step_s, s["max_busy_step_s"])
-        res.busy_steps_s.extend(s.get("busy_step_s", []))
-        res.max_hook_s = max(res.max_hook_s, s.get("max_hook_s", 0.0))
-        res.hooks_s.extend(s.get("hook_s", []))
-        res.steps = max(res.steps, s["steps"])
-        _add_counters(res.counters, s, "p")
+        else:
+            res.add_p_stats(s)
     res.p_unreported = sum(1 for r in cl.assigned.values() if r not in res.dead_ranks)
-    d = cl.decoder
-    if d is not None and (d.alive or d.final is not None):
+    for d in cl.decoders:  # a dead decoder's blocks died with it
+        if d is None or not (d.alive or d.final is not None):
+            continue
         s = d.final or d.stats
         if s is None:
-            res.errors.append("decoder sent no final stats")
+            res.errors.append(f"decoder {d.slot} sent no final stats")
         else:
-            res.leaked_d += s["held_blocks"]
-            _add_counters(res.counters, s, "d")
-
-
-_INTERESTING = ("side.unauthenticated", "side.forged", "side.wire_errors", "side.replayed",
-                "side.injected_drops", "side.injected_duplicates", "side.injected_garbage",
-                "loop.protocol_errors", "loop.core_errors", "loop.effect_errors",
-                "core.stale_messages", "core.deadlines", "core.leases_expired",
-                "loop.transfers_failed", "side.send_dropped", "core.peer_restarts",
-                "side.replies_matched")
-
-
-def _add_counters(total: Counter, stats: dict[str, Any], role: str) -> None:
-    for k in _INTERESTING:
-        v = stats.get(k)
-        if v:
-            total[f"{role}.{k}"] += int(v)
+            res.add_d_stats(s)
 
 
 def _reap(cl: _Cluster) -> None:
@@ -626,7 +671,7 @@ def _reap(cl: _Cluster) -> None:
         cl.barrier.abort()
     except Exception:
         pass
-    all_workers = list(cl.ranks) + ([cl.decoder] if cl.decoder is not None else [])
+    all_workers = list(cl.ranks) + cl.d_all
     if cl.as_process:
         for w in all_workers:
             p = w.proc

@@ -12,7 +12,9 @@ from lw.transport.sidechannel import parse_cluster_key
 
 FAULTS: dict[str, str] = {
     "none": "no fault",
-    "kill-decoder": "SIGKILL the decoder mid-transfer, then start a new incarnation on its port",
+    "kill-decoder": "SIGKILL the decoder mid-transfer, then start a new incarnation on its port "
+    "(with --decoders > 1: SIGKILL one decoder while it holds requests at every stage; the "
+    "proxy moves those that streamed no token yet to a live decoder and avoids the dead one)",
     "freeze-decoder-before-contact": "decoder SIGSTOPs itself after allocating, before any P "
     "contact; SIGCONT later",
     "freeze-decoder-mid-transfer": "SIGSTOP the decoder while layers are in flight; SIGCONT later",
@@ -49,7 +51,10 @@ NETNS_FAULTS = PARTITION_FAULTS | LINK_FAULTS
 PROCESS_FAULTS = frozenset({"kill-decoder", "freeze-decoder-before-contact",
                             "freeze-decoder-mid-transfer", "freeze-kill-decoder",
                             "kill-prefill-rank"}) | NETNS_FAULTS
-DECODER_RESTARTS = frozenset({"kill-decoder", "freeze-kill-decoder"})
+DECODER_RESTARTS = frozenset({"kill-decoder", "freeze-kill-decoder"})  # with one decoder
+# Faults aimed at "the decoder" (frozen, or alone in a network namespace): one decoder only.
+ONE_DECODER_FAULTS = frozenset({"freeze-decoder-before-contact", "freeze-decoder-mid-transfer",
+                                "freeze-kill-decoder"}) | NETNS_FAULTS
 # Faults after which failed requests are expected (every request must still be accounted for).
 FAILURES_EXPECTED = frozenset({"kill-decoder", "freeze-decoder-before-contact",
                                "freeze-decoder-mid-transfer", "freeze-kill-decoder",
@@ -78,6 +83,14 @@ class ClusterConfig:
     prefill_dp: int = 2
     prefill_tp: int = 1  # TP worker threads per P DP rank, each holding its KV heads
     decode_tp: int = 1  # TP worker threads of the decoder, sharing one block pool
+    # D engines, each with decode_tp workers and its own pool of d_blocks; the proxy spreads
+    # the requests over them (lw.synthetic.router)
+    decoders: int = 1
+    # Tokens D decodes after verifying a request's KV, one every token_ms, each streamed to the
+    # client: whether a token was streamed decides whether a request may move to another D.
+    # -1: 8 with several decoders, 0 with one (a request is done once verified, as before)
+    decode_tokens: int = -1
+    token_ms: float = 5.0
     mla: bool = False  # latent KV: one vector per token, identical on every TP rank
     kv_heads: int = 0  # KV heads of the model (0: max(prefill_tp, decode_tp); 1 with MLA)
     layers: int = 8
@@ -95,7 +108,7 @@ class ClusterConfig:
     fault: str = "none"
     cluster_key: bytes | None = None
     seed: int = 0
-    window: int = 0  # requests outstanding at D at once (0: what its pool can hold)
+    window: int = 0  # requests outstanding at each D at once (0: what its pool can hold)
     # deadlines (short, so that faults resolve in seconds)
     meta_retry_s: float = 0.2
     meta_attempts: int = 15
@@ -137,6 +150,15 @@ class ClusterConfig:
                              "--data-plane mooncake")
         if self.fault == "no-cluster-key" and self.prefill_dp < 2:
             raise ValueError("no-cluster-key needs --prefill-dp >= 2 (one keyed rank must remain)")
+        if self.decoders < 1:
+            raise ValueError(f"decoders must be >= 1, got {self.decoders}")
+        if self.decoders > 1 and self.fault in ONE_DECODER_FAULTS:
+            raise ValueError(f"fault {self.fault} is aimed at a single decoder: it needs "
+                             "--decoders 1")
+        if self.decode_tokens < 0:
+            self.decode_tokens = 8 if self.decoders > 1 else 0
+        if self.token_ms < 0:
+            raise ValueError(f"token_ms must be >= 0, got {self.token_ms}")
         if self.fault == "kill-prefill-rank" and self.prefill_dp < 2:
             raise ValueError("kill-prefill-rank needs --prefill-dp >= 2")
         if not 0 <= self.abort_rate <= 1:
@@ -195,7 +217,7 @@ class ClusterConfig:
 
     @property
     def d_capacity(self) -> int:
-        """Requests the decoder's pool holds at once."""
+        """Requests one decoder's pool holds at once."""
         return self.d_blocks // self.blocks_per_request
 
     def prefill_config(self) -> PrefillConfig:

@@ -1,6 +1,7 @@
-"""The synthetic engine's workers: P DP ranks stepping in lock step, and the decoder.
+"""The synthetic engine's workers: P DP ranks stepping in lock step, and the decoders.
 
-A worker is an engine: a P DP rank (with its scheduler) or the decoder (with its block pool). It
+A worker is an engine: a P DP rank (with its scheduler) or a decoder (with its block pool; once a
+request's KV is verified it streams ``decode_tokens`` tokens to the client, then frees it). It
 has one TP worker per tensor-parallel rank, each with its own KV memory (its KV heads of every
 block, HND), data plane, side channel and :class:`~lw.transport.runtime.WorkerLoop`, and talks to
 the coordinator (:mod:`lw.synthetic.cluster`) through two one-way pipes: commands in, events out.
@@ -44,7 +45,10 @@ from lw.transport.runtime import WorkerLoop
 from lw.transport.sidechannel import FaultInjection, SideChannel
 from lw.transport.wire import KVLayout, LayerLayout, Sender
 
-D_ENGINE = "decode-0"
+
+def d_engine(slot: int) -> str:
+    """Engine id of D engine ``slot`` (its own id, so P keeps each engine's layouts apart)."""
+    return f"decode-{slot}"
 
 
 def p_engine(rank: int) -> str:
@@ -55,6 +59,27 @@ def p_engine(rank: int) -> str:
 def barrier_action(flags: Any) -> None:
     """Runs once per barrier generation: publish the stop request so all ranks agree on it."""
     flags[1] = flags[0]
+
+
+class BarrierAction:
+    """Picklable barrier action: publish the stop request (see barrier_action)."""
+
+    def __init__(self, flags: Any) -> None:
+        self.flags = flags
+
+    def __call__(self) -> None:
+        barrier_action(self.flags)
+
+
+def ghost_steps(barrier: Any) -> None:
+    """Dummy steps for a dead rank: take its turn in every lock-step wait until the barrier is
+    aborted at the end (it cannot tell a step's first wait from the others, so it never leaves
+    on its own: the live ranks leave at a step start and the ghost is then alone)."""
+    while True:
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            return
 
 
 # ----------------------------------------------------------------------------- shared setup
@@ -294,6 +319,19 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
                     reason = failures.pop(rid, None)
                     outbox.put(("p_finished", rank, rid, reason is None, reason or ""))
 
+    def cancel(rid: str) -> None:
+        """Like the real proxy closing the prefill request: drop it if not admitted yet, else
+        abort it in every TP worker's core, which releases it once no write is in flight (one
+        not yet handed to the core, last_chunk mode, ends by heartbeat or deadline instead)."""
+        for i, item in enumerate(waiting):
+            if item[0] == rid:
+                del waiting[i]
+                outbox.put(("p_finished", rank, rid, False, "cancelled before admission"))
+                return
+        if rid in unreleased:
+            for tp in tps:
+                tp.loop.call("abort", rid, "the proxy moved the request to another decoder")
+
     while True:
         while cmd.poll():
             c = cmd.recv()
@@ -304,6 +342,8 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
                 outbox.put(("stats", "p", rank, stats()))
             elif c[0] == "crash":
                 crash_armed = True
+            elif c[0] == "cancel":  # the proxy moved the request to another decoder
+                cancel(c[1])
         drain()
         barrier.wait(cfg.barrier_timeout_s)  # step start; the action publishes "stop"
         if flags[1]:
@@ -385,16 +425,17 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
 
 # ----------------------------------------------------------------------------- decoder
 def decode_main(cfg: ClusterConfig, cmd: Connection, out: Connection, ports: list[int],
-                incarnation: int, generation: int, as_process: bool) -> None:
-    """The decoder: allocate first, ask for the prefill, verify every byte, free the blocks."""
-    name = f"decode-gen{generation}"
+                incarnation: int, generation: int, as_process: bool, slot: int = 0) -> None:
+    """D engine ``slot``: allocate first, ask for the prefill, verify every byte, decode,
+    free the blocks."""
+    name = f"decode-gen{generation}" if slot == 0 else f"decode{slot}-gen{generation}"
     if as_process:
         _as_process(name, cfg)
         if cfg.d_netns:  # before any socket: the decoder lives behind the partitionable link
             netns.enter(cfg.d_netns)
     outbox = _Outbox(out)
     try:
-        _decode(cfg, cmd, outbox, ports, incarnation, generation)
+        _decode(cfg, cmd, outbox, ports, incarnation, generation, slot)
     except BaseException:
         outbox.put(("error", name, traceback.format_exc()))
         raise
@@ -403,29 +444,30 @@ def decode_main(cfg: ClusterConfig, cmd: Connection, out: Connection, ports: lis
 
 
 def _decode_tp(cfg: ClusterConfig, j: int, port: int, incarnation: int, generation: int,
-               wake: threading.Event) -> _TP:
+               wake: threading.Event, slot: int) -> _TP:
     """TP worker ``j`` of the decoder: its heads of every block of the shared pool, its loop."""
     fmt = cfg.d_format(j)
     kv = np.zeros((cfg.layers, cfg.d_blocks, cfg.rank_block_bytes(fmt)), dtype=np.uint8)
-    dp = _data_plane(cfg, f"d{generation}t{j}", cfg.d_host)
+    dp = _data_plane(cfg, f"d{slot}g{generation}t{j}", cfg.d_host)
     dp.register_memory(kv.ctypes.data, kv.nbytes)
     side = SideChannel(cfg.d_host, port=port, cluster_key=cfg.cluster_key,
                        faults=_faults(cfg, 1000 * j))
-    me = Sender(D_ENGINE, j, incarnation, side.addr)
-    layout = KVLayout(D_ENGINE, incarnation, dp.session, _layouts(kv), fmt)
+    me = Sender(d_engine(slot), j, incarnation, side.addr)
+    layout = KVLayout(d_engine(slot), incarnation, dp.session, _layouts(kv), fmt)
     loop = WorkerLoop(DecodeEndpoint(me, layout, cfg.decode_config()), side, dp,
-                      on_report=lambda _e: wake.set(), name=f"lw-loop-d{j}",
+                      on_report=lambda _e: wake.set(),
+                      name=f"lw-loop-d{j}" if slot == 0 else f"lw-loop-d{slot}t{j}",
                       heartbeat_s=cfg.heartbeat_s, heartbeat_misses=cfg.heartbeat_misses)
     return _TP(fmt, kv, loop.start())
 
 
 def _decode(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, ports: list[int],
-            incarnation: int, generation: int) -> None:
+            incarnation: int, generation: int, slot: int) -> None:
     wake = threading.Event()
     tps: list[_TP] = []
     try:
         for j in range(cfg.decode_tp):
-            tps.append(_decode_tp(cfg, j, ports[j], incarnation, generation, wake))
+            tps.append(_decode_tp(cfg, j, ports[j], incarnation, generation, wake, slot))
         _decode_steps(cfg, cmd, outbox, generation, tps, wake)
     finally:
         for tp in tps:
@@ -445,6 +487,10 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
     bad: dict[str, set[tuple[int, int]]] = {}  # request -> (layer, block index) with a bad head
     failures: dict[str, str] = {}  # request -> first failure of a TP worker
     quarantined: set[str] = set()
+    # Verified requests being "decoded": request -> (blocks, when the next token is due, tokens
+    # streamed so far, allocation -> verified). Their blocks stay held until the last token.
+    decoding: dict[str, tuple[tuple[int, ...], float, int, float]] = {}
+    token_s = cfg.token_ms / 1000
     waiting: deque[str] = deque()
     counts = {"done": 0, "failed": 0, "corrupt": 0}
     freeze_armed = False
@@ -456,8 +502,8 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
 
     def stats() -> dict[str, Any]:
         return {"held_blocks": cfg.d_blocks - len(free), "quarantined": len(quarantined),
-                "waiting": len(waiting), "generation": generation, **counts,
-                **_merged_stats(tps)}
+                "waiting": len(waiting), "decoding": len(decoding), "generation": generation,
+                **counts, **_merged_stats(tps)}
 
     def verify(j: int, rid: str, blocks: tuple[int, ...]) -> set[tuple[int, int]]:
         tp = tps[j]
@@ -491,9 +537,30 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
             outcome, reason = "corrupt", f"{len(wrong)} of {L * len(blocks)} blocks wrong"
         else:
             outcome, reason = "done", ""
+        now = time.monotonic()
+        if outcome == "done" and cfg.decode_tokens:
+            # only complete, verified KV is decoded (design property 3)
+            decoding[rid] = (blocks, now + token_s, 0, now - t0)
+            return
         counts[outcome] += 1
         free.extend(blocks)  # "decoded" (or failed and released): back to the pool
-        outbox.put(("d_result", rid, outcome, reason, time.monotonic() - t0))
+        outbox.put(("d_result", rid, outcome, reason, now - t0))
+
+    def decode_step() -> None:
+        """Stream each decoding request's due token; after its last, the request is done."""
+        now = time.monotonic()
+        for rid, (blocks, due, n, latency) in list(decoding.items()):
+            if now < due:
+                continue
+            n += 1
+            outbox.put(("token", rid, n))
+            if n < cfg.decode_tokens:
+                decoding[rid] = (blocks, due + token_s, n, latency)
+                continue
+            del decoding[rid]
+            counts["done"] += 1
+            free.extend(blocks)
+            outbox.put(("d_result", rid, "done", "", latency))
 
     def on_report(j: int, rep: Effect) -> None:
         if isinstance(rep, RecvDone):
@@ -527,12 +594,20 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
                     elif rid in unreported:
                         for tp in tps:
                             tp.loop.call("abort", rid, "client went away")
+                    elif rid in decoding:  # stops decoding: its blocks go back now
+                        blocks, _due, n, latency = decoding.pop(rid)
+                        counts["failed"] += 1
+                        free.extend(blocks)
+                        outbox.put(("d_result", rid, "failed",
+                                    f"client went away after {n} tokens", latency))
                 elif c[0] == "stop":
                     stopping = True
         wake.clear()
         for j, tp in enumerate(tps):
             for rep in tp.loop.drain_reports():
                 on_report(j, rep)
+        if decoding:
+            decode_step()
         started = 0
         while waiting and len(free) >= cfg.blocks_per_request:
             rid = waiting.popleft()
