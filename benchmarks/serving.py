@@ -554,7 +554,7 @@ GOODPUT_TOLERANCE = 0.01
 def set_link(link: Link, bench: Bench, row: LinkRow, shape: Shape) -> None:
     """Cap ``link`` for this row and prompt length, measure the goodput and print it.
 
-    ``kv_over_prefill`` is defined by the goodput (the issue's definition), and TCP through tbf
+    ``kv_over_prefill`` is defined by the goodput (module docstring), and TCP through tbf
     delivers about 4 % less than the tbf rate: the first time a row is set, its tbf rate is
     scaled until the goodput is within ``GOODPUT_TOLERANCE`` of the target (two corrections at
     most); later repeats reuse that rate and only measure."""

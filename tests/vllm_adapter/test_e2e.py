@@ -636,7 +636,9 @@ def test_sidecar_prefills_on_the_prefill_server_the_header_names(
 def test_a_dead_decode_server_is_replaced_before_the_first_token(
         cluster: LocalCluster, tmp_path: Any) -> None:
     """A proxy whose first decode server is dead: the request moves to the live D (a fresh
-    transfer) and its output equals the single engine's; the dead one is then avoided."""
+    transfer) and its output equals the single engine's; the dead one is then avoided for its
+    backoff (1 s, ±20 %), and tried again after it with a doubled backoff (a loaded machine can
+    take that long for one request; tests/vllm_adapter/test_failover.py times the avoidance)."""
     port = free_port()
     control = next(p for p in iter(free_port, None) if p != port)
     argv = [sys.executable, "-m", "lw.vllm_adapter.proxy", "--prefill", cluster.url("prefill"),
@@ -649,13 +651,23 @@ def test_a_dead_decode_server_is_replaced_before_the_first_token(
     proxy.start()
     try:
         wait_ready([proxy], 60)
+        started = []
         for i, stream in enumerate((True, False)):
             prompt = make_prompt(90, seed=530 + i)
+            started.append(time.monotonic())
             got = complete(proxy.url, prompt, MAX_TOKENS, stream=stream, logprobs=TOP_K)
             assert not got.error, f"{got.error}\n{proxy.tail()}"
             assert (v := compare(reference(cluster, prompt), got)).same, v
+            if i == 0:
+                m = httpx.get(f"http://127.0.0.1:{control}/metrics-json", timeout=10).json()
+                assert m["decode_failovers"] == 1 and m["errors"] == 0, m
         m = httpx.get(f"http://127.0.0.1:{control}/metrics-json", timeout=10).json()
-        assert m["decode_failovers"] == 1 and m["errors"] == 0, m
+        dead = m["decode"][0]
+        if started[1] - started[0] < 0.8:  # within the shortest backoff: avoided
+            assert m["decode_failovers"] == 1, m
+        # the dead server failed once per try, and every try moved the request
+        assert m["decode_failovers"] == dead["consecutive_failures"] in (1, 2), m
+        assert m["errors"] == 0, m
         assert not any((h := wait_idle(cluster)).values()), h
     finally:
         proxy.stop()
