@@ -518,16 +518,15 @@ class Bench:
         """One ``vllm bench serve`` run (after the row's warm-ups); stored under (shape, row,
         setup)."""
         label = f"{self.model_name} {LABELS[setup]} {shape.key} {row.key} rep {rep}"
+        key = (shape.key, "-" if setup == "single" else row.key, setup)
         try:
             self.warm_row(run, rep, row, shape)
         except RuntimeError as exc:
             print(f"[{label}] FAILED: {exc}", flush=True)
             self.failures += 1
-            self.results.setdefault((shape.key, "-" if setup == "single" else row.key, setup),
-                                    []).append({"error": "warm-up failed", "rep": rep})
+            self.results.setdefault(key, []).append({"error": "warm-up failed", "rep": rep})
             return
         t1, wall1 = time.monotonic(), time.time()
-        key = (shape.key, "-" if setup == "single" else row.key, setup)
         try:
             res = run_bench(run.url, self.model, self.dataset(rep, row, shape), shape,
                             logs / f"{shape.key}-{row.key.replace('=', '')}-r{rep}.json",
