@@ -29,14 +29,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._plan import Shape, make_prompts  # noqa: E402
 from benchmarks.serving import (  # noqa: E402
     CORES,
     Placement,
     Running,
-    Shape,
     _tasks,
     complete,
-    make_prompts,
     pin,
     warm_up,
 )

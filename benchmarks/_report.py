@@ -1,0 +1,115 @@
+"""The serving benchmark's report: one side-by-side table per model, shape and link row, then
+the ratio lines (per-repeat ratios paired by repeat, median and spread)."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks._plan import (
+    LABELS,
+    OUTPUT_TOKENS,
+    PUSH_MODES,
+    SETUPS,
+    TAIL_PHASE,
+    Bench,
+    LinkRow,
+    Shape,
+)
+
+
+# ------------------------------------------------------------------------------------ report
+def _f(x: Any, fmt: str = ".0f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _ok(runs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    return [r for r in runs or [] if "error" not in r]
+
+
+def _med(runs: list[dict[str, Any]], key: str) -> float | None:
+    xs = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _spread(xs: Sequence[float], fmt: str) -> str:
+    return f"{format(min(xs), fmt)}-{format(max(xs), fmt)}"
+
+
+def ratios(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> list[float]:
+    """Per-repeat ratios a/b of ``key`` (runs of the same repeat paired)."""
+    by_rep = {r.get("rep"): r for r in _ok(b)}
+    out = []
+    for r in _ok(a):
+        other = by_rep.get(r.get("rep"))
+        with contextlib.suppress(KeyError, TypeError, ZeroDivisionError):
+            out.append(r[key] / other[key])  # type: ignore[index]
+    return out
+
+
+COMPARISONS = (("vs_peer", "lw", "peer"), ("progressive_vs_peer", "lw-progressive", "peer"),
+               ("last_chunk_vs_peer", "lw-last", "peer"), ("vs_last_chunk", "lw", "lw-last"),
+               ("progressive_vs_last_chunk", "lw-progressive", "lw-last"))
+
+
+def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> None:
+    """One side-by-side table for a model, shape and link row, then the ratio lines."""
+    label = f"{bench.model_name} {shape.key}" + (f" {row.key}" if link_mode else "")
+    where = ""
+    if link_mode:
+        info = bench.links.get((row.key, shape.input_len))
+        where = f", {row.key}"
+        if info is not None and row.veth:
+            cap = ("uncapped veth" if info.rate_bps is None
+                   else f"tbf {info.rate_bps / 1e6:.1f} Mbit/s")
+            good = (f", goodput {_spread([g / 1e6 for g in info.goodputs_bps], '.0f')} Mbit/s"
+                    if info.goodputs_bps else "")
+            ach = info.achieved()
+            ach_s = f", kv_over_prefill achieved {_spread(ach, '.2f')}" if ach else ""
+            where += f" ({cap}{good}{ach_s})"
+    print(f"\n### {bench.model_name}, input {shape.input_len} / concurrency {shape.concurrency} "
+          f"({shape.prompts} prompts, {OUTPUT_TOKENS} output tokens){where}")
+    print("| setup | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | req/s | out tok/s | failed | runs |")
+    print("|---|---|---|---|---|---|---|---|")
+    runs_of: dict[str, list[dict[str, Any]]] = {}
+    for s in SETUPS:
+        runs = bench.results.get((shape.key, "-" if s == "single" else row.key, s))
+        if runs is None:
+            continue
+        ok = runs_of[s] = _ok(runs)
+        name = LABELS[s] + (" (no link)" if s == "single" and row.veth else "")
+        if not ok:
+            why = runs[0].get("error", "not run")
+            print(f"| {name} | - | - | - | - | - | {why} | 0 |")
+            continue
+        ttft = [r["median_ttft_ms"] for r in ok]
+        ttft_s = _f(statistics.median(ttft)) + (f" ({_spread(ttft, '.0f')})"
+                                                if len(ttft) > 1 else "")
+        failed = sum(int(r.get("failed", 0)) for r in ok) + len(runs) - len(ok)
+        print(f"| {name} | {ttft_s} | {_f(_med(ok, 'p99_ttft_ms'))} | "
+              f"{_f(_med(ok, 'median_tpot_ms'), '.1f')} | "
+              f"{_f(_med(ok, 'request_throughput'), '.2f')} | "
+              f"{_f(_med(ok, 'output_throughput'), '.1f')} | {failed} | {len(ok)} |")
+    for suffix, a, b in COMPARISONS:
+        if a not in runs_of or b not in runs_of:
+            continue
+        for metric, key in (("ttft_p50_ratio", "median_ttft_ms"),
+                            ("throughput_ratio", "output_throughput")):
+            xs = ratios(runs_of[a], runs_of[b], key)
+            if not xs:
+                print(f"{metric}_{suffix}: n/a  ({label})")
+                continue
+            spread = f"; {_spread(xs, '.2f')} over {len(xs)} repeats" if len(xs) > 1 else ""
+            print(f"{metric}_{suffix}: {statistics.median(xs):.2f}  ({label}{spread})")
+    tails = []
+    for s in PUSH_MODES:
+        xs = [r["lw_phases_ms"][TAIL_PHASE] for r in runs_of.get(s, [])
+              if TAIL_PHASE in r.get("lw_phases_ms", {})]
+        if xs:
+            tails.append(f"{PUSH_MODES[s].replace('_', '-')} {statistics.median(xs):.1f}"
+                         + (f" ({_spread(xs, '.1f')})" if len(xs) > 1 else ""))
+    if tails:
+        print(f"lw_transfer_tail_ms: {', '.join(tails)}  ({label}; last layer computed -> "
+              "written, mean per run, median over runs)")
