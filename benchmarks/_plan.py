@@ -142,12 +142,27 @@ class LinkInfo:
     target_bps: float | None = None  # the goodput the row's factor asks for (None: uncapped)
     rate_fitted: bool = False  # rate_bps scaled so that the goodput meets target_bps
     goodputs_bps: list[float] = field(default_factory=list)
+    # the prefill time in force when each goodput was measured (re-measured per repeat)
+    goodput_prefills_s: list[float] = field(default_factory=list)
+    prefills_s: list[float] = field(default_factory=list)  # every calibration, in order
 
     def achieved(self) -> list[float]:
-        """kv_over_prefill from each measured goodput."""
-        if not self.prefill_s:
-            return []
-        return [self.kv_bytes * 8 / g / self.prefill_s for g in self.goodputs_bps]
+        """kv_over_prefill from each measured goodput, against the prefill time of its repeat."""
+        pre = self.goodput_prefills_s or [self.prefill_s] * len(self.goodputs_bps)
+        return [self.kv_bytes * 8 / g / p for g, p in zip(self.goodputs_bps, pre, strict=True) if p]
+
+    def retarget(self, factor: float, prefill_s: float) -> None:
+        """Aim at ``factor`` x ``prefill_s`` of wire time per prompt. A rate fitted to an
+        earlier target keeps its tbf-to-goodput scale and is fitted again at its next use."""
+        self.prefill_s = prefill_s
+        self.prefills_s.append(prefill_s)
+        target = self.kv_bytes * 8 / (factor * prefill_s)
+        if self.rate_bps is not None and self.target_bps:
+            self.rate_bps *= target / self.target_bps
+        else:
+            self.rate_bps = target  # scaled to the goodput by set_link
+        self.target_bps = target
+        self.rate_fitted = False
 
 
 @dataclass

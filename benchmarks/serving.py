@@ -19,10 +19,11 @@ client stay in the root namespace, and each set-up crosses a link made the same 
 ``none`` (loopback, the default), ``uncapped`` (veth, no tbf), factors of ``kv_over_prefill`` =
 (KV bytes of one prompt / link goodput) / (the single server's prefill time of that prompt), and
 ``auto`` = ``uncapped,0.5,1.0,2.0``. The prefill time is the single server's TTFT p50 with
-``max_tokens`` 1 over a few prompts of the shape's length; the goodput wanted is
-``KV bytes x 8 / (factor x prefill time)`` bit/s, and the tbf rate is scaled (the first time a
-row is set) until a TCP transfer through the shaped veth achieves it within 1 %; every setting
-reports the goodput and the ``kv_over_prefill`` achieved. With ``--link`` each set-up is
+``max_tokens`` 1 over a few prompts of the shape's length, measured again before every repeat
+(``--no-recalibrate``: once); the goodput wanted is ``KV bytes x 8 / (factor x prefill time)``
+bit/s, and the tbf rate is scaled (the first time a row is set in a repeat) until a TCP transfer
+through the shaped veth achieves it within 1 %; every setting reports the goodput and the
+``kv_over_prefill`` achieved against its repeat's prefill time. With ``--link`` each set-up is
 started once per repeat (``--repeats``, order rotated per repeat) and runs every link row and
 shape on fresh prompts, each run after two unmeasured prompts of its own (``--row-warmups``:
 every set-up meets a row's link in its steady state, as lw's auto push must learn a link that
@@ -405,9 +406,10 @@ def set_link(link: Link, bench: Bench, row: LinkRow, shape: Shape) -> None:
     """Cap ``link`` for this row and prompt length, measure the goodput and print it.
 
     ``kv_over_prefill`` is defined by the goodput (module docstring), and TCP through tbf
-    delivers about 4 % less than the tbf rate: the first time a row is set, its tbf rate is
-    scaled until the goodput is within ``GOODPUT_TOLERANCE`` of the target (two corrections at
-    most); later repeats reuse that rate and only measure."""
+    delivers about 4 % less than the tbf rate: the first time a row is set after its target
+    changed (each repeat's calibration), its tbf rate is scaled until the goodput is within
+    ``GOODPUT_TOLERANCE`` of the target (two corrections at most); later set-ups of the same
+    repeat reuse that rate and only measure."""
     info = bench.links[(row.key, shape.input_len)]
     link.set_rate(info.rate_bps)
     good = link.goodput(seconds=1.0 if info.rate_bps else 0.5)
@@ -423,6 +425,7 @@ def set_link(link: Link, bench: Bench, row: LinkRow, shape: Shape) -> None:
         good = link.goodput(seconds=1.0)
     info.rate_fitted = True
     info.goodputs_bps.append(good * 8)
+    info.goodput_prefills_s.append(info.prefill_s)
     cap = "uncapped" if info.rate_bps is None else f"tbf {info.rate_bps / 1e6:.1f} Mbit/s"
     achieved = (f", kv_over_prefill achieved {info.achieved()[-1]:.2f}"
                 if info.prefill_s else "")
@@ -477,16 +480,18 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
             run.stop()
 
 
-def calibrate(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ...]) -> None:
+def calibrate(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ...],
+              rep: int = 0) -> None:
     """Start the single server; measure its prefill time per prompt length (if a link row has
-    a factor) and run its benchmark (if ``single`` is a set-up); fill ``bench.links``."""
+    a factor) and, in repeat 0, run its benchmark (if ``single`` is a set-up); aim every
+    factor row of ``bench.links`` at that prefill time."""
     need_prefill = any(r.kind == "factor" for r in bench.rows)
-    run_single = "single" in args.setups
+    run_single = "single" in args.setups and rep == 0
     prefill: dict[int, float] = {}
     if need_prefill or run_single:
-        logs = bench.work / f"{bench.model.name}-single"
+        logs = bench.work / f"{bench.model.name}-single" / f"r{rep}"
         t0 = time.monotonic()
-        print(f"[{bench.model_name} {LABELS['single']}] starting ...", flush=True)
+        print(f"[{bench.model_name} {LABELS['single']} rep {rep}] starting ...", flush=True)
         try:
             run = start_single(bench.model, logs, args.start_timeout, Placement(engine_args))
         except RuntimeError as exc:
@@ -519,10 +524,10 @@ def calibrate(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ..
         for row in bench.rows:
             info = bench.links.setdefault((row.key, sh.input_len), LinkInfo())
             info.kv_bytes = kv_bytes(bench.model, sh.input_len)
-            info.prefill_s = prefill.get(sh.input_len, 0.0)
             if row.kind == "factor":
-                info.target_bps = info.kv_bytes * 8 / (row.factor * info.prefill_s)
-                info.rate_bps = info.target_bps  # scaled to the goodput by set_link
+                info.retarget(row.factor, prefill[sh.input_len])
+            elif sh.input_len in prefill:
+                info.prefill_s = prefill[sh.input_len]
     for row in bench.rows:
         for n in sorted({sh.input_len for sh in bench.plan}):
             info = bench.links[(row.key, n)]
@@ -535,11 +540,14 @@ def calibrate(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ..
 
 def run_model(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ...]) -> None:
     """Every set-up, repeat and link row on one model."""
-    calibrate(bench, args, engine_args)
     pd = [s for s in SETUPS if s in args.setups and s != "single"]
     groups = [g for g in ("none", "veth")
               if any((r.kind == "none") == (g == "none") for r in bench.rows)]
     for rep in range(args.repeats):
+        if rep == 0 or args.recalibrate:
+            # The shared machine's speed drifts (a prefill of 646 and of 861 ms within one
+            # hour): a factor holds for the prefill time of its own repeat.
+            calibrate(bench, args, engine_args, rep)
         order = pd[rep % len(pd):] + pd[:rep % len(pd)] if pd else []
         for setup in order:
             for group in groups:
@@ -569,6 +577,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--row-warmups", type=int, default=None, metavar="N",
                     help="unmeasured prompts of the shape's length before each run of a set-up "
                          "on a link row (default 2 with --link, else 0)")
+    ap.add_argument("--no-recalibrate", dest="recalibrate", action="store_false",
+                    help="measure the single server's prefill time once, not before every "
+                         "repeat (a factor row's rate then stays the first repeat's)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per shape (override)")
     ap.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                     help="run only these shapes of the plan, e.g. in1024-c4")

@@ -68,3 +68,20 @@ def test_link_needs_root(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(serving, "missing_requirements", lambda: "needs root (test)")
     assert serving.main(["--link", "auto"]) == 2
     assert "needs root (test)" in capsys.readouterr().err
+
+
+def test_a_row_retargets_to_each_repeats_prefill_time() -> None:
+    info = LinkInfo(kv_bytes=10_000_000)
+    info.retarget(1.0, 0.5)  # 10 MB in 0.5 s: 160 Mbit/s of goodput wanted
+    assert info.target_bps == info.rate_bps == 160e6 and not info.rate_fitted
+    info.rate_bps, info.rate_fitted = 168e6, True  # set_link found tbf 5 % over the goodput
+    info.goodputs_bps.append(160e6)
+    info.goodput_prefills_s.append(info.prefill_s)
+    info.retarget(1.0, 0.4)  # the machine got faster: a shorter wire time
+    assert info.target_bps == pytest.approx(200e6)
+    assert info.rate_bps == pytest.approx(210e6)  # the fitted scale is kept ...
+    assert not info.rate_fitted  # ... and fitted again at the next use
+    info.goodputs_bps.append(200e6)
+    info.goodput_prefills_s.append(info.prefill_s)
+    assert info.achieved() == pytest.approx([1.0, 1.0])  # each against its own repeat
+    assert info.prefills_s == [0.5, 0.4]
