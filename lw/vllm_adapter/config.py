@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lw.fsm import DecodeConfig, PrefillConfig, check_lease
@@ -38,6 +38,27 @@ def side_channel_port(kv_port: int, dp_rank: int, tp_size: int, tp_rank: int) ->
     return kv_port + dp_rank * tp_size + tp_rank
 
 
+def _key(default: Any, side: str, doc: str, shown: str | None = None) -> Any:
+    """A ``kv_connector_extra_config`` key: its default, which side reads it (``P``, ``D`` or
+    ``both``), what it means, and the default as documented when that is not the value."""
+    return field(default=default, metadata={"side": side, "doc": doc, "shown": shown})
+
+
+def key_table() -> str:
+    """The markdown table of every extra-config key (docs/deployment.md, by `lw diagrams`)."""
+    rows = ["| key | default | side | meaning |", "|---|---|---|---|"]
+    for f in fields(LwConfig):
+        if "doc" not in f.metadata:
+            continue
+        shown = f.metadata["shown"]
+        if shown is None:
+            v = f.default
+            shown = (str(v).lower() if isinstance(v, bool) else f'`"{v}"`' if isinstance(v, str)
+                     else format(v, "g") if isinstance(v, float) else str(v))
+        rows.append(f"| `{f.name}` | {shown} | {f.metadata['side']} | {f.metadata['doc']} |")
+    return "\n".join(rows) + "\n"
+
+
 @dataclass(frozen=True)
 class LwConfig:
     """Validated connector settings (extra-config keys are the field names below)."""
@@ -49,65 +70,150 @@ class LwConfig:
     dp_size: int
     dp_rank: int
     load_failure_policy: str
-    # ---- keys of kv_connector_extra_config -------------------------------------------------
-    host: str = ""  # address peers reach this engine at (side channel + transfer engine)
-    bind_host: str = ""  # side-channel listen address; "" = host (e.g. 0.0.0.0 in containers)
-    peer_tp_size: int = 0  # TP of the other side; 0 = same as ours (D counts senders with it)
-    # HMAC key shared by P, D and the proxy ("hex:..." or text, >= 16 B; default $LW_CLUSTER_KEY):
-    # authenticates the side channel and D's metaserver calls
-    cluster_key: str = ""
-    # prefill (P) deadlines
-    request_timeout_s: float = 30.0
-    meta_retry_s: float = 0.5
-    meta_attempts: int = 20
-    ack_retry_s: float = 0.5
-    ack_attempts: int = 10
-    # decode (D) deadlines
-    prefill_timeout_s: float = 60.0
-    lease_s: float = 90.0
-    peer_request_timeout_s: float = 30.0  # P's request_timeout_s, for the lease check on D
-    # data plane
-    data_plane: str = "mooncake"  # "mooncake" or "inprocess" (single-process tests only)
-    transfer_timeout_s: float = 30.0  # Mooncake MC_TRANSFER_TIMEOUT (whole seconds, >= 5)
-    mooncake_protocol: str = "tcp"
-    mooncake_device: str = ""
-    mooncake_metadata_server: str = "P2PHANDSHAKE"
-    # metaserver calls (D)
-    metaserver_timeout_s: float = 5.0
-    metaserver_attempts: int = 3
-    # prefix-cache hits (D): a remainder of at most this many tokens after D's cached prefix is
-    # computed by D itself (no round trip); -1 = one block (block_size), 0 = always ask P
-    local_tail_tokens: int = -1
-    # P: "progressive" writes each chunk's complete blocks while that chunk computes (chunked
-    # prefill), from the first chunk; "auto" starts that at the first chunk after which the
-    # compute left (as measured) would no longer cover the transfer at the link's measured
-    # goodput, so a fast link costs the early chunks nothing; "last_chunk" writes every block
-    # during the prompt's last chunk (lw before 0.3)
-    push_mode: str = "auto"
-    # P, push_mode auto: start when the transfer x this margin needs the compute left after the
-    # chunk (> 1: earlier, for hosts where writes cost the forward nothing)
-    push_start_margin: float = 1.0
-    # An engine step that computes nothing while lw transfers (D waiting for KV, P for its
-    # pushes to end) waits up to this long for a transfer to finish instead of returning at
-    # once: vLLM's engine loop would otherwise spin ~1,000 steps/s on a core P or D needs, and
-    # the step ends the moment a transfer does. 0 = off.
-    idle_wait_ms: float = 2.0
-    # P: a computed layer wakes lw's loop (and so starts its writes) only if the last layer to
-    # do so is this old, or it is the forward's last layer; the layers in between go out with
-    # it as one transfer. Per-layer wake-ups cost P's forward a context switch, a submit and
-    # polls each; 0 = every layer.
-    layer_batch_ms: float = 15.0
-    # observability: lifecycle events each worker remembers for lw status (0 = none), and the
-    # fraction of a deadline after which a request still in one state is logged as stuck
-    timeline_entries: int = 32768
-    stuck_fraction: float = 0.5
-    # P sends CRC-32C of every written block with DONE; D verifies them before the request may
-    # decode (a mismatch fails it through kv_load_failure_policy). Set it on both sides.
-    kv_checksum: bool = False
-    # liveness: a peer our live requests need that stays silent (heartbeats unanswered) for
-    # heartbeat_s * heartbeat_misses is declared lost (its requests fail); heartbeat_s 0 = off
-    heartbeat_s: float = 0.5
-    heartbeat_misses: int = 3
+    # ---- keys of kv_connector_extra_config: each documented once, here; docs/deployment.md's
+    # table is generated from these by `lw diagrams` (shown: the default as documented, when
+    # it is not the field's value).
+    host: str = _key(
+        "", "both",
+        "address peers use for this server's side channel and transfer engine",
+        shown="`VLLM_HOST_IP`, else vLLM's guess of the host address")
+    bind_host: str = _key(
+        "", "both",
+        "side-channel listen address (e.g. `0.0.0.0` in a container; `host` stays the advertised "
+        "one)",
+        shown="= `host`")
+    peer_tp_size: int = _key(
+        0, "both",
+        "tensor-parallel size of the other side (D counts its senders with it; P checks D's "
+        "posted TP against it); refused at start only if it cannot shard the model's KV heads",
+        shown="= own TP")
+    cluster_key: str = _key(
+        "", "both",
+        "HMAC key (≥ 16 bytes; `hex:...` or text) for side-channel frames and D's metaserver "
+        "calls; the same value on every P, D and the proxy. The environment variable keeps it off"
+        " the command line (`ps` shows `--kv-transfer-config`)",
+        shown="`$LW_CLUSTER_KEY`")
+    request_timeout_s: float = _key(
+        30.0, "P",
+        "whole push of one request, from the step its prefill completes")
+    meta_retry_s: float = _key(
+        0.5, "P",
+        "resend the claim (`MetaRequest`) to D after this long")
+    meta_attempts: int = _key(
+        20, "P",
+        "give up after this many unanswered or \"unknown\" claims")
+    ack_retry_s: float = _key(
+        0.5, "P",
+        "resend DONE after this long without D's acknowledgement")
+    ack_attempts: int = _key(
+        10, "P",
+        "give up after this many DONE without acknowledgement")
+    prefill_timeout_s: float = _key(
+        60.0, "D",
+        "from block allocation to every sender's DONE")
+    lease_s: float = _key(
+        90.0, "D",
+        "longest quarantine of a failed request's blocks")
+    peer_request_timeout_s: float = _key(
+        30.0, "D",
+        "P's `request_timeout_s`, for the lease check")
+    data_plane: str = _key(
+        "mooncake", "both",
+        "`\"inprocess\"` only for single-process tests")
+    transfer_timeout_s: float = _key(
+        30.0, "both",
+        "Mooncake's `MC_TRANSFER_TIMEOUT` (whole seconds, ≥ 5)")
+    mooncake_protocol: str = _key(
+        "tcp", "both",
+        "`protocol` of `TransferEngine.initialize`")
+    mooncake_device: str = _key(
+        "", "both",
+        "`device_name` of `TransferEngine.initialize`")
+    mooncake_metadata_server: str = _key(
+        "P2PHANDSHAKE", "both",
+        "Mooncake metadata mode (P2P handshake: no metadata server)")
+    metaserver_timeout_s: float = _key(
+        5.0, "D",
+        "timeout of one metaserver call")
+    metaserver_attempts: int = _key(
+        3, "D",
+        "tries per call (connection errors and 5xx are retried; 4xx are not)")
+    local_tail_tokens: int = _key(
+        -1, "D",
+        "after a prefix-cache hit, D computes a remainder of at most this many tokens itself (no "
+        "prefill from P); -1 = one block, 0 = always ask P")
+    push_mode: str = _key(
+        "auto", "P",
+        "`progressive`: a prompt prefilled in chunks (`max_num_batched_tokens` per step) has each"
+        " chunk's complete blocks written, layer by layer, while that chunk computes, so the "
+        "transfer spreads over the whole prefill; `auto`: the same, but starting at the first "
+        "chunk after which the compute left would no longer cover the transfer at the link's "
+        "measured goodput (P's workers fit their forward to tokens and attended pairs and measure"
+        " their writes' goodput per decode host over busy periods of at least 4 MiB; until a "
+        "first push measured the link to a decode host, pushes to it start at the first chunk), "
+        "so that a fast link costs the early chunks no push CPU; `last_chunk`: every block is "
+        "written during the prompt's last chunk (the earlier behaviour). A request vLLM preempts "
+        "between chunks fails its push (counted in `lw_preempted_pushes_total`), since vLLM frees"
+        " its blocks without asking the connector; `lw_early_chunk_blocks_total` counts blocks "
+        "sent before their prompt's last chunk. Each (chunk, layer) is its own, smaller write: "
+        "over Mooncake's TCP transport on a high-latency link (one ack per write per connection) "
+        "that divides throughput by the number of chunks (`--fault slow-link`, 200 ms RTT: 0 of "
+        "40 requests in time with 4 chunks, 16 with `last_chunk`, docs/benchmarks.md); use "
+        "`last_chunk` there (`auto` measures such a link as slow and starts early, which is the "
+        "wrong answer for a latency-bound link)")
+    push_start_margin: float = _key(
+        1.0, "P",
+        "`push_mode: auto` starts a prompt's push at the first chunk after which the compute left"
+        " is shorter than the transfer × this margin (both measured by P's workers while they "
+        "push). Above 1 the push starts earlier: for GPU hosts, where writing costs the forward "
+        "nothing and a tail is all there is to lose. In (0, 10]")
+    idle_wait_ms: float = _key(
+        2.0, "both",
+        "an engine step that computes nothing while lw transfers (D waiting for KV, P for its "
+        "pushes to end) waits up to this long for a transfer to finish instead of returning at "
+        "once: vLLM's loop otherwise spins about a thousand empty steps a second on a core P or D"
+        " needs, and the step ends the moment a transfer does. New requests arriving during such "
+        "a step wait at most this long; 0 = off")
+    layer_batch_ms: float = _key(
+        15.0, "P",
+        "a computed layer starts lw's writes (wakes its loop thread) only if the last layer to do"
+        " so is this many milliseconds old, or it is the forward pass's last layer; the layers in"
+        " between go out together with it, as one transfer per decode worker. Each wake-up costs "
+        "the core the forward runs on a context switch, lw's bookkeeping and a data-plane submit "
+        "and polls; per layer of every chunk, on a CPU forward with layers milliseconds apart, "
+        "that cost P's prefill noticeably (docs/benchmarks.md). The first layer after a quiet "
+        "spell still starts at once, so a push begins with its first layer; the last layer's tail"
+        " grows by at most one batch. Layers less than 2 ms apart (a GPU forward) are drained by "
+        "the loop's 1 ms poll anyway, so there the setting changes nothing. 0 = every layer")
+    timeline_entries: int = _key(
+        32768, "both",
+        "lifecycle events each worker remembers for `lw status` histories and traces (0 = none; "
+        "see [operations.md](operations.md))")
+    stuck_fraction: float = _key(
+        0.5, "both",
+        "a request still in one state after this fraction of its deadline is logged once as stuck"
+        " and counted in `lw_stuck_requests_total`")
+    kv_checksum: bool = _key(
+        False, "both",
+        "P sends the CRC-32C of every block it wrote with DONE; D recomputes them over its blocks"
+        " before the request may decode (each sender's at its DONE, and every sender's again at "
+        "the request's last DONE, so bytes of an older claim that land late are caught: with "
+        "several P TP ranks writing one D worker, D sums those blocks twice); a mismatch fails "
+        "the request (`kv_load_failure_policy` decides) and is counted in "
+        "`lw_checksum_mismatches_total`. Set it on P and D alike. One DONE carries at most "
+        "131,072 checksums (layers × blocks of a request per D worker, e.g. 61 layers × 2,148 "
+        "blocks): longer requests fail with checksums on")
+    heartbeat_s: float = _key(
+        0.5, "both",
+        "liveness probes to the peers that live requests need (batched per peer, answered by the "
+        "peer's protocol thread); 0 = off")
+    heartbeat_misses: int = _key(
+        3, "both",
+        "a needed peer silent for `heartbeat_s × heartbeat_misses` is declared lost and its "
+        "requests fail at once (a worker that was itself stalled does not blame its peers). On a "
+        "lossy link, TCP's retransmission timeouts alone can exceed the default 1.5 s (3.8–4.4 s "
+        "were seen under 30 % loss, `--fault lossy-link`, where 3–6 of 40 requests failed on a "
+        "live peer): raise `heartbeat_misses` there, at the price of noticing a dead peer later")
 
     @property
     def is_producer(self) -> bool:

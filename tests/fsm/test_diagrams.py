@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lw.diagrams import documents, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,10 +20,18 @@ def test_committed_diagrams_are_fresh() -> None:
 
 
 def test_check_names_the_stale_file(tmp_path: Path, capsys) -> None:
-    assert run(tmp_path, check=False) == 0
-    (tmp_path / "decode.md").write_text("hand edited\n")
-    assert run(tmp_path, check=True) == 1
+    out = tmp_path / "diagrams"
+    deployment = tmp_path / "deployment.md"  # a region generated in a hand-written doc
+    deployment.write_text((ROOT / "docs" / "deployment.md").read_text())
+    assert run(out, check=False) == 0
+    assert run(out, check=True) == 0
+    (out / "decode.md").write_text("hand edited\n")
+    assert run(out, check=True) == 1
     assert "decode.md" in capsys.readouterr().err
+    assert run(out, check=False) == 0
+    deployment.write_text(deployment.read_text().replace("| `lease_s` | 90 |", "| `lease_s` | 9 |"))
+    assert run(out, check=True) == 1
+    assert "deployment.md" in capsys.readouterr().err
 
 
 def test_diagrams_are_mermaid_state_diagrams_of_both_lifecycles() -> None:
@@ -31,3 +41,14 @@ def test_diagrams_are_mermaid_state_diagrams_of_both_lifecycles() -> None:
         assert "```mermaid\nstateDiagram-v2" in text
     assert "AWAIT_DECODER_META --> META_READY" in docs["prefill.md"]
     assert "RECEIVING --> DONE" in docs["decode.md"]
+
+
+def test_every_config_key_is_documented_once_in_code() -> None:
+    from lw.diagrams import fill_region
+    from lw.vllm_adapter.config import LwConfig, key_table
+
+    table = key_table().splitlines()
+    assert [row.split("`")[1] for row in table[2:]] == list(LwConfig.extra_keys())
+    assert all(row.count(" | ") == 3 and row.split(" | ")[3].strip(" |") for row in table[2:])
+    with pytest.raises(ValueError, match="config-keys"):
+        fill_region("no markers here", "config-keys", "x.py", "table")
