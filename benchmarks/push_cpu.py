@@ -9,7 +9,10 @@ left out: the other threads are lw's loop and data-plane threads, Mooncake's and
 work done in them (idle threads of vLLM and gloo add ~10 ms). Configurations are rotated per
 repeat; the ratios to the unbatched configuration are medians of per-repeat ratios, with their
 min-max spread. P's prefill time (vLLM's ``request_prefill_time_seconds``) and the client TTFT
-are printed alongside; on a shared 2-core VM they move ~10 % between starts.
+are printed alongside; on a shared 2-core VM they move ~10 % between starts. ``--configs`` may
+also name ``peer`` (vLLM's MooncakeConnector P/D: its P sends after the prefill, so its prefill
+time carries no transfer) and ``single`` (one plain server): P's prefill time side by side with
+lw's says what writing during the forward costs the forward on this core.
 
 ``PYTHONPATH=$PWD HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/push_cpu.py [--repeats 2]``
 """
@@ -37,6 +40,8 @@ from benchmarks.serving import (  # noqa: E402
     _tasks,
     complete,
     pin,
+    start_peer,
+    start_single,
     warm_up,
 )
 
@@ -46,6 +51,9 @@ CONFIGS = {  # name -> lw kv_connector_extra_config (P and D)
     "last-chunk": {"push_mode": "last_chunk"},
     "auto": {"push_mode": "auto"},
 }
+OTHERS = {"peer": start_peer, "single": start_single}
+"""Not lw: vLLM's MooncakeConnector P/D (its P sends a prompt's KV once the prefill is done, on
+the same core) and one plain server, for P's prefill time without any transfer."""
 
 
 def worker_pid(root_pid: int) -> int:
@@ -108,9 +116,9 @@ def prefill_sum(url: str) -> tuple[float, float]:
 
 def measure(name: str, model: Path, logs: Path, prompts: list[str],
             link_mbit: float | None = None) -> dict[str, float]:
-    """Start lw P/D with ``CONFIGS[name]``, push ``prompts``; per-prompt figures in ms. With
-    ``link_mbit``, D sits behind a veth capped at that rate (0: uncapped veth)."""
-    extra = CONFIGS[name]
+    """Start lw P/D with ``CONFIGS[name]`` (or the peer, or the single server), send
+    ``prompts``; per-prompt figures in ms. With ``link_mbit``, D sits behind a veth capped at
+    that rate (0: uncapped veth)."""
     link = None
     if link_mbit is not None:
         from benchmarks._link import Link
@@ -118,24 +126,33 @@ def measure(name: str, model: Path, logs: Path, prompts: list[str],
         link = Link.create(link_mbit * 1e6 if link_mbit > 0 else None)
     place = Placement(link=link)
     try:
-        return _measure(name, place, model, logs, prompts, extra)
+        return _measure(name, place, model, logs, prompts)
     finally:
         if link is not None:
             link.close()
 
 
-def _measure(name: str, place: Placement, model: Path, logs: Path, prompts: list[str],
-             extra: dict[str, object]) -> dict[str, float]:
+def _start(name: str, place: Placement, model: Path, logs: Path) -> Running:
+    """lw P/D with ``CONFIGS[name]``, or one of ``OTHERS`` as the serving benchmark starts it."""
+    if name in OTHERS:
+        return OTHERS[name](model, logs, 300.0, place)
+    extra = CONFIGS[name]
     cluster = place.cluster(model, logs, p_extra=dict(extra), d_extra=dict(extra))
     cluster.start(timeout=300)
-    run = Running(name, dict(cluster.servers), cluster.url("proxy"), cluster)
+    return Running(name, dict(cluster.servers), cluster.url("proxy"), cluster)
+
+
+def _measure(name: str, place: Placement, model: Path, logs: Path,
+             prompts: list[str]) -> dict[str, float]:
+    run = _start(name, place, model, logs)
+    p_name = "single" if name == "single" else "prefill"
     try:
         pin(run)
         warm_up(run)
-        p_url = run.servers["prefill"].url
-        pid = worker_pid(run.servers["prefill"].proc.pid)  # type: ignore[union-attr]
+        p_url = run.servers[p_name].url
+        pid = worker_pid(run.servers[p_name].proc.pid)  # type: ignore[union-attr]
         ticks0, (s0, c0) = thread_ticks(pid), prefill_sum(p_url)
-        ticks0["irq+softirq (P's core)"] = irq_ticks(CORES["prefill"])
+        ticks0["irq+softirq (P's core)"] = irq_ticks(CORES[p_name])
         ttfts = []
         for p in prompts:
             r = complete(run.url, p, max_tokens=2, timeout=300.0)
@@ -143,7 +160,7 @@ def _measure(name: str, place: Placement, model: Path, logs: Path, prompts: list
                 raise RuntimeError(f"{name}: request failed: {r.error}")
             ttfts.append(r.ttft_s or r.total_s)
         ticks1, (s1, c1) = thread_ticks(pid), prefill_sum(p_url)
-        ticks1["irq+softirq (P's core)"] = irq_ticks(CORES["prefill"])
+        ticks1["irq+softirq (P's core)"] = irq_ticks(CORES[p_name])
     finally:
         run.stop()
     n = len(prompts)
@@ -165,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS)[:3],
+    ap.add_argument("--configs", nargs="+", choices=[*CONFIGS, *OTHERS],
+                    default=list(CONFIGS)[:3],
                     help="configurations to compare (the first is the base of the ratios)")
     ap.add_argument("--link-mbit", type=float, default=None,
                     help="put D behind a veth capped at this many Mbit/s (0: uncapped veth; "
