@@ -126,6 +126,11 @@ class PrefillEndpoint:
         every field of the endpoint and its records except those SNAPSHOT_RULES names."""
         return derive(self, SNAPSHOT_RULES)
 
+    def cached_layouts(self) -> dict[str, KVLayout]:
+        """The KV layout cached per D worker address (P asks again after a D restart: the
+        checker keys its states by the incarnation each one came from)."""
+        return dict(self._layouts)
+
     def awaited_peers(self) -> dict[str, str]:
         """D workers a live request still needs (address -> what :meth:`peer_lost` takes):
         the peers a liveness detector should watch."""

@@ -177,7 +177,7 @@ class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
             # PrefillEndpoint.snapshot() names the cached D layouts but not their incarnation,
             # which decides whether P asks again after a D restart: added here.
             tuple(tuple(sorted((a, lay.incarnation, lay.layers[0].base_addr)
-                               for a, lay in ep._layouts.items()))
+                               for a, lay in ep.cached_layouts().items()))
                   for ep in self.p) if self.cfg.d_restarts else None,
             tuple(self.lane), tuple(tuple((d, m.req_id) for d, m in h) for h in self.held),
             self._memory_key(),
