@@ -216,6 +216,7 @@ class DecodeEndpoint:
                            now, out)
         elif kind == "lease" and rec.state == FENCING:
             # Every write the old epoch's senders may have started has landed or never will.
+            self.counters["leases_expired"] += 1
             self._new_epoch(rec, now, out)
         elif kind == "lease":
             self._fire(rec, "lease_expired", now)
@@ -607,6 +608,7 @@ class DecodeEndpoint:
         if rec.state in _FINAL:
             self._fire(rec, "fail", now)
             return
+        fenced = rec.state == FENCING  # its lease runs already, from when the epoch was lost
         self._fire(rec, "fail", now, reason)
         rec.reason = reason
         out.append(CancelTimer(("deadline", rec.req_id)))
@@ -618,8 +620,9 @@ class DecodeEndpoint:
         for sender in pending:
             abort = Abort(PROTOCOL_VERSION, rec.req_id, self.me, reason[:1024], rec.epoch)
             out.append(Send(sender.addr, abort))
-        rec.deadline = now + self.config.lease_s
-        out.append(ArmTimer(("lease", rec.req_id), rec.deadline))
+        if not fenced:
+            rec.deadline = now + self.config.lease_s
+            out.append(ArmTimer(("lease", rec.req_id), rec.deadline))
 
     def _maybe_release(self, rec: DecodeRecord, out: list[Effect]) -> None:
         if rec.state == FAILED and all(k in rec.stopped for k in rec.claimers):
