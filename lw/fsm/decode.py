@@ -294,6 +294,7 @@ class DecodeEndpoint:
     def _new_epoch(self, rec: DecodeRecord, now: float, out: list[Effect]) -> None:
         """Start the next claim epoch: forget the old senders, ask the driver for a prefill."""
         rec.epoch += 1
+        fenced = rec.state == FENCING
         self._fire(rec, "retry", now, f"epoch {rec.epoch}: {rec.reason}")
         rec.claimers, rec.by_rank, rec.formats, rec.sums = {}, {}, {}, {}
         rec.done, rec.stopped = set(), set()
@@ -301,7 +302,8 @@ class DecodeEndpoint:
         self.counters["reprefills"] += 1
         rec.deadline = now + self.config.prefill_timeout_s
         out.append(ArmTimer(("deadline", rec.req_id), rec.deadline))
-        out.append(Reprefill(rec.req_id, rec.epoch, rec.blocks, rec.avoid, rec.reason[:1024]))
+        out.append(Reprefill(rec.req_id, rec.epoch, rec.blocks, rec.avoid, rec.reason[:1024],
+                             fenced))
 
     def _other_epoch(self, rec: DecodeRecord, epoch: int, now: float) -> bool:
         """Whether a message of claim epoch ``epoch`` belongs to another epoch (then it is

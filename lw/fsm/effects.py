@@ -102,6 +102,7 @@ class Reprefill:
     block_ids: tuple[int, ...]
     avoid: tuple[str, ...]
     reason: str
+    fenced: bool = False  # the old epoch had to be waited out first (a sender may have written)
 
 
 # KV checksums (kv_checksum) are questions the core asks its driver, answered by the interpreter

@@ -76,7 +76,7 @@ def test_an_orphan_of_a_lost_p_is_prefilled_again_at_once_and_completes() -> Non
     pair.now = 1.0
     pair.absorb("d", pair.d.peer_lost("P0", "heartbeats lost", pair.now))
     (rp,) = _reprefills(pair)
-    assert (rp.epoch, rp.block_ids, rp.avoid) == (1, REMOTE, ("P0",))
+    assert (rp.epoch, rp.block_ids, rp.avoid, rp.fenced) == (1, REMOTE, ("P0",), False)
     assert pair.d.state_of("r") == PREFILL_REQUESTED
     assert pair.timers[("d", ("deadline", "r"))] == 11.0  # a full deadline for the new epoch
     assert not any(isinstance(e, Quarantine) for e in pair.other)
@@ -125,7 +125,7 @@ def test_a_fenced_epoch_whose_sender_is_dead_waits_for_the_lease() -> None:
     assert not _reprefills(pair)
     pair.advance(31.0)
     (rp,) = _reprefills(pair)
-    assert rp.epoch == 1 and pair.d.state_of("r") == PREFILL_REQUESTED
+    assert rp.epoch == 1 and rp.fenced and pair.d.state_of("r") == PREFILL_REQUESTED
 
 
 def test_messages_of_an_old_epoch_never_count() -> None:
