@@ -411,7 +411,9 @@ class PrefillEndpoint:
     # ----------------------------------------------------------------------------- messages
     def _on_meta_reply(self, msg: MetaReply, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
-        t = rec.target(msg.responder.addr) if rec is not None else None
+        # a reply to a claim of another prefill attempt (epoch) is not about ours
+        t = (rec.target(msg.responder.addr) if rec is not None and msg.epoch == rec.req.epoch
+             else None)
         if rec is None or t is None:
             self._stale(msg)
             if msg.status == "accepted" and (rec is not None or self._finished.get(

@@ -196,3 +196,18 @@ def test_an_old_epoch_reply_carries_its_epoch() -> None:
 def test_failover_settings_are_checked(bad: dict) -> None:
     with pytest.raises(ValueError, match="retry_prefill"):
         DecodeConfig(**bad)
+
+
+def test_p_ignores_a_reply_to_another_epochs_claim() -> None:
+    """A P worker prefilling epoch 1 gets D's answer to an epoch-0 claim: not about its own
+    claim (it neither writes nor fails on it); an acceptance is answered with a failure of
+    that epoch, so D never waits for a sender of it."""
+    p = _p("P0", 0)
+    p.add_request(PrefillRequest("r", D_ADDR, (1, 2), REMOTE, epoch=1), 0.0)
+    for status in ("refused", "accepted"):
+        reply = MetaReply(PROTOCOL_VERSION, "r", status, d_sender(), d_layout(L), "", 0)
+        out = p.on_message(reply, 0.0)
+        assert p.state_of("r") == "AWAIT_DECODER_META"
+        sent = [s.msg for s in out if isinstance(s, Send)]
+        assert [(type(m).__name__, m.epoch) for m in sent] == (
+            [("FailedSending", 0)] if status == "accepted" else [])
