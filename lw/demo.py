@@ -325,7 +325,7 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
 
 
 def _table_header() -> str:
-    return (f"{'fault':<31} {'done/failed':>11} {'corrupt':>7} {'longest P step':>15} "
+    return (f"{'fault':<35} {'done/failed':>11} {'corrupt':>7} {'longest P step':>15} "
             f"{'leaked':>6}  {'detect':>7}  {'time':>6}  notes")
 
 
@@ -356,7 +356,7 @@ def _row(res: ClusterResult) -> str:
         notes.append(f"{res.reprefills} prefilled again on a live P rank "
                      f"({res.reprefills_fenced} fenced first), the slowest done "
                      f"{max(res.failover_s, res.failover_fenced_s):.1f}s after the fault")
-    return (f"{name:<31} {f'{res.done}/{res.failed}':>11} {res.corrupt:>7} "
+    return (f"{name:<35} {f'{res.done}/{res.failed}':>11} {res.corrupt:>7} "
             f"{_ms(res.max_step_s):>15} {res.leaked:>6}  {detect}  {res.elapsed_s:5.1f}s  {ok}; "
             + ", ".join(notes))
 

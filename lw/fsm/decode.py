@@ -120,9 +120,11 @@ class DecodeEndpoint:
         peers = {s.addr: k[0] for r in self._reqs.values() if r.state not in _FINAL
                  for k, s in r.claimers.items() if k not in r.done}
         # The P a prefill was sent to, before it claims: a dead one's orphans are found by
-        # heartbeats, not by our prefill deadline.
-        peers.update({r.route[1]: r.route[0] for r in self._reqs.values()
-                      if r.route is not None and r.state in _LIVE})
+        # heartbeats, not by our prefill deadline. Only with a retry budget: without one, the
+        # deadline gives a P behind a partition that heals in time the chance to finish.
+        if self.config.retry_prefill:
+            peers.update({r.route[1]: r.route[0] for r in self._reqs.values()
+                          if r.route is not None and r.state in _LIVE})
         return peers
 
     def status(self, now: float, req_id: str = "") -> list[RequestStatus]:
@@ -241,8 +243,9 @@ class DecodeEndpoint:
         so the blocks stay quarantined (or fenced) until the lease ends."""
         out: list[Effect] = []
         for rec in list(self._reqs.values()):
-            if rec.state in _LIVE and (any(k[0] == engine_id for k in rec.claimers) or (
-                    rec.route is not None and rec.route[0] == engine_id)):
+            routed = (self.config.retry_prefill and rec.route is not None
+                      and rec.route[0] == engine_id)
+            if rec.state in _LIVE and (routed or any(k[0] == engine_id for k in rec.claimers)):
                 self._lose(rec, f"prefill engine {engine_id} lost: {reason}", engine_id, now,
                            out)
         return out

@@ -156,10 +156,17 @@ def test_the_budget_bounds_the_retries_then_the_old_failure_path() -> None:
 
 
 def test_without_a_budget_a_lost_p_fails_the_request_as_before() -> None:
+    """A claimed request fails at its P's loss; an unclaimed one is not watched (its deadline
+    decides, as before: a partition that heals in time lets its P finish it)."""
     pair = _pair(retry=0)
     _start(pair, 0)
+    assert pair.d.awaited_peers() == {}
     pair.absorb("d", pair.d.peer_lost("P0", "lost", 0.0))
-    assert not _reprefills(pair) and [type(e) for e in pair.recv] == [RecvFailed]
+    assert not pair.recv and pair.d.state_of("r") == PREFILL_REQUESTED
+    pair.deliver_all()  # P0 claims it
+    pair.absorb("d", pair.d.peer_lost("P0", "lost", 0.0))
+    assert not _reprefills(pair) and pair.d.state_of("r") == "FAILED"
+    assert [type(e) for e in pair.other] == [Quarantine]  # its bytes may land: the lease
 
 
 def test_a_failure_report_of_the_sender_is_retried_elsewhere() -> None:
