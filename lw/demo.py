@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="P tensor-parallel workers per DP rank (each holds its KV heads)")
     p.add_argument("--decode-tp", type=int, default=1,
                    help="decoder tensor-parallel workers (one shared block pool)")
+    p.add_argument("--retry-prefill", type=int, default=0,
+                   help="synthetic: how often D has a request prefilled again on another P "
+                        "rank when its rank is lost (retry_prefill; 0: it fails)")
     p.add_argument("--decoders", type=int, default=1,
                    help="synthetic: D engines, each with --decode-tp workers and its own pool; "
                         "requests go to the least loaded")
@@ -94,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(vllm_demo.main(_without_engine(args_list)) or 0)
     args = _parser().parse_args(args_list)
-    # each row: a fault and how many decoders it runs with
-    rows: list[tuple[str, int]]
+    # each row: a fault, how many decoders it runs with, and D's prefill retry budget
+    rows: list[tuple[str, int, int]]
     if args.fault_table or args.fault == "all":
         faults = list(FAULTS)
         if args.decoders > 1:
@@ -112,18 +115,23 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             print(f"lw demo: skipping the lossy and slow link rows: {why}", file=sys.stderr)
             faults = [f for f in faults if f not in LINK_FAULTS]
-        rows = [(f, args.decoders) for f in faults]
+        rows = [(f, args.decoders, args.retry_prefill) for f in faults]
         if args.decoders == 1 and "kill-decoder" in faults:
             # the failover row next to the restart row: two decoders, one killed
-            i = rows.index(("kill-decoder", 1))
-            rows.insert(i + 1, ("kill-decoder", 2))
+            i = rows.index(("kill-decoder", 1, args.retry_prefill))
+            rows.insert(i + 1, ("kill-decoder", 2, args.retry_prefill))
+        if (not args.retry_prefill and args.decode_tp == 1 and args.prefill_dp > 1
+                and "kill-prefill-rank" in faults):
+            # the prefill failover row next to the old one: the dead rank's requests again
+            i = rows.index(("kill-prefill-rank", args.decoders, 0))
+            rows.insert(i + 1, ("kill-prefill-rank", args.decoders, 2))
     else:
         try:
-            rows = [(canonical_fault(args.fault), args.decoders)]
+            rows = [(canonical_fault(args.fault), args.decoders, args.retry_prefill)]
         except ValueError as exc:
             print(f"lw demo: {exc}", file=sys.stderr)
             return 2
-    faults = [f for f, _n in rows]
+    faults = [f for f, _n, _r in rows]
     if args.data_plane == "mooncake":
         try:
             import mooncake.engine  # noqa: F401
@@ -136,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_auth:
         key = args.cluster_key if args.cluster_key else os.urandom(32)
     results = []
-    for fault, decoders in rows:
+    for fault, decoders, retry in rows:
         try:
             cfg = ClusterConfig(
                 requests=args.requests,
@@ -144,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 prefill_tp=args.prefill_tp,
                 decode_tp=args.decode_tp,
                 decoders=decoders,
+                retry_prefill=retry,
                 decode_tokens=args.decode_tokens,
                 token_ms=args.token_ms,
                 kv_heads=args.kv_heads,
@@ -291,6 +300,8 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
                      f"{res.failed_after_first_token}")
     if res.client_gone:
         lines.append(f"  {'failed after the client went away':<40} {res.client_gone}")
+    if res.reprefills:
+        lines += _failover_lines(res)
     if res.rss_kib:
         lines.append(f"  {'RSS start / warm (10 %) / end, MiB':<40} " + ", ".join(
             f"{w} {a / 1024:.0f} / {b / 1024:.0f} / {c / 1024:.0f}"
@@ -314,7 +325,7 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
 
 
 def _table_header() -> str:
-    return (f"{'fault':<31} {'done/failed':>11} {'corrupt':>7} {'longest P step':>15} "
+    return (f"{'fault':<35} {'done/failed':>11} {'corrupt':>7} {'longest P step':>15} "
             f"{'leaked':>6}  {'detect':>7}  {'time':>6}  notes")
 
 
@@ -340,6 +351,34 @@ def _row(res: ClusterResult) -> str:
     ok = "ok" if res.ok else "NOT OK"
     detect = f"{res.detect_s:6.2f}s" if res.detect_s else f"{'-':>7}"
     name = cfg.fault + (f", {cfg.decoders} decoders" if cfg.decoders > 1 else "")
-    return (f"{name:<31} {f'{res.done}/{res.failed}':>11} {res.corrupt:>7} "
+    name += f", retry-prefill {cfg.retry_prefill}" if cfg.retry_prefill else ""
+    if res.reprefills:
+        notes.append(f"{res.reprefills} prefilled again on a live P rank "
+                     f"({res.reprefills_fenced} fenced first), the slowest done "
+                     f"{max(res.failover_s, res.failover_fenced_s):.1f}s after the fault")
+    return (f"{name:<35} {f'{res.done}/{res.failed}':>11} {res.corrupt:>7} "
             f"{_ms(res.max_step_s):>15} {res.leaked:>6}  {detect}  {res.elapsed_s:5.1f}s  {ok}; "
             + ", ".join(notes))
+
+
+def _failover_lines(res: ClusterResult) -> list[str]:
+    """Prefill failover: how many requests D had prefilled again, and how long the slowest
+    took from the fault to its outcome, against the heartbeat budget plus one prefill (those
+    whose dead rank had written wait for the lease first)."""
+    cfg = res.config
+    hb = cfg.heartbeat_s * (cfg.heartbeat_misses + 1)  # quiet that long, seen at the next round
+    lat = sorted(res.latencies_s)
+    one = lat[len(lat) // 2] if lat else 0.0
+    lines = [f"  {'prefilled again on a live P rank':<40} {res.reprefills} ("
+             f"{res.reprefills - res.reprefills_fenced} at once, {res.reprefills_fenced} "
+             "fenced first: the dead rank had written)"]
+    if res.reprefills > res.reprefills_fenced:
+        lines.append(f"  {'slowest at once, fault -> outcome':<40} {res.failover_s:.2f}s "
+                     f"(heartbeat budget {hb:.2f}s + one prefill, the median request "
+                     f"{one:.2f}s: {hb + one:.2f}s)")
+    if res.reprefills_fenced:
+        lease = cfg.decode_config().lease_s
+        lines.append(f"  {'slowest fenced, fault -> outcome':<40} "
+                     f"{res.failover_fenced_s:.2f}s (+ the lease, {lease:g}s: "
+                     f"{hb + one + lease:.2f}s)")
+    return lines

@@ -32,8 +32,9 @@ def test_computed_values_add_or_replace_and_an_unknown_name_is_an_error() -> Non
              prefill_timeout_s=9.0, lease_s=99.0, timeline_entries=5, stuck_fraction=0.25,
              kv_checksum=True),
     ClusterConfig(request_timeout_s=3.0, ack_attempts=4, prefill_timeout_s=5.0,
-                  kv_checksum=True),
-    WorldConfig(request_timeout_s=11.0, ack_retry_s=2.0, lease_s=95.0, kv_checksum=True),
+                  kv_checksum=True, retry_prefill=2, retry_prefill_avoid="none"),
+    WorldConfig(request_timeout_s=11.0, ack_retry_s=2.0, lease_s=95.0, kv_checksum=True,
+                retry_prefill=1),
 ], ids=["vllm", "synthetic", "checker"])
 def test_every_setting_a_driver_names_as_the_core_does_reaches_the_core(settings: Any) -> None:
     for built in (settings.prefill_config(), settings.decode_config()):

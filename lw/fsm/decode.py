@@ -18,6 +18,7 @@ from lw.fsm.effects import (
     Quarantine,
     RecvDone,
     RecvFailed,
+    Reprefill,
     Send,
     SumBlocks,
     SumPlan,
@@ -25,7 +26,14 @@ from lw.fsm.effects import (
     TimerKey,
 )
 from lw.fsm.kvmap import block_segments, pair_problem
-from lw.fsm.lifecycles import DONE, FAILED, PREFILL_REQUESTED, decode_declaration
+from lw.fsm.lifecycles import (
+    DONE,
+    FAILED,
+    FENCING,
+    PREFILL_REQUESTED,
+    RECEIVING,
+    decode_declaration,
+)
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
@@ -46,6 +54,7 @@ from lw.fsm.status import decode_row, decode_span, newly_stuck, rows_of
 from lw.fsm.timeline import Timeline
 
 _FINAL = (DONE, FAILED)
+_LIVE = (PREFILL_REQUESTED, RECEIVING)  # an epoch whose prefill is under way
 
 
 def _brief(blocks: Sequence[int], most: int = 16) -> str:
@@ -82,6 +91,8 @@ class DecodeEndpoint:
             "refused": 0,
             "checksum_mismatches": 0,
             "unknown_requests": 0,
+            "reprefills": 0,
+            "stale_epoch": 0,
         }
 
     # ----------------------------------------------------------------------------- inspection
@@ -106,8 +117,15 @@ class DecodeEndpoint:
     def awaited_peers(self) -> dict[str, str]:
         """P workers a live request still waits for (address -> the engine id
         :meth:`peer_lost` takes): the peers a liveness detector should watch."""
-        return {s.addr: k[0] for r in self._reqs.values() if r.state not in _FINAL
-                for k, s in r.claimers.items() if k not in r.done}
+        peers = {s.addr: k[0] for r in self._reqs.values() if r.state not in _FINAL
+                 for k, s in r.claimers.items() if k not in r.done}
+        # The P a prefill was sent to, before it claims: a dead one's orphans are found by
+        # heartbeats, not by our prefill deadline. Only with a retry budget: without one, the
+        # deadline gives a P behind a partition that heals in time the chance to finish.
+        if self.config.retry_prefill:
+            peers.update({r.route[1]: r.route[0] for r in self._reqs.values()
+                          if r.route is not None and r.state in _LIVE})
+        return peers
 
     def status(self, now: float, req_id: str = "") -> list[RequestStatus]:
         """``lw status`` rows: every live request (or only ``req_id``), what each waits for."""
@@ -194,10 +212,14 @@ class DecodeEndpoint:
         if rec is None:
             return out
         if kind == "deadline":
-            if rec.state not in _FINAL:
+            if rec.state in _LIVE:
                 self.counters["deadlines"] += 1
                 self._fail(rec, f"prefill deadline of {self.config.prefill_timeout_s}s passed",
                            now, out)
+        elif kind == "lease" and rec.state == FENCING:
+            # Every write the old epoch's senders may have started has landed or never will.
+            self.counters["leases_expired"] += 1
+            self._new_epoch(rec, now, out)
         elif kind == "lease":
             self._fire(rec, "lease_expired", now)
             self.counters["leases_expired"] += 1
@@ -215,14 +237,85 @@ class DecodeEndpoint:
         return out
 
     def peer_lost(self, engine_id: str, reason: str, now: float) -> list[Effect]:
-        """A P engine died or restarted: fail what it was sending, without waiting for the
-        deadline. Its senders are NOT counted as stopped: bytes it had in flight may still land
-        (found by the model checker), so the blocks stay quarantined until the lease ends."""
+        """A P engine died or restarted: re-prefill (budget allowing) or fail what it was
+        sending or was asked to prefill, without waiting for the deadline. Its senders are NOT
+        counted as stopped: bytes it had in flight may still land (found by the model checker),
+        so the blocks stay quarantined (or fenced) until the lease ends."""
         out: list[Effect] = []
         for rec in list(self._reqs.values()):
-            if rec.state not in _FINAL and any(k[0] == engine_id for k in rec.claimers):
-                self._fail(rec, f"prefill engine {engine_id} lost: {reason}", now, out)
+            routed = (self.config.retry_prefill and rec.route is not None
+                      and rec.route[0] == engine_id)
+            if rec.state in _LIVE and (routed or any(k[0] == engine_id for k in rec.claimers)):
+                self._lose(rec, f"prefill engine {engine_id} lost: {reason}", engine_id, now,
+                           out)
         return out
+
+    def prefill_routed(self, req_id: str, engine_id: str, addr: str, epoch: int,
+                       now: float) -> list[Effect]:
+        """The driver sent epoch ``epoch`` of a request's prefill to the P worker at ``addr``
+        (engine ``engine_id``): watch it from now on, claimed or not."""
+        rec = self._reqs.get(req_id)
+        if rec is not None and rec.state in _LIVE and epoch == rec.epoch:
+            rec.route = (engine_id, addr)
+            self.timeline.record(now, req_id, "routed", rec.state, rec.state,
+                                 f"epoch {epoch} to P {engine_id}")
+        return []
+
+    # ----------------------------------------------------------------------------- failover
+    def _lose(self, rec: DecodeRecord, reason: str, engine_id: str, now: float,
+              out: list[Effect]) -> None:
+        """The current epoch's P is gone: another epoch if the budget allows, else fail."""
+        if rec.retries >= self.config.retry_prefill:
+            self._fail(rec, reason, now, out)
+            return
+        rec.retries += 1
+        if self.config.retry_prefill_avoid == "lost" and engine_id not in rec.avoid:
+            rec.avoid = (*rec.avoid, engine_id)
+        rec.reason = reason
+        out.append(CancelTimer(("deadline", rec.req_id)))
+        pending = [s for k, s in rec.claimers.items() if k not in rec.stopped]
+        if not pending:
+            # No sender of this epoch can write any more (none was accepted, or each said it
+            # stopped): a new epoch may use the same blocks at once.
+            self._new_epoch(rec, now, out)
+            return
+        # A sender of this epoch may still write into our blocks, and D cannot refuse bytes,
+        # only messages: stop it and wait, as a quarantine, before another P writes there.
+        self._fire(rec, "fence", now, reason)
+        for sender in pending:
+            out.append(Send(sender.addr, Abort(PROTOCOL_VERSION, rec.req_id, self.me,
+                                               reason[:1024], rec.epoch)))
+        rec.deadline = now + self.config.lease_s
+        out.append(ArmTimer(("lease", rec.req_id), rec.deadline))
+
+    def _maybe_quiet(self, rec: DecodeRecord, now: float, out: list[Effect]) -> None:
+        """A fenced epoch whose every accepted sender confirmed it stopped: go on at once."""
+        if rec.state == FENCING and all(k in rec.stopped for k in rec.claimers):
+            out.append(CancelTimer(("lease", rec.req_id)))
+            self._new_epoch(rec, now, out)
+
+    def _new_epoch(self, rec: DecodeRecord, now: float, out: list[Effect]) -> None:
+        """Start the next claim epoch: forget the old senders, ask the driver for a prefill."""
+        rec.epoch += 1
+        fenced = rec.state == FENCING
+        self._fire(rec, "retry", now, f"epoch {rec.epoch}: {rec.reason}")
+        rec.claimers, rec.by_rank, rec.formats, rec.sums = {}, {}, {}, {}
+        rec.done, rec.stopped = set(), set()
+        rec.route = None
+        self.counters["reprefills"] += 1
+        rec.deadline = now + self.config.prefill_timeout_s
+        out.append(ArmTimer(("deadline", rec.req_id), rec.deadline))
+        out.append(Reprefill(rec.req_id, rec.epoch, rec.blocks, rec.avoid, rec.reason[:1024],
+                             fenced))
+
+    def _other_epoch(self, rec: DecodeRecord, epoch: int, now: float) -> bool:
+        """Whether a message of claim epoch ``epoch`` belongs to another epoch (then it is
+        counted and must not act on the request)."""
+        if epoch == rec.epoch:
+            return False
+        self._fire(rec, "stale_epoch", now, f"epoch {epoch}, current {rec.epoch}")
+        self.counters["stale_epoch"] += 1
+        return True
 
     def _note_incarnation(self, sender: Sender, now: float, out: list[Effect]) -> None:
         """A higher incarnation of a P worker means the old process is gone: fail its claims."""
@@ -243,7 +336,7 @@ class DecodeEndpoint:
     def _reply(self, msg: MetaRequest, status: str, reason: str = "",
                layout: KVLayout | None = None) -> Send:
         return Send(msg.sender.addr, MetaReply(PROTOCOL_VERSION, msg.req_id, status, self.me,
-                                               layout, reason[:1024]))
+                                               layout, reason[:1024], msg.epoch))
 
     def _on_meta_request(self, msg: MetaRequest, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
@@ -256,16 +349,22 @@ class DecodeEndpoint:
                 # Not allocated here (yet, or ever): never authorises a write.
                 out.append(self._reply(msg, "unknown", "no such request on this decode worker"))
             return
+        if self._other_epoch(rec, msg.epoch, now):
+            # A P of another prefill attempt (one we gave up on): it must never write here.
+            self.counters["refused"] += 1
+            out.append(self._reply(msg, "refused", f"claim epoch {msg.epoch} is not the "
+                                   f"request's current epoch {rec.epoch}"))
+            return
         key = (msg.sender.engine_id, msg.sender.rank)
         layout = self.layout if msg.want_layout else None
         if key in rec.claimers:
             self._fire(rec, "claim", now)
-            if rec.state == FAILED:  # stopped or not: a failed request authorises no write
+            if rec.state in (FAILED, FENCING):  # a failed or fenced epoch authorises no write
                 out.append(self._reply(msg, "refused", rec.reason))
             else:
                 out.append(self._reply(msg, "accepted", layout=layout))
             return
-        if rec.state in _FINAL:
+        if rec.state not in _LIVE:
             self._fire(rec, "claim", now)
             self.counters["refused"] += 1
             out.append(self._reply(msg, "refused", f"request is {rec.state}: {rec.reason}"))
@@ -372,6 +471,9 @@ class DecodeEndpoint:
             fin = self._stale(msg)
             out.append(self._ack(msg, "done", fin == DONE))
             return
+        if self._other_epoch(rec, msg.epoch, now):
+            out.append(self._ack(msg, "done", False))
+            return
         key = (msg.sender.engine_id, msg.sender.rank)
         if key not in rec.claimers:
             raise ProtocolError("decode", msg.req_id, rec.state, "sender_done",
@@ -392,11 +494,12 @@ class DecodeEndpoint:
             self._fire(rec, "sender_done", now)
             out.append(self._ack(msg, "done", False))
             return
-        if rec.state == FAILED:
+        if rec.state in (FAILED, FENCING):
             self._fire(rec, "sender_done", now)
             rec.stopped.add(key)
             out.append(self._ack(msg, "done", False))
             self._maybe_release(rec, out)
+            self._maybe_quiet(rec, now, out)
             return
         if self.config.kv_checksum:
             # Only our memory says whether the bytes match: ask for its sums over every sender
@@ -454,33 +557,42 @@ class DecodeEndpoint:
             self._stale(msg)
             out.append(self._ack(msg, "failed", False))
             return
+        if self._other_epoch(rec, msg.epoch, now):
+            out.append(self._ack(msg, "failed", False))
+            return
         key = (msg.sender.engine_id, msg.sender.rank)
         if key not in rec.claimers:
             raise ProtocolError("decode", msg.req_id, rec.state, "fail",
                                 f"FailedSending from {key}, which was never accepted")
         if not msg.in_doubt:  # in doubt: a timed-out write may still land; the lease decides
             rec.stopped.add(key)
-        if rec.state in _FINAL:
-            self._fire(rec, "sender_stopped" if rec.state == FAILED else "fail", now)
+        if rec.state not in _LIVE:
+            self._fire(rec, "fail" if rec.state == DONE else "sender_stopped", now)
             out.append(self._ack(msg, "failed", False))
             self._maybe_release(rec, out)
+            self._maybe_quiet(rec, now, out)
             return
         out.append(self._ack(msg, "failed", True))
-        self._fail(rec, f"prefill sender {key} failed: {msg.reason}", now, out)
+        # The sender's failure report: another P may succeed where it did not (budget allowing).
+        self._lose(rec, f"prefill sender {key} failed: {msg.reason}", key[0], now, out)
 
     def _on_abort_ack(self, msg: AbortAck, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             self._stale(msg)
             return
+        if msg.epoch != rec.epoch:  # an earlier epoch's sender; it was quiet before this one
+            self.counters["stale_epoch"] += 1
+            return
         key = (msg.sender.engine_id, msg.sender.rank)
-        if rec.state != FAILED:
+        if rec.state not in (FAILED, FENCING):
             raise ProtocolError("decode", msg.req_id, rec.state, "sender_stopped",
                                 "AbortAck for a request we did not abort")
         self._fire(rec, "sender_stopped", now)
         if not msg.in_doubt:
             rec.stopped.add(key)
         self._maybe_release(rec, out)
+        self._maybe_quiet(rec, now, out)
 
     # ----------------------------------------------------------------------------- helpers
     def _stale(self, msg: Message) -> str:
@@ -501,6 +613,7 @@ class DecodeEndpoint:
         if rec.state in _FINAL:
             self._fire(rec, "fail", now)
             return
+        fenced = rec.state == FENCING  # its lease runs already, from when the epoch was lost
         self._fire(rec, "fail", now, reason)
         rec.reason = reason
         out.append(CancelTimer(("deadline", rec.req_id)))
@@ -510,10 +623,11 @@ class DecodeEndpoint:
             return
         out.append(Quarantine(rec.req_id, rec.blocks, reason))
         for sender in pending:
-            abort = Abort(PROTOCOL_VERSION, rec.req_id, self.me, reason[:1024])
+            abort = Abort(PROTOCOL_VERSION, rec.req_id, self.me, reason[:1024], rec.epoch)
             out.append(Send(sender.addr, abort))
-        rec.deadline = now + self.config.lease_s
-        out.append(ArmTimer(("lease", rec.req_id), rec.deadline))
+        if not fenced:
+            rec.deadline = now + self.config.lease_s
+            out.append(ArmTimer(("lease", rec.req_id), rec.deadline))
 
     def _maybe_release(self, rec: DecodeRecord, out: list[Effect]) -> None:
         if rec.state == FAILED and all(k in rec.stopped for k in rec.claimers):

@@ -29,6 +29,11 @@ class DecodeConfig:
     # request. The last DONE re-verifies every sender: bytes of a superseded claim landing late
     # are never accepted.
     kv_checksum: bool = False
+    # Prefill failover: how many times a request whose P was lost (heartbeats, a restart, a
+    # failure report, a P that never claimed it) is prefilled again before it fails; 0 = never.
+    retry_prefill: int = 0
+    # Which P engines a re-prefill avoids: "lost" (each one lost for this request), "none".
+    retry_prefill_avoid: str = "lost"
 
     def __post_init__(self) -> None:
         for name in ("prefill_timeout_s", "lease_s"):
@@ -36,6 +41,12 @@ class DecodeConfig:
                 raise ValueError(f"DecodeConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.finished_memory < 1:
             raise ValueError("DecodeConfig.finished_memory must be >= 1")
+        if not 0 <= self.retry_prefill <= 64:
+            raise ValueError(f"DecodeConfig.retry_prefill must be in 0..64, got "
+                             f"{self.retry_prefill}")
+        if self.retry_prefill_avoid not in ("lost", "none"):
+            raise ValueError(f"DecodeConfig.retry_prefill_avoid must be 'lost' or 'none', got "
+                             f"{self.retry_prefill_avoid!r}")
         check_observability(self)
 
 
@@ -55,7 +66,8 @@ class DecodeRecord:
     """Mutable per-request record of the decode lifecycle."""
 
     __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
-                 "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums", "asked")
+                 "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums", "asked",
+                 "epoch", "retries", "avoid", "route")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
                  ranks: frozenset[int] | None, now: float, deadline: float) -> None:
@@ -77,3 +89,9 @@ class DecodeRecord:
         # kv_checksum: the DONE whose SumBlocks awaits its answer (set only within one
         # interpreter call: never seen by the checker's states between events)
         self.asked: DoneSending | None = None
+        self.epoch = 0  # claim epoch: which prefill attempt may claim, write and be DONE
+        self.retries = 0  # re-prefills asked so far (bounded by DecodeConfig.retry_prefill)
+        self.avoid: tuple[str, ...] = ()  # P engines lost for it (a re-prefill goes elsewhere)
+        # (engine id, address) of the P the current epoch's prefill was sent to, as the driver
+        # said (prefill_routed): watched before it claims, so an orphan is found by heartbeats
+        self.route: tuple[str, str] | None = None

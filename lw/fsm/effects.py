@@ -91,6 +91,20 @@ class Quarantine:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Reprefill:
+    """D: the request's prefill was lost and nothing of it can land any more; ask for a new
+    prefill under claim epoch ``epoch`` into the same ``block_ids``, on a P engine not in
+    ``avoid`` where one is live (the driver's router or proxy picks it)."""
+
+    req_id: str
+    epoch: int
+    block_ids: tuple[int, ...]
+    avoid: tuple[str, ...]
+    reason: str
+    fenced: bool = False  # the old epoch had to be waited out first (a sender may have written)
+
+
 # KV checksums (kv_checksum) are questions the core asks its driver, answered by the interpreter
 # in the same call it performs them (lw.fsm.interpreter): the driver's ports compute or look up
 # CRC-32C over memory, and the answer goes straight back to the core's ``on_sums`` as a
@@ -148,7 +162,7 @@ class Sums:
 
 Effect = (
     Send | WriteLayer | ArmTimer | CancelTimer | SendFinished | RecvDone | RecvFailed | Quarantine
-    | SumBlocks | KeptSums
+    | Reprefill | SumBlocks | KeptSums
 )
 
 

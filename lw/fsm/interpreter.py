@@ -24,6 +24,7 @@ from lw.fsm.effects import (
     Quarantine,
     RecvDone,
     RecvFailed,
+    Reprefill,
     Send,
     SendFinished,
     SumBlocks,
@@ -34,10 +35,10 @@ from lw.fsm.effects import (
 )
 from lw.fsm.messages import KVLayout, Message
 
-Report = SendFinished | RecvDone | RecvFailed | Quarantine
+Report = SendFinished | RecvDone | RecvFailed | Quarantine | Reprefill
 """Effects that tell the driver's owner (vLLM's scheduler, the world's bookkeeping) an outcome."""
 
-_REPORTS = (SendFinished, RecvDone, RecvFailed, Quarantine)
+_REPORTS = (SendFinished, RecvDone, RecvFailed, Quarantine, Reprefill)
 
 
 class EffectPorts(Protocol):

@@ -15,6 +15,10 @@ Decode side (per request)::
 
     PREFILL_REQUESTED -> RECEIVING -> DONE      (FAILED from every non-final state)
 
+With a prefill retry budget, a request whose P was lost goes back to PREFILL_REQUESTED under a
+new claim epoch (the one edge back: progress is (epoch, state)), through FENCING while a sender
+of the old epoch may still write into its blocks.
+
 Rows whose destination is STAY are *declared* no-ops: duplicates, late completions and events
 after a final state. A (state, event) pair with no row is a protocol error.
 """
@@ -96,15 +100,17 @@ def prefill_declaration(num_layers: int) -> Declaration:
 
 PREFILL_REQUESTED = "PREFILL_REQUESTED"
 RECEIVING = "RECEIVING"
+FENCING = "FENCING"
 
 
 @lru_cache(maxsize=1)
 def decode_declaration() -> Declaration:
     """The decode-side lifecycle of one request on D (blocks allocated before prefill starts)."""
     live = (PREFILL_REQUESTED, RECEIVING)
+    every = (*live, FENCING, DONE, FAILED)
     return Declaration(
         name="decode",
-        states=(*live, DONE, FAILED),
+        states=(*live, FENCING, DONE, FAILED),
         initial=PREFILL_REQUESTED,
         finals=frozenset({DONE, FAILED}),
         transitions=(
@@ -112,16 +118,26 @@ def decode_declaration() -> Declaration:
             rows("claim", [PREFILL_REQUESTED], RECEIVING),
             rows("claim", [RECEIVING], STAY, "another or a duplicate sender"),
             rows("claim", [DONE, FAILED], STAY, "answered refused or as duplicate"),
+            rows("claim", [FENCING], STAY, "refused: the epoch is being fenced"),
             # One accepted sender reported every layer written; all of them: DONE.
             rows("sender_done", [RECEIVING], STAY, "still waiting for other senders"),
             rows("sender_done", [DONE], STAY, "duplicate DONE"),
-            rows("sender_done", [FAILED], STAY, "late DONE: that sender has stopped"),
+            rows("sender_done", [FAILED, FENCING], STAY, "late DONE: that sender has stopped"),
             rows("all_done", [RECEIVING], DONE),
-            # Failure: a sender failed, our deadline fired, local abort, peer lost.
-            rows("fail", live, FAILED),
+            # Failure: a sender failed, our deadline fired, local abort, peer lost (with the
+            # prefill retry budget spent).
+            rows("fail", [*live, FENCING], FAILED),
             rows("fail", [DONE, FAILED], STAY, "already final"),
             # While FAILED, the blocks are quarantined until every sender stopped or the lease ends.
             rows("sender_stopped", [FAILED], STAY, "quarantine shrinks"),
             rows("lease_expired", [FAILED], STAY, "quarantine ends"),
+            # Prefill failover: the epoch's P was lost and the budget allows another attempt.
+            # A sender of it may still write: keep the blocks, abort it, wait (as quarantine).
+            rows("fence", live, FENCING),
+            rows("sender_stopped", [FENCING], STAY, "the old epoch quietens"),
+            # Nothing of the old epoch can land any more: a new epoch into the same blocks.
+            rows("retry", [*live, FENCING], PREFILL_REQUESTED),
+            # A message of another epoch: never counts for the current one (refused or dropped).
+            rows("stale_epoch", every, STAY, "another epoch's claim, DONE or failure"),
         ),
     )

@@ -12,8 +12,9 @@ from typing import Annotated, Literal
 import msgspec
 
 MAX_TIMELINE = 100_000  # timeline entries one StatusQuery may ask for
-# 2: KVFormat in layouts and claims (heterogeneous TP, MLA); 3: a claim names the D blocks
-PROTOCOL_VERSION = 3
+# 2: KVFormat in layouts and claims (heterogeneous TP, MLA); 3: a claim names the D blocks;
+# 4: claims, DONEs, failures, aborts and their acks carry the claim epoch (prefill failover)
+PROTOCOL_VERSION = 4
 
 # Bounds that make absurd values a decode error rather than a problem for the core.
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -25,6 +26,9 @@ _Len = Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
 _NBlocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 32)]
 _Incarnation = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _BlockId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
+# Which prefill attempt of a request a message belongs to: D starts at 0 and moves to the next
+# epoch when it asks for a re-prefill; messages of another epoch never count for the current one.
+_Epoch = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=True):
@@ -87,6 +91,7 @@ class MetaRequest(_Msg, tag="meta_req"):
     # prefill): D accepts only the blocks it registered for the request.
     blocks: Annotated[tuple[_BlockId, ...], msgspec.Meta(max_length=1 << 20)]
     fmt: KVFormat = msgspec.field(default_factory=KVFormat)  # the heads this sender holds
+    epoch: _Epoch = 0  # the prefill attempt that started this sender (D accepts only its own)
 
 
 MetaStatus = Literal["accepted", "refused", "unknown"]
@@ -100,6 +105,7 @@ class MetaReply(_Msg, tag="meta_rep"):
     responder: Sender
     layout: KVLayout | None = None
     reason: _Text = ""
+    epoch: _Epoch = 0  # the claim's, echoed
 
 
 _Crc = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
@@ -122,6 +128,7 @@ class DoneSending(_Msg, tag="done"):
     # How many of D's blocks this sender wrote, every layer of each (progressive push writes
     # them chunk by chunk); D refuses a DONE that does not cover all of its blocks.
     num_blocks: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] | None = None
+    epoch: _Epoch = 0  # the prefill attempt whose writes this DONE covers
 
 
 class FailedSending(_Msg, tag="failed"):
@@ -132,6 +139,7 @@ class FailedSending(_Msg, tag="failed"):
     expected_senders: _Count
     reason: _Text
     in_doubt: bool = False  # a write timed out: its bytes may still land, D must wait its lease
+    epoch: _Epoch = 0
 
 
 class Ack(_Msg, tag="ack"):
@@ -149,6 +157,7 @@ class Abort(_Msg, tag="abort"):
     req_id: _Id
     responder: Sender
     reason: _Text
+    epoch: _Epoch = 0  # the prefill attempt to stop
 
 
 class AbortAck(_Msg, tag="abort_ack"):
@@ -158,6 +167,7 @@ class AbortAck(_Msg, tag="abort_ack"):
     sender: Sender
     known: bool
     in_doubt: bool = False  # a write of ours timed out: its bytes may still land (lease applies)
+    epoch: _Epoch = 0
 
 
 class Heartbeat(_Msg, tag="hb"):

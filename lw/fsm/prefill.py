@@ -416,7 +416,9 @@ class PrefillEndpoint:
     # ----------------------------------------------------------------------------- messages
     def _on_meta_reply(self, msg: MetaReply, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
-        t = rec.target(msg.responder.addr) if rec is not None else None
+        # a reply to a claim of another prefill attempt (epoch) is not about ours
+        t = (rec.target(msg.responder.addr) if rec is not None and msg.epoch == rec.req.epoch
+             else None)
         if rec is None or t is None:
             self._stale(msg)
             if msg.status == "accepted" and (rec is not None or self._finished.get(
@@ -424,7 +426,7 @@ class PrefillEndpoint:
                 # D took us as a sender after we gave up (or never asked it): tell it now.
                 out.append(Send(msg.responder.addr, FailedSending(
                     PROTOCOL_VERSION, msg.req_id, self.me, 1, "sender had already failed",
-                    msg.req_id in self._in_doubt)))
+                    msg.req_id in self._in_doubt, epoch=msg.epoch)))
             return
         if msg.status == "accepted" and rec.state == FAILED:
             t.claimed = True  # D expects a word from us: FailedSending once drained
@@ -530,7 +532,15 @@ class PrefillEndpoint:
                 out.append(ArmTimer(("tomb", rid), now + self.config.tombstone_ttl_s))
             out.append(Send(msg.responder.addr, AbortAck(PROTOCOL_VERSION, rid, self.me,
                                                          known=rid in self._finished,
-                                                         in_doubt=rid in self._in_doubt)))
+                                                         in_doubt=rid in self._in_doubt,
+                                                         epoch=msg.epoch)))
+            return
+        if msg.epoch != rec.req.epoch:
+            # An abort of another prefill attempt of this request (D moved on to a new epoch,
+            # or this is an old D's word): it does not stop ours, and ours has no write of it.
+            self._stale(msg)
+            out.append(Send(msg.responder.addr, AbortAck(PROTOCOL_VERSION, rid, self.me,
+                                                         known=False, epoch=msg.epoch)))
             return
         rec.abort_acks.append(msg.responder.addr)
         t = rec.target(msg.responder.addr)
@@ -561,7 +571,8 @@ class PrefillEndpoint:
             if not t.accepted:
                 out.append(Send(t.addr, MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me,
                                                     t.addr not in self._layouts,
-                                                    rec.req.remote_blocks, self.fmt)))
+                                                    rec.req.remote_blocks, self.fmt,
+                                                    rec.req.epoch)))
         out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
 
     def _send_meta_request(self, rec: PrefillRecord, t: _Target, now: float,
@@ -569,7 +580,8 @@ class PrefillEndpoint:
         """Ask one target again (its layout is needed); the retry timer covers the others."""
         rec.meta_tries += 1
         out.append(Send(t.addr, MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me,
-                                            True, rec.req.remote_blocks, self.fmt)))
+                                            True, rec.req.remote_blocks, self.fmt,
+                                            rec.req.epoch)))
         out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
 
     def _send_done(self, rec: PrefillRecord, out: list[Effect]) -> None:
@@ -587,7 +599,8 @@ class PrefillEndpoint:
     def _done_msg(self, rec: PrefillRecord, checksums: list[int]) -> DoneSending:
         """This sender's DONE for ``rec``: every layer of every block written."""
         return DoneSending(PROTOCOL_VERSION, rec.req.req_id, self.me, rec.req.expected_senders,
-                           self.num_layers, checksums=checksums, num_blocks=len(rec.local))
+                           self.num_layers, checksums=checksums, num_blocks=len(rec.local),
+                           epoch=rec.req.epoch)
 
     def on_sums(self, answer: Sums, now: float) -> list[Effect]:
         """The CRC-32C the driver kept that a :class:`KeptSums` asked for: each target's DONE
@@ -654,10 +667,10 @@ class PrefillEndpoint:
                 if t.claimed:
                     out.append(Send(t.addr, FailedSending(
                         PROTOCOL_VERSION, rid, self.me, rec.req.expected_senders,
-                        rec.reason[:1024], rec.in_doubt)))
+                        rec.reason[:1024], rec.in_doubt, rec.req.epoch)))
         for addr in rec.abort_acks:
             out.append(Send(addr, AbortAck(PROTOCOL_VERSION, rid, self.me, known=True,
-                                           in_doubt=rec.in_doubt)))
+                                           in_doubt=rec.in_doubt, epoch=rec.req.epoch)))
         self._finished[rid] = rec.state
         if rec.in_doubt:
             self._in_doubt.add(rid)

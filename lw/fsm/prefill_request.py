@@ -81,6 +81,9 @@ class PrefillRequest:
     remote_blocks: tuple[int, ...]
     expected_senders: int = 1
     final: bool = True
+    # D's claim epoch of this prefill attempt (0: the first; a re-prefill after a lost P has a
+    # higher one): every message of this request carries it, D takes only its current one.
+    epoch: int = 0
 
     @property
     def targets(self) -> tuple[str, ...]:

@@ -9,7 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lw.fsm.lifecycles import AWAIT_DECODER_META, DONE, FAILED, PREFILL_REQUESTED, RECEIVING
+from lw.fsm.lifecycles import (
+    AWAIT_DECODER_META,
+    DONE,
+    FAILED,
+    FENCING,
+    PREFILL_REQUESTED,
+    RECEIVING,
+)
 from lw.fsm.messages import RequestStatus, Sender
 
 if TYPE_CHECKING:
@@ -90,7 +97,8 @@ def decode_row(ep: DecodeEndpoint, rec: DReq, now: float) -> RequestStatus:
                  _join([f"P TP rank {r}" for r in sorted(rec.ranks - set(rec.by_rank))]))
     if st == PREFILL_REQUESTED:
         who = unclaimed or f"{rec.expected} P sender(s)"
-        what = f"waiting for MetaRequest from {who} (prefill not started on P yet?)"
+        where = f"P {rec.route[0]}" if rec.route else "P (prefill not started there yet?)"
+        what = f"waiting for MetaRequest from {who} of {where}, epoch {rec.epoch}"
     elif st == RECEIVING:
         waiting = [s for k, s in claimers.items() if k not in rec.done]
         peers = [s.addr for s in waiting]
@@ -103,12 +111,14 @@ def decode_row(ep: DecodeEndpoint, rec: DReq, now: float) -> RequestStatus:
         waiting = [s for k, s in claimers.items() if k not in rec.stopped]
         peers = [s.addr for s in waiting]
         names = [f"P {s.engine_id} rank {s.rank}" for s in waiting]
-        what = (f"quarantined ({rec.reason}); waiting for FailedSending/AbortAck from "
-                f"{_join(names)} or the lease")
+        what = (f"{'fenced before a re-prefill' if st == FENCING else 'quarantined'} "
+                f"({rec.reason}); waiting for FailedSending/AbortAck from {_join(names)} or "
+                "the lease")
     return RequestStatus(
         req_id=rec.req_id, state=st, in_state_s=now - rec.since, waiting_for=what[:1024],
         deadline_in_s=rec.deadline - now, blocks=len(rec.blocks), peers=peers[:64],
-        quarantined=st == FAILED, stuck=now - rec.since > cfg.stuck_fraction * decode_span(ep, rec))
+        quarantined=st in (FAILED, FENCING),
+        stuck=now - rec.since > cfg.stuck_fraction * decode_span(ep, rec))
 
 
 def prefill_span(ep: PrefillEndpoint, rec: PReq) -> float:
@@ -118,7 +128,7 @@ def prefill_span(ep: PrefillEndpoint, rec: PReq) -> float:
 
 def decode_span(ep: DecodeEndpoint, rec: DReq) -> float:
     """The deadline a D request's time in one state is measured against (quarantine: lease)."""
-    return ep.config.lease_s if rec.state == FAILED else ep.config.prefill_timeout_s
+    return ep.config.lease_s if rec.state in (FAILED, FENCING) else ep.config.prefill_timeout_s
 
 
 def rows_of(ep: Any, row: Callable[[Any, Any, float], RequestStatus], now: float,

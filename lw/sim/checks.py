@@ -17,6 +17,14 @@ class Checks:
         L = self.cfg.layers
         tp, d_tp = self.tp, self.d_tp
         for z in self.zombies if not self.cfg.late_writes else ():  # unbounded: stale-kv's
+            q = self.reqs[z[1]]
+            if z[6] != q.epoch:
+                raise Violation("stale-kv",
+                                f"{self.dname(z[3] // d_tp)} moved {q.rid} on to claim epoch "
+                                f"{q.epoch} while in-doubt bytes of its epoch-{z[6]} "
+                                f"{self.what(z[1], z[2])} write from P worker {z[0]} may still "
+                                f"land in D block(s) {list(z[4])} (until t={z[5]:g}): the "
+                                "new epoch's KV can be overwritten with the old one's")
             self._check_owned(z[0] // tp, z[1], (), z[3] // d_tp, z[4],
                               f"in-doubt bytes of its {self.what(z[1], z[2])} write from P "
                               f"worker {z[0]} may land until t={z[5]:g}")
@@ -32,6 +40,8 @@ class Checks:
         more = {AWAIT_DECODER_META, META_READY, CHUNK_SENT,
                 *(layer_sent(k) for k in range(L - 1))}
         for i, ep in enumerate(self.p):
+            if not self.rank_alive(i // tp):
+                continue
             for rid in ep.live_requests():
                 st = ep.state_of(rid)
                 if st in more or ep.inflight_writes(rid):
@@ -46,7 +56,7 @@ class Checks:
     def _check_owned(self, i: int, r: int, local: tuple[int, ...], d: int,
                      remote: tuple[int, ...] | None, why: str) -> None:
         rid = self.reqs[r].rid
-        if self.p_alive:
+        if self.rank_alive(i):
             pool = self.p_pool[i]
             for b in local:
                 if pool[b] != r:
@@ -77,15 +87,15 @@ class Checks:
                     and q.recv_reports != once):
                 raise Violation("request-ends", f"{q.rid} was reported {list(q.recv_reports)} "
                                                 f"times by the workers of {self.dname(q.d_rank)}")
-            if self.p_alive and q.p_added and any(n != 1 for n in q.send_reports):
+            if self.rank_alive(q.p_rank) and q.p_added and any(n != 1 for n in q.send_reports):
                 raise Violation("request-ends", f"{q.rid} was reported {q.send_reports} times "
                                                 f"by the workers of P DP rank {q.p_rank}")
         if self.p_alive:
             for i, pool in enumerate(self.p_pool):
-                if any(o is not None for o in pool):
+                if self.rank_alive(i) and any(o is not None for o in pool):
                     raise Violation("blocks-return", f"P rank {i} still holds blocks {pool}")
             for i, ep in enumerate(self.p):
-                if ep.live_requests():
+                if self.rank_alive(i // self.tp) and ep.live_requests():
                     raise Violation("blocks-return",
                                     f"{self.wname(i)} still holds {ep.live_requests()}")
         for d, pool in enumerate(self.d_pool):
@@ -108,9 +118,15 @@ class Checks:
         for q in self.reqs:
             if q.touched or q.losses >= cfg.retries:
                 continue
-            if q.d_stage == "done" and all(q.send_ok) and (all(q.recv_ok) or not q.loads()):
+            loaded = q.d_stage == "done" and (all(q.recv_ok) or not q.loads())
+            if loaded and (all(q.send_ok) or q.p_crashes):  # a dead P reports nothing
                 continue
-            if not cfg.faults:
+            if q.p_crashes > cfg.retry_prefill or len(self.dead_ranks) >= cfg.dp:
+                continue  # its P ranks died more often than D may retry, or all of them did
+            if q.p_crashes:
+                why = (f"although its P rank died {q.p_crashes} time(s), within D's prefill "
+                       f"retry budget of {cfg.retry_prefill}, and a P rank lives")
+            elif not cfg.faults:
                 why = "although there were no faults"
             elif q.losses:
                 why = (f"although only {q.losses} of its messages were lost (P's retry budget "
@@ -121,7 +137,7 @@ class Checks:
 
     def _finished_both(self, q: Req) -> bool:
         d_ok = q.d_final() or not self.d_alive[q.d_rank]
-        if not self.p_alive:
+        if not self.p_alive or self._first_live_rank() is None:
             return d_ok
         if q.p_stage in ("released", "aborted", "lost"):
             p_ok = True

@@ -61,13 +61,22 @@ STRONG: tuple[dict[str, Any], ...] = (
      "fault_kinds": ("dup", "crash"), "delays": False},
     {"dp": 2, "requests": 2, "layers": 1, "blocks_per_request": 2, "d_blocks": 2, "p_blocks": 2,
      "prefix_hits": (1, 0), "faults": True, "fault_kinds": ("drop", "dup"), "delays": False},
+    # Prefill failover (issue 22): two P ranks as separate engines, one dies under a request
+    # with writes in flight (or one fails in doubt) and D retries on the other; the old epoch's
+    # in-doubt bytes land at any later time, checked by KV checksums. And the failover among
+    # lost, duplicated messages and aborts.
+    {"dp": 2, "requests": 2, "layers": 2, "faults": True, "fault_kinds": ("rank-crash", "write"),
+     "delays": False, "late_writes": True, "kv_checksum": True, "retry_prefill": 1},
+    {"dp": 2, "requests": 2, "layers": 1, "faults": True,
+     "fault_kinds": ("rank-crash", "write", "drop", "dup", "abort"), "delays": False,
+     "retry_prefill": 1},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",
                "p_blocks", "blocks_per_request", "chunks", "prefix_hits", "faults", "fault_kinds",
                "max_faults", "retries", "no_atomic_layers", "no_p_loss_detection",
                "no_crash_zombies", "no_delays", "no_abstract_time", "d_restarts", "late_writes",
-               "kv_checksum", "unordered_writes")
+               "kv_checksum", "unordered_writes", "retry_prefill")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -123,6 +132,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--d-restarts", type=int, default=None,
                     help="a crashed D engine may restart (new incarnation, new layout)")
     ap.add_argument("--retries", type=int, default=None, help="P's meta/ack attempts")
+    ap.add_argument("--retry-prefill", type=int, default=None,
+                    help="D's prefill retry budget (prefill failover); each DP rank is a P "
+                         "engine of its own, fault kind rank-crash kills one")
     ap.add_argument("--mode", choices=("exhaustive", "random"), default="exhaustive")
     ap.add_argument("--seconds", type=float, default=None,
                     help="time budget (random: default 10; exhaustive: none; strong check: "
@@ -179,7 +191,8 @@ def config_from(args: argparse.Namespace, base: dict[str, Any] | None = None) ->
              "p_blocks": "p_blocks", "blocks_per_request": "blocks_per_request",
              "chunks": "chunks",
              "prefix_hits": "prefix_hits", "faults": "faults", "retries": "retries",
-             "d_restarts": "d_restarts", "max_faults": "max_faults"}
+             "d_restarts": "d_restarts", "max_faults": "max_faults",
+             "retry_prefill": "retry_prefill"}
     for flag, field in flags.items():
         if getattr(args, flag) is not None:
             kw[field] = getattr(args, flag)

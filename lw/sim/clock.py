@@ -72,7 +72,9 @@ class Clock:
         at any later time with late_writes (not in another incarnation of D: the memory they
         were addressed to is gone)."""
         if self.d_alive[v // self.d_tp] and inc == self.d_inc[v // self.d_tp]:
-            self.zombies.append((i, r, seq, v, remote, self._zombie_deadline()))
+            # with the claim epoch of the attempt that wrote them (prefill failover)
+            self.zombies.append((i, r, seq, v, remote, self._zombie_deadline(),
+                                 self.reqs[r].p_epoch))
 
     def _do_zexp(self, i: int, r: int, seq: int, v: int) -> None:
         z = next(z for z in self.zombies if z[:4] == (i, r, seq, v))

@@ -21,11 +21,12 @@ HEAD_BYTES = 4096  # bytes of one KV head in one block (layouts only; no bytes a
 
 # "forge": the proxy starts a request's prefill with D block ids D did not register for it (a
 # forged or mistaken metaserver call); not among the default kinds, which are the faults of
-# processes and the network.
-FAULT_KINDS = ("drop", "dup", "write", "crash", "abort", "forge")
+# processes and the network. "rank-crash": one P DP rank dies (a P server of several, with
+# retry_prefill: the failover target of the others' requests), also not a default kind.
+FAULT_KINDS = ("drop", "dup", "write", "crash", "abort", "forge", "rank-crash")
 DEFAULT_FAULT_KINDS = ("drop", "dup", "write", "crash", "abort")
 FAULT_ACTIONS = frozenset({"drop", "dup", "fail_write", "crash_p", "crash_d", "abort_d",
-                           "abort_p", "forge"})
+                           "abort_p", "forge", "crash_rank"})
 EPSILON = 0.001  # abstract time: "just before" a deadline (below every timer's duration)
 
 
@@ -86,6 +87,10 @@ class WorldConfig:
     # Bytes of a write that failed in doubt may land at any later moment while that D process
     # lives (not only within transfer_timeout_s): past D's lease, into blocks of another claim.
     late_writes: bool = False
+    # D's prefill retry budget (DecodeConfig.retry_prefill): a request whose P rank was lost is
+    # prefilled again on another rank under a new claim epoch. With it, each DP rank is a P
+    # engine of its own (engine id P<rank>): one rank dies ("rank-crash") while the others live.
+    retry_prefill: int = 0
     meta_retry_s: float = 1.0
     ack_retry_s: float = 1.0
     request_timeout_s: float = 30.0
@@ -109,6 +114,9 @@ class WorldConfig:
         bad = set(self.fault_kinds) - set(FAULT_KINDS)
         if bad:
             raise ValueError(f"unknown fault kinds {sorted(bad)}; known: {', '.join(FAULT_KINDS)}")
+        if self.retry_prefill and (self.d_tp != 1 or not DESIGNS[self.design].d_first):
+            raise ValueError("retry_prefill needs D TP 1 and a D-first design (each D worker "
+                             "decides its own retries; the world routes one prefill per request)")
         if self.heads < 0:
             raise ValueError(f"heads must be >= 0, got {self.heads}")
         for side, n in (("P", self.tp), ("D", self.d_tp)):
@@ -195,6 +203,8 @@ class WorldConfig:
             faults += ", KV checksums"
         if self.unordered_writes:
             faults += ", writes complete in any order"
+        if self.retry_prefill:
+            faults += f", prefill failover (budget {self.retry_prefill})"
         if self.misconfigured():
             faults += (f", D layout registers {self.d_blocks_registered()} block(s) x "
                        f"{self.d_layout_layers or self.layers} layer(s)")

@@ -111,7 +111,7 @@ class DataPath:
         if ok:
             layer = seq % self.cfg.layers
             q.landed = q.landed | {(i, v, layer, b) for b in remote}
-            self._land(i, r, layer, v, remote)
+            self._land(i, r, layer, v, remote, q.p_epoch)
             self._arrow(f"P{i}", f"D{v}", f"KV {q.rid} {self.what(r, seq)} -> block(s) "
                                           f"{list(remote)}", dashed=True)
         if "poll-on-step" in self.quirks:  # noticed only when P's engine steps next

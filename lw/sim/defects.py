@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import msgspec
 
 from lw.fsm import ArmTimer, CancelTimer, DecodeEndpoint, Effect, PrefillEndpoint, Send
+from lw.fsm.decode_request import DecodeRecord
 from lw.fsm.effects import KeptSums, TimerKey
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import (
@@ -264,3 +265,25 @@ class ClaimBlocksUnchecked(DecodeEndpoint):
     def _claim_problem(self, rec: object, msg: MetaRequest) -> str:  # type: ignore[override]
         honest = msgspec.structs.replace(msg, blocks=rec.blocks)  # type: ignore[attr-defined]
         return super()._claim_problem(rec, honest)  # type: ignore[arg-type]
+
+
+class RetryUnfenced(DecodeEndpoint):
+    """Prefill failover without fencing: the lost P's senders are taken as stopped, so the new
+    claim epoch starts at once in the same blocks while the old epoch's bytes may still land
+    (sgl#24527's late writer into reused pages, within one request)."""
+
+    def _lose(self, rec: DecodeRecord, reason: str, engine_id: str, now: float,
+              out: list[Effect]) -> None:
+        if rec.retries < self.config.retry_prefill:
+            rec.stopped |= set(rec.claimers)
+        super()._lose(rec, reason, engine_id, now, out)
+
+
+class RetryUnbounded(DecodeEndpoint):
+    """Prefill failover without a budget: every lost P is retried, however often it happened
+    (an abort storm when the prefills keep failing, sgl#28651's class)."""
+
+    def _lose(self, rec: DecodeRecord, reason: str, engine_id: str, now: float,
+              out: list[Effect]) -> None:
+        rec.retries = 0
+        super()._lose(rec, reason, engine_id, now, out)

@@ -87,6 +87,14 @@ class Describe:
             return f"{self.wname(a[1])} detects that {self.dname(a[2])} is gone (peer_lost)"
         if kind == "crash_p":
             return "P engine CRASHES (all DP ranks: they share collectives)"
+        if kind == "crash_rank":
+            return f"P rank {a[1]} CRASHES (engine {self.p_engine(a[1])}; the others live)"
+        if kind == "rank_lost":
+            return f"{self.dwname(a[1])} detects that P rank {a[2]} is gone (peer_lost)"
+        if kind == "reprefill":
+            q = self.reqs[a[1]]
+            return (f"proxy starts {q.rid} again (claim epoch {q.epoch}) on P rank "
+                    f"{self._first_live_rank(q.retry or ())}")
         if kind == "crash_d":
             return f"{self.dname(a[1])} CRASHES" + (" (all its TP workers)" if self.d_tp > 1
                                                     else "")
@@ -107,7 +115,7 @@ class Describe:
                  f"{self.p_alive}; D alive {self.d_alive}"]
         for q in self.reqs:
             pst = ",".join(str(self.p[w].state_of(q.rid)) for w in self.workers_of(q.p_rank)
-                           ) if self.p_alive else "-"
+                           ) if self.rank_alive(q.p_rank) else "-"
             dst = ",".join(str(self.d[v].state_of(q.rid)) for v in self.d_workers_of(q.d_rank)
                            ) if self.d_alive[q.d_rank] else "-"
             lines.append(f"{q.rid}: D {q.d_stage} ({dst}), P {q.p_stage} ({pst})")

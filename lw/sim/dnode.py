@@ -79,7 +79,9 @@ class DNode:
     def _on_recv_done(self, v: int, e: RecvDone) -> None:
         q = self.reqs[int(e.req_id[1:])]
         self._recv_report(v, q, True)
-        self._check_d_bound(v, q, self.cfg.prefill_timeout_s)
+        # every earlier epoch may have taken its deadline and a fencing lease
+        retried = q.epoch * (self.cfg.prefill_timeout_s + self.cfg.lease_s)
+        self._check_d_bound(v, q, retried + self.cfg.prefill_timeout_s)
         missing, inflight = self._missing_kv(q, v)
         if missing or inflight:
             raise Violation("partial-kv",
@@ -126,6 +128,7 @@ class DNode:
         if tuple(e.block_ids) != q.d_remote:
             raise Violation("double-free", f"D{v} releases blocks {list(e.block_ids)} for "
                                            f"{q.rid}, which receives into {list(q.d_remote)}")
-        self._check_d_bound(v, q, self.cfg.prefill_timeout_s + self.cfg.lease_s)
+        self._check_d_bound(v, q, (q.epoch + 1) * (self.cfg.prefill_timeout_s
+                                                   + self.cfg.lease_s))
         self._note(f"D{v}", f"RecvFailed({q.rid}): {e.reason[:60]}")
         self._d_settle(q)

@@ -29,6 +29,8 @@ class Faults:
             if self.p_alive:
                 acts.append(("crash_p",))
             acts += [("crash_d", d) for d in range(self.cfg.d_dp) if self.d_alive[d]]
+        if "rank-crash" in kinds:
+            acts += self._rank_crash_actions()
         if "forge" in kinds and self.design.d_first and self.p_alive:
             acts += [("forge", q.idx) for q in self.reqs if self._forgeable(q)]
         if "abort" in kinds:
@@ -71,7 +73,7 @@ class Faults:
         return False
 
     def _p_abortable(self, q: Req) -> bool:
-        if not self.p_alive or self.phase is not None:
+        if not self.rank_alive(q.p_rank) or self.phase is not None:
             return False  # the scheduler handles aborts between steps
         if q.p_stage == "queued":
             return True
@@ -159,7 +161,9 @@ class Faults:
 
     def _do_p_lost(self, v: int) -> None:
         self.p_lost_seen[v] = True
-        self._effects(("d", v), self.d[v].peer_lost("P", "P engine crashed", self.now))
+        for i in range(self.cfg.dp) if self.p_engine(1) != "P" else (0,):
+            self._effects(("d", v), self.d[v].peer_lost(self.p_engine(i), "P engine crashed",
+                                                        self.now))
 
     def _do_d_lost(self, i: int, d: int) -> None:
         self.d_lost_seen.add((i, d))

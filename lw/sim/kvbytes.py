@@ -15,10 +15,12 @@ import math
 
 from lw.fsm.effects import SumPlan
 from lw.sim.config import Action
+from lw.sim.failover import EPOCH_TAG
 from lw.sim.properties import Violation
 from lw.sim.request import Req
 
-# (D worker, block, layer, head slice) -> index of the request whose bytes are there
+# (D worker, block, layer, head slice) -> the claim whose bytes are there: the request's
+# index, plus its claim epoch times lw.sim.failover.EPOCH_TAG (prefill failover)
 Memory = dict[tuple[int, int, int, int], int]
 
 
@@ -32,11 +34,13 @@ class KVBytes:
         """The head slice P worker ``w`` writes in a D block (MLA: the whole latent vector)."""
         return 0 if self.cfg.mla else w % self.tp
 
-    def _land(self, w: int, r: int, layer: int, v: int, remote: tuple[int, ...]) -> None:
+    def _land(self, w: int, r: int, layer: int, v: int, remote: tuple[int, ...],
+              epoch: int) -> None:
         if self._tracks_bytes():
             s = self._slice(w)
+            tag = self.claim_tag(r, epoch)
             for b in remote:
-                self.d_mem[(v, b, layer, s)] = r
+                self.d_mem[(v, b, layer, s)] = tag
 
     def _zombie_deadline(self) -> float:
         """When in-doubt bytes stop being able to land: never, with ``late_writes``."""
@@ -50,7 +54,7 @@ class KVBytes:
     def _do_zland(self, i: int, r: int, seq: int, v: int) -> None:
         z = next(z for z in self.zombies if z[:4] == (i, r, seq, v))
         self.zombies.remove(z)
-        self._land(i, r, seq % self.cfg.layers, v, z[4])
+        self._land(i, r, seq % self.cfg.layers, v, z[4], z[6])
         for b in z[4]:  # the fault's bytes reach whichever request holds the block now
             owner = self.d_pool[v // self.d_tp][b]
             if owner is not None:
@@ -64,9 +68,10 @@ class KVBytes:
         request indices are never reused)."""
         if not self._tracks_bytes():
             return None
-        pools = self.d_pool
+        pools, reqs = self.d_pool, self.reqs
+        current = {q.idx: self.claim_tag(q.idx, q.epoch) for q in reqs}
         return tuple(sorted(k for k, r in self.d_mem.items()
-                            if pools[k[0] // self.d_tp][k[1]] == r))
+                            if current.get(pools[k[0] // self.d_tp][k[1]]) == r))
 
     def _forget_memory(self, d: int) -> None:
         """A new process of D engine ``d`` registered its memory anew."""
@@ -77,7 +82,7 @@ class KVBytes:
         """What P's driver kept of its writes with kv_checksum, per layer: a sum per block it
         wrote (a sum here is the writing request's index + 1)."""
         q = self.reqs[int(req_id[1:])]
-        return [[q.idx + 1] * len(q.d_remote) for _ in range(layers)]
+        return [[self.claim_tag(q.idx, q.p_epoch) + 1] * len(q.d_remote) for _ in range(layers)]
 
     def _block_sums(self, v: int, plan: SumPlan, layers: int) -> list[list[int]]:
         """D worker ``v``'s sums over its own memory where the plan's sender wrote, per layer
@@ -86,6 +91,12 @@ class KVBytes:
         s = self._slice(plan.sender[1])
         return [[self.d_mem.get((v, b, k, s), -1) + 1 for b in plan.blocks]
                 for k in range(layers)]
+
+    def _claim_name(self, tag: int) -> str:
+        """Whose bytes a memory tag stands for, for reports."""
+        r, epoch = tag % EPOCH_TAG, tag // EPOCH_TAG
+        return f"bytes of {self.reqs[r].rid}" + (f" (claim epoch {epoch})" if epoch or
+                                                 self.cfg.retry_prefill else "")
 
     def _check_fenced(self, q: Req) -> None:
         """Property stale-kv, when D's engine starts decoding ``q``."""
@@ -97,8 +108,8 @@ class KVBytes:
                 for k in range(self.cfg.layers):
                     for s in slices:
                         r = self.d_mem.get((v, b, k, s))
-                        if r != q.idx:
-                            what = "nothing" if r is None else f"bytes of {self.reqs[r].rid}"
+                        if r != self.claim_tag(q.idx, q.epoch):
+                            what = "nothing" if r is None else self._claim_name(r)
                             raise Violation(
                                 "stale-kv", f"{self.dname(q.d_rank)} decodes {q.rid} but "
                                             f"D{v} block {b} layer {k} (head slice {s}) holds "

@@ -51,7 +51,8 @@ def msg_key(src: str, dest: str, msg: Message) -> MsgKey:
         extra = (msg.num_layers, msg.expected_senders, msg.num_blocks)
     else:  # FailedSending
         extra = (msg.expected_senders, msg.in_doubt)
-    return (dest, src, kind, msg.req_id, extra)
+    epoch = getattr(msg, "epoch", 0)  # D takes only its current claim epoch's (failover)
+    return (dest, src, kind, msg.req_id, (*extra, epoch) if epoch else extra)
 
 
 def describe_key(key: MsgKey) -> str:

@@ -45,6 +45,8 @@ class PNode:
                         self.reqs[r].rid, seq, ok, "" if ok else "peer gone", self.now))
         bpr = self.cfg.blocks_per_request
         for i in range(self.cfg.dp):
+            if not self.rank_alive(i):
+                continue  # a dead rank's place in the lock step is a dummy stepper's
             # vLLM schedules its running requests first: each computes its next chunk, which
             # completes the next of its blocks (announced to every worker of the rank).
             running, self.p_running[i] = self.p_running[i], []
@@ -104,7 +106,7 @@ class PNode:
             local = self._p_sent(q)[q.span(0)]  # the blocks its first chunk completes
             req = self.store.intern(PrefillRequest(
                 q.rid, tuple(d_addr(base + j) for j in js), local, q.p_target, n,
-                final=not q.more_chunks()))
+                final=not q.more_chunks(), epoch=q.p_epoch))
             self._effects(("p", w), self.p[w].add_request(req, self.now))
 
     def _in_step(self, r: int) -> str:
@@ -125,6 +127,10 @@ class PNode:
         k = self.phase
         assert k is not None
         i = w // self.tp
+        if not self.rank_alive(i):  # the dummy stepper of a dead rank joins the collective
+            self.collectives[w] += 1
+            self.hooks_done[w] = True
+            return
         batch = self.p_batch[i]
         reqs = self.reqs
         # the requests whose chunk in this step is announced to the core (a first chunk that

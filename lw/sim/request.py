@@ -9,7 +9,8 @@ class Req:
     __slots__ = ("idx", "rid", "p_rank", "d_rank", "hit", "d_stage", "p_stage", "d_blocks",
                  "p_blocks", "started", "p_added", "landed", "send_reports", "send_ok",
                  "recv_reports", "recv_ok", "accepted", "quarantined", "p_freed", "t_alloc",
-                 "t_padd", "t_dfail", "d_inc", "touched", "losses", "sizes", "chunk", "forged")
+                 "t_padd", "t_dfail", "d_inc", "touched", "losses", "sizes", "chunk", "forged",
+                 "epoch", "p_epoch", "retry", "p_crashes")
 
     def __init__(self, idx: int, p_rank: int, d_rank: int, tp: int, d_tp: int = 1,
                  hit: int = 0, sizes: tuple[int, ...] = (1,)) -> None:
@@ -48,6 +49,13 @@ class Req:
         self.losses = 0  # its messages the network dropped
         # D blocks a forged metaserver call named for it (P is told to write there), or None
         self.forged: tuple[int, ...] | None = None
+        # Prefill failover: D's current claim epoch, the epoch of the P attempt the P-side
+        # fields describe, a re-prefill D asked for and the world has not started yet (its P
+        # engines to avoid), and how many of its P ranks died under it.
+        self.epoch = 0
+        self.p_epoch = 0
+        self.retry: tuple[str, ...] | None = None
+        self.p_crashes = 0
 
     def key(self, now: float, progress_budget: int = 0) -> tuple:
         """Hashable content (times relative to ``now``). ``progress_budget``: P's retry budget
@@ -70,7 +78,8 @@ class Req:
         return (self.d_stage, self.p_stage, self.d_blocks, self.p_blocks, self.started,
                 self.p_added, self.chunk, landed, self.send_reports, self.send_ok,
                 self.recv_reports, self.recv_ok, tuple(sorted(self.accepted)), self.quarantined,
-                self.p_freed, t_alloc, t_padd, self.d_inc, self.forged,
+                self.p_freed, t_alloc, t_padd, self.d_inc, self.forged, self.epoch,
+                self.p_epoch, self.retry, self.p_crashes,
                 (self.touched, min(self.losses, progress_budget)) if progress_budget else None)
 
     def d_final(self) -> bool:

@@ -76,6 +76,9 @@ _D_RESTART = {"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kinds"
               "d_restarts": 1, "delays": False}
 _CHUNKS = {"dp": 1, "requests": 1, "layers": 1, "chunks": 2, "blocks_per_request": 2,
            "d_blocks": 2, "p_blocks": 2}
+# Prefill failover: two P ranks (engines), one request; its rank dies (both, for the budget).
+_FAILOVER = {"dp": 2, "requests": 1, "layers": 1, "faults": True, "fault_kinds": ("rank-crash",),
+             "delays": False, "retry_prefill": 1}
 
 _DESIGNS: tuple[Design, ...] = (
     Design(
@@ -285,6 +288,25 @@ _DESIGNS: tuple[Design, ...] = (
         ruled_out="a claim names the D blocks its sender was told to write, and D accepts only "
                   "the blocks it registered for that request (protocol 3); the proxy takes "
                   "only signed calls bound to the transfer (docs/deployment.md)"),
+    Design(
+        name="retry-same-blocks", title="prefill retried into the same blocks, unfenced",
+        ref="sglang #24527 class (late writer into reused pages); lw issue 22",
+        summary="When the request's P is lost D starts the next claim epoch at once in the same "
+                "blocks, taking the lost P's senders as stopped, while a write the dead P had "
+                "in flight may still land there over the new epoch's KV.",
+        decode=defects.RetryUnfenced, expected="stale-kv", bounds=_FAILOVER,
+        ruled_out="a new epoch starts only when no byte of the old one can land: at once when "
+                  "no old sender was accepted or each said it stopped, else after FENCING "
+                  "(abort, then every sender's word or the lease)"),
+    Design(
+        name="retry-unbounded", title="prefill retried without a budget",
+        ref="sglang #28651 class (abort storm); lw issue 22",
+        summary="Every loss of the request's P is retried, however often: a request whose "
+                "prefills keep failing is sent to P again and again instead of failing.",
+        decode=defects.RetryUnbounded, expected="request-ends",
+        bounds={**_FAILOVER, "max_faults": 2},
+        ruled_out="D retries at most retry_prefill times per request, then fails it as before "
+                  "(quarantine, lease, kv_load_failure_policy)"),
 )
 
 DESIGNS: dict[str, Design] = {d.name: d for d in _DESIGNS}

@@ -28,6 +28,7 @@ from lw.fsm import (
     Quarantine,
     RecvDone,
     RecvFailed,
+    Reprefill,
     SendFinished,
     WriteLayer,
     check_lease,
@@ -65,6 +66,7 @@ from lw.sim.config import (  # noqa: F401  (re-exported for the explorer and tes
 from lw.sim.datapath import DataPath
 from lw.sim.describe import Describe
 from lw.sim.dnode import DNode
+from lw.sim.failover import Failover
 from lw.sim.faults import Faults
 from lw.sim.kvbytes import KVBytes, Memory
 from lw.sim.network import MESSAGE_TYPES, MsgKey, Network, describe_key
@@ -81,7 +83,7 @@ from lw.transport.wire import decode, encode
 SLOW = frozenset({"start", "schedule", "layer"})
 
 
-class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
+class World(PNode, DataPath, DNode, Describe, Faults, Failover, Clock, Checks, KVBytes):
     """One state of the simulated cluster; mutated in place by :meth:`apply`."""
 
     def __init__(self, cfg: WorldConfig) -> None:
@@ -100,13 +102,15 @@ class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
         ndw = cfg.d_dp * cfg.d_tp  # D workers: worker v is engine v // d_tp, TP rank v % d_tp
         self.quirks = self.design.quirks
         p_cls = self.design.prefill
-        self.p = [p_cls(Sender("P", w, 1, p_addr(w)), cfg.layers, pcfg,
+        self.p = [p_cls(Sender(self.p_engine(w // cfg.tp), w, 1, p_addr(w)), cfg.layers, pcfg,
                         local=_p_layout(cfg, w, self.plan.p_fmts[w % cfg.tp]))
                   for w in range(nw)]
         self.d_inc = [1] * cfg.d_dp  # incarnation per D engine (a restart starts a new one)
         self.d = [self._new_decode(v, 1) for v in range(ndw)]
         self.restarts = 0
         self.p_alive = True
+        self.dead_ranks: frozenset[int] = frozenset()  # P DP ranks that died (rank-crash)
+        self.rank_lost_seen: frozenset[tuple[int, int]] = frozenset()  # (D worker, rank)
         self.d_alive = [True] * cfg.d_dp  # per D engine (a dead TP worker takes its engine)
         self.p_lost_seen = [False] * ndw  # D worker v called peer_lost for P
         self.d_lost_seen: set[tuple[int, int]] = set()  # (P worker, D engine) peer_lost called
@@ -160,6 +164,7 @@ class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
         return (
             self.arrived, self.phase, tuple(self.hooks_done), self.p_alive, tuple(self.d_alive),
             tuple(self.p_lost_seen), tuple(sorted(self.d_lost_seen)), self.faults_used,
+            tuple(sorted(self.dead_ranks)), tuple(sorted(self.rank_lost_seen)),
             tuple(sorted((k, round(at - now, 6)) for k, at in self.timers.items())),
             self.net.snapshot(),
             tuple(tuple((w[0], w[1], w[4], round(w[5] - now, 6), w[6]) for w in f)
@@ -168,9 +173,11 @@ class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
             tuple(map(tuple, self.p_queue)), tuple(map(tuple, self.d_queue)),
             tuple(map(tuple, self.p_batch)), tuple(map(tuple, self.p_free_pending)),
             tuple(map(tuple, self.p_running)),
-            tuple(sorted((z[0], z[1], z[2], z[3], round(z[5] - now, 6)) for z in self.zombies)),
+            tuple(sorted((z[0], z[1], z[2], z[3], round(z[5] - now, 6), z[6])
+                         for z in self.zombies)),
             tuple(q.key(now, budget) for q in self.reqs),
-            tuple(ep.snapshot() for ep in self.p) if self.p_alive else None,
+            tuple(ep.snapshot() if self.rank_alive(w // self.tp) else None
+                  for w, ep in enumerate(self.p)) if self.p_alive else None,
             tuple(ep.snapshot() if self.d_alive[v // self.d_tp] else None
                   for v, ep in enumerate(self.d)),
             tuple(self.d_inc), self.restarts, tuple(map(tuple, self.unpolled)),
@@ -272,13 +279,14 @@ class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
             if (self.d_alive[d] and self.d_queue[d]
                     and self.d_pool[d].count(None) >= cfg.blocks_per_request):
                 acts.append(("alloc", d))
-        if self.design.d_first and self.p_alive:
+        if self.design.d_first and self.p_alive and self._first_live_rank() is not None:
             for q in self.reqs:
                 if q.d_blocks is not None and not q.started and q.p_stage == "none":
                     acts.append(("start", q.idx))
         if self.p_alive:
             if self.phase is None:
-                if any(self._schedulable(i) or self.p_running[i] for i in range(cfg.dp)):
+                if any(self.rank_alive(i) and (self._schedulable(i) or self.p_running[i])
+                       for i in range(cfg.dp)):
                     acts.append(("schedule",))
             else:
                 blocked = self.blocked_hooks()
@@ -305,7 +313,12 @@ class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
                      if self.d_alive[v // self.d_tp] and not self.p_lost_seen[v]]
         if self.p_alive:
             acts += [("d_lost", w, d) for w in range(len(self.p)) for d in range(cfg.d_dp)
-                     if not self.d_alive[d] and (w, d) not in self.d_lost_seen]
+                     if not self.d_alive[d] and (w, d) not in self.d_lost_seen
+                     and self.rank_alive(w // self.tp)]
+        if self.dead_ranks:
+            acts += self._rank_lost_actions()
+        if cfg.retry_prefill:
+            acts += self._reprefill_actions()
         if self.restarts < cfg.d_restarts and not self.draining:
             acts += [("restart_d", d) for d in range(cfg.d_dp) if not self.d_alive[d]]
         faults = self.faults_on()
@@ -400,10 +413,15 @@ class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
 
     def _do_start(self, r: int) -> None:
         q = self.reqs[r]
+        if not self.rank_alive(q.p_rank):  # the proxy routes to a live P
+            live = self._first_live_rank()
+            assert live is not None
+            q.p_rank = live
         q.started = True
         q.p_stage = "queued"
         self.p_queue[q.p_rank].append(r)
         self._arrow("Proxy", f"P{q.p_rank * self.tp}", f"prefill {q.rid}")
+        self._route(q)
 
     def _do_deliver(self, key: MsgKey) -> None:
         msg = self.net.take(key)
@@ -414,7 +432,7 @@ class World(PNode, DataPath, DNode, Describe, Faults, Clock, Checks, KVBytes):
         idx = int(dest[1:])
         self._arrow(_who(src), _who(dest), describe_key(key))
         if dest[0] == "p":
-            if not self.p_alive:
+            if not self.rank_alive(idx // self.tp):
                 return
             if isinstance(msg, MetaReply):
                 q = self.req_of(msg.req_id)
@@ -530,6 +548,8 @@ class _WorldPorts:
             w._on_recv_done(self.idx, e)
         elif isinstance(e, RecvFailed):
             w._on_recv_failed(self.idx, e)
+        elif isinstance(e, Reprefill):
+            w._on_reprefill(self.idx, e)
         else:
             w._quarantine(self.idx, e)
 

@@ -34,12 +34,19 @@ from lw.synthetic.config import (
     PARTITION_FAULTS,
     ClusterConfig,
 )
+from lw.synthetic.faults import FaultInjector
 from lw.synthetic.netem import Link
 from lw.synthetic.netns import Partition
 from lw.synthetic.observe import status_table, write_trace
 from lw.synthetic.result import ClusterResult, short_reason
 from lw.synthetic.router import Lost, Router
-from lw.synthetic.workers import BarrierAction, decode_main, ghost_steps, prefill_main
+from lw.synthetic.workers import (
+    BarrierAction,
+    decode_main,
+    ghost_steps,
+    p_engine,
+    prefill_main,
+)
 
 ProgressFn = Callable[["ClusterResult"], None]
 
@@ -64,7 +71,7 @@ class _Worker:
         return getattr(self.proc, "pid", None)
 
 
-class _Cluster:
+class _Cluster(FaultInjector):
     """Coordinator state and the proxy's routing; one instance per run."""
 
     def __init__(self, cfg: ClusterConfig, progress: ProgressFn | None,
@@ -108,6 +115,8 @@ class _Cluster:
         self.heal_at: float | None = None
         self.rng = random.Random(cfg.seed)
         self.aborts_due: list[tuple[float, str]] = []
+        # attempts D had prefilled again (failover) -> whether the old epoch was fenced first
+        self.reprefilled: dict[str, bool] = {}
         self.gone: set[str] = set()  # clients that sent an abort: never moved, not counted in K
         self.t_first = 0.0
         self.t_last = 0.0
@@ -224,13 +233,15 @@ class _Cluster:
             if self.cfg.abort_rate and self.rng.random() < self.cfg.abort_rate:
                 # the client goes away at some moment of the transfer (or just before it)
                 self.aborts_due.append((time.monotonic() + self.rng.uniform(0, 0.01), client))
-            live = [r for r in self.ranks if r.alive]
-            if not live:
-                return  # nobody to prefill: D's deadline fails the request
-            rank = min(live, key=lambda r: (sum(1 for v in self.assigned.values()
-                                                if v == r.index), r.index))
-            self.assigned[rid] = rank.index
-            self.send(rank, ("prefill", rid, d_addrs, blocks))
+            self.route(rid, d_addrs, blocks, 0, ())
+        elif kind == "reprefill":  # D lost the request's P and keeps its blocks: another P
+            _, rid, epoch, avoid, d_addrs, blocks, fenced = ev
+            if self.router.client_of(rid) is None:
+                return
+            self.res.reprefills += 1
+            self.res.reprefills_fenced += fenced
+            self.reprefilled[rid] = fenced
+            self.route(rid, d_addrs, blocks, epoch, avoid)
         elif kind == "p_finished":
             _, _rank, rid, ok, reason = ev
             self.assigned.pop(rid, None)
@@ -243,6 +254,14 @@ class _Cluster:
             if client is None:
                 self.res.counters["stale_results"] += 1
                 return
+            if rid in self.reprefilled and self.fault_at:  # from the kill to its outcome
+                took = time.monotonic() - self.fault_at
+                fenced = self.reprefilled[rid]
+                res = self.res
+                if fenced:
+                    res.failover_fenced_s = max(res.failover_fenced_s, took)
+                else:
+                    res.failover_s = max(res.failover_s, took)
             self.record(client, outcome, reason, latency)
         elif kind == "token":
             self.router.streamed(ev[1], ev[2])
@@ -257,6 +276,23 @@ class _Cluster:
             self.thaw_at = time.monotonic() + self.cfg.freeze_s
         elif kind == "error":
             self.res.errors.append(f"{ev[1]}: {ev[2].strip().splitlines()[-1]}")
+
+    def route(self, rid: str, d_addrs: tuple[str, ...], blocks: tuple[int, ...], epoch: int,
+              avoid: tuple[str, ...]) -> None:
+        """Send claim epoch ``epoch`` of a prefill to the least loaded live P rank not in
+        ``avoid``, and tell its decoder where it went (so D watches that P before it claims)."""
+        live = [r for r in self.ranks if r.alive and p_engine(r.index) not in avoid]
+        if not live:
+            return  # nobody to prefill: D's deadline fails the request
+        rank = min(live, key=lambda r: (sum(1 for v in self.assigned.values()
+                                            if v == r.index), r.index))
+        self.assigned[rid] = rank.index
+        self.send(rank, ("prefill", rid, d_addrs, blocks, epoch))
+        slot = self.router.slot_of(rid)
+        d = self.decoders[slot] if slot is not None else None
+        if d is not None and d.alive:
+            self.send(d, ("routed", rid, p_engine(rank.index), rank.ready.get("addr", ""),
+                          epoch))
 
     def record(self, rid: str, outcome: str, reason: str, latency: float | None) -> None:
         if rid in self.outcome:
@@ -350,97 +386,6 @@ class _Cluster:
             d = self.decoders[slot]
             assert d is not None
             self.send(d, ("request", rid))
-
-    def inject(self) -> None:
-        cfg = self.cfg
-        d = self.decoder
-        now = time.monotonic()
-        if self.thaw_at is not None and now >= self.thaw_at and d is not None:
-            self.thaw_at = None
-            if d.alive and d.pid:
-                # frozen -> killed: the sentinel reports the death and a new incarnation starts
-                sig = signal.SIGKILL if cfg.fault == "freeze-kill-decoder" else signal.SIGCONT
-                os.kill(d.pid, sig)
-            d.frozen = False
-        if self.heal_at is not None and now >= self.heal_at and self.net is not None:
-            self.heal_at = None
-            self.net.heal()
-        if self.fault_fired:
-            return
-        trigger = max(1, cfg.requests // 4)
-        if cfg.fault in PARTITION_FAULTS:
-            before = cfg.fault == "partition-before-contact"
-            if self.net is not None and d is not None and d.ready and (
-                    before or self.res.done >= trigger):
-                self.net.partition()
-                self.heal_at = now + (cfg.freeze_s if before else cfg.partition_s
-                                      if cfg.fault == "partition-mid-transfer"
-                                      else cfg.long_partition_s)
-                self.fault_fired = True
-                self.fault_at = now
-            return
-        if cfg.fault == "kill-decoder" and cfg.decoders > 1:
-            victim = self._victim()
-            if victim is not None:
-                self._count_stages(victim.slot)
-                os.kill(victim.pid, signal.SIGKILL)
-                self.fault_fired = True
-                self.fault_at = now
-        elif cfg.fault == "freeze-decoder-before-contact":
-            if d is not None and d.ready:
-                self.send(d, ("freeze_after_alloc",))
-                self.fault_fired = True
-                self.fault_at = now
-        elif (self.res.done >= trigger and d is not None and d.alive and d.pid
-              and (self.router.load(d.slot) or not self.router.pending)):
-            # only while the decoder holds requests (a fast machine can finish a whole window
-            # between two looks: a kill then would test nothing), or when none will come
-            if cfg.fault == "kill-decoder":
-                os.kill(d.pid, signal.SIGKILL)
-                self.fault_fired = True
-                self.fault_at = now
-            elif cfg.fault in ("freeze-decoder-mid-transfer", "freeze-kill-decoder"):
-                os.kill(d.pid, signal.SIGSTOP)
-                d.frozen = True
-                self.thaw_at = now + cfg.freeze_s
-                self.fault_fired = True
-                self.fault_at = now
-            elif cfg.fault == "kill-prefill-rank":
-                if _DEBUG:
-                    print(f"[lw] {now:.3f} arming crash", flush=True)
-                victim = self.ranks[-1]
-                if victim.alive:
-                    self.send(victim, ("crash",))
-                self.fault_fired = True
-                self.fault_at = now
-
-    def _victim(self) -> _Worker | None:
-        """The D engine for kill-decoder to kill, once an eighth of the requests are done: one
-        that holds requests that streamed a token and at least two still with P (queued or
-        being pushed: their first token cannot be on its way already, as a request's just
-        verified may be); or, with none left to send, the busiest before they all run dry."""
-        router = self.router
-        if self.res.done < max(1, self.cfg.requests // 8):
-            return None
-        held = {d.slot: router.held(d.slot)
-                for d in self.live_decoders() if d.pid and router.load(d.slot)}
-        for slot, tokens in held.items():
-            with_p = sum(1 for rid, n in tokens.items() if not n and rid in self.assigned
-                         and router.client_of(rid) not in self.gone)
-            if any(tokens.values()) and with_p >= 2:
-                return self.decoders[slot]
-        busiest = max(held, key=lambda s: len(held[s]), default=None)
-        if busiest is not None and not router.pending and len(held[busiest]) <= 2:
-            return self.decoders[busiest]
-        return None
-
-    def _count_stages(self, slot: int) -> None:
-        """Where the requests of the D engine about to die are, for the report: streaming
-        tokens, with a P rank (queued or being pushed), or neither (not yet routed to P, or
-        pushed and not yet verified or decoded)."""
-        for rid, tokens in self.router.held(slot).items():
-            stage = "streaming" if tokens else "prefilling" if rid in self.assigned else "other"
-            self.res.counters[f"killed_with.{stage}"] += 1
 
     def fire_aborts(self) -> None:
         """Send the client aborts that are due to the decoder."""

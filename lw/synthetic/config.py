@@ -135,6 +135,10 @@ class ClusterConfig:
     abort_rate: float = 0.0  # probability that the client aborts a request soon after D has it
     heartbeat_s: float = 0.5  # liveness probes between workers sharing requests (0: off)
     heartbeat_misses: int = 3
+    # prefill failover (DecodeConfig's names): re-prefills per request on another P rank when
+    # its rank is lost, and which ranks a re-prefill avoids
+    retry_prefill: int = 0
+    retry_prefill_avoid: str = "lost"
     status: bool = False  # print an lw status table of every worker while the fault is active
     trace_out: str | None = None  # write every worker's request timelines here (Chrome trace)
 
@@ -159,6 +163,9 @@ class ClusterConfig:
             self.decode_tokens = 8 if self.decoders > 1 else 0
         if self.token_ms < 0:
             raise ValueError(f"token_ms must be >= 0, got {self.token_ms}")
+        if self.retry_prefill and self.decode_tp != 1:
+            raise ValueError("retry_prefill needs --decode-tp 1 (each D TP worker would decide "
+                             "its own re-prefills)")
         if self.fault == "kill-prefill-rank" and self.prefill_dp < 2:
             raise ValueError("kill-prefill-rank needs --prefill-dp >= 2")
         if not 0 <= self.abort_rate <= 1:

@@ -63,6 +63,11 @@ class ClusterResult:
     # client saw part of an answer), and attempts moved to another decoder before their first
     failed_after_first_token: int = 0
     failovers: int = 0
+    reprefills: int = 0  # prefills D asked for again on another P rank (prefill failover)
+    reprefills_fenced: int = 0  # of them, after waiting out the old epoch (it had written)
+    # the slowest of those requests, from the fault to its outcome: not fenced, and fenced
+    failover_s: float = 0.0
+    failover_fenced_s: float = 0.0
     tokens: int = 0  # tokens the client received
     # worker -> RSS (KiB) at start, once 10 % of the requests ended (warm), and at the end
     rss_kib: dict[str, tuple[int, int, int]] = field(default_factory=dict)
@@ -118,6 +123,9 @@ class ClusterResult:
             # whose client went away) may fail when a decoder dies
             and not (cfg.fault == "kill-decoder" and cfg.decoders > 1
                      and self.failed != self.failed_after_first_token + self.client_gone)
+            # with a live P rank to prefill on again, a dead rank's requests must not fail
+            and not (cfg.fault == "kill-prefill-rank" and cfg.retry_prefill
+                     and self.failed != self.client_gone)
         )
 
     @property

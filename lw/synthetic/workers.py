@@ -33,6 +33,7 @@ from lw.fsm import (
     Quarantine,
     RecvDone,
     RecvFailed,
+    Reprefill,
     SendFinished,
 )
 from lw.fsm.kvmap import expected_senders, targets_of
@@ -277,13 +278,15 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
     computing: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...], int]] = {}
     failures: dict[str, str] = {}  # request -> first failure reason of a TP worker
 
+    epochs: dict[str, int] = {}  # request -> the claim epoch D asked this prefill under
+
     def add_request(rid: str, d_addrs: tuple[str, ...], local: tuple[int, ...],
                     remote: tuple[int, ...], final: bool) -> None:
         """Hand ``rid`` to every TP worker's core, each aimed at the D ranks it feeds."""
         for t, tp in enumerate(tps):
             addrs = tuple(d_addrs[j] for j in targets[t])
-            tp.loop.call("add_request",
-                         PrefillRequest(rid, addrs, local, remote, n_senders[t], final))
+            tp.loop.call("add_request", PrefillRequest(rid, addrs, local, remote, n_senders[t],
+                                                       final, epochs.get(rid, 0)))
 
     waiting: deque[tuple[str, tuple[str, ...], tuple[int, ...]]] = deque()
     steps = busy_steps = 0
@@ -314,6 +317,7 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
                 left.discard(t)
                 if not left:
                     del unreleased[rid]
+                    epochs.pop(rid, None)
                     if rid not in computing:
                         free.extend(held.pop(rid, ()))
                     reason = failures.pop(rid, None)
@@ -338,6 +342,8 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
             if c[0] == "prefill":
                 addrs = (c[2],) if isinstance(c[2], str) else tuple(c[2])
                 waiting.append((c[1], addrs, tuple(c[3])))
+                if len(c) > 4:  # a re-prefill under a later claim epoch
+                    epochs[c[1]] = c[4]
             elif c[0] == "stats":
                 outbox.put(("stats", "p", rank, stats()))
             elif c[0] == "crash":
@@ -574,6 +580,9 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
         elif isinstance(rep, Quarantine):
             quarantined.add(rep.req_id)
             fail(j, rep.req_id, rep.reason)
+        elif isinstance(rep, Reprefill):  # the core keeps the blocks: the proxy picks a P
+            outbox.put(("reprefill", rep.req_id, rep.epoch, rep.avoid,
+                        tuple(tp.loop.addr for tp in tps), rep.block_ids, rep.fenced))
 
     while not stopping:
         if cmd.poll(0.002 if not wake.is_set() else 0):
@@ -583,6 +592,11 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
                     waiting.append(c[1])
                 elif c[0] == "stats":
                     outbox.put(("stats", "d", generation, stats()))
+                elif c[0] == "routed":  # where the proxy sent a prefill: D watches that P
+                    _, rid, engine, addr, epoch = c
+                    if rid in unreported:
+                        for tp in tps:
+                            tp.loop.call("prefill_routed", rid, engine, addr, epoch)
                 elif c[0] == "freeze_after_alloc":
                     freeze_armed = True
                 elif c[0] == "abort":  # the client went away

@@ -177,6 +177,20 @@ def test_kill_prefill_rank() -> None:
 
 @pytest.mark.slow
 @needs_mooncake
+def test_kill_prefill_rank_with_prefill_failover() -> None:
+    """Issue 22: the dead rank's requests are prefilled again on the live one, none fails;
+    those it had not written into go over within the heartbeat budget plus a prefill."""
+    res = run("kill-prefill-rank", requests=40, retry_prefill=2)
+    assert res.dead_ranks == [1]
+    assert (res.done, res.failed, res.leaked, res.corrupt) == (40, 0, 0, 0) and res.ok
+    assert res.reprefills > 0
+    if res.reprefills > res.reprefills_fenced:
+        cfg = res.config
+        assert res.failover_s < cfg.heartbeat_s * (cfg.heartbeat_misses + 1) + 2.0
+
+
+@pytest.mark.slow
+@needs_mooncake
 @pytest.mark.parametrize("fault", ["drop-messages", "duplicate-messages", "garbage-messages",
                                    "no-cluster-key"])
 def test_side_channel_faults_between_processes(fault: str) -> None:

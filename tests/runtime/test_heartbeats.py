@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import time
 
-from lw.fsm import PrefillConfig, SendFinished
+import numpy as np
 
-from .loops import make_pair, wait_for
+from lw.fsm import DecodeConfig, DecodeEndpoint, PrefillConfig, Reprefill, SendFinished
+from lw.transport.dataplane import InProcessDataPlane
+from lw.transport.runtime import WorkerLoop
+from lw.transport.sidechannel import SideChannel
+from lw.transport.wire import KVLayout, Sender
+
+from .loops import BLEN, NBLK, L, layouts, make_pair, wait_for
 
 HB = {"heartbeat_s": 0.1, "heartbeat_misses": 3}
 SLOW_P = PrefillConfig(meta_retry_s=5, ack_retry_s=5, request_timeout_s=30)
@@ -71,3 +77,28 @@ def test_heartbeats_off_leave_detection_to_the_retries() -> None:
         assert pair.p.counters["heartbeats_sent"] == 0 and pair.p.endpoint.live_requests()
     finally:
         pair.stop()
+
+
+def test_an_orphan_of_a_silent_prefill_is_prefilled_again_within_the_heartbeat_budget() -> None:
+    """Prefill failover (issue 22): the P a request was routed to dies before it claims; D
+    watches it from the routing on, so heartbeats find it and D asks for a re-prefill at
+    once, long before its 5 s prefill deadline."""
+    mem = np.zeros((L, NBLK, BLEN), dtype=np.uint8)
+    dp = InProcessDataPlane(timeout_s=1.0)
+    dp.register_memory(mem.ctypes.data, mem.nbytes)
+    side, gone = SideChannel(), SideChannel()
+    dead_addr = gone.addr
+    gone.close()  # the P process is gone: nothing answers at its address
+    ep = DecodeEndpoint(Sender("D", 0, 1, side.addr), KVLayout("D", 1, dp.session, layouts(mem)),
+                        DecodeConfig(prefill_timeout_s=5, lease_s=10, retry_prefill=1))
+    d = WorkerLoop(ep, side, dp, name="test-d", **HB).start()
+    try:
+        d.call("add_request", "r1", (0, 1), 1).result(5)
+        t0 = time.monotonic()
+        d.call("prefill_routed", "r1", "P-dead", dead_addr, 0).result(5)
+        got = wait_for(lambda: [e for e in d.drain_reports() if isinstance(e, Reprefill)], 3)
+        took = time.monotonic() - t0
+        assert [(e.epoch, e.avoid, e.fenced) for e in got] == [(1, ("P-dead",), False)]
+        assert took < 1.0, took  # 3 x 0.1 s plus a round
+    finally:
+        d.stop()

@@ -1,0 +1,79 @@
+"""Prefill failover in the checker world (issue 22): P ranks as separate engines, one dies, D
+re-prefills on the other under a new claim epoch, fenced when the dead rank had writes in
+flight; the variants that drop the fence or the budget are caught (tests/sim/test_variants)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lw.sim.config import WorldConfig
+from lw.sim.explorer import explore, replay
+from lw.sim.variants import DESIGNS
+from lw.sim.world import World
+
+FAILOVER = DESIGNS["retry-same-blocks"].config_overrides()
+
+
+def _drain(w: World) -> World:
+    """Take the first enabled action until none is left (the fault budget is spent), then
+    check the terminal properties."""
+    for _ in range(200):
+        acts = w.enabled()
+        if not acts:
+            w.check_terminal()
+            return w
+        w.apply(acts[0])
+    raise AssertionError("the run did not end")
+
+
+def _orphan_world(retry: int) -> World:
+    """r0 is routed to P rank 0, which dies before it claims; D learns of it."""
+    w = World(WorldConfig(design="d-first", **{**FAILOVER, "retry_prefill": retry}))
+    for a in (("arrive",), ("alloc", 0), ("start", 0), ("crash_rank", 0), ("rank_lost", 0, 0)):
+        assert a in w.enabled(), a
+        w.apply(a)
+    return w
+
+
+def test_an_orphan_is_prefilled_again_at_once_and_completes_on_the_live_rank() -> None:
+    w = _orphan_world(retry=1)
+    q = w.reqs[0]
+    assert q.retry == ("P0",) and q.epoch == 1
+    _drain(w)
+    assert q.d_stage == "done" and q.p_rank == 1 and q.p_epoch == 1
+    assert w.d[0].counters["reprefills"] == 1
+    assert w.now == 0.0  # no deadline or lease was waited for: found by its P's loss
+
+
+def test_without_a_budget_the_orphan_waits_for_its_deadline_as_before() -> None:
+    w = _orphan_world(retry=0)
+    q = w.reqs[0]
+    assert q.retry is None and q.recv_reports == (0,)
+    _drain(w)
+    assert q.d_stage == "failed" and q.p_rank == 0
+    assert w.now == w.cfg.prefill_timeout_s
+
+
+def test_lw_fences_where_the_unfenced_retry_is_caught_then_completes() -> None:
+    """The variant's counterexample (the dead rank had a write in flight) against lw's D: no
+    new epoch until the lease passed, then the retry completes on the live rank."""
+    cfg = WorldConfig(design="retry-same-blocks", **FAILOVER)
+    ce = explore(cfg, max_seconds=60).counterexample
+    assert ce is not None and ce.violation.prop == "stale-kv"
+    w, _run, _texts, v = replay(replace(cfg, design="d-first"), ce.actions, record=False)
+    assert v is None and w.d[0].state_of("r0") == "FENCING" and w.reqs[0].retry is None
+    _drain(w)
+    q = w.reqs[0]
+    assert q.d_stage == "done" and q.p_epoch == 1
+    assert w.d[0].counters["leases_expired"] == 1 and w.now >= cfg.lease_s
+
+
+def test_the_budget_is_the_number_of_retries() -> None:
+    """Both ranks die under r0 in turn: lw retries once (its budget), then fails it."""
+    cfg = WorldConfig(design="retry-unbounded", **DESIGNS["retry-unbounded"].config_overrides())
+    ce = explore(cfg, max_seconds=60).counterexample
+    assert ce is not None and ce.violation.prop == "request-ends"
+    w, _run, _texts, v = replay(replace(cfg, design="d-first"), ce.actions, record=False)
+    assert v is None and w.d[0].counters["reprefills"] == 1
+    _drain(w)
+    assert w.reqs[0].d_stage == "failed"
