@@ -241,6 +241,19 @@ class _Search:
                     break
         return ok
 
+    def _silenced(self, w: World, pos: list[int]) -> bool:
+        """Whether an endpoint with recorded events still to explain can record no more (its
+        process crashed or was replaced): no behaviour from here explains them."""
+        for k, slot in enumerate(self.proj.slots):
+            if pos[k] == len(self.proj.obs[slot]):
+                continue
+            if slot[0] == "P":
+                if not w.p_alive:
+                    return True
+            elif w.d_inc[0] > slot[2] or (w.d_inc[0] == slot[2] and not w.d_alive[0]):
+                return True
+        return False
+
     def run(self) -> bool | None:
         """True: a behaviour found; False: none within the budget; None: out of states/time."""
         w0 = ValidationWorld(self.cfg)
@@ -279,14 +292,15 @@ class _Search:
                 except Violation:
                     continue  # the checked properties exclude these behaviours
                 p2 = list(pos)
-                if not self._advance(w2, p2):
+                if not self._advance(w2, p2) or self._silenced(w2, p2):
                     continue
                 key = (fingerprint(w2), tuple(p2))
                 if key in self.visited:
                     continue
                 self.visited.add(key)
-                succ.append((sum(p2), cloner.dumps(w2), tuple(p2)))
-            # explore first the successors that explain the most (a stack: push them last)
+                succ.append(((sum(p2), -w2.faults_used, -w2.now), cloner.dumps(w2), tuple(p2)))
+            # explore first the successors that explain the most, with the fewest faults and
+            # the least time passed (a stack: push them last)
             succ.sort(key=lambda x: x[0])
             stack += [(b, p) for _n, b, p in succ]
         return False
@@ -303,7 +317,11 @@ def validate_request(trace: Trace, rid: str, max_states: int = 200_000,
     if proj.total == 0:
         return v
     deadline = time.monotonic() + seconds
-    restarts = max(0, proj.d_incarnations - 1)
+    # With no D event recorded, the request's D may have died (no timeline) and a restart the
+    # trace does not show answered it "unknown"; with events, each recorded incarnation of its
+    # D engine is one.
+    restarts = (proj.d_incarnations - 1 if proj.d_incarnations
+                else 1 if "crash" in trace.faults else 0)
     last: _Search | None = None
     for budget in BUDGETS:
         cfg = world_config(trace, budget, restarts)
