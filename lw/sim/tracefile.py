@@ -6,7 +6,8 @@ Format ``lw-trace`` version 1, one JSON object per line:
   "prefill": {PrefillConfig fields}, "decode": {DecodeConfig fields}}``; ``shape`` holds
   ``layers``, ``prefill_tp``, ``decode_tp``, ``blocks_per_request``, ``chunks``, ``mla``,
   ``kv_heads`` (and ``transfer_timeout_s``); ``faults`` (optional) lists the fault kinds the run
-  may contain, of ``drop``, ``dup``, ``write``, ``crash``, ``abort``, ``corrupt`` (default: all).
+  may contain, of ``drop``, ``dup``, ``write``, ``crash``, ``abort``, ``corrupt``, ``suspect``
+  (default: all).
 * one line per worker that answered: ``{"worker": N, "engine": TEXT, "role": "prefill" |
   "decode", "rank": INT, "incarnation": INT, "truncated": BOOL}`` (N numbers them from 0).
 * one line per timeline entry, oldest first per worker: ``{"w": N, "t": FLOAT, "req": TEXT |
@@ -23,7 +24,7 @@ from typing import Any
 
 FORMAT = "lw-trace"
 VERSION = 1
-FAULT_KINDS = ("drop", "dup", "write", "crash", "abort", "corrupt")
+FAULT_KINDS = ("drop", "dup", "write", "crash", "abort", "corrupt", "suspect")
 SHAPE_FIELDS: dict[str, type] = {"layers": int, "prefill_tp": int, "decode_tp": int,
                                  "blocks_per_request": int, "chunks": int, "mla": bool,
                                  "kv_heads": int}

@@ -7,9 +7,8 @@ behaviour whose endpoints record the same events in the same order per worker. T
 the same endpoints with their timelines on, so "the world's action that produces an event" is
 the action after which the endpoint recorded it. Unobserved steps (deliveries, drops, timers,
 write completions of other workers, crashes) are filled in freely; a worker absent from the
-trace (dead, frozen when asked) is unobserved. Faults are bounded and the budget is deepened
-until a behaviour is found or the budget did not bind; a search that runs out of states or time
-says ``undecided``, never a verdict.
+trace (dead, frozen when asked) is unobserved. Faults are bounded; a search that runs out of
+states or time, or whose fault budget binds, says ``undecided``, never a verdict.
 """
 
 from __future__ import annotations
@@ -25,11 +24,12 @@ from lw.sim.config import Action, WorldConfig
 from lw.sim.explorer import fingerprint
 from lw.sim.properties import Violation
 from lw.sim.tracefile import Entry, Trace, WorkerTrace
-from lw.sim.world import World
+from lw.sim.world import World, d_addr
 
-# Fault budgets tried in turn: a behaviour with few faults is found fast, and a rejection only
-# stands once the budget did not bind (no explored state had used all of it).
-BUDGETS = (0, 1, 2, 4, 8, 16)
+# Fault budgets tried in turn. One large budget: the search takes the successors with the fewest
+# faults first, so a behaviour with few faults is still found first, and smaller budgets tried
+# before it only repeated the same states. A rejection stands only where the budget did not bind.
+BUDGETS = (16,)
 MAX_BUDGET = BUDGETS[-1]
 BIG_RING = 1 << 16
 
@@ -42,6 +42,9 @@ class ValidationConfig(WorldConfig):
     meta_attempts: int = 2
     ack_attempts: int = 2
     corrupt: bool = False  # landed bytes may be wrong (a fault the checker's world lacks)
+    # a live peer may be declared lost (a heartbeat detector suspecting a frozen or cut-off
+    # process; the checker's world declares only dead peers lost)
+    suspect: bool = False
 
     def prefill_config(self) -> PrefillConfig:
         """P's settings as the run had them, with a timeline to observe."""
@@ -124,7 +127,6 @@ class _Projection:
             self.problem = (f"recorded on {len(p_engines)} P and {len(d_engines)} D engines; "
                             "the world of one request has one of each")
         self.obs: dict[Slot, list[Obs]] = {}
-        self.observed: set[Slot] = set()
         p_eng = next(iter(p_engines), None)
         d_eng = next(iter(d_engines), None)
         # Which slots the trace observes: every live worker of the request's engines (a worker
@@ -132,7 +134,6 @@ class _Projection:
         d_incs: dict[int, list[WorkerTrace]] = {}
         for n, w in enumerate(trace.workers):
             if w.role == "prefill" and w.engine == p_eng:
-                self.observed.add(("P", w.rank))
                 self.obs[("P", w.rank)] = [Obs(w.name, e) for e in per.get(n, [])]
             elif w.role == "decode" and w.engine == d_eng and n in per:
                 d_incs.setdefault(w.rank, []).append(w)
@@ -143,7 +144,6 @@ class _Projection:
         for n, w in enumerate(trace.workers):
             if w.role == "decode" and w.engine == d_eng and w.incarnation in inc_of:
                 slot = ("D", w.rank, inc_of[w.incarnation])
-                self.observed.add(slot)
                 self.obs[slot] = [Obs(w.name, e) for e in per.get(n, [])]
         self.slots = sorted(self.obs)
         self.total = sum(len(v) for v in self.obs.values())
@@ -162,13 +162,13 @@ def request_ids(trace: Trace) -> list[str]:
 def world_config(trace: Trace, max_faults: int, d_restarts: int) -> ValidationConfig:
     """The world of one request of ``trace``'s run, with the fault kinds the run may have."""
     s, p, d = trace.shape, trace.prefill, trace.decode
-    kinds = tuple(k for k in trace.faults if k != "corrupt")
+    kinds = tuple(k for k in trace.faults if k not in ("corrupt", "suspect"))
     bpr = s["blocks_per_request"]
     return ValidationConfig(
         dp=1, tp=s["prefill_tp"], d_dp=1, d_tp=s["decode_tp"], requests=1, layers=s["layers"],
         blocks_per_request=bpr, d_blocks=bpr, p_blocks=bpr, chunks=s["chunks"], mla=s["mla"],
         heads=0 if s["mla"] else s["kv_heads"], faults=True, fault_kinds=kinds,
-        corrupt="corrupt" in trace.faults,
+        corrupt="corrupt" in trace.faults, suspect="suspect" in trace.faults,
         max_faults=max_faults, d_restarts=d_restarts, retries=max(p["meta_attempts"],
                                                                   p["ack_attempts"]),
         meta_attempts=p["meta_attempts"], ack_attempts=p["ack_attempts"],
@@ -187,7 +187,31 @@ class ValidationWorld(World):
         if getattr(self.cfg, "corrupt", False) and self.cfg.kv_checksum:
             acts += [("corrupt", v) for v in range(len(self.d))
                      if any(k[0] == v and r >= 0 for k, r in self.d_mem.items())]
+        return acts + self._suspicions()
+
+    def _suspicions(self) -> list[Action]:
+        if not getattr(self.cfg, "suspect", False):
+            return []
+        acts: list[Action] = []
+        if self.p_alive:
+            acts += [("suspect_d", w, d) for w in range(len(self.p)) for d in range(self.cfg.d_dp)
+                     if self.d_alive[d] and (w, d) not in self.d_lost_seen]
+            acts += [("suspect_p", v) for v in range(len(self.d))
+                     if self.d_alive[v // self.d_tp] and not self.p_lost_seen[v]]
         return acts
+
+    def _do_suspect_d(self, i: int, d: int) -> None:
+        """P worker ``i`` declares the live D engine ``d`` lost (missed heartbeats)."""
+        self.faults_used += 1
+        self.d_lost_seen.add((i, d))
+        for v in self.d_workers_of(d):
+            self._effects(("p", i), self.p[i].peer_lost(d_addr(v), "D suspected", self.now))
+
+    def _do_suspect_p(self, v: int) -> None:
+        """D worker ``v`` declares the live P engine lost (missed heartbeats)."""
+        self.faults_used += 1
+        self.p_lost_seen[v] = True
+        self._effects(("d", v), self.d[v].peer_lost("P", "P suspected", self.now))
 
     def _do_corrupt(self, v: int) -> None:
         """Every block D worker ``v`` holds so far reads wrong (one sum per block and layer:
@@ -280,8 +304,8 @@ class _Search:
                 self.exhausted = "time budget"
                 return None
             w = cloner.loads(blob)
-            if w.faults_used >= self.cfg.max_faults and (self.cfg.fault_kinds
-                                                         or self.cfg.corrupt):
+            if w.faults_used >= self.cfg.max_faults and (
+                    self.cfg.fault_kinds or self.cfg.corrupt or self.cfg.suspect):
                 self.bound = True
             acts: list[Action] = w.enabled()
             succ = []

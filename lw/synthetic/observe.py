@@ -34,19 +34,20 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "none": (),
     # a killed D's frames still queued in ZMQ reach the new process on the same port: dup
     "kill-decoder": ("crash", "write", "dup"),
-    "freeze-decoder-before-contact": ("write",),
-    "freeze-decoder-mid-transfer": ("write",),
-    "freeze-kill-decoder": ("crash", "write", "dup"),
+    # a frozen D is suspected by its peers' heartbeats while it lives
+    "freeze-decoder-before-contact": ("write", "suspect"),
+    "freeze-decoder-mid-transfer": ("write", "suspect"),
+    "freeze-kill-decoder": ("crash", "write", "dup", "suspect"),
     "kill-prefill-rank": ("crash", "write"),
     "drop-messages": ("drop",),
     "duplicate-messages": ("dup",),
     "garbage-messages": ("drop",),  # a garbled frame is refused by its receiver: lost
     "no-cluster-key": ("drop",),  # an unsigned frame is refused: lost
-    "partition-before-contact": ("drop", "write"),
-    "partition-mid-transfer": ("drop", "write"),
-    "partition-long": ("drop", "write"),
-    "lossy-link": ("drop", "write"),
-    "slow-link": ("drop", "write"),
+    "partition-before-contact": ("drop", "write", "suspect"),
+    "partition-mid-transfer": ("drop", "write", "suspect"),
+    "partition-long": ("drop", "write", "suspect"),
+    "lossy-link": ("drop", "write", "suspect"),
+    "slow-link": ("drop", "write", "suspect"),
     "mix": ("drop", "dup", "corrupt"),
     "corrupt-write": ("corrupt",),
 }
@@ -55,7 +56,10 @@ _KINDS: dict[str, tuple[str, ...]] = {
 def fault_kinds(cfg: Any) -> tuple[str, ...]:
     """The world's fault kinds that the run of ``cfg`` (a ClusterConfig) may contain."""
     kinds = _KINDS.get(cfg.fault, tracefile.FAULT_KINDS)
-    return kinds + (("abort",) if cfg.abort_rate > 0 else ())
+    # client aborts; with several decoders the proxy also aborts P's part of a request it
+    # moves to another decoder (a P-side abort, as the world's abort_p)
+    moves = cfg.decoders > 1 and cfg.fault in ("kill-decoder",)
+    return kinds + (("abort",) if cfg.abort_rate > 0 or moves else ())
 
 
 def write_timelines(addrs: list[str], key: bytes | None, path: str, source: str,
