@@ -227,7 +227,7 @@ class _Traces:
             self.rejected += 1
             return f"  trace {name}: REJECTED: no trace was written (no worker answered)"
         try:
-            verdicts = run(path, max_states=200_000, seconds=30.0)
+            verdicts = run(path, max_states=200_000, seconds=60.0)
         except ValueError as exc:
             self.rejected += 1
             return f"  trace {name}: REJECTED: {exc}"
