@@ -112,6 +112,23 @@ def show(e: Entry) -> str:
     return f"{e.event} {e.src}->{e.dst}" + (f" ({e.detail})" if e.detail else "")
 
 
+FINAL = ("DONE", "FAILED")
+
+
+def _live(entries: list[Entry]) -> list[Entry]:
+    """P's entries of one request without the batch milestones after it ended: the runtime's
+    layer hook records its whole batch, a request that already failed included, where the
+    world's endpoint records only the requests it still holds (see ``_Search._advance``)."""
+    out: list[Entry] = []
+    ended = False
+    for e in entries:
+        if ended and e.event == "layer_computed":
+            continue
+        ended = ended or e.dst in FINAL
+        out.append(e)
+    return out
+
+
 class _Projection:
     """One request's observations, per world endpoint (absent: unobserved)."""
 
@@ -136,7 +153,7 @@ class _Projection:
         d_incs: dict[int, list[WorkerTrace]] = {}
         for n, w in enumerate(trace.workers):
             if w.role == "prefill" and w.engine == p_eng:
-                self.obs[("P", w.rank)] = [Obs(w.name, e) for e in per.get(n, [])]
+                self.obs[("P", w.rank)] = [Obs(w.name, e) for e in _live(per.get(n, []))]
             elif w.role == "decode" and w.engine == d_eng and n in per:
                 d_incs.setdefault(w.rank, []).append(w)
         firsts = sorted({(min(e.t for e in per[trace.workers.index(w)]), w.incarnation)
@@ -266,7 +283,10 @@ class _Search:
                 if k is None or not ok:
                     continue  # unobserved endpoint (dead or never asked)
                 want = self.proj.obs[slot]
+                ended = slot[0] == "P" and any(o.entry.dst in FINAL for o in want[:pos[k]])
                 for ev in evs:
+                    if ended and ev[2] == "layer_computed":
+                        continue  # not projected after the request ended (_live)
                     if pos[k] < len(want) and _same(want[pos[k]].entry, ev):
                         pos[k] += 1
                         continue
