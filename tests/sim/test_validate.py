@@ -59,6 +59,33 @@ def test_clean_run_is_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "valid: 6 requests, 6 valid, 0 rejected" in out
 
 
+def test_a_recorded_step_the_model_cannot_take_is_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One write completion removed from P's timeline: its next completion skips a layer."""
+    path = _run(tmp_path)
+    lines = Path(path).read_text().splitlines()
+    gone = next(i for i, line in enumerate(lines)
+                if '"req": "req-2"' in line and '"layer_sent"' in line and '"detail": "1"' in line)
+    del lines[gone]
+    Path(path).write_text("\n".join(lines) + "\n")
+    assert validate_cli.main([path, "--request", "req-2"]) == 1
+    out = capsys.readouterr().out
+    # the next completion is the first entry the model cannot explain, and the model's own next
+    # step there is the missing one
+    nxt = next(i for i, line in enumerate(lines) if '"req": "req-2"' in line
+               and '"layer_sent"' in line and '"detail": "2"' in line)
+    assert f"line {nxt + 1} " in out and "layer_sent LAYER_1_SENT->LAYER_2_SENT (2)" in out
+    assert "the model allowed there: " in out and "layer_sent LAYER_0_SENT->LAYER_1_SENT (1)" in out
+
+
+def test_search_budget_gives_undecided_not_a_verdict(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _run(tmp_path)
+    assert validate_cli.main([path, "--max-states", "3"]) == 0
+    assert "undecided" in capsys.readouterr().out
+    assert validate_cli.main([path, "--max-states", "3", "--strict"]) == 1
+
+
 def test_write_complete_before_bytes_land_is_rejected(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
