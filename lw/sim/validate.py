@@ -72,7 +72,7 @@ class RequestVerdict:
     outcome: str
     events: int  # recorded events of this request
     states: int = 0
-    budget: int = 0  # faults the behaviour needed (valid) or the last budget tried
+    budget: int = 0  # the fault budget searched (faults<=N in reports)
     first: Obs | None = None  # the first recorded event no behaviour explains (rejected)
     allowed: list[str] = field(default_factory=list)  # what the model recorded there instead
     why: str = ""
