@@ -156,13 +156,16 @@ class _Projection:
                 self.obs[("P", w.rank)] = [Obs(w.name, e) for e in _live(per.get(n, []))]
             elif w.role == "decode" and w.engine == d_eng and n in per:
                 d_incs.setdefault(w.rank, []).append(w)
-        firsts = sorted({(min(e.t for e in per[trace.workers.index(w)]), w.incarnation)
-                         for ws in d_incs.values() for w in ws})
-        inc_of = {inc: k + 1 for k, (_t, inc) in enumerate(firsts)}
-        self.d_incarnations = len(inc_of)
+        # per TP rank (each worker of a D process may carry its own incarnation number)
+        inc_of: dict[tuple[int, int], int] = {}
+        for rank, ws in d_incs.items():
+            firsts = sorted((min(e.t for e in per[trace.workers.index(w)]), w.incarnation)
+                            for w in ws)
+            inc_of.update({(rank, inc): k + 1 for k, (_t, inc) in enumerate(firsts)})
+        self.d_incarnations = max(inc_of.values(), default=0)
         for n, w in enumerate(trace.workers):
-            if w.role == "decode" and w.engine == d_eng and w.incarnation in inc_of:
-                slot = ("D", w.rank, inc_of[w.incarnation])
+            if w.role == "decode" and w.engine == d_eng and (w.rank, w.incarnation) in inc_of:
+                slot = ("D", w.rank, inc_of[(w.rank, w.incarnation)])
                 self.obs[slot] = [Obs(w.name, e) for e in per.get(n, [])]
         self.slots = sorted(self.obs)
         self.total = sum(len(v) for v in self.obs.values())

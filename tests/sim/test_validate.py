@@ -59,6 +59,17 @@ def test_clean_run_is_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "valid: 6 requests, 6 valid, 0 rejected" in out
 
 
+@pytest.mark.parametrize("shape", [dict(prefill_tp=2), dict(decode_tp=2),
+                                   dict(prefill_tp=2, decode_tp=2, mla=True), dict(chunks=2)])
+def test_tp_mla_and_chunked_runs_are_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           shape: dict[str, Any]) -> None:
+    """Each D TP worker carries its own incarnation number: they are matched per rank."""
+    out = str(tmp_path / "run.jsonl")
+    res = run_cluster(ClusterConfig(**{**SMALL, **shape, "timelines_out": out}))  # type: ignore[arg-type]
+    assert not res.errors, res.errors
+    assert validate_cli.main([out]) == 0, capsys.readouterr().out
+
+
 def test_a_recorded_step_the_model_cannot_take_is_named(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """One write completion removed from P's timeline: its next completion skips a layer."""
