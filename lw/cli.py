@@ -12,6 +12,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diagrams": ("lw.diagrams", "regenerate or --check docs/diagrams"),
     "proxy": ("lw.vllm_adapter.proxy", "run the D-first proxy in front of vLLM servers"),
     "status": ("lw.ops.cli", "live requests of running P and D workers, timelines, traces"),
+    "validate": ("lw.sim.validate_cli", "is a recorded run (lw-trace file) a behaviour of the "
+                 "checked model?"),
 }
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 from typing import TextIO
 
 from lw.synthetic import netem, netns
@@ -83,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="print an lw status table of every worker while the fault is active")
     p.add_argument("--trace-out", default=None, metavar="FILE",
                    help="write every request's timeline on P and D as Chrome trace JSON")
+    p.add_argument("--validate", action="store_true",
+                   help="validate each run's trace against the checked model (lw validate)")
+    p.add_argument("--timelines-out", default=None, metavar="DIR",
+                   help="keep each run's lw-trace file here (default with --validate: a temp "
+                        "directory, removed)")
     return p
 
 
@@ -144,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_auth:
         key = args.cluster_key if args.cluster_key else os.urandom(32)
     results = []
+    traces = _Traces(args.timelines_out) if args.validate or args.timelines_out else None
     for fault, decoders, retry in rows:
         try:
             cfg = ClusterConfig(
@@ -178,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 abort_rate=args.abort_rate,
                 run_timeout_s=max(180.0, 0.3 * args.requests),  # soak runs are long
                 trace_out=args.trace_out,
+                timelines_out=traces.path(fault, decoders, retry) if traces else None,
             )
         except ValueError as exc:
             print(f"lw demo: {exc}", file=sys.stderr)
@@ -186,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(rows) > 1:
             print(_row(results[-1]) if len(results) > 1 else _table_header() + "\n"
                   + _row(results[-1]), flush=True)
+        if args.validate and traces is not None and cfg.timelines_out:
+            print(traces.validate(cfg.timelines_out, fault, decoders, retry), flush=True)
     if len(rows) == 1:
         _print_report(results[0], sys.stdout)
         summary = results[0].summary_line()
@@ -195,7 +206,59 @@ def main(argv: list[str] | None = None) -> int:
                    f"leaked_blocks={sum(r.leaked for r in results)} "
                    f"corrupt={sum(r.corrupt for r in results)}")
     print(summary, flush=True)
+    if args.validate and traces is not None:
+        print(traces.summary(), flush=True)
+        traces.close()
+        if traces.rejected:
+            return 1
     return 0 if all(r.ok for r in results) else 1
+
+
+class _Traces:
+    """Where each row's lw-trace file goes, and the verdicts of ``lw validate`` on them."""
+
+    def __init__(self, keep_dir: str | None) -> None:
+        self.own = keep_dir is None
+        self.dir = keep_dir or tempfile.mkdtemp(prefix="lw-traces-")
+        os.makedirs(self.dir, exist_ok=True)
+        self.validated = self.rejected = self.undecided = 0
+
+    def path(self, fault: str, decoders: int, retry: int) -> str:
+        """The trace file of one row."""
+        return os.path.join(self.dir, f"{fault}-d{decoders}-r{retry}.jsonl")
+
+    def validate(self, path: str, fault: str, decoders: int, retry: int) -> str:
+        """Validate one row's trace; its report line."""
+        from lw.sim.validate_cli import one_line, run  # the checker's world: only when asked
+
+        name = (f"{fault}" + (f" x{decoders} decoders" if decoders > 1 else "")
+                + (f" retry-prefill {retry}" if retry else ""))
+        if not os.path.exists(path):
+            self.rejected += 1
+            return f"  trace {name}: REJECTED: no trace was written (no worker answered)"
+        try:
+            verdicts = run(path, max_states=200_000, seconds=60.0)
+        except ValueError as exc:
+            self.rejected += 1
+            return f"  trace {name}: REJECTED: {exc}"
+        line = one_line(verdicts)
+        if line.startswith("valid"):
+            self.validated += 1
+        elif line.startswith("REJECTED"):
+            self.rejected += 1
+        else:
+            self.undecided += 1
+        return f"  trace {name}: {line}"
+
+    def summary(self) -> str:
+        """The final count line."""
+        return (f"traces validated={self.validated} rejected={self.rejected} "
+                f"undecided={self.undecided}")
+
+    def close(self) -> None:
+        """Remove the temp directory (kept when the user named one)."""
+        if self.own:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _without_engine(argv: list[str]) -> list[str]:

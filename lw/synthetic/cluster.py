@@ -37,7 +37,7 @@ from lw.synthetic.config import (
 from lw.synthetic.faults import FaultInjector
 from lw.synthetic.netem import Link
 from lw.synthetic.netns import Partition
-from lw.synthetic.observe import status_table, write_trace
+from lw.synthetic.observe import status_table, write_timelines, write_trace
 from lw.synthetic.result import ClusterResult, short_reason
 from lw.synthetic.router import Lost, Router
 from lw.synthetic.workers import (
@@ -539,6 +539,10 @@ def run_cluster(cfg: ClusterConfig, progress: ProgressFn | None = None,
             answered, spans = write_trace(cl.addrs(), cfg.cluster_key, cfg.trace_out)
             cl.res.counters["trace_workers"] = answered
             cl.res.counters["trace_spans"] = spans
+        if cfg.timelines_out:
+            cl.res.counters["timeline_workers"] = write_timelines(
+                cl.addrs(), cfg.cluster_key, cfg.timelines_out, f"synthetic fault={cfg.fault}",
+                cfg)
         _debug(cl, "stopping")
         _stop(cl)
         _debug(cl, "collecting")

@@ -141,6 +141,7 @@ class ClusterConfig:
     retry_prefill_avoid: str = "lost"
     status: bool = False  # print an lw status table of every worker while the fault is active
     trace_out: str | None = None  # write every worker's request timelines here (Chrome trace)
+    timelines_out: str | None = None  # write every worker's timeline here (lw-trace, validate)
 
     def __post_init__(self) -> None:
         self.fault = canonical_fault(self.fault)

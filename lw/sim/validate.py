@@ -1,0 +1,448 @@
+"""Trace validation: is a recorded run a behaviour of the checked world?
+
+Per request (the world cannot take a whole run's dozens of requests), the recorded timeline of
+each worker is projected on that request and the world of one request in the run's shape (its
+TP sizes, layers, blocks, chunks, deadlines, retry budgets) is searched, best first, for a
+behaviour whose endpoints record the same events in the same order per worker. The world runs
+the same endpoints with their timelines on, so "the world's action that produces an event" is
+the action after which the endpoint recorded it. Unobserved steps (deliveries, drops, timers,
+write completions of other workers, crashes) are filled in freely; a worker absent from the
+trace (dead, frozen when asked) is unobserved. Faults are bounded; a search that runs out of
+states or time, or whose fault budget binds, says ``undecided``, never a verdict.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lw.fsm import DecodeConfig, PrefillConfig
+from lw.fsm.settings import core_config
+from lw.fsm.timeline import Timeline
+from lw.sim.config import Action, WorldConfig
+from lw.sim.explorer import fingerprint
+from lw.sim.properties import Violation
+from lw.sim.tracefile import Entry, Trace, WorkerTrace
+from lw.sim.world import World, d_addr
+
+# Fault budgets tried in turn. One large budget: the search takes the successors with the fewest
+# faults first, so a behaviour with few faults is still found first, and smaller budgets tried
+# before it only repeated the same states. A rejection stands only where the budget did not bind.
+BUDGETS = (16,)
+MAX_BUDGET = BUDGETS[-1]
+BIG_RING = 1 << 16
+
+
+@dataclass(frozen=True)
+class ValidationConfig(WorldConfig):
+    """The world of one recorded request: P's two retry budgets kept apart (the checker's world
+    has one, ``retries``) and every endpoint's timeline on."""
+
+    meta_attempts: int = 2
+    ack_attempts: int = 2
+    corrupt: bool = False  # landed bytes may be wrong (a fault the checker's world lacks)
+    # a live peer may be declared lost (a heartbeat detector suspecting a frozen or cut-off
+    # process; the checker's world declares only dead peers lost)
+    suspect: bool = False
+
+    def prefill_config(self) -> PrefillConfig:
+        """P's settings as the run had them, with a timeline to observe."""
+        return core_config(PrefillConfig, vars(self), timeline_entries=BIG_RING)
+
+    def decode_config(self) -> DecodeConfig:
+        """D's settings as the run had them, with a timeline to observe."""
+        return core_config(DecodeConfig, vars(self), timeline_entries=BIG_RING)
+
+
+@dataclass(frozen=True)
+class Obs:
+    """One observation to explain: the worker it was recorded on and the entry."""
+
+    worker: str
+    entry: Entry
+
+
+@dataclass
+class RequestVerdict:
+    """Outcome for one request: ``valid``, ``rejected`` or ``undecided`` (budget ran out)."""
+
+    req: str
+    outcome: str
+    events: int  # recorded events of this request
+    states: int = 0
+    budget: int = 0  # the fault budget searched (faults<=N in reports)
+    first: Obs | None = None  # the first recorded event no behaviour explains (rejected)
+    allowed: list[str] = field(default_factory=list)  # what the model recorded there instead
+    why: str = ""
+
+
+# World endpoint -> trace endpoint: ("P", tp rank) or ("D", tp rank, world incarnation)
+Slot = tuple
+
+
+def _reason(text: str) -> str:
+    """The class of a failure reason: its first two words that name no one (``deadline of``,
+    ``KV checksum``, ``decoder lost:``, ``decoder had``). Words with a digit or an address in
+    them name engines, addresses and durations, which differ between the world and a run."""
+    return " ".join([w for w in text.split() if "://" not in w
+                     and not any(c.isdigit() for c in w)][:2])
+
+
+def _same(obs: Entry, ev: tuple) -> bool:
+    """Whether the world's timeline entry ``ev`` records the observed event ``obs``."""
+    _t, _req, event, src, dst, detail = ev
+    if (event, src, dst) != (obs.event, obs.src, obs.dst):
+        return False
+    d = str(detail)
+    if event == "fail":  # why a request failed is the core's own text: its class must agree
+        return _reason(d) == _reason(obs.detail)
+    # numbers (layers, chunks) must agree; other texts (addresses, counts) are the driver's
+    return not (d.isdigit() and obs.detail.isdigit()) or d == obs.detail
+
+
+def _show(ev: tuple) -> str:
+    _t, _req, event, src, dst, detail = ev
+    return f"{event} {src}->{dst}" + (f" ({detail})" if detail != "" else "")
+
+
+def show(e: Entry) -> str:
+    """An observed entry in one line."""
+    return f"{e.event} {e.src}->{e.dst}" + (f" ({e.detail})" if e.detail else "")
+
+
+FINAL = ("DONE", "FAILED")
+
+
+def _live(entries: list[Entry]) -> list[Entry]:
+    """P's entries of one request without the batch milestones after it ended: the runtime's
+    layer hook records its whole batch, a request that already failed included, where the
+    world's endpoint records only the requests it still holds (see ``_Search._advance``)."""
+    out: list[Entry] = []
+    ended = False
+    for e in entries:
+        if ended and e.event == "layer_computed":
+            continue
+        ended = ended or e.dst in FINAL
+        out.append(e)
+    return out
+
+
+class _Projection:
+    """One request's observations, per world endpoint (absent: unobserved)."""
+
+    def __init__(self, trace: Trace, rid: str) -> None:
+        self.rid = rid
+        per: dict[int, list[Entry]] = {}
+        for n, w in enumerate(trace.workers):
+            got = [e for e in w.entries if rid in e.reqs]
+            if got:
+                per[n] = got
+        self.problem = ""
+        p_engines = {trace.workers[n].engine for n in per if trace.workers[n].role == "prefill"}
+        d_engines = {trace.workers[n].engine for n in per if trace.workers[n].role == "decode"}
+        if len(p_engines) > 1 or len(d_engines) > 1:
+            self.problem = (f"recorded on {len(p_engines)} P and {len(d_engines)} D engines; "
+                            "the world of one request has one of each")
+        self.obs: dict[Slot, list[Obs]] = {}
+        p_eng = next(iter(p_engines), None)
+        d_eng = next(iter(d_engines), None)
+        # Which slots the trace observes: every live worker of the request's engines (a worker
+        # with no event of this request must record none), incarnations in order of first event.
+        d_incs: dict[int, list[WorkerTrace]] = {}
+        for n, w in enumerate(trace.workers):
+            if w.role == "prefill" and w.engine == p_eng:
+                self.obs[("P", w.rank)] = [Obs(w.name, e) for e in _live(per.get(n, []))]
+            elif w.role == "decode" and w.engine == d_eng and n in per:
+                d_incs.setdefault(w.rank, []).append(w)
+        # per TP rank (each worker of a D process may carry its own incarnation number)
+        inc_of: dict[tuple[int, int], int] = {}
+        for rank, ws in d_incs.items():
+            firsts = sorted((min(e.t for e in per[trace.workers.index(w)]), w.incarnation)
+                            for w in ws)
+            inc_of.update({(rank, inc): k + 1 for k, (_t, inc) in enumerate(firsts)})
+        self.d_incarnations = max(inc_of.values(), default=0)
+        for n, w in enumerate(trace.workers):
+            if w.role == "decode" and w.engine == d_eng and (w.rank, w.incarnation) in inc_of:
+                slot = ("D", w.rank, inc_of[(w.rank, w.incarnation)])
+                self.obs[slot] = [Obs(w.name, e) for e in per.get(n, [])]
+        self.slots = sorted(self.obs)
+        self.total = sum(len(v) for v in self.obs.values())
+
+
+def request_ids(trace: Trace) -> list[str]:
+    """Every request id the trace mentions, in order of first mention."""
+    seen: dict[str, None] = {}
+    for w in trace.workers:
+        for e in w.entries:
+            for r in e.reqs:
+                seen.setdefault(r, None)
+    return list(seen)
+
+
+def world_config(trace: Trace, max_faults: int, d_restarts: int) -> ValidationConfig:
+    """The world of one request of ``trace``'s run, with the fault kinds the run may have."""
+    s, p, d = trace.shape, trace.prefill, trace.decode
+    kinds = tuple(k for k in trace.faults if k not in ("corrupt", "suspect"))
+    bpr = s["blocks_per_request"]
+    return ValidationConfig(
+        dp=1, tp=s["prefill_tp"], d_dp=1, d_tp=s["decode_tp"], requests=1, layers=s["layers"],
+        blocks_per_request=bpr, d_blocks=bpr, p_blocks=bpr, chunks=s["chunks"], mla=s["mla"],
+        heads=0 if s["mla"] else s["kv_heads"], faults=True, fault_kinds=kinds,
+        corrupt="corrupt" in trace.faults, suspect="suspect" in trace.faults,
+        max_faults=max_faults, d_restarts=d_restarts, retries=max(p["meta_attempts"],
+                                                                  p["ack_attempts"]),
+        meta_attempts=p["meta_attempts"], ack_attempts=p["ack_attempts"],
+        meta_retry_s=p["meta_retry_s"], ack_retry_s=p["ack_retry_s"],
+        request_timeout_s=p["request_timeout_s"], prefill_timeout_s=d["prefill_timeout_s"],
+        lease_s=d["lease_s"], transfer_timeout_s=float(s.get("transfer_timeout_s", 5.0)),
+        kv_checksum=bool(p.get("kv_checksum", False)))
+
+
+class ValidationWorld(World):
+    """The checker's world plus one fault it does not model: bytes that land wrong (the
+    synthetic run's ``corrupt-write``), seen by D's KV checksums."""
+
+    def _fault_actions(self) -> list[Action]:
+        acts = super()._fault_actions()
+        if getattr(self.cfg, "corrupt", False) and self.cfg.kv_checksum:
+            acts += [("corrupt", v) for v in range(len(self.d))
+                     if any(k[0] == v and r >= 0 for k, r in self.d_mem.items())]
+        return acts + self._suspicions()
+
+    def _deadlines(self) -> list[tuple[float, Action]]:
+        # A write may complete after transfer_timeout_s from the core's WriteLayer: the runtime
+        # queues writes per destination, and the data plane's own timeout starts when it takes
+        # one (slow-link rows: reported ok 5.4 s after a 5 s timeout). The checker's world times
+        # out every write at that deadline; here writes do not bound the clock (one may still
+        # fail in doubt with the run's write faults).
+        return [d for d in super()._deadlines() if d[1][0] != "wto"]
+
+    def _suspicions(self) -> list[Action]:
+        if not getattr(self.cfg, "suspect", False):
+            return []
+        acts: list[Action] = []
+        if self.p_alive:
+            acts += [("suspect_d", w, d) for w in range(len(self.p)) for d in range(self.cfg.d_dp)
+                     if self.d_alive[d] and (w, d) not in self.d_lost_seen]
+            acts += [("suspect_p", v) for v in range(len(self.d))
+                     if self.d_alive[v // self.d_tp] and not self.p_lost_seen[v]]
+        return acts
+
+    def _do_suspect_d(self, i: int, d: int) -> None:
+        """P worker ``i`` declares the live D engine ``d`` lost (missed heartbeats)."""
+        self.faults_used += 1
+        self.d_lost_seen.add((i, d))
+        for v in self.d_workers_of(d):
+            self._effects(("p", i), self.p[i].peer_lost(d_addr(v), "D suspected", self.now))
+
+    def _do_suspect_p(self, v: int) -> None:
+        """D worker ``v`` declares the live P engine lost (missed heartbeats)."""
+        self.faults_used += 1
+        self.p_lost_seen[v] = True
+        self._effects(("d", v), self.d[v].peer_lost("P", "P suspected", self.now))
+
+    def _do_corrupt(self, v: int) -> None:
+        """Every block D worker ``v`` holds so far reads wrong (one sum per block and layer:
+        which of them is wrong only the checksums' detail would say)."""
+        self.faults_used += 1
+        self.d_mem = {k: (-2 if k[0] == v else r) for k, r in self.d_mem.items()}
+
+
+class _Search:
+    """Depth-first search of one request's world for a behaviour recording its observations."""
+
+    def __init__(self, proj: _Projection, cfg: ValidationConfig, max_states: int,
+                 deadline: float) -> None:
+        self.proj = proj
+        self.cfg = cfg
+        self.max_states = max_states
+        self.deadline = deadline
+        self.visited: set[tuple[int, tuple[int, ...]]] = set()
+        self.best = -1  # most observations explained by one behaviour so far
+        self.best_pos: tuple[int, ...] = ()
+        self.allowed: dict[tuple[Slot, int], set[str]] = {}  # what the world recorded instead
+        self.bound = False  # some behaviour used the whole fault budget
+        self.exhausted = ""
+
+    def _slot(self, w: World, side: str, i: int) -> Slot:
+        return ("P", i) if side == "p" else ("D", i, w.d_inc[i // w.d_tp])
+
+    def _advance(self, w: World, pos: list[int]) -> bool:
+        """Match what the endpoints recorded in the last action; False on a mismatch."""
+        index = {s: k for k, s in enumerate(self.proj.slots)}
+        ok = True
+        for side, eps in (("p", w.p), ("d", w.d)):
+            for i, ep in enumerate(eps):
+                ring = ep.timeline.ring
+                if not ring:
+                    continue
+                evs = list(ring)
+                ring.clear()
+                ep.timeline.durations.clear()
+                slot = self._slot(w, side, i)
+                k = index.get(slot)
+                if k is None or not ok:
+                    continue  # unobserved endpoint (dead or never asked)
+                want = self.proj.obs[slot]
+                ended = slot[0] == "P" and any(o.entry.dst in FINAL for o in want[:pos[k]])
+                for ev in evs:
+                    if ended and ev[2] == "layer_computed":
+                        continue  # not projected after the request ended (_live)
+                    if pos[k] < len(want) and _same(want[pos[k]].entry, ev):
+                        pos[k] += 1
+                        continue
+                    self.allowed.setdefault((slot, pos[k]), set()).add(_show(ev))
+                    ok = False
+                    break
+        return ok
+
+    def _silenced(self, w: World, pos: list[int]) -> bool:
+        """Whether an endpoint with recorded events still to explain can record no more (its
+        process crashed or was replaced): no behaviour from here explains them."""
+        for k, slot in enumerate(self.proj.slots):
+            if pos[k] == len(self.proj.obs[slot]):
+                continue
+            if slot[0] == "P":
+                if not w.p_alive:
+                    return True
+            elif w.d_inc[0] > slot[2] or (w.d_inc[0] == slot[2] and not w.d_alive[0]):
+                return True
+        return False
+
+    def run(self) -> bool | None:
+        """True: a behaviour found; False: none within the budget; None: out of states/time."""
+        w0 = ValidationWorld(self.cfg)
+        cloner = w0.cloner()
+        cloner.table.pop(Timeline, None)  # keep the timelines: they are the observations
+        pos0 = [0] * len(self.proj.slots)
+        if not self._advance(w0, pos0):
+            return False
+        # Two best-first orders take turns over one set of states: fewest faults first (every
+        # behaviour with k faults before one with k + 1), and most explained first. Either alone
+        # got lost somewhere: the first in the faultless space of a request whose P died
+        # unobserved (24 s, kill-prefill-rank row), the second in the subtree of an early
+        # needless fault (24 s for a mix-row request the first explains in 0.1 s).
+        blob0 = cloner.dumps(w0)
+        heaps: tuple[list, list] = ([(0, -sum(pos0), 0.0, 0, blob0, tuple(pos0))],
+                                    [(-sum(pos0), 0, 0.0, 0, blob0, tuple(pos0))])
+        expanded: set[int] = set()
+        want = [len(self.proj.obs[s]) for s in self.proj.slots]
+        popped = 0
+        while heaps[0] or heaps[1]:
+            popped += 1
+            heap = heaps[popped & 1] or heaps[1 - (popped & 1)]
+            _a, _b, _t, n, blob, pos = heapq.heappop(heap)
+            if n in expanded:
+                continue  # the other order took it first
+            expanded.add(n)
+            done = sum(pos)
+            if done > self.best:
+                self.best, self.best_pos = done, pos
+            if list(pos) == want:
+                return True
+            if len(self.visited) >= self.max_states:
+                self.exhausted = f"state budget {self.max_states}"
+                return None
+            if (popped & 63) == 0 and time.monotonic() > self.deadline:
+                self.exhausted = "time budget"
+                return None
+            w = cloner.loads(blob)
+            if w.faults_used >= self.cfg.max_faults and (
+                    self.cfg.fault_kinds or self.cfg.corrupt or self.cfg.suspect):
+                self.bound = True
+            for a in w.enabled():
+                w2 = cloner.loads(blob)
+                try:
+                    w2.apply(a)
+                except Violation:
+                    continue  # the checked properties exclude these behaviours
+                p2 = list(pos)
+                if not self._advance(w2, p2) or self._silenced(w2, p2):
+                    continue
+                key = (fingerprint(w2), tuple(p2))
+                if key in self.visited:
+                    continue
+                self.visited.add(key)
+                b2, n2, t2 = cloner.dumps(w2), len(self.visited), tuple(p2)
+                heapq.heappush(heaps[0], (w2.faults_used, -sum(p2), w2.now, n2, b2, t2))
+                heapq.heappush(heaps[1], (-sum(p2), w2.faults_used, w2.now, n2, b2, t2))
+        return False
+
+
+def validate_request(trace: Trace, rid: str, max_states: int = 200_000,
+                     seconds: float = 30.0) -> RequestVerdict:
+    """Search the world of request ``rid`` for a behaviour that records its observations."""
+    proj = _Projection(trace, rid)
+    v = RequestVerdict(rid, "valid", proj.total)
+    if proj.problem:
+        v.outcome, v.why = "undecided", proj.problem
+        return v
+    if proj.total == 0:
+        return v
+    deadline = time.monotonic() + seconds
+    # With no D event recorded, the request's D may have died (no timeline) and a restart the
+    # trace does not show answered it "unknown"; with events, each recorded incarnation of its
+    # D engine is one.
+    restarts = (proj.d_incarnations - 1 if proj.d_incarnations
+                else 1 if "crash" in trace.faults else 0)
+    last: _Search | None = None
+    for budget in BUDGETS:
+        cfg = world_config(trace, budget, restarts)
+        s = _Search(proj, cfg, max_states, deadline)
+        found = s.run()
+        v.states += len(s.visited)
+        v.budget = budget
+        last = s
+        if found:
+            return v
+        if found is None:
+            v.outcome, v.why = "undecided", s.exhausted
+            break
+        if not s.bound:
+            v.outcome = "rejected"
+            break
+    else:
+        v.outcome, v.why = "undecided", f"no behaviour within {MAX_BUDGET} faults"
+    assert last is not None
+    if v.outcome == "rejected" or last.best >= 0:
+        _first_unexplained(v, proj, last)
+    return v
+
+
+def _first_unexplained(v: RequestVerdict, proj: _Projection, s: _Search) -> None:
+    """Name the earliest recorded event the best behaviour could not go on with."""
+    pos = s.best_pos or tuple(0 for _ in proj.slots)
+    cands = [(proj.obs[slot][pos[k]].entry.t, slot, k) for k, slot in enumerate(proj.slots)
+             if pos[k] < len(proj.obs[slot])]
+    if not cands:
+        return
+    _t, slot, k = min(cands)
+    v.first = proj.obs[slot][pos[k]]
+    v.allowed = sorted(s.allowed.get((slot, pos[k]), set()))
+
+
+def validate(trace: Trace, max_states: int = 200_000, seconds: float = 30.0,
+             only: list[str] | None = None) -> list[RequestVerdict]:
+    """Validate every request of ``trace`` (or those in ``only``)."""
+    return [validate_request(trace, rid, max_states, seconds)
+            for rid in (only or request_ids(trace))]
+
+
+def verdict_line(v: RequestVerdict) -> str:
+    """One line per request for reports."""
+    head = f"{v.req}: {v.outcome} ({v.events} events, {v.states} states, faults<={v.budget})"
+    if v.first is not None and v.outcome != "valid":
+        e = v.first.entry
+        head += (f"; first unexplained: {v.first.worker} line {e.line} t={e.t:.6f} {show(e)}"
+                 f"; the model allowed there: {', '.join(v.allowed) or 'no event of this worker'}")
+    return head + (f" [{v.why}]" if v.why else "")
+
+
+def summary(verdicts: list[RequestVerdict]) -> dict[str, Any]:
+    """Counts per outcome."""
+    out = {"valid": 0, "rejected": 0, "undecided": 0}
+    for v in verdicts:
+        out[v.outcome] += 1
+    return out
