@@ -34,7 +34,6 @@ from lw.fsm.effects import (
     TimerKey,
     WriteLayer,
 )
-from lw.fsm.kvmap import LayoutMismatch, Segment, block_segments
 from lw.fsm.lifecycles import (
     AWAIT_DECODER_META,
     DONE,
@@ -58,6 +57,7 @@ from lw.fsm.messages import (
     RequestStatus,
     Sender,
 )
+from lw.fsm.prefill_layouts import Layouts
 from lw.fsm.prefill_request import PrefillConfig, PrefillRecord, PrefillRequest, _Target
 from lw.fsm.snapshot import ENDPOINT_RULES, KEYS, OMIT, RECORD_RULES, Rules, derive
 from lw.fsm.status import newly_stuck, prefill_row, prefill_span, rows_of
@@ -85,8 +85,7 @@ class PrefillEndpoint:
         self.declaration = prefill_declaration(num_layers)
         self._table = self.declaration.compile()
         self._reqs: dict[str, PrefillRecord] = {}
-        self._layouts: dict[str, KVLayout] = {}  # per D worker address
-        self._segs: dict[tuple[str, int], tuple[tuple[Segment, ...] | None, ...]] = {}
+        self.layouts = Layouts(num_layers, local)  # per D worker address
         self._tombstones: dict[str, float] = {}  # req_id -> expiry (aborted by D before we saw it)
         self._finished: OrderedDict[str, str] = OrderedDict()  # req_id -> final state
         self._in_doubt: set[str] = set()  # finished requests with a write whose bytes may land
@@ -129,7 +128,7 @@ class PrefillEndpoint:
     def cached_layouts(self) -> dict[str, KVLayout]:
         """The KV layout cached per D worker address (P asks again after a D restart: the
         checker keys its states by the incarnation each one came from)."""
-        return dict(self._layouts)
+        return dict(self.layouts.by_addr)
 
     def awaited_peers(self) -> dict[str, str]:
         """D workers a live request still needs (address -> what :meth:`peer_lost` takes):
@@ -446,17 +445,18 @@ class PrefillEndpoint:
             self._fire(rec, "target_accepted", now)
             return
         t.claimed = True
-        layout = msg.layout or self._layouts.get(t.addr)
+        layout = msg.layout or self.layouts.get(t.addr)
         if layout is None or layout.incarnation != msg.responder.incarnation:
             # D restarted since we cached its layout (or never sent one): ask again with it.
             self._forget_layout(t.addr)
             self._send_meta_request(rec, t, now, out)
             return
-        problem = self._accept_layout(rec, t, layout)
-        if problem:
+        segs, problem = self.layouts.check(t.addr, layout, rec.req.remote_blocks)
+        if segs is None:
             self._fail(rec, problem, now, out)
             return
-        self._layouts[t.addr] = layout
+        self.layouts.keep(t.addr, layout)
+        t.segs = segs
         t.layout = layout
         t.accepted = True
         if all(x.accepted for x in rec.targets):
@@ -465,39 +465,6 @@ class PrefillEndpoint:
             self._submit_ready(rec, out)
         else:
             self._fire(rec, "target_accepted", now)  # found by the model checker (finding 3)
-
-    def _accept_layout(self, rec: PrefillRecord, t: _Target, layout: KVLayout) -> str:
-        """Check D's layout for this request and fix the byte runs; "" or why it cannot work."""
-        if len(layout.layers) != self.num_layers:
-            return f"decoder {t.addr} has {len(layout.layers)} layers, we have {self.num_layers}"
-        pool = min(lay.num_blocks for lay in layout.layers)  # every layer must hold them
-        bad = [b for b in rec.req.remote_blocks if not 0 <= b < pool]
-        if bad:
-            return (f"remote block ids {bad[:4]} outside decoder's {pool} blocks"
-                    + ("" if pool == layout.layers[0].num_blocks else " (its smallest layer)"))
-        key = (t.addr, layout.incarnation)
-        segs = self._segs.get(key)
-        if segs is None:
-            try:
-                segs = self._segments_for(layout)
-            except LayoutMismatch as exc:
-                return str(exc)
-            if len(self._segs) > 4096:
-                self._segs.clear()
-            self._segs[key] = segs
-        t.segs = segs
-        return ""
-
-    def _segments_for(self, layout: KVLayout) -> tuple[tuple[Segment, ...] | None, ...]:
-        """Per layer: the byte runs of a local block that go into a D block (None: all of it)."""
-        if self.local is None:
-            return (None,) * self.num_layers
-        out: list[tuple[Segment, ...] | None] = []
-        for mine, theirs in zip(self.local.layers, layout.layers, strict=True):
-            segs = block_segments(self.fmt, mine.block_len, layout.fmt, theirs.block_len)
-            whole = segs == ((0, 0, mine.block_len),) and mine.block_len == theirs.block_len
-            out.append(None if whole else segs)
-        return tuple(out)
 
     def _on_ack(self, msg: Ack, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
@@ -562,7 +529,7 @@ class PrefillEndpoint:
                             f"no such request on {self._who()}")
 
     def _forget_layout(self, addr: str) -> None:
-        self._layouts.pop(addr, None)
+        self.layouts.forget(addr)
 
     def _send_meta_requests(self, rec: PrefillRecord, now: float, out: list[Effect]) -> None:
         """(Re)send MetaRequest to every target that has not accepted yet; one retry timer."""
@@ -570,7 +537,7 @@ class PrefillEndpoint:
         for t in rec.targets:
             if not t.accepted:
                 out.append(Send(t.addr, MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me,
-                                                    t.addr not in self._layouts,
+                                                    self.layouts.get(t.addr) is None,
                                                     rec.req.remote_blocks, self.fmt,
                                                     rec.req.epoch)))
         out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
@@ -686,9 +653,14 @@ SNAPSHOT_RULES: Rules = {
         "num_layers": (OMIT, "fixed when made"),
         "local": (OMIT, "fixed when made (own layout)"),
         "fmt": (OMIT, "fixed when made (own head format)"),
-        "_segs": (OMIT, "cache of a pure function of a layout (the used one is in _Target.segs)"),
         "_tombstones": (KEYS, "the values are expiry times no decision reads (the tomb timer "
                               "ends a tombstone)"),
+    },
+    Layouts: {
+        "num_layers": (OMIT, "fixed when made"),
+        "local": (OMIT, "fixed when made (own layout)"),
+        "fmt": (OMIT, "fixed when made (own head format)"),
+        "segs": (OMIT, "cache of a pure function of a layout (the used one is in _Target.segs)"),
     },
     PrefillRecord: RECORD_RULES,
     _Target: {},

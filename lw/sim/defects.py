@@ -41,7 +41,7 @@ class _LayoutOutlivesRestart(PrefillEndpoint):
     def on_message(self, msg: Message, now: float) -> list[Effect]:
         """A reply without a layout confirms the cached one, whatever its incarnation."""
         if isinstance(msg, MetaReply) and msg.status == "accepted" and msg.layout is None:
-            cached = self._layouts.get(msg.responder.addr)
+            cached = self.layouts.get(msg.responder.addr)
             if cached is not None and cached.incarnation != msg.responder.incarnation:
                 msg = self._confirm(msg, cached)
         return super().on_message(msg, now)
@@ -55,7 +55,7 @@ class StaleLayoutCache(_LayoutOutlivesRestart):
 
     def _confirm(self, msg: MetaReply, cached: KVLayout) -> MetaReply:
         """The cached addresses, relabelled as the new incarnation's."""
-        self._layouts[msg.responder.addr] = msgspec.structs.replace(
+        self.layouts.by_addr[msg.responder.addr] = msgspec.structs.replace(
             cached, incarnation=msg.responder.incarnation)
         return msg
 
