@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,11 @@ class WriteLayer:
     # made: the layer, a request pushed in one chunk). ``transfer_done`` takes it back.
     seq: int = -1
     checksum: bool = False  # kv_checksum: the driver keeps the CRC-32C of what this writes
+    # The request's deadline: a driver must not hand the write to its transport later (it fails
+    # it unsent instead), so every byte of P's lands by deadline + transfer timeout: the bound
+    # D's lease is checked against (check_lease). Queueing before the transport otherwise adds
+    # to it unbounded.
+    not_after: float = math.inf
 
     def __post_init__(self) -> None:
         if self.seq < 0:

@@ -593,7 +593,7 @@ class PrefillEndpoint:
             for t in rec.targets:
                 assert t.layout is not None
                 out.append(WriteLayer(rid, layer, t.layout, local, remote, t.segs[layer],
-                                      t.addr, seq, self.config.kv_checksum))
+                                      t.addr, seq, self.config.kv_checksum, rec.deadline))
             rec.pending[seq] = n
             rec.submitted += 1
             rec.inflight += n

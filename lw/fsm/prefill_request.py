@@ -137,7 +137,7 @@ class PrefillRecord:
         self.req = req
         self.state = state
         self.since = now  # when the request entered its current state (observability only)
-        self.deadline = deadline  # when the request deadline fires (observability only)
+        self.deadline = deadline  # when the request deadline fires; its writes' not_after
         self.alarmed = False  # reported stuck in its current state already
         self.targets = [_Target(a) for a in req.targets]
         # Writes are numbered seq = chunk * L + layer (one chunk: seq is the layer).

@@ -41,7 +41,9 @@ ENDPOINT_RULES: Mapping[str, tuple[str, str]] = {
 RECORD_RULES: Mapping[str, tuple[str, str]] = {
     "reason": (OMIT, "free text: copied into reports and messages, never decided on"),
     "since": (OMIT, "observability (time in state)"),
-    "deadline": (OMIT, "observability (the deadline and lease timers are armed by effects)"),
+    "deadline": (OMIT, "the deadline and lease timers are armed by effects; P's writes carry "
+                       "it as not_after, which the checker's world need not read: its writes "
+                       "resolve within the transfer timeout of their submission"),
     "alarmed": (OMIT, "observability (stuck-request alarm)"),
 }
 

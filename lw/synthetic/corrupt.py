@@ -8,6 +8,7 @@ wrapped plane's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -25,14 +26,15 @@ class CorruptingPlane:
         self._n = 0
         self.corrupted = 0
 
-    def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry]) -> None:
+    def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry],
+               within_s: float = math.inf) -> None:
         """Submit, shifting the source of the first entry of every ``every``-th transfer."""
         self._n += 1
         if self._n % self._every == 0 and entries:
             src, dst, n = entries[0]
             entries = [(src + 1, dst, n), *entries[1:]]
             self.corrupted += 1
-        self._inner.submit(xfer_id, session, entries)
+        self._inner.submit(xfer_id, session, entries, within_s)
 
     def stats(self) -> dict[str, int | float]:
         """The wrapped plane's counters plus how many transfers were corrupted."""

@@ -44,6 +44,7 @@ from lw.fsm.status import status_line
 from lw.transport.kvmemory import Entry, KVMemory
 from lw.transport.liveness import Liveness
 from lw.transport.osthread import name_os_thread
+from lw.transport.reports import ReportQueue
 from lw.transport.sidechannel import Inbound, SideChannel
 from lw.transport.statusreply import status_reply
 from lw.transport.timers import Timers
@@ -165,12 +166,9 @@ class WorkerLoop:
         self._pipe = WakePipe()
         self._wake_pending = False
         # loop -> engine
-        self._reports: deque[Effect] = deque()
-        self._report_event = threading.Event()
+        self.reports = ReportQueue()
         self.timers = Timers()
         # transfers
-        self._sessions: dict[str, str] = {}  # decoder side-channel addr -> te_session
-        self._hinted: set[str] = set()
         self._last_layer_t: dict[str, float] = {}
         self._tails: deque[float] = deque(maxlen=tail_samples)
         self._rtts: deque[float] = deque(maxlen=tail_samples)
@@ -251,22 +249,11 @@ class WorkerLoop:
     def wait_reports(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s until a report is there to drain (any thread; the engine's
         idle steps use it instead of spinning). True when one is."""
-        if self._reports:
-            return True
-        self._report_event.clear()
-        if self._reports:  # appended between the check and the clear
-            return True
-        return self._report_event.wait(timeout)
+        return self.reports.wait(timeout)
 
     def drain_reports(self) -> list[Effect]:
         """Reports since the last call: SendFinished, RecvDone, RecvFailed, Quarantine."""
-        out: list[Effect] = []
-        pop = self._reports.popleft
-        try:
-            while True:
-                out.append(pop())
-        except IndexError:
-            return out
+        return self.reports.drain()
 
     def stats(self) -> dict[str, Any]:
         """Counters of the loop, the core, the side channel and the data plane, plus the
@@ -493,25 +480,12 @@ class WorkerLoop:
 
     def _warm_up(self, msg: MetaReply) -> None:
         """The side channel proved D alive: open its transfer-engine segment off the hot path."""
-        addr = msg.responder.addr
-        if msg.layout is not None:
-            self._sessions[addr] = msg.layout.te_session
-        session = self._sessions.get(addr)
-        if session is None or self.data_plane is None:
-            return
-        if msg.layout is not None and session not in self._hinted:
-            hint = getattr(self.data_plane, "hint_remote_regions", None)
-            if hint is not None:
-                # One region per layer: never merge entries across two layers' registrations.
-                hint(session, [(lay.base_addr, lay.block_stride * lay.num_blocks)
-                               for lay in msg.layout.layers])
-            self._hinted.add(session)
         try:
-            self.data_plane.connect(session)
-            self.counters["connects"] += 1
+            if self.writes.warm_up(msg.responder.addr, msg.layout, self.data_plane):
+                self.counters["connects"] += 1
         except Exception as exc:
             self.counters["effect_errors"] += 1
-            log.warning("%s: connect(%s) raised %r", self._name, session, exc)
+            log.warning("%s: connect to %s raised %r", self._name, msg.responder.addr, exc)
 
     def _on_completions(self) -> None:
         assert self.data_plane is not None
@@ -637,8 +611,7 @@ class WorkerLoop:
         if isinstance(e, SendFinished):
             self.memory.forget(e.req_id)
             self._last_layer_t.pop(e.req_id, None)
-        self._reports.append(e)
-        self._report_event.set()
+        self.reports.put(e)
         if self._on_report is not None:
             try:
                 self._on_report(e)
@@ -649,7 +622,7 @@ class WorkerLoop:
         """Start ``writes``; the core's effects for those that could not start."""
         out: list[list[Effect]] = []
         now = self._clock()
-        for rid, seq, reason in self.writes.submit(writes, self.data_plane):
+        for rid, seq, reason in self.writes.submit(writes, self.data_plane, now):
             try:
                 out.append(self.endpoint.transfer_done(rid, seq, False, reason, now))
             except Exception as exc:

@@ -6,11 +6,13 @@ written and what a completion means, this only moves and measures."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import Any
 
 from lw.fsm import WriteLayer
+from lw.fsm.messages import KVLayout
 from lw.transport.dataplane import Completion
 from lw.transport.kvmemory import Entry, KVMemory
 from lw.transport.linkmeter import LinkMeter, host_of
@@ -34,12 +36,16 @@ class WritePath:
         # of the transfer's pairs tuple, which the data plane keeps alive until it completes
         self._submitted_at: dict[int, tuple[float, str]] = {}  # -> (when, D host)
         self.latencies: deque[float] = deque(maxlen=4096)
+        self._sessions: dict[str, str] = {}  # D side-channel addr -> transfer-engine session
+        self._hinted: set[str] = set()  # sessions whose memory regions the plane was told
 
-    def submit(self, writes: list[WriteLayer], dp: Any | None) -> list[Failure]:
+    def submit(self, writes: list[WriteLayer], dp: Any | None, now: float) -> list[Failure]:
         """Start ``writes`` on data plane ``dp`` (the loop's, which a test or a reconnect may
         swap); the ones that could not start (bad addressing, no data plane, the plane
-        refused), for the core's ``transfer_done(..., ok=False)``."""
+        refused), for the core's ``transfer_done(..., ok=False)``. ``now`` is the loop's clock,
+        the one the writes' ``not_after`` is on."""
         groups: dict[str, tuple[list[tuple[str, int]], list[Entry], str]] = {}
+        not_after: dict[str, float] = {}
         failed: list[Failure] = []
         memory, counters = self.memory, self.counters
         for w in writes:
@@ -57,6 +63,7 @@ class WritePath:
                 g = groups[session] = ([], [], host_of(w.target))
             g[0].append((w.req_id, w.seq))
             g[1].extend(entries)
+            not_after[session] = min(not_after.get(session, math.inf), w.not_after)
         # The link meter sees one batch per host and tick (D's TP ranks are sessions of one
         # host): a busy period starts with the tick's first submit, whatever its session.
         batches: dict[str, tuple[float, int]] = {}
@@ -68,7 +75,8 @@ class WritePath:
             try:
                 mono = time.monotonic()
                 self._submitted_at[id(xfer)] = (mono, host)
-                dp.submit(xfer, session, entries)
+                # the plane's clock is its own: hand it the time left, not the instant
+                dp.submit(xfer, session, entries, not_after[session] - now)
                 first, n = batches.get(host, (mono, 0))
                 batches[host] = (first, n + 1)
                 counters["transfers_submitted"] += 1
@@ -79,6 +87,24 @@ class WritePath:
             self.link.submitted(host, mono, n)  # (completions are polled on the same thread)
         counters["write_setup_failures"] += len(failed)
         return failed
+
+    def warm_up(self, addr: str, layout: KVLayout | None, dp: Any | None) -> bool:
+        """D at side-channel ``addr`` accepted a claim (``layout``: if it sent one): open its
+        transfer-engine segment now, off the forward pass; True when a connect was started."""
+        if layout is not None:
+            self._sessions[addr] = layout.te_session
+        session = self._sessions.get(addr)
+        if session is None or dp is None:
+            return False
+        if layout is not None and session not in self._hinted:
+            hint = getattr(dp, "hint_remote_regions", None)
+            if hint is not None:
+                # One region per layer: never merge entries across two layers' registrations.
+                hint(session, [(lay.base_addr, lay.block_stride * lay.num_blocks)
+                               for lay in layout.layers])
+            self._hinted.add(session)
+        dp.connect(session)
+        return True
 
     def completed(self, c: Completion) -> None:
         """Account one of our transfers' completion (counters, latency, link meter)."""

@@ -86,6 +86,18 @@ def test_layers_after_meta_are_written_as_computed() -> None:
     assert pair.ps[0].state_of("r1") == "LAYER_0_SENT"
 
 
+def test_writes_carry_the_request_deadline_as_not_after() -> None:
+    """The lease argument needs every write handed to the transport before P's request
+    deadline: the core tells the driver when that is, on each write."""
+    pair = make_pair(pcfg=PrefillConfig(request_timeout_s=7.0))
+    pair.now = 100.0
+    start(pair)
+    pair.deliver_all()
+    pair.now = 103.0
+    compute_all(pair)
+    assert [w.not_after for _, w in pair.writes] == [107.0] * L
+
+
 def test_failed_write_holds_blocks_until_inflight_writes_finish() -> None:
     pair = make_pair()
     start(pair)

@@ -27,8 +27,8 @@ class EarlyPlane:
         self._inner = inner
 
     def submit(self, xfer_id: Hashable, session: str, entries: Sequence[tuple[int, int, int]],
-               ) -> None:
-        self._inner.submit(xfer_id, session, [])  # complete, nothing copied
+               within_s: float = float("inf")) -> None:
+        self._inner.submit(xfer_id, session, [], within_s)  # complete, nothing copied
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

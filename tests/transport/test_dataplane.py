@@ -229,6 +229,32 @@ def test_inprocess_frozen_session_times_out(pair: tuple) -> None:
         fast.close()
 
 
+def test_a_write_queued_past_its_deadline_fails_unsent(pair: tuple) -> None:
+    """The lease argument bounds a write's life from the core's submission: a transfer the
+    sender reaches after ``within_s`` fails without a byte sent (not in doubt), one within
+    its time goes out as usual."""
+    a, b, src, dst = pair
+    a.freeze(b.session)
+    a.submit("first", b.session, [(src.ctypes.data, dst.ctypes.data, 8)])
+    a.submit("late", b.session, [(src.ctypes.data, dst.ctypes.data + 64, 8)], within_s=0.05)
+    a.submit("patient", b.session, [(src.ctypes.data, dst.ctypes.data + 128, 8)], within_s=30)
+    time.sleep(0.2)  # "first" holds the sender while the session is frozen
+    a.unfreeze(b.session)
+    got = {c.xfer_id: c for c in collect(a, 3)}
+    assert got["first"].ok and got["patient"].ok, got
+    late = got["late"]
+    assert not late.ok and not late.in_doubt and "deadline" in late.reason, late
+    assert not dst[64:72].any() and np.array_equal(dst[128:136], src[:8])
+
+
+def test_a_write_past_its_deadline_at_submission_fails_at_once(pair: tuple) -> None:
+    a, b, src, dst = pair
+    a.submit("gone", b.session, [(src.ctypes.data, dst.ctypes.data, 8)], within_s=-0.01)
+    [c] = collect(a, 1)
+    assert not c.ok and not c.in_doubt and "nothing was sent" in c.reason
+    assert not dst[:8].any()
+
+
 def test_inprocess_fifo_per_session_and_fileno(pair: tuple) -> None:
     a, b, src, dst = pair
     r, _, _ = select.select([a.fileno()], [], [], 0)
@@ -568,6 +594,37 @@ def test_mooncake_close_reports_every_transfer(mc_sender: tuple, mc_peer: Peer) 
         assert any("closed" in c.reason for c in got)
     plane.submit("late", mc_peer.session, [(src.ctypes.data, mc_peer.addr, 16)])
     assert plane.poll() == [Completion("late", False, "closed", 16)]
+
+
+@needs_mooncake
+def test_mooncake_write_queued_behind_a_frozen_peer_fails_unsent(
+    mc_sender: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Poll mode with a one-entry window: the second write waits behind the first, which a
+    frozen peer holds until its timeout; by then the second's deadline has passed, so it never
+    reaches Mooncake (a clean failure), while the first is in doubt."""
+    sender, src = mc_sender
+    if sender.wait != "poll":
+        pytest.skip("the spin-mode queue is the base plane's, tested in-process")
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "30")  # the plane sets 5; restored after the test
+    plane = MooncakeDataPlane("127.0.0.1", timeout_s=1.0, wait="poll", max_batch_entries=1)
+    frozen = Peer(size=1 << 20)
+    try:
+        plane.register_memory(src.ctypes.data, src.nbytes)
+        plane.connect(frozen.session)
+        plane.submit("warm", frozen.session, [(src.ctypes.data, frozen.addr, 64)])
+        assert all(c.ok for c in collect(plane, 1))
+        freeze_process(frozen.proc.pid)
+        plane.submit("stuck", frozen.session, [(src.ctypes.data, frozen.addr, 4096)])
+        plane.submit("queued", frozen.session, [(src.ctypes.data, frozen.addr + 8192, 4096)],
+                     within_s=0.3)
+        got = {c.xfer_id: c for c in collect(plane, 2, timeout=30)}
+        assert not got["stuck"].ok and got["stuck"].in_doubt, got
+        queued = got["queued"]
+        assert not queued.ok and not queued.in_doubt and "nothing was sent" in queued.reason
+    finally:
+        frozen.kill()
+        plane.close()
 
 
 @needs_mooncake

@@ -11,6 +11,7 @@ its own queue (see the Mooncake caveat in :mod:`lw.transport.dataplane.mooncake`
 from __future__ import annotations
 
 import bisect
+import math
 import operator
 import os
 import threading
@@ -68,8 +69,10 @@ class DataPlane(Protocol):
         """Start first contact with a peer in the background; idempotent, never blocks."""
         ...
 
-    def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry]) -> None:
-        """Queue a transfer; never blocks, reports via ``poll``; ValueError for bad entries."""
+    def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry],
+               within_s: float = math.inf) -> None:
+        """Queue a transfer; never blocks, reports via ``poll``; ValueError for bad entries.
+        A transfer not handed to the transport within ``within_s`` fails unsent."""
         ...
 
     def poll(self) -> list[Completion]:
@@ -196,15 +199,24 @@ def _fmt_range(addr: int, length: int) -> str:
 class _Job:
     """One queued unit of work for a peer's sender thread: a transfer or a first contact."""
 
-    __slots__ = ("xfer_id", "entries", "nbytes", "is_connect")
+    __slots__ = ("xfer_id", "entries", "nbytes", "is_connect", "not_after")
 
     def __init__(
-        self, xfer_id: Hashable, entries: list[Entry], nbytes: int, is_connect: bool = False
+        self, xfer_id: Hashable, entries: list[Entry], nbytes: int, is_connect: bool = False,
+        not_after: float = math.inf,
     ) -> None:
         self.xfer_id = xfer_id
         self.entries = entries
         self.nbytes = nbytes
         self.is_connect = is_connect
+        self.not_after = not_after  # time.monotonic() after which no byte may be handed over
+
+    def expired(self, now: float) -> str:
+        """Why the job may no longer be handed to the transport at ``now`` ("" if it may)."""
+        if now <= self.not_after:
+            return ""
+        return (f"not handed to the transport by its request's deadline ({now - self.not_after:.3f}"
+                f" s late, queued behind earlier writes): nothing was sent")
 
 
 class _Peer:
@@ -301,10 +313,14 @@ class _QueuedDataPlane:
         peer = self._peers.get(session)
         return None if peer is None else peer.connected
 
-    def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry]) -> None:
-        """Queue ``entries`` for ``session`` and return at once; the outcome comes from poll()."""
+    def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry],
+               within_s: float = math.inf) -> None:
+        """Queue ``entries`` for ``session`` and return at once; the outcome comes from poll().
+        A sender that reaches the transfer more than ``within_s`` later fails it unsent (the
+        request's deadline: the lease argument bounds a write's life from the core's submission,
+        so queueing here must not extend it)."""
         copy, nbytes = _validated(entries)
-        job = _Job(xfer_id, copy, nbytes)
+        job = _Job(xfer_id, copy, nbytes, not_after=time.monotonic() + within_s)
         with self._lock:
             self._counters["submitted"] += 1
             self._counters["entries"] += len(copy)
@@ -439,7 +455,8 @@ class _QueuedDataPlane:
             if not job.entries:
                 reason = "closed" if self._closed else ""
             else:
-                reason = self._guard(self._backend_transfer, peer.session, job)
+                reason = job.expired(time.monotonic()) or self._guard(
+                    self._backend_transfer, peer.session, job)
             self._complete(job, reason)
 
     def _do_connect(self, peer: _Peer) -> None:

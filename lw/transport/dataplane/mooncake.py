@@ -215,24 +215,28 @@ class MooncakeDataPlane(_QueuedDataPlane):
         reason = self._check_local(plan)
         if reason:
             return reason
-        reason, fast = self._write_all(session, plan)
-        if reason and fast and len(plan) != len(job.entries) and not self._closed:
+        reason, fast = self._write_all(session, plan, job)
+        if (reason and fast and len(plan) != len(job.entries) and not self._closed
+                and not job.expired(time.monotonic())):
             # A merged entry may span two separately registered remote regions (Mooncake
             # rejects that at once); writes are idempotent, so resend the original entries.
             self._count(uncoalesced_retries=1)
-            retry_reason, _ = self._write_all(session, job.entries)
+            retry_reason, _ = self._write_all(session, job.entries, job)
             if not retry_reason:
                 return ""
             reason = f"{retry_reason} (also failed coalesced: {reason})"
         return reason
 
-    def _write_all(self, session: str, plan: list[Entry]) -> tuple[str, bool]:
+    def _write_all(self, session: str, plan: list[Entry], job: _Job) -> tuple[str, bool]:
         """Write ``plan`` in batches; return (reason or "", whether a failure came back fast)."""
         batches = split_batches(plan, self._max_batch)
         write = self._write_spin
         for i, batch in enumerate(batches):
             if self._closed and i > 0:
                 return f"closed after {i}/{len(batches)} batches", False
+            late = job.expired(time.monotonic()) if i > 0 else ""
+            if late:  # the batches before this one completed: nothing of it is in flight
+                return f"{late} after {i}/{len(batches)} batches", False
             started = time.monotonic()
             what = write(session, batch)
             elapsed = time.monotonic() - started
@@ -308,6 +312,10 @@ class MooncakeDataPlane(_QueuedDataPlane):
                     break
                 if f.failure or f.next >= len(f.plan) or self._closed:
                     continue
+                late = f.job.expired(now)
+                if late:  # after the request's deadline not one more entry goes to Mooncake
+                    f.failure = late if f.next == 0 else f"{late} after {f.next}/{len(f.plan)}"
+                    continue
                 if f.next == 0:
                     f.started = now
                     f.deadline = now + self._deadline_s + f.job.nbytes / (1 << 30)
@@ -364,6 +372,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
                     and elapsed < _FAST_FAIL_S
                     and len(f.plan) != len(f.job.entries)
                     and not self._closed
+                    and not f.job.expired(time.monotonic())
                 ):
                     # Fast failure with merged entries: maybe a merge spanned two remote
                     # registrations. Writes are idempotent: resend the original entries.
