@@ -25,6 +25,7 @@ from lw.fsm.effects import (
     Sums,
     TimerKey,
 )
+from lw.fsm.endpoint import LifecycleEndpoint
 from lw.fsm.kvmap import block_segments, pair_problem
 from lw.fsm.lifecycles import (
     DONE,
@@ -50,7 +51,7 @@ from lw.fsm.messages import (
     Sender,
 )
 from lw.fsm.snapshot import ENDPOINT_RULES, OMIT, RECORD_RULES, Rules, derive
-from lw.fsm.status import decode_row, decode_span, newly_stuck, rows_of
+from lw.fsm.status import decode_row, decode_span
 from lw.fsm.timeline import Timeline
 
 _FINAL = (DONE, FAILED)
@@ -63,8 +64,10 @@ def _brief(blocks: Sequence[int], most: int = 16) -> str:
     return f"[{head}{', ...' if len(blocks) > most else ''}] ({len(blocks)})"
 
 
-class DecodeEndpoint:
+class DecodeEndpoint(LifecycleEndpoint):
     """Protocol logic of one D worker (events in, effects out; time is an argument)."""
+
+    SIDE = "decode"
 
     def __init__(self, me: Sender, layout: KVLayout, config: DecodeConfig | None = None) -> None:
         if layout.engine_id != me.engine_id or layout.incarnation != me.incarnation:
@@ -96,15 +99,6 @@ class DecodeEndpoint:
         }
 
     # ----------------------------------------------------------------------------- inspection
-    def state_of(self, req_id: str) -> str | None:
-        """Current state of a live request, or its final state if recently finished."""
-        rec = self._reqs.get(req_id)
-        return rec.state if rec is not None else self._finished.get(req_id)
-
-    def live_requests(self) -> list[str]:
-        """Requests whose blocks are still held by lw (receiving or quarantined)."""
-        return list(self._reqs)
-
     def quarantined(self) -> dict[str, tuple[int, ...]]:
         """Failed requests whose blocks must not be touched yet."""
         return {r.req_id: r.blocks for r in self._reqs.values() if r.state == FAILED}
@@ -127,32 +121,11 @@ class DecodeEndpoint:
                           if r.route is not None and r.state in _LIVE})
         return peers
 
-    def status(self, now: float, req_id: str = "") -> list[RequestStatus]:
-        """``lw status`` rows: every live request (or only ``req_id``), what each waits for."""
-        return rows_of(self, decode_row, now, req_id)
+    def _row(self, rec: DecodeRecord, now: float) -> RequestStatus:
+        return decode_row(self, rec, now)
 
-    def stuck(self, now: float) -> list[RequestStatus]:
-        """Requests that just passed ``stuck_fraction`` of their deadline in one state (each
-        reported once per state: the stuck-request alarm)."""
-        return newly_stuck(self, decode_row, decode_span, now)
-
-    # ----------------------------------------------------------------------------- dispatch
-    def _fire(self, rec: DecodeRecord, event: str, now: float, detail: str | int = "") -> str:
-        src = rec.state
-        try:
-            nxt = self._table[(src, event)]
-        except KeyError:
-            raise ProtocolError("decode", rec.req_id, src, event) from None
-        ring = self._ring
-        if ring is not None:
-            ring.append((now, rec.req_id, event, src, nxt, detail))
-            if nxt != src:
-                self._durations.append((src, now - rec.since))  # type: ignore[union-attr]
-        if nxt != src:
-            rec.state = nxt
-            rec.since = now
-            rec.alarmed = False
-        return nxt
+    def _span(self, rec: DecodeRecord) -> float:
+        return decode_span(self, rec)
 
     # ----------------------------------------------------------------------------- events
     def add_request(

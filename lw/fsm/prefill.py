@@ -34,6 +34,7 @@ from lw.fsm.effects import (
     TimerKey,
     WriteLayer,
 )
+from lw.fsm.endpoint import LifecycleEndpoint
 from lw.fsm.lifecycles import (
     AWAIT_DECODER_META,
     DONE,
@@ -60,18 +61,20 @@ from lw.fsm.messages import (
 from lw.fsm.prefill_layouts import Layouts
 from lw.fsm.prefill_request import PrefillConfig, PrefillRecord, PrefillRequest, _Target
 from lw.fsm.snapshot import ENDPOINT_RULES, KEYS, OMIT, RECORD_RULES, Rules, derive
-from lw.fsm.status import newly_stuck, prefill_row, prefill_span, rows_of
+from lw.fsm.status import prefill_row, prefill_span
 from lw.fsm.timeline import Timeline
 
 _FINAL = (DONE, FAILED)
 
 
-class PrefillEndpoint:
+class PrefillEndpoint(LifecycleEndpoint):
     """Protocol logic of one P worker rank (events in, effects out; time is an argument).
 
     ``local`` describes this rank's own KV memory (per-layer block bytes and head format); with
     it, writes carry the byte runs computed from both formats. Without it blocks are opaque and
     copied whole (both sides must then have the same block bytes)."""
+
+    SIDE = "prefill"
 
     def __init__(self, me: Sender, num_layers: int, config: PrefillConfig | None = None,
                  local: KVLayout | None = None) -> None:
@@ -104,17 +107,6 @@ class PrefillEndpoint:
         }
 
     # ----------------------------------------------------------------------------- inspection
-    def state_of(self, req_id: str) -> str | None:
-        """Current lifecycle state of a live request, or its final state if recently finished."""
-        rec = self._reqs.get(req_id)
-        if rec is not None:
-            return rec.state
-        return self._finished.get(req_id)
-
-    def live_requests(self) -> list[str]:
-        """Requests not yet released to the scheduler."""
-        return list(self._reqs)
-
     def inflight_writes(self, req_id: str) -> int:
         """Writes handed to the data plane for this request and not completed yet."""
         rec = self._reqs.get(req_id)
@@ -136,35 +128,16 @@ class PrefillEndpoint:
         return {t.addr: t.addr for r in self._reqs.values() if r.state not in _FINAL
                 for t in r.targets}
 
-    def status(self, now: float, req_id: str = "") -> list[RequestStatus]:
-        """``lw status`` rows: every live request (or only ``req_id``), what each waits for."""
-        return rows_of(self, prefill_row, now, req_id)
+    def _row(self, rec: PrefillRecord, now: float) -> RequestStatus:
+        return prefill_row(self, rec, now)
 
-    def stuck(self, now: float) -> list[RequestStatus]:
-        """Requests that just passed ``stuck_fraction`` of their deadline in one state (each
-        reported once per state: the stuck-request alarm)."""
-        return newly_stuck(self, prefill_row, prefill_span, now)
+    def _span(self, rec: PrefillRecord) -> float:
+        return prefill_span(self, rec)
 
-    # ----------------------------------------------------------------------------- dispatch
-    def _fire(self, rec: PrefillRecord, event: str, now: float, detail: str | int = "") -> str:
-        src = rec.state
-        try:
-            nxt = self._table[(src, event)]
-        except KeyError:
-            raise ProtocolError("prefill", rec.req.req_id, src, event) from None
-        ring = self._ring
-        if ring is not None:
-            ring.append((now, rec.req.req_id, event, src, nxt, detail))
-            # time-in-state samples skip LAYER_k -> LAYER_k+1 (one per layer and request: the
-            # per-layer write latency histogram covers that); LAYER_SENT then means the wait
-            # for the DONE acknowledgement
-            if nxt != src and (event != "layer_sent" or src == META_READY):
-                self._durations.append((src, now - rec.since))  # type: ignore[union-attr]
-        if nxt != src:
-            rec.state = nxt
-            rec.since = now
-            rec.alarmed = False
-        return nxt
+    def _timed(self, src: str, event: str) -> bool:
+        # LAYER_k -> LAYER_k+1 is one sample per layer and request (the per-layer write
+        # latency histogram covers it); a LAYER_SENT sample then means the wait for the Ack
+        return event != "layer_sent" or src == META_READY
 
     # ----------------------------------------------------------------------------- events
     def add_request(self, req: PrefillRequest, now: float) -> list[Effect]:

@@ -133,6 +133,11 @@ class PrefillRecord:
         "final",
     )
 
+    @property
+    def req_id(self) -> str:
+        """The request's id (as a D record has it)."""
+        return self.req.req_id
+
     def __init__(self, req: PrefillRequest, state: str, now: float, deadline: float) -> None:
         self.req = req
         self.state = state

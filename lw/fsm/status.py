@@ -6,8 +6,7 @@ these functions turn that into :class:`RequestStatus` rows. Pure: ``now`` is an 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from lw.fsm.lifecycles import (
     AWAIT_DECODER_META,
@@ -129,26 +128,6 @@ def prefill_span(ep: PrefillEndpoint, rec: PReq) -> float:
 def decode_span(ep: DecodeEndpoint, rec: DReq) -> float:
     """The deadline a D request's time in one state is measured against (quarantine: lease)."""
     return ep.config.lease_s if rec.state in (FAILED, FENCING) else ep.config.prefill_timeout_s
-
-
-def rows_of(ep: Any, row: Callable[[Any, Any, float], RequestStatus], now: float,
-            req_id: str = "") -> list[RequestStatus]:
-    """``lw status`` rows of an endpoint: every live request, or only ``req_id``."""
-    recs = ep._reqs.values() if not req_id else filter(None, [ep._reqs.get(req_id)])
-    return [row(ep, r, now) for r in recs]
-
-
-def newly_stuck(ep: Any, row: Callable[[Any, Any, float], RequestStatus],
-                span: Callable[[Any, Any], float], now: float) -> list[RequestStatus]:
-    """Rows of the requests that just passed ``stuck_fraction`` of their deadline in one state;
-    each is marked so that it is reported once per state. Rows are built only for those."""
-    frac = ep.config.stuck_fraction
-    out: list[RequestStatus] = []
-    for rec in ep._reqs.values():
-        if not rec.alarmed and now - rec.since > frac * span(ep, rec):
-            rec.alarmed = True
-            out.append(row(ep, rec, now))
-    return out
 
 
 def status_line(role: str, worker: Sender, row: RequestStatus) -> str:

@@ -1,0 +1,90 @@
+"""What the prefill and decode endpoints share: live requests' records driven through a compiled
+lifecycle table, the final states of recently finished requests, the timeline, and the
+inspection that ``lw status``, the stuck alarm and the checker read.
+
+Each endpoint sets the attributes declared here in its ``__init__`` and says how to describe
+one of its records (:meth:`LifecycleEndpoint._row`, :meth:`LifecycleEndpoint._span`)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Any, ClassVar
+
+from lw.fsm.machine import ProtocolError
+from lw.fsm.messages import RequestStatus
+
+__all__ = ["LifecycleEndpoint"]
+
+
+class LifecycleEndpoint:
+    """Base of PrefillEndpoint and DecodeEndpoint: firing declared events, and inspection."""
+
+    SIDE: ClassVar[str] = ""  # "prefill" or "decode": names the lifecycle in a ProtocolError
+
+    # Set by the subclass's __init__ (declared here: this class reads them).
+    config: Any
+    _table: dict[tuple[str, str], str]
+    _reqs: dict[str, Any]  # req_id -> the side's record (state, since, alarmed, ...)
+    _finished: OrderedDict[str, str]  # req_id -> final state, for a while after release
+    _ring: deque | None
+    _durations: deque | None
+
+    # ----------------------------------------------------------------------------- inspection
+    def state_of(self, req_id: str) -> str | None:
+        """Current lifecycle state of a live request, or its final state if recently finished."""
+        rec = self._reqs.get(req_id)
+        return rec.state if rec is not None else self._finished.get(req_id)
+
+    def live_requests(self) -> list[str]:
+        """Requests whose blocks lw still holds (not yet released to the scheduler)."""
+        return list(self._reqs)
+
+    def status(self, now: float, req_id: str = "") -> list[RequestStatus]:
+        """``lw status`` rows: every live request (or only ``req_id``), what each waits for."""
+        if not req_id:
+            return [self._row(r, now) for r in self._reqs.values()]
+        rec = self._reqs.get(req_id)
+        return [] if rec is None else [self._row(rec, now)]
+
+    def stuck(self, now: float) -> list[RequestStatus]:
+        """Requests that just passed ``stuck_fraction`` of their deadline in one state (each
+        reported once per state: the stuck-request alarm). Rows are built only for those."""
+        frac = self.config.stuck_fraction
+        out: list[RequestStatus] = []
+        for rec in self._reqs.values():
+            if not rec.alarmed and now - rec.since > frac * self._span(rec):
+                rec.alarmed = True
+                out.append(self._row(rec, now))
+        return out
+
+    def _row(self, rec: Any, now: float) -> RequestStatus:
+        """The ``lw status`` row of one record."""
+        raise NotImplementedError
+
+    def _span(self, rec: Any) -> float:
+        """The deadline the record's time in its current state is measured against."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------- dispatch
+    def _timed(self, src: str, event: str) -> bool:
+        """Whether leaving ``src`` by ``event`` records a time-in-state sample."""
+        return True
+
+    def _fire(self, rec: Any, event: str, now: float, detail: str | int = "") -> str:
+        """Move ``rec`` by ``event`` as the lifecycle table says (ProtocolError if it does not
+        allow it); timeline entry and time-in-state sample when observed. The next state."""
+        src = rec.state
+        try:
+            nxt = self._table[(src, event)]
+        except KeyError:
+            raise ProtocolError(self.SIDE, rec.req_id, src, event) from None
+        ring = self._ring
+        if ring is not None:
+            ring.append((now, rec.req_id, event, src, nxt, detail))
+            if nxt != src and self._timed(src, event):
+                self._durations.append((src, now - rec.since))  # type: ignore[union-attr]
+        if nxt != src:
+            rec.state = nxt
+            rec.since = now
+            rec.alarmed = False
+        return nxt
