@@ -282,3 +282,70 @@ def test_choose_skips_avoided_engines_and_earlier_servers_of_unknown_engine() ->
         await state.aclose()
 
     asyncio.run(run())
+
+
+def test_the_connectors_poster_and_the_proxy_agree_on_the_failover_calls() -> None:
+    """D's real MetaserverPoster against the real proxy: the first call, the re-prefill call
+    and the route the answers name (once the proxy learned the P's engine)."""
+    pytest.importorskip("vllm")
+    import queue
+
+    from lw.vllm_adapter.config import LwConfig
+    from lw.vllm_adapter.connector_meta import Route
+    from lw.vllm_adapter.metaserver_client import MetaserverPoster
+
+    asked: queue.Queue[dict[str, Any]] = queue.Queue()
+    seen = Seen()
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def serve(request: Request) -> Response:  # D: the test posts for it
+        body = await request.json()
+        sub = body["kv_transfer_params"]["transfer_id"] + "@r"
+        asked.put(body)
+        while not await request.is_disconnected():
+            with seen.lock:
+                if sub in seen.done:
+                    return JSONResponse({"choices": [{"index": 0, "text": "ok"}]})
+            await asyncio.sleep(0.01)
+        return Response(status_code=499)
+
+    cfg = LwConfig.build(role="kv_consumer", engine_id="d", kv_port=15000, tp_size=1, pp_size=1,
+                         dp_size=1, dp_rank=0, load_failure_policy="fail",
+                         extra={"host": "127.0.0.1", "cluster_key": KEY.decode(),
+                                "retry_prefill": 1})
+    poster = MetaserverPoster(cfg)
+    servers = [ServerThread(fake_p("p1", seen)).start(), ServerThread(app).start()]
+    control = ServerThread(None)
+    urls = [servers[0].url, closed_port_url()]  # picked in this order: p1, then the dead one
+    apps = build_apps(urls, [servers[1].url], timeout_s=10.0, cluster_key=KEY,
+                      metaserver_url=control.url + "/v1/metaserver")
+    servers.append(ServerThread(apps.public, also=(control, apps.control)).start())
+    results: list[httpx.Response] = []
+    try:
+        for n in range(2):
+            t = threading.Thread(target=lambda: results.append(httpx.post(
+                servers[-1].url + "/v1/completions", json=completion("hi"), timeout=10)))
+            t.start()
+            params = asked.get(timeout=5)["kv_transfer_params"]
+            tid, sub, url = params["transfer_id"], params["transfer_id"] + "@r", params[
+                "metaserver"]
+            base = {"transfer_id": tid, "sub_transfer_id": sub,
+                    "grant": params["metaserver_grant"]}
+            poster.post("r", sub, url, {**base, "prompt_token_ids": [104, 105],
+                                        "kv_transfer_params": dict(D_PARAMS),
+                                        "retry_prefill": 1})
+            if n == 1:  # the dead server took it: D's core lost it and asks again
+                wait_for(lambda: httpx.get(control.url + "/metrics-json").json()[
+                    "prefill_failures"] == 1)
+                poster.post("r", sub, url, {**base, "epoch": 1, "avoid": [], "reason": "lost"})
+            t.join(timeout=10)
+        assert [r.status_code for r in results] == [200, 200]
+        assert poster.take_failures() == []
+        # the first answer named no engine (not yet learned), nor the dead server's
+        assert poster.take_routes() == [Route(sub, "r", "eng-p1", "tcp://127.0.0.1:6001", 1)]
+        assert [b["kv_transfer_params"].get("lw_epoch") for _, b in seen.p_bodies] == [None, 1]
+    finally:
+        poster.close()
+        for s in servers:
+            s.stop()
