@@ -28,6 +28,7 @@ from lw.vllm_adapter.control_auth import CallVerifier, signed_call  # noqa: E402
 from lw.vllm_adapter.proxy import build_apps  # noqa: E402
 from lw.vllm_adapter.proxy_failover import _choose, failover_problem  # noqa: E402
 from lw.vllm_adapter.proxy_state import (  # noqa: E402
+    Backend,
     ProxyState,
     SubPrefill,
     Transfer,
@@ -349,3 +350,15 @@ def test_the_connectors_poster_and_the_proxy_agree_on_the_failover_calls() -> No
         poster.close()
         for s in servers:
             s.stop()
+
+
+def test_a_server_is_named_to_d_only_while_it_has_shown_one_engine() -> None:
+    b = Backend("http://p", "prefill")
+    for engine, workers in ((None, ["tcp://h:1"]), ("", ["tcp://h:1"]), ("e", []),
+                            ("e", "tcp://h:1"), ("e", [7])):
+        b.learn_engine(engine, workers)  # malformed: ignored
+    assert b.identity() is None
+    b.learn_engine("e0", ["tcp://h:1", "tcp://h:2"])
+    assert b.identity() == ("e0", "tcp://h:1")  # TP rank 0's side channel
+    b.learn_engine("e0_dp1", ["tcp://h:3"])  # a second DP engine behind the same address
+    assert b.identity() is None and b.engines.keys() == {"e0", "e0_dp1"}
