@@ -203,6 +203,18 @@ class LwConfig:
         "`lw_checksum_mismatches_total`. Set it on P and D alike. One DONE carries at most "
         "131,072 checksums (layers × blocks of a request per D worker, e.g. 61 layers × 2,148 "
         "blocks): longer requests fail with checksums on")
+    retry_prefill: int = _key(
+        0, "D",
+        "prefill failover: how many times a request whose P was lost (heartbeats, a failure "
+        "report, a P that never claimed it) is prefilled again on another P, into the same "
+        "blocks under a new claim epoch, before it fails (`kv_load_failure_policy` then decides);"
+        " D asks the proxy's metaserver for each retry. 0 = never (it fails as without failover). "
+        "In 0..64; needs the decode engine's tensor_parallel_size 1")
+    retry_prefill_avoid: str = _key(
+        "lost", "D",
+        "which P engines a retry avoids: `\"lost\"` (each one lost for this request; the proxy "
+        "answers 503 when no other prefill server is left) or `\"none\"` (any P, e.g. one "
+        "restarted behind the same address)")
     heartbeat_s: float = _key(
         0.5, "both",
         "liveness probes to the peers that live requests need (batched per peer, answered by the "
@@ -324,6 +336,18 @@ class LwConfig:
         if values["local_tail_tokens"] < -1:
             raise ConfigError("kv_connector_extra_config.local_tail_tokens must be >= 0 "
                               f"(or -1: one block), got {values['local_tail_tokens']}")
+        if not 0 <= values["retry_prefill"] <= 64:
+            raise ConfigError("kv_connector_extra_config.retry_prefill must be in 0..64 (0: no "
+                              f"prefill failover), got {values['retry_prefill']}")
+        if values["retry_prefill_avoid"] not in ("lost", "none"):
+            raise ConfigError(f"kv_connector_extra_config.retry_prefill_avoid="
+                              f"{values['retry_prefill_avoid']!r}: expected 'lost' or 'none'")
+        if role == CONSUMER and values["retry_prefill"] and tp_size != 1:
+            # Each D TP worker runs its own core and would decide its own re-prefills, under
+            # epochs the others never saw: the core has no agreement between them.
+            raise ConfigError(f"kv_connector_extra_config.retry_prefill="
+                              f"{values['retry_prefill']} needs the decode engine's "
+                              f"tensor_parallel_size 1, got {tp_size} (set retry_prefill: 0)")
         if values["peer_tp_size"] < 0:
             raise ConfigError("kv_connector_extra_config.peer_tp_size must be >= 0")
         if values["peer_tp_size"] and heads is not None:

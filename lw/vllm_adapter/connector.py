@@ -122,7 +122,8 @@ class LwConnector(KVConnectorBase_V1):
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
 
     def build_connector_worker_meta(self) -> LwWorkerMeta | None:
-        """P worker: its measured forward and wire rates, for the scheduler's push_mode auto."""
+        """P worker: its measured forward and wire rates, for the scheduler's push_mode auto;
+        D worker: the re-prefills its core asked for (prefill failover)."""
         return self._worker.worker_meta() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> LwKVConnectorStats | None:

@@ -16,8 +16,8 @@ from lw.vllm_adapter.config import ConfigError
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["PARAMS_VERSION", "LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "SendSpec",
-           "kv_geometry", "log"]
+__all__ = ["PARAMS_VERSION", "LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "Reprefill",
+           "Route", "SendSpec", "kv_geometry", "log"]
 
 log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
 
@@ -25,7 +25,9 @@ PARAMS_VERSION = 2
 """Version of the kv_transfer_params D posts to the metaserver (``lw_params_version``).
 
 2: the transfer id is per vLLM request (the proxy's id + ``@`` + D's request id) and P's prompt
-is D's prompt token ids (posted with the params); 1: the proxy's id and the client's body."""
+is D's prompt token ids (posted with the params); 1: the proxy's id and the client's body.
+An optional ``lw_epoch`` (a re-prefill's claim epoch, absent = 0) keeps version 2: only a decode
+engine with ``retry_prefill`` > 0 makes the proxy send it."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class SendSpec:
     final: bool = True  # the prompt's last chunk: every remote block is covered after it
     # the request's W3C trace context (first push, vLLM tracing on; lw.vllm_adapter.tracing)
     trace: tuple[tuple[str, str], ...] = ()
+    epoch: int = 0  # D's claim epoch of this prefill attempt (``lw_epoch``; > 0: a re-prefill)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,30 @@ class RecvSpec:
     trace: tuple[tuple[str, str], ...] = ()  # as SendSpec.trace
 
 
+@dataclass(frozen=True)
+class Route:
+    """D: the proxy sent claim epoch ``epoch`` of a request's prefill to P engine ``engine_id``,
+    whose TP rank 0 listens at ``addr`` (the core then watches that P before it claims)."""
+
+    transfer_id: str
+    req_id: str
+    engine_id: str
+    addr: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Reprefill:
+    """D: the core lost a request's P and keeps its blocks: ask the proxy for a new prefill
+    under claim epoch ``epoch``, on a P engine not in ``avoid``."""
+
+    transfer_id: str
+    req_id: str
+    epoch: int
+    avoid: tuple[str, ...]
+    reason: str
+
+
 @dataclass
 class LwConnectorMetadata(KVConnectorMetadata):
     """What the scheduler side tells every worker for one step."""
@@ -63,6 +90,8 @@ class LwConnectorMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     aborts: list[tuple[str, str, str]] = field(default_factory=list)  # (transfer, req, reason)
+    # D: where the proxy sent a prefill attempt, for the core's prefill_routed
+    routes: list[Route] = field(default_factory=list)
     idle: bool = False  # the engine computes nothing in this step (it only polls transfers)
     step_tokens: int = 0  # tokens the step computes (the workers time their forward per token)
     step_pairs: int = 0  # (token, earlier token) pairs those tokens attend (and per pair)
@@ -77,9 +106,11 @@ class LwWorkerMeta(KVConnectorWorkerMetadata):
     compute_s_per_token: float | None = None
     wire_s_per_block: dict[str, float] = field(default_factory=dict)
     compute_s_per_pair: float = 0.0
+    # D: re-prefills the core asked for since the last step (prefill failover, TP 1 only)
+    reprefills: list[Reprefill] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """The slowest of two workers' figures."""
+        """The slowest of two workers' figures; every worker's re-prefills."""
         if not isinstance(other, LwWorkerMeta):
             return self
         c = [x for x in (self.compute_s_per_token, other.compute_s_per_token) if x is not None]
@@ -87,7 +118,8 @@ class LwWorkerMeta(KVConnectorWorkerMetadata):
         for host, s in other.wire_s_per_block.items():
             wire[host] = max(s, wire.get(host, s))
         return LwWorkerMeta(max(c) if c else None, wire,
-                            max(self.compute_s_per_pair, other.compute_s_per_pair))
+                            max(self.compute_s_per_pair, other.compute_s_per_pair),
+                            self.reprefills + other.reprefills)
 
 
 def kv_geometry(kv_cache_config: KVCacheConfig) -> str:

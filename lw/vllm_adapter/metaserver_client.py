@@ -1,5 +1,7 @@
-"""D's background caller of the proxy's metaserver: asks for a prefill without blocking vLLM;
-each call is signed with the cluster key (lw.vllm_adapter.control_auth)."""
+"""D's background caller of the proxy's metaserver: asks for a prefill (or, after a lost P, a
+re-prefill) without blocking vLLM; each call is signed with the cluster key
+(lw.vllm_adapter.control_auth). Where the proxy says it sent a prefill (the P engine id and
+side channel, once it knows them) is kept for the core's ``prefill_routed``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 from lw.transport.osthread import name_os_thread
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.config import LwConfig
-from lw.vllm_adapter.connector_meta import log
+from lw.vllm_adapter.connector_meta import Route, log
 from lw.vllm_adapter.control_auth import signed_call
 
 __all__ = ["MetaserverPoster"]
@@ -27,6 +29,7 @@ class MetaserverPoster:
         self._q: queue.Queue[tuple[str, str, str, dict[str, Any]] | None] = queue.Queue()
         self._cancelled: set[str] = set()
         self._failures: deque[tuple[str, str, str]] = deque()
+        self._routes: deque[Route] = deque()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="lw-metaserver", daemon=True)
         self._thread.start()
@@ -47,6 +50,13 @@ class MetaserverPoster:
             out.append(self._failures.popleft())
         return out
 
+    def take_routes(self) -> list[Route]:
+        """Where the proxy sent the prefills it started since the last call."""
+        out = []
+        while self._routes:
+            out.append(self._routes.popleft())
+        return out
+
     def close(self) -> None:
         """Stop after the call in progress."""
         self._q.put(None)
@@ -65,13 +75,17 @@ class MetaserverPoster:
                     if rid in self._cancelled:
                         self._cancelled.discard(rid)
                         continue
-                reason = self._call(client, url, body)
+                reason, answer = self._call(client, url, body)
+                route = route_of(rid, tid, body, answer)
+                if route is not None:
+                    self._routes.append(route)
                 if reason:
                     log.error("lw: prefill request for %s (transfer %s) failed: %s", rid, tid,
                               reason)
                     self._failures.append((rid, tid, f"metaserver: {reason}"))
 
-    def _call(self, client: Any, url: str, body: dict[str, Any]) -> str:
+    def _call(self, client: Any, url: str, body: dict[str, Any]) -> tuple[str, Any]:
+        """("", the proxy's JSON answer) on success, else (why, None)."""
         reason = ""
         for attempt in range(self.cfg.metaserver_attempts):
             if attempt:
@@ -83,8 +97,26 @@ class MetaserverPoster:
                 reason = f"POST {url}: {type(exc).__name__}: {exc}"
                 continue
             if resp.status_code < 300:
-                return ""
+                try:
+                    return "", resp.json()
+                except ValueError:
+                    return "", None
             reason = f"POST {url} answered {resp.status_code}: {resp.text[:300]}"
             if resp.status_code < 500:
-                return reason  # 4xx: unknown transfer or bad body; retrying changes nothing
-        return reason
+                # 4xx: unknown transfer, stale epoch or bad body; retrying changes nothing
+                return reason, None
+        return reason, None
+
+
+def route_of(rid: str, tid: str, body: dict[str, Any], answer: Any) -> Route | None:
+    """The P a metaserver answer says it sent this call's prefill attempt to (None when the
+    answer names none: the proxy has not yet learned that server's engine id)."""
+    if not isinstance(answer, dict):
+        return None
+    engine, addr = answer.get("prefill_engine_id"), answer.get("prefill_worker")
+    epoch = answer.get("epoch", body.get("epoch", 0))
+    if (not isinstance(engine, str) or not engine or not isinstance(addr, str)
+            or not addr.startswith("tcp://") or not isinstance(epoch, int)
+            or isinstance(epoch, bool) or epoch != body.get("epoch", 0)):
+        return None
+    return Route(tid, rid, engine, addr, epoch)

@@ -37,6 +37,8 @@ COUNTERS: dict[str, str] = {
                           "(progressive push)",
     "preempted_pushes": "P: pushes failed because vLLM preempted their request between chunks "
                         "(its blocks are freed without the connector)",
+    "prefill_retries": "D: new prefills asked of the proxy after a request's P was lost "
+                       "(retry_prefill; each under a new claim epoch)",
     "protocol_errors": "Messages or events the core refused (counted and dropped, never raised)",
     "checksum_mismatches": "D: requests failed because a sender's KV checksums did not match "
                            "the bytes in our blocks (kv_checksum)",

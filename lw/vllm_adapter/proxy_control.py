@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from lw.vllm_adapter.proxy_exchange import run_prefill
+from lw.vllm_adapter.proxy_failover import failover_problem, reprefill, route_fields
 from lw.vllm_adapter.proxy_state import (
     Backend,
     ProxyState,
@@ -44,6 +45,9 @@ def _metaserver_problem(msg: Any) -> str:
         value = msg.get(key)
         if not isinstance(value, str) or not value or len(value) > MAX_TRANSFER_ID:
             return f"'{key}' (string of 1..{MAX_TRANSFER_ID} characters) required"
+    problem = failover_problem(msg)
+    if problem or msg.get("epoch", 0):
+        return problem  # a re-prefill resends what the first call of its sub-transfer gave
     ids = msg.get("prompt_token_ids")
     if (not isinstance(ids, list) or not ids
             or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
@@ -125,21 +129,32 @@ def build_control_app(state: ProxyState) -> FastAPI:
         why = _call_problem(tr, msg)
         if why:
             return refuse(403, why, request, msg)
+        if msg.get("epoch", 0):  # a re-prefill: D's core lost this sub-transfer's P
+            status, answer = reprefill(state, tr, msg)
+            if status in (403, 409):
+                return refuse(status, answer["detail"], request, msg)
+            return JSONResponse(answer, status)
         state.workers.learn("decode", decode_workers(msg.get("kv_transfer_params")))
         sub = tr.prefills.get(sub_id)
+        if sub is not None and sub.epoch > 0:  # D's first call, after a re-prefill of it
+            return refuse(409, f"stale epoch 0: the sub-transfer is at epoch {sub.epoch}",
+                          request, msg)
         if sub is not None:
             return JSONResponse({"status": "ok", "transfer_id": tid, "sub_transfer_id": sub_id,
                                  "prefill_url": sub.backend.url,
-                                 "detail": f"prefill already {sub.state}"}, 202)
-        sub = SubPrefill(sub_id, tr.prefill_target or state.pick(state.prefills))
+                                 "detail": f"prefill already {sub.state}",
+                                 **route_fields(sub)}, 202)
+        body = build_prefill_body(tr.body, msg.get("kv_transfer_params", {}), sub_id,
+                                  msg["prompt_token_ids"])
+        sub = SubPrefill(sub_id, tr.prefill_target or state.pick(state.prefills),
+                         budget=msg.get("retry_prefill", 0), body=body)
         tr.prefills[sub_id] = sub
         state.counters["prefills"] += 1
         state.timeline.mark(sub_id, "meta_posted")
-        body = build_prefill_body(tr.body, msg.get("kv_transfer_params", {}), sub_id,
-                                  msg["prompt_token_ids"])
         sub.task = state.spawn(run_prefill(state, tr, sub, body))
         return JSONResponse({"status": "ok", "transfer_id": tid, "sub_transfer_id": sub_id,
-                             "prefill_url": sub.backend.url, "detail": "prefill started"}, 202)
+                             "prefill_url": sub.backend.url, "detail": "prefill started",
+                             **route_fields(sub)}, 202)
 
     @app.get("/lw/timeline")
     async def timeline() -> JSONResponse:

@@ -29,7 +29,7 @@ from lw.vllm_adapter.proxy_state import (
     error_body,
     log,
 )
-from lw.vllm_adapter.worker_addrs import PREFILL_WORKERS_KEY
+from lw.vllm_adapter.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY
 
 __all__ = ["Exchange", "run_prefill"]
 
@@ -40,13 +40,15 @@ __all__ = ["Exchange", "run_prefill"]
 
 async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: dict[str, Any]
                        ) -> None:
-    """POST one sub-transfer's prefill request; record success or failure on ``tr``."""
+    """POST one sub-transfer's prefill request; record success or failure on ``tr`` (unless a
+    re-prefill replaced this attempt, or D may still replace it: see ``_left_to_decode``)."""
     backend = sub.backend
     url = backend.url + COMPLETIONS
     headers = {**tr.headers, "X-Request-Id": tr.request_id}
     backend.in_flight += 1
     backend.requests += 1
     status = 502
+    lost = True  # P did not answer, or answered 5xx: it may be gone (not: it refused the body)
     state.timeline.mark(sub.sub_id, "p_sent")
     try:
         try:
@@ -61,8 +63,12 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
             if resp.is_success:
                 sub.state = "done"
                 backend.answered()
-                state.workers.learn("prefill", _prefill_workers(resp))
+                params = _prefill_params(resp)
+                state.workers.learn("prefill", params.get(PREFILL_WORKERS_KEY))
+                backend.learn_engine(params.get(PREFILL_ENGINE_KEY),
+                                     params.get(PREFILL_WORKERS_KEY))
                 return
+            lost = resp.status_code >= 500
             error = (f"prefill server {backend.url} returned HTTP {resp.status_code} on "
                      f"{COMPLETIONS}: {_quote(resp.content)}")
         if status != 504:  # refused, dropped or 5xx: route new prefills elsewhere a while
@@ -70,6 +76,8 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
         backend.errors += 1
         state.counters["prefill_failures"] += 1
         sub.state = "failed"
+        if _left_to_decode(state, tr, sub, lost, error):
+            return
         if tr.prefill_error is None:
             tr.prefill_error = error
             tr.prefill_error_status = status
@@ -83,13 +91,31 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
         backend.in_flight -= 1
 
 
-def _prefill_workers(resp: httpx.Response) -> Any:
-    """The workers a prefill response names in its ``kv_transfer_params`` (None if none)."""
+def _left_to_decode(state: ProxyState, tr: Transfer, sub: SubPrefill, lost: bool,
+                    error: str) -> bool:
+    """Whether a failed attempt's outcome is not the request's: a re-prefill replaced it, or
+    its P may be gone and D may still ask for another (its retry budget; D's core finds the lost
+    P and either re-prefills or fails the request itself, per kv_load_failure_policy)."""
+    if tr.prefills.get(sub.sub_id) is not sub:
+        log.info("request %s (sub-transfer %s): superseded attempt (epoch %d) failed: %s",
+                 tr.request_id, sub.sub_id, sub.epoch, error)
+        return True
+    if lost and sub.epoch < sub.budget:
+        state.counters["prefill_failures_left_to_decode"] += 1
+        log.warning("request %s (sub-transfer %s): %s; left to the decode engine (epoch %d of "
+                    "a retry budget of %d)", tr.request_id, sub.sub_id, error, sub.epoch,
+                    sub.budget)
+        return True
+    return False
+
+
+def _prefill_params(resp: httpx.Response) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a prefill response ({} if none)."""
     try:
         params = resp.json().get("kv_transfer_params")
     except (ValueError, AttributeError):
-        return None
-    return params.get(PREFILL_WORKERS_KEY) if isinstance(params, dict) else None
+        return {}
+    return params if isinstance(params, dict) else {}
 
 
 def _cancel_prefills(tr: Transfer) -> None:

@@ -130,9 +130,10 @@ PREFILL_KEPT = ("cache_salt", "priority")
 
 def build_prefill_body(
     body: dict[str, Any], decode_params: dict[str, Any], transfer_id: str,
-    prompt_token_ids: list[int],
+    prompt_token_ids: list[int], epoch: int = 0,
 ) -> dict[str, Any]:
-    """The body P gets (``/v1/completions``): D's token ids, one token, not streamed, D's params."""
+    """The body P gets (``/v1/completions``): D's token ids, one token, not streamed, D's params
+    (with a re-prefill's claim epoch ``lw_epoch``; absent for the first attempt)."""
     out: dict[str, Any] = {"model": body["model"], "prompt": list(prompt_token_ids),
                            "max_tokens": 1, "n": 1, "stream": False}
     for key in PREFILL_KEPT:
@@ -140,6 +141,9 @@ def build_prefill_body(
             out[key] = copy.deepcopy(body[key])
     params = dict(decode_params)
     params.update(do_remote_decode=True, do_remote_prefill=False, transfer_id=transfer_id)
+    params.pop("lw_epoch", None)
+    if epoch:
+        params["lw_epoch"] = epoch
     out["kv_transfer_params"] = params
     return out
 
@@ -190,6 +194,9 @@ def _url_host(host: str) -> str:
 # State
 
 
+MAX_ENGINES = 64
+"""Engine ids remembered per prefill server (one per DP rank behind its address)."""
+
 BACKOFF_S = (1.0, 30.0)
 """A server that failed is avoided for 1 s, doubling per consecutive failure up to 30 s (each
 ±20 %, so that proxies do not come back in step): no retry storm on a dead server."""
@@ -206,6 +213,20 @@ class Backend:
     errors: int = 0
     fails: int = 0  # consecutive connection-level failures
     down_until: float = 0.0  # (loop time) avoided until then
+    # A prefill server's lw engine ids, each with its TP rank 0 side channel, as its prefill
+    # responses name them: what a decode engine's core watches and avoids (prefill failover).
+    engines: dict[str, str] = field(default_factory=dict)
+
+    def learn_engine(self, engine_id: Any, workers: Any) -> None:
+        """Remember an engine id and rank-0 worker a prefill response of this server named."""
+        if (isinstance(engine_id, str) and 0 < len(engine_id) <= 256 and isinstance(workers, list)
+                and workers and isinstance(workers[0], str) and len(self.engines) < MAX_ENGINES):
+            self.engines[engine_id] = workers[0]
+
+    def identity(self) -> tuple[str, str] | None:
+        """(engine id, rank-0 side channel) when this server has shown exactly one engine;
+        None when unknown or ambiguous (several DP engines behind one address)."""
+        return next(iter(self.engines.items())) if len(self.engines) == 1 else None
 
     def failed(self, now: float) -> None:
         """The server did not answer (connection refused or dropped, 5xx): avoid it a while."""
@@ -237,6 +258,10 @@ class SubPrefill:
     backend: Backend
     task: asyncio.Task[None] | None = None
     state: str = "running"  # running -> done | failed | cancelled
+    epoch: int = 0  # D's claim epoch of this attempt (a re-prefill replaces the attempt)
+    budget: int = 0  # re-prefills D may ask for (its retry_prefill, from its first call)
+    body: dict[str, Any] = field(default_factory=dict)  # what P was sent (a retry resends it)
+    tried: tuple[Backend, ...] = ()  # servers of the earlier attempts
 
 
 @dataclass(eq=False)
@@ -327,6 +352,8 @@ class ProxyState:
             "metaserver_refused": 0,
             "prefills": 0,
             "prefill_failures": 0,
+            "prefill_failovers": 0,
+            "prefill_failures_left_to_decode": 0,
             "decode_failovers": 0,
         }
 

@@ -7,7 +7,9 @@ workers measure), or all in the step its prefill completes ("last_chunk").
 D: allocates first, then asks the proxy's metaserver (in the background) to start the prefill of
 exactly this vLLM request's prompt tokens, under a transfer id of its own (one per vLLM request:
 n > 1 children and the prompts of a list share the proxy's id); a short uncached tail after a
-prefix-cache hit is computed locally instead.
+prefix-cache hit is computed locally instead. With ``retry_prefill`` > 0, a re-prefill the core
+asks for (its P was lost) is a second call to the same metaserver, with the new claim epoch and
+the P engines to avoid; where the proxy sent each attempt goes back to the core (``Route``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from lw.vllm_adapter.connector_meta import (
     LwConnectorMetadata,
     LwWorkerMeta,
     RecvSpec,
+    Reprefill,
+    Route,
     SendSpec,
     log,
 )
@@ -33,7 +37,7 @@ from lw.vllm_adapter.metaserver_client import MetaserverPoster
 from lw.vllm_adapter.metrics import LwKVConnectorStats
 from lw.vllm_adapter.tracing import trace_headers_of, tracing_endpoint
 from lw.vllm_adapter.transfer_ids import sub_transfer_id
-from lw.vllm_adapter.worker_addrs import PREFILL_WORKERS_KEY, worker_addrs
+from lw.vllm_adapter.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY, worker_addrs
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -57,6 +61,7 @@ class _PReq:
     remote_blocks: tuple[int, ...]
     push: PushCursor  # how far its push got (from D's prefix hit on)
     decoder_tp: int = 1
+    epoch: int = 0  # D's claim epoch of this attempt (lw_epoch)
 
 
 @dataclass
@@ -65,6 +70,9 @@ class _DReq:
 
     transfer_id: str
     aborted: bool = False
+    # retry_prefill > 0: the metaserver URL and the fields that name this sub-transfer, for a
+    # re-prefill call (D keeps no notion of where the prefill runs: that is the core's)
+    recall: tuple[str, dict[str, Any]] | None = None
 
 
 def step_pairs(so: SchedulerOutput) -> int:
@@ -99,7 +107,7 @@ class SchedulerSide:
         self._poster: MetaserverPoster | None = None
         self._lock = threading.Lock()
         self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0,
-                        "early_chunk_blocks": 0, "preempted_pushes": 0}
+                        "early_chunk_blocks": 0, "preempted_pushes": 0, "prefill_retries": 0}
         self._compute_s_per_token: float | None = None  # from the workers (LwWorkerMeta)
         self._compute_s_per_pair = 0.0
         self._wire_s_per_block: dict[str, float] = {}  # D host -> seconds per block
@@ -164,7 +172,10 @@ class SchedulerSide:
         if first + len(blocks) != need:
             raise ValueError(f"{first}+{len(blocks)} remote blocks for a prompt of "
                              f"{request.num_prompt_tokens} tokens ({need} blocks)")
-        return _PReq(request, tid, host, port, tuple(blocks), PushCursor(first), tp)
+        epoch = params.get("lw_epoch", 0)
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2 ** 31:
+            raise ValueError(f"bad lw_epoch {epoch!r} (the claim epoch: an integer >= 0)")
+        return _PReq(request, tid, host, port, tuple(blocks), PushCursor(first), tp, epoch)
 
     def _push_chunk(self, rid: str, num_scheduled: int) -> None:
         """This step computes a chunk of ``rid``: push the blocks it completes (progressive), or
@@ -193,7 +204,7 @@ class SchedulerSide:
         trace = trace_headers_of(req) if push.first and self._traced else ()
         self._meta.sends.append(SendSpec(tr.transfer_id, rid, tr.host, tr.port, push.local,
                                          tr.remote_blocks, tr.decoder_tp, push.first,
-                                         push.final, trace))
+                                         push.final, trace, tr.epoch))
 
     def _starts_now(self, tr: _PReq, req: Any, computed: int) -> bool:
         """Whether a request not pushed yet starts its push with a chunk that is not its last."""
@@ -288,7 +299,7 @@ class SchedulerSide:
                                           request.num_prompt_tokens - num_external,
                                           self.block_size)
         tid = sub_transfer_id(params["transfer_id"], rid)
-        self._d[rid] = _DReq(tid)
+        dr = self._d[rid] = _DReq(tid)
         self._meta.recvs.append(RecvSpec(tid, rid, remote, trace_headers_of(request)
                                          if self._traced else ()))
         with self._lock:
@@ -309,7 +320,27 @@ class SchedulerSide:
                 "kv_transfer_params": kv}
         if isinstance(params.get("metaserver_grant"), str):
             body["grant"] = params["metaserver_grant"]  # binds the call to this transfer
+        if self.cfg.retry_prefill:
+            # The proxy leaves a failed prefill of this sub-transfer to D while D may retry it.
+            body["retry_prefill"] = self.cfg.retry_prefill
+            dr.recall = (params["metaserver"], {k: body[k] for k in (
+                "transfer_id", "sub_transfer_id", "grant") if k in body})
         self._to_post.append((rid, tid, params["metaserver"], body))
+
+    def _reprefill(self, rp: Reprefill) -> None:
+        """D: the core lost this request's P and keeps its blocks: ask the proxy again, with the
+        new claim epoch and the engines to avoid (a failed call aborts it, as a first one)."""
+        dr = self._d.get(rp.req_id)
+        if dr is None or dr.aborted or dr.transfer_id != rp.transfer_id or dr.recall is None:
+            return  # ended meanwhile: the core already failed or released it
+        url, base = dr.recall
+        body = {**base, "epoch": rp.epoch, "avoid": list(rp.avoid), "reason": rp.reason[:300]}
+        log.warning("lw: request %s (transfer %s): prefill epoch %d asked again, avoiding %s: "
+                    "%s", rp.req_id, rp.transfer_id, rp.epoch, list(rp.avoid) or "none",
+                    rp.reason)
+        with self._lock:
+            self._counts["prefill_retries"] += 1
+        self._to_post.append((rp.req_id, rp.transfer_id, url, body))
 
     # ------------------------------------------------------------------------------- common
     def build_meta(self, so: SchedulerOutput) -> LwConnectorMetadata:
@@ -325,6 +356,10 @@ class SchedulerSide:
                 if dr is not None and not dr.aborted:
                     dr.aborted = True
                     self._meta.aborts.append((dr.transfer_id, rid, reason))
+            for route in self._take_routes():
+                dr = self._d.get(route.req_id)
+                if dr is not None and not dr.aborted and dr.transfer_id == route.transfer_id:
+                    self._meta.routes.append(route)
         meta, self._meta = self._meta, LwConnectorMetadata()
         meta.idle = not so.total_num_scheduled_tokens
         meta.step_tokens = int(so.total_num_scheduled_tokens or 0)
@@ -346,7 +381,10 @@ class SchedulerSide:
         if not self.cfg.is_producer or request.request_id not in self._p:
             return None
         first = self.cfg.port(tp_rank=0)
-        return {PREFILL_WORKERS_KEY: worker_addrs(self.cfg.host, first, self.cfg.tp_size)}
+        # The engine id lets the proxy tell a decode engine which P its next prefills go to
+        # (the core watches that P before it claims) and map the engines D avoids to servers.
+        return {PREFILL_WORKERS_KEY: worker_addrs(self.cfg.host, first, self.cfg.tp_size),
+                PREFILL_ENGINE_KEY: self.cfg.engine_id}
 
     def request_finished(self, request: Request) -> bool:
         """Whether the blocks must outlive the request (P: pushed); queue aborts for workers."""
@@ -381,6 +419,8 @@ class SchedulerSide:
         wm = getattr(out, "kv_connector_worker_meta", None)
         if isinstance(wm, LwWorkerMeta):
             self._take_rates(wm)
+            for rp in wm.reprefills:
+                self._reprefill(rp)
 
     def _take_rates(self, wm: LwWorkerMeta) -> None:
         """The workers' latest rates (push_mode auto decides on them)."""
@@ -398,6 +438,13 @@ class SchedulerSide:
                          "?" if c is None else f"{c * 1e3:.3f}",
                          self._compute_s_per_pair * 1e6)
             self._wire_s_per_block[host] = s
+
+    def _take_routes(self) -> list[Route]:
+        """Where the proxy said it sent each prefill attempt (only with a retry budget: without
+        one, the core does not watch a P before it claims)."""
+        if self._poster is None or not self.cfg.retry_prefill:
+            return []
+        return self._poster.take_routes()
 
     def _take_post_failures(self) -> list[tuple[str, str, str]]:
         if self._poster is None:

@@ -11,10 +11,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["PREFILL_WORKERS_KEY", "KnownWorkers", "decode_workers", "worker_addrs"]
+__all__ = ["PREFILL_ENGINE_KEY", "PREFILL_WORKERS_KEY", "KnownWorkers", "decode_workers",
+           "worker_addrs"]
 
 PREFILL_WORKERS_KEY = "lw_prefill_workers"
 """The key of a prefill response's ``kv_transfer_params`` that lists its workers."""
+PREFILL_ENGINE_KEY = "lw_prefill_engine_id"
+"""The key of a prefill response's ``kv_transfer_params`` that names its engine id."""
 
 _ADDR = re.compile(r"^tcp://([A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):(\d{1,5})$")
 MAX_PER_ROLE = 4096

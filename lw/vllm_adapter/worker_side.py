@@ -1,7 +1,8 @@
 """The worker-role half of lw's connector: owns the WorkerLoop and translates vLLM's hooks.
 
-vLLM calls become core events (add_request, layer_computed, abort); core effects become vLLM
-results (finished sending / receiving, failed receiving, load-error blocks).
+vLLM calls become core events (add_request, layer_computed, abort, prefill_routed); core effects
+become vLLM results (finished sending / receiving, failed receiving, load-error blocks), and a
+D core's ``Reprefill`` goes to the scheduler side in the worker metadata (it asks the proxy).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from lw.fsm.kvmap import describe, expected_senders, targets_of
 from lw.fsm.timeline import drain
 from lw.transport.osthread import name_os_thread
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
-from lw.vllm_adapter.connector_meta import LwConnectorMetadata, LwWorkerMeta, log
+from lw.vllm_adapter.connector_meta import LwConnectorMetadata, LwWorkerMeta, Reprefill, log
 from lw.vllm_adapter.metrics import LwKVConnectorStats
 from lw.vllm_adapter.push_rates import PushRates
 from lw.vllm_adapter.tracing import LifecycleTracer, tracing_endpoint
@@ -125,6 +126,7 @@ class WorkerSide:
         self._pending_recving: set[str] = set()
         self._pending_failed: set[str] = set()
         self._load_errors: set[int] = set()
+        self._reprefills: list[Reprefill] = []  # D: for the scheduler's next worker metadata
         self._t0: dict[str, float] = {}  # P: transfer id -> first layer hook time
         self._lock = threading.Lock()  # guards the pending sets (Future callbacks)
         self._last: dict[str, float] = {}
@@ -329,7 +331,7 @@ class WorkerSide:
             addrs = tuple(f"tcp://{s.decoder_host}:{s.decoder_port + j}"
                           for j in targets_of(self.fmt, s.decoder_tp))
             self._call("add_request", PrefillRequest(s.transfer_id, addrs, s.local_blocks,
-                                                     s.remote_blocks, 1, s.final),
+                                                     s.remote_blocks, 1, s.final, s.epoch),
                        rid=s.req_id, tid=s.transfer_id)
             if s.local_blocks:  # a first chunk that completes no block reports no layer
                 self._step_sends.append(s.transfer_id)
@@ -338,6 +340,10 @@ class WorkerSide:
                 continue  # finished already, or never taken (a transfer id used twice)
             self._aborted.add(tid)
             self._call("abort", tid, reason, rid=rid, tid=tid)
+        for r in meta.routes:  # the core ignores a route of an epoch it has left
+            if self._rid.get(r.transfer_id) == r.req_id:
+                self._call("prefill_routed", r.transfer_id, r.engine_id, r.addr, r.epoch,
+                           rid=r.req_id, tid=r.transfer_id)
 
     def layer_done(self, layer_name: str, kv_layer: Any) -> None:
         """Forward hook: enqueue "layer computed" for this step's pushes, and time a prefill
@@ -399,6 +405,7 @@ class WorkerSide:
         """Core reports -> vLLM: finished sending (once vLLM finished the request), finished /
         failed receiving, load-error blocks."""
         from lw.fsm import Quarantine, RecvDone, RecvFailed, SendFinished
+        from lw.fsm import Reprefill as CoreReprefill
 
         loop = self.loop
         if loop is None:
@@ -421,6 +428,9 @@ class WorkerSide:
                     self._extra["quarantines"] += 1
                     log.warning("lw: %s (transfer %s) failed, blocks quarantined: %s", rid, tid,
                                 e.reason)
+                    continue
+                if isinstance(e, CoreReprefill):  # the core keeps the blocks; the proxy picks
+                    self._reprefills.append(Reprefill(tid, rid, e.epoch, e.avoid, e.reason))
                     continue
                 del self._rid[tid]
                 blocks = self._held.pop(tid, 0)
@@ -519,9 +529,14 @@ class WorkerSide:
         return LwKVConnectorStats(data=data_s)
 
     def worker_meta(self) -> LwWorkerMeta | None:
-        """P: the forward and wire rates for the scheduler's push_mode "auto"."""
-        if self.rates is None or self.loop is None:
+        """P: the forward and wire rates for the scheduler's push_mode "auto"; D: the
+        re-prefills the core asked for since the last step."""
+        if self.loop is None:
             return None
+        if self.rates is None:
+            with self._lock:
+                out, self._reprefills = self._reprefills, []
+            return LwWorkerMeta(reprefills=out) if out else None
         return self.rates.meta(self.loop.writes.link.goodput)
 
     def close(self) -> None:

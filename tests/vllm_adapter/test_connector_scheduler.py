@@ -87,6 +87,7 @@ class FakePoster:
         self.posts: list[tuple[str, str, str, dict[str, Any]]] = []
         self.failures: list[tuple[str, str, str]] = []
         self.cancelled: list[str] = []
+        self.routes: list[Any] = []  # what the proxy's answers named (injected by the test)
         FakePoster.instances.append(self)
 
     def post(self, rid: str, tid: str, url: str, body: dict[str, Any]) -> None:
@@ -97,6 +98,10 @@ class FakePoster:
 
     def take_failures(self) -> list[tuple[str, str, str]]:
         out, self.failures = self.failures, []
+        return out
+
+    def take_routes(self) -> list[Any]:
+        out, self.routes = self.routes, []
         return out
 
     def close(self) -> None:
@@ -118,14 +123,14 @@ def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
 
 def make_vllm_config(model_dir: str, role: str, *, policy: str = "fail",
                      extra: dict[str, Any] | None = None, prefix_caching: bool = True,
-                     tp: int = 1) -> VllmConfig:
+                     tp: int = 1, engine_id: str = "") -> VllmConfig:
     mc = ModelConfig(model=model_dir, dtype="bfloat16", max_model_len=1024, enforce_eager=True)
     sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=1024,
                          enable_chunked_prefill=True, is_encoder_decoder=False)
     cc = CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching)
     kt = KVTransferConfig(kv_connector="LwConnector", kv_connector_module_path="lw.vllm_adapter",
                           kv_role=role, kv_port=20000 if role == "kv_producer" else 21000,
-                          engine_id=role, kv_load_failure_policy=policy,
+                          engine_id=engine_id or role, kv_load_failure_policy=policy,
                           kv_connector_extra_config={"host": "127.0.0.1", **(extra or {})})
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                     kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
@@ -956,9 +961,10 @@ class Engine:
     """A scheduler + a worker connector + KV tensors; ``step`` is one EngineCore step."""
 
     def __init__(self, model_dir: str, role: str, extra: dict[str, Any] | None = None,
-                 policy: str = "fail") -> None:
+                 policy: str = "fail", engine_id: str = "", worker_meta: bool = False) -> None:
         ex = {"data_plane": "inprocess", **(extra or {})}
-        self.vc = make_vllm_config(model_dir, role, extra=ex, policy=policy)
+        self.vc = make_vllm_config(model_dir, role, extra=ex, policy=policy, engine_id=engine_id)
+        self.worker_meta = worker_meta  # hand the worker's metadata to the scheduler
         self.vc.kv_transfer_config.kv_port = free_port_range(2)
         self.sched = Scheduler(self.vc, kv_cache_config=kv_cache_config(),
                                structured_output_manager=StructuredOutputManager(self.vc),
@@ -1002,7 +1008,9 @@ class Engine:
                                 finished_recving=res.finished_recving or None,
                                 failed_recving=res.failed_recving,
                                 invalid_block_ids=w.get_block_ids_with_load_errors(),
-                                kv_connector_stats=w.get_kv_connector_stats())
+                                kv_connector_stats=w.get_kv_connector_stats(),
+                                kv_connector_worker_meta=w.build_connector_worker_meta()
+                                if self.worker_meta else None)
         w.clear_connector_metadata()
         toks = []
         for rid in rids:
