@@ -107,9 +107,17 @@ def _same(obs: Entry, ev: tuple, names: dict[str, str] | None = None, tp: int = 
     return not (d.isdigit() and obs.detail.isdigit()) or d == obs.detail
 
 
-def _show(ev: tuple) -> str:
+def _show(ev: tuple, names: dict[str, str] | None = None, tp: int = 0) -> str:
+    """A world's timeline entry in one line, in the run's names where ``names`` gives them."""
     _t, _req, event, src, dst, detail = ev
-    return f"{event} {src}->{dst}" + (f" ({detail})" if detail != "" else "")
+    d = str(detail)
+    if names is not None and event in _NAMED:
+        d = _ENGINE.sub(lambda m: m.group(0)[:m.start(1) - m.start(0)]
+                        + names.get(m.group(1), m.group(1)), d)
+        d = _NUMBER.sub(lambda m: f"{m.group(1)} " + (str(int(m.group(2)) % tp)
+                                                      if m.group(1) == "rank" and tp
+                                                      else m.group(2)), d)
+    return f"{event} {src}->{dst}" + (f" ({d})" if d != "" else "")
 
 
 def show(e: Entry) -> str:
@@ -261,7 +269,8 @@ class _Search:
                                                     w.tp):
                         pos[k] += 1
                         continue
-                    self.allowed.setdefault((slot, pos[k]), set()).add(_show(ev))
+                    self.allowed.setdefault((slot, pos[k]), set()).add(
+                        _show(ev, self.names, w.tp))
                     ok = False
                     break
         return ok
