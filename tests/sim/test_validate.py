@@ -14,6 +14,8 @@ from lw.sim import validate_cli
 from lw.synthetic import ClusterConfig, run_cluster
 from lw.synthetic import workers as synthetic_workers
 
+from ..runtime.conftest import needs_mooncake
+
 SMALL = dict(requests=6, prefill_dp=2, layers=3, blocks_per_request=2, block_bytes=4096,
              d_blocks=8, p_blocks=8, layer_ms=1.0, data_plane="inprocess", run_timeout_s=30.0)
 
@@ -177,6 +179,19 @@ def test_prefill_failover_trace_is_valid(capsys: pytest.CaptureFixture[str]) -> 
     assert validate_cli.main([str(FAILOVER), "-v"]) == 0
     out = capsys.readouterr().out
     assert "valid: 4 requests, 4 valid, 0 rejected" in out
+
+
+@pytest.mark.slow
+@needs_mooncake
+def test_a_live_prefill_failover_run_is_valid(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The same row run here: a P rank killed, its requests prefilled again on the other."""
+    out = str(tmp_path / "run.jsonl")
+    res = run_cluster(ClusterConfig(requests=40, prefill_dp=2, fault="kill-prefill-rank",
+                                    retry_prefill=2, timelines_out=out))
+    assert res.dead_ranks == [1] and res.reprefills > 0 and not res.errors, res.errors
+    assert validate_cli.main([out, "--seconds", "60"]) == 0, capsys.readouterr().out
+    assert "0 rejected, 0 undecided" in capsys.readouterr().out
 
 
 def _failover_lines() -> list[dict[str, Any]]:
