@@ -58,6 +58,7 @@ class RequestVerdict:
     first: Obs | None = None  # the first recorded event no behaviour explains (rejected)
     allowed: list[str] = field(default_factory=list)  # what the model recorded there instead
     why: str = ""
+    d_seen: bool = False  # some D process recorded events of the request
 
 
 # World endpoint -> trace endpoint: ("P", world P worker: DP rank * P TP + TP rank) or
@@ -170,7 +171,9 @@ class _Projection:
     """One request's observations, per world endpoint (absent: unobserved). P engines are the
     world's DP ranks in the order of the request's attempts (one, unless the run fails over)."""
 
-    def __init__(self, trace: Trace, rid: str) -> None:
+    def __init__(self, trace: Trace, rid: str, d_before: int = 0) -> None:
+        """``d_before``: D processes of the request's engine that died before its first
+        recorded D process (they left no event of it)."""
         self.rid = rid
         per: dict[int, list[Entry]] = {}
         for n, w in enumerate(trace.workers):
@@ -204,7 +207,8 @@ class _Projection:
         for rank, ws in d_incs.items():
             firsts = sorted((min(e.t for e in per[trace.workers.index(w)]), w.incarnation)
                             for w in ws)
-            inc_of.update({(rank, inc): k + 1 for k, (_t, inc) in enumerate(firsts)})
+            inc_of.update({(rank, inc): k + 1 + d_before
+                           for k, (_t, inc) in enumerate(firsts)})
         self.d_incarnations = max(inc_of.values(), default=0)
         for n, w in enumerate(trace.workers):
             if w.role == "decode" and w.engine == d_eng and (w.rank, w.incarnation) in inc_of:
@@ -373,18 +377,35 @@ class _Search:
 
 def validate_request(trace: Trace, rid: str, max_states: int = 200_000,
                      seconds: float = 30.0) -> RequestVerdict:
-    """Search the world of request ``rid`` for a behaviour that records its observations."""
-    proj = _Projection(trace, rid)
+    """Search the world of request ``rid`` for a behaviour that records its observations. In a
+    run with crashes, a request whose recorded D events none explains is searched once more
+    with one D process before them that died (a D restart it did not see, but its P did)."""
+    deadline = time.monotonic() + seconds
+    first = _validate_once(trace, rid, max_states, deadline, 0)
+    complete = (first.outcome == "rejected"
+                or first.why == f"no behaviour within {MAX_BUDGET} faults")
+    if not complete or "crash" not in trace.faults or not first.d_seen:
+        return first  # valid, out of time or states, or no D process to put one before
+    again = _validate_once(trace, rid, max_states, deadline, 1)
+    if again.outcome == "valid":
+        again.states += first.states
+        return again
+    return first
+
+
+def _validate_once(trace: Trace, rid: str, max_states: int, deadline: float,
+                   d_before: int) -> RequestVerdict:
+    proj = _Projection(trace, rid, d_before)
     v = RequestVerdict(rid, "valid", proj.total)
+    v.d_seen = proj.d_incarnations > 0
     if proj.problem:
         v.outcome, v.why = "undecided", proj.problem
         return v
     if proj.total == 0:
         return v
-    deadline = time.monotonic() + seconds
     # With no D event recorded, the request's D may have died (no timeline) and a restart the
     # trace does not show answered it "unknown"; with events, each recorded incarnation of its
-    # D engine is one.
+    # D engine is one (and each that died before them, ``d_before``).
     restarts = (proj.d_incarnations - 1 if proj.d_incarnations
                 else 1 if "crash" in trace.faults else 0)
     last: _Search | None = None

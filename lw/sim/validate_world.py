@@ -94,8 +94,20 @@ class ValidationWorld(World):
         return (super().key(), self.routes)
 
     def enabled(self) -> list[Action]:
-        """The checker's actions, and the delivery of each routing notice in flight."""
-        return super().enabled() + [("route", *x) for x in self.routes]
+        """The checker's actions, the delivery of each routing notice in flight, and P learning
+        late of a D crash."""
+        return super().enabled() + [("route", *x) for x in self.routes] + self._late_d_lost()
+
+    def _late_d_lost(self) -> list[Action]:
+        # A heartbeat detector declares a D lost some time after its death: in a kill-decoder
+        # run P did so 1.7 s after the kill, when the new process at the same address had
+        # already allocated requests, and failed them with it. The checker's world lets P learn
+        # of a D crash only while D is down.
+        if not self.restarts or not self.p_alive:
+            return []
+        return [("d_lost", w, d) for w in range(len(self.p)) for d in range(self.cfg.d_dp)
+                if self.d_alive[d] and self.d_inc[d] > 1 and (w, d) not in self.d_lost_seen
+                and self.rank_alive(w // self.tp)]
 
     def _route(self, q: Req) -> None:
         self.routes += tuple((v, q.idx, q.p_rank, q.p_epoch) for v in self.d_workers_of(q.d_rank))
