@@ -242,3 +242,13 @@ def test_a_retry_with_no_loss_is_rejected(
     assert f"line {i + 2} " in out and "retry PREFILL_REQUESTED->PREFILL_REQUESTED" in out, out
     assert "the model allowed there: claim PREFILL_REQUESTED->RECEIVING (P prefill-dp0 rank 0)" \
         in out
+
+
+def test_a_d_crash_detected_after_the_restart_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    """One request of a kill-decoder run (2026-12-01): allocated by the restarted D, failed by P
+    for the old D's death (its heartbeats noticed it 1.7 s late), then by the new D on P's
+    FailedSending. The killed process left no timeline."""
+    path = Path(__file__).parent / "data" / "kill-decoder-late-detection.jsonl"
+    assert validate_cli.main([str(path), "--strict", "--seconds", "120"]) == 0, \
+        capsys.readouterr().out
+    assert "valid: 1 requests, 1 valid" in capsys.readouterr().out
