@@ -378,14 +378,19 @@ class _Search:
 def validate_request(trace: Trace, rid: str, max_states: int = 200_000,
                      seconds: float = 30.0) -> RequestVerdict:
     """Search the world of request ``rid`` for a behaviour that records its observations. In a
-    run with crashes, a request whose recorded D events none explains is searched once more
-    with one D process before them that died (a D restart it did not see, but its P did)."""
+    run with crashes, a request whose P declared its decoder lost where no behaviour explains it
+    is searched once more with one D process before its recorded ones that died (a D restart
+    the request did not see, but its P did)."""
     deadline = time.monotonic() + seconds
     first = _validate_once(trace, rid, max_states, deadline, 0)
     complete = (first.outcome == "rejected"
                 or first.why == f"no behaviour within {MAX_BUDGET} faults")
-    if not complete or "crash" not in trace.faults or not first.d_seen:
-        return first  # valid, out of time or states, or no D process to put one before
+    # Only where the first event left unexplained is P declaring its decoder lost: a second
+    # search costs as much as the first again (120 s for a planted failover defect otherwise).
+    late = (first.first is not None and first.first.entry.event == "fail"
+            and _reason(first.first.entry.detail) == "decoder lost:")
+    if not complete or not late or "crash" not in trace.faults or not first.d_seen:
+        return first  # valid, out of time or states, or not a D death P noticed late
     again = _validate_once(trace, rid, max_states, deadline, 1)
     if again.outcome == "valid":
         again.states += first.states
