@@ -233,12 +233,6 @@ class _Traces:
 
         name = (f"{fault}" + (f" x{decoders} decoders" if decoders > 1 else "")
                 + (f" retry-prefill {retry}" if retry else ""))
-        if retry:
-            # The validation world has one P engine: a re-prefill on another rank is outside it,
-            # and a verdict of "rejected" would blame the run for what the model lacks.
-            self.undecided += 1
-            return (f"  trace {name}: not validated: lw validate's world has no prefill "
-                    "failover (re-prefill on another P engine) yet")
         if not os.path.exists(path):
             self.rejected += 1
             return f"  trace {name}: REJECTED: no trace was written (no worker answered)"

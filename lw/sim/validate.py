@@ -14,46 +14,28 @@ states or time, or whose fault budget binds, says ``undecided``, never a verdict
 from __future__ import annotations
 
 import heapq
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lw.fsm import DecodeConfig, PrefillConfig
-from lw.fsm.settings import core_config
 from lw.fsm.timeline import Timeline
-from lw.sim.config import Action, WorldConfig
 from lw.sim.explorer import fingerprint
 from lw.sim.properties import Violation
 from lw.sim.tracefile import Entry, Trace, WorkerTrace
-from lw.sim.world import World, d_addr
+from lw.sim.validate_world import (  # noqa: F401  (re-exported: the validation world's API)
+    ValidationConfig,
+    ValidationWorld,
+    failover_run,
+    world_config,
+)
+from lw.sim.world import World
 
 # Fault budgets tried in turn. One large budget: the search takes the successors with the fewest
 # faults first, so a behaviour with few faults is still found first, and smaller budgets tried
 # before it only repeated the same states. A rejection stands only where the budget did not bind.
 BUDGETS = (16,)
 MAX_BUDGET = BUDGETS[-1]
-BIG_RING = 1 << 16
-
-
-@dataclass(frozen=True)
-class ValidationConfig(WorldConfig):
-    """The world of one recorded request: P's two retry budgets kept apart (the checker's world
-    has one, ``retries``) and every endpoint's timeline on."""
-
-    meta_attempts: int = 2
-    ack_attempts: int = 2
-    corrupt: bool = False  # landed bytes may be wrong (a fault the checker's world lacks)
-    # a live peer may be declared lost (a heartbeat detector suspecting a frozen or cut-off
-    # process; the checker's world declares only dead peers lost)
-    suspect: bool = False
-
-    def prefill_config(self) -> PrefillConfig:
-        """P's settings as the run had them, with a timeline to observe."""
-        return core_config(PrefillConfig, vars(self), timeline_entries=BIG_RING)
-
-    def decode_config(self) -> DecodeConfig:
-        """D's settings as the run had them, with a timeline to observe."""
-        return core_config(DecodeConfig, vars(self), timeline_entries=BIG_RING)
 
 
 @dataclass(frozen=True)
@@ -76,9 +58,11 @@ class RequestVerdict:
     first: Obs | None = None  # the first recorded event no behaviour explains (rejected)
     allowed: list[str] = field(default_factory=list)  # what the model recorded there instead
     why: str = ""
+    d_seen: bool = False  # some D process recorded events of the request
 
 
-# World endpoint -> trace endpoint: ("P", tp rank) or ("D", tp rank, world incarnation)
+# World endpoint -> trace endpoint: ("P", world P worker: DP rank * P TP + TP rank) or
+# ("D", TP rank, world incarnation)
 Slot = tuple
 
 
@@ -90,21 +74,51 @@ def _reason(text: str) -> str:
                      and not any(c.isdigit() for c in w)][:2])
 
 
-def _same(obs: Entry, ev: tuple) -> bool:
-    """Whether the world's timeline entry ``ev`` records the observed event ``obs``."""
+# Events whose detail names a P engine, a claim epoch or P's TP rank: these must agree, the
+# world's engine names (P, or P0, P1, ... with failover) read as the run's engines they stand
+# for. Without it an accepted DONE of the wrong engine or epoch would pass as any DONE.
+_NAMED = frozenset({"routed", "claim", "sender_done", "retry", "fence", "stale_epoch"})
+_ENGINE = re.compile(r"(?:\bto P |^P |prefill engine |prefill sender \(')([^\s',)]+)")
+_NUMBER = re.compile(r"\b(epoch|rank|current) (\d+)")
+
+
+def _named(detail: str, names: dict[str, str] | None = None, tp: int = 0) -> tuple:
+    """The engines and the numbered words (epoch, current, rank) a detail names; with ``names``
+    a world's detail, its engines translated and its P worker numbers made TP ranks."""
+    engines = _ENGINE.findall(detail)
+    if names is not None:
+        engines = [names.get(e, f"{e} (no engine of the run)") for e in engines]
+    nums = [(k, int(n) % tp if k == "rank" and tp else int(n)) for k, n in
+            _NUMBER.findall(detail)]
+    return engines, nums
+
+
+def _same(obs: Entry, ev: tuple, names: dict[str, str] | None = None, tp: int = 1) -> bool:
+    """Whether the world's timeline entry ``ev`` records the observed event ``obs`` (``names``:
+    the world's P engine names -> the run's, ``tp``: P's TP size)."""
     _t, _req, event, src, dst, detail = ev
     if (event, src, dst) != (obs.event, obs.src, obs.dst):
         return False
     d = str(detail)
     if event == "fail":  # why a request failed is the core's own text: its class must agree
         return _reason(d) == _reason(obs.detail)
+    if event in _NAMED:
+        return _named(obs.detail) == _named(d, names or {}, tp)
     # numbers (layers, chunks) must agree; other texts (addresses, counts) are the driver's
     return not (d.isdigit() and obs.detail.isdigit()) or d == obs.detail
 
 
-def _show(ev: tuple) -> str:
+def _show(ev: tuple, names: dict[str, str] | None = None, tp: int = 0) -> str:
+    """A world's timeline entry in one line, in the run's names where ``names`` gives them."""
     _t, _req, event, src, dst, detail = ev
-    return f"{event} {src}->{dst}" + (f" ({detail})" if detail != "" else "")
+    d = str(detail)
+    if names is not None and event in _NAMED:
+        d = _ENGINE.sub(lambda m: m.group(0)[:m.start(1) - m.start(0)]
+                        + names.get(m.group(1), m.group(1)), d)
+        d = _NUMBER.sub(lambda m: f"{m.group(1)} " + (str(int(m.group(2)) % tp)
+                                                      if m.group(1) == "rank" and tp
+                                                      else m.group(2)), d)
+    return f"{event} {src}->{dst}" + (f" ({d})" if d != "" else "")
 
 
 def show(e: Entry) -> str:
@@ -129,10 +143,37 @@ def _live(entries: list[Entry]) -> list[Entry]:
     return out
 
 
-class _Projection:
-    """One request's observations, per world endpoint (absent: unobserved)."""
+def _p_engines(trace: Trace, per: dict[int, list[Entry]]) -> list[str]:
+    """The P engines of one request's attempts, first attempt first: as D's routing notices
+    (by epoch) and claims name them, then any other P engine that recorded the request."""
+    d_entries = sorted((e for n, es in per.items() if trace.workers[n].role == "decode"
+                        for e in es), key=lambda e: e.t)
+    routed = sorted((int(m.group(1)), e.t, m.group(2)) for e in d_entries
+                    if e.event == "routed" and (m := _ROUTED.match(e.detail)))
+    order: dict[str, None] = {}
+    for _epoch, _t, eng in routed:
+        order.setdefault(eng, None)
+    for e in d_entries:
+        if e.event in ("claim", "sender_done"):
+            for eng in _ENGINE.findall(e.detail):
+                order.setdefault(eng, None)
+    firsts = sorted((es[0].t, trace.workers[n].engine) for n, es in per.items()
+                    if trace.workers[n].role == "prefill")
+    for _t, eng in firsts:
+        order.setdefault(eng, None)
+    return list(order)
 
-    def __init__(self, trace: Trace, rid: str) -> None:
+
+_ROUTED = re.compile(r"^epoch (\d+) to P (\S+)$")
+
+
+class _Projection:
+    """One request's observations, per world endpoint (absent: unobserved). P engines are the
+    world's DP ranks in the order of the request's attempts (one, unless the run fails over)."""
+
+    def __init__(self, trace: Trace, rid: str, d_before: int = 0) -> None:
+        """``d_before``: D processes of the request's engine that died before its first
+        recorded D process (they left no event of it)."""
         self.rid = rid
         per: dict[int, list[Entry]] = {}
         for n, w in enumerate(trace.workers):
@@ -140,20 +181,25 @@ class _Projection:
             if got:
                 per[n] = got
         self.problem = ""
-        p_engines = {trace.workers[n].engine for n in per if trace.workers[n].role == "prefill"}
+        self.engines = _p_engines(trace, per)
         d_engines = {trace.workers[n].engine for n in per if trace.workers[n].role == "decode"}
-        if len(p_engines) > 1 or len(d_engines) > 1:
-            self.problem = (f"recorded on {len(p_engines)} P and {len(d_engines)} D engines; "
-                            "the world of one request has one of each")
+        if (len(self.engines) > 1 and not failover_run(trace)) or len(d_engines) > 1:
+            self.problem = (f"recorded on {len(self.engines)} P and {len(d_engines)} D engines; "
+                            "the world of one request has one D engine, and one P engine "
+                            "unless the run has a prefill retry budget")
         self.obs: dict[Slot, list[Obs]] = {}
-        p_eng = next(iter(p_engines), None)
         d_eng = next(iter(d_engines), None)
+        tp = int(trace.shape["prefill_tp"])
         # Which slots the trace observes: every live worker of the request's engines (a worker
         # with no event of this request must record none), incarnations in order of first event.
         d_incs: dict[int, list[WorkerTrace]] = {}
         for n, w in enumerate(trace.workers):
-            if w.role == "prefill" and w.engine == p_eng:
-                self.obs[("P", w.rank)] = [Obs(w.name, e) for e in _live(per.get(n, []))]
+            if w.role == "prefill" and w.engine in self.engines:
+                slot = ("P", self.engines.index(w.engine) * tp + w.rank)
+                if slot in self.obs:
+                    self.problem = (f"P engine {w.engine} rank {w.rank} recorded by two "
+                                    "processes; P restarts are not modelled")
+                self.obs[slot] = [Obs(w.name, e) for e in _live(per.get(n, []))]
             elif w.role == "decode" and w.engine == d_eng and n in per:
                 d_incs.setdefault(w.rank, []).append(w)
         # per TP rank (each worker of a D process may carry its own incarnation number)
@@ -161,7 +207,8 @@ class _Projection:
         for rank, ws in d_incs.items():
             firsts = sorted((min(e.t for e in per[trace.workers.index(w)]), w.incarnation)
                             for w in ws)
-            inc_of.update({(rank, inc): k + 1 for k, (_t, inc) in enumerate(firsts)})
+            inc_of.update({(rank, inc): k + 1 + d_before
+                           for k, (_t, inc) in enumerate(firsts)})
         self.d_incarnations = max(inc_of.values(), default=0)
         for n, w in enumerate(trace.workers):
             if w.role == "decode" and w.engine == d_eng and (w.rank, w.incarnation) in inc_of:
@@ -181,77 +228,8 @@ def request_ids(trace: Trace) -> list[str]:
     return list(seen)
 
 
-def world_config(trace: Trace, max_faults: int, d_restarts: int) -> ValidationConfig:
-    """The world of one request of ``trace``'s run, with the fault kinds the run may have."""
-    s, p, d = trace.shape, trace.prefill, trace.decode
-    kinds = tuple(k for k in trace.faults if k not in ("corrupt", "suspect"))
-    bpr = s["blocks_per_request"]
-    return ValidationConfig(
-        dp=1, tp=s["prefill_tp"], d_dp=1, d_tp=s["decode_tp"], requests=1, layers=s["layers"],
-        blocks_per_request=bpr, d_blocks=bpr, p_blocks=bpr, chunks=s["chunks"], mla=s["mla"],
-        heads=0 if s["mla"] else s["kv_heads"], faults=True, fault_kinds=kinds,
-        corrupt="corrupt" in trace.faults, suspect="suspect" in trace.faults,
-        max_faults=max_faults, d_restarts=d_restarts, retries=max(p["meta_attempts"],
-                                                                  p["ack_attempts"]),
-        meta_attempts=p["meta_attempts"], ack_attempts=p["ack_attempts"],
-        meta_retry_s=p["meta_retry_s"], ack_retry_s=p["ack_retry_s"],
-        request_timeout_s=p["request_timeout_s"], prefill_timeout_s=d["prefill_timeout_s"],
-        lease_s=d["lease_s"], transfer_timeout_s=float(s.get("transfer_timeout_s", 5.0)),
-        kv_checksum=bool(p.get("kv_checksum", False)))
-
-
-class ValidationWorld(World):
-    """The checker's world plus one fault it does not model: bytes that land wrong (the
-    synthetic run's ``corrupt-write``), seen by D's KV checksums."""
-
-    def _fault_actions(self) -> list[Action]:
-        acts = super()._fault_actions()
-        if getattr(self.cfg, "corrupt", False) and self.cfg.kv_checksum:
-            acts += [("corrupt", v) for v in range(len(self.d))
-                     if any(k[0] == v and r >= 0 for k, r in self.d_mem.items())]
-        return acts + self._suspicions()
-
-    def _deadlines(self) -> list[tuple[float, Action]]:
-        # A write may complete after transfer_timeout_s from the core's WriteLayer: the runtime
-        # queues writes per destination, and the data plane's own timeout starts when it takes
-        # one (slow-link rows: reported ok 5.4 s after a 5 s timeout). The checker's world times
-        # out every write at that deadline; here writes do not bound the clock (one may still
-        # fail in doubt with the run's write faults).
-        return [d for d in super()._deadlines() if d[1][0] != "wto"]
-
-    def _suspicions(self) -> list[Action]:
-        if not getattr(self.cfg, "suspect", False):
-            return []
-        acts: list[Action] = []
-        if self.p_alive:
-            acts += [("suspect_d", w, d) for w in range(len(self.p)) for d in range(self.cfg.d_dp)
-                     if self.d_alive[d] and (w, d) not in self.d_lost_seen]
-            acts += [("suspect_p", v) for v in range(len(self.d))
-                     if self.d_alive[v // self.d_tp] and not self.p_lost_seen[v]]
-        return acts
-
-    def _do_suspect_d(self, i: int, d: int) -> None:
-        """P worker ``i`` declares the live D engine ``d`` lost (missed heartbeats)."""
-        self.faults_used += 1
-        self.d_lost_seen.add((i, d))
-        for v in self.d_workers_of(d):
-            self._effects(("p", i), self.p[i].peer_lost(d_addr(v), "D suspected", self.now))
-
-    def _do_suspect_p(self, v: int) -> None:
-        """D worker ``v`` declares the live P engine lost (missed heartbeats)."""
-        self.faults_used += 1
-        self.p_lost_seen[v] = True
-        self._effects(("d", v), self.d[v].peer_lost("P", "P suspected", self.now))
-
-    def _do_corrupt(self, v: int) -> None:
-        """Every block D worker ``v`` holds so far reads wrong (one sum per block and layer:
-        which of them is wrong only the checksums' detail would say)."""
-        self.faults_used += 1
-        self.d_mem = {k: (-2 if k[0] == v else r) for k, r in self.d_mem.items()}
-
-
 class _Search:
-    """Depth-first search of one request's world for a behaviour recording its observations."""
+    """Best-first search of one request's world for a behaviour recording its observations."""
 
     def __init__(self, proj: _Projection, cfg: ValidationConfig, max_states: int,
                  deadline: float) -> None:
@@ -265,6 +243,7 @@ class _Search:
         self.allowed: dict[tuple[Slot, int], set[str]] = {}  # what the world recorded instead
         self.bound = False  # some behaviour used the whole fault budget
         self.exhausted = ""
+        self.names: dict[str, str] = {}  # the world's P engine names -> the run's
 
     def _slot(self, w: World, side: str, i: int) -> Slot:
         return ("P", i) if side == "p" else ("D", i, w.d_inc[i // w.d_tp])
@@ -290,10 +269,12 @@ class _Search:
                 for ev in evs:
                     if ended and ev[2] == "layer_computed":
                         continue  # not projected after the request ended (_live)
-                    if pos[k] < len(want) and _same(want[pos[k]].entry, ev):
+                    if pos[k] < len(want) and _same(want[pos[k]].entry, ev, self.names,
+                                                    w.tp):
                         pos[k] += 1
                         continue
-                    self.allowed.setdefault((slot, pos[k]), set()).add(_show(ev))
+                    self.allowed.setdefault((slot, pos[k]), set()).add(
+                        _show(ev, self.names, w.tp))
                     ok = False
                     break
         return ok
@@ -305,15 +286,32 @@ class _Search:
             if pos[k] == len(self.proj.obs[slot]):
                 continue
             if slot[0] == "P":
-                if not w.p_alive:
+                if not w.rank_alive(slot[1] // w.tp):
                     return True
             elif w.d_inc[0] > slot[2] or (w.d_inc[0] == slot[2] and not w.d_alive[0]):
+                return True
+        return False
+
+    def _silences(self, w: World, a: tuple, pos: tuple[int, ...]) -> bool:
+        """Whether crash action ``a`` kills an endpoint with recorded events still to explain
+        (what :meth:`_silenced` would cut after it; skipped before it is paid for)."""
+        kind = a[0]
+        if kind not in ("crash_p", "crash_rank", "crash_d"):
+            return False
+        for k, slot in enumerate(self.proj.slots):
+            if pos[k] == len(self.proj.obs[slot]):
+                continue
+            if slot[0] == "P" and (kind == "crash_p" or (
+                    kind == "crash_rank" and slot[1] // w.tp == a[1])):
+                return True
+            if slot[0] == "D" and kind == "crash_d" and slot[2] == w.d_inc[0]:
                 return True
         return False
 
     def run(self) -> bool | None:
         """True: a behaviour found; False: none within the budget; None: out of states/time."""
         w0 = ValidationWorld(self.cfg)
+        self.names = {w0.p_engine(k): e for k, e in enumerate(self.proj.engines[:self.cfg.dp])}
         cloner = w0.cloner()
         cloner.table.pop(Timeline, None)  # keep the timelines: they are the observations
         pos0 = [0] * len(self.proj.slots)
@@ -323,7 +321,11 @@ class _Search:
         # behaviour with k faults before one with k + 1), and most explained first. Either alone
         # got lost somewhere: the first in the faultless space of a request whose P died
         # unobserved (24 s, kill-prefill-rank row), the second in the subtree of an early
-        # needless fault (24 s for a mix-row request the first explains in 0.1 s).
+        # needless fault (24 s for a mix-row request the first explains in 0.1 s). Ties of the
+        # second go to the newest state (depth first), not to the fewest faults: a fenced
+        # failover request waits for its one fault (the rank's crash) behind 28,000 faultless
+        # states that explain no more (P's retries of an unobserved rank before D's deadline):
+        # 52 s that way, 0.4 s (346 states) depth first.
         blob0 = cloner.dumps(w0)
         heaps: tuple[list, list] = ([(0, -sum(pos0), 0.0, 0, blob0, tuple(pos0))],
                                     [(-sum(pos0), 0, 0.0, 0, blob0, tuple(pos0))])
@@ -353,6 +355,8 @@ class _Search:
                     self.cfg.fault_kinds or self.cfg.corrupt or self.cfg.suspect):
                 self.bound = True
             for a in w.enabled():
+                if self._silences(w, a, pos):
+                    continue
                 w2 = cloner.loads(blob)
                 try:
                     w2.apply(a)
@@ -367,29 +371,51 @@ class _Search:
                 self.visited.add(key)
                 b2, n2, t2 = cloner.dumps(w2), len(self.visited), tuple(p2)
                 heapq.heappush(heaps[0], (w2.faults_used, -sum(p2), w2.now, n2, b2, t2))
-                heapq.heappush(heaps[1], (-sum(p2), w2.faults_used, w2.now, n2, b2, t2))
+                heapq.heappush(heaps[1], (-sum(p2), -n2, 0, n2, b2, t2))
         return False
 
 
 def validate_request(trace: Trace, rid: str, max_states: int = 200_000,
                      seconds: float = 30.0) -> RequestVerdict:
-    """Search the world of request ``rid`` for a behaviour that records its observations."""
-    proj = _Projection(trace, rid)
+    """Search the world of request ``rid`` for a behaviour that records its observations. In a
+    run with crashes, a request whose P declared its decoder lost where no behaviour explains it
+    is searched once more with one D process before its recorded ones that died (a D restart
+    the request did not see, but its P did)."""
+    deadline = time.monotonic() + seconds
+    first = _validate_once(trace, rid, max_states, deadline, 0)
+    complete = (first.outcome == "rejected"
+                or first.why == f"no behaviour within {MAX_BUDGET} faults")
+    # Only where the first event left unexplained is P declaring its decoder lost: a second
+    # search costs as much as the first again (120 s for a planted failover defect otherwise).
+    late = (first.first is not None and first.first.entry.event == "fail"
+            and _reason(first.first.entry.detail) == "decoder lost:")
+    if not complete or not late or "crash" not in trace.faults or not first.d_seen:
+        return first  # valid, out of time or states, or not a D death P noticed late
+    again = _validate_once(trace, rid, max_states, deadline, 1)
+    if again.outcome == "valid":
+        again.states += first.states
+        return again
+    return first
+
+
+def _validate_once(trace: Trace, rid: str, max_states: int, deadline: float,
+                   d_before: int) -> RequestVerdict:
+    proj = _Projection(trace, rid, d_before)
     v = RequestVerdict(rid, "valid", proj.total)
+    v.d_seen = proj.d_incarnations > 0
     if proj.problem:
         v.outcome, v.why = "undecided", proj.problem
         return v
     if proj.total == 0:
         return v
-    deadline = time.monotonic() + seconds
     # With no D event recorded, the request's D may have died (no timeline) and a restart the
     # trace does not show answered it "unknown"; with events, each recorded incarnation of its
-    # D engine is one.
+    # D engine is one (and each that died before them, ``d_before``).
     restarts = (proj.d_incarnations - 1 if proj.d_incarnations
                 else 1 if "crash" in trace.faults else 0)
     last: _Search | None = None
     for budget in BUDGETS:
-        cfg = world_config(trace, budget, restarts)
+        cfg = world_config(trace, budget, restarts, len(proj.engines))
         s = _Search(proj, cfg, max_states, deadline)
         found = s.run()
         v.states += len(s.visited)

@@ -1,0 +1,173 @@
+"""The world ``lw validate`` searches: the checker's world of one recorded request in the run's
+shape, with every endpoint's timeline on, plus what the checker's world leaves out and real runs
+were found to do (see docs/checker.md, "Trace validation", findings): bytes that land wrong,
+live peers suspected lost, writes that outlive their transfer timeout, and the proxy's routing
+notice reaching each D worker on its own, possibly after P's claim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lw.fsm import DecodeConfig, PrefillConfig
+from lw.fsm.settings import core_config
+from lw.sim.config import Action, WorldConfig, p_addr
+from lw.sim.request import Req
+from lw.sim.tracefile import Trace
+from lw.sim.world import World, d_addr
+
+BIG_RING = 1 << 16
+
+
+@dataclass(frozen=True)
+class ValidationConfig(WorldConfig):
+    """The world of one recorded request: P's two retry budgets kept apart (the checker's world
+    has one, ``retries``) and every endpoint's timeline on."""
+
+    meta_attempts: int = 2
+    ack_attempts: int = 2
+    corrupt: bool = False  # landed bytes may be wrong (a fault the checker's world lacks)
+    # a live peer may be declared lost (a heartbeat detector suspecting a frozen or cut-off
+    # process; the checker's world declares only dead peers lost)
+    suspect: bool = False
+    retry_prefill_avoid: str = "lost"  # D's DecodeConfig setting of the run (failover)
+
+    def prefill_config(self) -> PrefillConfig:
+        """P's settings as the run had them, with a timeline to observe."""
+        return core_config(PrefillConfig, vars(self), timeline_entries=BIG_RING)
+
+    def decode_config(self) -> DecodeConfig:
+        """D's settings as the run had them, with a timeline to observe."""
+        return core_config(DecodeConfig, vars(self), timeline_entries=BIG_RING)
+
+
+def failover_run(trace: Trace) -> bool:
+    """Whether the run had a prefill retry budget: then each P DP rank is an engine of its own
+    and a request lost with its rank is prefilled again on another (lw/sim/failover.py)."""
+    return int(trace.decode.get("retry_prefill", 0) or 0) > 0
+
+
+def world_config(trace: Trace, max_faults: int, d_restarts: int,
+                 p_engines: int = 1) -> ValidationConfig:
+    """The world of one request of ``trace``'s run, with the fault kinds the run may have.
+    ``p_engines``: how many P engines the request may meet (its first and its failover
+    targets; more than one only in a run with a prefill retry budget)."""
+    s, p, d = trace.shape, trace.prefill, trace.decode
+    kinds = tuple(k for k in trace.faults if k not in ("corrupt", "suspect"))
+    retry = int(d.get("retry_prefill", 0) or 0)
+    if retry and "crash" in kinds:
+        # With failover each P DP rank is a process of its own: a crashed P process is one
+        # rank (rank-crash), while its peers live and take over its requests.
+        kinds += ("rank-crash",)
+    bpr = s["blocks_per_request"]
+    return ValidationConfig(
+        dp=max(p_engines, 2) if retry else 1, tp=s["prefill_tp"], d_dp=1, d_tp=s["decode_tp"],
+        requests=1, layers=s["layers"],
+        blocks_per_request=bpr, d_blocks=bpr, p_blocks=bpr, chunks=s["chunks"], mla=s["mla"],
+        heads=0 if s["mla"] else s["kv_heads"], faults=True, fault_kinds=kinds,
+        corrupt="corrupt" in trace.faults, suspect="suspect" in trace.faults,
+        max_faults=max_faults, d_restarts=d_restarts, retries=max(p["meta_attempts"],
+                                                                  p["ack_attempts"]),
+        meta_attempts=p["meta_attempts"], ack_attempts=p["ack_attempts"],
+        meta_retry_s=p["meta_retry_s"], ack_retry_s=p["ack_retry_s"],
+        request_timeout_s=p["request_timeout_s"], prefill_timeout_s=d["prefill_timeout_s"],
+        lease_s=d["lease_s"], transfer_timeout_s=float(s.get("transfer_timeout_s", 5.0)),
+        kv_checksum=bool(p.get("kv_checksum", False)), retry_prefill=retry,
+        retry_prefill_avoid=str(d.get("retry_prefill_avoid", "lost")))
+
+
+class ValidationWorld(World):
+    """The checker's world plus what runs were found to do that it leaves out: bytes that land
+    wrong (``corrupt``), live peers suspected lost (``suspect``), writes that do not bound the
+    clock, and routing notices delivered to each D worker on their own."""
+
+    def __init__(self, cfg: WorldConfig) -> None:
+        super().__init__(cfg)
+        # Routing notices in flight: (D worker, request, P rank, claim epoch). The proxy tells
+        # D where it sent a prefill by a message of its own to the D process, whose TP workers
+        # each take it in their own loop; P, started at the same moment, may claim first (the
+        # D TP 2 flake of issue 20). The checker's world routes in the same action as the start.
+        self.routes: tuple[tuple[int, int, int, int], ...] = ()
+
+    def key(self) -> tuple:
+        """The checker's state key and the routing notices in flight."""
+        return (super().key(), self.routes)
+
+    def enabled(self) -> list[Action]:
+        """The checker's actions, the delivery of each routing notice in flight, and P learning
+        late of a D crash."""
+        return super().enabled() + [("route", *x) for x in self.routes] + self._late_d_lost()
+
+    def _late_d_lost(self) -> list[Action]:
+        # A heartbeat detector declares a D lost some time after its death: in a kill-decoder
+        # run P did so 1.7 s after the kill, when the new process at the same address had
+        # already allocated requests, and failed them with it. The checker's world lets P learn
+        # of a D crash only while D is down.
+        if not self.restarts or not self.p_alive:
+            return []
+        return [("d_lost", w, d) for w in range(len(self.p)) for d in range(self.cfg.d_dp)
+                if self.d_alive[d] and self.d_inc[d] > 1 and (w, d) not in self.d_lost_seen
+                and self.rank_alive(w // self.tp)]
+
+    def _route(self, q: Req) -> None:
+        self.routes += tuple((v, q.idx, q.p_rank, q.p_epoch) for v in self.d_workers_of(q.d_rank))
+
+    def _do_route(self, v: int, r: int, rank: int, epoch: int) -> None:
+        """D worker ``v`` learns where epoch ``epoch`` of request ``r`` was sent."""
+        self.routes = tuple(x for x in self.routes if x != (v, r, rank, epoch))
+        self._effects(("d", v), self.d[v].prefill_routed(
+            self.reqs[r].rid, self.p_engine(rank), p_addr(rank * self.tp), epoch, self.now))
+
+    def _do_crash_d(self, d: int) -> None:
+        super()._do_crash_d(d)
+        # the notices were for the dead process: a new one never gets them
+        self.routes = tuple(x for x in self.routes if x[0] // self.d_tp != d)
+
+    def _fault_actions(self) -> list[Action]:
+        acts = super()._fault_actions()
+        if getattr(self.cfg, "corrupt", False) and self.cfg.kv_checksum:
+            acts += [("corrupt", v) for v in range(len(self.d))
+                     if any(k[0] == v and r >= 0 for k, r in self.d_mem.items())]
+        return acts + self._suspicions()
+
+    def _deadlines(self) -> list[tuple[float, Action]]:
+        # A write may complete after transfer_timeout_s from the core's WriteLayer: the runtime
+        # queues writes per destination, and the data plane's own timeout starts when it takes
+        # one (slow-link rows: reported ok 5.4 s after a 5 s timeout). The checker's world times
+        # out every write at that deadline; here writes do not bound the clock (one may still
+        # fail in doubt with the run's write faults).
+        return [d for d in super()._deadlines() if d[1][0] != "wto"]
+
+    def _suspicions(self) -> list[Action]:
+        if not getattr(self.cfg, "suspect", False):
+            return []
+        acts: list[Action] = []
+        if self.p_alive:
+            acts += [("suspect_d", w, d) for w in range(len(self.p)) for d in range(self.cfg.d_dp)
+                     if self.d_alive[d] and (w, d) not in self.d_lost_seen
+                     and self.rank_alive(w // self.tp)]
+            acts += [("suspect_p", v) for v in range(len(self.d))
+                     if self.d_alive[v // self.d_tp] and not self.p_lost_seen[v]]
+        return acts
+
+    def _do_suspect_d(self, i: int, d: int) -> None:
+        """P worker ``i`` declares the live D engine ``d`` lost (missed heartbeats)."""
+        self.faults_used += 1
+        self.d_lost_seen.add((i, d))
+        for v in self.d_workers_of(d):
+            self._effects(("p", i), self.p[i].peer_lost(d_addr(v), "D suspected", self.now))
+
+    def _do_suspect_p(self, v: int) -> None:
+        """D worker ``v`` declares the live P engine lost (missed heartbeats); with failover,
+        every P engine (one suspicion of each would be finer, and cost states)."""
+        self.faults_used += 1
+        self.p_lost_seen[v] = True
+        for i in range(self.cfg.dp) if self.p_engine(0) != "P" else (0,):
+            self._effects(("d", v), self.d[v].peer_lost(self.p_engine(i), "P suspected",
+                                                        self.now))
+
+    def _do_corrupt(self, v: int) -> None:
+        """Every block D worker ``v`` holds so far reads wrong (one sum per block and layer:
+        which of them is wrong only the checksums' detail would say)."""
+        self.faults_used += 1
+        self.d_mem = {k: (-2 if k[0] == v else r) for k, r in self.d_mem.items()}
