@@ -111,6 +111,7 @@ def test_d_refuses_what_it_cannot_slice(args: tuple, fragment: str) -> None:  # 
 @pytest.mark.parametrize(("args", "fragment"), [
     (([1] * 7, 100, -1, 0, 0, 16), "tokens done"),
     (([1] * 7, 0, 0, 0, 0, 16), "tokens done"),
+    (([1] * 7, 100, 50, 0, 0, 0), "tokens done"),  # block size 0: refused, not divided by
     (([1] * 7, 100, 50, 5, 3, 16), "D holds 5 and P pushed 3"),
     (([1] * 3, 100, 64, 0, 0, 16), "block table of 3"),
 ])
@@ -220,9 +221,13 @@ def test_the_push_cursor_announces_what_the_cores_accept_and_the_tokens_say(
     assert [type(e).__name__ for e in pair.recv] == ["RecvDone"]
 
 
+def test_every_block_held_by_d_or_pushed_already_leaves_nothing_to_push() -> None:
+    assert blocks_to_push([1] * 7, 100, 100, 3, 4, 16) == ()
+
+
 def test_a_stopped_push_pushes_nothing_more_and_only_a_started_one_needs_stopping() -> None:
     c = PushCursor(0)
-    assert not c.stop()  # nothing pushed yet: the workers do not hold it
+    assert c.stop() is False  # nothing pushed yet: the workers do not hold it
     assert c.chunk([1, 2, 3], 48, 16, 16, lambda: True) == Push((1,), True, False)
     assert c.chunk([1, 2, 3], 48, 20, 16, lambda: True) is None  # completes no block
     assert c.stop() and not c.stop()

@@ -155,6 +155,17 @@ def test_the_budget_bounds_the_retries_then_the_old_failure_path() -> None:
     assert "P1 lost" in pair.recv[0].reason
 
 
+def test_only_a_live_request_with_a_route_has_its_p_watched() -> None:
+    """Before the driver says where the prefill went there is no P to watch; once the request
+    has ended, its route is no one's concern either."""
+    pair = _pair()
+    assert pair.d.awaited_peers() == {}  # allocated, not routed yet
+    _start(pair, 0)
+    assert pair.d.awaited_peers() == {pair.ps[0].me.addr: "P0"}
+    pair.absorb("d", pair.d.abort("r", "client went away", 0.5))
+    assert pair.d.awaited_peers() == {}
+
+
 def test_without_a_budget_a_lost_p_fails_the_request_as_before() -> None:
     """A claimed request fails at its P's loss; an unclaimed one is not watched (its deadline
     decides, as before: a partition that heals in time lets its P finish it)."""
