@@ -200,6 +200,9 @@ def test_snapshot_rules_name_real_fields() -> None:
         w.apply(w.enabled()[0])
     samples = {type(w.p[0]): w.p[0], type(w.d[0]): w.d[0]}
     for ep in (w.p[0], w.d[0]):
+        for part in vars(ep).values():  # parts the endpoint is made of (P's layouts)
+            if type(part).__module__.startswith("lw.fsm."):
+                samples.setdefault(type(part), part)
         for rec in list(getattr(ep, "_reqs", {}).values()):
             samples[type(rec)] = rec
             for t in getattr(rec, "targets", []):

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-import lw.fsm.prefill as prefill
+import lw.fsm.prefill_layouts as layouts
 import lw.sim.datapath as datapath
 from lw.sim.config import WorldConfig
 from lw.sim.explorer import explore
@@ -57,7 +57,7 @@ CFG = WorldConfig(dp=1, tp=2, requests=1, layers=1)  # P TP 2 into D TP 1: two s
 def test_a_wrong_head_offset_in_kvmap_is_caught_by_the_worlds_placement(
         monkeypatch: pytest.MonkeyPatch) -> None:
     assert explore(CFG, max_seconds=60).counterexample is None
-    monkeypatch.setattr(prefill, "block_segments", _dst_from_p_heads(prefill.block_segments))
+    monkeypatch.setattr(layouts, "block_segments", _dst_from_p_heads(layouts.block_segments))
     ce = explore(CFG, max_seconds=60).counterexample
     assert ce is not None and ce.violation.prop == "kv-placement", ce and ce.violation
     assert "P's head 1 into the slot of D's head 0" in ce.violation.message
@@ -65,7 +65,7 @@ def test_a_wrong_head_offset_in_kvmap_is_caught_by_the_worlds_placement(
 
 def test_without_its_own_model_the_world_passed_that_offset(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prefill, "block_segments", _dst_from_p_heads(prefill.block_segments))
+    monkeypatch.setattr(layouts, "block_segments", _dst_from_p_heads(layouts.block_segments))
     monkeypatch.setattr(datapath, "write_problem", lambda *a: "")
     res = explore(CFG, max_seconds=60)
     assert res.counterexample is None and res.complete

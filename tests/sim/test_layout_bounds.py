@@ -1,6 +1,6 @@
 """P never writes past the end of D's block pool, nor with a layout of another size (issue 12, 7).
 
-Sampled mutants of ``PrefillEndpoint._accept_layout`` survived every test: nothing gave P a
+Sampled mutants of P's layout check (``Layouts.check``) survived every test: nothing gave P a
 D layout that registers fewer blocks or another number of layers than P expects. These tests
 pin the boundary on the endpoint itself, run the checker on a misconfigured D (its layout
 registers fewer blocks or more layers than its pool and model), and show that the world's
@@ -13,6 +13,7 @@ import pytest
 
 from lw.fsm import PrefillEndpoint, PrefillRequest, Send, WriteLayer
 from lw.fsm.lifecycles import FAILED
+from lw.fsm.prefill_layouts import Layouts, Segments
 from lw.sim.config import WorldConfig
 from lw.sim.explorer import explore
 from lw.transport.wire import KVLayout, LayerLayout, MetaReply, Sender
@@ -75,15 +76,14 @@ def test_a_misconfigured_d_fails_requests_cleanly(kw: dict) -> None:
 def test_layout_match_catches_a_p_that_accepts_any_layout(kw: dict,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The mutants: P's layout check returns "" (the block bound or the layer count dropped)."""
-    real = PrefillEndpoint._accept_layout
+    real = Layouts.check
 
-    def lax(self: PrefillEndpoint, rec: object, t: object, layout: KVLayout) -> str:
-        problem = real(self, rec, t, layout)  # type: ignore[arg-type]
-        if problem:
-            t.layout, t.segs = layout, (None,) * self.num_layers  # type: ignore[attr-defined]
-        return ""
+    def lax(self: Layouts, addr: str, layout: KVLayout, remote_blocks: tuple[int, ...]
+            ) -> tuple[Segments | None, str]:
+        segs, problem = real(self, addr, layout, remote_blocks)
+        return (segs if segs is not None else (None,) * self.num_layers), ""
 
-    monkeypatch.setattr(PrefillEndpoint, "_accept_layout", lax)
+    monkeypatch.setattr(Layouts, "check", lax)
     res = explore(WorldConfig(**kw))
     ce = res.counterexample
     assert ce is not None and ce.violation.prop == "layout-match", ce and ce.violation.headline()
