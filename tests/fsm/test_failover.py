@@ -144,6 +144,41 @@ def test_messages_of_an_old_epoch_never_count() -> None:
     assert d.state_of("r") == PREFILL_REQUESTED and not pair.recv
 
 
+def test_a_budget_of_two_retries_twice_and_each_retry_says_why() -> None:
+    """Each loss spends one retry (two losses, two new epochs, the third fails), the retry
+    carries the loss's reason, the new epoch watches no P until it is routed, and the old
+    epoch's deadline is cancelled when the request is fenced."""
+    pair = _pair(retry=2)
+    _start(pair, 0)
+    pair.absorb("d", pair.d.peer_lost("P0", "P0 went silent", 0.0))
+    (rp,) = _reprefills(pair)
+    assert rp.epoch == 1 and "P0 went silent" in rp.reason
+    assert pair.d.awaited_peers() == {}  # epoch 1 not routed yet: the lost P is not watched
+    _start(pair, 1, epoch=1)
+    pair.deliver_all()  # P1 claims epoch 1
+    pair.absorb(1, pair.ps[1].layer_computed(0, ["r"], pair.now))  # a write in flight
+    pair.other.clear()
+    pair.absorb("d", pair.d.peer_lost("P1", "P1 went silent", 1.0))
+    assert pair.d.state_of("r") == FENCING
+    assert ("d", ("deadline", "r")) not in pair.timers  # the lease decides now
+    pair.complete_writes()
+    pair.deliver_all()  # P1 confirms it stopped: epoch 2 at once
+    assert [r.epoch for r in _reprefills(pair)] == [2]
+    pair.absorb("d", pair.d.prefill_routed("r", "P0", pair.ps[0].me.addr, 2, 2.0))
+    pair.absorb("d", pair.d.peer_lost("P0", "again", 2.0))
+    assert pair.d.state_of("r") != PREFILL_REQUESTED and len(_reprefills(pair)) == 1
+
+
+def test_a_message_of_another_epoch_is_in_the_timeline() -> None:
+    pair = _pair()
+    d = pair.d
+    pair.absorb("d", d.prefill_routed("r", "P0", f"{P_ADDR}/0", 0, 0.0))
+    pair.absorb("d", d.peer_lost("P0", "lost", 0.0))
+    old = Sender("P0", 0, 1, f"{P_ADDR}/0")
+    d.on_message(DoneSending(PROTOCOL_VERSION, "r", old, 1, L, num_blocks=2), 1.0)
+    assert [e[2] for e in d.timeline.ring if e[1] == "r"][-1] == "stale_epoch"
+
+
 def test_the_budget_bounds_the_retries_then_the_old_failure_path() -> None:
     pair = _pair(retry=1)
     _start(pair, 0)
