@@ -37,6 +37,7 @@ from lw.fsm.lifecycles import (
 )
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import (
+    MAX_TEXT,
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
@@ -257,7 +258,7 @@ class DecodeEndpoint(LifecycleEndpoint):
         self._fire(rec, "fence", now, reason)
         for sender in pending:
             out.append(Send(sender.addr, Abort(PROTOCOL_VERSION, rec.req_id, self.me,
-                                               reason[:1024], rec.epoch)))
+                                               reason[:MAX_TEXT], rec.epoch)))
         rec.deadline = now + self.config.lease_s
         out.append(ArmTimer(("lease", rec.req_id), rec.deadline))
 
@@ -278,7 +279,7 @@ class DecodeEndpoint(LifecycleEndpoint):
         self.counters["reprefills"] += 1
         rec.deadline = now + self.config.prefill_timeout_s
         out.append(ArmTimer(("deadline", rec.req_id), rec.deadline))
-        out.append(Reprefill(rec.req_id, rec.epoch, rec.blocks, rec.avoid, rec.reason[:1024],
+        out.append(Reprefill(rec.req_id, rec.epoch, rec.blocks, rec.avoid, rec.reason[:MAX_TEXT],
                              fenced))
 
     def _other_epoch(self, rec: DecodeRecord, epoch: int, now: float) -> bool:
@@ -309,7 +310,7 @@ class DecodeEndpoint(LifecycleEndpoint):
     def _reply(self, msg: MetaRequest, status: str, reason: str = "",
                layout: KVLayout | None = None) -> Send:
         return Send(msg.sender.addr, MetaReply(PROTOCOL_VERSION, msg.req_id, status, self.me,
-                                               layout, reason[:1024], msg.epoch))
+                                               layout, reason[:MAX_TEXT], msg.epoch))
 
     def _on_meta_request(self, msg: MetaRequest, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
@@ -493,6 +494,10 @@ class DecodeEndpoint(LifecycleEndpoint):
         if rec is None or msg is None or not isinstance(ask, SumBlocks):
             raise ProtocolError("decode", ask.req_id, rec.state if rec else "UNKNOWN", "sums",
                                 "checksums nobody asked for")
+        if len(answer.sums) != len(ask.plans):
+            raise ProtocolError("decode", ask.req_id, rec.state, "sums",
+                                f"sums for {len(answer.sums)} senders, asked for "
+                                f"{len(ask.plans)}")
         rec.asked = None
         key = (msg.sender.engine_id, msg.sender.rank)
         local = {plan.sender: [c for layer in sums for c in layer]
@@ -596,7 +601,7 @@ class DecodeEndpoint(LifecycleEndpoint):
             return
         out.append(Quarantine(rec.req_id, rec.blocks, reason))
         for sender in pending:
-            abort = Abort(PROTOCOL_VERSION, rec.req_id, self.me, reason[:1024], rec.epoch)
+            abort = Abort(PROTOCOL_VERSION, rec.req_id, self.me, reason[:MAX_TEXT], rec.epoch)
             out.append(Send(sender.addr, abort))
         if not fenced:
             rec.deadline = now + self.config.lease_s

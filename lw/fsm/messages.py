@@ -12,13 +12,14 @@ from typing import Annotated, Literal
 import msgspec
 
 MAX_TIMELINE = 100_000  # timeline entries one StatusQuery may ask for
+MAX_TEXT = 1024  # longest reason or other free text a message carries (senders cut theirs)
 # 2: KVFormat in layouts and claims (heterogeneous TP, MLA); 3: a claim names the D blocks;
 # 4: claims, DONEs, failures, aborts and their acks carry the claim epoch (prefill failover)
 PROTOCOL_VERSION = 4
 
 # Bounds that make absurd values a decode error rather than a problem for the core.
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-_Text = Annotated[str, msgspec.Meta(max_length=1024)]
+_Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 _Rank = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 _Count = Annotated[int, msgspec.Meta(ge=1, le=65536)]
 _Addr = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # msgspec bounds are int64

@@ -44,6 +44,7 @@ from lw.fsm.lifecycles import (
 )
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import (
+    MAX_TEXT,
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
@@ -607,7 +608,7 @@ class PrefillEndpoint(LifecycleEndpoint):
                 if t.claimed:
                     out.append(Send(t.addr, FailedSending(
                         PROTOCOL_VERSION, rid, self.me, rec.req.expected_senders,
-                        rec.reason[:1024], rec.in_doubt, rec.req.epoch)))
+                        rec.reason[:MAX_TEXT], rec.in_doubt, rec.req.epoch)))
         for addr in rec.abort_acks:
             out.append(Send(addr, AbortAck(PROTOCOL_VERSION, rid, self.me, known=True,
                                            in_doubt=rec.in_doubt, epoch=rec.req.epoch)))

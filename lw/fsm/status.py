@@ -16,7 +16,7 @@ from lw.fsm.lifecycles import (
     PREFILL_REQUESTED,
     RECEIVING,
 )
-from lw.fsm.messages import RequestStatus, Sender
+from lw.fsm.messages import MAX_TEXT, RequestStatus, Sender
 
 if TYPE_CHECKING:
     from lw.fsm.decode_request import DecodeConfig
@@ -80,7 +80,7 @@ def prefill_row(ep: PrefillEndpoint, rec: PReq, now: float) -> RequestStatus:
     else:
         what = "done; releasing"
     return RequestStatus(
-        req_id=rec.req.req_id, state=st, in_state_s=now - rec.since, waiting_for=what[:1024],
+        req_id=rec.req.req_id, state=st, in_state_s=now - rec.since, waiting_for=what[:MAX_TEXT],
         deadline_in_s=rec.deadline - now, blocks=len(rec.local), peers=peers[:64],
         layers_done=rec.sent, layers_total=total,
         stuck=now - rec.since > cfg.stuck_fraction * prefill_span(ep, rec))
@@ -114,7 +114,7 @@ def decode_row(ep: DecodeEndpoint, rec: DReq, now: float) -> RequestStatus:
                 f"({rec.reason}); waiting for FailedSending/AbortAck from {_join(names)} or "
                 "the lease")
     return RequestStatus(
-        req_id=rec.req_id, state=st, in_state_s=now - rec.since, waiting_for=what[:1024],
+        req_id=rec.req_id, state=st, in_state_s=now - rec.since, waiting_for=what[:MAX_TEXT],
         deadline_in_s=rec.deadline - now, blocks=len(rec.blocks), peers=peers[:64],
         quarantined=st in (FAILED, FENCING),
         stuck=now - rec.since > cfg.stuck_fraction * decode_span(ep, rec))

@@ -482,3 +482,107 @@ def test_rows_count_stuck_time_from_entering_the_state_not_from_zero() -> None:
     for ep in (pair.ps[0], pair.d):
         assert [r.stuck for r in ep.status(105.0)] == [False]
         assert [r.stuck for r in ep.status(105.5)] == [True]
+
+
+# ------------------------------------------------------- survivors of the 2026-12-01/02 runs
+def test_the_wire_carries_a_reason_of_1024_characters_and_senders_cut_longer_ones() -> None:
+    """1,024 characters is the protocol's bound on free text (peers of this version send up to
+    it): such a text crosses the wire, a longer one is refused there, and D cuts a longer
+    reason to it before it sends the Abort that fences a lost P."""
+    from lw.fsm.messages import MAX_TEXT, Abort
+
+    assert decode(encode(Abort(PROTOCOL_VERSION, "r", d_sender(), "x" * 1024))).reason == "x" * 1024
+    with pytest.raises(WireError):
+        decode(encode(Abort(PROTOCOL_VERSION, "r", d_sender(), "x" * 1025)))
+    assert MAX_TEXT == 1024
+    pair = make_pair(dcfg=DecodeConfig(retry_prefill=1, lease_s=30.0))
+    start(pair)
+    pair.deliver_all()  # claimed
+    pair.absorb("d", pair.d.prefill_routed("r1", "P", P_ADDR + "/0", 0, pair.now))
+    pair.absorb("d", pair.d.peer_lost("P", "y" * 3000, 1.0))
+    (abort,) = [s.msg for s in pair.queue if s.dest == P_ADDR + "/0"]
+    assert len(abort.reason) == 1024 and abort.reason.endswith("y" * 900)
+    decode(encode(abort))
+
+
+def test_a_wrong_claim_names_at_most_16_of_its_blocks() -> None:
+    pair = make_pair()
+    start(pair)
+    for n, shown in ((16, "115] (16)"), (17, "115, ...] (17)")):
+        msg = MetaRequest(PROTOCOL_VERSION, "r1", p_sender(), want_layout=False,
+                          blocks=tuple(range(100, 100 + n)))
+        (reply,) = [e.msg for e in pair.d.on_message(msg, pair.now) if isinstance(e, Send)]
+        assert reply.status != "accepted" and f"[100, 101, 102, 103, 104, 105, 106, 107, 108, " \
+            f"109, 110, 111, 112, 113, 114, {shown}" in reply.reason
+
+
+def _done_unsent(pair: Pair, checksums: list[int] | None = None) -> DoneSending:
+    """Run r1 until P's DONE is queued; take it out of the queue, undelivered (with
+    ``checksums`` in place of P's: D's own sums are the test's to give)."""
+    from msgspec.structs import replace
+
+    start(pair)
+    pair.deliver_all()
+    compute_all(pair)
+    pair.complete_writes()
+    (done,) = [s for s in pair.queue if isinstance(s.msg, DoneSending)]
+    pair.queue.remove(done)
+    msg = done.msg if checksums is None else replace(done.msg, checksums=checksums)
+    return decode(encode(msg))
+
+
+def test_checksums_are_answered_once_and_for_every_sender_asked() -> None:
+    from lw.fsm import SumBlocks, Sums
+
+    pair = make_pair(dcfg=DecodeConfig(kv_checksum=True))
+    done = _done_unsent(pair, [7] * 9)
+    (ask,) = [e for e in pair.d.on_message(done, pair.now) if isinstance(e, SumBlocks)]
+    with pytest.raises(ProtocolError, match="sums for 2 senders, asked for 1"):
+        pair.d.on_sums(Sums(ask, ((), ())), pair.now)
+    pair.d.on_sums(Sums(ask, (((6,) * 9,),)), pair.now)  # a mismatch: FAILED, still held
+    assert pair.d.state_of("r1") == "FAILED"
+    with pytest.raises(ProtocolError, match="nobody asked"):
+        pair.d.on_sums(Sums(ask, ((tuple(done.checksums),),)), pair.now)
+
+
+def test_a_done_whose_checksums_differ_is_refused_to_its_sender() -> None:
+    pair = make_pair(dcfg=DecodeConfig(kv_checksum=True))
+    done = _done_unsent(pair, [7] * 9)
+    bad = [6] * 9
+    acks = [s.msg for s in done_to_d(pair.d, done, pair.now, bad) if isinstance(s, Send)
+            and isinstance(s.msg, Ack)]
+    assert [(a.of, a.accepted, s) for a, s in zip(acks, [P_ADDR + "/0"], strict=True)] == [
+        ("done", False, P_ADDR + "/0")]
+    assert pair.d.state_of("r1") == "FAILED"
+
+
+def test_a_done_that_crosses_the_fence_ends_it_at_once_and_is_in_the_timeline() -> None:
+    """P's DONE was on its way when D lost P and fenced the epoch: it is refused, recorded as
+    its sender's last word, and, as that sender can write no more, the retry starts at once
+    rather than after the lease."""
+    from lw.fsm import Reprefill
+
+    pair = make_pair(dcfg=DecodeConfig(retry_prefill=1, lease_s=30.0))
+    done = _done_unsent(pair)
+    pair.absorb("d", pair.d.prefill_routed("r1", "P", P_ADDR + "/0", 0, pair.now))
+    pair.absorb("d", pair.d.peer_lost("P", "heartbeats lost", 1.0))
+    assert pair.d.state_of("r1") == "FENCING"
+    out = pair.d.on_message(done, 1.5)
+    assert [(a.of, a.accepted) for a in (s.msg for s in out if isinstance(s, Send))] == [
+        ("done", False)]
+    assert [e.epoch for e in out if isinstance(e, Reprefill)] == [1]
+    assert ("sender_done", "FENCING", "FENCING") in [e[2:5] for e in pair.d.timeline.of("r1")]
+
+
+def test_a_failure_report_after_d_failed_is_answered_not_accepted() -> None:
+    pair = make_pair(dcfg=DecodeConfig(prefill_timeout_s=5.0, lease_s=30.0))
+    start(pair)
+    pair.deliver_all()  # claimed
+    pair.absorb(0, pair.ps[0].layer_computed(0, ["r1"], pair.now))  # a write in flight
+    pair.d.on_timer(("deadline", "r1"), 6.0)  # D fails it; its Abort to P is lost
+    assert pair.d.state_of("r1") == "FAILED"
+    pair.complete_writes(ok=False, reason="peer unreachable")  # P fails on its own
+    (failed,) = [s for s in pair.queue if isinstance(s.msg, FailedSending)]
+    out = pair.d.on_message(decode(encode(failed.msg)), 6.0)
+    assert [(s.dest, s.msg.of, s.msg.accepted) for s in out if isinstance(s, Send)] == [
+        (P_ADDR + "/0", "failed", False)]
