@@ -214,7 +214,8 @@ class LwConfig:
         "lost", "D",
         "which P engines a retry avoids: `\"lost\"` (each one lost for this request; the proxy "
         "answers 503 when no other prefill server is left) or `\"none\"` (any P, e.g. one "
-        "restarted behind the same address)")
+        "restarted behind the same address; the proxy still tries a server the request has not "
+        "tried first, as the last one may still hold the old attempt and refuse its transfer id)")
     heartbeat_s: float = _key(
         0.5, "both",
         "liveness probes to the peers that live requests need (batched per peer, answered by the "

@@ -49,14 +49,21 @@ def route_fields(sub: SubPrefill) -> dict[str, Any]:
 def _choose(state: ProxyState, tr: Transfer, sub: SubPrefill, avoid: set[str]) -> Backend:
     """A prefill server for the next attempt: none whose engine D avoids, nor (when D avoids
     any) an earlier attempt's server whose engine the proxy never learned (it may be the lost
-    one); among the rest, the usual pick. ValueError if none is left."""
+    one); among the rest, one this sub-transfer has not tried if there is one, else not the
+    last attempt's server if there is one, then the usual pick. ValueError if none is left."""
     cands = list(state.prefills)
     if tr.prefill_target is not None and tr.prefill_target not in cands:
         cands.insert(0, tr.prefill_target)  # sidecar: the server the request named
     banned = {b for b in cands if b.engines.keys() & avoid}
     if avoid:
         banned |= {b for b in (*sub.tried, sub.backend) if not b.engines}
-    return state.pick(cands, exclude=banned)
+    # With nothing to avoid (retry_prefill_avoid "none") the last attempt's server may still
+    # hold that attempt (its abort drains the writes in flight) and would refuse the same
+    # transfer id until then: the request would wait for D's deadline. Another server first.
+    for prefer in ({*sub.tried, sub.backend}, {sub.backend}, set()):
+        if any(b not in banned and b not in prefer for b in cands):
+            return state.pick(cands, exclude=banned | prefer)
+    raise ValueError("no prefill server left outside the engines to avoid")
 
 
 def reprefill(state: ProxyState, tr: Transfer, msg: dict[str, Any]) -> tuple[int, dict[str, Any]]:

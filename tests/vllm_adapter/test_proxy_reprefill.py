@@ -277,7 +277,13 @@ def test_choose_skips_avoided_engines_and_earlier_servers_of_unknown_engine() ->
         a.in_flight = b.in_flight = 0
         c.in_flight = 9  # the usual pick would never take c
         assert _choose(state, tr, sub, {"eng-a"}) is c
-        assert _choose(state, tr, sub, set()) in (a, b)  # avoid "none": any, least loaded
+        # avoid "none": an untried server first (the last one may still hold its attempt and
+        # refuse the transfer id), then an earlier one, the last attempt's server last
+        assert _choose(state, tr, sub, set()) is c
+        assert _choose(state, tr, SubPrefill("t@0", b, tried=(a, c)), set()) is a
+        state.prefills[:] = [b]
+        assert _choose(state, tr, SubPrefill("t@0", b, tried=()), set()) is b
+        state.prefills[:] = [a, b, c]
         with pytest.raises(ValueError):
             _choose(state, tr, SubPrefill("t@0", c, tried=(a, b)), {"eng-a"})
         await state.aclose()
