@@ -1,9 +1,11 @@
 """End to end on real engines, for deployment shapes beyond a dense model at equal TP.
 
-Always run: an MLA model (DeepSeek-V2-style latent KV) P -> D; lw as the only connector inside
-vLLM's MultiConnector on both sides (its ``lw_*`` series must reach /metrics through it: until lw
-registered itself with vLLM's connector factory, MultiConnector's stats path raised "Connector
-'LwConnector' is not registered" in the API server and the server died at its first request).
+Always run, in one cluster (engines are this suite's cost: a shape of its own took about four
+minutes here): an MLA model (DeepSeek-V2-style latent KV) P -> D, with lw as the only connector
+inside vLLM's MultiConnector on both sides (its ``lw_*`` series must reach /metrics through it:
+until lw registered itself with vLLM's connector factory, MultiConnector's stats path raised
+"Connector 'LwConnector' is not registered" in the API server and the server died at its first
+request). A dense model with lw as vLLM's connector itself is tests/vllm_adapter/test_e2e.py's.
 
 The oracle (lw.vllm_adapter.oracle, the demo's too) means "same KV, same model", in two parts:
 - bytes: lw's KV checksums are on in every cluster here (``kv_checksum`` on P and D): D checks
@@ -62,8 +64,8 @@ from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SHAPES: dict[str, dict[str, Any]] = {"mla": {"kind": "mla"},
-                                     "multi-connector": {"multi_connector": True}}
+SHAPES: dict[str, dict[str, Any]] = {"mla-multi-connector": {"kind": "mla",
+                                                             "multi_connector": True}}
 if os.environ.get("LW_E2E_SHAPES") == "all":  # more workers than cores: see the docstring
     SHAPES |= {
         "p_tp2-d_tp1": {"p_tp": 2, "d_tp": 1},
