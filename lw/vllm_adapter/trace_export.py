@@ -21,6 +21,8 @@ This is the one place a vLLM run's requests are mapped to the checker's world of
   last_chunk) and steps that complete no new block are no chunks of the core's. A request
   released before its last chunk (it failed) gets its remaining blocks as one more chunk: the core
   records nothing of the chunks after its release, so any split of them explains the same events.
+  A request prefilled again on another P engine (``retry_prefill``) has its first attempt's
+  chunks: the world splits every attempt alike (an attempt chunked otherwise is rejected there).
 - Its layers are the KV cache's planes, which P reports computed one by one: one per model layer
   on vLLM-CPU (lw.vllm_adapter.demo.block_layer_bytes).
 
@@ -50,31 +52,35 @@ def request_shapes(workers: list[WorkerTrace]) -> tuple[dict[str, RequestShape],
     """Each request's shape in the core, from what P's and D's cores recorded of it (see the
     module docstring), and the problems found: P's workers or P and D disagreeing on it."""
     sent: dict[str, int] = {}  # D: blocks allocated for P to write
-    chunks: dict[str, tuple[list[int], int]] = {}  # P: blocks per announced chunk, blocks in all
+    # P: (when admitted, engine, blocks per announced chunk, blocks in all) of its first attempt
+    chunks: dict[str, tuple[float, str, list[int], int]] = {}
     problems: list[str] = []
     for w in workers:
-        mine: dict[str, tuple[list[int], int]] = {}
+        mine: dict[str, tuple[float, str, list[int], int]] = {}
         for e in w.entries:
             rid = e.reqs[0]
             if w.role == "decode" and e.event == "allocated":
                 m = _ALLOCATED.match(e.detail)
                 if m is not None:
                     sent.setdefault(rid, int(m.group(1)))
-            elif w.role == "prefill" and e.event == "admitted":
+            elif w.role == "prefill" and e.event == "admitted" and rid not in mine:
                 m = _ADMITTED.match(e.detail)
                 if m is not None:
                     first = int(m.group(1))
-                    mine[rid] = ([first], int(m.group(2) or first))
+                    mine[rid] = (e.t, w.engine, [first], int(m.group(2) or first))
             elif w.role == "prefill" and e.event == "chunk_scheduled" and rid in mine:
-                mine[rid][0].append(int(e.detail))
+                mine[rid][2].append(int(e.detail))
         for rid, got in mine.items():
-            # every TP worker of P is told of the same chunks: one that differs is a finding
-            if chunks.setdefault(rid, got) != got:
-                problems.append(f"{rid}: P workers disagree on its chunks: {chunks[rid]} and "
-                                f"{got} ({w.name})")
+            had = chunks.setdefault(rid, got)
+            if had[1] == got[1] and had[2:] != got[2:]:
+                # every TP worker of one P engine is told of the same chunks
+                problems.append(f"{rid}: P workers disagree on its chunks: {had[2]} and "
+                                f"{got[2]} ({w.name})")
+            elif had[1] != got[1] and got[0] < had[0]:
+                chunks[rid] = got  # a re-prefill's attempts: the first one's (the world has one)
     out: dict[str, RequestShape] = {}
     for rid in dict.fromkeys([*sent, *chunks]):
-        sizes, total = chunks.get(rid, ([], sent.get(rid, 0)))
+        _t, _eng, sizes, total = chunks.get(rid, (0.0, "", [], sent.get(rid, 0)))
         blocks = sent.get(rid, total)
         if rid in sent and rid in chunks and total != blocks:
             problems.append(f"{rid}: P was told of {total} blocks to write, D allocated {blocks}")

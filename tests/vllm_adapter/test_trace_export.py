@@ -48,3 +48,20 @@ def test_model_kv_reads_layers_heads_and_mla(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(
         {"num_hidden_layers": 2, "num_attention_heads": 8, "kv_lora_rank": 64}))
     assert model_kv(tmp_path) == (2, 1, True)
+
+
+def test_a_re_prefill_has_its_first_attempts_chunks() -> None:
+    """With retry_prefill a request is admitted again on another P engine: the world splits
+    every attempt alike, so the shape is the first attempt's (no disagreement reported)."""
+    d = WorkerTrace("decode", "decode", 0, 1)
+    d.entries = [tracefile.Entry(0.0, ("r",), "allocated", "", "", "3 blocks, expects 1", 0)]
+    first = WorkerTrace("p0", "prefill", 0, 1)
+    again = WorkerTrace("p1", "prefill", 0, 1)
+    first.entries = [tracefile.Entry(1.0, ("r",), "admitted", "", "",
+                                     "2 blocks to tcp://h:1 (first chunk; 3 in all)", 0),
+                     tracefile.Entry(1.5, ("r",), "chunk_scheduled", "", "", "1", 0)]
+    again.entries = [tracefile.Entry(5.0, ("r",), "admitted", "", "", "3 blocks to tcp://h:1",
+                                     0)]
+    for order in ([again, first, d], [first, again, d]):
+        shapes, problems = request_shapes(order)
+        assert shapes["r"] == RequestShape(3, 2, 0, (2, 1)) and problems == []
