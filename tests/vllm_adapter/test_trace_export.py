@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from lw.sim import tracefile
 from lw.sim.tracefile import RequestShape, WorkerTrace
 from lw.vllm_adapter.trace_export import model_kv, request_shapes
@@ -65,3 +67,27 @@ def test_a_re_prefill_has_its_first_attempts_chunks() -> None:
     for order in ([again, first, d], [first, again, d]):
         shapes, problems = request_shapes(order)
         assert shapes["r"] == RequestShape(3, 2, 0, (2, 1)) and problems == []
+
+
+def test_the_demo_fails_a_trace_that_is_not_valid(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``lw demo --engine vllm --validate``'s verdict: valid exits 0; a rejected trace, or
+    requests whose shape P and D disagree on, exit 1 with the first unexplained event named."""
+    from lw.vllm_adapter.demo import _validate
+
+    from ..sim.test_validate_shapes import SHAPES, _trace
+
+    path = _trace(tmp_path, SHAPES)
+    assert _validate((path, [])) == 0
+    assert "traces validated=1 rejected=0 undecided=0" in capsys.readouterr().out
+    assert _validate((path, ["b: P was told of 4 blocks to write, D allocated 3"])) == 1
+    out = capsys.readouterr().out
+    assert "REJECTED: b: P was told" in out and "traces validated=0 rejected=1" in out
+    lines = Path(path).read_text().splitlines()
+    del lines[next(i for i, line in enumerate(lines)
+                   if '"req": "b"' in line and '"layer_sent"' in line)]
+    Path(path).write_text("\n".join(lines) + "\n")
+    assert _validate((path, [])) == 1
+    out = capsys.readouterr().out
+    assert "b: rejected" in out and "first unexplained: " in out, out
+    assert "traces validated=0 rejected=1 undecided=0" in out
