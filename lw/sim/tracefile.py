@@ -7,13 +7,23 @@ Format ``lw-trace`` version 1, one JSON object per line:
   ``layers``, ``prefill_tp``, ``decode_tp``, ``blocks_per_request``, ``chunks``, ``mla``,
   ``kv_heads`` (and ``transfer_timeout_s``); ``faults`` (optional) lists the fault kinds the run
   may contain, of ``drop``, ``dup``, ``write``, ``crash``, ``abort``, ``corrupt``, ``suspect``
-  (default: all).
+  (default: all); ``requests`` (optional) gives requests a shape of their own, see below.
 * one line per worker that answered: ``{"worker": N, "engine": TEXT, "role": "prefill" |
   "decode", "rank": INT, "incarnation": INT, "truncated": BOOL}`` (N numbers them from 0).
 * one line per timeline entry, oldest first per worker: ``{"w": N, "t": FLOAT, "req": TEXT |
   [TEXT, ...], "event": TEXT, "src": TEXT, "dst": TEXT, "detail": TEXT}``.
 
 A worker that did not answer (dead, frozen) has no line: its events are unobserved.
+
+Per-request shapes: runs whose requests differ in size (a vLLM run's prompts) give each its own
+in the header, ``"requests": {REQ: {"blocks": INT, "chunks": INT, "prefix_hit": INT,
+"chunk_blocks": [INT, ...]}, ...}``, which replaces ``blocks_per_request`` and ``chunks`` for
+that request (a request without an entry has the run's). ``blocks``: the request's blocks on D
+(>= 1); ``prefix_hit`` (default 0): how many of its first blocks D already held, never written
+by P; ``chunks``: the pushes P's core was told of (its first ``add_request`` and each
+``add_chunk``); ``chunk_blocks`` (optional): the blocks each of those completes, in order; they
+sum to ``blocks - prefix_hit`` and only the first may be 0 (default: the checker's split, see
+lw.sim.config.WorldConfig.chunk_sizes). Readers without this field ignore it: version stays 1.
 """
 
 from __future__ import annotations
@@ -64,6 +74,26 @@ class WorkerTrace:
         return f"{self.engine}/{self.rank}#{self.incarnation}"
 
 
+@dataclass(frozen=True)
+class RequestShape:
+    """One request's own shape (header field ``requests``): its blocks on D, how many of them D
+    held already, and the chunks P's core was told of (their blocks, or () for the default)."""
+
+    blocks: int
+    chunks: int = 1
+    prefix_hit: int = 0
+    chunk_blocks: tuple[int, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        """The header entry of this shape (defaults left out)."""
+        out: dict[str, Any] = {"blocks": self.blocks, "chunks": self.chunks}
+        if self.prefix_hit:
+            out["prefix_hit"] = self.prefix_hit
+        if self.chunk_blocks:
+            out["chunk_blocks"] = list(self.chunk_blocks)
+        return out
+
+
 @dataclass
 class Trace:
     """A whole run: its shape, the core's settings and every answering worker's timeline."""
@@ -74,16 +104,28 @@ class Trace:
     decode: dict[str, Any]
     workers: list[WorkerTrace]
     faults: tuple[str, ...] = FAULT_KINDS
+    requests: dict[str, RequestShape] = field(default_factory=dict)  # shapes of their own
+
+    def request_shape(self, rid: str) -> RequestShape:
+        """The shape of request ``rid``: its own, else the run's."""
+        own = self.requests.get(rid)
+        if own is not None:
+            return own
+        return RequestShape(int(self.shape["blocks_per_request"]), int(self.shape["chunks"]))
 
 
 def dump(path: str, source: str, shape: dict[str, Any], prefill: dict[str, Any],
          decode: dict[str, Any], workers: list[WorkerTrace],
-         faults: tuple[str, ...] = FAULT_KINDS) -> None:
-    """Write ``workers``' timelines as an ``lw-trace`` file."""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"format": FORMAT, "version": VERSION, "source": source,
+         faults: tuple[str, ...] = FAULT_KINDS,
+         requests: dict[str, RequestShape] | None = None) -> None:
+    """Write ``workers``' timelines as an ``lw-trace`` file (``requests``: per-request shapes)."""
+    head: dict[str, Any] = {"format": FORMAT, "version": VERSION, "source": source,
                             "shape": shape, "prefill": prefill, "decode": decode,
-                            "faults": list(faults)}) + "\n")
+                            "faults": list(faults)}
+    if requests:
+        head["requests"] = {rid: rs.as_json() for rid, rs in requests.items()}
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(head) + "\n")
         for n, w in enumerate(workers):
             f.write(json.dumps({"worker": n, "engine": w.engine, "role": w.role, "rank": w.rank,
                                 "incarnation": w.incarnation, "truncated": w.truncated}) + "\n")
@@ -92,6 +134,19 @@ def dump(path: str, source: str, shape: dict[str, Any], prefill: dict[str, Any],
                 req: Any = e.reqs[0] if len(e.reqs) == 1 else list(e.reqs)
                 f.write(json.dumps({"w": n, "t": e.t, "req": req, "event": e.event,
                                     "src": e.src, "dst": e.dst, "detail": e.detail}) + "\n")
+
+
+def from_snapshot(snap: Any) -> list[WorkerTrace]:
+    """Every answering worker of an ``lw status`` snapshot (lw.ops.client.query with a
+    timeline) with its timeline, as the trace's worker lines and entries."""
+    workers = []
+    for r in snap.replies:
+        w = WorkerTrace(r.worker.engine_id, r.role, r.worker.rank, r.worker.incarnation,
+                        r.truncated)
+        w.entries = [Entry(e.t, tuple(e.req_ids), e.event, e.src, e.dst, e.detail, 0)
+                     for e in r.timeline]
+        workers.append(w)
+    return workers
 
 
 def _field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -104,6 +159,61 @@ def _field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], where:
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise TraceFormatError(f"{where}: field {name!r} must be {names}, got {v!r}")
     return v
+
+
+def _count(obj: dict[str, Any], name: str, where: str, low: int, default: int | None = None
+           ) -> int:
+    """An integer field >= ``low`` (``default`` when absent, if given)."""
+    if default is not None and name not in obj:
+        return default
+    v = _field(obj, name, int, where)
+    if v < low:
+        raise TraceFormatError(f"{where}: field {name!r} must be >= {low}, got {v}")
+    return int(v)
+
+
+def _request_shapes(head: dict[str, Any], where: str) -> dict[str, RequestShape]:
+    """The header's per-request shapes (field ``requests``), each checked as the world needs."""
+    raw = head.get("requests", {})
+    if not isinstance(raw, dict):
+        raise TraceFormatError(f"{where}: field 'requests' must be an object of request id -> "
+                               f"shape, got {type(raw).__name__}")
+    out: dict[str, RequestShape] = {}
+    for rid, obj in raw.items():
+        at = f"{where}: requests[{rid!r}]"
+        if not isinstance(obj, dict):
+            raise TraceFormatError(f"{at}: expected an object with 'blocks' and 'chunks', got "
+                                   f"{obj!r}")
+        blocks = _count(obj, "blocks", at, 1)
+        chunks = _count(obj, "chunks", at, 1)
+        hit = _count(obj, "prefix_hit", at, 0, default=0)
+        if hit > blocks:
+            raise TraceFormatError(f"{at}: field 'prefix_hit' is {hit}, more than its "
+                                   f"{blocks} blocks")
+        sent = blocks - hit
+        sizes: tuple[int, ...] = ()
+        if "chunk_blocks" in obj:
+            cb = obj["chunk_blocks"]
+            if (not isinstance(cb, list) or not all(isinstance(b, int) and not isinstance(b, bool)
+                                                    and b >= 0 for b in cb)):
+                raise TraceFormatError(f"{at}: field 'chunk_blocks' must be a list of integers "
+                                       f">= 0, got {cb!r}")
+            if len(cb) != chunks:
+                raise TraceFormatError(f"{at}: field 'chunk_blocks' has {len(cb)} entries for "
+                                       f"{chunks} chunks")
+            if sum(cb) != sent:
+                raise TraceFormatError(f"{at}: field 'chunk_blocks' sums to {sum(cb)}, not the "
+                                       f"{sent} blocks P writes (blocks - prefix_hit)")
+            if sent and 0 in cb[1:]:
+                raise TraceFormatError(f"{at}: field 'chunk_blocks' has an empty chunk after the"
+                                       f" first ({cb!r}): the core announces none")
+            sizes = tuple(cb)
+        elif 0 < sent < chunks - 1:
+            raise TraceFormatError(f"{at}: {sent} block(s) to write in {chunks} chunks: only the"
+                                   " first may complete none (give 'chunk_blocks' or fewer "
+                                   "chunks)")
+        out[str(rid)] = RequestShape(blocks, chunks, hit, sizes)
+    return out
 
 
 def load(path: str) -> Trace:
@@ -144,7 +254,8 @@ def load(path: str) -> Trace:
         raise TraceFormatError(f"{where}: field 'faults' must be a list of {', '.join(FAULT_KINDS)}"
                                f", got {faults!r}")
     trace = Trace(str(head.get("source", "")), shape, _field(head, "prefill", dict, where),
-                  _field(head, "decode", dict, where), [], tuple(faults))
+                  _field(head, "decode", dict, where), [], tuple(faults),
+                  _request_shapes(head, where))
     for line, obj in objs[1:]:
         where = f"{path}:{line}"
         if "worker" in obj:

@@ -415,7 +415,7 @@ def _validate_once(trace: Trace, rid: str, max_states: int, deadline: float,
                 else 1 if "crash" in trace.faults else 0)
     last: _Search | None = None
     for budget in BUDGETS:
-        cfg = world_config(trace, budget, restarts, len(proj.engines))
+        cfg = world_config(trace, budget, restarts, len(proj.engines), rid)
         s = _Search(proj, cfg, max_states, deadline)
         found = s.run()
         v.states += len(s.visited)

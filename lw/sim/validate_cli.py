@@ -17,7 +17,8 @@ from lw.sim.validate import RequestVerdict, summary, validate, verdict_line
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lw validate", description=__doc__.split("\n\n")[0])
-    p.add_argument("trace", help="an lw-trace file (lw demo --engine synthetic --timelines-out)")
+    p.add_argument("trace", help="an lw-trace file (lw demo --engine synthetic or vllm "
+                                 "--timelines-out DIR)")
     p.add_argument("--request", action="append", default=None, metavar="ID",
                    help="validate only this request (repeatable)")
     p.add_argument("--max-states", type=int, default=200_000,

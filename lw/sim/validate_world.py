@@ -31,6 +31,23 @@ class ValidationConfig(WorldConfig):
     # process; the checker's world declares only dead peers lost)
     suspect: bool = False
     retry_prefill_avoid: str = "lost"  # D's DecodeConfig setting of the run (failover)
+    # The blocks each of the request's chunks completes, as the run's P scheduler announced them
+    # (a trace's per-request ``chunk_blocks``); () is the checker's own split (chunk_sizes).
+    chunk_blocks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.chunk_blocks:
+            return
+        sent = self.blocks_per_request - self.hit(0)
+        if self.requests != 1 or len(self.chunk_blocks) != self.chunks or sum(
+                self.chunk_blocks) != sent:
+            raise ValueError(f"chunk sizes {list(self.chunk_blocks)} do not split one request's "
+                             f"{sent} sent blocks in {self.chunks} chunks")
+
+    def chunk_sizes(self, n: int) -> tuple[int, ...]:
+        """The run's own split of the request's ``n`` sent blocks when the trace gives one."""
+        return self.chunk_blocks or super().chunk_sizes(n)
 
     def prefill_config(self) -> PrefillConfig:
         """P's settings as the run had them, with a timeline to observe."""
@@ -48,10 +65,11 @@ def failover_run(trace: Trace) -> bool:
 
 
 def world_config(trace: Trace, max_faults: int, d_restarts: int,
-                 p_engines: int = 1) -> ValidationConfig:
-    """The world of one request of ``trace``'s run, with the fault kinds the run may have.
-    ``p_engines``: how many P engines the request may meet (its first and its failover
-    targets; more than one only in a run with a prefill retry budget)."""
+                 p_engines: int = 1, rid: str = "") -> ValidationConfig:
+    """The world of request ``rid`` of ``trace``'s run, in its own shape where the trace gives
+    one (else the run's), with the fault kinds the run may have. ``p_engines``: how many P
+    engines the request may meet (its first and its failover targets; more than one only in a
+    run with a prefill retry budget)."""
     s, p, d = trace.shape, trace.prefill, trace.decode
     kinds = tuple(k for k in trace.faults if k not in ("corrupt", "suspect"))
     retry = int(d.get("retry_prefill", 0) or 0)
@@ -59,11 +77,13 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
         # With failover each P DP rank is a process of its own: a crashed P process is one
         # rank (rank-crash), while its peers live and take over its requests.
         kinds += ("rank-crash",)
-    bpr = s["blocks_per_request"]
+    shape = trace.request_shape(rid)
+    bpr = shape.blocks
     return ValidationConfig(
         dp=max(p_engines, 2) if retry else 1, tp=s["prefill_tp"], d_dp=1, d_tp=s["decode_tp"],
         requests=1, layers=s["layers"],
-        blocks_per_request=bpr, d_blocks=bpr, p_blocks=bpr, chunks=s["chunks"], mla=s["mla"],
+        blocks_per_request=bpr, d_blocks=bpr, p_blocks=bpr, chunks=shape.chunks,
+        prefix_hits=(shape.prefix_hit,), chunk_blocks=shape.chunk_blocks, mla=s["mla"],
         heads=0 if s["mla"] else s["kv_heads"], faults=True, fault_kinds=kinds,
         corrupt="corrupt" in trace.faults, suspect="suspect" in trace.faults,
         max_faults=max_faults, d_restarts=d_restarts, retries=max(p["meta_attempts"],

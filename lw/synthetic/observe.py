@@ -66,14 +66,7 @@ def write_timelines(addrs: list[str], key: bytes | None, path: str, source: str,
                     cfg: Any) -> int:
     """Write every answering worker's timeline as an ``lw-trace`` file (``cfg``: the run's
     ClusterConfig); the number of workers that answered."""
-    snap = query(addrs, key, timeline=MAX_TIMELINE, timeout_s=5.0)
-    workers = []
-    for r in snap.replies:
-        w = tracefile.WorkerTrace(r.worker.engine_id, r.role, r.worker.rank,
-                                  r.worker.incarnation, r.truncated)
-        w.entries = [tracefile.Entry(e.t, tuple(e.req_ids), e.event, e.src, e.dst, e.detail, 0)
-                     for e in r.timeline]
-        workers.append(w)
+    workers = tracefile.from_snapshot(query(addrs, key, timeline=MAX_TIMELINE, timeout_s=5.0))
     shape = {"layers": cfg.layers, "prefill_tp": cfg.prefill_tp, "decode_tp": cfg.decode_tp,
              "blocks_per_request": cfg.blocks_per_request, "chunks": cfg.chunks,
              "mla": cfg.mla, "kv_heads": cfg.kv_heads,

@@ -15,6 +15,12 @@ server's prefix cache hits (partly, and fully: a short tail D computes itself); 
 ``prefix_hit_blocks=<n>`` and the run also fails unless the bytes P wrote equal the blocks D did
 not hold (predicted from the prompts' token ids), times the block bytes of every layer.
 
+``--validate`` asks every P and D worker for its lifecycle timeline before the servers stop,
+writes the run as an ``lw-trace`` (each request in the shape its cores saw:
+:mod:`lw.vllm_adapter.trace_export`) and checks it with ``lw validate`` against the checked
+model; it prints the verdict and ``traces validated=<n> rejected=<n> undecided=<n>``, and a
+trace that is not valid (its first unexplained event named) fails the run.
+
 The process management (:mod:`lw.vllm_adapter.local_cluster`) and the client
 (:mod:`lw.vllm_adapter.demo_client`) are also what the end-to-end tests and the benchmarks use;
 their names are re-exported here.
@@ -155,6 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--decode-dp", type=int, default=1, help="decode data-parallel size")
     ap.add_argument("--model-kind", choices=("llama", "mla"), default="llama",
                     help="tiny random Llama, or DeepSeek-V2-style MLA (latent KV)")
+    ap.add_argument("--validate", action="store_true",
+                    help="validate the run's trace (every worker's timeline) against the "
+                         "checked model (lw validate)")
+    ap.add_argument("--timelines-out", type=Path, default=None, metavar="DIR",
+                    help="keep the run's lw-trace file here (vllm.jsonl; default with "
+                         "--validate: the work folder)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.requests < 1:
         ap.error("--requests must be >= 1")
@@ -231,13 +243,59 @@ def _run(args: argparse.Namespace) -> int:
             _progress("P/D via proxy", i + 1, n)
         leaked = wait_blocks_released([cluster.url("prefill"), cluster.url("decode")])
         after_p, after_d = _settled_metrics(cluster, before, before_d, n)
+        trace = _write_trace(cluster, args) if args.validate or args.timelines_out else None
     finally:
         cluster.stop()
     checks = [functools.partial(_report_chunks, before, after_p, args.long_prompts)]
     if args.shared_prefix:
         checks.append(functools.partial(_report_prefix, model, token_ids, before, after_p,
                                         before_d, after_d))
-    return _report(prompts, ref, pd, leaked, before, after_p, after_d, checks)
+    status = _report(prompts, ref, pd, leaked, before, after_p, after_d, checks)
+    if args.validate:
+        # after the servers stopped: the search has the CPU to itself
+        status = max(status, _validate(trace))
+    return status
+
+
+def _write_trace(cluster: LocalCluster, args: argparse.Namespace) -> tuple[str, list[str]]:
+    """Every worker's timeline as an lw-trace file (while the servers run): its path ("" when
+    no worker answered) and what is wrong with the requests' shapes, if anything."""
+    from lw.vllm_adapter.trace_export import write_cluster_trace
+
+    folder = args.timelines_out or args.workdir
+    folder.mkdir(parents=True, exist_ok=True)
+    path = str(folder / "vllm.jsonl")
+    try:
+        answered, silent, problems = write_cluster_trace(cluster, path)
+    except (OSError, ValueError) as exc:  # the run's report still comes; the trace fails it
+        return "", [f"trace not written: {exc}"]
+    print(f"trace      {answered} workers' timelines in {path}"
+          + (f"; silent: {', '.join(silent)}" if silent else ""))
+    if not answered:
+        problems = ["no worker answered: nothing to validate", *problems]
+    return (path if answered else ""), problems
+
+
+def _validate(trace: tuple[str, list[str]] | None) -> int:
+    """``lw validate`` on the run's trace: its verdict and the count line; 1 unless valid (a
+    request whose shape P and D disagree on is a rejection too)."""
+    from lw.vllm_adapter.trace_export import validate_trace
+
+    path, problems = trace or ("", ["no trace was written"])
+    ok = rejected = False
+    if path:
+        ok, line, bad = validate_trace(path)
+        for b in bad:
+            print(f"  trace vllm: {b}")
+        print(f"  trace vllm: {line}")
+        rejected = line.startswith("REJECTED")
+    for p in problems:
+        print(f"  trace vllm: REJECTED: {p}")
+    if problems:
+        ok, rejected = False, True
+    print(f"traces validated={int(ok)} rejected={int(rejected)} "
+          f"undecided={int(not ok and not rejected)}", flush=True)
+    return 0 if ok else 1
 
 
 def _report_chunks(before_p: dict[str, float], after_p: dict[str, float],

@@ -31,7 +31,8 @@ and a Mooncake write starved for its 30 s timeout. Those shapes are proven in-pr
 One cluster per shape (module-scoped, parametrized: pytest runs them one after the other), each
 with a single-engine reference of the same model. Checked per shape: P/D outputs pass the oracle,
 sequential and concurrent, D verified every request's checksums, and nothing stays held on
-either side afterwards.
+either side afterwards; then every worker's timeline is a behaviour of the checked model
+(``lw validate`` on the run's trace, each request in its own shape: trace_export).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -61,6 +63,7 @@ from lw.vllm_adapter.demo import (  # noqa: E402
 )
 from lw.vllm_adapter.oracle import TOP_K, compare  # noqa: E402
 from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
+from lw.vllm_adapter.trace_export import validate_trace, write_cluster_trace  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +119,8 @@ def _idle(c: LocalCluster, timeout: float = 60.0) -> tuple[int, float]:
         time.sleep(0.5)
 
 
-def test_outputs_equal_single_engine(shaped: tuple[str, LocalCluster]) -> None:
+def test_outputs_equal_single_engine(shaped: tuple[str, LocalCluster],
+                                     tmp_path: Path) -> None:
     name, c = shaped
     prompts = [make_prompt(n, seed=100 + i) for i, n in enumerate(WORDS)]
     # A second, fresh set sent concurrently (the same prompts again would be D prefix hits).
@@ -155,3 +159,13 @@ def test_outputs_equal_single_engine(shaped: tuple[str, LocalCluster]) -> None:
         # Both DP engines of each side took part (concurrent requests are spread over them).
         assert len([v for v in done_d.values() if v > 0]) == 2, done_d
         assert len([v for v in done_p.values() if v > 0]) == 2, done_p
+    # ... and the run is a behaviour of the checked model, request by request (a few seconds)
+    t0 = time.monotonic()
+    path = str(tmp_path / "run.jsonl")
+    answered, silent, problems = write_cluster_trace(c, path, source=f"test_e2e_shapes {name}")
+    assert answered == c.p_tp * c.p_dp + c.d_tp * c.d_dp and not silent and not problems, (
+        answered, silent, problems)
+    ok, line, bad = validate_trace(path)
+    assert ok, f"{name}: {line}\n" + "\n".join(bad)
+    assert line.startswith(f"valid: {2 * n} requests"), line
+    print(f"{name}: trace {line} in {time.monotonic() - t0:.1f}s")
