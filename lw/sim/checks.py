@@ -15,6 +15,8 @@ from lw.sim.state import WorldState
 class Checks:
     """The always and eventually properties of a world state (reads the state only)."""
 
+    __slots__ = ("s", "p_node", "describe")
+
     def __init__(self, s: WorldState, p_node: PNode, describe: Describe) -> None:
         self.s = s
         self.p_node = p_node

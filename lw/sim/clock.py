@@ -24,6 +24,8 @@ class Clock:
     values, so what the protocol relies on (D's lease exceeds P's request timeout plus the
     transfer timeout) still holds."""
 
+    __slots__ = ("s", "ports", "kv", "p_node")
+
     def __init__(self, s: WorldState, ports: Ports, kv: KVBytes, p_node: PNode) -> None:
         self.s = s
         self.ports = ports

@@ -19,6 +19,8 @@ class DataPath:
     """Writes in flight per P worker (``fifo``), and what they carry (requests' ``landed``;
     the bytes through :class:`~lw.sim.kvbytes.KVBytes`)."""
 
+    __slots__ = ("s", "ports", "kv", "__weakref__")  # the ports hold it weakly
+
     def __init__(self, s: WorldState, ports: Ports, kv: KVBytes) -> None:
         self.s = s
         self.ports = ports

@@ -11,6 +11,8 @@ from lw.sim.state import WorldState
 class Describe:
     """Descriptions of actions and states (reads the state only)."""
 
+    __slots__ = ("s",)
+
     def __init__(self, s: WorldState) -> None:
         self.s = s
 

@@ -17,6 +17,8 @@ class DNode:
     """D's scheduler: reports, decoding, frees (``d_pool``, ``free_why``, the requests' D-side
     fields)."""
 
+    __slots__ = ("s", "kv", "__weakref__")  # the ports hold it weakly
+
     def __init__(self, s: WorldState, kv: KVBytes) -> None:
         self.s = s
         self.kv = kv

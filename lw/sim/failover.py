@@ -27,6 +27,8 @@ class Failover:
     """Rank crashes (``dead_ranks``), their detection (``rank_lost_seen``), and re-prefills
     (the requests' ``retry``, ``epoch`` and P-side fields)."""
 
+    __slots__ = ("s", "ports", "clock", "proxy", "__weakref__")  # the ports hold it weakly
+
     def __init__(self, s: WorldState, ports: Ports, clock: Clock, proxy: Proxy) -> None:
         self.s = s
         self.ports = ports

@@ -20,6 +20,8 @@ class Faults:
     """Fault actions and their handlers (they may touch every field of the state: a crash
     takes a whole process's share of it)."""
 
+    __slots__ = ("s", "ports", "clock", "kv", "d_node", "failover")
+
     def __init__(self, s: WorldState, ports: Ports, clock: Clock, kv: KVBytes, d_node: DNode,
                  failover: Failover) -> None:
         self.s = s

@@ -24,6 +24,8 @@ class KVBytes:
     """D memory contents (``d_mem``), late landings of in-doubt bytes (``zombies``), and the
     checksums over them."""
 
+    __slots__ = ("s",)
+
     def __init__(self, s: WorldState) -> None:
         self.s = s
 

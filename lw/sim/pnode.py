@@ -24,6 +24,8 @@ class PNode:
     pools and queues, ``phase``, ``hooks_done``, ``collectives``, ``steps``, ``unpolled``)
     and the requests' P-side fields."""
 
+    __slots__ = ("s", "ports", "__weakref__")  # the ports hold it weakly
+
     def __init__(self, s: WorldState, ports: Ports) -> None:
         self.s = s
         self.ports = ports

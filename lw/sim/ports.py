@@ -9,6 +9,7 @@ made them (:meth:`Ports.connect`), so that this module needs none of them.
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 from lw.fsm import Effect, Quarantine, RecvDone, RecvFailed, Reprefill, SendFinished, WriteLayer
@@ -58,6 +59,8 @@ class Ports:
     """Routes one endpoint's effects into the world (reads and writes ``net``, ``timers``,
     ``lane``, ``held``; the rest through the connected parts)."""
 
+    __slots__ = ("s", "kv", "p_node", "d_node", "failover", "data")
+
     p_node: SendReports
     d_node: RecvReports
     failover: RetryReports
@@ -69,11 +72,13 @@ class Ports:
 
     def connect(self, p_node: SendReports, d_node: RecvReports, failover: RetryReports,
                 data: WriteSink) -> None:
-        """The parts that take the endpoints' reports and writes."""
-        self.p_node = p_node
-        self.d_node = d_node
-        self.failover = failover
-        self.data = data
+        """The parts that take the endpoints' reports and writes (held weakly: they hold these
+        ports, and a world without reference cycles is freed as soon as the explorer drops it,
+        not by the cyclic garbage collector)."""
+        self.p_node = weakref.proxy(p_node)
+        self.d_node = weakref.proxy(d_node)
+        self.failover = weakref.proxy(failover)
+        self.data = weakref.proxy(data)
 
     def run(self, owner: Owner, effects: list[Effect]) -> None:
         """Perform the effects an endpoint returned (the runtime's interpreter, the world's

@@ -20,6 +20,8 @@ class Proxy:
     """Arrivals (``arrived``, ``d_queue``, ``p_queue``), D's allocation (``d_pool``), starts
     and routing, and deliveries (``net``)."""
 
+    __slots__ = ("s", "ports", "p_node")
+
     def __init__(self, s: WorldState, ports: Ports, p_node: PNode) -> None:
         self.s = s
         self.ports = ports

@@ -97,6 +97,8 @@ class ValidationState(WorldState):
 class _Proxy(Proxy):
     """Routing notices delivered to each D worker on their own."""
 
+    __slots__ = ()
+
     s: ValidationState
 
     def route(self, q: Req) -> None:
@@ -114,6 +116,8 @@ class _Proxy(Proxy):
 
 class _Faults(Faults):
     """The checker's faults, bytes that land wrong and live peers suspected lost."""
+
+    __slots__ = ()
 
     s: ValidationState
 
@@ -173,6 +177,8 @@ class _Faults(Faults):
 class _Clock(Clock):
     """Writes do not bound the clock."""
 
+    __slots__ = ()
+
     def deadlines(self) -> list[tuple[float, Action]]:
         """The checker's deadlines but write timeouts."""
         # A write may complete after transfer_timeout_s from the core's WriteLayer: the runtime
@@ -187,6 +193,8 @@ class ValidationWorld(World):
     """The checker's world plus what runs were found to do that it leaves out: bytes that land
     wrong (``corrupt``), live peers suspected lost (``suspect``), writes that do not bound the
     clock, and routing notices delivered to each D worker on their own."""
+
+    __slots__ = ()
 
     s: ValidationState
     state_type = ValidationState

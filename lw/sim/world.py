@@ -48,7 +48,6 @@ from lw.sim.properties import Violation
 from lw.sim.proxy import Proxy
 from lw.sim.request import Req
 from lw.sim.state import WorldState
-from lw.sim.variants import Design
 
 # Which part performs each kind of action (its method ``do_<kind>``).
 HANDLERS: dict[str, str] = {
@@ -69,6 +68,10 @@ class World:
     :meth:`apply`. A subclass may put its own part classes (and state class) in place of these,
     and add action kinds to :attr:`handlers`."""
 
+    # Slots: a copy makes its parts anew (World.__reduce__), so making them must be cheap.
+    __slots__ = ("s", "cfg", "design", "kv", "ports", "p_node", "data", "d_node", "clock",
+                 "proxy", "failover", "faults", "describer", "checks")
+
     state_type: ClassVar[type[WorldState]] = WorldState
     proxy_type: ClassVar[type[Proxy]] = Proxy
     faults_type: ClassVar[type[Faults]] = Faults
@@ -82,7 +85,7 @@ class World:
         """Make the parts around the state ``s`` (a new world, or a copy's unpickled state)."""
         self.s = s
         self.cfg = s.cfg
-        self.design: Design = s.design
+        self.design = s.design
         self.kv = KVBytes(s)
         self.ports = Ports(s, self.kv)
         self.p_node = PNode(s, self.ports)
