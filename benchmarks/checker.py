@@ -71,10 +71,10 @@ def clone_costs(n: int = 2000) -> tuple[float, float, float]:
     pickled = (time.perf_counter() - t1) / n * 1e6
     unsaved = (t1 - t0) / n * 1e6
     # deepcopy sharing the same immutable parts (a memo pre-seeded with them): a fair baseline
-    shared: list[object] = [w.store, w.cfg, w.design, *w.store.objs, *w.store.msgs.values()]
+    store = w.s.store
+    shared: list[object] = [store, w.cfg, w.design, *store.objs, *store.msgs.values()]
     for ep in [*w.p, *w.d]:
-        shared += [ep.declaration, ep._table, ep.config, ep.me]  # noqa: SLF001
-    shared += [d.layout for d in w.d]
+        shared += [getattr(ep, name) for name in ep.IMMUTABLE]
     memo0 = {id(o): o for o in shared}
     m = max(1, n // 4)
     t0 = time.perf_counter()

@@ -69,6 +69,7 @@ class DecodeEndpoint(LifecycleEndpoint):
     """Protocol logic of one D worker (events in, effects out; time is an argument)."""
 
     SIDE = "decode"
+    IMMUTABLE = ("declaration", "_table", "config", "me", "layout")
 
     def __init__(self, me: Sender, layout: KVLayout, config: DecodeConfig | None = None) -> None:
         if layout.engine_id != me.engine_id or layout.incarnation != me.incarnation:

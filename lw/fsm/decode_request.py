@@ -95,3 +95,7 @@ class DecodeRecord:
         # (engine id, address) of the P the current epoch's prefill was sent to, as the driver
         # said (prefill_routed): watched before it claims, so an orphan is found by heartbeats
         self.route: tuple[str, str] | None = None
+
+
+# D's per-request record types, all with __slots__ (a copier may carry them as tuples of values).
+DECODE_RECORDS: tuple[type, ...] = (DecodeRecord,)

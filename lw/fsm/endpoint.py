@@ -20,6 +20,9 @@ class LifecycleEndpoint:
     """Base of PrefillEndpoint and DecodeEndpoint: firing declared events, and inspection."""
 
     SIDE: ClassVar[str] = ""  # "prefill" or "decode": names the lifecycle in a ProtocolError
+    # The attributes a subclass's __init__ sets that never change afterwards: a copier of
+    # endpoints (the checker's, lw.sim.clone) may share them between copies.
+    IMMUTABLE: ClassVar[tuple[str, ...]] = ()
 
     # Set by the subclass's __init__ (declared here: this class reads them).
     config: Any
@@ -34,6 +37,11 @@ class LifecycleEndpoint:
         """Current lifecycle state of a live request, or its final state if recently finished."""
         rec = self._reqs.get(req_id)
         return rec.state if rec is not None else self._finished.get(req_id)
+
+    def record(self, req_id: str) -> Any:
+        """The live record of a request (the side's record type), or None: for a subclass
+        that changes one decision and reads what the core decided on."""
+        return self._reqs.get(req_id)
 
     def live_requests(self) -> list[str]:
         """Requests whose blocks lw still holds (not yet released to the scheduler)."""

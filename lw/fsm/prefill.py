@@ -76,6 +76,7 @@ class PrefillEndpoint(LifecycleEndpoint):
     copied whole (both sides must then have the same block bytes)."""
 
     SIDE = "prefill"
+    IMMUTABLE = ("declaration", "_table", "config", "me", "local", "fmt")
 
     def __init__(self, me: Sender, num_layers: int, config: PrefillConfig | None = None,
                  local: KVLayout | None = None) -> None:

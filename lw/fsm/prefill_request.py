@@ -168,3 +168,7 @@ class PrefillRecord:
             if t.addr == addr:
                 return t
         return None
+
+
+# P's per-request record types, all with __slots__ (a copier may carry them as tuples of values).
+PREFILL_RECORDS: tuple[type, ...] = (PrefillRecord, _Target)

@@ -1,127 +1,141 @@
 """The properties checked on world states: safety after every action, liveness where nothing
-is enabled (a mixin of :class:`lw.sim.world.World`)."""
+is enabled (a part of :class:`lw.sim.world.World`)."""
 
 from __future__ import annotations
 
 from lw.fsm.lifecycles import AWAIT_DECODER_META, CHUNK_SENT, META_READY, layer_sent
 from lw.sim.config import _owner
+from lw.sim.describe import Describe
+from lw.sim.pnode import PNode
 from lw.sim.properties import Violation
 from lw.sim.request import Req
+from lw.sim.state import WorldState
 
 
 class Checks:
-    """The always and eventually properties of a world state."""
+    """The always and eventually properties of a world state (reads the state only)."""
+
+    __slots__ = ("s", "p_node", "describe")
+
+    def __init__(self, s: WorldState, p_node: PNode, describe: Describe) -> None:
+        self.s = s
+        self.p_node = p_node
+        self.describe = describe
 
     def check_safety(self) -> None:
         """The 'always' properties on this state; raises Violation."""
-        L = self.cfg.layers
-        tp, d_tp = self.tp, self.d_tp
-        for z in self.zombies if not self.cfg.late_writes else ():  # unbounded: stale-kv's
-            q = self.reqs[z[1]]
+        s = self.s
+        L = s.cfg.layers
+        tp, d_tp = s.tp, s.d_tp
+        for z in s.zombies if not s.cfg.late_writes else ():  # unbounded: stale-kv's
+            q = s.reqs[z[1]]
             if z[6] != q.epoch:
                 raise Violation("stale-kv",
-                                f"{self.dname(z[3] // d_tp)} moved {q.rid} on to claim epoch "
+                                f"{s.dname(z[3] // d_tp)} moved {q.rid} on to claim epoch "
                                 f"{q.epoch} while in-doubt bytes of its epoch-{z[6]} "
-                                f"{self.what(z[1], z[2])} write from P worker {z[0]} may still "
+                                f"{s.what(z[1], z[2])} write from P worker {z[0]} may still "
                                 f"land in D block(s) {list(z[4])} (until t={z[5]:g}): the "
                                 "new epoch's KV can be overwritten with the old one's")
             self._check_owned(z[0] // tp, z[1], (), z[3] // d_tp, z[4],
-                              f"in-doubt bytes of its {self.what(z[1], z[2])} write from P "
+                              f"in-doubt bytes of its {s.what(z[1], z[2])} write from P "
                               f"worker {z[0]} may land until t={z[5]:g}")
-        for i, fifo in enumerate(self.fifo):
+        for i, fifo in enumerate(s.fifo):
             for w in fifo:  # a write addressed to an earlier incarnation of D cannot land
-                current = w[6] == self.d_inc[w[4] // d_tp]
+                current = w[6] == s.d_inc[w[4] // d_tp]
                 self._check_owned(i // tp, w[0], w[2], w[4] // d_tp, w[3] if current else (),
-                                  f"its {self.what(w[0], w[1])} write from P worker {i} is in "
+                                  f"its {s.what(w[0], w[1])} write from P worker {i} is in "
                                   "flight")
-        if not self.p_alive:
+        if not s.p_alive:
             return
         # states from which the request still submits writes (CHUNK_SENT: the next chunk's)
         more = {AWAIT_DECODER_META, META_READY, CHUNK_SENT,
                 *(layer_sent(k) for k in range(L - 1))}
-        for i, ep in enumerate(self.p):
-            if not self.rank_alive(i // tp):
+        for i, ep in enumerate(s.p):
+            if not s.rank_alive(i // tp):
                 continue
             for rid in ep.live_requests():
                 st = ep.state_of(rid)
                 if st in more or ep.inflight_writes(rid):
-                    q = self.reqs[int(rid[1:])]
+                    q = s.reqs[int(rid[1:])]
                     d_side = (st != AWAIT_DECODER_META and st in more
-                              and q.d_inc == self.d_inc[q.d_rank])
+                              and q.d_inc == s.d_inc[q.d_rank])
                     self._check_owned(i // tp, q.idx, q.p_blocks or (), q.d_rank,
                                       q.d_blocks if d_side else (),
-                                      f"it is {st} on {self.wname(i)} with "
+                                      f"it is {st} on {s.wname(i)} with "
                                       f"{ep.inflight_writes(rid)} write(s) in flight")
 
     def _check_owned(self, i: int, r: int, local: tuple[int, ...], d: int,
                      remote: tuple[int, ...] | None, why: str) -> None:
-        rid = self.reqs[r].rid
-        if self.rank_alive(i):
-            pool = self.p_pool[i]
+        s = self.s
+        rid = s.reqs[r].rid
+        if s.rank_alive(i):
+            pool = s.p_pool[i]
             for b in local:
                 if pool[b] != r:
-                    how = self.free_why.get(("P", i, b), "?")
+                    how = s.free_why.get(("P", i, b), "?")
                     raise Violation("use-after-free",
                                     f"P rank {i} block {b} was freed ({how}) while {rid} may "
                                     f"still read it ({why}); it is now {_owner(pool[b])}")
-        if remote and self.d_alive[d]:
-            pool = self.d_pool[d]
+        if remote and s.d_alive[d]:
+            pool = s.d_pool[d]
             for b in remote:
                 if pool[b] != r:
-                    how = self.free_why.get(("D", d, b), "?")
+                    how = s.free_why.get(("D", d, b), "?")
                     raise Violation("use-after-free",
-                                    f"{self.dname(d)} block {b} was freed ({how}) while {rid} may "
+                                    f"{s.dname(d)} block {b} was freed ({how}) while {rid} may "
                                     f"still write into it ({why}); it is now {_owner(pool[b])}")
 
     def check_terminal(self) -> None:
         """The 'eventually' properties at a state where no action is enabled."""
-        stuck = [q for q in self.reqs if not self._finished_both(q)]
+        s = self.s
+        stuck = [q for q in s.reqs if not self._finished_both(q)]
         if stuck:
             names = ", ".join(q.rid for q in stuck)
             raise Violation("deadlock", f"no action is enabled but {names} never finished",
                             self.explain_stuck())
-        for q in self.reqs:
-            once = (1 if q.loads() else 0,) * self.d_tp  # a full prefix hit has nothing to load
-            current = q.d_inc == self.d_inc[q.d_rank]  # not lost with an earlier incarnation
-            if (self.d_alive[q.d_rank] and current and q.d_blocks is not None
+        for q in s.reqs:
+            once = (1 if q.loads() else 0,) * s.d_tp  # a full prefix hit has nothing to load
+            current = q.d_inc == s.d_inc[q.d_rank]  # not lost with an earlier incarnation
+            if (s.d_alive[q.d_rank] and current and q.d_blocks is not None
                     and q.recv_reports != once):
                 raise Violation("request-ends", f"{q.rid} was reported {list(q.recv_reports)} "
-                                                f"times by the workers of {self.dname(q.d_rank)}")
-            if self.rank_alive(q.p_rank) and q.p_added and any(n != 1 for n in q.send_reports):
+                                                f"times by the workers of {s.dname(q.d_rank)}")
+            if s.rank_alive(q.p_rank) and q.p_added and any(n != 1 for n in q.send_reports):
                 raise Violation("request-ends", f"{q.rid} was reported {q.send_reports} times "
                                                 f"by the workers of P DP rank {q.p_rank}")
-        if self.p_alive:
-            for i, pool in enumerate(self.p_pool):
-                if self.rank_alive(i) and any(o is not None for o in pool):
+        if s.p_alive:
+            for i, pool in enumerate(s.p_pool):
+                if s.rank_alive(i) and any(o is not None for o in pool):
                     raise Violation("blocks-return", f"P rank {i} still holds blocks {pool}")
-            for i, ep in enumerate(self.p):
-                if self.rank_alive(i // self.tp) and ep.live_requests():
+            for i, ep in enumerate(s.p):
+                if s.rank_alive(i // s.tp) and ep.live_requests():
                     raise Violation("blocks-return",
-                                    f"{self.wname(i)} still holds {ep.live_requests()}")
-        for d, pool in enumerate(self.d_pool):
-            if not self.d_alive[d]:
+                                    f"{s.wname(i)} still holds {ep.live_requests()}")
+        for d, pool in enumerate(s.d_pool):
+            if not s.d_alive[d]:
                 continue
             if any(o is not None for o in pool):
-                raise Violation("blocks-return", f"{self.dname(d)} still holds blocks {pool}")
-            for v in self.d_workers_of(d):
-                if self.d[v].live_requests():
+                raise Violation("blocks-return", f"{s.dname(d)} still holds blocks {pool}")
+            for v in s.d_workers_of(d):
+                if s.d[v].live_requests():
                     raise Violation("blocks-return",
-                                    f"D{v} still holds {self.d[v].live_requests()}")
+                                    f"D{v} still holds {s.d[v].live_requests()}")
         self.check_progress()
 
     def check_progress(self) -> None:
         """Property progress (with a timely clock): every request no fault touched, with fewer
         message losses than P's retry budget, ended DONE on both sides."""
-        cfg = self.cfg
+        s = self.s
+        cfg = s.cfg
         if not cfg.progress_budget():
             return
-        for q in self.reqs:
+        for q in s.reqs:
             if q.touched or q.losses >= cfg.retries:
                 continue
             loaded = q.d_stage == "done" and (all(q.recv_ok) or not q.loads())
             if loaded and (all(q.send_ok) or q.p_crashes):  # a dead P reports nothing
                 continue
-            if q.p_crashes > cfg.retry_prefill or len(self.dead_ranks) >= cfg.dp:
+            if q.p_crashes > cfg.retry_prefill or len(s.dead_ranks) >= cfg.dp:
                 continue  # its P ranks died more often than D may retry, or all of them did
             if q.p_crashes:
                 why = (f"although its P rank died {q.p_crashes} time(s), within D's prefill "
@@ -133,16 +147,17 @@ class Checks:
                        f"is {cfg.retries}) and no other fault touched it")
             else:
                 why = "although no fault touched it (only other requests were hit)"
-            raise Violation("progress", f"{q.rid} did not end DONE {why}", self.summary())
+            raise Violation("progress", f"{q.rid} did not end DONE {why}", self.describe.summary())
 
     def _finished_both(self, q: Req) -> bool:
-        d_ok = q.d_final() or not self.d_alive[q.d_rank]
-        if not self.p_alive or self._first_live_rank() is None:
+        s = self.s
+        d_ok = q.d_final() or not s.d_alive[q.d_rank]
+        if not s.p_alive or s.first_live_rank() is None:
             return d_ok
         if q.p_stage in ("released", "aborted", "lost"):
             p_ok = True
         elif q.p_stage == "none":
-            p_ok = not (self.design.d_first and q.d_blocks is not None)
+            p_ok = not (s.design.d_first and q.d_blocks is not None)
         else:
             p_ok = False
         return d_ok and p_ok
@@ -150,6 +165,7 @@ class Checks:
     def explain_stuck(self) -> list[str]:
         """Why nothing can move: the cycle of waits if there is one, else what each party
         waits for."""
+        s = self.s
         edges: dict[str, list[str]] = {}
         label: dict[str, str] = {}
 
@@ -158,30 +174,30 @@ class Checks:
             if b not in edges[a]:
                 edges[a].append(b)
 
-        blocked = self.blocked_hooks()  # rank -> requests it waits for in its hook
-        stepping = self.phase is not None and self.p_alive
-        for wk in range(len(self.p)):
+        blocked = self.p_node.blocked_hooks()  # rank -> requests it waits for in its hook
+        stepping = s.phase is not None and s.p_alive
+        for wk in range(len(s.p)):
             node = f"P{wk}"
             if wk in blocked:
-                label[node] = (f"{self.wname(wk)} is blocked inside the layer-{self.phase} save "
+                label[node] = (f"{s.wname(wk)} is blocked inside the layer-{s.phase} save "
                                f"hook, waiting for D's metadata of {', '.join(blocked[wk])}")
                 for rid in blocked[wk]:
                     edge(node, f"meta:{rid}")
             elif stepping and blocked:
                 others = sorted(blocked)
-                label[node] = (f"{self.wname(wk)} passed its layer-{self.phase} hook and waits in "
-                               f"the layer-{self.phase} collective for "
-                               f"{', '.join(self.wname(o) for o in others)}")
+                label[node] = (f"{s.wname(wk)} passed its layer-{s.phase} hook and waits in "
+                               f"the layer-{s.phase} collective for "
+                               f"{', '.join(s.wname(o) for o in others)}")
                 for o in others:
                     edge(node, f"P{o}")
-        for q in self.reqs:
+        for q in s.reqs:
             rid = q.rid
             if q.d_stage == "waiting":
                 d = q.d_rank
-                holders = sorted({o for o in self.d_pool[d] if o is not None})
-                dn = self.dname(d)
+                holders = sorted({o for o in s.d_pool[d] if o is not None})
+                dn = s.dname(d)
                 label[f"meta:{rid}"] = (f"{rid} has no D metadata: it waits in {dn}'s queue for a "
-                                        f"free block ({dn} has {len(self.d_pool[d])} block(s), all "
+                                        f"free block ({dn} has {len(s.d_pool[d])} block(s), all "
                                         f"held)" if holders else
                                         f"{rid} waits in {dn}'s queue for a free block")
                 for h in holders:
@@ -189,10 +205,10 @@ class Checks:
             if q.d_stage == "allocated" and q.d_blocks is not None:
                 d = q.d_rank
                 blocks = list(q.d_blocks)
-                writers = sorted({wk for v in self.d_workers_of(d) for wk in self.writers(q, v)})
+                writers = sorted({wk for v in s.d_workers_of(d) for wk in s.writers(q, v)})
                 senders = [f"P{wk}" for wk in writers]
-                who = " and ".join(self.wname(wk) for wk in writers) or "nobody"
-                label[f"req:{rid}"] = (f"{self.dname(d)} block(s) {blocks} are held by {rid}, "
+                who = " and ".join(s.wname(wk) for wk in writers) or "nobody"
+                label[f"req:{rid}"] = (f"{s.dname(d)} block(s) {blocks} are held by {rid}, "
                                        f"which waits for its KV from {who}")
                 for node in senders:
                     edge(f"req:{rid}", node)
@@ -208,7 +224,7 @@ class Checks:
             return lines
         lines = ["stuck state (no cycle found among the modelled waits):"]
         lines += [f"  {text}" for text in label.values()]
-        lines += [f"  {line}" for line in self.summary()]
+        lines += [f"  {line}" for line in self.describe.summary()]
         return lines
 
 

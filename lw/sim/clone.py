@@ -20,12 +20,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from lw.fsm.decode_request import DecodeRecord as _DecodeReq
-from lw.fsm.prefill import _Target
-from lw.fsm.prefill_request import PrefillRecord as _PrefillReq
+from lw.fsm.decode_request import DECODE_RECORDS
+from lw.fsm.prefill_request import PREFILL_RECORDS
 from lw.fsm.timeline import Timeline
 
-SLOT_RECORDS: tuple[type, ...] = (_PrefillReq, _Target, _DecodeReq)
+SLOT_RECORDS: tuple[type, ...] = (*PREFILL_RECORDS, *DECODE_RECORDS)
 
 _STORES: weakref.WeakValueDictionary[int, Store] = weakref.WeakValueDictionary()
 _TOKENS = itertools.count(1)

@@ -149,7 +149,7 @@ class FailedWriteAsDone(PrefillEndpoint):
 
 def _free_at_once(ep: DecodeEndpoint, req_id: str) -> None:
     """Count every accepted sender of a live request as stopped: failing it frees at once."""
-    rec = ep._reqs.get(req_id)
+    rec = ep.record(req_id)
     if rec is not None and rec.state not in _FINAL:
         rec.stopped.update(rec.claimers)
 
@@ -213,7 +213,7 @@ class DoneAfterLastChunk(PrefillEndpoint):
                       in_doubt: bool = False) -> list[Effect]:
         """The real completion, then DONE as soon as the last chunk is written."""
         out = super().transfer_done(req_id, seq, ok, reason, now, in_doubt)
-        rec = self._reqs.get(req_id)
+        rec = self.record(req_id)
         if rec is None or rec.state in _FINAL or not rec.final or rec.ack_tries:
             return out
         last = rec.limit - self.num_layers  # the last chunk's first write
@@ -231,7 +231,7 @@ class DonePerChunk(PrefillEndpoint):
     def transfer_done(self, req_id: str, seq: int, ok: bool, reason: str, now: float,
                       in_doubt: bool = False) -> list[Effect]:
         """The real completion, then a DONE for each chunk fully written but the last."""
-        rec = self._reqs.get(req_id)
+        rec = self.record(req_id)
         before = rec.sent if rec is not None else 0
         out = super().transfer_done(req_id, seq, ok, reason, now, in_doubt)
         L = self.num_layers

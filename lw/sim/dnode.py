@@ -1,38 +1,62 @@
-"""D's engine in the checker world: its workers' reports (RecvDone, RecvFailed), which the
-scheduler aggregates per request, with the partial-kv property, and decoding (a mixin of
-:class:`lw.sim.world.World`)."""
+"""D's engine in the checker world: its workers' reports (RecvDone, RecvFailed, Quarantine),
+which the scheduler aggregates per request, with the partial-kv property, and decoding (a part
+of :class:`lw.sim.world.World`)."""
 
 from __future__ import annotations
 
-from lw.fsm import RecvDone, RecvFailed
+from lw.fsm import Quarantine, RecvDone, RecvFailed
 from lw.sim.config import _owner
 from lw.sim.heads import held
+from lw.sim.kvbytes import KVBytes
 from lw.sim.properties import Violation
 from lw.sim.request import Req
+from lw.sim.state import WorldState
 
 
 class DNode:
-    """D's scheduler: reports, decoding, frees."""
+    """D's scheduler: reports, decoding, frees (``d_pool``, ``free_why``, the requests' D-side
+    fields)."""
 
-    def _do_decode(self, r: int) -> None:
-        q = self.reqs[r]
-        self._free_d(q, "decode finished")
+    __slots__ = ("s", "kv", "__weakref__")  # the ports hold it weakly
+
+    def __init__(self, s: WorldState, kv: KVBytes) -> None:
+        self.s = s
+        self.kv = kv
+
+    def do_decode(self, r: int) -> None:
+        """D finishes decoding request ``r`` and frees its blocks."""
+        q = self.s.reqs[r]
+        self.free_d(q, "decode finished")
         q.d_stage = "done"
 
-    def _free_d(self, q: Req, why: str) -> None:
+    def free_d(self, q: Req, why: str) -> None:
+        """D's scheduler frees ``q``'s blocks."""
+        s = self.s
         d = q.d_rank
-        pool = self.d_pool[d]
+        pool = s.d_pool[d]
         for b in q.d_blocks or ():
             if pool[b] != q.idx:
-                raise Violation("double-free", f"{self.dname(d)} frees block {b} of {q.rid} but "
+                raise Violation("double-free", f"{s.dname(d)} frees block {b} of {q.rid} but "
                                                f"it is owned by {_owner(pool[b])}")
             pool[b] = None
-            self.free_why[("D", d, b)] = why
-        self._note(self.dpart(d), f"frees block(s) {list(q.d_blocks or ())} of {q.rid} ({why})")
+            s.free_why[("D", d, b)] = why
+        s.note(s.dpart(d), f"frees block(s) {list(q.d_blocks or ())} of {q.rid} ({why})")
+
+    def on_quarantine(self, v: int, e: Quarantine) -> None:
+        """D worker ``v`` failed a request and holds its blocks until its senders stopped."""
+        s = self.s
+        q = s.reqs[int(e.req_id[1:])]
+        if tuple(e.block_ids) != q.d_remote:
+            raise Violation("double-free", f"D{v} quarantines blocks "
+                                           f"{list(e.block_ids)} for {q.rid}, which "
+                                           f"receives into {list(q.d_remote)}")
+        q.quarantined = True
+        q.t_dfail = s.now
+        s.note(f"D{v}", f"{e.req_id} FAILED, block(s) {list(e.block_ids)} quarantined")
 
     def _recv_report(self, v: int, q: Req, ok: bool) -> None:
         """Count one D worker's RecvDone/RecvFailed for ``q`` (each reports exactly once)."""
-        j = v % self.d_tp
+        j = v % self.s.d_tp
         reports = list(q.recv_reports)
         reports[j] += 1
         q.recv_reports = tuple(reports)
@@ -49,10 +73,11 @@ class DNode:
         """(P worker, layer, D block) of the sender plan no write landed in D worker ``v``:
         every layer of every block it receives, whichever chunk wrote it; and the writes of
         ``q`` still in flight towards it."""
-        want = {(w, k, b) for w in self.writers(q, v) for k in range(self.cfg.layers)
+        s = self.s
+        want = {(w, k, b) for w in s.writers(q, v) for k in range(s.cfg.layers)
                 for b in q.d_remote}
         missing = sorted(want - {(w, k, b) for w, x, k, b in q.landed if x == v})
-        inflight = [self.what(w[0], w[1]) for f in self.fifo for w in f
+        inflight = [s.what(w[0], w[1]) for f in s.fifo for w in f
                     if w[0] == q.idx and w[4] == v]
         return missing, inflight
 
@@ -60,75 +85,81 @@ class DNode:
         """Property partial-kv by the world's own head model (lw.sim.heads), not the sender
         plan kvmap computed: every head D worker ``v`` holds, of every layer and block it
         decodes ``q`` from, came with a write that landed."""
-        cfg = self.cfg
-        need = held(v % self.d_tp, self.d_tp, cfg.kv_heads(), cfg.mla)
+        s = self.s
+        cfg = s.cfg
+        need = held(v % s.d_tp, s.d_tp, cfg.kv_heads(), cfg.mla)
         got: dict[tuple[int, int], set[int]] = {}
         for w, x, k, b in q.landed:
             if x == v:
-                got.setdefault((k, b), set()).update(held(w % self.tp, self.tp, cfg.kv_heads(),
+                got.setdefault((k, b), set()).update(held(w % s.tp, s.tp, cfg.kv_heads(),
                                                           cfg.mla))
         for k in range(cfg.layers):
             for b in q.d_remote:
                 lost = sorted(set(need) - got.get((k, b), set()))
                 if lost:
                     raise Violation("partial-kv",
-                                    f"{self.dname(q.d_rank)} decodes {q.rid} but no write "
+                                    f"{s.dname(q.d_rank)} decodes {q.rid} but no write "
                                     f"carried head(s) {lost} of D{v} block {b} layer {k} (its "
-                                    f"senders: P worker(s) {sorted(self.writers(q, v))})")
+                                    f"senders: P worker(s) {sorted(s.writers(q, v))})")
 
-    def _on_recv_done(self, v: int, e: RecvDone) -> None:
-        q = self.reqs[int(e.req_id[1:])]
+    def on_recv_done(self, v: int, e: RecvDone) -> None:
+        """D worker ``v`` reports every layer of a request landed."""
+        s = self.s
+        q = s.reqs[int(e.req_id[1:])]
         self._recv_report(v, q, True)
         # every earlier epoch may have taken its deadline and a fencing lease
-        retried = q.epoch * (self.cfg.prefill_timeout_s + self.cfg.lease_s)
-        self._check_d_bound(v, q, retried + self.cfg.prefill_timeout_s)
+        retried = q.epoch * (s.cfg.prefill_timeout_s + s.cfg.lease_s)
+        self._check_d_bound(v, q, retried + s.cfg.prefill_timeout_s)
         missing, inflight = self._missing_kv(q, v)
         if missing or inflight:
             raise Violation("partial-kv",
                             f"D{v} reports {q.rid} done but no write landed for (P worker, "
                             f"layer, D block) {missing} (in flight: {inflight})")
-        if self.d_tp > 1:
-            self._note(f"D{v}", f"RecvDone({q.rid}): all its layers landed")
+        if s.d_tp > 1:
+            s.note(f"D{v}", f"RecvDone({q.rid}): all its layers landed")
         self._d_settle(q)
 
     def _d_settle(self, q: Req) -> None:
         """The engine's scheduler: a request is finished receiving once every TP worker reported
         (vLLM aggregates finished_recving); DONE only if every worker was DONE."""
+        s = self.s
         if min(q.recv_reports) == 0:
             return
         if not all(q.recv_ok):
-            self._free_d(q, "failed_recving")
+            self.free_d(q, "failed_recving")
             q.d_stage = "failed"
             q.quarantined = False
             return
-        for v in self.d_workers_of(q.d_rank):
+        for v in s.d_workers_of(q.d_rank):
             missing, inflight = self._missing_kv(q, v)
             if missing or inflight:
                 raise Violation("partial-kv",
-                                f"{self.dname(q.d_rank)} decodes {q.rid} but no write landed "
+                                f"{s.dname(q.d_rank)} decodes {q.rid} but no write landed "
                                 f"in D{v} for (P worker, layer, D block) {missing} (in flight: "
                                 f"{inflight})")
             self._check_heads_covered(q, v)
-        self._check_fenced(q)
+        self.kv.check_fenced(q)
         q.d_stage = "decoding"
-        self.flags.add("done")
-        if self.d_tp == 1:
-            self._note(self.dpart(q.d_rank), f"RecvDone({q.rid}): all layers landed; decoding")
+        s.flags.add("done")
+        if s.d_tp == 1:
+            s.note(s.dpart(q.d_rank), f"RecvDone({q.rid}): all layers landed; decoding")
         else:
-            self._note(self.dpart(q.d_rank), f"{q.rid}: every TP worker is DONE; decoding")
+            s.note(s.dpart(q.d_rank), f"{q.rid}: every TP worker is DONE; decoding")
 
     def _check_d_bound(self, v: int, q: Req, bound: float) -> None:
-        if self.design.timers and q.t_alloc is not None and self.now - q.t_alloc > bound + 1e-9:
-            raise Violation("request-ends", f"D{v} finished {q.rid} {self.now - q.t_alloc:g} s "
+        s = self.s
+        if s.design.timers and q.t_alloc is not None and s.now - q.t_alloc > bound + 1e-9:
+            raise Violation("request-ends", f"D{v} finished {q.rid} {s.now - q.t_alloc:g} s "
                                             f"after allocation, beyond its bound of {bound:g} s")
 
-    def _on_recv_failed(self, v: int, e: RecvFailed) -> None:
-        q = self.reqs[int(e.req_id[1:])]
+    def on_recv_failed(self, v: int, e: RecvFailed) -> None:
+        """D worker ``v`` failed a request and released its blocks."""
+        s = self.s
+        q = s.reqs[int(e.req_id[1:])]
         self._recv_report(v, q, False)
         if tuple(e.block_ids) != q.d_remote:
             raise Violation("double-free", f"D{v} releases blocks {list(e.block_ids)} for "
                                            f"{q.rid}, which receives into {list(q.d_remote)}")
-        self._check_d_bound(v, q, (q.epoch + 1) * (self.cfg.prefill_timeout_s
-                                                   + self.cfg.lease_s))
-        self._note(f"D{v}", f"RecvFailed({q.rid}): {e.reason[:60]}")
+        self._check_d_bound(v, q, (q.epoch + 1) * (s.cfg.prefill_timeout_s + s.cfg.lease_s))
+        s.note(f"D{v}", f"RecvFailed({q.rid}): {e.reason[:60]}")
         self._d_settle(q)

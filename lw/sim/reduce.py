@@ -63,7 +63,7 @@ ARRIVE: Action = ("arrive",)
 
 def faults_exhausted(w: World) -> bool:
     """No fault action (drop, duplicate, failed write, crash, abort) can ever be enabled again."""
-    return (not w.faults_on() or w.faults_used >= w.cfg.max_faults
+    return (not w.faults_on() or w.s.faults_used >= w.cfg.max_faults
             or not w.cfg.fault_kinds)  # --faults with no fault kind: delays only
 
 
@@ -79,15 +79,15 @@ def inert_candidates(w: World, acts: list[Action]) -> list[Action]:
         dest, rid = a[1][0], a[1][3]
         idx = int(dest[1:])
         if dest[0] == "p":
-            if not w.p_alive:
+            if not w.s.p_alive:
                 out.append(a)
                 continue
-            ep = w.p[idx]
+            ep = w.s.p[idx]
         else:
-            if not w.d_alive[idx // w.d_tp]:
+            if not w.s.d_alive[idx // w.s.d_tp]:
                 out.append(a)
                 continue
-            ep = w.d[idx]
+            ep = w.s.d[idx]
         if rid not in ep.live_requests() and ep.state_of(rid) in _FINAL:
             out.append(a)
     return out
@@ -95,7 +95,7 @@ def inert_candidates(w: World, acts: list[Action]) -> list[Action]:
 
 def key_without_network(w: World) -> tuple:
     """The world's key with the messages in flight left out."""
-    net = w.net
+    net = w.s.net
     saved = net.counts
     net.counts = {}
     try:
@@ -118,7 +118,7 @@ def inert_detections(w: World, acts: list[Action]) -> list[tuple[Action, Callabl
     nothing, so it commutes with everything and is invisible."""
     out: list[tuple[Action, Callable[[World], None]]] = []
     senders: dict[str, set[str]] = {}
-    for k in w.net.keys():
+    for k in w.s.net.keys():
         senders.setdefault(k[0], set()).add(k[1])
     for a in acts:
         if a[0] == "p_lost":
@@ -127,11 +127,11 @@ def inert_detections(w: World, acts: list[Action]) -> list[tuple[Action, Callabl
                 out.append((a, _mark_p_lost(v)))
         elif a[0] == "d_lost":
             i, d = a[1], a[2]
-            dead = {f"d{v}" for v in w.d_workers_of(d)}
+            dead = {f"d{v}" for v in w.s.d_workers_of(d)}
             if dead & senders.get(f"p{i}", set()):
                 continue
-            rank = i // w.tp
-            if all(q.p_added or q.d_blocks is None for q in w.reqs
+            rank = i // w.s.tp
+            if all(q.p_added or q.d_blocks is None for q in w.s.reqs
                    if q.d_rank == d and q.p_rank == rank):
                 out.append((a, _mark_d_lost(i, d)))
     return out
@@ -139,21 +139,21 @@ def inert_detections(w: World, acts: list[Action]) -> list[tuple[Action, Callabl
 
 def _mark_p_lost(v: int) -> Callable[[World], None]:
     def mark(w: World) -> None:
-        w.p_lost_seen[v] = True
+        w.s.p_lost_seen[v] = True
     return mark
 
 
 def _mark_d_lost(i: int, d: int) -> Callable[[World], None]:
     def mark(w: World) -> None:
-        w.d_lost_seen.add((i, d))
+        w.s.d_lost_seen.add((i, d))
     return mark
 
 
 def key_if(w: World, mark: Callable[[World], None]) -> tuple:
     """The key ``w`` would have after ``mark`` (applied to a scratch copy of the flags)."""
-    p_seen, d_seen = list(w.p_lost_seen), set(w.d_lost_seen)
+    p_seen, d_seen = list(w.s.p_lost_seen), set(w.s.d_lost_seen)
     mark(w)
     try:
         return w.key()
     finally:
-        w.p_lost_seen, w.d_lost_seen = p_seen, d_seen
+        w.s.p_lost_seen, w.s.d_lost_seen = p_seen, d_seen

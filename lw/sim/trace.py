@@ -20,13 +20,13 @@ def replay_steps(cfg: WorldConfig, actions: list[Action],
         if a not in w.enabled():
             raise ValueError(f"counterexample step {len(steps) + 1} {a!r} is not enabled")
         text = w.describe(a)
-        start = len(w.events)
+        start = len(w.s.events)
         try:
             w.apply(a)
         except Violation as v:
-            steps.append((text, w.events[start:]))
+            steps.append((text, w.s.events[start:]))
             return steps, v, w
-        steps.append((text, w.events[start:]))
+        steps.append((text, w.s.events[start:]))
     if not w.enabled():
         try:
             w.check_terminal()
@@ -38,11 +38,11 @@ def replay_steps(cfg: WorldConfig, actions: list[Action],
 def in_flight(w: World) -> str:
     """What is still in flight in ``w`` (messages, writes, in-doubt bytes), as one line."""
     parts = [f"{describe_key(k)} {k[1].upper()}->{k[0].upper()}"
-             + (f" x{n}" if n > 1 else "") for k, n in w.net.counts.items()]
-    parts += [f"write {w.reqs[x[0]].rid} {w.what(x[0], x[1])} P{i}->D{x[4]}"
-              for i, f in enumerate(w.fifo) for x in f]
-    parts += [f"in-doubt bytes {w.reqs[z[1]].rid} {w.what(z[1], z[2])} P{z[0]}->D{z[3]}"
-              for z in w.zombies]
+             + (f" x{n}" if n > 1 else "") for k, n in w.s.net.counts.items()]
+    parts += [f"write {w.s.reqs[x[0]].rid} {w.s.what(x[0], x[1])} P{i}->D{x[4]}"
+              for i, f in enumerate(w.s.fifo) for x in f]
+    parts += [f"in-doubt bytes {w.s.reqs[z[1]].rid} {w.s.what(z[1], z[2])} P{z[0]}->D{z[3]}"
+              for z in w.s.zombies]
     return ", ".join(parts) or "nothing"
 
 

@@ -11,10 +11,14 @@ from dataclasses import dataclass
 
 from lw.fsm import DecodeConfig, PrefillConfig
 from lw.fsm.settings import core_config
-from lw.sim.config import Action, WorldConfig, p_addr
+from lw.sim.clock import Clock
+from lw.sim.config import Action, WorldConfig, d_addr, p_addr
+from lw.sim.faults import Faults
+from lw.sim.proxy import Proxy
 from lw.sim.request import Req
+from lw.sim.state import WorldState
 from lw.sim.tracefile import Trace
-from lw.sim.world import World, d_addr
+from lw.sim.world import World
 
 BIG_RING = 1 << 16
 
@@ -96,98 +100,147 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
         retry_prefill_avoid=str(d.get("retry_prefill_avoid", "lost")))
 
 
+class ValidationState(WorldState):
+    """The checker's state and the routing notices in flight."""
+
+    # (D worker, request, P rank, claim epoch). The proxy tells D where it sent a prefill by a
+    # message of its own to the D process, whose TP workers each take it in their own loop; P,
+    # started at the same moment, may claim first (the D TP 2 flake of issue 20). The checker's
+    # world routes in the same action as the start.
+    routes: tuple[tuple[int, int, int, int], ...]
+
+    def __init__(self, cfg: WorldConfig) -> None:
+        super().__init__(cfg)
+        self.routes = ()
+
+
+class _Proxy(Proxy):
+    """Routing notices delivered to each D worker on their own."""
+
+    __slots__ = ()
+
+    s: ValidationState
+
+    def route(self, q: Req) -> None:
+        """The notices of ``q``'s current attempt leave for each D worker of its engine."""
+        s = self.s
+        s.routes += tuple((v, q.idx, q.p_rank, q.p_epoch) for v in s.d_workers_of(q.d_rank))
+
+    def do_route(self, v: int, r: int, rank: int, epoch: int) -> None:
+        """D worker ``v`` learns where epoch ``epoch`` of request ``r`` was sent."""
+        s = self.s
+        s.routes = tuple(x for x in s.routes if x != (v, r, rank, epoch))
+        self.ports.run(("d", v), s.d[v].prefill_routed(
+            s.reqs[r].rid, s.p_engine(rank), p_addr(rank * s.tp), epoch, s.now))
+
+
+class _Faults(Faults):
+    """The checker's faults, bytes that land wrong and live peers suspected lost."""
+
+    __slots__ = ()
+
+    s: ValidationState
+
+    def do_crash_d(self, d: int) -> None:
+        """The checker's D crash; the notices were for the dead process."""
+        super().do_crash_d(d)
+        s = self.s  # a new process never gets them
+        s.routes = tuple(x for x in s.routes if x[0] // s.d_tp != d)
+
+    def fault_actions(self) -> list[Action]:
+        """The checker's faults, corruption of what D holds, and suspicions."""
+        s = self.s
+        acts = super().fault_actions()
+        if getattr(s.cfg, "corrupt", False) and s.cfg.kv_checksum:
+            acts += [("corrupt", v) for v in range(len(s.d))
+                     if any(k[0] == v and r >= 0 for k, r in s.d_mem.items())]
+        return acts + self._suspicions()
+
+    def _suspicions(self) -> list[Action]:
+        s = self.s
+        if not getattr(s.cfg, "suspect", False):
+            return []
+        acts: list[Action] = []
+        if s.p_alive:
+            acts += [("suspect_d", w, d) for w in range(len(s.p)) for d in range(s.cfg.d_dp)
+                     if s.d_alive[d] and (w, d) not in s.d_lost_seen
+                     and s.rank_alive(w // s.tp)]
+            acts += [("suspect_p", v) for v in range(len(s.d))
+                     if s.d_alive[v // s.d_tp] and not s.p_lost_seen[v]]
+        return acts
+
+    def do_suspect_d(self, i: int, d: int) -> None:
+        """P worker ``i`` declares the live D engine ``d`` lost (missed heartbeats)."""
+        s = self.s
+        s.faults_used += 1
+        s.d_lost_seen.add((i, d))
+        for v in s.d_workers_of(d):
+            self.ports.run(("p", i), s.p[i].peer_lost(d_addr(v), "D suspected", s.now))
+
+    def do_suspect_p(self, v: int) -> None:
+        """D worker ``v`` declares the live P engine lost (missed heartbeats); with failover,
+        every P engine (one suspicion of each would be finer, and cost states)."""
+        s = self.s
+        s.faults_used += 1
+        s.p_lost_seen[v] = True
+        for i in range(s.cfg.dp) if s.p_engine(0) != "P" else (0,):
+            self.ports.run(("d", v), s.d[v].peer_lost(s.p_engine(i), "P suspected", s.now))
+
+    def do_corrupt(self, v: int) -> None:
+        """Every block D worker ``v`` holds so far reads wrong (one sum per block and layer:
+        which of them is wrong only the checksums' detail would say)."""
+        s = self.s
+        s.faults_used += 1
+        s.d_mem = {k: (-2 if k[0] == v else r) for k, r in s.d_mem.items()}
+
+
+class _Clock(Clock):
+    """Writes do not bound the clock."""
+
+    __slots__ = ()
+
+    def deadlines(self) -> list[tuple[float, Action]]:
+        """The checker's deadlines but write timeouts."""
+        # A write may complete after transfer_timeout_s from the core's WriteLayer: the runtime
+        # queues writes per destination, and the data plane's own timeout starts when it takes
+        # one (slow-link rows: reported ok 5.4 s after a 5 s timeout). The checker's world times
+        # out every write at that deadline; here writes do not bound the clock (one may still
+        # fail in doubt with the run's write faults).
+        return [d for d in super().deadlines() if d[1][0] != "wto"]
+
+
 class ValidationWorld(World):
     """The checker's world plus what runs were found to do that it leaves out: bytes that land
     wrong (``corrupt``), live peers suspected lost (``suspect``), writes that do not bound the
     clock, and routing notices delivered to each D worker on their own."""
 
-    def __init__(self, cfg: WorldConfig) -> None:
-        super().__init__(cfg)
-        # Routing notices in flight: (D worker, request, P rank, claim epoch). The proxy tells
-        # D where it sent a prefill by a message of its own to the D process, whose TP workers
-        # each take it in their own loop; P, started at the same moment, may claim first (the
-        # D TP 2 flake of issue 20). The checker's world routes in the same action as the start.
-        self.routes: tuple[tuple[int, int, int, int], ...] = ()
+    __slots__ = ()
+
+    s: ValidationState
+    state_type = ValidationState
+    proxy_type = _Proxy
+    faults_type = _Faults
+    clock_type = _Clock
+    handlers = {**World.handlers, "route": "proxy", "suspect_d": "faults",
+                "suspect_p": "faults", "corrupt": "faults"}
 
     def key(self) -> tuple:
         """The checker's state key and the routing notices in flight."""
-        return (super().key(), self.routes)
+        return (super().key(), self.s.routes)
 
     def enabled(self) -> list[Action]:
         """The checker's actions, the delivery of each routing notice in flight, and P learning
         late of a D crash."""
-        return super().enabled() + [("route", *x) for x in self.routes] + self._late_d_lost()
+        return super().enabled() + [("route", *x) for x in self.s.routes] + self._late_d_lost()
 
     def _late_d_lost(self) -> list[Action]:
         # A heartbeat detector declares a D lost some time after its death: in a kill-decoder
         # run P did so 1.7 s after the kill, when the new process at the same address had
         # already allocated requests, and failed them with it. The checker's world lets P learn
         # of a D crash only while D is down.
-        if not self.restarts or not self.p_alive:
+        s = self.s
+        if not s.restarts or not s.p_alive:
             return []
-        return [("d_lost", w, d) for w in range(len(self.p)) for d in range(self.cfg.d_dp)
-                if self.d_alive[d] and self.d_inc[d] > 1 and (w, d) not in self.d_lost_seen
-                and self.rank_alive(w // self.tp)]
-
-    def _route(self, q: Req) -> None:
-        self.routes += tuple((v, q.idx, q.p_rank, q.p_epoch) for v in self.d_workers_of(q.d_rank))
-
-    def _do_route(self, v: int, r: int, rank: int, epoch: int) -> None:
-        """D worker ``v`` learns where epoch ``epoch`` of request ``r`` was sent."""
-        self.routes = tuple(x for x in self.routes if x != (v, r, rank, epoch))
-        self._effects(("d", v), self.d[v].prefill_routed(
-            self.reqs[r].rid, self.p_engine(rank), p_addr(rank * self.tp), epoch, self.now))
-
-    def _do_crash_d(self, d: int) -> None:
-        super()._do_crash_d(d)
-        # the notices were for the dead process: a new one never gets them
-        self.routes = tuple(x for x in self.routes if x[0] // self.d_tp != d)
-
-    def _fault_actions(self) -> list[Action]:
-        acts = super()._fault_actions()
-        if getattr(self.cfg, "corrupt", False) and self.cfg.kv_checksum:
-            acts += [("corrupt", v) for v in range(len(self.d))
-                     if any(k[0] == v and r >= 0 for k, r in self.d_mem.items())]
-        return acts + self._suspicions()
-
-    def _deadlines(self) -> list[tuple[float, Action]]:
-        # A write may complete after transfer_timeout_s from the core's WriteLayer: the runtime
-        # queues writes per destination, and the data plane's own timeout starts when it takes
-        # one (slow-link rows: reported ok 5.4 s after a 5 s timeout). The checker's world times
-        # out every write at that deadline; here writes do not bound the clock (one may still
-        # fail in doubt with the run's write faults).
-        return [d for d in super()._deadlines() if d[1][0] != "wto"]
-
-    def _suspicions(self) -> list[Action]:
-        if not getattr(self.cfg, "suspect", False):
-            return []
-        acts: list[Action] = []
-        if self.p_alive:
-            acts += [("suspect_d", w, d) for w in range(len(self.p)) for d in range(self.cfg.d_dp)
-                     if self.d_alive[d] and (w, d) not in self.d_lost_seen
-                     and self.rank_alive(w // self.tp)]
-            acts += [("suspect_p", v) for v in range(len(self.d))
-                     if self.d_alive[v // self.d_tp] and not self.p_lost_seen[v]]
-        return acts
-
-    def _do_suspect_d(self, i: int, d: int) -> None:
-        """P worker ``i`` declares the live D engine ``d`` lost (missed heartbeats)."""
-        self.faults_used += 1
-        self.d_lost_seen.add((i, d))
-        for v in self.d_workers_of(d):
-            self._effects(("p", i), self.p[i].peer_lost(d_addr(v), "D suspected", self.now))
-
-    def _do_suspect_p(self, v: int) -> None:
-        """D worker ``v`` declares the live P engine lost (missed heartbeats); with failover,
-        every P engine (one suspicion of each would be finer, and cost states)."""
-        self.faults_used += 1
-        self.p_lost_seen[v] = True
-        for i in range(self.cfg.dp) if self.p_engine(0) != "P" else (0,):
-            self._effects(("d", v), self.d[v].peer_lost(self.p_engine(i), "P suspected",
-                                                        self.now))
-
-    def _do_corrupt(self, v: int) -> None:
-        """Every block D worker ``v`` holds so far reads wrong (one sum per block and layer:
-        which of them is wrong only the checksums' detail would say)."""
-        self.faults_used += 1
-        self.d_mem = {k: (-2 if k[0] == v else r) for k, r in self.d_mem.items()}
+        return [("d_lost", w, d) for w in range(len(s.p)) for d in range(s.cfg.d_dp)
+                if s.d_alive[d] and s.d_inc[d] > 1 and (w, d) not in s.d_lost_seen
+                and s.rank_alive(w // s.tp)]

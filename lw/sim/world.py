@@ -10,192 +10,143 @@ land for a while), and a virtual clock drives the timers the endpoints arm. Acti
 :meth:`World.enabled` lists them, :meth:`World.apply` performs one and checks the safety
 properties, raising :class:`~lw.sim.properties.Violation`. No I/O.
 
-The parts live in mixins: P's scheduler and forward pass (:mod:`lw.sim.pnode`), the data plane
-(:mod:`lw.sim.datapath`), D's reports (:mod:`lw.sim.dnode`), faults, clock, D's memory
-(:mod:`lw.sim.kvbytes`), the properties (:mod:`lw.sim.checks`) and descriptions
-(:mod:`lw.sim.describe`); this module holds the state, the enabled actions, their dispatch and
-the routing of the endpoints' effects.
+The world is composed of parts that share one declared state (:class:`~lw.sim.state.WorldState`)
+and call each other through the references their constructors take: the effects' ports
+(:mod:`lw.sim.ports`), the proxy and side channel (:mod:`lw.sim.proxy`), P's scheduler and
+forward pass (:mod:`lw.sim.pnode`), the data plane (:mod:`lw.sim.datapath`), D's scheduler
+(:mod:`lw.sim.dnode`), faults (:mod:`lw.sim.faults`), failover (:mod:`lw.sim.failover`), the
+clock (:mod:`lw.sim.clock`), D's memory (:mod:`lw.sim.kvbytes`), the properties
+(:mod:`lw.sim.checks`) and descriptions (:mod:`lw.sim.describe`). This module makes them,
+lists the enabled actions, dispatches each to the part that performs it, and keys states.
 """
 
 from __future__ import annotations
 
-from lw.fsm import (
-    DecodeEndpoint,
-    Effect,
-    PrefillEndpoint,
-    PrefillRequest,
-    ProtocolError,
-    Quarantine,
-    RecvDone,
-    RecvFailed,
-    Reprefill,
-    SendFinished,
-    WriteLayer,
-    check_lease,
-)
-from lw.fsm.effects import SumPlan, Sums, TimerKey
-from lw.fsm.interpreter import Report, perform
-from lw.fsm.messages import (
-    KVFormat,
-    KVLayout,
-    LayerLayout,
-    Message,
-    MetaReply,
-    MetaRequest,
-    Sender,
-)
+from typing import ClassVar
+
+from lw.fsm import DecodeEndpoint, PrefillEndpoint, PrefillRequest, ProtocolError
+from lw.fsm.messages import KVFormat, KVLayout, LayerLayout, Sender
 from lw.sim.checks import Checks
 from lw.sim.clock import Clock
-from lw.sim.clone import Cloner, Store
+from lw.sim.clone import Cloner
 from lw.sim.config import (  # noqa: F401  (re-exported for the explorer and tests)
     FAULT_ACTIONS,
     FAULT_KINDS,
-    HEAD_BYTES,
     Action,
-    Owner,
-    Plan,
     WorldConfig,
-    Write,
-    _layout,
-    _owner,
-    _p_layout,
-    _who,
-    d_addr,
-    p_addr,
 )
 from lw.sim.datapath import DataPath
 from lw.sim.describe import Describe
 from lw.sim.dnode import DNode
 from lw.sim.failover import Failover
 from lw.sim.faults import Faults
-from lw.sim.kvbytes import KVBytes, Memory
-from lw.sim.network import MESSAGE_TYPES, MsgKey, Network, describe_key
+from lw.sim.kvbytes import KVBytes
+from lw.sim.network import MESSAGE_TYPES, Network
 from lw.sim.pnode import PNode
+from lw.sim.ports import Ports
 from lw.sim.properties import Violation
+from lw.sim.proxy import Proxy
 from lw.sim.request import Req
-from lw.sim.variants import DESIGNS, Design
-from lw.transport.wire import decode, encode
+from lw.sim.state import WorldState
 
-# Abstract time: the world may idle before these (P's engine busy or slow to start, schedule or
-# compute a layer; in the fine-grained model only before the first hook of a layer, so that both
-# models reach the same states); message and transfer delays are covered by timers firing while
-# they are in flight, and by writes timing out.
-SLOW = frozenset({"start", "schedule", "layer"})
+# Which part performs each kind of action (its method ``do_<kind>``).
+HANDLERS: dict[str, str] = {
+    **dict.fromkeys(("arrive", "alloc", "start", "deliver"), "proxy"),
+    **dict.fromkeys(("schedule", "layer", "hook", "barrier"), "p_node"),
+    "complete": "data",
+    "decode": "d_node",
+    **dict.fromkeys(("drop", "dup", "fail_write", "crash_p", "crash_d", "restart_d", "p_lost",
+                     "d_lost", "abort_d", "abort_p", "forge"), "faults"),
+    **dict.fromkeys(("crash_rank", "rank_lost", "reprefill"), "failover"),
+    **dict.fromkeys(("idle", "wto", "zexp", "timer"), "clock"),
+    "zland": "kv",
+}
 
 
-class World(PNode, DataPath, DNode, Describe, Faults, Failover, Clock, Checks, KVBytes):
-    """One state of the simulated cluster; mutated in place by :meth:`apply`."""
+class World:
+    """One state of the simulated cluster, with the parts that act on it; mutated in place by
+    :meth:`apply`. A subclass may put its own part classes (and state class) in place of these,
+    and add action kinds to :attr:`handlers`."""
+
+    # Slots: a copy makes its parts anew (World.__reduce__), so making them must be cheap.
+    __slots__ = ("s", "cfg", "design", "kv", "ports", "p_node", "data", "d_node", "clock",
+                 "proxy", "failover", "faults", "describer", "checks")
+
+    state_type: ClassVar[type[WorldState]] = WorldState
+    proxy_type: ClassVar[type[Proxy]] = Proxy
+    faults_type: ClassVar[type[Faults]] = Faults
+    clock_type: ClassVar[type[Clock]] = Clock
+    handlers: ClassVar[dict[str, str]] = HANDLERS
 
     def __init__(self, cfg: WorldConfig) -> None:
-        self.cfg = cfg
-        self.design: Design = DESIGNS[cfg.design]
-        pcfg, dcfg = cfg.prefill_config(), cfg.decode_config()
-        check_lease(dcfg, pcfg.request_timeout_s, cfg.transfer_timeout_s)
-        self.store = Store()
-        self.now = 0.0
-        self.timers: dict[tuple[Owner, tuple[str, str]], float] = {}
-        self.net = Network(self.store.msgs)
-        self.tp = cfg.tp
-        self.d_tp = cfg.d_tp
-        self.plan = Plan.of(cfg)
-        nw = cfg.dp * cfg.tp  # P workers: worker w is DP rank w // tp, TP rank w % tp
-        ndw = cfg.d_dp * cfg.d_tp  # D workers: worker v is engine v // d_tp, TP rank v % d_tp
-        self.quirks = self.design.quirks
-        p_cls = self.design.prefill
-        self.p = [p_cls(Sender(self.p_engine(w // cfg.tp), w, 1, p_addr(w)), cfg.layers, pcfg,
-                        local=_p_layout(cfg, w, self.plan.p_fmts[w % cfg.tp]))
-                  for w in range(nw)]
-        self.d_inc = [1] * cfg.d_dp  # incarnation per D engine (a restart starts a new one)
-        self.d = [self._new_decode(v, 1) for v in range(ndw)]
-        self.restarts = 0
-        self.p_alive = True
-        self.dead_ranks: frozenset[int] = frozenset()  # P DP ranks that died (rank-crash)
-        self.rank_lost_seen: frozenset[tuple[int, int]] = frozenset()  # (D worker, rank)
-        self.d_alive = [True] * cfg.d_dp  # per D engine (a dead TP worker takes its engine)
-        self.p_lost_seen = [False] * ndw  # D worker v called peer_lost for P
-        self.d_lost_seen: set[tuple[int, int]] = set()  # (P worker, D engine) peer_lost called
-        self.fifo: list[list[Write]] = [[] for _ in range(nw)]  # per P worker
-        # Writes that failed "in doubt" (or were in flight at a P crash): their bytes may still
-        # land in D's blocks until the deadline. (P worker, req, seq, D worker, remote, deadline)
-        self.zombies: list[tuple[int, int, int, int, tuple[int, ...], float]] = []
-        self.d_mem: Memory = {}  # whose bytes D's blocks hold (kv_checksum, late_writes)
-        self.p_pool: list[list[int | None]] = [[None] * cfg.p_blocks for _ in range(cfg.dp)]
-        self.d_pool: list[list[int | None]] = [[None] * cfg.d_blocks for _ in range(cfg.d_dp)]
-        self.p_queue: list[list[int]] = [[] for _ in range(cfg.dp)]
-        self.d_queue: list[list[int]] = [[] for _ in range(cfg.d_dp)]
-        self.p_batch: list[list[int]] = [[] for _ in range(cfg.dp)]
-        # Between steps: per DP rank, the requests whose prefill has chunks left to compute
-        # (vLLM's running requests; the next step schedules them first, with their blocks).
-        self.p_running: list[list[int]] = [[] for _ in range(cfg.dp)]
-        self.p_free_pending: list[list[int]] = [[] for _ in range(cfg.dp)]
-        self.phase: int | None = None  # next layer of the step in progress
-        self.hooks_done = [False] * nw  # per worker, current layer (non-atomic mode)
-        self.collectives = [0] * nw  # collective calls made per worker
-        self.steps = 0
-        self.reqs = [Req(i, i % cfg.dp, i % cfg.d_dp, cfg.tp, cfg.d_tp, cfg.hit(i),
-                         cfg.chunk_sizes(cfg.blocks_per_request - cfg.hit(i)))
-                     for i in range(cfg.requests)]
-        self.arrived = 0
-        self.faults_used = 0
-        self.draining = False  # fair drain: no more faults, clock only when nothing else
-        self.flags: set[str] = set()  # what happened in the last action (for "sometimes")
-        self.free_why: dict[tuple[str, int, int], str] = {}  # (pool, rank, block): last free
-        self.recording = False
-        self.events: list[tuple] = []  # (kind, ...) for trace diagrams, when recording
-        # quirk poll-on-step: completions P has not polled yet, per worker (req, seq, ok)
-        self.unpolled: list[list[tuple[int, int, bool]]] = [[] for _ in range(nw)]
-        # quirk serial-handshake: per P worker, the D address of the first contact in flight
-        # and the MetaRequests held behind it (dest, message)
-        self.lane: list[str | None] = [None] * nw
-        self.held: list[list[tuple[str, MetaRequest]]] = [[] for _ in range(nw)]
+        self._compose(self.state_type(cfg))
 
-    def _new_decode(self, v: int, incarnation: int) -> DecodeEndpoint:
-        """D worker ``v`` of the given incarnation (a fresh process: nothing remembered)."""
-        cfg = self.cfg
-        return self.design.decode(Sender("D", v, incarnation, d_addr(v)),
-                                  _layout(cfg, v, self.plan.d_fmts[v % cfg.d_tp], incarnation),
-                                  cfg.decode_config())
+    def _compose(self, s: WorldState) -> None:
+        """Make the parts around the state ``s`` (a new world, or a copy's unpickled state)."""
+        self.s = s
+        self.cfg = s.cfg
+        self.design = s.design
+        self.kv = KVBytes(s)
+        self.ports = Ports(s, self.kv)
+        self.p_node = PNode(s, self.ports)
+        self.data = DataPath(s, self.ports, self.kv)
+        self.d_node = DNode(s, self.kv)
+        self.clock = self.clock_type(s, self.ports, self.kv, self.p_node)
+        self.proxy = self.proxy_type(s, self.ports, self.p_node)
+        self.failover = Failover(s, self.ports, self.clock, self.proxy)
+        self.faults = self.faults_type(s, self.ports, self.clock, self.kv, self.d_node,
+                                       self.failover)
+        self.describer = Describe(s)
+        self.checks = Checks(s, self.p_node, self.describer)
+        self.ports.connect(self.p_node, self.d_node, self.failover, self.data)
 
     # ------------------------------------------------------------------ identity and copies
+    def __reduce__(self) -> tuple:
+        # A copy carries the state alone: the parts hold nothing else and are made anew
+        # around it (cheaper than pickling a dozen objects of references).
+        return (_around, (type(self), self.s))
+
     def key(self) -> tuple:
         """Canonical hashable state (endpoint snapshots + world state, times relative to now)."""
-        now = self.now
-        budget = self.cfg.progress_budget()
+        s = self.s
+        now = s.now
+        budget = s.cfg.progress_budget()
+        tp, d_tp = s.tp, s.d_tp
         return (
-            self.arrived, self.phase, tuple(self.hooks_done), self.p_alive, tuple(self.d_alive),
-            tuple(self.p_lost_seen), tuple(sorted(self.d_lost_seen)), self.faults_used,
-            tuple(sorted(self.dead_ranks)), tuple(sorted(self.rank_lost_seen)),
-            tuple(sorted((k, round(at - now, 6)) for k, at in self.timers.items())),
-            self.net.snapshot(),
+            s.arrived, s.phase, tuple(s.hooks_done), s.p_alive, tuple(s.d_alive),
+            tuple(s.p_lost_seen), tuple(sorted(s.d_lost_seen)), s.faults_used,
+            tuple(sorted(s.dead_ranks)), tuple(sorted(s.rank_lost_seen)),
+            tuple(sorted((k, round(at - now, 6)) for k, at in s.timers.items())),
+            s.net.snapshot(),
             tuple(tuple((w[0], w[1], w[4], round(w[5] - now, 6), w[6]) for w in f)
-                  for f in self.fifo),
-            tuple(map(tuple, self.p_pool)), tuple(map(tuple, self.d_pool)),
-            tuple(map(tuple, self.p_queue)), tuple(map(tuple, self.d_queue)),
-            tuple(map(tuple, self.p_batch)), tuple(map(tuple, self.p_free_pending)),
-            tuple(map(tuple, self.p_running)),
+                  for f in s.fifo),
+            tuple(map(tuple, s.p_pool)), tuple(map(tuple, s.d_pool)),
+            tuple(map(tuple, s.p_queue)), tuple(map(tuple, s.d_queue)),
+            tuple(map(tuple, s.p_batch)), tuple(map(tuple, s.p_free_pending)),
+            tuple(map(tuple, s.p_running)),
             tuple(sorted((z[0], z[1], z[2], z[3], round(z[5] - now, 6), z[6])
-                         for z in self.zombies)),
-            tuple(q.key(now, budget) for q in self.reqs),
-            tuple(ep.snapshot() if self.rank_alive(w // self.tp) else None
-                  for w, ep in enumerate(self.p)) if self.p_alive else None,
-            tuple(ep.snapshot() if self.d_alive[v // self.d_tp] else None
-                  for v, ep in enumerate(self.d)),
-            tuple(self.d_inc), self.restarts, tuple(map(tuple, self.unpolled)),
+                         for z in s.zombies)),
+            tuple(q.key(now, budget) for q in s.reqs),
+            tuple(ep.snapshot() if s.rank_alive(w // tp) else None
+                  for w, ep in enumerate(s.p)) if s.p_alive else None,
+            tuple(ep.snapshot() if s.d_alive[v // d_tp] else None
+                  for v, ep in enumerate(s.d)),
+            tuple(s.d_inc), s.restarts, tuple(map(tuple, s.unpolled)),
             # PrefillEndpoint.snapshot() names the cached D layouts but not their incarnation,
             # which decides whether P asks again after a D restart: added here.
             tuple(tuple(sorted((a, lay.incarnation, lay.layers[0].base_addr)
                                for a, lay in ep.cached_layouts().items()))
-                  for ep in self.p) if self.cfg.d_restarts else None,
-            tuple(self.lane), tuple(tuple((d, m.req_id) for d, m in h) for h in self.held),
-            self._memory_key(),
+                  for ep in s.p) if s.cfg.d_restarts else None,
+            tuple(s.lane), tuple(tuple((d, m.req_id) for d, m in h) for h in s.held),
+            self.kv.memory_key(),
         )
 
     def cloner(self) -> Cloner:
         """A fast copier for this world and its descendants (immutable parts by reference)."""
-        p_shared = ("declaration", "_table", "config", "me", "local", "fmt")
-        d_shared = ("declaration", "_table", "config", "me", "layout")
+        p_shared = PrefillEndpoint.IMMUTABLE
+        d_shared = DecodeEndpoint.IMMUTABLE
         shared: dict[type, tuple[str, ...]] = {
-            World: ("cfg", "design", "store", "plan", "quirks"),
+            self.state_type: ("cfg", "design", "store", "plan", "quirks"),
             PrefillEndpoint: p_shared,
             DecodeEndpoint: d_shared,
             Network: ("msgs",),
@@ -203,143 +154,177 @@ class World(PNode, DataPath, DNode, Describe, Faults, Failover, Clock, Checks, K
         shared[self.design.prefill] = p_shared  # a design's defect subclass, if any
         shared[self.design.decode] = d_shared
         by_ref = (Sender, KVLayout, LayerLayout, KVFormat, PrefillRequest, *MESSAGE_TYPES)
-        return Cloner(self.store, shared, by_ref)
+        return Cloner(self.s.store, shared, by_ref)
 
-    # ------------------------------------------------------------------ queries
+    # ------------------------------------------------------------------ what others read
+    @property
+    def p(self) -> list[PrefillEndpoint]:
+        """The P workers' endpoints."""
+        return self.s.p
+
+    @property
+    def d(self) -> list[DecodeEndpoint]:
+        """The D workers' endpoints."""
+        return self.s.d
+
+    @property
+    def reqs(self) -> list[Req]:
+        """The world's requests."""
+        return self.s.reqs
+
+    @property
+    def now(self) -> float:
+        """The virtual clock."""
+        return self.s.now
+
+    @property
+    def tp(self) -> int:
+        """P workers per DP rank."""
+        return self.s.tp
+
+    @property
+    def d_tp(self) -> int:
+        """D workers per D engine."""
+        return self.s.d_tp
+
+    @property
+    def d_alive(self) -> list[bool]:
+        """Per D engine, whether it lives."""
+        return self.s.d_alive
+
+    @property
+    def d_inc(self) -> list[int]:
+        """Per D engine, its incarnation."""
+        return self.s.d_inc
+
+    @property
+    def faults_used(self) -> int:
+        """Faults injected so far."""
+        return self.s.faults_used
+
+    @property
+    def flags(self) -> set[str]:
+        """What happened in the last action (for the "sometimes" properties)."""
+        return self.s.flags
+
+    @property
+    def draining(self) -> bool:
+        """Fair drain: no more faults, the clock only when nothing else can move."""
+        return self.s.draining
+
+    @draining.setter
+    def draining(self, on: bool) -> None:
+        self.s.draining = on
+
+    @property
+    def recording(self) -> bool:
+        """Whether trace events are recorded (``s.events``)."""
+        return self.s.recording
+
+    @recording.setter
+    def recording(self, on: bool) -> None:
+        self.s.recording = on
+
+    def rank_alive(self, rank: int) -> bool:
+        """Whether P DP rank ``rank`` lives (and the P engine)."""
+        return self.s.rank_alive(rank)
+
+    def p_engine(self, rank: int) -> str:
+        """The engine id of P DP rank ``rank``."""
+        return self.s.p_engine(rank)
+
     def faults_on(self) -> bool:
         """Whether fault actions and free clock advances are enabled now."""
-        return self.cfg.faults and not self.draining
+        return self.s.faults_on()
 
-    def workers_of(self, rank: int) -> range:
-        """The P workers (TP ranks) of DP rank ``rank``."""
-        return range(rank * self.tp, (rank + 1) * self.tp)
+    def describe(self, a: Action) -> str:
+        """Human text of an action, in the current state (before it is applied)."""
+        return self.describer.describe(a)
 
-    def d_workers_of(self, d: int) -> range:
-        """The D workers (TP ranks) of D engine ``d``."""
-        return range(d * self.d_tp, (d + 1) * self.d_tp)
+    def summary(self) -> list[str]:
+        """A few lines describing the state (for stuck-state reports)."""
+        return self.describer.summary()
 
-    def what(self, r: int, seq: int) -> str:
-        """Write ``seq`` of request ``r`` in reports: "layer k", or with chunked prefill
-        "chunk c layer k" (c the prompt's chunk, counted as P's scheduler does)."""
-        L = self.cfg.layers
-        if self.cfg.chunks == 1:
-            return f"layer {seq}"
-        return f"chunk {self.reqs[r].chunk_of(seq, L)} layer {seq % L}"
+    def check_safety(self) -> None:
+        """The 'always' properties on this state; raises Violation."""
+        self.checks.check_safety()
 
-    def wname(self, w: int) -> str:
-        """Human name of P worker ``w``."""
-        if self.tp == 1:
-            return f"P rank {w}"
-        return f"P worker {w} (DP {w // self.tp}, TP {w % self.tp})"
+    def check_terminal(self) -> None:
+        """The 'eventually' properties at a state where no action is enabled."""
+        self.checks.check_terminal()
 
-    def dname(self, d: int) -> str:
-        """Human name of D engine ``d``."""
-        return f"D{d}" if self.d_tp == 1 else f"D engine {d}"
-
-    def dwname(self, v: int) -> str:
-        """Human name of D worker ``v``."""
-        return f"D{v}" if self.d_tp == 1 else f"D{v} (engine {v // self.d_tp}, TP {v % self.d_tp})"
-
-    def dpart(self, d: int) -> str:
-        """The trace participant that stands for D engine ``d`` (its TP rank 0)."""
-        return f"D{d * self.d_tp}"
-
-    def writers(self, q: Req, v: int) -> list[int]:
-        """The P workers that write request ``q`` into D worker ``v`` (the sender plan)."""
-        if not q.loads():
-            return []
-        ranks = self.plan.senders[v % self.d_tp]
-        return [w for w in self.workers_of(q.p_rank) if w % self.tp in ranks]
-
-    def _slow_for(self, acts: list[Action], rid: str) -> bool:
-        """Whether P's engine could be slow before one of these actions of request ``rid``
-        (the proxy starting it, P scheduling it, computing a layer of it)."""
-        q = self.req_of(rid)
-        if q is None:
-            return False
-        for a in acts:
-            if a[0] not in SLOW and not (a[0] == "hook" and not any(self.hooks_done)):
-                continue
-            if a[0] == "start" and a[1] == q.idx:
-                return True
-            if a[0] == "schedule" and (q.idx in self.p_queue[q.p_rank]
-                                       or q.idx in self.p_running[q.p_rank]):
-                return True
-            if a[0] in ("layer", "hook") and q.idx in self.p_batch[q.p_rank]:
-                return True
-        return False
-
+    # ------------------------------------------------------------------ actions
     def enabled(self) -> list[Action]:
         """Every action enabled in this state, in a deterministic order."""
-        cfg = self.cfg
+        s = self.s
+        cfg = s.cfg
         acts: list[Action] = []
-        if self.arrived < cfg.requests:
+        if s.arrived < cfg.requests:
             acts.append(("arrive",))
         for d in range(cfg.d_dp):
-            if (self.d_alive[d] and self.d_queue[d]
-                    and self.d_pool[d].count(None) >= cfg.blocks_per_request):
+            if (s.d_alive[d] and s.d_queue[d]
+                    and s.d_pool[d].count(None) >= cfg.blocks_per_request):
                 acts.append(("alloc", d))
-        if self.design.d_first and self.p_alive and self._first_live_rank() is not None:
-            for q in self.reqs:
+        if s.design.d_first and s.p_alive and s.first_live_rank() is not None:
+            for q in s.reqs:
                 if q.d_blocks is not None and not q.started and q.p_stage == "none":
                     acts.append(("start", q.idx))
-        if self.p_alive:
-            if self.phase is None:
-                if any(self.rank_alive(i) and (self._schedulable(i) or self.p_running[i])
-                       for i in range(cfg.dp)):
+        if s.p_alive:
+            if s.phase is None:
+                if self.p_node.can_step():
                     acts.append(("schedule",))
             else:
-                blocked = self.blocked_hooks()
+                blocked = self.p_node.blocked_hooks()
                 if cfg.atomic_layers:
                     if not blocked:
                         acts.append(("layer",))
                 else:
-                    acts += [("hook", w) for w in range(len(self.p))
-                             if not self.hooks_done[w] and w not in blocked]
-                    if all(self.hooks_done):
+                    acts += [("hook", w) for w in range(len(s.p))
+                             if not s.hooks_done[w] and w not in blocked]
+                    if all(s.hooks_done):
                         acts.append(("barrier",))
-        for key in self.net.keys():
+        for key in s.net.keys():
             acts.append(("deliver", key))
-        for w, fifo in enumerate(self.fifo):
+        for w, fifo in enumerate(s.fifo):
             if fifo:
                 acts.append(("complete", w))
                 if cfg.unordered_writes:  # any write in flight may complete next
                     acts += [("complete", w, j) for j in range(1, len(fifo))]
-        for q in self.reqs:
+        for q in s.reqs:
             if q.d_stage == "decoding":
                 acts.append(("decode", q.idx))
-        if not self.p_alive and cfg.p_loss_detection:
-            acts += [("p_lost", v) for v in range(len(self.d))
-                     if self.d_alive[v // self.d_tp] and not self.p_lost_seen[v]]
-        if self.p_alive:
-            acts += [("d_lost", w, d) for w in range(len(self.p)) for d in range(cfg.d_dp)
-                     if not self.d_alive[d] and (w, d) not in self.d_lost_seen
-                     and self.rank_alive(w // self.tp)]
-        if self.dead_ranks:
-            acts += self._rank_lost_actions()
+        if not s.p_alive and cfg.p_loss_detection:
+            acts += [("p_lost", v) for v in range(len(s.d))
+                     if s.d_alive[v // s.d_tp] and not s.p_lost_seen[v]]
+        if s.p_alive:
+            acts += [("d_lost", w, d) for w in range(len(s.p)) for d in range(cfg.d_dp)
+                     if not s.d_alive[d] and (w, d) not in s.d_lost_seen
+                     and s.rank_alive(w // s.tp)]
+        if s.dead_ranks:
+            acts += self.failover.rank_lost_actions()
         if cfg.retry_prefill:
-            acts += self._reprefill_actions()
-        if self.restarts < cfg.d_restarts and not self.draining:
-            acts += [("restart_d", d) for d in range(cfg.d_dp) if not self.d_alive[d]]
-        faults = self.faults_on()
-        if faults and self.faults_used < cfg.max_faults:
-            acts += self._fault_actions()
+            acts += self.failover.reprefill_actions()
+        if s.restarts < cfg.d_restarts and not s.draining:
+            acts += [("restart_d", d) for d in range(cfg.d_dp) if not s.d_alive[d]]
+        faults = s.faults_on()
+        if faults and s.faults_used < cfg.max_faults:
+            acts += self.faults.fault_actions()
         if (faults and cfg.delays) or not acts:
-            acts += self._due_timers()
+            acts += self.clock.due_timers()
             if faults and cfg.delays and cfg.abstract_time:
-                acts += self._idle(acts)
+                acts += self.clock.idle(acts)
         # Late bytes land at any moment, independent of the clock: even a timely clock moves
         # while they are pending (so leases expire before they land).
-        return acts + self._zland_actions()
+        return acts + self.kv.zland_actions()
 
-    # ------------------------------------------------------------------ apply
     def apply(self, a: Action) -> None:
         """Perform one enabled action, then check the safety properties (raises Violation)."""
-        self.flags = set()
+        s = self.s
+        s.flags = set()
         kind = a[0]
         if kind in FAULT_ACTIONS:
-            self.faults_used += 1
-        handler = getattr(self, "_do_" + kind)
+            s.faults_used += 1
+        handler = getattr(getattr(self, self.handlers[kind]), "do_" + kind)
         try:
             handler(*a[1:])
         except ProtocolError as exc:
@@ -347,151 +332,14 @@ class World(PNode, DataPath, DNode, Describe, Faults, Failover, Clock, Checks, K
         except (AssertionError, LookupError, TypeError, ValueError) as exc:
             raise Violation("core-protocol-error", f"{_where_raised(exc)} raised "
                                                    f"{type(exc).__name__}: {exc}") from exc
-        self.check_safety()
+        self.checks.check_safety()
 
-    def _note(self, where: str, text: str) -> None:
-        if self.recording:
-            self.events.append(("note", where, text))
 
-    def _arrow(self, src: str, dst: str, text: str, dashed: bool = False) -> None:
-        if self.recording:
-            self.events.append(("arrow", src, dst, text, dashed))
-
-    def _do_arrive(self) -> None:
-        q = self.reqs[self.arrived]
-        self.arrived += 1
-        d = q.d_rank
-        if self.d_alive[d]:
-            self.d_queue[d].append(q.idx)
-            q.d_stage = "waiting"
-            self._arrow("Proxy", self.dpart(d), f"allocate {q.rid}")
-        else:
-            q.d_stage = "lost"
-            q.touched = True
-        if not self.design.d_first:
-            if self.p_alive:
-                self.p_queue[q.p_rank].append(q.idx)
-                q.p_stage = "queued"
-                q.started = True
-                self._arrow("Proxy", f"P{q.p_rank * self.tp}", f"prefill {q.rid}")
-            else:
-                q.p_stage = "lost"
-
-    def _do_alloc(self, d: int) -> None:
-        r = self.d_queue[d].pop(0)
-        q = self.reqs[r]
-        pool = self.d_pool[d]
-        blocks = tuple([b for b, o in enumerate(pool) if o is None][:self.cfg.blocks_per_request])
-        for b in blocks:
-            pool[b] = r
-        q.d_blocks = blocks
-        q.d_stage = "allocated"
-        q.t_alloc = self.now
-        q.d_inc = self.d_inc[d]
-        if not q.loads() and "full-hit-waits" in self.quirks:
-            # vLLM #56640: the full hit is still registered as a request to load.
-            self._note(self.dpart(d), f"{q.rid} gets block(s) {list(blocks)}: full prefix-cache "
-                                      "hit, but registered as loading")
-            for v in self.d_workers_of(d):
-                self._effects(("d", v), self.d[v].add_request(
-                    q.rid, blocks, self.plan.senders[v % self.d_tp], self.now))
-        elif not q.loads():
-            # Every block is in D's prefix cache: nothing to load, D decodes at once (the
-            # stranded request of vLLM #56640 waited here for a transfer that never comes).
-            q.d_stage = "decoding"
-            self.flags.add("done")
-            self._note(self.dpart(d), f"{q.rid} gets block(s) {list(blocks)}: full prefix-cache "
-                                      "hit, decoding")
-        else:
-            cached = f", {list(q.d_cached)} cached" if q.hit else ""
-            self._note(self.dpart(d), f"{q.rid} gets block(s) {list(blocks)}{cached}")
-            for v in self.d_workers_of(d):
-                self._effects(("d", v), self.d[v].add_request(
-                    q.rid, q.d_remote, self.plan.senders[v % self.d_tp], self.now))
-        if not self.design.d_first and q.p_stage == "scheduled" and not q.p_added:
-            self._p_add(q)
-
-    def _do_start(self, r: int) -> None:
-        q = self.reqs[r]
-        if not self.rank_alive(q.p_rank):  # the proxy routes to a live P
-            live = self._first_live_rank()
-            assert live is not None
-            q.p_rank = live
-        q.started = True
-        q.p_stage = "queued"
-        self.p_queue[q.p_rank].append(r)
-        self._arrow("Proxy", f"P{q.p_rank * self.tp}", f"prefill {q.rid}")
-        self._route(q)
-
-    def _do_deliver(self, key: MsgKey) -> None:
-        msg = self.net.take(key)
-        dest, src = key[0], key[1]
-        if self.cfg.wire and decode(encode(msg)) != msg:
-            raise Violation("core-protocol-error", f"{describe_key(key)} does not survive the "
-                                                   "wire encoding")
-        idx = int(dest[1:])
-        self._arrow(_who(src), _who(dest), describe_key(key))
-        if dest[0] == "p":
-            if not self.rank_alive(idx // self.tp):
-                return
-            if isinstance(msg, MetaReply):
-                q = self.req_of(msg.req_id)
-                if q is not None and msg.status == "accepted":
-                    q.accepted = q.accepted | {(idx, int(src[1:]))}
-                if self.lane[idx] == src:  # serial-handshake: the first contact is answered
-                    self._next_handshake(idx)
-            self._effects(("p", idx), self.p[idx].on_message(msg, self.now))
-        else:
-            e = idx // self.d_tp
-            if not self.d_alive[e]:
-                return
-            try:
-                effects = self.d[idx].on_message(msg, self.now)
-            except ProtocolError:
-                q = self.req_of(msg.req_id)
-                if q is None or q.d_inc == self.d_inc[e] or self.d[idx].state_of(q.rid):
-                    raise
-                # A message about a request of an earlier incarnation of this D: the new
-                # process does not know it and the runtime drops what the core refuses.
-                self._note(f"D{idx}", f"{msg.req_id} is unknown to this incarnation: dropped")
-                return
-            self._effects(("d", idx), effects)
-
-    def req_of(self, rid: str) -> Req | None:
-        """The world's request with this id, if it is one (a defect may send other ids)."""
-        if rid[:1] == "r" and rid[1:].isdigit() and int(rid[1:]) < len(self.reqs):
-            return self.reqs[int(rid[1:])]
-        return None
-
-    # ------------------------------------------------------------------ effects
-    def _effects(self, owner: Owner, effects: list[Effect]) -> None:
-        perform(effects, _WorldPorts(self, owner))  # the runtime's interpreter, the world's ports
-
-    def _quarantine(self, idx: int, e: Quarantine) -> None:
-        q = self.reqs[int(e.req_id[1:])]
-        if tuple(e.block_ids) != q.d_remote:
-            raise Violation("double-free", f"D{idx} quarantines blocks "
-                                           f"{list(e.block_ids)} for {q.rid}, which "
-                                           f"receives into {list(q.d_remote)}")
-        q.quarantined = True
-        q.t_dfail = self.now
-        self._note(f"D{idx}", f"{e.req_id} FAILED, block(s) {list(e.block_ids)} quarantined")
-
-    def _handshake(self, w: int, dest: str, msg: MetaRequest) -> None:
-        """Quirk serial-handshake: one first contact in flight per P worker; others wait."""
-        if self.lane[w] in (None, dest):
-            self.lane[w] = dest
-            self.net.add(p_addr(w), dest, msg)
-        elif all(h != (dest, msg) for h in self.held[w]):
-            self.held[w].append((dest, msg))
-            self._note(f"P{w}", f"first contact with {_who(dest)} for {msg.req_id} waits behind "
-                                f"the one with {_who(self.lane[w] or '')}")
-
-    def _next_handshake(self, w: int) -> None:
-        self.lane[w] = None
-        held, self.held[w] = self.held[w], []
-        for dest, msg in held:
-            self._handshake(w, dest, msg)
+def _around(cls: type[World], s: WorldState) -> World:
+    """A world of class ``cls`` around the state ``s`` (unpickling a copy)."""
+    w = cls.__new__(cls)
+    w._compose(s)
+    return w
 
 
 def _where_raised(exc: BaseException) -> str:
@@ -505,61 +353,3 @@ def _where_raised(exc: BaseException) -> str:
     path = code.co_filename
     k = path.rfind("/lw/")
     return f"{path[k + 1:] if k >= 0 else path}:{tb.tb_lineno} ({code.co_name})"
-
-
-class _WorldPorts:
-    """The world's ports for :func:`lw.fsm.interpreter.perform`, for one endpoint (``owner``):
-    messages into the network multiset, writes into the P worker's FIFO data plane, timers
-    into the world's clock, reports into its bookkeeping and property checks, sums over the
-    memory the world keeps (lw.sim.kvbytes), the endpoint for their answers."""
-
-    __slots__ = ("idx", "kind", "me", "world")
-
-    def __init__(self, world: World, owner: Owner) -> None:
-        self.world = world
-        self.kind, self.idx = owner
-        self.me = p_addr(self.idx) if self.kind == "p" else d_addr(self.idx)
-
-    def send(self, dest: str, msg: Message) -> None:
-        w = self.world
-        if self.kind == "p" and "serial-handshake" in w.quirks and isinstance(
-                msg, MetaRequest) and msg.want_layout:
-            w._handshake(self.idx, dest, msg)
-        else:
-            w.net.add(self.me, dest, msg)
-
-    def write(self, writes: list[WriteLayer]) -> list[list[Effect]]:
-        for e in writes:
-            self.world._on_write(self.idx, e)
-        return []  # the world's data plane fails writes later, as actions
-
-    def arm(self, key: TimerKey, at: float) -> None:
-        if self.world.design.timers:
-            self.world.timers[((self.kind, self.idx), key)] = at
-
-    def cancel(self, key: TimerKey) -> None:
-        self.world.timers.pop(((self.kind, self.idx), key), None)
-
-    def report(self, e: Report) -> None:
-        w = self.world
-        if isinstance(e, SendFinished):
-            w._on_send_finished(self.idx, e)
-        elif isinstance(e, RecvDone):
-            w._on_recv_done(self.idx, e)
-        elif isinstance(e, RecvFailed):
-            w._on_recv_failed(self.idx, e)
-        elif isinstance(e, Reprefill):
-            w._on_reprefill(self.idx, e)
-        else:
-            w._quarantine(self.idx, e)
-
-    def sum_blocks(self, layout: KVLayout, plan: SumPlan) -> list[list[int]]:
-        return self.world._block_sums(self.idx, plan, len(layout.layers))
-
-    def kept_sums(self, req_id: str, target: str, layers: int) -> list[list[int]]:
-        return self.world._kept_sums(req_id, layers)
-
-    def answer(self, sums: Sums) -> list[Effect]:
-        w = self.world
-        ep = w.p[self.idx] if self.kind == "p" else w.d[self.idx]
-        return ep.on_sums(sums, w.now)

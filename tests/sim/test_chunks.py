@@ -65,11 +65,11 @@ def test_each_chunk_is_pushed_while_the_next_computes() -> None:
     w = World(WorldConfig(**CHUNKED))
     _first_step_with_meta(w)
     q = w.reqs[0]
-    assert w.p_running == [[0]] and q.chunk == 1 and w.phase is None
-    assert [(x[1], x[2], x[3]) for x in w.fifo[0]] == [(0, (0,), (0,)), (1, (0,), (0,))]
+    assert w.s.p_running == [[0]] and q.chunk == 1 and w.s.phase is None
+    assert [(x[1], x[2], x[3]) for x in w.s.fifo[0]] == [(0, (0,), (0,)), (1, (0,), (0,))]
     _do(w, "schedule")
     _do(w, "layer")  # chunk 1's layer 0 while chunk 0's writes are still in flight
-    assert [(x[1], x[2], x[3]) for x in w.fifo[0]] == [
+    assert [(x[1], x[2], x[3]) for x in w.s.fifo[0]] == [
         (0, (0,), (0,)), (1, (0,), (0,)), (2, (1,), (1,))]
     assert w.p[0].state_of("r0") == "META_READY"
     _do(w, "complete", 0)
@@ -79,17 +79,17 @@ def test_each_chunk_is_pushed_while_the_next_computes() -> None:
     drain(w)
     assert q.d_stage == "done" and q.send_ok == (True,) and q.recv_ok == (True,)
     assert q.landed == {(0, 0, k, b) for k in (0, 1) for b in (0, 1)}
-    assert w.p_pool == [[None, None]] and w.d_pool == [[None, None]]
+    assert w.s.p_pool == [[None, None]] and w.s.d_pool == [[None, None]]
 
 
 def test_a_first_chunk_without_a_block_claims_d_and_writes_nothing() -> None:
     w = World(WorldConfig(dp=1, requests=1, layers=2, chunks=2))
     _first_step_with_meta(w)
-    assert w.p[0].state_of("r0") == "META_READY" and w.fifo == [[]]
+    assert w.p[0].state_of("r0") == "META_READY" and w.s.fifo == [[]]
     _do(w, "schedule")
     _do(w, "layer")
-    assert [(x[1], x[2], x[3]) for x in w.fifo[0]] == [(0, (0,), (0,))]  # seq 0 of the core
-    assert w.what(0, 0) == "chunk 1 layer 0"
+    assert [(x[1], x[2], x[3]) for x in w.s.fifo[0]] == [(0, (0,), (0,))]  # seq 0 of the core
+    assert w.s.what(0, 0) == "chunk 1 layer 0"
     drain(w)
     assert w.reqs[0].d_stage == "done"
 
@@ -99,11 +99,11 @@ def test_a_client_abort_between_chunks_stops_the_prefill() -> None:
     _first_step_with_meta(w)
     _do(w, "abort_p", 0)
     q = w.reqs[0]
-    assert w.p_running == [[]] and w.p[0].state_of("r0") == "FAILED"
-    assert w.p_pool == [[0, 0]]  # its writes still read them
+    assert w.s.p_running == [[]] and w.p[0].state_of("r0") == "FAILED"
+    assert w.s.p_pool == [[0, 0]]  # its writes still read them
     drain(w)
     assert q.chunk == 1 and q.p_stage == "released" and q.send_ok == (False,)
-    assert w.p_pool == [[None, None]] and w.d_pool == [[None, None]]
+    assert w.s.p_pool == [[None, None]] and w.s.d_pool == [[None, None]]
 
 
 def test_a_send_that_failed_mid_prefill_frees_p_blocks_only_at_its_end() -> None:
@@ -117,11 +117,11 @@ def test_a_send_that_failed_mid_prefill_frees_p_blocks_only_at_its_end() -> None
     _do(w, "complete", 0)
     q = w.reqs[0]
     assert q.send_reports == (1,) and q.send_ok == (False,) and q.p_stage == "finished"
-    assert w.p_running == [[0]] and w.p_pool == [[0, 0]] and w.p_free_pending == [[0]]
+    assert w.s.p_running == [[0]] and w.s.p_pool == [[0, 0]] and w.s.p_free_pending == [[0]]
     _do(w, "schedule")
     for _ in range(2):
         _do(w, "layer")
-    assert w.p_pool == [[None, None]] and q.p_stage == "released"
+    assert w.s.p_pool == [[None, None]] and q.p_stage == "released"
     drain(w)
 
 
@@ -131,10 +131,10 @@ def test_placement_is_checked_per_chunk() -> None:
     lay = w.d[0].layout
     wrong = WriteLayer("r0", 0, lay, (1,), (1,), None, "d0", 0)  # chunk 1's blocks as chunk 0
     with pytest.raises(Violation, match="kv-placement.*chunk 0 completes are in P block"):
-        w._on_write(0, wrong)
+        w.data.on_write(0, wrong)
     early = WriteLayer("r0", 0, lay, (1,), (1,), None, "d0", 2)  # chunk 1, not computed yet
     with pytest.raises(Violation, match="before the forward pass computed it"):
-        w._on_write(0, early)
+        w.data.on_write(0, early)
 
 
 def _later_chunk_landed_first(unordered: bool) -> bool:
@@ -142,7 +142,7 @@ def _later_chunk_landed_first(unordered: bool) -> bool:
 
     def visit(w: World) -> None:
         q = w.reqs[0]
-        if any(x[1] == 0 for x in w.fifo[0]) and any(t[3] == 1 for t in q.landed):
+        if any(x[1] == 0 for x in w.s.fifo[0]) and any(t[3] == 1 for t in q.landed):
             found.append(True)
 
     res = explore(WorldConfig(**CHUNKED, unordered_writes=unordered), on_state=visit)

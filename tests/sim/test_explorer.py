@@ -126,11 +126,11 @@ def test_a_cycle_is_reported() -> None:
 def _visible(w) -> tuple:  # noqa: ANN001 - a World
     """What the properties read: endpoint snapshots, pools, writes in flight, in-doubt bytes,
     who is alive (the reductions only skip actions that change none of it)."""
-    return (tuple(ep.snapshot() for ep in w.p) if w.p_alive else None,
-            tuple(ep.snapshot() for ep in w.d), tuple(map(tuple, w.p_pool)),
-            tuple(map(tuple, w.d_pool)), tuple(tuple((x[0], x[1], x[4]) for x in f)
-                                               for f in w.fifo),
-            tuple(sorted(z[:4] for z in w.zombies)), w.p_alive, tuple(w.d_alive))
+    return (tuple(ep.snapshot() for ep in w.p) if w.s.p_alive else None,
+            tuple(ep.snapshot() for ep in w.d), tuple(map(tuple, w.s.p_pool)),
+            tuple(map(tuple, w.s.d_pool)), tuple(tuple((x[0], x[1], x[4]) for x in f)
+                                               for f in w.s.fifo),
+            tuple(sorted(z[:4] for z in w.s.zombies)), w.s.p_alive, tuple(w.d_alive))
 
 
 REDUCTION_CASES = [
@@ -294,10 +294,10 @@ def test_equal_keys_print_alike_whatever_order_their_sets_were_built_in() -> Non
         grown.add(x)
     a.reqs[0].landed = frozenset(items)
     b.reqs[0].landed = frozenset(grown)
-    a.net.add("p0", "d0", _meta_request())
-    a.net.add("d0", "p0", _meta_request())
-    b.net.add("d0", "p0", _meta_request())
-    b.net.add("p0", "d0", _meta_request())
+    a.s.net.add("p0", "d0", _meta_request())
+    a.s.net.add("d0", "p0", _meta_request())
+    b.s.net.add("d0", "p0", _meta_request())
+    b.s.net.add("p0", "d0", _meta_request())
     assert a.key() == b.key() and repr(a.key()) == repr(b.key())
     assert fingerprint(a) == fingerprint(b)
 

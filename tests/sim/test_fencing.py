@@ -58,4 +58,4 @@ def test_bounded_in_doubt_bytes_have_no_late_landing_action() -> None:
                 nxt.append(y)
         frontier = nxt
     assert "fail_write" in seen and "zland" not in seen
-    assert w._memory_key() is None  # nothing tracked: the state key is unchanged
+    assert w.kv.memory_key() is None  # nothing tracked: the state key is unchanged

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from lw.sim.explorer import drain, explore
+from lw.sim.proxy import Proxy
 from lw.sim.world import World, WorldConfig
 
 
@@ -29,17 +30,17 @@ def test_d_first_holds_on_the_new_shapes(kw: dict) -> None:
 
 def test_d_tp_every_d_worker_gets_every_layer() -> None:
     w = World(WorldConfig(dp=1, tp=1, d_tp=2, requests=1, layers=2))
-    assert w.plan.targets == ((0, 1),) and w.plan.senders == (frozenset({0}),) * 2
+    assert w.s.plan.targets == ((0, 1),) and w.s.plan.senders == (frozenset({0}),) * 2
     drain(w)
     q = w.reqs[0]
     assert q.d_stage == "done" and q.recv_reports == (1, 1) and q.recv_ok == (True, True)
     assert q.landed == {(0, v, k, 0) for v in (0, 1) for k in (0, 1)}  # (P, D, layer, block)
-    assert all(b is None for b in w.d_pool[0])
+    assert all(b is None for b in w.s.d_pool[0])
 
 
 def test_mla_idle_p_rank_finishes_at_once() -> None:
     w = World(WorldConfig(dp=1, tp=2, mla=True, requests=1, layers=1))
-    assert w.plan.targets == ((0,), ())
+    assert w.s.plan.targets == ((0,), ())
     drain(w)
     assert w.p[1].counters["no_target"] == 1 and w.p[1].counters["layer_writes"] == 0
     assert w.reqs[0].send_ok == (True, True) and w.reqs[0].d_stage == "done"
@@ -62,18 +63,19 @@ def test_partial_prefix_hit_never_writes_the_cached_block() -> None:
 
 def _strand_full_hits(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM #56640's shape: D registers a fully cached request as if it had KV to receive."""
-    alloc: Callable[[World, int], None] = World._do_alloc
+    alloc: Callable[[Proxy, int], None] = Proxy.do_alloc
 
-    def stranding_alloc(self: World, d: int) -> None:
-        q = self.reqs[self.d_queue[d][0]]
+    def stranding_alloc(self: Proxy, d: int) -> None:
+        s = self.s
+        q = s.reqs[s.d_queue[d][0]]
         alloc(self, d)
         if not q.loads():
             q.d_stage = "allocated"
-            for v in self.d_workers_of(d):
-                self._effects(("d", v), self.d[v].add_request(
-                    q.rid, q.d_blocks or (), self.plan.senders[v % self.d_tp], self.now))
+            for v in s.d_workers_of(d):
+                self.ports.run(("d", v), s.d[v].add_request(
+                    q.rid, q.d_blocks or (), s.plan.senders[v % s.d_tp], s.now))
 
-    monkeypatch.setattr(World, "_do_alloc", stranding_alloc)
+    monkeypatch.setattr(Proxy, "do_alloc", stranding_alloc)
 
 
 def test_a_stranded_full_hit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

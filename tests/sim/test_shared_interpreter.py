@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import lw.fsm.interpreter as interpreter
-import lw.sim.world
+import lw.sim.ports
 import lw.synthetic.workers
 import lw.transport.runtime
 from lw.fsm.effects import KeptSums, SumPlan, Sums
@@ -20,7 +20,7 @@ from lw.sim.world import WorldConfig
 
 
 def test_every_driver_uses_the_one_interpreter() -> None:
-    assert lw.sim.world.perform is interpreter.perform
+    assert lw.sim.ports.perform is interpreter.perform
     assert lw.transport.runtime.perform is interpreter.perform
     assert lw.synthetic.workers.WorkerLoop is lw.transport.runtime.WorkerLoop
 

@@ -24,7 +24,7 @@ def test_clone_is_equal_and_independent() -> None:
     w2 = c.clone(w)
     assert w2.key() == w.key()
     assert w2.p[0]._table is w.p[0]._table  # shared, not copied
-    assert w2.p[0] is not w.p[0] and w2.net is not w.net
+    assert w2.p[0] is not w.p[0] and w2.s.net is not w.s.net
     _advance(w2, 5)
     assert w2.key() != w.key()
     assert c.clone(w).key() == w.key()
@@ -46,7 +46,7 @@ def test_fair_drain_completes_every_request_without_faults() -> None:
     w = World(WorldConfig(dp=2, requests=3, layers=3, d_blocks=2))
     drain(w)
     assert all(q.d_stage == "done" and q.send_ok and q.recv_ok for q in w.reqs)
-    assert all(b is None for pool in w.p_pool + w.d_pool for b in pool)
+    assert all(b is None for pool in w.s.p_pool + w.s.d_pool for b in pool)
 
 
 def test_no_fault_timer_is_a_violation() -> None:
@@ -66,7 +66,7 @@ def _boundary_states(cfg: WorldConfig) -> set[int]:
     seen: set[int] = set()
 
     def visit(w: World) -> None:
-        if not any(w.hooks_done):
+        if not any(w.s.hooks_done):
             seen.add(hash(w.key()))
 
     res = explore(cfg, on_state=visit)
