@@ -51,16 +51,21 @@ class Clock:
         return [a for at, a in due if at == first]
 
     def idle(self, acts: list[Action]) -> list[Action]:
-        """("idle",) when the next deadline is one of D's (its prefill deadline or a lease) for a
-        request P is about to start, schedule or compute, and the clock can still move to just
-        before it: P's next step for that request then happens after D armed its timer and
-        just before it fires. (P's own timers are relative to P's own events.)"""
+        """("idle",) when the clock can still move to just before the next deadline and either
+        a write is in flight or that deadline is one of D's (its prefill deadline or a lease)
+        for a request P is about to start, schedule or compute: P's next step for that request
+        then happens after D armed its timer and just before it fires."""
         due = self.deadlines()
         if not due:
             return []
         first = min(at for at, _ in due)
         if first - self.s.now <= 1.5 * EPSILON:
             return []
+        if any(self.s.fifo):
+            # A write takes as long as the link makes it: it may complete just before any
+            # deadline, P's own included (a slow-link run sent its DONE 17 ms before P's request
+            # deadline, which then fired before the DONE's ack timer; issue 20, finding 8).
+            return [("idle",)]
         for at, a in due:
             if at == first and a[0] == "timer" and a[1][0] == "d" and self.p_node.slow_for(
                     acts, a[2][1]):

@@ -252,3 +252,15 @@ def test_a_d_crash_detected_after_the_restart_is_valid(capsys: pytest.CaptureFix
     assert validate_cli.main([str(path), "--strict", "--seconds", "120"]) == 0, \
         capsys.readouterr().out
     assert "valid: 1 requests, 1 valid" in capsys.readouterr().out
+
+
+def test_a_write_completing_just_before_ps_deadline_is_valid(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """One request of a slow-link run (2026-12-02, rejected there at 1,499 states): P's last
+    writes completed 17 ms before its 4 s deadline, it sent DONE, and the deadline fired before
+    the ack's retry timer (P failed; D had accepted the DONE and decoded). The world moved its
+    clock only to timers, so a write could not complete just before P's own deadline."""
+    path = Path(__file__).parent / "data" / "slow-link-deadline-after-done.jsonl"
+    assert validate_cli.main([str(path), "--strict", "--seconds", "120"]) == 0, \
+        capsys.readouterr().out
+    assert "valid: 1 requests, 1 valid" in capsys.readouterr().out
