@@ -15,7 +15,7 @@ from lw.fsm import (
     RecvDone,
     RecvFailed,
 )
-from lw.transport.wire import PROTOCOL_VERSION, Ack, MetaReply, MetaRequest, Sender
+from lw.transport.wire import PROTOCOL_VERSION, Ack, DoneSending, MetaReply, MetaRequest, Sender
 
 from .harness import D_ADDR, Pair, d_layout, d_sender, done_to_d, p_sender
 
@@ -39,12 +39,12 @@ def compute_all(pair: Pair, rid: str = "r1", rank: int = 0) -> None:
         pair.absorb(rank, pair.ps[rank].layer_computed(layer, [rid], pair.now))
 
 
-def send_done(pair: Pair, sums: list[int], local: list[int]) -> None:
-    """Run r1 to its DONE and hand that DONE to D with ``sums`` as its checksums and ``local``
-    as D's own sums (the driver's CRC-32C)."""
+def done_unsent(pair: Pair, checksums: list[int] | None = None) -> DoneSending:
+    """Run r1 until P's DONE is queued and take it out of the queue, undelivered (with
+    ``checksums`` in place of P's: D's own sums are the test's to give)."""
     from msgspec.structs import replace
 
-    from lw.transport.wire import DoneSending, decode, encode
+    from lw.transport.wire import decode, encode
 
     start(pair)
     pair.deliver_all()
@@ -52,7 +52,14 @@ def send_done(pair: Pair, sums: list[int], local: list[int]) -> None:
     pair.complete_writes()
     (done,) = [s for s in pair.queue if isinstance(s.msg, DoneSending)]
     pair.queue.remove(done)
-    msg = decode(encode(replace(done.msg, checksums=sums)))
+    msg = done.msg if checksums is None else replace(done.msg, checksums=checksums)
+    return decode(encode(msg))
+
+
+def send_done(pair: Pair, sums: list[int], local: list[int]) -> None:
+    """Run r1 to its DONE and hand that DONE to D with ``sums`` as its checksums and ``local``
+    as D's own sums (the driver's CRC-32C)."""
+    msg = done_unsent(pair, sums)
     pair.absorb("d", done_to_d(pair.d, msg, pair.now, local))
     pair.deliver_all()  # a refused DONE: P stops and says so, which ends D's quarantine
 

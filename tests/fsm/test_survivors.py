@@ -41,7 +41,7 @@ from lw.transport.wire import (
 )
 
 from .harness import D_ADDR, P_ADDR, Pair, d_layout, d_sender, done_to_d, p_sender
-from .test_endpoints import L, compute_all, make_pair, send_done, start
+from .test_endpoints import L, compute_all, done_unsent, make_pair, send_done, start
 
 
 # ------------------------------------------------------------------------------ D
@@ -516,26 +516,11 @@ def test_a_wrong_claim_names_at_most_16_of_its_blocks() -> None:
             f"109, 110, 111, 112, 113, 114, {shown}" in reply.reason
 
 
-def _done_unsent(pair: Pair, checksums: list[int] | None = None) -> DoneSending:
-    """Run r1 until P's DONE is queued; take it out of the queue, undelivered (with
-    ``checksums`` in place of P's: D's own sums are the test's to give)."""
-    from msgspec.structs import replace
-
-    start(pair)
-    pair.deliver_all()
-    compute_all(pair)
-    pair.complete_writes()
-    (done,) = [s for s in pair.queue if isinstance(s.msg, DoneSending)]
-    pair.queue.remove(done)
-    msg = done.msg if checksums is None else replace(done.msg, checksums=checksums)
-    return decode(encode(msg))
-
-
 def test_checksums_are_answered_once_and_for_every_sender_asked() -> None:
     from lw.fsm import SumBlocks, Sums
 
     pair = make_pair(dcfg=DecodeConfig(kv_checksum=True))
-    done = _done_unsent(pair, [7] * 9)
+    done = done_unsent(pair, [7] * 9)
     (ask,) = [e for e in pair.d.on_message(done, pair.now) if isinstance(e, SumBlocks)]
     with pytest.raises(ProtocolError, match="sums for 2 senders, asked for 1"):
         pair.d.on_sums(Sums(ask, ((), ())), pair.now)
@@ -547,7 +532,7 @@ def test_checksums_are_answered_once_and_for_every_sender_asked() -> None:
 
 def test_a_done_whose_checksums_differ_is_refused_to_its_sender() -> None:
     pair = make_pair(dcfg=DecodeConfig(kv_checksum=True))
-    done = _done_unsent(pair, [7] * 9)
+    done = done_unsent(pair, [7] * 9)
     bad = [6] * 9
     acks = [s.msg for s in done_to_d(pair.d, done, pair.now, bad) if isinstance(s, Send)
             and isinstance(s.msg, Ack)]
@@ -563,7 +548,7 @@ def test_a_done_that_crosses_the_fence_ends_it_at_once_and_is_in_the_timeline() 
     from lw.fsm import Reprefill
 
     pair = make_pair(dcfg=DecodeConfig(retry_prefill=1, lease_s=30.0))
-    done = _done_unsent(pair)
+    done = done_unsent(pair)
     pair.absorb("d", pair.d.prefill_routed("r1", "P", P_ADDR + "/0", 0, pair.now))
     pair.absorb("d", pair.d.peer_lost("P", "heartbeats lost", 1.0))
     assert pair.d.state_of("r1") == "FENCING"
