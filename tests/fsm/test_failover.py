@@ -24,6 +24,7 @@ from lw.fsm.messages import (
     AbortAck,
     Ack,
     DoneSending,
+    FailedSending,
     MetaReply,
     Sender,
 )
@@ -264,3 +265,53 @@ def test_p_ignores_a_reply_to_another_epochs_claim() -> None:
         sent = [s.msg for s in out if isinstance(s, Send)]
         assert [(type(m).__name__, m.epoch) for m in sent] == (
             [("FailedSending", 0)] if status == "accepted" else [])
+
+
+def test_a_failure_report_of_an_old_epoch_is_answered_not_accepted() -> None:
+    """P0 never claimed; D moved to epoch 1 when it lost P0; P0's late FailedSending of epoch 0
+    is answered (so P0 stops retrying it) and changes nothing."""
+    pair = _pair()
+    _start(pair, 0)
+    pair.queue.clear()  # P0's claim is lost
+    pair.absorb("d", pair.d.peer_lost("P0", "heartbeats lost", 1.0))
+    msg = FailedSending(PROTOCOL_VERSION, "r", pair.ps[0].me, 1, "gave up", epoch=0)
+    out = pair.d.on_message(msg, 1.5)
+    assert [(s.dest, s.msg.of, s.msg.accepted) for s in out if isinstance(s, Send)] == [
+        (pair.ps[0].me.addr, "failed", False)]
+    assert pair.d.state_of("r") == PREFILL_REQUESTED and len(_reprefills(pair)) == 1
+
+
+def test_a_fenced_senders_clean_failure_ends_the_fence_at_once() -> None:
+    """D fenced epoch 0 (its sender had claimed); the sender's FailedSending, not in doubt, says
+    nothing more of it can land: the retry starts at once, not after the lease."""
+    pair = _pair()
+    _start(pair, 0)
+    pair.deliver_all()  # claimed
+    pair.absorb("d", pair.d.peer_lost("P0", "heartbeats lost", 1.0))
+    assert pair.d.state_of("r") == FENCING and not _reprefills(pair)
+    msg = FailedSending(PROTOCOL_VERSION, "r", pair.ps[0].me, 1, "write failed", epoch=0)
+    out = pair.d.on_message(msg, 1.5)
+    assert [(s.msg.of, s.msg.accepted) for s in out if isinstance(s, Send)] == [
+        ("failed", False)]
+    assert [e.epoch for e in out if isinstance(e, Reprefill)] == [1]
+
+
+def test_the_retry_budget_is_at_most_64() -> None:
+    assert DecodeConfig(retry_prefill=64).retry_prefill == 64
+    with pytest.raises(ValueError, match="0..64"):
+        DecodeConfig(retry_prefill=65)
+
+
+def test_a_reprefill_is_not_fenced_unless_said() -> None:
+    assert Reprefill("r", 1, (1,), (), "lost").fenced is False
+
+
+def test_a_write_is_numbered_by_its_layer_unless_given_a_number() -> None:
+    """WriteLayer's defaults: seq is the layer (one chunk) unless the core gives one (0
+    included), no checksum is kept, and no deadline bounds it."""
+    from lw.fsm import WriteLayer
+
+    lay = d_layout(L)
+    w = WriteLayer("r", 1, lay, (1,), (5,))
+    assert (w.seq, w.checksum, w.not_after) == (1, False, float("inf"))
+    assert WriteLayer("r", 1, lay, (1,), (5,), seq=0).seq == 0
