@@ -571,3 +571,27 @@ def test_a_failure_report_after_d_failed_is_answered_not_accepted() -> None:
     out = pair.d.on_message(decode(encode(failed.msg)), 6.0)
     assert [(s.dest, s.msg.of, s.msg.accepted) for s in out if isinstance(s, Send)] == [
         (P_ADDR + "/0", "failed", False)]
+
+
+def test_a_chunks_writes_are_recorded_with_its_index_and_a_late_chunk_too() -> None:
+    """``chunk_sent`` names the chunk whose last layer was written (trace validation compares
+    the numbers in details), and a chunk scheduled after the request failed is recorded and
+    sends nothing."""
+    pair = make_pair()
+    pair.absorb("d", pair.d.add_request("r1", (5, 6), 1, pair.now))
+    pair.absorb(0, pair.ps[0].add_request(
+        PrefillRequest("r1", D_ADDR, (1,), (5, 6), 1, False), pair.now))
+    pair.deliver_all()
+    compute_all(pair)
+    pair.complete_writes()
+    assert [str(e[5]) for e in pair.ps[0].timeline.of("r1") if e[2] == "chunk_sent"] == ["0"]
+    pair = make_pair()
+    pair.absorb("d", pair.d.add_request("r1", (5, 6), 1, pair.now))
+    p = pair.ps[0]
+    pair.absorb(0, p.add_request(PrefillRequest("r1", D_ADDR, (1,), (5, 6), 1, False), pair.now))
+    pair.deliver_all()
+    pair.absorb(0, p.layer_computed(0, ["r1"], pair.now))  # its write stays in flight
+    p.abort("r1", "client gone", pair.now)
+    assert p.state_of("r1") == "FAILED" and "r1" in p.live_requests()
+    assert p.add_chunk("r1", (2,), True, pair.now) == []
+    assert [e[2] for e in p.timeline.of("r1")][-1] == "chunk_scheduled"
