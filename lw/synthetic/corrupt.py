@@ -1,8 +1,11 @@
 """The ``corrupt-write`` fault: a data plane that now and then writes the wrong bytes.
 
 It wraps a real data plane and, for every ``every``-th transfer, reads the first entry from one
-byte further on in P's memory: the bytes that land in D's block differ from the ones P computed
-(a misdirected or corrupted write, the failure KV checksums exist for). Everything else is the
+byte further on in P's memory (one byte earlier where that would leave the registered memory):
+the bytes that land in D's block differ from the ones P computed (a misdirected or corrupted
+write, the failure KV checksums exist for). The write itself succeeds: a shifted read past the
+end of the registered memory made the data plane refuse the write at once, a failed write the
+fault does not declare (``lw validate`` rejected a run for it; issue 20). Everything else is the
 wrapped plane's.
 """
 
@@ -18,13 +21,23 @@ Entry = tuple[int, int, int]
 class CorruptingPlane:
     """A data plane whose every ``every``-th transfer lands shifted bytes (test fault only)."""
 
-    def __init__(self, inner: Any, every: int = 7) -> None:
+    def __init__(self, inner: Any, every: int = 7,
+                 memory: tuple[int, int] | None = None) -> None:
+        """``memory``: (address, length) of the memory registered with ``inner``, which every
+        shifted read stays inside (None: reads are shifted forward, unchecked)."""
         if every < 1:
             raise ValueError("every must be >= 1")
         self._inner = inner
         self._every = every
+        self._memory = memory
         self._n = 0
         self.corrupted = 0
+
+    def _shifted(self, src: int, n: int) -> int:
+        if self._memory is None:
+            return src + 1
+        lo, length = self._memory
+        return src + 1 if src + 1 + n <= lo + length else src - 1
 
     def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry],
                within_s: float = math.inf) -> None:
@@ -32,7 +45,7 @@ class CorruptingPlane:
         self._n += 1
         if self._n % self._every == 0 and entries:
             src, dst, n = entries[0]
-            entries = [(src + 1, dst, n), *entries[1:]]
+            entries = [(self._shifted(src, n), dst, n), *entries[1:]]
             self.corrupted += 1
         self._inner.submit(xfer_id, session, entries, within_s)
 

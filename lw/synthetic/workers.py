@@ -233,7 +233,8 @@ def _prefill_tp(cfg: ClusterConfig, rank: int, t: int, incarnation: int) -> _TP:
     dp = _data_plane(cfg, f"p{rank}t{t}", cfg.p_host)
     dp.register_memory(kv.ctypes.data, kv.nbytes)
     if cfg.fault in ("corrupt-write", "mix"):
-        dp = CorruptingPlane(dp, every=7 if cfg.fault == "corrupt-write" else 61)
+        dp = CorruptingPlane(dp, every=7 if cfg.fault == "corrupt-write" else 61,
+                             memory=(kv.ctypes.data, kv.nbytes))
     keyless = cfg.fault == "no-cluster-key" and rank == cfg.prefill_dp - 1
     side = SideChannel(cfg.p_host, cluster_key=None if keyless else cfg.cluster_key,
                        faults=_faults(cfg, 1 + rank + 1000 * t))

@@ -1,0 +1,46 @@
+"""The ``corrupt-write`` fault's data plane lands wrong bytes and never a failed write.
+
+A trace of the fault table's corrupt-write row was rejected by ``lw validate`` (issue 20): the
+plane read one byte past P's registered memory for the last block, the data plane refused that
+write at once, and a failed write is not among the faults the row declares to the checker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from lw.synthetic.corrupt import CorruptingPlane
+
+Entry = tuple[int, int, int]
+
+
+class _Recorder:
+    """Stands for the wrapped data plane: keeps what was submitted."""
+
+    def __init__(self) -> None:
+        self.submitted: list[list[Entry]] = []
+
+    def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry],
+               within_s: float = 0.0) -> None:
+        self.submitted.append(list(entries))
+
+
+def test_a_shifted_read_stays_inside_the_registered_memory() -> None:
+    inner = _Recorder()
+    plane = CorruptingPlane(inner, every=1, memory=(1000, 300))
+    plane.submit("a", "s", [(1000, 5, 100)])  # room after it: one byte further on
+    plane.submit("b", "s", [(1200, 5, 100)])  # ends at the memory's end: one byte earlier
+    plane.submit("c", "s", [(1100, 5, 100), (1200, 9, 100)])  # only the first entry moves
+    assert inner.submitted == [[(1001, 5, 100)], [(1199, 5, 100)],
+                               [(1101, 5, 100), (1200, 9, 100)]]
+    assert all(1000 <= s and s + n <= 1300 for e in inner.submitted for s, _d, n in e)
+    assert plane.corrupted == 3
+
+
+def test_every_nth_transfer_only() -> None:
+    inner = _Recorder()
+    plane = CorruptingPlane(inner, every=3, memory=(0, 1 << 20))
+    for i in range(6):
+        plane.submit(i, "s", [(4096, 0, 64)])
+    assert [e[0][0] for e in inner.submitted] == [4096, 4096, 4097, 4096, 4096, 4097]
+    assert plane.corrupted == 2
