@@ -264,3 +264,13 @@ def test_a_write_completing_just_before_ps_deadline_is_valid(
     assert validate_cli.main([str(path), "--strict", "--seconds", "120"]) == 0, \
         capsys.readouterr().out
     assert "valid: 1 requests, 1 valid" in capsys.readouterr().out
+
+
+def test_ack_retries_then_ps_deadline_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    """One request of a lossy-link run (2026-12-02, rejected there): P's last write completed
+    3.01 s into its 4 s deadline, four of its DONE's 0.2 s ack timers fired, then the deadline.
+    The world's clock idled only to just before the next deadline, where no ack timer fits."""
+    path = Path(__file__).parent / "data" / "lossy-link-deadline-after-acks.jsonl"
+    args = [str(path), "--request", "req-1", "--strict", "--seconds", "120"]
+    assert validate_cli.main(args) == 0, capsys.readouterr().out
+    assert "valid: 1 requests, 1 valid" in capsys.readouterr().out
