@@ -2,7 +2,9 @@
 
 D accepts P senders per request (MetaRequest), counts their DONE messages and reports the request
 finished only when every expected sender has written every layer. A failed request's blocks are
-quarantined until every accepted sender confirmed it stopped, or until a lease expires.
+quarantined until every accepted sender confirmed it stopped, or until a lease expires. With
+``retry_fresh_blocks`` a lost claim epoch's blocks are quarantined the same way (a ghost of that
+epoch) while the request goes on at once in fresh blocks.
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
-from lw.fsm.decode_request import DecodeConfig, DecodeRecord, SenderKey
+from lw.fsm.decode_request import DecodeConfig, DecodeRecord, Ghost, SenderKey
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
     Effect,
+    FreshBlocks,
+    Granted,
     Quarantine,
     RecvDone,
     RecvFailed,
+    ReleaseBlocks,
     Reprefill,
     Send,
     SumBlocks,
@@ -82,6 +87,9 @@ class DecodeEndpoint(LifecycleEndpoint):
         self._reqs: dict[str, DecodeRecord] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._incarnations: dict[SenderKey, int] = {}  # newest incarnation seen per P worker
+        # retry_fresh_blocks: abandoned claim epochs whose blocks are quarantined, by
+        # (request, epoch); they outlive their request if need be
+        self._ghosts: dict[tuple[str, int], Ghost] = {}
         self.timeline = Timeline(self.config.timeline_entries)
         self._ring = self.timeline.ring
         self._durations = self.timeline.durations
@@ -98,12 +106,19 @@ class DecodeEndpoint(LifecycleEndpoint):
             "unknown_requests": 0,
             "reprefills": 0,
             "stale_epoch": 0,
+            "fresh_blocks": 0,
+            "fresh_refused": 0,
+            "ghosts_released": 0,
         }
 
     # ----------------------------------------------------------------------------- inspection
     def quarantined(self) -> dict[str, tuple[int, ...]]:
         """Failed requests whose blocks must not be touched yet."""
         return {r.req_id: r.blocks for r in self._reqs.values() if r.state == FAILED}
+
+    def ghosts(self) -> dict[tuple[str, int], tuple[int, ...]]:
+        """Abandoned claim epochs (request, epoch) whose blocks must not be touched yet."""
+        return {k: g.blocks for k, g in self._ghosts.items()}
 
     def snapshot(self) -> tuple:
         """A canonical, hashable summary of the endpoint's protocol state (for the checker):
@@ -183,6 +198,12 @@ class DecodeEndpoint(LifecycleEndpoint):
         """A timer armed by an earlier ArmTimer effect fired."""
         kind, rid = key
         out: list[Effect] = []
+        if kind.startswith("ghost:"):
+            ghost = self._ghosts.get((rid, int(kind[6:])))
+            if ghost is not None:  # every write of its senders has landed or never will
+                self.counters["leases_expired"] += 1
+                self._release_ghost(ghost, "lease expired", now, out)
+            return out
         rec = self._reqs.get(rid)
         if rec is None:
             return out
@@ -247,21 +268,121 @@ class DecodeEndpoint(LifecycleEndpoint):
         if self.config.retry_prefill_avoid == "lost" and engine_id not in rec.avoid:
             rec.avoid = (*rec.avoid, engine_id)
         rec.reason = reason
-        out.append(CancelTimer(("deadline", rec.req_id)))
         pending = [s for k, s in rec.claimers.items() if k not in rec.stopped]
         if not pending:
             # No sender of this epoch can write any more (none was accepted, or each said it
             # stopped): a new epoch may use the same blocks at once.
+            out.append(CancelTimer(("deadline", rec.req_id)))
             self._new_epoch(rec, now, out)
             return
+        if self.config.retry_fresh_blocks and (rec.req_id, rec.epoch) not in self._ghosts:
+            # The next epoch may receive elsewhere: ask the driver for fresh blocks; on_fresh
+            # goes on with its answer, in the same interpreter call (lw.fsm.effects). The
+            # deadline stays armed until then (a driver that never answers cannot strand it).
+            rec.asking = True
+            out.append(FreshBlocks(rec.req_id, rec.epoch + 1, len(rec.blocks)))
+            return
+        out.append(CancelTimer(("deadline", rec.req_id)))
+        self._fence(rec, pending, now, out)
+
+    def _fence(self, rec: DecodeRecord, pending: list[Sender], now: float,
+               out: list[Effect]) -> None:
+        """Wait out the lost epoch in the request's own blocks (FENCING)."""
         # A sender of this epoch may still write into our blocks, and D cannot refuse bytes,
         # only messages: stop it and wait, as a quarantine, before another P writes there.
+        reason = rec.reason
         self._fire(rec, "fence", now, reason)
         for sender in pending:
             out.append(Send(sender.addr, Abort(PROTOCOL_VERSION, rec.req_id, self.me,
                                                reason[:MAX_TEXT], rec.epoch)))
         rec.deadline = now + self.config.lease_s
         out.append(ArmTimer(("lease", rec.req_id), rec.deadline))
+
+    def on_fresh(self, answer: Granted, now: float) -> list[Effect]:
+        """The driver's answer to a :class:`FreshBlocks`: with blocks, the lost epoch's blocks
+        and its senders become a ghost (quarantined; its senders aborted) and the request goes
+        on at once under the next epoch in the fresh blocks, where no byte of the lost epoch
+        can land (its writes name the old blocks). Refused: FENCING, as without the setting."""
+        ask = answer.ask
+        rec = self._reqs.get(ask.req_id)
+        if rec is None or not rec.asking or ask.epoch != rec.epoch + 1:
+            raise ProtocolError("decode", ask.req_id, rec.state if rec else "UNKNOWN", "fresh",
+                                "fresh blocks nobody asked for")
+        rec.asking = False
+        out: list[Effect] = [CancelTimer(("deadline", rec.req_id))]
+        pending = {k: s for k, s in rec.claimers.items() if k not in rec.stopped}
+        blocks = answer.blocks
+        if blocks is None:
+            self.counters["fresh_refused"] += 1
+            self._fence(rec, list(pending.values()), now, out)
+            return out
+        problem = self._grant_problem(rec, blocks)
+        if problem:
+            raise ProtocolError("decode", rec.req_id, rec.state, "fresh", problem)
+        self.counters["fresh_blocks"] += 1
+        ghost = Ghost(rec.req_id, rec.epoch, rec.blocks, pending, rec.reason,
+                      now + self.config.lease_s)
+        self._ghosts[(rec.req_id, rec.epoch)] = ghost
+        self.timeline.record(now, rec.req_id, "fresh", "", "",
+                             f"epoch {rec.epoch}: {len(rec.blocks)} block(s) quarantined "
+                             f"until {len(pending)} sender(s) stopped")
+        for sender in pending.values():
+            out.append(Send(sender.addr, Abort(PROTOCOL_VERSION, rec.req_id, self.me,
+                                               rec.reason[:MAX_TEXT], rec.epoch)))
+        out.append(ArmTimer((f"ghost:{rec.epoch}", rec.req_id), ghost.deadline))
+        rec.blocks = tuple(blocks)
+        self._new_epoch(rec, now, out)
+        return out
+
+    def _grant_problem(self, rec: DecodeRecord, blocks: Sequence[int]) -> str:
+        """Why granted blocks cannot be the request's next ones ("" if they can): another
+        number than asked, or a block some request or ghost here holds (a driver's bug)."""
+        if len(blocks) != len(rec.blocks) or len(set(blocks)) != len(blocks):
+            return (f"granted {_brief(blocks)} for {len(rec.blocks)} block(s): not as many "
+                    "distinct blocks as asked")
+        held = {b for r in self._reqs.values() for b in r.blocks}
+        held.update(b for g in self._ghosts.values() for b in g.blocks)
+        taken = sorted(held.intersection(blocks))
+        if taken:
+            return f"granted block(s) {_brief(taken)} that are held here already"
+        return ""
+
+    def _to_ghost(self, msg: DoneSending | FailedSending | AbortAck, now: float,
+                  out: list[Effect]) -> bool:
+        """A message of an abandoned epoch whose ghost is held: the ghost takes it (a
+        DoneSending or a FailedSending not in doubt, an AbortAck not in doubt: that sender
+        stopped), answered "not accepted". Whether it was such a message."""
+        ghost = self._ghosts.get((msg.req_id, msg.epoch))
+        if ghost is None:
+            return False
+        rec = self._reqs.get(msg.req_id)
+        if rec is not None and rec.epoch == msg.epoch:
+            return False  # the id was given to a new request: its own epoch goes first
+        key = (msg.sender.engine_id, msg.sender.rank)
+        if isinstance(msg, DoneSending):
+            out.append(self._ack(msg, "done", False))
+        elif isinstance(msg, FailedSending):
+            out.append(self._ack(msg, "failed", False))
+        self.counters["stale_epoch"] += 1
+        if key in ghost.pending and not getattr(msg, "in_doubt", False):
+            del ghost.pending[key]
+        self.timeline.record(now, msg.req_id, "ghost", "", "",
+                             f"epoch {msg.epoch}: {type(msg).__name__} from P {key[0]} rank "
+                             f"{key[1]}, {len(ghost.pending)} sender(s) left")
+        if not ghost.pending:
+            out.append(CancelTimer((f"ghost:{ghost.epoch}", ghost.req_id)))
+            self._release_ghost(ghost, "every sender stopped", now, out)
+        return True
+
+    def _release_ghost(self, ghost: Ghost, why: str, now: float, out: list[Effect]) -> None:
+        """No byte of the ghost's epoch can land any more: its blocks go back."""
+        del self._ghosts[(ghost.req_id, ghost.epoch)]
+        self.counters["ghosts_released"] += 1
+        self.timeline.record(now, ghost.req_id, "ghost_released", "", "",
+                             f"epoch {ghost.epoch}: {why}")
+        out.append(ReleaseBlocks(ghost.req_id, ghost.epoch, ghost.blocks,
+                                 f"claim epoch {ghost.epoch} abandoned ({why}): "
+                                 f"{ghost.reason}"[:MAX_TEXT]))
 
     def _maybe_quiet(self, rec: DecodeRecord, now: float, out: list[Effect]) -> None:
         """A fenced epoch whose every accepted sender confirmed it stopped: go on at once."""
@@ -441,6 +562,8 @@ class DecodeEndpoint(LifecycleEndpoint):
         return ""
 
     def _on_done(self, msg: DoneSending, now: float, out: list[Effect]) -> None:
+        if self._ghosts and self._to_ghost(msg, now, out):
+            return
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             fin = self._stale(msg)
@@ -531,6 +654,8 @@ class DecodeEndpoint(LifecycleEndpoint):
             self._forget(rec)
 
     def _on_failed(self, msg: FailedSending, now: float, out: list[Effect]) -> None:
+        if self._ghosts and self._to_ghost(msg, now, out):
+            return
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             self._stale(msg)
@@ -556,6 +681,8 @@ class DecodeEndpoint(LifecycleEndpoint):
         self._lose(rec, f"prefill sender {key} failed: {msg.reason}", key[0], now, out)
 
     def _on_abort_ack(self, msg: AbortAck, now: float, out: list[Effect]) -> None:
+        if self._ghosts and self._to_ghost(msg, now, out):
+            return
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             self._stale(msg)
@@ -635,4 +762,8 @@ SNAPSHOT_RULES: Rules = {
         "layout": (OMIT, "fixed when made (own layout)"),
     },
     DecodeRecord: RECORD_RULES,
+    Ghost: {
+        "reason": RECORD_RULES["reason"],
+        "deadline": (OMIT, "the lease timer is armed by an effect"),
+    },
 }
