@@ -194,6 +194,8 @@ class WorkerSide:
                                    heartbeat_misses=self.cfg.heartbeat_misses)
         else:
             ep = DecodeEndpoint(me, kv_layout, self.cfg.decode_config())
+            # No fresh_blocks allocator: a worker cannot allocate outside vLLM's scheduler, so
+            # D's question for fresh blocks (retry_fresh_blocks) is refused and D fences.
             self.loop = WorkerLoop(ep, side, dp, name=name, heartbeat_s=self.cfg.heartbeat_s,
                                    heartbeat_misses=self.cfg.heartbeat_misses)
         self.loop.start()
