@@ -406,7 +406,7 @@ class WorkerSide:
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Core reports -> vLLM: finished sending (once vLLM finished the request), finished /
         failed receiving, load-error blocks."""
-        from lw.fsm import Quarantine, RecvDone, RecvFailed, SendFinished
+        from lw.fsm import Quarantine, RecvDone, RecvFailed, ReleaseBlocks, SendFinished
         from lw.fsm import Reprefill as CoreReprefill
 
         loop = self.loop
@@ -433,6 +433,10 @@ class WorkerSide:
                     continue
                 if isinstance(e, CoreReprefill):  # the core keeps the blocks; the proxy picks
                     self._reprefills.append(Reprefill(tid, rid, e.epoch, e.avoid, e.reason))
+                    continue
+                if isinstance(e, ReleaseBlocks):  # never: this loop grants no fresh blocks
+                    log.error("lw: %s: release of blocks this worker never gave up: %s", rid,
+                              e.reason)
                     continue
                 del self._rid[tid]
                 blocks = self._held.pop(tid, 0)
