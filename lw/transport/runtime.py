@@ -257,7 +257,8 @@ class WorkerLoop:
         return self.reports.wait(timeout)
 
     def drain_reports(self) -> list[Effect]:
-        """Reports since the last call: SendFinished, RecvDone, RecvFailed, Quarantine."""
+        """Reports since the last call: SendFinished, RecvDone, RecvFailed, Quarantine,
+        Reprefill, ReleaseBlocks."""
         return self.reports.drain()
 
     def stats(self) -> dict[str, Any]:
