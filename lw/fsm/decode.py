@@ -12,17 +12,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
-from lw.fsm.decode_request import DecodeConfig, DecodeRecord, Ghost, SenderKey
+from lw.fsm.decode_ghosts import FreshRetries
+from lw.fsm.decode_request import DecodeConfig, DecodeRecord, Ghost, SenderKey, brief_blocks
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
     Effect,
     FreshBlocks,
-    Granted,
     Quarantine,
     RecvDone,
     RecvFailed,
-    ReleaseBlocks,
     Reprefill,
     Send,
     SumBlocks,
@@ -64,13 +63,7 @@ _FINAL = (DONE, FAILED)
 _LIVE = (PREFILL_REQUESTED, RECEIVING)  # an epoch whose prefill is under way
 
 
-def _brief(blocks: Sequence[int], most: int = 16) -> str:
-    """Block ids for a reason text (bounded: reasons travel in messages)."""
-    head = ", ".join(map(str, blocks[:most]))
-    return f"[{head}{', ...' if len(blocks) > most else ''}] ({len(blocks)})"
-
-
-class DecodeEndpoint(LifecycleEndpoint):
+class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
     """Protocol logic of one D worker (events in, effects out; time is an argument)."""
 
     SIDE = "decode"
@@ -115,10 +108,6 @@ class DecodeEndpoint(LifecycleEndpoint):
     def quarantined(self) -> dict[str, tuple[int, ...]]:
         """Failed requests whose blocks must not be touched yet."""
         return {r.req_id: r.blocks for r in self._reqs.values() if r.state == FAILED}
-
-    def ghosts(self) -> dict[tuple[str, int], tuple[int, ...]]:
-        """Abandoned claim epochs (request, epoch) whose blocks must not be touched yet."""
-        return {k: g.blocks for k, g in self._ghosts.items()}
 
     def snapshot(self) -> tuple:
         """A canonical, hashable summary of the endpoint's protocol state (for the checker):
@@ -198,11 +187,7 @@ class DecodeEndpoint(LifecycleEndpoint):
         """A timer armed by an earlier ArmTimer effect fired."""
         kind, rid = key
         out: list[Effect] = []
-        if kind.startswith("ghost:"):
-            ghost = self._ghosts.get((rid, int(kind[6:])))
-            if ghost is not None:  # every write of its senders has landed or never will
-                self.counters["leases_expired"] += 1
-                self._release_ghost(ghost, "lease expired", now, out)
+        if self._ghost_timer(key, now, out):
             return out
         rec = self._reqs.get(rid)
         if rec is None:
@@ -297,92 +282,6 @@ class DecodeEndpoint(LifecycleEndpoint):
                                                reason[:MAX_TEXT], rec.epoch)))
         rec.deadline = now + self.config.lease_s
         out.append(ArmTimer(("lease", rec.req_id), rec.deadline))
-
-    def on_fresh(self, answer: Granted, now: float) -> list[Effect]:
-        """The driver's answer to a :class:`FreshBlocks`: with blocks, the lost epoch's blocks
-        and its senders become a ghost (quarantined; its senders aborted) and the request goes
-        on at once under the next epoch in the fresh blocks, where no byte of the lost epoch
-        can land (its writes name the old blocks). Refused: FENCING, as without the setting."""
-        ask = answer.ask
-        rec = self._reqs.get(ask.req_id)
-        if rec is None or not rec.asking or ask.epoch != rec.epoch + 1:
-            raise ProtocolError("decode", ask.req_id, rec.state if rec else "UNKNOWN", "fresh",
-                                "fresh blocks nobody asked for")
-        rec.asking = False
-        out: list[Effect] = [CancelTimer(("deadline", rec.req_id))]
-        pending = {k: s for k, s in rec.claimers.items() if k not in rec.stopped}
-        blocks = answer.blocks
-        if blocks is None:
-            self.counters["fresh_refused"] += 1
-            self._fence(rec, list(pending.values()), now, out)
-            return out
-        problem = self._grant_problem(rec, blocks)
-        if problem:
-            raise ProtocolError("decode", rec.req_id, rec.state, "fresh", problem)
-        self.counters["fresh_blocks"] += 1
-        ghost = Ghost(rec.req_id, rec.epoch, rec.blocks, pending, rec.reason,
-                      now + self.config.lease_s)
-        self._ghosts[(rec.req_id, rec.epoch)] = ghost
-        self.timeline.record(now, rec.req_id, "fresh", "", "",
-                             f"epoch {rec.epoch}: {len(rec.blocks)} block(s) quarantined "
-                             f"until {len(pending)} sender(s) stopped")
-        for sender in pending.values():
-            out.append(Send(sender.addr, Abort(PROTOCOL_VERSION, rec.req_id, self.me,
-                                               rec.reason[:MAX_TEXT], rec.epoch)))
-        out.append(ArmTimer((f"ghost:{rec.epoch}", rec.req_id), ghost.deadline))
-        rec.blocks = tuple(blocks)
-        self._new_epoch(rec, now, out)
-        return out
-
-    def _grant_problem(self, rec: DecodeRecord, blocks: Sequence[int]) -> str:
-        """Why granted blocks cannot be the request's next ones ("" if they can): another
-        number than asked, or a block some request or ghost here holds (a driver's bug)."""
-        if len(blocks) != len(rec.blocks) or len(set(blocks)) != len(blocks):
-            return (f"granted {_brief(blocks)} for {len(rec.blocks)} block(s): not as many "
-                    "distinct blocks as asked")
-        held = {b for r in self._reqs.values() for b in r.blocks}
-        held.update(b for g in self._ghosts.values() for b in g.blocks)
-        taken = sorted(held.intersection(blocks))
-        if taken:
-            return f"granted block(s) {_brief(taken)} that are held here already"
-        return ""
-
-    def _to_ghost(self, msg: DoneSending | FailedSending | AbortAck, now: float,
-                  out: list[Effect]) -> bool:
-        """A message of an abandoned epoch whose ghost is held: the ghost takes it (a
-        DoneSending or a FailedSending not in doubt, an AbortAck not in doubt: that sender
-        stopped), answered "not accepted". Whether it was such a message."""
-        ghost = self._ghosts.get((msg.req_id, msg.epoch))
-        if ghost is None:
-            return False
-        rec = self._reqs.get(msg.req_id)
-        if rec is not None and rec.epoch == msg.epoch:
-            return False  # the id was given to a new request: its own epoch goes first
-        key = (msg.sender.engine_id, msg.sender.rank)
-        if isinstance(msg, DoneSending):
-            out.append(self._ack(msg, "done", False))
-        elif isinstance(msg, FailedSending):
-            out.append(self._ack(msg, "failed", False))
-        self.counters["stale_epoch"] += 1
-        if key in ghost.pending and not getattr(msg, "in_doubt", False):
-            del ghost.pending[key]
-        self.timeline.record(now, msg.req_id, "ghost", "", "",
-                             f"epoch {msg.epoch}: {type(msg).__name__} from P {key[0]} rank "
-                             f"{key[1]}, {len(ghost.pending)} sender(s) left")
-        if not ghost.pending:
-            out.append(CancelTimer((f"ghost:{ghost.epoch}", ghost.req_id)))
-            self._release_ghost(ghost, "every sender stopped", now, out)
-        return True
-
-    def _release_ghost(self, ghost: Ghost, why: str, now: float, out: list[Effect]) -> None:
-        """No byte of the ghost's epoch can land any more: its blocks go back."""
-        del self._ghosts[(ghost.req_id, ghost.epoch)]
-        self.counters["ghosts_released"] += 1
-        self.timeline.record(now, ghost.req_id, "ghost_released", "", "",
-                             f"epoch {ghost.epoch}: {why}")
-        out.append(ReleaseBlocks(ghost.req_id, ghost.epoch, ghost.blocks,
-                                 f"claim epoch {ghost.epoch} abandoned ({why}): "
-                                 f"{ghost.reason}"[:MAX_TEXT]))
 
     def _maybe_quiet(self, rec: DecodeRecord, now: float, out: list[Effect]) -> None:
         """A fenced epoch whose every accepted sender confirmed it stopped: go on at once."""
@@ -482,8 +381,8 @@ class DecodeEndpoint(LifecycleEndpoint):
         if tuple(msg.blocks) != rec.blocks:
             # Its prefill was started with other block ids than D registered (a forged or
             # mistaken metaserver call): its writes would land in another request's blocks.
-            return (f"the sender would write D block(s) {_brief(msg.blocks)}, but this request "
-                    f"receives into {_brief(rec.blocks)}")
+            return (f"the sender would write D block(s) {brief_blocks(msg.blocks)}, but this "
+                    f"request receives into {brief_blocks(rec.blocks)}")
         why = pair_problem(msg.fmt, self.layout.fmt)
         if why:
             return why

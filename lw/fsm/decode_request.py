@@ -4,13 +4,14 @@ record of one request's decode lifecycle (read by the endpoint, lw.fsm.decode, a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lw.fsm.lifecycles import PREFILL_REQUESTED
 from lw.fsm.messages import DoneSending, KVFormat, Sender
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, check_observability
 
-__all__ = ["DecodeConfig", "DecodeRecord", "Ghost", "SenderKey", "check_lease"]
+__all__ = ["DecodeConfig", "DecodeRecord", "Ghost", "SenderKey", "brief_blocks", "check_lease"]
 
 SenderKey = tuple[str, int]  # (engine_id, rank)
 
@@ -54,6 +55,12 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.retry_prefill_avoid must be 'lost' or 'none', got "
                              f"{self.retry_prefill_avoid!r}")
         check_observability(self)
+
+
+def brief_blocks(blocks: Sequence[int], most: int = 16) -> str:
+    """Block ids for a reason text (bounded: reasons travel in messages)."""
+    head = ", ".join(map(str, blocks[:most]))
+    return f"[{head}{', ...' if len(blocks) > most else ''}] ({len(blocks)})"
 
 
 def check_lease(
