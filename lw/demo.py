@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-prefill", type=int, default=0,
                    help="synthetic: how often D has a request prefilled again on another P "
                         "rank when its rank is lost (retry_prefill; 0: it fails)")
+    p.add_argument("--fenced-retry", action="store_true",
+                   help="synthetic: a retry whose lost P may still write waits for it in the "
+                        "same blocks (FENCING) instead of receiving into fresh blocks "
+                        "(retry_fresh_blocks off)")
     p.add_argument("--decoders", type=int, default=1,
                    help="synthetic: D engines, each with --decode-tp workers and its own pool; "
                         "requests go to the least loaded")
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 decode_tp=args.decode_tp,
                 decoders=decoders,
                 retry_prefill=retry,
+                retry_fresh_blocks=not args.fenced_retry,
                 decode_tokens=args.decode_tokens,
                 token_ms=args.token_ms,
                 kv_heads=args.kv_heads,
@@ -416,8 +421,10 @@ def _row(res: ClusterResult) -> str:
     name = cfg.fault + (f", {cfg.decoders} decoders" if cfg.decoders > 1 else "")
     name += f", retry-prefill {cfg.retry_prefill}" if cfg.retry_prefill else ""
     if res.reprefills:
+        fresh = c.get("d.core.fresh_blocks", 0)
         notes.append(f"{res.reprefills} prefilled again on a live P rank "
-                     f"({res.reprefills_fenced} fenced first), the slowest done "
+                     f"({res.reprefills_fenced} fenced first, {fresh} into fresh blocks), the "
+                     "slowest done "
                      f"{max(res.failover_s, res.failover_fenced_s):.1f}s after the fault")
     return (f"{name:<35} {f'{res.done}/{res.failed}':>11} {res.corrupt:>7} "
             f"{_ms(res.max_step_s):>15} {res.leaked:>6}  {detect}  {res.elapsed_s:5.1f}s  {ok}; "
@@ -432,9 +439,10 @@ def _failover_lines(res: ClusterResult) -> list[str]:
     hb = cfg.heartbeat_s * (cfg.heartbeat_misses + 1)  # quiet that long, seen at the next round
     lat = sorted(res.latencies_s)
     one = lat[len(lat) // 2] if lat else 0.0
+    fresh = res.counters.get("d.core.fresh_blocks", 0)
     lines = [f"  {'prefilled again on a live P rank':<40} {res.reprefills} ("
-             f"{res.reprefills - res.reprefills_fenced} at once, {res.reprefills_fenced} "
-             "fenced first: the dead rank had written)"]
+             f"{res.reprefills - res.reprefills_fenced} at once, {fresh} of them into fresh "
+             f"blocks: the dead rank had written; {res.reprefills_fenced} fenced first)"]
     if res.reprefills > res.reprefills_fenced:
         lines.append(f"  {'slowest at once, fault -> outcome':<40} {res.failover_s:.2f}s "
                      f"(heartbeat budget {hb:.2f}s + one prefill, the median request "

@@ -2,7 +2,9 @@
 
 D accepts P senders per request (MetaRequest), counts their DONE messages and reports the request
 finished only when every expected sender has written every layer. A failed request's blocks are
-quarantined until every accepted sender confirmed it stopped, or until a lease expires.
+quarantined until every accepted sender confirmed it stopped, or until a lease expires. With
+``retry_fresh_blocks`` a lost claim epoch's blocks are quarantined the same way (a ghost of that
+epoch) while the request goes on at once in fresh blocks.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
-from lw.fsm.decode_request import DecodeConfig, DecodeRecord, SenderKey
+from lw.fsm.decode_ghosts import FreshRetries
+from lw.fsm.decode_request import DecodeConfig, DecodeRecord, Ghost, SenderKey, brief_blocks
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
     Effect,
+    FreshBlocks,
     Quarantine,
     RecvDone,
     RecvFailed,
@@ -59,13 +63,7 @@ _FINAL = (DONE, FAILED)
 _LIVE = (PREFILL_REQUESTED, RECEIVING)  # an epoch whose prefill is under way
 
 
-def _brief(blocks: Sequence[int], most: int = 16) -> str:
-    """Block ids for a reason text (bounded: reasons travel in messages)."""
-    head = ", ".join(map(str, blocks[:most]))
-    return f"[{head}{', ...' if len(blocks) > most else ''}] ({len(blocks)})"
-
-
-class DecodeEndpoint(LifecycleEndpoint):
+class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
     """Protocol logic of one D worker (events in, effects out; time is an argument)."""
 
     SIDE = "decode"
@@ -82,6 +80,9 @@ class DecodeEndpoint(LifecycleEndpoint):
         self._reqs: dict[str, DecodeRecord] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._incarnations: dict[SenderKey, int] = {}  # newest incarnation seen per P worker
+        # retry_fresh_blocks: abandoned claim epochs whose blocks are quarantined, by
+        # (request, epoch); they outlive their request if need be
+        self._ghosts: dict[tuple[str, int], Ghost] = {}
         self.timeline = Timeline(self.config.timeline_entries)
         self._ring = self.timeline.ring
         self._durations = self.timeline.durations
@@ -98,6 +99,9 @@ class DecodeEndpoint(LifecycleEndpoint):
             "unknown_requests": 0,
             "reprefills": 0,
             "stale_epoch": 0,
+            "fresh_blocks": 0,
+            "fresh_refused": 0,
+            "ghosts_released": 0,
         }
 
     # ----------------------------------------------------------------------------- inspection
@@ -183,6 +187,8 @@ class DecodeEndpoint(LifecycleEndpoint):
         """A timer armed by an earlier ArmTimer effect fired."""
         kind, rid = key
         out: list[Effect] = []
+        if self._ghost_timer(key, now, out):
+            return out
         rec = self._reqs.get(rid)
         if rec is None:
             return out
@@ -247,15 +253,29 @@ class DecodeEndpoint(LifecycleEndpoint):
         if self.config.retry_prefill_avoid == "lost" and engine_id not in rec.avoid:
             rec.avoid = (*rec.avoid, engine_id)
         rec.reason = reason
-        out.append(CancelTimer(("deadline", rec.req_id)))
         pending = [s for k, s in rec.claimers.items() if k not in rec.stopped]
         if not pending:
             # No sender of this epoch can write any more (none was accepted, or each said it
             # stopped): a new epoch may use the same blocks at once.
+            out.append(CancelTimer(("deadline", rec.req_id)))
             self._new_epoch(rec, now, out)
             return
+        if self.config.retry_fresh_blocks and (rec.req_id, rec.epoch) not in self._ghosts:
+            # The next epoch may receive elsewhere: ask the driver for fresh blocks; on_fresh
+            # goes on with its answer, in the same interpreter call (lw.fsm.effects). The
+            # deadline stays armed until then (a driver that never answers cannot strand it).
+            rec.asking = True
+            out.append(FreshBlocks(rec.req_id, rec.epoch + 1, len(rec.blocks)))
+            return
+        out.append(CancelTimer(("deadline", rec.req_id)))
+        self._fence(rec, pending, now, out)
+
+    def _fence(self, rec: DecodeRecord, pending: list[Sender], now: float,
+               out: list[Effect]) -> None:
+        """Wait out the lost epoch in the request's own blocks (FENCING)."""
         # A sender of this epoch may still write into our blocks, and D cannot refuse bytes,
         # only messages: stop it and wait, as a quarantine, before another P writes there.
+        reason = rec.reason
         self._fire(rec, "fence", now, reason)
         for sender in pending:
             out.append(Send(sender.addr, Abort(PROTOCOL_VERSION, rec.req_id, self.me,
@@ -361,8 +381,8 @@ class DecodeEndpoint(LifecycleEndpoint):
         if tuple(msg.blocks) != rec.blocks:
             # Its prefill was started with other block ids than D registered (a forged or
             # mistaken metaserver call): its writes would land in another request's blocks.
-            return (f"the sender would write D block(s) {_brief(msg.blocks)}, but this request "
-                    f"receives into {_brief(rec.blocks)}")
+            return (f"the sender would write D block(s) {brief_blocks(msg.blocks)}, but this "
+                    f"request receives into {brief_blocks(rec.blocks)}")
         why = pair_problem(msg.fmt, self.layout.fmt)
         if why:
             return why
@@ -441,6 +461,8 @@ class DecodeEndpoint(LifecycleEndpoint):
         return ""
 
     def _on_done(self, msg: DoneSending, now: float, out: list[Effect]) -> None:
+        if self._ghosts and self._to_ghost(msg, now, out):
+            return
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             fin = self._stale(msg)
@@ -531,6 +553,8 @@ class DecodeEndpoint(LifecycleEndpoint):
             self._forget(rec)
 
     def _on_failed(self, msg: FailedSending, now: float, out: list[Effect]) -> None:
+        if self._ghosts and self._to_ghost(msg, now, out):
+            return
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             self._stale(msg)
@@ -556,6 +580,8 @@ class DecodeEndpoint(LifecycleEndpoint):
         self._lose(rec, f"prefill sender {key} failed: {msg.reason}", key[0], now, out)
 
     def _on_abort_ack(self, msg: AbortAck, now: float, out: list[Effect]) -> None:
+        if self._ghosts and self._to_ghost(msg, now, out):
+            return
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             self._stale(msg)
@@ -635,4 +661,8 @@ SNAPSHOT_RULES: Rules = {
         "layout": (OMIT, "fixed when made (own layout)"),
     },
     DecodeRecord: RECORD_RULES,
+    Ghost: {
+        "reason": RECORD_RULES["reason"],
+        "deadline": (OMIT, "the lease timer is armed by an effect"),
+    },
 }

@@ -4,13 +4,14 @@ record of one request's decode lifecycle (read by the endpoint, lw.fsm.decode, a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lw.fsm.lifecycles import PREFILL_REQUESTED
 from lw.fsm.messages import DoneSending, KVFormat, Sender
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, check_observability
 
-__all__ = ["DecodeConfig", "DecodeRecord", "SenderKey", "check_lease"]
+__all__ = ["DecodeConfig", "DecodeRecord", "Ghost", "SenderKey", "brief_blocks", "check_lease"]
 
 SenderKey = tuple[str, int]  # (engine_id, rank)
 
@@ -34,6 +35,12 @@ class DecodeConfig:
     retry_prefill: int = 0
     # Which P engines a re-prefill avoids: "lost" (each one lost for this request), "none".
     retry_prefill_avoid: str = "lost"
+    # Prefill failover into fresh blocks: when a sender of the lost epoch may still write, the
+    # next epoch receives into blocks the driver allocates now (FreshBlocks) instead of waiting
+    # for those senders (FENCING); the old blocks are quarantined as a failed request's are
+    # (a "ghost": abort its senders, free the blocks when each stopped or the lease ends). A
+    # driver that cannot allocate outside its scheduler (vLLM's worker) refuses: then FENCING.
+    retry_fresh_blocks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_timeout_s", "lease_s"):
@@ -48,6 +55,12 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.retry_prefill_avoid must be 'lost' or 'none', got "
                              f"{self.retry_prefill_avoid!r}")
         check_observability(self)
+
+
+def brief_blocks(blocks: Sequence[int], most: int = 16) -> str:
+    """Block ids for a reason text (bounded: reasons travel in messages)."""
+    head = ", ".join(map(str, blocks[:most]))
+    return f"[{head}{', ...' if len(blocks) > most else ''}] ({len(blocks)})"
 
 
 def check_lease(
@@ -67,7 +80,7 @@ class DecodeRecord:
 
     __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
                  "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums", "asked",
-                 "epoch", "retries", "avoid", "route")
+                 "epoch", "retries", "avoid", "route", "asking")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
                  ranks: frozenset[int] | None, now: float, deadline: float) -> None:
@@ -95,7 +108,28 @@ class DecodeRecord:
         # (engine id, address) of the P the current epoch's prefill was sent to, as the driver
         # said (prefill_routed): watched before it claims, so an orphan is found by heartbeats
         self.route: tuple[str, str] | None = None
+        # retry_fresh_blocks: a FreshBlocks question awaits its answer (set only within one
+        # interpreter call, like ``asked``)
+        self.asking = False
+
+
+class Ghost:
+    """A request's abandoned claim epoch (``retry_fresh_blocks``): the blocks it received into
+    and its senders that may still write there. Held by the endpoint, whatever became of the
+    request, until every one of them stopped or the lease passed; then the blocks are freed
+    (``ReleaseBlocks``)."""
+
+    __slots__ = ("req_id", "epoch", "blocks", "pending", "reason", "deadline")
+
+    def __init__(self, req_id: str, epoch: int, blocks: tuple[int, ...],
+                 pending: dict[SenderKey, Sender], reason: str, deadline: float) -> None:
+        self.req_id = req_id
+        self.epoch = epoch
+        self.blocks = blocks
+        self.pending = pending  # accepted senders of that epoch not known to have stopped
+        self.reason = reason  # why the epoch was abandoned (free text, for the release)
+        self.deadline = deadline  # the lease's end (observability: the timer is armed)
 
 
 # D's per-request record types, all with __slots__ (a copier may carry them as tuples of values).
-DECODE_RECORDS: tuple[type, ...] = (DecodeRecord,)
+DECODE_RECORDS: tuple[type, ...] = (DecodeRecord, Ghost)

@@ -111,6 +111,18 @@ class Reprefill:
     fenced: bool = False  # the old epoch had to be waited out first (a sender may have written)
 
 
+@dataclass(frozen=True, slots=True)
+class ReleaseBlocks:
+    """D: blocks a request received into under an abandoned claim epoch (given up for fresh
+    ones, ``retry_fresh_blocks``) that no sender of that epoch can write any more: free them.
+    The request itself lives on under a later epoch, or has ended; it is not failed."""
+
+    req_id: str
+    epoch: int
+    block_ids: tuple[int, ...]
+    reason: str
+
+
 # KV checksums (kv_checksum) are questions the core asks its driver, answered by the interpreter
 # in the same call it performs them (lw.fsm.interpreter): the driver's ports compute or look up
 # CRC-32C over memory, and the answer goes straight back to the core's ``on_sums`` as a
@@ -121,6 +133,10 @@ class Reprefill:
 # A port that raises leaves a question unanswered: P's ack timer asks again, D asks again at
 # the DONE's retry, and the deadlines still hold. P's CRCs are computed as its writes leave, not
 # when DONE is due: a pass over every block then would lengthen the tail after the last layer.
+
+# A request's next claim epoch may receive into fresh blocks (``retry_fresh_blocks``): the core
+# asks with :class:`FreshBlocks` and the interpreter hands the driver's answer straight back to
+# ``DecodeEndpoint.on_fresh`` as a :class:`Granted` event, synchronously for the same reasons.
 
 Runs = tuple[tuple[int, int], ...]
 """(offset, length) byte runs within one block."""
@@ -158,6 +174,27 @@ class KeptSums:
 
 
 @dataclass(frozen=True, slots=True)
+class FreshBlocks:
+    """D: may claim epoch ``epoch`` of a request receive into ``count`` fresh blocks (none of
+    them the request's own)? The driver allocates them now or refuses; answered with
+    :class:`Granted` through ``DecodeEndpoint.on_fresh``."""
+
+    req_id: str
+    epoch: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """The answer to a :class:`FreshBlocks` (an event for the core): the blocks the driver
+    allocated for the request, ``count`` of them, or None (refused: no free blocks, or a driver
+    that cannot allocate outside its scheduler)."""
+
+    ask: FreshBlocks
+    blocks: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
 class Sums:
     """The answer to a :class:`SumBlocks` or :class:`KeptSums` (an event for the core): per plan
     or target of ``ask``, in its order, per layer, the CRC-32C of each block."""
@@ -168,7 +205,7 @@ class Sums:
 
 Effect = (
     Send | WriteLayer | ArmTimer | CancelTimer | SendFinished | RecvDone | RecvFailed | Quarantine
-    | Reprefill | SumBlocks | KeptSums
+    | Reprefill | ReleaseBlocks | SumBlocks | KeptSums | FreshBlocks
 )
 
 

@@ -4,10 +4,11 @@ world) carries them out through here, supplying only its ports.
 What an effect means is decided once: writes of one batch go out together after its other
 effects (one data-plane submit per destination), a write that could not even start feeds the
 core's answer back into the same loop, and a checksum question (``SumBlocks`` on D,
-``KeptSums`` on P) is answered here and now: the ports compute or look up the CRCs and the
-interpreter hands them to the core's ``on_sums`` before anything else can happen (why:
-lw.fsm.effects). A driver's ports only move bytes, messages and timers and sum memory; they
-decide nothing about a request. No I/O here: ports do it.
+``KeptSums`` on P) or D's question for fresh blocks (``FreshBlocks``) is answered here and
+now: the ports compute or look up the CRCs, or allocate blocks, and the interpreter hands the
+answer to the core (``on_sums``, ``on_fresh``) before anything else can happen (why:
+lw.fsm.effects). A driver's ports only move bytes, messages and timers, sum memory and
+allocate blocks; they decide nothing about a request. No I/O here: ports do it.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
     Effect,
+    FreshBlocks,
+    Granted,
     KeptSums,
     Quarantine,
     RecvDone,
     RecvFailed,
+    ReleaseBlocks,
     Reprefill,
     Send,
     SendFinished,
@@ -35,10 +39,13 @@ from lw.fsm.effects import (
 )
 from lw.fsm.messages import KVLayout, Message
 
-Report = SendFinished | RecvDone | RecvFailed | Quarantine | Reprefill
+Report = SendFinished | RecvDone | RecvFailed | Quarantine | Reprefill | ReleaseBlocks
 """Effects that tell the driver's owner (vLLM's scheduler, the world's bookkeeping) an outcome."""
 
-_REPORTS = (SendFinished, RecvDone, RecvFailed, Quarantine, Reprefill)
+_REPORTS = (SendFinished, RecvDone, RecvFailed, Quarantine, Reprefill, ReleaseBlocks)
+
+Answer = Sums | Granted
+"""The answers to the core's questions, handed back to it by :meth:`EffectPorts.answer`."""
 
 
 class EffectPorts(Protocol):
@@ -71,8 +78,14 @@ class EffectPorts(Protocol):
         ``req_id`` to ``target`` marked ``checksum`` sent (empty where none was kept)."""
         ...
 
-    def answer(self, sums: Sums) -> list[Effect]:
-        """Hand ``sums`` to the core (its ``on_sums``, at the driver's now); its effects."""
+    def fresh_blocks(self, req_id: str, count: int) -> Sequence[int] | None:
+        """D: ``count`` free blocks allocated now for a request's next claim epoch (none of
+        its own), or None: refused (none free, or a driver that cannot allocate here)."""
+        ...
+
+    def answer(self, answer: Answer) -> list[Effect]:
+        """Hand an answer to the core (``Sums`` to its ``on_sums``, ``Granted`` to D's
+        ``on_fresh``, at the driver's now); its effects."""
         ...
 
 
@@ -103,6 +116,9 @@ def perform(effects: list[Effect], ports: EffectPorts,
                 elif isinstance(e, SumBlocks):
                     got = tuple(ports.sum_blocks(e.layout, plan) for plan in e.plans)
                     work.append(ports.answer(Sums(e, got)))
+                elif isinstance(e, FreshBlocks):
+                    got = ports.fresh_blocks(e.req_id, e.count)
+                    work.append(ports.answer(Granted(e, None if got is None else tuple(got))))
                 elif isinstance(e, KeptSums):
                     got = tuple(ports.kept_sums(e.req_id, t, e.layers) for t in e.targets)
                     work.append(ports.answer(Sums(e, got)))

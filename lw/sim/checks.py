@@ -29,7 +29,7 @@ class Checks:
         tp, d_tp = s.tp, s.d_tp
         for z in s.zombies if not s.cfg.late_writes else ():  # unbounded: stale-kv's
             q = s.reqs[z[1]]
-            if z[6] != q.epoch:
+            if z[6] != q.epoch and set(z[4]) & set(q.d_remote):
                 raise Violation("stale-kv",
                                 f"{s.dname(z[3] // d_tp)} moved {q.rid} on to claim epoch "
                                 f"{q.epoch} while in-doubt bytes of its epoch-{z[6]} "
@@ -120,6 +120,9 @@ class Checks:
                 if s.d[v].live_requests():
                     raise Violation("blocks-return",
                                     f"D{v} still holds {s.d[v].live_requests()}")
+                if s.d[v].ghosts():
+                    raise Violation("blocks-return", f"D{v} still holds abandoned claim "
+                                                     f"epochs {sorted(s.d[v].ghosts())}")
         self.check_progress()
 
     def check_progress(self) -> None:

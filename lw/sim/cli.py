@@ -70,13 +70,19 @@ STRONG: tuple[dict[str, Any], ...] = (
     {"dp": 2, "requests": 2, "layers": 1, "faults": True,
      "fault_kinds": ("rank-crash", "write", "drop", "dup", "abort"), "delays": False,
      "retry_prefill": 1},
+    # ... and into fresh blocks (retry_fresh_blocks): with two blocks for two requests, D's pool
+    # grants them or refuses (then FENCING); the old epoch's in-doubt bytes land at any later
+    # time, in its quarantined blocks or, once released, in another request's.
+    {"dp": 2, "requests": 2, "layers": 1, "d_blocks": 2, "faults": True,
+     "fault_kinds": ("rank-crash", "write"), "delays": False, "late_writes": True,
+     "kv_checksum": True, "retry_prefill": 1, "retry_fresh_blocks": True},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",
                "p_blocks", "blocks_per_request", "chunks", "prefix_hits", "faults", "fault_kinds",
                "max_faults", "retries", "no_atomic_layers", "no_p_loss_detection",
                "no_crash_zombies", "no_delays", "no_abstract_time", "d_restarts", "late_writes",
-               "kv_checksum", "unordered_writes", "retry_prefill")
+               "kv_checksum", "unordered_writes", "retry_prefill", "retry_fresh_blocks")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -135,6 +141,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--retry-prefill", type=int, default=None,
                     help="D's prefill retry budget (prefill failover); each DP rank is a P "
                          "engine of its own, fault kind rank-crash kills one")
+    ap.add_argument("--retry-fresh-blocks", action="store_true", default=None,
+                    help="D's retry_fresh_blocks: a retry whose old senders may still write "
+                         "receives into fresh blocks of D's pool when enough are free (else it "
+                         "is fenced); the old ones are held until those senders stopped")
     ap.add_argument("--mode", choices=("exhaustive", "random"), default="exhaustive")
     ap.add_argument("--seconds", type=float, default=None,
                     help="time budget (random: default 10; exhaustive: none; strong check: "
@@ -210,6 +220,8 @@ def config_from(args: argparse.Namespace, base: dict[str, Any] | None = None) ->
         kw["late_writes"] = True
     if args.kv_checksum:
         kw["kv_checksum"] = True
+    if args.retry_fresh_blocks:
+        kw["retry_fresh_blocks"] = True
     if args.unordered_writes:
         kw["unordered_writes"] = True
     if args.no_p_loss_detection:

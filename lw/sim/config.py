@@ -91,6 +91,10 @@ class WorldConfig:
     # prefilled again on another rank under a new claim epoch. With it, each DP rank is a P
     # engine of its own (engine id P<rank>): one rank dies ("rank-crash") while the others live.
     retry_prefill: int = 0
+    # D's retry_fresh_blocks: a retried epoch whose old senders may still write receives into
+    # blocks D's scheduler allocates from its pool when enough are free (lowest first), else it
+    # is fenced; the old blocks stay held until D releases them (ReleaseBlocks).
+    retry_fresh_blocks: bool = False
     meta_retry_s: float = 1.0
     ack_retry_s: float = 1.0
     request_timeout_s: float = 30.0
@@ -204,7 +208,8 @@ class WorldConfig:
         if self.unordered_writes:
             faults += ", writes complete in any order"
         if self.retry_prefill:
-            faults += f", prefill failover (budget {self.retry_prefill})"
+            faults += f", prefill failover (budget {self.retry_prefill}" + (
+                ", fresh blocks)" if self.retry_fresh_blocks else ")")
         if self.misconfigured():
             faults += (f", D layout registers {self.d_blocks_registered()} block(s) x "
                        f"{self.d_layout_layers or self.layers} layer(s)")

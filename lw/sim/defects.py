@@ -14,7 +14,7 @@ import msgspec
 
 from lw.fsm import ArmTimer, CancelTimer, DecodeEndpoint, Effect, PrefillEndpoint, Send
 from lw.fsm.decode_request import DecodeRecord
-from lw.fsm.effects import KeptSums, TimerKey
+from lw.fsm.effects import Granted, KeptSums, TimerKey
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
@@ -287,3 +287,17 @@ class RetryUnbounded(DecodeEndpoint):
               out: list[Effect]) -> None:
         rec.retries = 0
         super()._lose(rec, reason, engine_id, now, out)
+
+
+class GhostReleasedAtOnce(DecodeEndpoint):
+    """Prefill failover into fresh blocks whose old blocks go back at once: the new epoch
+    receives elsewhere, so the old blocks look unused, and they are freed while a write of the
+    lost epoch may still land in them (over whatever request the scheduler gives them to)."""
+
+    def on_fresh(self, answer: Granted, now: float) -> list[Effect]:
+        out = super().on_fresh(answer, now)
+        ghost = self._ghosts.get((answer.ask.req_id, answer.ask.epoch - 1))
+        if ghost is not None and answer.blocks is not None:
+            out.append(CancelTimer((f"ghost:{ghost.epoch}", ghost.req_id)))
+            self._release_ghost(ghost, "released at once", now, out)
+        return out

@@ -4,7 +4,7 @@ of :class:`lw.sim.world.World`)."""
 
 from __future__ import annotations
 
-from lw.fsm import Quarantine, RecvDone, RecvFailed
+from lw.fsm import Quarantine, RecvDone, RecvFailed, ReleaseBlocks
 from lw.sim.config import _owner
 from lw.sim.heads import held
 from lw.sim.kvbytes import KVBytes
@@ -41,6 +41,46 @@ class DNode:
             pool[b] = None
             s.free_why[("D", d, b)] = why
         s.note(s.dpart(d), f"frees block(s) {list(q.d_blocks or ())} of {q.rid} ({why})")
+
+    def fresh_blocks(self, v: int, req_id: str, count: int) -> tuple[int, ...] | None:
+        """D worker ``v`` asks its scheduler for fresh blocks for a request's next claim epoch
+        (retry_fresh_blocks): the lowest free ones of its engine's pool when enough are free,
+        else refused. Its old blocks stay the request's in the pool until D releases them."""
+        s = self.s
+        q = s.reqs[int(req_id[1:])]
+        d = v // s.d_tp
+        pool = s.d_pool[d]
+        free = [b for b, o in enumerate(pool) if o is None]
+        if s.d_tp != 1 or len(free) < count:
+            s.flags.add("fresh-refused")
+            s.note(s.dpart(d), f"no {count} free block(s) for {q.rid}'s next epoch: refused")
+            return None
+        got = tuple(free[:count])
+        for b in got:
+            pool[b] = q.idx
+        old = q.d_remote
+        q.d_blocks = q.d_cached + got
+        s.flags.add("fresh-blocks")
+        s.note(s.dpart(d), f"{q.rid} gets fresh block(s) {list(got)} for its next epoch "
+                           f"(block(s) {list(old)} held until D releases them)")
+        return got
+
+    def on_release(self, v: int, e: ReleaseBlocks) -> None:
+        """D worker ``v`` frees the blocks of a request's abandoned claim epoch."""
+        s = self.s
+        q = s.reqs[int(e.req_id[1:])]
+        d = v // s.d_tp
+        pool = s.d_pool[d]
+        for b in e.block_ids:
+            if pool[b] != q.idx or b in (q.d_blocks or ()):
+                raise Violation("double-free", f"D{v} releases block {b} of {q.rid}'s claim "
+                                               f"epoch {e.epoch}, but it is "
+                                               + ("the request's current block" if pool[b] ==
+                                                  q.idx else _owner(pool[b])))
+            pool[b] = None
+            s.free_why[("D", d, b)] = f"claim epoch {e.epoch} of {q.rid} released"
+        s.note(f"D{v}", f"releases block(s) {list(e.block_ids)} of {q.rid}'s claim epoch "
+                        f"{e.epoch}")
 
     def on_quarantine(self, v: int, e: Quarantine) -> None:
         """D worker ``v`` failed a request and holds its blocks until its senders stopped."""

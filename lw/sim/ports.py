@@ -13,8 +13,8 @@ import weakref
 from typing import Protocol
 
 from lw.fsm import Effect, Quarantine, RecvDone, RecvFailed, Reprefill, SendFinished, WriteLayer
-from lw.fsm.effects import SumPlan, Sums, TimerKey
-from lw.fsm.interpreter import Report, perform
+from lw.fsm.effects import Granted, ReleaseBlocks, SumPlan, TimerKey
+from lw.fsm.interpreter import Answer, Report, perform
 from lw.fsm.messages import KVLayout, Message, MetaRequest
 from lw.sim.config import Owner, _who, d_addr, p_addr
 from lw.sim.kvbytes import KVBytes
@@ -39,6 +39,12 @@ class RecvReports(Protocol):
 
     def on_quarantine(self, v: int, e: Quarantine) -> None:
         """D worker ``v`` failed a request and holds its blocks."""
+
+    def on_release(self, v: int, e: ReleaseBlocks) -> None:
+        """D worker ``v`` frees the blocks of a request's abandoned claim epoch."""
+
+    def fresh_blocks(self, v: int, req_id: str, count: int) -> tuple[int, ...] | None:
+        """D worker ``v``'s scheduler allocates fresh blocks for a request, or refuses."""
 
 
 class RetryReports(Protocol):
@@ -149,6 +155,8 @@ class _Port:
             ports.d_node.on_recv_failed(self.idx, e)
         elif isinstance(e, Reprefill):
             ports.failover.on_reprefill(self.idx, e)
+        elif isinstance(e, ReleaseBlocks):
+            ports.d_node.on_release(self.idx, e)
         else:
             ports.d_node.on_quarantine(self.idx, e)
 
@@ -158,7 +166,12 @@ class _Port:
     def kept_sums(self, req_id: str, target: str, layers: int) -> list[list[int]]:
         return self.ports.kv.kept_sums(req_id, layers)
 
-    def answer(self, sums: Sums) -> list[Effect]:
+    def fresh_blocks(self, req_id: str, count: int) -> tuple[int, ...] | None:
+        return self.ports.d_node.fresh_blocks(self.idx, req_id, count)
+
+    def answer(self, answer: Answer) -> list[Effect]:
         s = self.ports.s
+        if isinstance(answer, Granted):
+            return s.d[self.idx].on_fresh(answer, s.now)
         ep = s.p[self.idx] if self.kind == "p" else s.d[self.idx]
-        return ep.on_sums(sums, s.now)
+        return ep.on_sums(answer, s.now)

@@ -83,10 +83,14 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
         kinds += ("rank-crash",)
     shape = trace.request_shape(rid)
     bpr = shape.blocks
+    # retry_fresh_blocks: D's pool has room for every epoch's blocks (the world grants fresh
+    # blocks whenever enough are free; a run whose pool refused is not explained)
+    fresh = bool(d.get("retry_fresh_blocks", False)) and retry > 0
     return ValidationConfig(
         dp=max(p_engines, 2) if retry else 1, tp=s["prefill_tp"], d_dp=1, d_tp=s["decode_tp"],
         requests=1, layers=s["layers"],
-        blocks_per_request=bpr, d_blocks=bpr, p_blocks=bpr, chunks=shape.chunks,
+        blocks_per_request=bpr, d_blocks=bpr * (1 + retry if fresh else 1), p_blocks=bpr,
+        chunks=shape.chunks,
         prefix_hits=(shape.prefix_hit,), chunk_blocks=shape.chunk_blocks, mla=s["mla"],
         heads=0 if s["mla"] else s["kv_heads"], faults=True, fault_kinds=kinds,
         corrupt="corrupt" in trace.faults, suspect="suspect" in trace.faults,
@@ -97,7 +101,7 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
         request_timeout_s=p["request_timeout_s"], prefill_timeout_s=d["prefill_timeout_s"],
         lease_s=d["lease_s"], transfer_timeout_s=float(s.get("transfer_timeout_s", 5.0)),
         kv_checksum=bool(p.get("kv_checksum", False)), retry_prefill=retry,
-        retry_prefill_avoid=str(d.get("retry_prefill_avoid", "lost")))
+        retry_prefill_avoid=str(d.get("retry_prefill_avoid", "lost")), retry_fresh_blocks=fresh)
 
 
 class ValidationState(WorldState):

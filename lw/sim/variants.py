@@ -299,6 +299,16 @@ _DESIGNS: tuple[Design, ...] = (
                   "no old sender was accepted or each said it stopped, else after FENCING "
                   "(abort, then every sender's word or the lease)"),
     Design(
+        name="fresh-blocks-freed-at-once", title="retry into fresh blocks, old ones freed at once",
+        ref="plausible, no upstream report (lw issue 22)",
+        summary="Prefill failover into fresh blocks (retry_fresh_blocks): the new epoch receives "
+                "elsewhere, and the lost epoch's blocks are freed at once, while a write the "
+                "dead P had in flight may still land in them.",
+        decode=defects.GhostReleasedAtOnce, expected="use-after-free",
+        bounds={**_FAILOVER, "d_blocks": 2, "retry_fresh_blocks": True},
+        ruled_out="the lost epoch's blocks are quarantined as a failed request's (a ghost: its "
+                  "senders aborted, the blocks freed when each stopped or the lease ended)"),
+    Design(
         name="retry-unbounded", title="prefill retried without a budget",
         ref="sglang #28651 class (abort storm); lw issue 22",
         summary="Every loss of the request's P is retried, however often: a request whose "

@@ -139,6 +139,9 @@ class ClusterConfig:
     # its rank is lost, and which ranks a re-prefill avoids
     retry_prefill: int = 0
     retry_prefill_avoid: str = "lost"
+    # a retry whose lost epoch may still write receives into fresh blocks of the pool (the old
+    # ones quarantined until its senders stopped or the lease ended); off: it is fenced first
+    retry_fresh_blocks: bool = True
     status: bool = False  # print an lw status table of every worker while the fault is active
     trace_out: str | None = None  # write every worker's request timelines here (Chrome trace)
     timelines_out: str | None = None  # write every worker's timeline here (lw-trace, validate)

@@ -33,6 +33,7 @@ from lw.fsm import (
     Quarantine,
     RecvDone,
     RecvFailed,
+    ReleaseBlocks,
     Reprefill,
     SendFinished,
 )
@@ -450,8 +451,34 @@ def decode_main(cfg: ClusterConfig, cmd: Connection, out: Connection, ports: lis
         outbox.close()
 
 
+class BlockPool:
+    """The decoder's free blocks, shared by its scheduler thread and its worker loops' threads:
+    a retried claim epoch's fresh blocks (``retry_fresh_blocks``) are taken on the loop thread
+    that asks, while the scheduler allocates and frees on its own."""
+
+    def __init__(self, n: int) -> None:
+        self._free = deque(range(n))
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def take(self, n: int) -> tuple[int, ...] | None:
+        """``n`` free blocks, or None (and none taken) when fewer are free."""
+        with self._lock:
+            if len(self._free) < n:
+                return None
+            return tuple(self._free.popleft() for _ in range(n))
+
+    def put(self, blocks: tuple[int, ...]) -> None:
+        """Blocks back to the pool."""
+        with self._lock:
+            self._free.extend(blocks)
+
+
 def _decode_tp(cfg: ClusterConfig, j: int, port: int, incarnation: int, generation: int,
-               wake: threading.Event, slot: int) -> _TP:
+               wake: threading.Event, slot: int, pool: BlockPool) -> _TP:
     """TP worker ``j`` of the decoder: its heads of every block of the shared pool, its loop."""
     fmt = cfg.d_format(j)
     kv = np.zeros((cfg.layers, cfg.d_blocks, cfg.rank_block_bytes(fmt)), dtype=np.uint8)
@@ -461,8 +488,11 @@ def _decode_tp(cfg: ClusterConfig, j: int, port: int, incarnation: int, generati
                        faults=_faults(cfg, 1000 * j))
     me = Sender(d_engine(slot), j, incarnation, side.addr)
     layout = KVLayout(d_engine(slot), incarnation, dp.session, _layouts(kv), fmt)
+    # Fresh blocks for a retried epoch only with one TP worker: each worker's core decides
+    # its own retries, and the blocks are the engine's (its workers must receive into the same).
+    fresh = (lambda _rid, n: pool.take(n)) if cfg.decode_tp == 1 else None
     loop = WorkerLoop(DecodeEndpoint(me, layout, cfg.decode_config()), side, dp,
-                      on_report=lambda _e: wake.set(),
+                      on_report=lambda _e: wake.set(), fresh_blocks=fresh,
                       name=f"lw-loop-d{j}" if slot == 0 else f"lw-loop-d{slot}t{j}",
                       heartbeat_s=cfg.heartbeat_s, heartbeat_misses=cfg.heartbeat_misses)
     return _TP(fmt, kv, loop.start())
@@ -472,23 +502,23 @@ def _decode(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, ports: list[in
             incarnation: int, generation: int, slot: int) -> None:
     wake = threading.Event()
     tps: list[_TP] = []
+    pool = BlockPool(cfg.d_blocks)
     try:
         for j in range(cfg.decode_tp):
-            tps.append(_decode_tp(cfg, j, ports[j], incarnation, generation, wake, slot))
-        _decode_steps(cfg, cmd, outbox, generation, tps, wake)
+            tps.append(_decode_tp(cfg, j, ports[j], incarnation, generation, wake, slot, pool))
+        _decode_steps(cfg, cmd, outbox, generation, tps, wake, pool)
     finally:
         for tp in tps:
             tp.loop.stop()
 
 
 def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generation: int,
-                  tps: list[_TP], wake: threading.Event) -> None:
+                  tps: list[_TP], wake: threading.Event, free: BlockPool) -> None:
     """The decoder's scheduler: one allocation per request for every TP worker; a request is
     finished when every TP worker reported it, and its blocks are freed only then."""
     L = cfg.layers
     pattern = Pattern(cfg.head_bytes)
     senders = [expected_senders(tp.fmt, cfg.prefill_tp) for tp in tps]
-    free = deque(range(cfg.d_blocks))
     alloc: dict[str, tuple[tuple[int, ...], float]] = {}
     unreported: dict[str, set[int]] = {}  # request -> TP workers that have not finished it
     bad: dict[str, set[tuple[int, int]]] = {}  # request -> (layer, block index) with a bad head
@@ -550,7 +580,7 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
             decoding[rid] = (blocks, now + token_s, 0, now - t0)
             return
         counts[outcome] += 1
-        free.extend(blocks)  # "decoded" (or failed and released): back to the pool
+        free.put(blocks)  # "decoded" (or failed and released): back to the pool
         outbox.put(("d_result", rid, outcome, reason, now - t0))
 
     def decode_step() -> None:
@@ -566,7 +596,7 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
                 continue
             del decoding[rid]
             counts["done"] += 1
-            free.extend(blocks)
+            free.put(blocks)
             outbox.put(("d_result", rid, "done", "", latency))
 
     def on_report(j: int, rep: Effect) -> None:
@@ -581,7 +611,13 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
         elif isinstance(rep, Quarantine):
             quarantined.add(rep.req_id)
             fail(j, rep.req_id, rep.reason)
-        elif isinstance(rep, Reprefill):  # the core keeps the blocks: the proxy picks a P
+        elif isinstance(rep, ReleaseBlocks):  # an abandoned epoch's blocks: nothing lands now
+            free.put(rep.block_ids)
+        elif isinstance(rep, Reprefill):  # the proxy picks a P
+            if rep.req_id in alloc and rep.block_ids != alloc[rep.req_id][0]:
+                # fresh blocks (retry_fresh_blocks), taken from the pool by the loop thread:
+                # the request is verified and freed from them from now on
+                alloc[rep.req_id] = (rep.block_ids, alloc[rep.req_id][1])
             outbox.put(("reprefill", rep.req_id, rep.epoch, rep.avoid,
                         tuple(tp.loop.addr for tp in tps), rep.block_ids, rep.fenced))
 
@@ -612,7 +648,7 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
                     elif rid in decoding:  # stops decoding: its blocks go back now
                         blocks, _due, n, latency = decoding.pop(rid)
                         counts["failed"] += 1
-                        free.extend(blocks)
+                        free.put(blocks)
                         outbox.put(("d_result", rid, "failed",
                                     f"client went away after {n} tokens", latency))
                 elif c[0] == "stop":
@@ -624,9 +660,12 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
         if decoding:
             decode_step()
         started = 0
-        while waiting and len(free) >= cfg.blocks_per_request:
+        while waiting:
+            got = free.take(cfg.blocks_per_request)
+            if got is None:
+                break
             rid = waiting.popleft()
-            blocks = tuple(free.popleft() for _ in range(cfg.blocks_per_request))
+            blocks = got
             alloc[rid] = (blocks, time.monotonic())
             unreported[rid] = set(range(len(tps)))
             # D first: every TP worker knows the request before anyone may ask about it.

@@ -1,5 +1,6 @@
 """The worker loop's reports to its engine (SendFinished, RecvDone, RecvFailed, Quarantine,
-Reprefill): appended on the loop thread, waited for and drained by the engine's thread."""
+Reprefill, ReleaseBlocks): appended on the loop thread, waited for and drained by the engine's
+thread."""
 
 from __future__ import annotations
 

@@ -36,8 +36,8 @@ from lw.fsm import (
     SendFinished,
     WriteLayer,
 )
-from lw.fsm.effects import KeptSums, SumPlan, Sums, TimerKey
-from lw.fsm.interpreter import Report, perform
+from lw.fsm.effects import Granted, KeptSums, SumPlan, TimerKey
+from lw.fsm.interpreter import Answer, Report, perform
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import Message
 from lw.fsm.status import status_line
@@ -96,7 +96,10 @@ class WorkerLoop:
     ``local_layout`` (P only) gives, per layer, where this worker's KV blocks live in memory
     registered with ``data_plane``; ``entries_for`` may replace the address computation (a
     ``WriteLayer`` -> ``[(src, dst, len)]`` function). ``on_report`` is called on the loop thread
-    for every report, in addition to queueing it for :meth:`drain_reports`.
+    for every report, in addition to queueing it for :meth:`drain_reports`. ``fresh_blocks``
+    (D, ``retry_fresh_blocks``) allocates blocks for a request's next claim epoch, on the loop
+    thread (``(req_id, count)`` -> block ids, or None to refuse); without it every such question
+    is refused.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class WorkerLoop:
         local_layout: Sequence[LayerLayout] | None = None,
         entries_for: Callable[[WriteLayer], list[Entry]] | None = None,
         on_report: Callable[[Effect], None] | None = None,
+        fresh_blocks: Callable[[str, int], Sequence[int] | None] | None = None,
         owns_side: bool = True,
         owns_data_plane: bool = True,
         max_inbox: int = 1_000_000,
@@ -128,6 +132,7 @@ class WorkerLoop:
         self.data_plane = data_plane
         self.memory = KVMemory(local_layout, entries_for)
         self._on_report = on_report
+        self._fresh_blocks = fresh_blocks
         self._owns_side = owns_side
         self._owns_dp = owns_data_plane
         self._max_inbox = max_inbox
@@ -252,7 +257,8 @@ class WorkerLoop:
         return self.reports.wait(timeout)
 
     def drain_reports(self) -> list[Effect]:
-        """Reports since the last call: SendFinished, RecvDone, RecvFailed, Quarantine."""
+        """Reports since the last call: SendFinished, RecvDone, RecvFailed, Quarantine,
+        Reprefill, ReleaseBlocks."""
         return self.reports.drain()
 
     def stats(self) -> dict[str, Any]:
@@ -663,5 +669,13 @@ class _LoopPorts:
     def kept_sums(self, req_id: str, target: str, layers: int) -> list[list[int]]:
         return self.loop.memory.kept_sums(req_id, target, layers)
 
-    def answer(self, sums: Sums) -> list[Effect]:
-        return self.loop.endpoint.on_sums(sums, self.loop._clock())
+    def fresh_blocks(self, req_id: str, count: int) -> Sequence[int] | None:
+        fresh = self.loop._fresh_blocks
+        return None if fresh is None else fresh(req_id, count)
+
+    def answer(self, answer: Answer) -> list[Effect]:
+        ep, now = self.loop.endpoint, self.loop._clock()
+        if isinstance(answer, Granted):
+            assert isinstance(ep, DecodeEndpoint)
+            return ep.on_fresh(answer, now)
+        return ep.on_sums(answer, now)

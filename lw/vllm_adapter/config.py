@@ -216,6 +216,14 @@ class LwConfig:
         "answers 503 when no other prefill server is left) or `\"none\"` (any P, e.g. one "
         "restarted behind the same address; the proxy still tries a server the request has not "
         "tried first, as the last one may still hold the old attempt and refuse its transfer id)")
+    retry_fresh_blocks: bool = _key(
+        False, "D",
+        "prefill failover into fresh blocks: a retry whose lost P may still write receives into "
+        "blocks the driver allocates at once, the old ones quarantined until that P's senders "
+        "stopped or `lease_s` passed, instead of waiting for them (fencing, up to `lease_s`). "
+        "The vLLM connector cannot allocate outside vLLM's scheduler: its workers refuse every "
+        "such request and D fences as with false (the synthetic cluster grants them, "
+        "docs/protocol.md)")
     heartbeat_s: float = _key(
         0.5, "both",
         "liveness probes to the peers that live requests need (batched per peer, answered by the "

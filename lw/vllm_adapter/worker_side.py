@@ -194,6 +194,8 @@ class WorkerSide:
                                    heartbeat_misses=self.cfg.heartbeat_misses)
         else:
             ep = DecodeEndpoint(me, kv_layout, self.cfg.decode_config())
+            # No fresh_blocks allocator: a worker cannot allocate outside vLLM's scheduler, so
+            # D's question for fresh blocks (retry_fresh_blocks) is refused and D fences.
             self.loop = WorkerLoop(ep, side, dp, name=name, heartbeat_s=self.cfg.heartbeat_s,
                                    heartbeat_misses=self.cfg.heartbeat_misses)
         self.loop.start()
@@ -404,7 +406,7 @@ class WorkerSide:
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Core reports -> vLLM: finished sending (once vLLM finished the request), finished /
         failed receiving, load-error blocks."""
-        from lw.fsm import Quarantine, RecvDone, RecvFailed, SendFinished
+        from lw.fsm import Quarantine, RecvDone, RecvFailed, ReleaseBlocks, SendFinished
         from lw.fsm import Reprefill as CoreReprefill
 
         loop = self.loop
@@ -431,6 +433,10 @@ class WorkerSide:
                     continue
                 if isinstance(e, CoreReprefill):  # the core keeps the blocks; the proxy picks
                     self._reprefills.append(Reprefill(tid, rid, e.epoch, e.avoid, e.reason))
+                    continue
+                if isinstance(e, ReleaseBlocks):  # never: this loop grants no fresh blocks
+                    log.error("lw: %s: release of blocks this worker never gave up: %s", rid,
+                              e.reason)
                     continue
                 del self._rid[tid]
                 blocks = self._held.pop(tid, 0)

@@ -6,7 +6,14 @@ import time
 
 import numpy as np
 
-from lw.fsm import DecodeConfig, DecodeEndpoint, PrefillConfig, Reprefill, SendFinished
+from lw.fsm import (
+    DecodeConfig,
+    DecodeEndpoint,
+    PrefillConfig,
+    ReleaseBlocks,
+    Reprefill,
+    SendFinished,
+)
 from lw.transport.dataplane import InProcessDataPlane
 from lw.transport.runtime import WorkerLoop
 from lw.transport.sidechannel import SideChannel
@@ -102,3 +109,31 @@ def test_an_orphan_of_a_silent_prefill_is_prefilled_again_within_the_heartbeat_b
         assert took < 1.0, took  # 3 x 0.1 s plus a round
     finally:
         d.stop()
+
+
+def test_a_lost_claimed_prefill_goes_on_in_fresh_blocks_from_the_loops_allocator() -> None:
+    """retry_fresh_blocks through the runtime's ports: the loop's allocator answers D's
+    question on the loop thread, the Reprefill names the fresh blocks, and the old ones come
+    back (ReleaseBlocks) once the old sender answered the abort."""
+    pair = make_pair(pcfg=SLOW_P, dcfg=DecodeConfig(prefill_timeout_s=5, lease_s=10,
+                                                    retry_prefill=1, retry_fresh_blocks=True))
+    asked: list[tuple[str, int]] = []
+
+    def fresh(rid: str, n: int) -> tuple[int, ...]:
+        asked.append((rid, n))
+        return (6, 7)
+
+    pair.d._fresh_blocks = fresh  # before any loss: the loop thread reads it only then
+    try:
+        pair.start("r1", (0, 1), (2, 3))
+        wait_for(lambda: pair.p.endpoint.state_of("r1") == "META_READY")  # claimed
+        pair.d.call("peer_lost", "P", "test: heartbeats lost").result(5)
+        pair.wait_reports(0, 2)
+        rp = [e for e in pair.d_reports if isinstance(e, Reprefill)]
+        rel = [e for e in pair.d_reports if isinstance(e, ReleaseBlocks)]
+        assert asked == [("r1", 2)]
+        assert [(e.epoch, e.block_ids, e.fenced) for e in rp] == [(1, (6, 7), False)]
+        assert [(e.epoch, e.block_ids) for e in rel] == [(0, (2, 3))]
+        assert pair.d.endpoint.ghosts() == {}
+    finally:
+        pair.stop()

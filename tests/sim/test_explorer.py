@@ -189,6 +189,23 @@ def test_bug_designs_are_caught_short_with_reductions() -> None:
 
 
 # ---------------------------------------------------------------------- the state key (issue 12.6)
+def _ghost_world() -> World:
+    """lw's world where D holds a ghost (retry_fresh_blocks): the freed-at-once variant's
+    counterexample replayed against lw."""
+    from dataclasses import replace
+
+    from lw.sim.explorer import replay
+    from lw.sim.variants import DESIGNS
+
+    name = "fresh-blocks-freed-at-once"
+    cfg = WorldConfig(design=name, **DESIGNS[name].config_overrides())
+    ce = explore(cfg).counterexample
+    assert ce is not None
+    w, _run, _texts, v = replay(replace(cfg, design="d-first"), ce.actions, record=False)
+    assert v is None and w.d[0].ghosts()
+    return w
+
+
 def test_snapshot_rules_name_real_fields() -> None:
     """Every field the snapshot rules leave out exists (the rules cannot rot silently), and
     every other field is in the snapshot by construction (lw/fsm/snapshot.py)."""
@@ -199,7 +216,7 @@ def test_snapshot_rules_name_real_fields() -> None:
     for _ in range(6):
         w.apply(w.enabled()[0])
     samples = {type(w.p[0]): w.p[0], type(w.d[0]): w.d[0]}
-    for ep in (w.p[0], w.d[0]):
+    for ep in (w.p[0], w.d[0], _ghost_world().d[0]):
         for part in vars(ep).values():  # parts the endpoint is made of (P's layouts)
             if type(part).__module__.startswith("lw.fsm."):
                 samples.setdefault(type(part), part)
@@ -207,6 +224,8 @@ def test_snapshot_rules_name_real_fields() -> None:
             samples[type(rec)] = rec
             for t in getattr(rec, "targets", []):
                 samples[type(t)] = t
+        for ghost in getattr(ep, "_ghosts", {}).values():
+            samples[type(ghost)] = ghost
     for rules in (prefill.SNAPSHOT_RULES, decode.SNAPSHOT_RULES):
         for cls, fields in rules.items():
             assert cls in samples, f"no sample of {cls.__name__}"
@@ -225,6 +244,9 @@ def test_snapshot_rules_name_real_fields() -> None:
     # losses where progress is not checked: two requests, one finishing before the other.
     dict(dp=1, requests=2, layers=1, faults=True, fault_kinds=("write",), delays=False),
     dict(dp=1, requests=2, layers=2, faults=True, fault_kinds=("drop",), delays=False),
+    # Prefill failover into fresh blocks: a ghost of the old epoch held by D
+    dict(dp=2, requests=1, layers=1, d_blocks=2, faults=True, fault_kinds=("rank-crash",),
+         delays=False, retry_prefill=1, retry_fresh_blocks=True),
 ])
 def test_key_deduplication_misses_no_state_class(kw: dict) -> None:
     """Exploring with states told apart by the whole pickled world (every field, absolute
@@ -251,8 +273,10 @@ def test_every_field_not_omitted_is_in_the_snapshot() -> None:
         w.apply(a)
     p, d = w.p[0], w.d[0]
     assert p.live_requests() and d.live_requests()
-    for ep, rules in ((p, prefill.SNAPSHOT_RULES), (d, decode.SNAPSHOT_RULES)):
-        objs = [ep, *ep._reqs.values()]  # noqa: SLF001
+    g = _ghost_world().d[0]
+    for ep, rules in ((p, prefill.SNAPSHOT_RULES), (d, decode.SNAPSHOT_RULES),
+                      (g, decode.SNAPSHOT_RULES)):
+        objs = [ep, *ep._reqs.values(), *getattr(ep, "_ghosts", {}).values()]  # noqa: SLF001
         objs += [t for r in ep._reqs.values() for t in getattr(r, "targets", [])]  # noqa: SLF001
         for obj in objs:
             omitted = {n for n, (how, _why) in rules.get(type(obj), {}).items() if how == OMIT}

@@ -77,3 +77,27 @@ def test_the_budget_is_the_number_of_retries() -> None:
     assert v is None and w.d[0].counters["reprefills"] == 1
     _drain(w)
     assert w.reqs[0].d_stage == "failed"
+
+
+def test_lw_retries_into_fresh_blocks_where_freeing_them_at_once_is_caught() -> None:
+    """retry_fresh_blocks: the variant's counterexample (the old epoch's blocks freed while the
+    dead rank's write may still land) against lw's D: the old blocks stay held as a ghost, the
+    request goes on at once in fresh blocks and is done before the lease, which then frees
+    them."""
+    kw = DESIGNS["fresh-blocks-freed-at-once"].config_overrides()
+    cfg = WorldConfig(design="fresh-blocks-freed-at-once", **kw)
+    ce = explore(cfg, max_seconds=60).counterexample
+    assert ce is not None and ce.violation.prop == "use-after-free"
+    w, _run, _texts, v = replay(replace(cfg, design="d-first"), ce.actions, record=False)
+    q = w.reqs[0]
+    assert v is None and w.d[0].ghosts() == {("r0", 0): (0,)}
+    assert q.d_blocks == (1,) and q.epoch == 1 and q.retry == ("P0",)
+    assert w.s.d_pool[0] == [0, 0]  # both held for r0: the ghost's and the new epoch's
+    for _ in range(200):
+        if q.d_stage == "done":
+            break
+        w.apply(w.enabled()[0])
+    assert q.d_stage == "done" and w.now < cfg.lease_s
+    _drain(w)
+    assert w.d[0].ghosts() == {} and w.s.d_pool[0] == [None, None]
+    assert w.d[0].counters["ghosts_released"] == 1

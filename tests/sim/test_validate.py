@@ -244,6 +244,50 @@ def test_a_retry_with_no_loss_is_rejected(
         in out
 
 
+# Two requests of a kill-prefill-rank row with retry_fresh_blocks (2026-12-02): req-19, claimed
+# by the killed rank, goes on at once in fresh blocks ("fresh"), its old blocks held until the
+# lease ("ghost_released"); req-27, routed to the killed rank before it claimed, is prefilled
+# again into its own blocks.
+FRESH = Path(__file__).parent / "data" / "failover-fresh-blocks.jsonl"
+
+
+def _fresh_lines() -> list[dict[str, Any]]:
+    return [json.loads(x) for x in FRESH.read_text().splitlines()]
+
+
+def test_a_retry_into_fresh_blocks_trace_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    assert validate_cli.main([str(FRESH), "-v"]) == 0
+    out = capsys.readouterr().out
+    assert "valid: 2 requests, 2 valid, 0 rejected" in out
+
+
+def test_a_ghost_released_twice_is_rejected(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    objs = _fresh_lines()
+    i = _entry(objs, "req-19", "ghost_released")
+    objs.insert(i + 1, dict(objs[i]))
+    path = _planted(tmp_path, objs)
+    # not valid; whether rejected or undecided depends on exhausting the search (the dead
+    # rank's retries through the lease), which this test does not wait for
+    assert validate_cli.main([path, "--request", "req-19", "--seconds", "15", "--strict"]) == 1
+    out = capsys.readouterr().out
+    assert " 0 valid" in out and "first unexplained: decode-0/0#" in out, out
+    assert f"line {i + 2} " in out, out
+
+
+def test_fresh_blocks_without_the_setting_are_rejected(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The run's D settings decide: a D without retry_fresh_blocks fences instead."""
+    objs = _fresh_lines()
+    objs[0]["decode"]["retry_fresh_blocks"] = False
+    i = _entry(objs, "req-19", "fresh")
+    path = _planted(tmp_path, objs)
+    assert validate_cli.main([path, "--request", "req-19", "--seconds", "15", "--strict"]) == 1
+    out = capsys.readouterr().out
+    assert " 0 valid" in out and f"line {i + 1} " in out and "fence RECEIVING->FENCING" in out, \
+        out
+
+
 def test_a_d_crash_detected_after_the_restart_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
     """One request of a kill-decoder run (2026-12-01): allocated by the restarted D, failed by P
     for the old D's death (its heartbeats noticed it 1.7 s late), then by the new D on P's

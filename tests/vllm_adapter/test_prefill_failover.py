@@ -72,6 +72,19 @@ def test_config_passes_the_failover_keys_to_the_core() -> None:
     assert _build(role="kv_producer", tp_size=2, extra={"retry_prefill": 1}).retry_prefill == 1
 
 
+def test_fresh_blocks_reach_the_core_but_the_worker_refuses_them() -> None:
+    """retry_fresh_blocks is the core's name here too; vLLM's worker has no allocator outside
+    the scheduler, so its loop answers every question for fresh blocks with a refusal."""
+    import inspect
+
+    from lw.vllm_adapter import worker_side
+
+    cfg = _build(extra={"host": "127.0.0.1", "retry_prefill": 1, "retry_fresh_blocks": True})
+    assert cfg.decode_config().retry_fresh_blocks
+    assert _build().decode_config().retry_fresh_blocks is False
+    assert "fresh_blocks=" not in inspect.getsource(worker_side)
+
+
 # ------------------------------------------------------------------------------------ decode
 def _waiting(s: Any, d: Driver, extra: dict[str, Any] | None = None) -> None:
     s.add_request(make_request("r1", 100, params=remote_prefill_params(), max_tokens=2))
