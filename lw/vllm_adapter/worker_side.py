@@ -7,6 +7,7 @@ D core's ``Reprefill`` goes to the scheduler side in the worker metadata (it ask
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -246,11 +247,19 @@ class WorkerSide:
         from lw.transport.dataplane import InProcessDataPlane, MooncakeDataPlane
 
         if self.cfg.data_plane == "inprocess":
-            return InProcessDataPlane()
-        return MooncakeDataPlane(hostname=self.cfg.host, timeout_s=self.cfg.transfer_timeout_s,
-                                 metadata_server=self.cfg.mooncake_metadata_server,
-                                 protocol=self.cfg.mooncake_protocol,
-                                 device_name=self.cfg.mooncake_device)
+            dp: Any = InProcessDataPlane()
+        else:
+            dp = MooncakeDataPlane(hostname=self.cfg.host, timeout_s=self.cfg.transfer_timeout_s,
+                                   metadata_server=self.cfg.mooncake_metadata_server,
+                                   protocol=self.cfg.mooncake_protocol,
+                                   device_name=self.cfg.mooncake_device)
+        flag = os.environ.get("LW_TEST_TRUNCATE_WRITES_FILE")
+        if flag:  # a test plants wrong KV for the output oracle to catch (e2e tests only)
+            from lw.synthetic.corrupt import TruncatingPlane
+
+            log.warning("lw: writes are truncated while %s exists (a test fault)", flag)
+            dp = TruncatingPlane(dp, flag)
+        return dp
 
     # ---------------------------------------------------------------------------- per step
     def _call(self, method: str, *args: Any, rid: str, tid: str) -> None:

@@ -1,4 +1,5 @@
-"""The ``corrupt-write`` fault's data plane lands wrong bytes and never a failed write.
+"""The test faults' data planes: ``corrupt-write`` lands wrong bytes and never fails a write;
+the truncating plane plants short writes for the e2e output oracle.
 
 A trace of the fault table's corrupt-write row was rejected by ``lw validate`` (issue 20): the
 plane read one byte past P's registered memory for the last block, the data plane refused that
@@ -8,8 +9,9 @@ write at once, and a failed write is not among the faults the row declares to th
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from pathlib import Path
 
-from lw.synthetic.corrupt import CorruptingPlane
+from lw.synthetic.corrupt import CorruptingPlane, TruncatingPlane
 
 Entry = tuple[int, int, int]
 
@@ -44,3 +46,17 @@ def test_every_nth_transfer_only() -> None:
         plane.submit(i, "s", [(4096, 0, 64)])
     assert [e[0][0] for e in inner.submitted] == [4096, 4096, 4097, 4096, 4096, 4097]
     assert plane.corrupted == 2
+
+
+def test_truncating_plane_cuts_writes_only_while_its_file_exists(tmp_path: Path) -> None:
+    inner = _Recorder()
+    flag = tmp_path / "truncate"
+    plane = TruncatingPlane(inner, str(flag))
+    plane.submit("a", "s", [(0, 0, 4096), (8192, 8192, 32)])
+    flag.write_text("64")
+    plane.submit("b", "s", [(0, 0, 4096), (8192, 8192, 32)])
+    flag.unlink()
+    plane.submit("c", "s", [(0, 0, 4096)])
+    assert inner.submitted == [[(0, 0, 4096), (8192, 8192, 32)],
+                               [(0, 0, 64), (8192, 8192, 32)], [(0, 0, 4096)]]
+    assert plane.truncated == 1
