@@ -58,7 +58,7 @@ from lw.vllm_adapter.local_cluster import (
     kv_transfer_config,
     wait_ready,
 )
-from lw.vllm_adapter.oracle import TOP_K, compare
+from lw.vllm_adapter.oracle import DRIFT, TOP_K, compare
 
 __all__ = ["BLOCK_SIZE", "MAX_BATCHED_TOKENS", "MODEL_NAME", "LocalCluster", "Result", "Server",
            "blocks_in_use", "complete", "free_port", "free_port_range", "kv_transfer_config",
@@ -250,7 +250,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.shared_prefix:
         checks.append(functools.partial(_report_prefix, model, token_ids, before, after_p,
                                         before_d, after_d))
-    status = _report(prompts, ref, pd, leaked, before, after_p, after_d, checks)
+    status = _report(prompts, ref, pd, leaked, before, after_p, after_d, checks,
+                     DRIFT[args.model_kind])
     if args.validate:
         # after the servers stopped: the search has the CPU to itself
         status = max(status, _validate(trace))
@@ -364,7 +365,8 @@ def _report_prefix(model: Path, token_ids: list[list[int]], before_p: dict[str, 
 def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Result], leaked: int,
             before: dict[str, float], after_p: dict[str, float],
             after_d: dict[str, float],
-            checks: Sequence[Callable[[], tuple[bool, str]]] = ()) -> int:
+            checks: Sequence[Callable[[], tuple[bool, str]]] = (),
+            drift: float | None = None) -> int:
     print()
     print(f"{'#':>2} {'words':>5} {'TTFT 1 eng':>10} {'TTFT P/D':>9}  {'single engine':<34} "
           f"{'P/D':<34} same")
@@ -372,8 +374,10 @@ def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Resu
     notes = []
     for i, (p, r, d) in enumerate(zip(prompts, ref, pd, strict=True)):
         ok = not d.error and d.finish_reason is not None
-        verdict = compare(r, d)  # same tokens, or a near tie of the reference's at the first
-        same = ok and verdict.same  # divergence (lw.vllm_adapter.oracle)
+        # same tokens (and, with ``drift``, distributions), or a near tie of the reference's at
+        # the first divergence (lw.vllm_adapter.oracle)
+        verdict = compare(r, d, drift=drift)
+        same = ok and verdict.same
         done += ok
         failed += not ok
         mismatched += ok and not same

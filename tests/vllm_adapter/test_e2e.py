@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +45,7 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
+from lw.synthetic.corrupt import TRUNCATE_ENV  # noqa: E402
 from lw.transport.sidechannel import parse_cluster_key  # noqa: E402
 from lw.vllm_adapter.control_auth import signed_call  # noqa: E402
 from lw.vllm_adapter.demo import (  # noqa: E402
@@ -56,7 +58,8 @@ from lw.vllm_adapter.demo import (  # noqa: E402
     metrics,
 )
 from lw.vllm_adapter.local_cluster import Server, free_port, wait_ready  # noqa: E402
-from lw.vllm_adapter.oracle import TOP_K, Verdict, compare  # noqa: E402
+from lw.vllm_adapter.oracle import DRIFT, TOP_K, Verdict  # noqa: E402
+from lw.vllm_adapter.oracle import compare as _compare  # noqa: E402
 from lw.vllm_adapter.proxy_state import build_prefill_body  # noqa: E402
 from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
 from tests.vllm_adapter.otlp_receiver import Receiver  # noqa: E402
@@ -85,11 +88,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, otlp: Receiver) -> Iterato
     model = make_tiny_model(work / "model")
     c = LocalCluster(model=model, workdir=work / "logs", reference=True, p_extra=P_EXTRA,
                      d_extra=D_EXTRA, otlp_endpoint=otlp.url)
+    # P truncates its writes while this file exists (test_planted_truncated_writes_...)
+    _truncate_flag[0] = work / "truncate-writes"
+    os.environ[TRUNCATE_ENV] = str(_truncate_flag[0])
     try:
         c.start(timeout=360)
+        os.environ.pop(TRUNCATE_ENV, None)
         yield c
     finally:
+        os.environ.pop(TRUNCATE_ENV, None)
         c.stop()
+
+
+_truncate_flag: list[Path] = [Path()]  # set by the cluster fixture
 
 
 _reference: dict[tuple[str, int], Result] = {}
@@ -103,6 +114,11 @@ def reference(c: LocalCluster, prompt: str, max_tokens: int = MAX_TOKENS) -> Res
         assert not r.error, r.error
         _reference[key] = r
     return _reference[key]
+
+
+def compare(want: Result, got: Result) -> Verdict:
+    """The output oracle with the dense tiny model's drift tolerance (lw.vllm_adapter.oracle)."""
+    return _compare(want, got, drift=DRIFT["llama"])
 
 
 def judged(c: LocalCluster, url: str, prompt: str, stream: bool = True) -> Verdict:
@@ -143,6 +159,30 @@ def test_outputs_equal_single_engine(cluster: LocalCluster) -> None:
             assert not got.error, f"{kind} stream={stream}: {got.error}"
             assert (v := compare(want, got)).same, f"{kind} stream={stream}: {v}"
             assert got.finish_reason == "length"
+    assert not any((h := wait_idle(cluster)).values()), h
+
+
+def test_planted_truncated_writes_are_caught_by_the_oracle(cluster: LocalCluster) -> None:
+    """P writes only the first 64 bytes of each entry while the flag file exists (checksums
+    are off in this cluster): the output oracle, which forgives a divergence at the reference's
+    own near tie, must still call wrong KV a mismatch (issue 20). Once the file is gone the
+    next request equals the reference again."""
+    flag = _truncate_flag[0]
+    prompts = [make_prompt(LENGTHS["many_blocks"], seed=900 + i) for i in range(3)]
+    wants = [reference(cluster, p) for p in prompts]
+    flag.write_text("64")
+    try:
+        gots = [complete(cluster.url("proxy"), p, MAX_TOKENS, logprobs=TOP_K) for p in prompts]
+    finally:
+        flag.unlink()
+    assert not any(g.error for g in gots), [g.error for g in gots]
+    verdicts = [compare(w, g) for w, g in zip(wants, gots, strict=True)]
+    # Each was a mismatch in 16 planted runs here (2026-12-02), by the drift check: the oracle's
+    # docstring has the measurements.
+    assert not any(v.same for v in verdicts), [str(v) for v in verdicts]
+    prompt = make_prompt(LENGTHS["many_blocks"], seed=910)
+    got = complete(cluster.url("proxy"), prompt, MAX_TOKENS, logprobs=TOP_K)
+    assert (v := compare(reference(cluster, prompt), got)).same, v
     assert not any((h := wait_idle(cluster)).values()), h
 
 

@@ -114,3 +114,32 @@ def test_the_demo_result_fits_the_oracle() -> None:
     got.tokens[0] = "token_id:9"
     got.text = "w9 w7"
     assert str(compare(ref, got)) == "tie at 0 (margin 0.0100)"
+
+
+def _with_logprobs(ref: Fake, tokens: list[str], shift: dict[int, float]) -> Fake:
+    """A P/D answer of ``tokens`` listing the reference's logprobs, moved by ``shift[i]`` nats
+    at position i."""
+    got = got_of(tokens)
+    got.top_logprobs = [{t: lp + shift.get(i, 0.0) for t, lp in (top or {}).items()}
+                        for i, top in enumerate(ref.top_logprobs)]
+    return got
+
+
+def test_drift_where_the_context_was_the_same_is_a_mismatch() -> None:
+    """Wrong KV moves the distribution before it changes a token (the dense tiny model: 0.166
+    nats and more over planted truncated writes, at most 0.0155 honest)."""
+    ref = ref_of(ABC, margin=0.1)
+    assert compare(ref, _with_logprobs(ref, ABC, {}), drift=0.05).kind == "equal"
+    assert compare(ref, _with_logprobs(ref, ABC, {2: 0.04}), drift=0.05).kind == "equal"
+    v = compare(ref, _with_logprobs(ref, ABC, {2: 0.17}), drift=0.05)
+    assert v.kind == "mismatched" and v.position == 2 and "differs by 0.17" in v.detail
+    # a near tie at the first divergence is no excuse when the distribution moved there
+    tie = ["a", "z", "c", "d"]
+    assert compare(ref, _with_logprobs(ref, tie, {}), drift=0.05).kind == "tie"
+    assert compare(ref, _with_logprobs(ref, tie, {1: 0.2}), drift=0.05).kind == "mismatched"
+    # after the first divergence the contexts differ: nothing later is compared
+    assert compare(ref, _with_logprobs(ref, tie, {3: 5.0}), drift=0.05).kind == "tie"
+    # not asked (MLA), or no logprobs on the P/D side: only the tokens count
+    assert compare(ref, _with_logprobs(ref, ABC, {2: 0.17})).kind == "equal"
+    assert compare(ref, got_of(ABC), drift=0.05).kind == "equal"
+
