@@ -83,13 +83,17 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
         kinds += ("rank-crash",)
     shape = trace.request_shape(rid)
     bpr = shape.blocks
-    # retry_fresh_blocks: D's pool has room for every epoch's blocks (the world grants fresh
-    # blocks whenever enough are free; a run whose pool refused is not explained)
+    # retry_fresh_blocks: D's pool has room for as many more epochs' blocks as the run's D
+    # granted this request (its "fresh" milestones): the world grants fresh blocks while
+    # enough are free and refuses after, so a request the run's pool refused (and fenced)
+    # is explained too, as long as its grants came first
     fresh = bool(d.get("retry_fresh_blocks", False)) and retry > 0
+    grants = sum(1 for w in trace.workers if w.role == "decode" for e in w.entries
+                 if e.event == "fresh" and rid in e.reqs) if fresh else 0
     return ValidationConfig(
         dp=max(p_engines, 2) if retry else 1, tp=s["prefill_tp"], d_dp=1, d_tp=s["decode_tp"],
         requests=1, layers=s["layers"],
-        blocks_per_request=bpr, d_blocks=bpr * (1 + retry if fresh else 1), p_blocks=bpr,
+        blocks_per_request=bpr, d_blocks=bpr * (1 + min(grants, retry)), p_blocks=bpr,
         chunks=shape.chunks,
         prefix_hits=(shape.prefix_hit,), chunk_blocks=shape.chunk_blocks, mla=s["mla"],
         heads=0 if s["mla"] else s["kv_heads"], faults=True, fault_kinds=kinds,

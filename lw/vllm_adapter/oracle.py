@@ -44,7 +44,8 @@ each block, ``lw.synthetic.corrupt.TruncatingPlane``; 16 prompts of 12..700 word
 tiny model, 2026-12-02) passed the tie rule 12 times in 16: the tiny random model's top logits
 are that close everywhere, and a continuation over wrong KV diverged first at a near tie of the
 reference's (margins 0..0.17 nats) or not at all within 16 tokens. What does tell them apart is
-the distribution where both sides still had the same text: honest dense P/D gave the
+the distribution where both sides still had the same text (measured with
+``tools/oracle_drift.py``, which prints these figures): honest dense P/D gave the
 reference's logprobs exactly (16 sequential requests: every top-5 logprob identical at every
 position) or within 0.0155 nats (12 requests decoded 4 at a time), while over wrong KV the same
 tokens' logprobs moved by 0.166..0.637 nats (the largest |difference| of a token both sides
