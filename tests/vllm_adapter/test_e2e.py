@@ -177,7 +177,7 @@ def test_planted_truncated_writes_are_caught_by_the_oracle(cluster: LocalCluster
         flag.unlink()
     assert not any(g.error for g in gots), [g.error for g in gots]
     verdicts = [compare(w, g) for w, g in zip(wants, gots, strict=True)]
-    # Each was a mismatch in 16 planted runs here (2026-12-02), by the drift check: the oracle's
+    # Each of 24 planted runs here was a mismatch by the drift check (2026-12-02): the oracle's
     # docstring has the measurements.
     assert not any(v.same for v in verdicts), [str(v) for v in verdicts]
     prompt = make_prompt(LENGTHS["many_blocks"], seed=910)
