@@ -103,7 +103,10 @@ class Pair:
     def advance(self, to: float) -> None:
         """Move the clock to ``to`` firing due timers in time order."""
         while True:
-            due = sorted((at, who, key) for (who, key), at in self.timers.items() if at <= to)
+            # P workers are ints and D is "d": a P and a D timer due at the same instant are
+            # ordered by the owner's name (comparing an int with a str would raise)
+            due = sorted(((at, who, key) for (who, key), at in self.timers.items() if at <= to),
+                         key=lambda d: (d[0], str(d[1]), d[2]))
             if not due:
                 break
             at, who, key = due[0]
