@@ -3,13 +3,13 @@
     HF_HUB_OFFLINE=1 .venv/bin/python tools/oracle_drift.py [--kind llama|mla] [--prompts 8]
 
 Starts a local cluster (reference engine, P, D, lw's proxy) on a tiny random model, with P's data
-plane wrapped in ``lw.synthetic.corrupt.TruncatingPlane``. It sends ``--prompts`` prompts of
-12..700 words one at a time and the same number four at a time (honest), then as many with P
-writing only the first 64 bytes of each block (planted), all with top-5 logprobs, and prints
-for each group the largest logprob drift per request (|difference| of a token both sides list,
-at the positions up to and including the first divergence) and the oracle's verdicts with and
-without the drift check. The figures in ``lw/vllm_adapter/oracle.py``'s docstring come from it.
-About five minutes here.
+plane wrapped in ``lw.transport.dataplane.planted.TruncatingPlane``. It sends ``--prompts``
+prompts of 12..700 words one at a time and the same number four at a time (honest), then as
+many with P writing only the first 64 bytes of each block (planted), all with top-5 logprobs,
+and prints for each group the largest logprob drift per request (|difference| of a token both
+sides list, at the positions up to and including the first divergence) and the oracle's
+verdicts with and without the drift check. The figures in ``lw/vllm_adapter/oracle.py``'s
+docstring come from it. About five minutes here.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from lw.synthetic.corrupt import TRUNCATE_ENV  # noqa: E402
+from lw.transport.dataplane.planted import TRUNCATE_ENV  # noqa: E402
 from lw.vllm_adapter.demo import LocalCluster  # noqa: E402
 from lw.vllm_adapter.demo_client import Result, complete, make_prompt  # noqa: E402
 from lw.vllm_adapter.oracle import DRIFT, TOP_K, compare  # noqa: E402

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import msgspec
 
 from lw.fsm import ArmTimer, CancelTimer, DecodeEndpoint, Effect, PrefillEndpoint, Send
+from lw.fsm.decode_ghosts import GHOST_TIMER
 from lw.fsm.decode_request import DecodeRecord
 from lw.fsm.effects import Granted, KeptSums, TimerKey
 from lw.fsm.lifecycles import DONE, FAILED
@@ -298,6 +299,6 @@ class GhostReleasedAtOnce(DecodeEndpoint):
         out = super().on_fresh(answer, now)
         ghost = self._ghosts.get((answer.ask.req_id, answer.ask.epoch - 1))
         if ghost is not None and answer.blocks is not None:
-            out.append(CancelTimer((f"ghost:{ghost.epoch}", ghost.req_id)))
+            out.append(CancelTimer((f"{GHOST_TIMER}{ghost.epoch}", ghost.req_id)))
             self._release_ghost(ghost, "released at once", now, out)
         return out

@@ -51,7 +51,7 @@ class DNode:
         d = v // s.d_tp
         pool = s.d_pool[d]
         free = [b for b, o in enumerate(pool) if o is None]
-        if s.d_tp != 1 or len(free) < count:
+        if len(free) < count:  # (retries need d_tp 1: WorldConfig refuses them otherwise)
             s.flags.add("fresh-refused")
             s.note(s.dpart(d), f"no {count} free block(s) for {q.rid}'s next epoch: refused")
             return None

@@ -61,36 +61,3 @@ class CorruptingPlane:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-
-TRUNCATE_ENV = "LW_TEST_TRUNCATE_WRITES_FILE"
-
-
-class TruncatingPlane:
-    """A data plane that, while the file ``flag`` exists, writes only the first N bytes of
-    each entry (N: the file's content): the planted wrong KV that the e2e output oracle must
-    catch (issue 20). Test fault only; a vLLM worker wraps its plane in one when the
-    environment names the file in ``LW_TEST_TRUNCATE_WRITES_FILE``."""
-
-    def __init__(self, inner: Any, flag: str) -> None:
-        self._inner = inner
-        self._flag = flag
-        self.truncated = 0
-
-    def _limit(self) -> int | None:
-        try:
-            with open(self._flag) as f:
-                return max(1, int(f.read().strip() or "64"))
-        except (OSError, ValueError):
-            return None
-
-    def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry],
-               within_s: float = math.inf) -> None:
-        """Submit, each entry cut to the flag file's byte count while the file exists."""
-        n_max = self._limit()
-        if n_max is not None:
-            entries = [(s, d, min(n, n_max)) for s, d, n in entries]
-            self.truncated += 1
-        self._inner.submit(xfer_id, session, entries, within_s)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)

@@ -488,11 +488,11 @@ def _decode_tp(cfg: ClusterConfig, j: int, port: int, incarnation: int, generati
                        faults=_faults(cfg, 1000 * j))
     me = Sender(d_engine(slot), j, incarnation, side.addr)
     layout = KVLayout(d_engine(slot), incarnation, dp.session, _layouts(kv), fmt)
-    # Fresh blocks for a retried epoch only with one TP worker: each worker's core decides
-    # its own retries, and the blocks are the engine's (its workers must receive into the same).
-    fresh = (lambda _rid, n: pool.take(n)) if cfg.decode_tp == 1 else None
+    # Fresh blocks come from the engine's pool; retries exist only with one TP worker
+    # (ClusterConfig refuses retry_prefill otherwise: each worker's core decides alone).
     loop = WorkerLoop(DecodeEndpoint(me, layout, cfg.decode_config()), side, dp,
-                      on_report=lambda _e: wake.set(), fresh_blocks=fresh,
+                      on_report=lambda _e: wake.set(),
+                      fresh_blocks=lambda _rid, n: pool.take(n),
                       name=f"lw-loop-d{j}" if slot == 0 else f"lw-loop-d{slot}t{j}",
                       heartbeat_s=cfg.heartbeat_s, heartbeat_misses=cfg.heartbeat_misses)
     return _TP(fmt, kv, loop.start())

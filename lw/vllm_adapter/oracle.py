@@ -40,8 +40,8 @@ from the top-k membership more than from the number. The unit tests
 (tests/vllm_adapter/test_oracle.py) keep both sides of this line.
 
 **Drift: the teeth for the dense model.** Planted wrong KV (P writing only the first 64 bytes of
-each block, ``lw.synthetic.corrupt.TruncatingPlane``) passes the tie rule most of the time on
-the dense tiny model: its top logits are close everywhere, and a continuation over wrong KV
+each block, ``lw.transport.dataplane.planted.TruncatingPlane``) passes the tie rule most of the
+time on the dense tiny model: its top logits are close everywhere, and a continuation over wrong KV
 diverged first at a near tie of the reference's (margins 0..0.20 nats) or not at all within 16
 tokens. What tells them apart is the distribution where both sides still had the same text: the
 largest |logprob difference| of a token both sides list, at the positions up to and including

@@ -245,6 +245,7 @@ class WorkerSide:
 
     def _data_plane(self) -> Any:
         from lw.transport.dataplane import InProcessDataPlane, MooncakeDataPlane
+        from lw.transport.dataplane.planted import TRUNCATE_ENV, planted_from_env
 
         if self.cfg.data_plane == "inprocess":
             dp: Any = InProcessDataPlane()
@@ -253,13 +254,11 @@ class WorkerSide:
                                    metadata_server=self.cfg.mooncake_metadata_server,
                                    protocol=self.cfg.mooncake_protocol,
                                    device_name=self.cfg.mooncake_device)
-        flag = os.environ.get("LW_TEST_TRUNCATE_WRITES_FILE")
-        if flag:  # a test plants wrong KV for the output oracle to catch (e2e tests only)
-            from lw.synthetic.corrupt import TruncatingPlane
-
-            log.warning("lw: writes are truncated while %s exists (a test fault)", flag)
-            dp = TruncatingPlane(dp, flag)
-        return dp
+        planted = planted_from_env(dp)  # e2e tests plant wrong KV for the output oracle
+        if planted is not dp:
+            log.warning("lw: writes are truncated while %s exists (a test fault)",
+                        os.environ[TRUNCATE_ENV])
+        return planted
 
     # ---------------------------------------------------------------------------- per step
     def _call(self, method: str, *args: Any, rid: str, tid: str) -> None:

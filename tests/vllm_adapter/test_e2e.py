@@ -45,7 +45,7 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
-from lw.synthetic.corrupt import TRUNCATE_ENV  # noqa: E402
+from lw.transport.dataplane.planted import TRUNCATE_ENV  # noqa: E402
 from lw.transport.sidechannel import parse_cluster_key  # noqa: E402
 from lw.vllm_adapter.control_auth import signed_call  # noqa: E402
 from lw.vllm_adapter.demo import (  # noqa: E402
