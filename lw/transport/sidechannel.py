@@ -2,15 +2,27 @@
 
 Every message travels as one multipart ZMQ message ``[header, payload, mac?]``:
 
-* ``header`` (32 bytes): magic ``b"LW"``, frame version, flags, a random per-channel epoch, a
-  message id, the id of the message it answers (0 if none) and the sender's wall clock (ns).
+* ``header``: 34 bytes (magic ``b"LW"``, frame version, flags, a random per-channel epoch, a
+  message id, the id of the message it answers (0 if none), the sender's wall clock (ns) and the
+  length of the destination) followed by the destination: the address of the worker the sender
+  meant (its advertised ``tcp://host:port``).
 * ``payload``: one :mod:`lw.transport.wire` message (at most ``wire.MAX_MESSAGE_BYTES``).
 * ``mac``: HMAC-SHA256 over header + payload, present when the sender has a cluster key.
 
-A channel with a cluster key drops (and counts) every frame without a valid MAC, every frame whose
-timestamp is outside ``replay_window_s`` and every exact replay of a frame seen in that window:
-such frames never reach the caller. Oversized, malformed and undecodable frames are dropped and
-counted too; nothing a peer sends can raise out of :meth:`SideChannel.poll`.
+A channel with a cluster key drops (and counts) every frame without a valid MAC, every frame
+signed for another destination than its own address (a message captured on its way to worker A
+is refused by worker B), every frame whose timestamp is outside ``replay_window_s`` and every
+exact replay of a frame seen in that window: such frames never reach the caller. Oversized,
+malformed, over-long and undecodable messages are dropped and counted too; refusals are logged at
+most once per ``warn_interval_s``; nothing a peer sends can raise out of :meth:`SideChannel.poll`.
+
+Bounds on what a peer can make a channel hold before its MAC is checked: :data:`MAX_FRAME_BYTES`
+per frame (ZMQ disconnects beyond it), :data:`MAX_FRAMES` per message and :data:`RECV_HWM`
+messages per connection, so :data:`PRE_AUTH_BYTES_PER_CONNECTION` per connection. libzmq
+reassembles a whole multipart message before the application sees any of it, and nothing in
+ZMQ limits the number of frames in one message: :data:`MAX_FRAMES` bounds what this module
+copies out of ZMQ, not what ZMQ buffered (only an authenticated transport such as CURVE, which
+refuses a connection before its first message, would bound that).
 
 Replies can travel back on the connection the request came in on (:meth:`SideChannel.reply`
 through the ROUTER to the asking DEALER); the asker matches them by ``reply_to`` (request
@@ -25,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import logging
 import os
 import random
 import struct
@@ -38,18 +51,74 @@ import zmq
 
 from lw.transport.wire import MAX_MESSAGE_BYTES, Message, WireError, decode, encode
 
-__all__ = ["FaultInjection", "Inbound", "SideChannel", "parse_cluster_key"]
+__all__ = [
+    "MAX_ADDR_BYTES",
+    "MAX_FRAMES",
+    "MAX_FRAME_BYTES",
+    "PRE_AUTH_BYTES_PER_CONNECTION",
+    "RECV_HWM",
+    "WARN_INTERVAL_S",
+    "FaultInjection",
+    "Inbound",
+    "SideChannel",
+    "parse_cluster_key",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_FRAMES = 3
+"""Frames in one message (header, payload, MAC; the ROUTER's routing id aside). A message with
+more is dropped and counted as ``too_many_frames``; at most this many of its frames are copied
+out of ZMQ, the rest are discarded a bounded number per poll."""
+
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + 4096
+"""ZMQ_MAXMSGSIZE, which libzmq applies per frame: a peer sending a longer frame is disconnected
+before the frame is allocated. Between the wire limit and this the frame is received and counted
+as ``oversize``. 1,052,672 bytes."""
+
+RECV_HWM = 16
+"""Receive high-water mark (ZMQ_RCVHWM), in messages per connection: beyond it ZMQ stops reading
+the connection and the honest sender's own send queue holds the backlog."""
+
+PRE_AUTH_BYTES_PER_CONNECTION = (RECV_HWM + 2) * MAX_FRAMES * MAX_FRAME_BYTES
+"""What one connection can make a channel hold before a MAC is checked, for messages of at most
+:data:`MAX_FRAMES` frames: RECV_HWM queued, one in ZMQ's decoder, one prefetched by the ROUTER.
+18 x 3 x 1,052,672 = 56,844,288 bytes (54.2 MiB), plus the kernel's TCP buffers. Not bounded by
+ZMQ: the number of connections (only the process's file limit) and the frames of one message
+(see the module docstring)."""
+
+MAX_ADDR_BYTES = 1024
+"""Longest destination address a message may name (and this module will connect to)."""
+
+WARN_INTERVAL_S = 10.0
+"""At most one warning about refused frames per this many seconds per channel, with the counts
+since the last one: a flood of bad frames must not flood the log."""
 
 _MAGIC = b"LW"
-_FRAME_VERSION = 1
+_FRAME_VERSION = 2  # 2: the header names its destination, which the MAC covers
 _FLAG_MAC = 0x01
-# magic, frame version, flags, epoch, msg_id, reply_to, timestamp (ns since the epoch)
-_HEADER = struct.Struct("!2sBBIQQQ")
+# magic, frame version, flags, epoch, msg_id, reply_to, timestamp (ns since the epoch), dest length;
+# the destination's bytes follow
+_HEADER = struct.Struct("!2sBBIQQQH")
 _MAC_LEN = 32
-# ZMQ disconnects a peer whose frame exceeds this before allocating it; between the wire limit
-# and this, the frame is received and counted as oversize.
-_ZMQ_MAXMSGSIZE = MAX_MESSAGE_BYTES + 4096
+# Frames of an over-long message discarded per drain (about 1 us each): the loop thread goes on
+# serving its timers and other sockets while a flood is thrown away.
+_DISCARD_BUDGET = 16384
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
+# Counters of inbound refusals: each one is rate-limited into a warning.
+_REFUSALS = ("oversize", "malformed", "too_many_frames", "unauthenticated", "forged",
+             "misdirected", "stale_frames", "replay_floor", "replayed", "wire_errors")
+
+
+def _header(flags: int, epoch: int, msg_id: int, reply_to: int, ts_ns: int, dest: bytes) -> bytes:
+    """The header frame of a message to ``dest`` (tests build hostile frames with it)."""
+    return _HEADER.pack(_MAGIC, _FRAME_VERSION, flags, epoch, msg_id, reply_to, ts_ns,
+                        len(dest)) + dest
+
+
+def _mac(key: bytes, header: bytes, payload: bytes) -> bytes:
+    """The MAC of one message: it covers the header, and so the destination named in it."""
+    return hmac.digest(key, header + payload, "sha256")
 
 
 def parse_cluster_key(value: str | bytes | None) -> bytes | None:
@@ -111,9 +180,12 @@ _COUNTERS = (
     "oversize_out",
     "oversize",
     "malformed",
+    "too_many_frames",  # more than MAX_FRAMES frames in one message
     "unauthenticated",  # keyed channel got a frame without a MAC
     "forged",  # MAC present but wrong
+    "misdirected",  # MAC right, but signed for another worker's address
     "stale_frames",  # timestamp outside the replay window
+    "replay_floor",  # timestamp not after one the full replay cache had to forget
     "replayed",
     "wire_errors",
     "replies_matched",
@@ -141,10 +213,13 @@ class SideChannel:
         replay_window_s: float | None = 60.0,
         replay_cache_size: int = 1 << 18,
         hwm: int = 10_000,
+        recv_hwm: int = RECV_HWM,
         heartbeat_s: float = 1.0,
         faults: FaultInjection | None = None,
         burst: int = 256,
+        warn_interval_s: float = WARN_INTERVAL_S,
     ) -> None:
+        """``hwm``: messages queued per peer for sending; ``recv_hwm``: per connection received."""
         if cluster_key is not None and len(cluster_key) < 16:
             raise ValueError("cluster_key must be at least 16 bytes")
         if max_peers < 1:
@@ -154,6 +229,7 @@ class SideChannel:
         self._window_ns = None if replay_window_s is None else int(replay_window_s * 1e9)
         self._replay_cap = replay_cache_size
         self._hwm = hwm
+        self._recv_hwm = recv_hwm
         self._heartbeat_ms = int(heartbeat_s * 1000)
         self._faults = faults if faults is not None and faults.active else None
         self._rng = random.Random(faults.seed if faults is not None else None)
@@ -162,6 +238,12 @@ class SideChannel:
         self._next_id = 0
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._seen: dict[bytes, int] = {}  # mac -> expiry (ns), insertion ordered
+        self._floor_ns = 0  # frames stamped at or before this are refused (see _remember)
+        self._excess: dict[zmq.Socket, int] = {}  # socket -> frames dropped of an over-long msg
+        self._warn_interval_s = warn_interval_s
+        self._warn_at = 0.0  # monotonic time before which refusals are only tallied
+        self._tally: dict[str, int] = {}  # refusals since the last warning
+        self._last_why = ""
         self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()  # msg_id -> (dest, t)
         self._ctx = zmq.Context(io_threads=1)
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -182,6 +264,7 @@ class SideChannel:
         if host in ("0.0.0.0", "*", "::"):
             raise ValueError(f"binding {bind_host} needs an advertise_host peers can reach")
         self.addr = f"tcp://{host}:{self.port}"
+        self._addr_b = self.addr.encode()  # what a MAC must have been made for to be accepted
         self._dealers: OrderedDict[str, zmq.Socket] = OrderedDict()  # LRU by dest
         self._dealer_dest: dict[zmq.Socket, str] = {}
         self._poller = zmq.Poller()
@@ -193,8 +276,8 @@ class SideChannel:
     def _tune(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.LINGER, 0)  # close never waits for a dead peer
         sock.setsockopt(zmq.SNDHWM, self._hwm)
-        sock.setsockopt(zmq.RCVHWM, self._hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, _ZMQ_MAXMSGSIZE)
+        sock.setsockopt(zmq.RCVHWM, self._recv_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if self._heartbeat_ms > 0:
             # ZMTP heartbeats notice a dead or frozen peer and make the DEALER reconnect.
             sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
@@ -205,7 +288,8 @@ class SideChannel:
         if sock is not None:
             self._dealers.move_to_end(dest)
             return sock
-        if not isinstance(dest, str) or not dest.startswith(_SCHEMES) or len(dest) > 1024:
+        if not isinstance(dest, str) or not dest.startswith(_SCHEMES) or len(
+                dest.encode(errors="replace")) > MAX_ADDR_BYTES:
             self.counters["bad_dest"] += 1
             return None
         sock = self._ctx.socket(zmq.DEALER)
@@ -232,6 +316,7 @@ class SideChannel:
     def _drop_dealer(self, sock: zmq.Socket) -> None:
         self._poller.unregister(sock)
         self._dealer_dest.pop(sock, None)
+        self._excess.pop(sock, None)
         sock.close(0)
 
     def forget_peer(self, dest: str) -> None:
@@ -241,15 +326,26 @@ class SideChannel:
             self._drop_dealer(sock)
 
     # ----------------------------------------------------------------------------- sending
-    def _frame(self, payload: bytes, reply_to: int) -> tuple[int, list[bytes]]:
+    def _frame(self, payload: bytes, reply_to: int, dest: bytes) -> tuple[int, list[bytes]]:
+        """A new message id and the frames of ``payload`` for the worker at ``dest``."""
         self._next_id += 1
         msg_id = self._next_id
         flags = _FLAG_MAC if self._key is not None else 0
-        header = _HEADER.pack(_MAGIC, _FRAME_VERSION, flags, self._epoch, msg_id, reply_to,
-                              time.time_ns())
+        header = _header(flags, self._epoch, msg_id, reply_to, time.time_ns(), dest)
         if self._key is None:
             return msg_id, [header, payload]
-        return msg_id, [header, payload, hmac.digest(self._key, header + payload, "sha256")]
+        return msg_id, [header, payload, _mac(self._key, header, payload)]
+
+    def _dest(self, dest: str) -> bytes | None:
+        """``dest`` as the bytes a MAC is bound to, or None (counted) when it cannot be one."""
+        try:
+            b = dest.encode()
+        except (AttributeError, UnicodeError):
+            b = b""
+        if not b or len(b) > MAX_ADDR_BYTES:
+            self.counters["bad_dest"] += 1
+            return None
+        return b
 
     def _inject(self, payload: bytes) -> list[bytes]:
         """Apply test faults: the payloads to actually send (0, 1 or 2 of them)."""
@@ -288,10 +384,11 @@ class SideChannel:
         sock = self._dealer(dest)
         if sock is None:
             return 0
+        dest_b = dest.encode()  # _dealer checked it
         payloads = [payload] if self._faults is None else self._inject(payload)
         last = 0
         for p in payloads:
-            msg_id, frames = self._frame(p, reply_to)
+            msg_id, frames = self._frame(p, reply_to, dest_b)
             if self._push(sock, frames):
                 self.counters["sent"] += 1
                 last = msg_id
@@ -312,7 +409,9 @@ class SideChannel:
         return False
 
     def reply(self, to: Inbound, dest: str, msg: Message) -> int:
-        """Answer ``to`` on the connection it came in on; falls back to a DEALER to ``dest``."""
+        """Answer ``to`` on the connection it came in on; falls back to a DEALER to ``dest``.
+
+        ``dest`` is the asker's listening address: the reply is signed for it either way."""
         if to.route is None:
             return self.send(dest, msg, reply_to=to.msg_id)
         try:
@@ -320,10 +419,13 @@ class SideChannel:
         except (WireError, TypeError, ValueError):
             self.counters["encode_errors"] += 1
             return 0
+        dest_b = self._dest(dest)
+        if dest_b is None:
+            return 0
         payloads = [payload] if self._faults is None else self._inject(payload)
         last = 0
         for p in payloads:
-            msg_id, frames = self._frame(p, to.msg_id)
+            msg_id, frames = self._frame(p, to.msg_id, dest_b)
             try:
                 self._router.send_multipart([to.route, *frames], flags=zmq.NOBLOCK)
                 self.counters["replies_sent"] += 1
@@ -364,6 +466,8 @@ class SideChannel:
                 self._drain(sock, True, inbound)
             else:
                 self._drain(sock, False, inbound)
+        if self._tally and time.monotonic() >= self._warn_at:
+            self._warn()  # refusals tallied since the last warning, once the interval is over
         return inbound, ready
 
     def unregister_fd(self, fd: int) -> None:
@@ -373,14 +477,19 @@ class SideChannel:
             self._fds.discard(fd)
 
     def _drain(self, sock: zmq.Socket, via_router: bool, out: list[Inbound]) -> None:
+        limit = MAX_FRAMES + 1 if via_router else MAX_FRAMES  # the ROUTER prepends a routing id
         for _ in range(self._burst):
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
+                parts = self._recv(sock, limit)
             except zmq.Again:
                 return
             except zmq.ZMQError:
-                self.counters["malformed"] += 1
+                self._refuse("malformed", "receive error")
                 return
+            if parts is None:
+                if sock in self._excess:
+                    return  # discard budget spent: the rest of that message goes next poll
+                continue
             if via_router:
                 route, frames = parts[0], parts[1:]
                 item = self._accept(frames, route, None)
@@ -389,48 +498,113 @@ class SideChannel:
             if item is not None:
                 out.append(item)
 
+    def _recv(self, sock: zmq.Socket, limit: int) -> list[bytes] | None:
+        """The next message if it has at most ``limit`` frames; None after dropping (or starting
+        to drop) a longer one. Raises zmq.Again when nothing is ready."""
+        if sock in self._excess and not self._discard(sock):
+            return None
+        parts = [sock.recv(zmq.NOBLOCK)]
+        while sock.getsockopt(zmq.RCVMORE):
+            if len(parts) == limit:
+                # Copy no more of it: ZMQ holds the whole message already, Python need not.
+                self._excess[sock] = len(parts)
+                self._discard(sock)
+                return None
+            parts.append(sock.recv(zmq.NOBLOCK))
+        return parts
+
+    def _discard(self, sock: zmq.Socket) -> bool:
+        """Drop up to a budget of frames of an over-long message; True once its last is gone."""
+        n = self._excess[sock]
+        for _ in range(_DISCARD_BUDGET):
+            if not sock.getsockopt(zmq.RCVMORE):
+                del self._excess[sock]
+                self._refuse("too_many_frames", f"a message of {n} frames (at most {MAX_FRAMES})")
+                return True
+            sock.recv(zmq.NOBLOCK)
+            n += 1
+        self._excess[sock] = n
+        return False
+
+    def _refuse(self, counter: str, why: str) -> None:
+        """Count one refused message; warn now if no warning went out within the interval."""
+        self.counters[counter] += 1
+        self._tally[counter] = self._tally.get(counter, 0) + 1
+        self._last_why = why
+        if time.monotonic() >= self._warn_at:
+            self._warn()
+
+    def _warn(self) -> None:
+        """One warning for every refusal tallied since the last one."""
+        tally, self._tally = self._tally, {}
+        self._warn_at = time.monotonic() + self._warn_interval_s
+        log.warning("side channel %s refused %d message(s) (%s), the last one: %s; at most one "
+                    "such warning per %gs", self.addr, sum(tally.values()),
+                    ", ".join(f"{k} {v}" for k, v in sorted(tally.items())), self._last_why,
+                    self._warn_interval_s)
+
     def _accept(self, frames: list[bytes], route: bytes | None, peer: str | None
                 ) -> Inbound | None:
-        """Check one frame set (size, framing, MAC, freshness, replay, wire); count rejects."""
+        """Check one frame set (size, framing, MAC, destination, freshness, replay, wire);
+        count and drop what fails."""
         n = len(frames)
-        if n not in (2, 3):
-            self.counters["malformed"] += 1
+        if n > MAX_FRAMES:  # only an inproc or test caller gets here: _recv stops them first
+            self._refuse("too_many_frames", f"a message of {n} frames (at most {MAX_FRAMES})")
+            return None
+        if n < 2:
+            self._refuse("malformed", f"a message of {n} frame(s)")
             return None
         header, payload = frames[0], frames[1]
         if len(payload) > MAX_MESSAGE_BYTES:
-            self.counters["oversize"] += 1
+            self._refuse("oversize", f"a payload of {len(payload)} bytes")
             return None
-        if len(header) != _HEADER.size:
-            self.counters["malformed"] += 1
+        if len(header) < _HEADER.size:
+            self._refuse("malformed", f"a header of {len(header)} bytes")
             return None
-        magic, version, flags, _epoch, msg_id, reply_to, ts_ns = _HEADER.unpack(header)
-        if magic != _MAGIC or version != _FRAME_VERSION or (n == 3) != bool(flags & _FLAG_MAC):
-            self.counters["malformed"] += 1
+        magic, version, flags, _epoch, msg_id, reply_to, ts_ns, dest_len = _HEADER.unpack_from(
+            header)
+        if magic != _MAGIC:
+            self._refuse("malformed", "not an lw frame")
+            return None
+        if version != _FRAME_VERSION:
+            self._refuse("malformed", f"frame version {version} (this side speaks "
+                                      f"{_FRAME_VERSION}: another lw version?)")
+            return None
+        if len(header) != _HEADER.size + dest_len or (n == 3) != bool(flags & _FLAG_MAC):
+            self._refuse("malformed", "inconsistent header")
             return None
         key = self._key
         if key is not None:
             if n != 3:
-                self.counters["unauthenticated"] += 1
+                self._refuse("unauthenticated", "no MAC (a peer without the cluster key?)")
                 return None
             mac = frames[2]
-            if len(mac) != _MAC_LEN or not hmac.compare_digest(
-                mac, hmac.digest(key, header + payload, "sha256")
-            ):
-                self.counters["forged"] += 1
+            if len(mac) != _MAC_LEN or not hmac.compare_digest(mac, _mac(key, header, payload)):
+                self._refuse("forged", "a wrong MAC (another cluster key?)")
+                return None
+            dest = header[_HEADER.size:]
+            if dest != self._addr_b:
+                # Signed by a key holder, but for another worker: a replay aimed at us, or a
+                # peer that knows us by another name (hostname vs IP) than we advertise.
+                self._refuse("misdirected", f"signed for {dest[:100]!r}, this is {self.addr}")
                 return None
             if self._window_ns is not None:
                 now_ns = time.time_ns()
                 if abs(now_ns - ts_ns) > self._window_ns:
-                    self.counters["stale_frames"] += 1
+                    self._refuse("stale_frames", f"a timestamp {(now_ns - ts_ns) / 1e9:.1f}s old "
+                                                 "(clocks out of sync?)")
+                    return None
+                if ts_ns <= self._floor_ns:
+                    self._refuse("replay_floor", "a timestamp the full replay cache forgot")
                     return None
                 if mac in self._seen:
-                    self.counters["replayed"] += 1
+                    self._refuse("replayed", "a replay")
                     return None
                 self._remember(mac, ts_ns + self._window_ns, now_ns)
         try:
             msg = decode(payload)
-        except WireError:
-            self.counters["wire_errors"] += 1
+        except WireError as exc:
+            self._refuse("wire_errors", repr(str(exc)[:200]))  # repr: no newlines in the log
             return None
         self.counters["received"] += 1
         rtt = None
@@ -444,12 +618,18 @@ class SideChannel:
         return Inbound(msg, msg_id, reply_to, route, peer, rtt)
 
     def _remember(self, mac: bytes, expiry_ns: int, now_ns: int) -> None:
+        """Record an accepted MAC until its frame leaves the replay window."""
         seen = self._seen
         # Insertion order is roughly expiry order: prune expired entries from the front.
         while seen:
             first = next(iter(seen))
-            if seen[first] > now_ns and len(seen) < self._replay_cap:
+            first_expiry = seen[first]
+            if first_expiry > now_ns and len(seen) < self._replay_cap:
                 break
+            if first_expiry > now_ns:
+                # Full: forgetting a live entry would let its frame replay, so from now on
+                # refuse every frame stamped no later than it (honest ones too, unless newer).
+                self._floor_ns = max(self._floor_ns, first_expiry - (self._window_ns or 0))
             del seen[first]
         seen[mac] = expiry_ns
 

@@ -1,20 +1,26 @@
-"""Side channel: delivery, correlation, authentication, garbage, size limits, reconnects."""
+"""Side channel: delivery, correlation, authentication, destination binding, replay, garbage,
+the bounds on what a peer can make it hold, rate-limited warnings, reconnects."""
 
 from __future__ import annotations
 
-import hmac
+import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import zmq
 
 from lw.transport.sidechannel import (
-    _HEADER,
-    _MAGIC,
+    MAX_FRAME_BYTES,
+    MAX_FRAMES,
+    PRE_AUTH_BYTES_PER_CONNECTION,
+    RECV_HWM,
     FaultInjection,
     Inbound,
     SideChannel,
+    _header,
+    _mac,
     parse_cluster_key,
 )
 from lw.transport.wire import (
@@ -120,6 +126,19 @@ def test_keyed_channels_talk_and_keyless_sender_is_dropped(channels: Factory) ->
     assert len(recv(plain)) == 1
 
 
+def capture(ctx: zmq.Context, sender: SideChannel, msg: MetaRequest) -> tuple[int, list[bytes]]:
+    """Frames ``sender`` sent for a listener on a fresh port, caught there: (port, frames)."""
+    sniff = ctx.socket(zmq.ROUTER)
+    sniff.setsockopt(zmq.LINGER, 0)
+    port = sniff.bind_to_random_port("tcp://127.0.0.1")
+    sender.send(f"tcp://127.0.0.1:{port}", msg)
+    assert sniff.poll(5000)
+    _ident, *frames = sniff.recv_multipart()
+    sniff.close(0)
+    sender.forget_peer(f"tcp://127.0.0.1:{port}")  # no reconnects to whoever binds it next
+    return port, frames
+
+
 def test_wrong_key_and_tampered_frames_are_counted_as_forged(channels: Factory,
                                                              ctx: zmq.Context) -> None:
     b = channels(cluster_key=KEY)
@@ -127,29 +146,49 @@ def test_wrong_key_and_tampered_frames_are_counted_as_forged(channels: Factory,
     other.send(b.addr, meta())
     assert settle(b) == [] and b.counters["forged"] == 1
     # capture a genuine frame, then tamper with its payload but keep the MAC
-    sniff = ctx.socket(zmq.ROUTER)
-    sniff.setsockopt(zmq.LINGER, 0)
-    port = sniff.bind_to_random_port("tcp://127.0.0.1")
     a = channels(cluster_key=KEY)
-    a.send(f"tcp://127.0.0.1:{port}", meta("r1"))
-    assert sniff.poll(3000)
-    _ident, header, payload, mac = sniff.recv_multipart()
+    _port, [header, _payload, mac] = capture(ctx, a, meta("r1"))
     d = raw_dealer(ctx, b.addr)
     d.send_multipart([header, encode(meta("r2")), mac])
     assert settle(b) == [] and b.counters["forged"] == 2
-    # the untouched frame is accepted once; replaying it is refused
-    d.send_multipart([header, payload, mac])
-    d.send_multipart([header, payload, mac])
-    assert len(settle(b)) == 1
-    assert b.counters["replayed"] == 1
+
+
+def test_captured_frame_is_accepted_once_by_its_destination_only(channels: Factory,
+                                                                 ctx: zmq.Context) -> None:
+    a = channels(cluster_key=KEY)
+    port, frames = capture(ctx, a, meta("r1"))  # on its way to the worker at that port
+    b = channels(cluster_key=KEY)  # another worker: the MAC names the captured one's address
+    d = raw_dealer(ctx, b.addr)
+    d.send_multipart(frames)
+    assert settle(b) == [] and b.counters["misdirected"] == 1
+    assert b.counters["forged"] == 0  # signed with the right key, for someone else
+    target = channels(cluster_key=KEY, port=port)  # the worker it was meant for
+    t = raw_dealer(ctx, target.addr)
+    t.send_multipart(frames)
+    t.send_multipart(frames)  # the replay
+    got = recv(target)
+    assert [ib.msg.req_id for ib in got + settle(target)] == ["r1"]
+    assert target.counters["replayed"] == 1
+
+
+def test_replies_are_bound_to_the_askers_address(channels: Factory) -> None:
+    a, b = channels(cluster_key=KEY), channels(cluster_key=KEY)
+    a.send(b.addr, meta(addr=a.addr), expect_reply=True)
+    [ib] = recv(b)
+    reply = MetaReply(PROTOCOL_VERSION, "r1", "unknown", Sender("D", 0, 1, b.addr))
+    assert b.reply(ib, "tcp://127.0.0.1:1", reply) > 0  # signed for a worker that is not a
+    assert settle(a) == [] and a.counters["misdirected"] == 1
+    assert b.reply(ib, a.addr, reply) > 0
+    [back] = recv(a)
+    assert back.msg == reply and a.counters["replies_matched"] == 1
 
 
 def test_stale_timestamp_is_refused(channels: Factory, ctx: zmq.Context) -> None:
     b = channels(cluster_key=KEY, replay_window_s=5.0)
     payload = encode(meta())
     old = time.time_ns() - 60 * 10**9
-    header = _HEADER.pack(_MAGIC, 1, 1, 7, 1, 0, old)
-    mac = hmac.digest(KEY, header + payload, "sha256")
+    header = _header(1, 7, 1, 0, old, b.addr.encode())
+    mac = _mac(KEY, header, payload)
     d = raw_dealer(ctx, b.addr)
     d.send_multipart([header, payload, mac])
     assert settle(b) == [] and b.counters["stale_frames"] == 1
@@ -165,6 +204,7 @@ def test_garbage_and_malformed_frames_are_counted_never_raised(channels: Factory
     d.send_multipart([b"short header", b"x"])
     d.send_multipart([b"XX" + b"\x00" * 30, encode(meta())])  # wrong magic
     d.send_multipart([b"a", b"b", b"c", b"d"])
+    d.send_multipart([_header(0, 7, 1, 0, time.time_ns(), b.addr.encode())[:-1], b"x"])
     got: list[Inbound] = []
     deadline = time.monotonic() + 10  # a loaded machine can take seconds to connect
     while (b.counters["wire_errors"], b.counters["malformed"]) != (2, 4) \
@@ -172,7 +212,8 @@ def test_garbage_and_malformed_frames_are_counted_never_raised(channels: Factory
         got += b.poll(20)[0]
     assert got + settle(b, 0.3) == []
     assert b.counters["wire_errors"] == 2
-    assert b.counters["malformed"] == 4
+    assert b.counters["malformed"] == 4  # one part, short header, wrong magic, cut destination
+    assert b.counters["too_many_frames"] == 1
     a.send(b.addr, meta())  # still alive and well
     assert len(recv(b)) == 1
 
@@ -182,11 +223,11 @@ def test_size_limit(channels: Factory, ctx: zmq.Context) -> None:
     assert a.send_bytes(b.addr, b"\x00" * (MAX_MESSAGE_BYTES + 1)) == 0
     assert a.counters["oversize_out"] == 1
     d = raw_dealer(ctx, b.addr)
-    header = _HEADER.pack(_MAGIC, 1, 0, 7, 1, 0, time.time_ns())
+    header = _header(0, 7, 1, 0, time.time_ns(), b.addr.encode())
     d.send_multipart([header, b"\x00" * (MAX_MESSAGE_BYTES + 1)])  # refused before parsing
     assert settle(b) == [] and b.counters["oversize"] == 1
     huge = raw_dealer(ctx, b.addr)
-    huge.send_multipart([header, b"\x00" * (4 * MAX_MESSAGE_BYTES)])  # ZMQ drops the peer
+    huge.send_multipart([header, b"\x00" * (MAX_FRAME_BYTES + 1)])  # ZMQ drops the peer
     assert settle(b) == []
     a.send(b.addr, meta())
     assert len(recv(b)) == 1
@@ -267,3 +308,105 @@ def test_parse_cluster_key() -> None:
     assert parse_cluster_key("a" * 20) == b"a" * 20
     with pytest.raises(ValueError):
         parse_cluster_key("short")
+
+
+def until(ch: SideChannel, done: Callable[[], bool], timeout: float = 10.0) -> list[Inbound]:
+    """Poll ``ch`` until ``done()`` or ``timeout``; what arrived meanwhile (asserts ``done``)."""
+    got: list[Inbound] = []
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        got += ch.poll(20)[0]
+    assert done()
+    return got
+
+
+def test_messages_with_more_frames_than_the_protocol_sends_are_dropped(
+        channels: Factory, ctx: zmq.Context) -> None:
+    a, b = channels(cluster_key=KEY), channels(cluster_key=KEY)
+    _mid, frames = a._frame(encode(meta()), 0, b.addr.encode())  # a genuine message for b
+    assert len(frames) == MAX_FRAMES
+    d = raw_dealer(ctx, b.addr)
+    d.send_multipart([*frames, b"one more"])
+    d.send_multipart([b""] * 100_000)  # several discard budgets: dropped over several polls
+    d.send_multipart(frames)  # the genuine one, after both, still gets through
+    got = until(b, lambda: b.counters["too_many_frames"] == 2 and b.counters["received"] == 1)
+    assert [ib.msg for ib in got + settle(b, 0.2)] == [meta()]
+    a.send(b.addr, meta("after"))
+    assert [ib.msg.req_id for ib in recv(b)] == ["after"]
+
+
+def test_pre_auth_bound_is_the_stated_product() -> None:
+    assert MAX_FRAME_BYTES == 1_052_672 and MAX_FRAMES == 3 and RECV_HWM == 16
+    assert PRE_AUTH_BYTES_PER_CONNECTION == (RECV_HWM + 2) * MAX_FRAMES * MAX_FRAME_BYTES
+    assert PRE_AUTH_BYTES_PER_CONNECTION == 56_844_288
+
+
+def _tcp_buffer_max() -> int:
+    """The most bytes the kernel may buffer for one loopback connection, both ends together."""
+    total = 0
+    for name in ("tcp_rmem", "tcp_wmem"):
+        try:
+            total += int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[2])
+        except (OSError, IndexError, ValueError):
+            total += 64 << 20
+    return total
+
+
+def test_receive_hwm_stops_a_sender_that_outruns_the_reader(channels: Factory,
+                                                             ctx: zmq.Context) -> None:
+    b = channels()  # keyless: the payloads reach the decoder and are counted there
+    assert b._router.getsockopt(zmq.RCVHWM) == RECV_HWM
+    payload = b"\x00" * MAX_MESSAGE_BYTES  # the largest payload, no valid message
+    frames = [_header(0, 7, 1, 0, time.time_ns(), b.addr.encode()), payload]
+    # queued at b's end, in ZMQ's decoder, prefetched, in the kernel, in the sender's queue
+    bound = RECV_HWM + 2 + _tcp_buffer_max() // len(payload) + 2 + 1
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.setsockopt(zmq.SNDHWM, 1)
+    d.connect(b.addr)
+    sent = 0
+    while sent < bound + 8 and d.poll(1000, zmq.POLLOUT):  # b does not read: it must stall
+        d.send_multipart(frames, zmq.NOBLOCK)
+        sent += 1
+    assert 0 < sent <= bound, (sent, bound)
+    # nothing was lost: once b reads, every message that was let in arrives (and is counted)
+    until(b, lambda: b.counters["wire_errors"] == sent, timeout=30)
+    a = channels()
+    a.send(b.addr, meta())
+    assert len(recv(b)) == 1
+
+
+def test_refusals_warn_once_per_interval_not_once_per_frame(
+        channels: Factory, ctx: zmq.Context, caplog: pytest.LogCaptureFixture) -> None:
+    b = channels(cluster_key=KEY, warn_interval_s=3600)
+    d = raw_dealer(ctx, b.addr)
+    header = _header(0, 7, 1, 0, time.time_ns(), b.addr.encode())
+    with caplog.at_level(logging.WARNING, logger="lw.transport.sidechannel"):
+        for _ in range(500):
+            d.send_multipart([header, encode(meta())])  # unsigned
+        assert until(b, lambda: b.counters["unauthenticated"] == 500) == []
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 1 and "unauthenticated 1" in warnings[0]
+        assert b.addr in warnings[0] and "cluster key" in warnings[0]
+        b._warn_at = 0.0  # the interval is over: the next poll reports what it held back
+        b.poll(0)
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 2 and "refused 499 message(s) (unauthenticated 499)" in warnings[1]
+        b.poll(0)
+        assert len(caplog.records) == 2  # nothing new to report
+
+
+def test_a_full_replay_cache_refuses_what_it_had_to_forget(channels: Factory,
+                                                           ctx: zmq.Context) -> None:
+    a, b = channels(cluster_key=KEY), channels(cluster_key=KEY, replay_cache_size=4)
+    built = [a._frame(encode(meta(f"r{i}")), 0, b.addr.encode())[1] for i in range(6)]
+    d = raw_dealer(ctx, b.addr)
+    for frames in built:
+        d.send_multipart(frames)
+    got = until(b, lambda: b.counters["received"] == 6)
+    assert [ib.msg.req_id for ib in got] == [f"r{i}" for i in range(6)]
+    for frames in built[:2] + built[-1:]:  # two forgotten (still in the window), one remembered
+        d.send_multipart(frames)
+    assert until(b, lambda: b.counters["replay_floor"] == 2 and b.counters["replayed"] == 1) == []
+    a.send(b.addr, meta("fresh"))  # newer than anything forgotten: accepted
+    assert [ib.msg.req_id for ib in recv(b)] == ["fresh"]
