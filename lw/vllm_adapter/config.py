@@ -12,6 +12,7 @@ Ports: the side channel of worker (dp_rank, tp_rank) listens on
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -28,6 +29,11 @@ __all__ = ["ConfigError", "LwConfig", "ModelHeads", "model_heads", "side_channel
 PRODUCER = "kv_producer"
 CONSUMER = "kv_consumer"
 
+log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
+_warned_unkeyed: set[tuple[str, str]] = set()
+"""(role, engine_id) already warned of running without a cluster key, once per process: the
+scheduler's and a worker's connector may share one."""
+
 
 class ConfigError(ValueError):
     """A kv_transfer_config lw cannot run with; the message names the key and the fix."""
@@ -38,10 +44,13 @@ def side_channel_port(kv_port: int, dp_rank: int, tp_size: int, tp_rank: int) ->
     return kv_port + dp_rank * tp_size + tp_rank
 
 
-def _key(default: Any, side: str, doc: str, shown: str | None = None) -> Any:
+def _key(default: Any, side: str, doc: str, shown: str | None = None,
+         secret: bool = False) -> Any:
     """A ``kv_connector_extra_config`` key: its default, which side reads it (``P``, ``D`` or
-    ``both``), what it means, and the default as documented when that is not the value."""
-    return field(default=default, metadata={"side": side, "doc": doc, "shown": shown})
+    ``both``), what it means, the default as documented when that is not the value, and
+    whether it is a secret (then kept out of the config's repr and of error messages)."""
+    return field(default=default, repr=not secret,
+                 metadata={"side": side, "doc": doc, "shown": shown, "secret": secret})
 
 
 def key_table() -> str:
@@ -92,7 +101,7 @@ class LwConfig:
         "HMAC key (≥ 16 bytes; `hex:...` or text) for side-channel frames and D's metaserver "
         "calls; the same value on every P, D and the proxy. The environment variable keeps it off"
         " the command line (`ps` shows `--kv-transfer-config`)",
-        shown="`$LW_CLUSTER_KEY`")
+        shown="`$LW_CLUSTER_KEY`", secret=True)
     request_timeout_s: float = _key(
         30.0, "P",
         "whole push of one request, from the step its prefill completes")
@@ -275,7 +284,7 @@ class LwConfig:
         # Dense models run DP ranks as independent engines: vLLM then reports each engine core
         # as DP size 1, rank 0, and keeps the real rank only in data_parallel_index.
         dp_size = max(int(par.data_parallel_size), int(dp_rank) + 1)
-        return cls.build(
+        cfg = cls.build(
             role=ktc.kv_role, engine_id=str(ktc.engine_id), kv_port=ktc.kv_port,
             tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size,
             dp_size=dp_size, dp_rank=dp_rank,
@@ -283,6 +292,9 @@ class LwConfig:
             extra=dict(ktc.kv_connector_extra_config or {}),
             heads=model_heads(vllm_config),
         )
+        if not cfg.cluster_key:
+            _warn_unkeyed(cfg)
+        return cfg
 
     @classmethod
     def build(cls, *, role: str | None, engine_id: str, kv_port: int, tp_size: int,
@@ -397,6 +409,21 @@ class LwConfig:
         return cfg
 
 
+def _warn_unkeyed(cfg: LwConfig) -> None:
+    """Log, once per process and engine, that this engine runs without a cluster key."""
+    if (cfg.role, cfg.engine_id) in _warned_unkeyed:
+        return
+    _warned_unkeyed.add((cfg.role, cfg.engine_id))
+    side = "prefill" if cfg.is_producer else "decode"
+    log.warning(
+        "lw: %s engine %s has no cluster key (kv_connector_extra_config.cluster_key or "
+        "LW_CLUSTER_KEY): its side channel (ports %d..%d) and the metaserver calls between D and "
+        "the proxy are UNAUTHENTICATED; anyone who can reach them can forge transfers, status "
+        "queries and prefill requests. Set the same key (>= 16 bytes) on every P, D and the proxy "
+        "unless this network is trusted.", side, cfg.engine_id, cfg.port(0),
+        cfg.port(cfg.tp_size - 1))
+
+
 @dataclass(frozen=True)
 class ModelHeads:
     """The served model's KV heads, as P and D must agree on them."""
@@ -415,6 +442,12 @@ def model_heads(vllm_config: Any) -> ModelHeads | None:
     return ModelHeads(int(mc.get_total_num_kv_heads()), False)
 
 
+def _shown(key: str, value: Any) -> str:
+    """``value`` as an error message may show it: never a secret key's."""
+    secret = next((f.metadata.get("secret") for f in fields(LwConfig) if f.name == key), False)
+    return "a value that is not shown (secret)" if secret else repr(value)
+
+
 def _coerce(key: str, value: Any, default: Any) -> Any:
     """Check ``value`` has the type of ``default`` (ints accepted for floats; strings parsed)."""
     want = type(default)
@@ -429,7 +462,9 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
                           f"got {value!r}")
     if want is str:
         if not isinstance(value, str):
-            raise ConfigError(f"kv_connector_extra_config.{key} must be a string, got {value!r}")
+            # A secret given as a number or a list must not reach the log with the error.
+            raise ConfigError(f"kv_connector_extra_config.{key} must be a string, "
+                              f"got {_shown(key, value)}")
         return value
     try:
         if want is int:

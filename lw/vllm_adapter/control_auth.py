@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -24,6 +25,14 @@ TIMESTAMP = "x-lw-timestamp"
 NONCE = "x-lw-nonce"
 _PURPOSE = b"lw-metaserver-call/1"
 """Domain separation: a MAC made for the side channel is never a valid control-plane MAC."""
+
+# The headers' only accepted forms (ASCII by construction, so the MAC compare cannot raise): a
+# lower-case hex SHA-256, a plain non-negative decimal (no nan/inf/exponent/sign) and a token.
+_SIGNATURE_RE = re.compile(r"[0-9a-f]{64}")
+_TIMESTAMP_RE = re.compile(r"[0-9]{1,12}(\.[0-9]{1,9})?")
+_NONCE_RE = re.compile(r"[0-9A-Za-z_-]{8,64}")
+MAX_TIMESTAMP_CHARS = 22
+"""Longest accepted timestamp (12 integer digits, a point, 9 decimals)."""
 
 
 def _mac(key: bytes, ts: str, nonce: str, content: bytes) -> str:
@@ -56,23 +65,44 @@ class CallVerifier:
         self._seen: set[str] = set()
         self._expiry: deque[tuple[float, str]] = deque()  # (forget after, nonce), in order
 
+    def header_problem(self, headers: Mapping[str, str]) -> str:
+        """Why these headers cannot belong to an accepted call ("" if they may); needs no body,
+        so a caller can refuse before reading one."""
+        if self.key is None:
+            return ""
+        sig, ts, nonce = (headers.get(h) for h in (SIGNATURE, TIMESTAMP, NONCE))
+        if not (isinstance(sig, str) and isinstance(ts, str) and isinstance(nonce, str)
+                and sig and ts and nonce):
+            return (f"unsigned call (headers {SIGNATURE}, {TIMESTAMP} and {NONCE} required): "
+                    "the caller does not have the cluster key (kv_connector_extra_config."
+                    "cluster_key or LW_CLUSTER_KEY on the decode server)")
+        # Sizes first: nothing below looks at more than these few bytes of a hostile header.
+        if len(sig) != 64:
+            return f"{SIGNATURE} must have 64 characters (hex HMAC-SHA256), got {len(sig)}"
+        if len(ts) > MAX_TIMESTAMP_CHARS:
+            return f"{TIMESTAMP} must have at most {MAX_TIMESTAMP_CHARS} characters"
+        if not 8 <= len(nonce) <= 64:
+            return f"{NONCE} must have 8..64 characters"
+        if not _SIGNATURE_RE.fullmatch(sig):
+            return f"{SIGNATURE} is not lower-case hex"
+        if not _TIMESTAMP_RE.fullmatch(ts):
+            return (f"{TIMESTAMP} is not a number (plain decimal seconds since the epoch): "
+                    f"{ts!r}")
+        if not _NONCE_RE.fullmatch(nonce):
+            return f"{NONCE} must be 8..64 characters of [0-9A-Za-z_-]"
+        return ""
+
     def check(self, headers: Mapping[str, str], content: bytes, now: float | None = None
               ) -> str:
         """Why this call is refused ("" if it is accepted; then its nonce is spent)."""
         if self.key is None:
             return ""
+        problem = self.header_problem(headers)
+        if problem:
+            return problem
         now = time.time() if now is None else now
-        sig, ts, nonce = (headers.get(h) for h in (SIGNATURE, TIMESTAMP, NONCE))
-        if not sig or not ts or not nonce:
-            return (f"unsigned call (headers {SIGNATURE}, {TIMESTAMP} and {NONCE} required): "
-                    "the caller does not have the cluster key (kv_connector_extra_config."
-                    "cluster_key or LW_CLUSTER_KEY on the decode server)")
-        try:
-            sent = float(ts)
-        except ValueError:
-            return f"{TIMESTAMP} is not a number: {ts[:40]!r}"
-        if not 8 <= len(nonce) <= 64:
-            return f"{NONCE} must have 8..64 characters"
+        sig, ts, nonce = (str(headers.get(h)) for h in (SIGNATURE, TIMESTAMP, NONCE))
+        sent = float(ts)  # finite: the pattern above admits digits and one point only
         if not hmac.compare_digest(sig, _mac(self.key, ts, nonce, content)):
             return "bad signature: the body was altered or signed with another key"
         if abs(now - sent) > self.window_s:

@@ -113,11 +113,22 @@ def test_the_header_names_the_first_candidate_in_any_form() -> None:
 
 @pytest.mark.parametrize("value", ["10.0.0.5", "10.0.0.5:notaport", "10.0.0.5:99999",
                                    "http://10.0.0.5:8000/v1/x", "ftp://10.0.0.5:21",
-                                   "u@10.0.0.5:8000", "10.0.0.5:8000?a=b"])
+                                   "u@10.0.0.5:8000", "10.0.0.5:8000?a=b",
+                                   # a user part, an empty one too (urlsplit's username is '')
+                                   "@10.0.0.5:8000", ":pw@10.0.0.5:8000", "u:pw@10.0.0.5:8000",
+                                   "http://@10.0.0.5:8000", "http://:@10.0.0.5:8000",
+                                   "https://@p.ns.svc:8000", "@[fd00::5]:8000"])
 def test_a_malformed_header_is_a_400_naming_it(value: str) -> None:
     with pytest.raises(BadTarget) as err:
         prefiller_from_headers({HEADER: value})
     assert err.value.status == 400 and HEADER in str(err.value)
+
+
+def test_a_user_part_in_the_header_is_refused_even_with_allow_any() -> None:
+    for value in ("@10.0.0.5:8000", "http://@10.0.0.5:8000", ":pw@10.0.0.5:8000"):
+        with pytest.raises(BadTarget) as err:
+            Sidecar([], allow_any=True).target({HEADER: value})
+        assert err.value.status == 400 and "user part" in str(err.value)
 
 
 def test_allowlist_entries() -> None:
@@ -136,7 +147,14 @@ def test_allowlist_entries() -> None:
 
 
 @pytest.mark.parametrize("spec", ["", ":8000", "10.0.0.0/33", "host:port", "host:0",
-                                  "[fd00::]x", "bad host", "a/b", "http://h/path"])
+                                  "[fd00::]x", "bad host", "a/b", "http://h/path",
+                                  # a user part, an empty one too
+                                  "@host:8000", ":pw@host:8000", "user@host:8000",
+                                  "http://@host:8000", "http://user:pw@host:8000",
+                                  "@a-b:8000", ":pw@host-1:8000", "u@10.0.0.0/8",
+                                  "[u@fd00::1]:8000", "@10.0.0.7",
+                                  # once passed as names: '-' anywhere made any label valid
+                                  "bad-host x", "a-b/c", "p\u00e4-0.ns"])
 def test_bad_allowlist_entries_are_refused(spec: str) -> None:
     with pytest.raises(ValueError, match="allowed prefiller"):
         parse_allow(spec)
