@@ -230,6 +230,8 @@ class _Cluster(FaultInjector):
             client = self.router.client_of(rid)
             if client is None:
                 return  # an attempt that already ended (its decoder died meanwhile)
+            if self.kill_at_prefill(rid):
+                return  # its decoder is dead: the request moves with the others it held
             if self.cfg.abort_rate and self.rng.random() < self.cfg.abort_rate:
                 # the client goes away at some moment of the transfer (or just before it)
                 self.aborts_due.append((time.monotonic() + self.rng.uniform(0, 0.01), client))

@@ -50,6 +50,8 @@ class FaultInjector:
                 self.fault_at = now
             return
         if cfg.fault == "kill-decoder" and cfg.decoders > 1:
+            if self.router.pending:
+                return  # the kill lands at the next prefill a decoder asks for (kill_at_prefill)
             victim = self._victim()
             if victim is not None:
                 self._count_stages(victim.slot)
@@ -84,8 +86,28 @@ class FaultInjector:
                 self.fault_fired = True
                 self.fault_at = now
 
+    def kill_at_prefill(self, rid: str) -> bool:
+        """kill-decoder with several decoders, once an eighth of the requests are done: the
+        decoder that asks for a prefill dies before that prefill is routed, so the kill lands
+        while it holds a request that streamed no token, however fast the machine (a kill
+        after a guess could find its work done). True when it killed (the prefill is dropped)."""
+        cfg = self.cfg
+        if (cfg.fault != "kill-decoder" or cfg.decoders == 1 or self.fault_fired
+                or self.res.done < max(1, cfg.requests // 8)):
+            return False
+        slot = self.router.slot_of(rid)
+        victim = self.decoders[slot] if slot is not None else None
+        if victim is None or not victim.alive or not victim.pid:
+            return False
+        self._count_stages(victim.slot)
+        os.kill(victim.pid, signal.SIGKILL)
+        self.fault_fired = True
+        self.fault_at = time.monotonic()
+        return True
+
     def _victim(self) -> Any:
-        """The D engine for kill-decoder to kill, once an eighth of the requests are done: one
+        """The D engine for kill-decoder to kill when no request is left to send (else
+        :meth:`kill_at_prefill` picks it), once an eighth of the requests are done: one
         that holds requests that streamed a token and at least two still with P (queued or
         being pushed: their first token cannot be on its way already, as a request's just
         verified may be); or, with none left to send, the busiest before they all run dry."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
+from lw.transport.dataplane.planted import HELD_SUFFIX, HOLD_ENV  # noqa: E402
 from lw.vllm_adapter.demo import (  # noqa: E402
     LocalCluster,
     Result,
@@ -42,23 +42,27 @@ D_EXTRA = {"prefill_timeout_s": 15, "lease_s": 20, "peer_request_timeout_s": 10,
 
 def test_a_killed_prefill_server_is_retried_then_fails_cleanly_without_another(
         tmp_path: Path) -> None:
+    # P holds its writes while this file exists and marks when it does: the kill below lands
+    # while the request is in flight, however fast the machine's prefill
+    hold = tmp_path / "hold-writes"
     c = LocalCluster(model=make_tiny_model(tmp_path / "model"), workdir=tmp_path / "logs",
                      reference=False, p_extra=P_EXTRA, d_extra=D_EXTRA)
-    c.start(timeout=360)
+    os.environ[HOLD_ENV] = str(hold)  # read by the engines as they start
     try:
+        c.start(timeout=360)
+        os.environ.pop(HOLD_ENV, None)
         proxy = c.url("proxy")
         warm = complete(proxy, make_prompt(90, seed=1), 8, stream=False, timeout=60)
         assert not warm.error and warm.finish_reason == "length", warm  # budget, no fault
+        hold.touch()
         results: list[Result] = []
         t = threading.Thread(target=lambda: results.append(
             complete(proxy, make_prompt(700, seed=2), 8, timeout=120)), daemon=True)
         t.start()
-        deadline = time.monotonic() + 30
-        with httpx.Client(timeout=5) as client:
-            while client.get(c.control_url + "/metrics-json").json()["prefill"][0][
-                    "in_flight"] == 0:
-                assert time.monotonic() < deadline, "the prefill never started"
-                time.sleep(0.01)
+        held = Path(str(hold) + HELD_SUFFIX)
+        while not held.exists():  # P computed a layer and holds its write: the request is live
+            assert t.is_alive(), results
+            t.join(0.01)
         os.killpg(c.servers["prefill"].proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
         t.join(D_EXTRA["lease_s"] + D_EXTRA["prefill_timeout_s"] + 30)
         assert not t.is_alive(), "the client hung after its only P died"
@@ -72,4 +76,5 @@ def test_a_killed_prefill_server_is_retried_then_fails_cleanly_without_another(
         assert wait_blocks_released([decode], timeout=D_EXTRA["lease_s"] + 10) == 0
         assert metrics(decode).get("lw_live_requests", 0) == 0
     finally:
+        os.environ.pop(HOLD_ENV, None)
         c.stop()

@@ -1,27 +1,74 @@
-"""A test fault for real engines: a data plane that writes short while a flag file exists.
+"""Test faults for real engines: data planes that write short, or hold writes, while a flag
+file exists.
 
-e2e tests plant wrong KV with it, for the output oracle to catch (issue 20): a vLLM worker wraps
-its data plane in :class:`TruncatingPlane` only when ``LW_TEST_TRUNCATE_WRITES_FILE`` names a
-flag file. Here, not in lw.synthetic, so that a worker need not import the synthetic cluster.
+e2e tests plant wrong KV with :class:`TruncatingPlane`, for the output oracle to catch (issue 20),
+and hold a prefill's writes with :class:`HoldingPlane`, so that a kill lands while the request is
+certainly in flight whatever the machine's speed. A vLLM worker wraps its data plane only when
+``LW_TEST_TRUNCATE_WRITES_FILE`` or ``LW_TEST_HOLD_WRITES_FILE`` names a flag file. Here, not in
+lw.synthetic, so that a worker need not import the synthetic cluster.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 Entry = tuple[int, int, int]
 
 TRUNCATE_ENV = "LW_TEST_TRUNCATE_WRITES_FILE"
+HOLD_ENV = "LW_TEST_HOLD_WRITES_FILE"
+HELD_SUFFIX = ".held"
+"""The marker a :class:`HoldingPlane` writes beside its flag file once it holds a write."""
 
 
 def planted_from_env(plane: Any) -> Any:
     """``plane``, wrapped in a :class:`TruncatingPlane` when the environment names a flag file
-    in ``LW_TEST_TRUNCATE_WRITES_FILE`` (e2e tests plant wrong KV so), else itself."""
+    in ``LW_TEST_TRUNCATE_WRITES_FILE`` (e2e tests plant wrong KV so), in a
+    :class:`HoldingPlane` when it names one in ``LW_TEST_HOLD_WRITES_FILE``, else itself."""
     flag = os.environ.get(TRUNCATE_ENV)
-    return TruncatingPlane(plane, flag) if flag else plane
+    if flag:
+        plane = TruncatingPlane(plane, flag)
+    hold = os.environ.get(HOLD_ENV)
+    return HoldingPlane(plane, hold) if hold else plane
+
+
+class HoldingPlane:
+    """A data plane that, while the file ``flag`` exists, keeps every submitted write instead
+    of sending it, and writes ``flag + ".held"`` once it holds one: a test can then kill a
+    prefill server knowing its request is in flight (a 700-token prefill takes 150 ms on a fast
+    machine and 10 s on a slow one; a kill after a guess lands before or after it). Writes held
+    go out, in order, at the first ``poll`` after the file is gone. Test fault only."""
+
+    def __init__(self, inner: Any, flag: str) -> None:
+        self._inner = inner
+        self._flag = flag
+        self._held: list[tuple[Hashable, str, Sequence[Entry], float, float]] = []
+
+    def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry],
+               within_s: float = math.inf) -> None:
+        """Hold the write while the flag file exists (and mark it), else pass it on."""
+        if self._held or os.path.exists(self._flag):
+            if not self._held:
+                with open(self._flag + HELD_SUFFIX, "w") as f:
+                    f.write(str(os.getpid()))
+            self._held.append((xfer_id, session, list(entries), within_s, time.monotonic()))
+            return
+        self._inner.submit(xfer_id, session, entries, within_s)
+
+    def poll(self) -> list[Any]:
+        """The inner plane's completions, after sending what was held once the file is gone."""
+        if self._held and not os.path.exists(self._flag):
+            held, self._held = self._held, []
+            now = time.monotonic()
+            for xfer_id, session, entries, within_s, at in held:
+                self._inner.submit(xfer_id, session, entries, within_s - (now - at))
+        return self._inner.poll()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 class TruncatingPlane:
