@@ -33,8 +33,9 @@ def layouts(mem: np.ndarray) -> list[LayerLayout]:
     return [LayerLayout(base + i * NBLK * BLEN, BLEN, BLEN, NBLK) for i in range(L)]
 
 
-def wait_for(pred: Callable[[], Any], timeout: float = 5.0) -> Any:
-    """Poll ``pred`` until it is truthy; its value, or AssertionError after ``timeout``."""
+def wait_for(pred: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """Poll ``pred`` until it is truthy; its value, or AssertionError after ``timeout`` (a
+    generous deadline: a passing test returns at the condition, however slow the machine)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = pred()
@@ -78,7 +79,7 @@ class Pair:
         self.p_reports += self.p.drain_reports()
         self.d_reports += self.d.drain_reports()
 
-    def wait_reports(self, n_p: int, n_d: int, timeout: float = 5.0) -> None:
+    def wait_reports(self, n_p: int, n_d: int, timeout: float = 30.0) -> None:
         def enough() -> bool:
             self.collect()
             return len(self.p_reports) >= n_p and len(self.d_reports) >= n_d
@@ -99,12 +100,15 @@ def make_pair(pcfg: PrefillConfig | None = None, dcfg: DecodeConfig | None = Non
     d_dp.register_memory(d_mem.ctypes.data, d_mem.nbytes)
     d_side, p_side = SideChannel(cluster_key=d_key), SideChannel(cluster_key=p_key)
     d_inc = time.time_ns()
+    # Retries are quick (a lost message costs 50 ms) but attempts and deadlines generous: on a
+    # slow or loaded machine a request still ends by its protocol, not by a loop that was late.
     d_ep = d_endpoint(Sender("D", 0, d_inc, d_side.addr),
                       KVLayout("D", d_inc, d_dp.session, layouts(d_mem)),
-                      dcfg or DecodeConfig(prefill_timeout_s=5, lease_s=10))
+                      dcfg or DecodeConfig(prefill_timeout_s=30, lease_s=60))
     p_ep = PrefillEndpoint(Sender("P", 0, 1, p_side.addr), L,
                            pcfg or PrefillConfig(meta_retry_s=0.05, ack_retry_s=0.05,
-                                                 request_timeout_s=4))
+                                                 meta_attempts=600, ack_attempts=600,
+                                                 request_timeout_s=30))
     d = WorkerLoop(d_ep, d_side, d_dp, name="test-d").start()
     p = WorkerLoop(p_ep, p_side, p_dp, local_layout=layouts(p_mem), name="test-p", **p_kw)
     p.start()

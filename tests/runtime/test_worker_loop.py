@@ -73,17 +73,27 @@ def test_the_loop_measures_goodput_per_decode_host(pair: Pair) -> None:
     assert host == host_of(pair.d.addr) and pair.p.writes.link.goodput[host] > 0
 
 
-def test_layers_computed_before_decoder_knows_the_request(pair: Pair) -> None:
-    local, remote = (0, 1), (2, 3)
-    pair.start("r1", local, remote, d_first=False)  # D answers "unknown" for a while
-    pair.compute("r1", local)
-    time.sleep(0.2)
-    pair.collect()
-    assert pair.p_reports == []
-    pair.d.call("add_request", "r1", remote, 1).result(5)
-    pair.wait_reports(1, 1)
-    assert pair.p_reports == [SendFinished("r1", True, "")]
-    assert pair.verify("r1", remote)
+def test_layers_computed_before_decoder_knows_the_request() -> None:
+    # P asks every 50 ms; 10,000 attempts: it still asks when D learns of the request, however
+    # slow the machine (with 20, it would give up after a second)
+    pair = make_pair(pcfg=PrefillConfig(meta_retry_s=0.05, meta_attempts=10_000,
+                                        ack_retry_s=0.05, ack_attempts=600,
+                                        request_timeout_s=600))
+    try:
+        local, remote = (0, 1), (2, 3)
+        pair.start("r1", local, remote, d_first=False)  # D answers "unknown" for a while
+        pair.compute("r1", local)
+        wait_for(lambda: pair.d.stats()["loop.messages"] >= 3)  # D said "unknown" (3 claims)
+        pair.collect()
+        assert pair.p_reports == []
+        assert pair.p.run(lambda lp: lp.endpoint.state_of("r1")).result(5) == \
+            "AWAIT_DECODER_META"
+        pair.d.call("add_request", "r1", remote, 1).result(5)
+        pair.wait_reports(1, 1)
+        assert pair.p_reports == [SendFinished("r1", True, "")]
+        assert pair.verify("r1", remote)
+    finally:
+        pair.stop()
 
 
 def test_many_requests_in_one_batch_are_grouped_per_layer(pair: Pair) -> None:
@@ -156,7 +166,7 @@ def test_decoder_deadline_reports_failure() -> None:
     pr = make_pair(dcfg=DecodeConfig(prefill_timeout_s=0.2, lease_s=10))
     try:
         pr.d.call("add_request", "lonely", (1,), 1).result(5)
-        pr.wait_reports(0, 1, timeout=3)
+        pr.wait_reports(0, 1)
         [rep] = pr.d_reports
         assert isinstance(rep, RecvFailed) and "deadline" in rep.reason
     finally:
@@ -164,7 +174,9 @@ def test_decoder_deadline_reports_failure() -> None:
 
 
 def test_frozen_decoder_never_blocks_the_hook() -> None:
-    pr = make_pair(pcfg=PrefillConfig(meta_retry_s=0.05, request_timeout_s=0.5), timeout_s=1.0)
+    # The frozen write is held in flight until the test unfreezes D (its timeout is 60 s); the
+    # request's deadline (2 s, from add_request) fires meanwhile.
+    pr = make_pair(pcfg=PrefillConfig(meta_retry_s=0.05, request_timeout_s=2.0), timeout_s=60.0)
     try:
         local, remote = (1, 2), (3, 4)
         pr.start("r1", local, remote)
@@ -176,15 +188,19 @@ def test_frozen_decoder_never_blocks_the_hook() -> None:
             t0 = time.perf_counter()
             pr.p.layer_computed(layer, ["r1"])
             worst = max(worst, time.perf_counter() - t0)
-        assert worst < 0.2  # the frozen write takes 1 s; a hook never waits for it
-        t0 = time.monotonic()
-        pr.wait_reports(1, 0, timeout=5)
+        # timing: a hook never waits for the frozen write (held for up to 60 s); a hook that
+        # does not block takes microseconds, so 1 s is a generous bound on a loaded machine
+        assert worst < 1.0, worst
+        wait_for(lambda: pr.p_dp.stats()["pending"] >= 1)  # the write is in flight, frozen
+        wait_for(lambda: pr.p.stats()["core.deadlines"] >= 1)  # the request's deadline fired
+        # it failed the request, but its blocks are released (SendFinished) only once the
+        # writes that read them have returned: not while the frozen write is in flight
+        pr.collect()
+        assert pr.p_reports == [] and pr.p_dp.stats()["pending"] >= 1
+        pr.p_dp.unfreeze(pr.d_dp.session)
+        pr.wait_reports(1, 0)
         [fin] = pr.p_reports
-        # the deadline (0.5 s) fails the request, but its blocks are released only once the
-        # writes that read them have returned (the frozen write times out after 1 s)
-        assert isinstance(fin, SendFinished) and not fin.ok
-        assert time.monotonic() - t0 >= 0.4
-        assert pr.p.stats()["loop.transfers_failed"] >= 1
+        assert isinstance(fin, SendFinished) and not fin.ok and "deadline" in fin.reason, fin
     finally:
         pr.p_dp.unfreeze(pr.d_dp.session)
         pr.stop()
@@ -218,10 +234,11 @@ def test_cluster_key_mismatch_is_dropped_and_counted() -> None:
         local, remote = (1,), (2,)
         pr.start("r1", local, remote)
         pr.compute("r1", local)
-        pr.wait_reports(1, 1, timeout=5)
+        pr.wait_reports(1, 1)
         assert isinstance(pr.p_reports[0], SendFinished) and not pr.p_reports[0].ok
         assert isinstance(pr.d_reports[0], RecvFailed)
-        assert pr.d.stats()["side.unauthenticated"] >= 4
+        # P's 4 claims were sent before it failed; D may read the last one after its deadline
+        wait_for(lambda: pr.d.stats()["side.unauthenticated"] >= 4)
     finally:
         pr.stop()
 
@@ -284,8 +301,8 @@ def test_timers_replace_and_cancel() -> None:
             CancelTimer(("b", "y")),
             ArmTimer(("c", "z"), t0 + 0.15),
         ], None)).result(5)
-        wait_for(lambda: len(ep.fired) >= 2, 3)
-        time.sleep(0.1)
+        wait_for(lambda: len(ep.fired) >= 2)
+        time.sleep(0.1)  # a cancelled or replaced timer that still fired would show by now
         keys = [k for k, _ in ep.fired]
         assert keys == [("c", "z"), ("a", "x")]
         assert ep.fired[1][1] >= t0 + 0.25
@@ -335,7 +352,9 @@ def test_quarantine_is_reported(pair: Pair) -> None:
 
 def test_hook_cost_helper_runs() -> None:
     rep = hook_cost_report(8, 4, steps=1)
-    assert 0 < rep["hook_mean_s"] < 0.01 and rep["loop_per_layer_s"] > 0
+    # timing: the hook is cheap (tens of microseconds idle); 0.1 s only catches a hook that
+    # waits for the loop or the network, also on a loaded machine with GIL contention
+    assert 0 < rep["hook_mean_s"] < 0.1 and rep["loop_per_layer_s"] > 0
     assert measure_hook_cost(4, 2) > 0
 
 
@@ -353,9 +372,10 @@ def test_wait_reports_ends_when_a_transfer_does(pair: Pair) -> None:
     pair.start("r1", local, remote)
     pair.compute("r1", local)
     t0 = time.monotonic()
-    assert pair.d.wait_reports(10.0) is True
-    assert time.monotonic() - t0 < 5.0
-    assert pair.d.wait_reports(10.0) is True  # not drained yet: at once
+    assert pair.d.wait_reports(120.0) is True
+    # timing: it returned at the report, not at the end of its 120 s timeout
+    assert time.monotonic() - t0 < 60.0
+    assert pair.d.wait_reports(120.0) is True  # not drained yet: at once
     pair.wait_reports(1, 1)
     assert pair.d_reports == [RecvDone("r1")]
 

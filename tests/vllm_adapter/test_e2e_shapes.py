@@ -140,7 +140,7 @@ def test_outputs_equal_single_engine(shaped: tuple[str, LocalCluster],
         assert all(v.same for v in verdicts), f"{name} {label}: {[str(v) for v in verdicts]}"
     held, live = _idle(c)
     assert (held, live) == (0, 0.0), f"{name}: blocks or requests still held after the run"
-    deadline = time.monotonic() + 30  # lw's stats reach /metrics on vLLM's stats interval
+    deadline = time.monotonic() + 60  # lw's stats reach /metrics on vLLM's stats interval
     while True:  # every P/D request moved its KV through lw (fresh prompts: no D prefix hit)
         done_p = _lw_by_engine(c.url("prefill"), "lw_requests_done_total")
         done_d = _lw_by_engine(c.url("decode"), "lw_requests_done_total")
@@ -150,7 +150,7 @@ def test_outputs_equal_single_engine(shaped: tuple[str, LocalCluster],
     assert sum(done_d.values()) >= 2 * n, done_d
     # ... and D checked the CRC-32C of every block P wrote (a mismatch fails the request above)
     d_workers = c.status_workers()[c.p_tp * c.p_dp:]
-    snap = query(d_workers, c.cluster_key, timeout_s=5)
+    snap = query(d_workers, c.cluster_key, timeout_s=30)  # returns at the answers
     assert not snap.silent, snap.silent
     verified = sum(r.counters.get("loop.checksums_verified", 0.0) for r in snap.replies)
     mismatches = sum(r.counters.get("core.checksum_mismatches", 0.0) for r in snap.replies)
