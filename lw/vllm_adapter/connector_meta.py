@@ -1,4 +1,5 @@
-"""What lw's connector halves share: per-step metadata, the params version, the KV geometry."""
+"""What lw's connector halves share: per-step metadata and the KV geometry (the params and their
+version are lw.contract's)."""
 
 from __future__ import annotations
 
@@ -16,19 +17,10 @@ from lw.vllm_adapter.config import ConfigError
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["PARAMS_VERSION", "LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "Reprefill",
+__all__ = ["LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "Reprefill",
            "Route", "SendSpec", "kv_geometry", "log"]
 
 log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
-
-PARAMS_VERSION = 2
-"""Version of the kv_transfer_params D posts to the metaserver (``lw_params_version``).
-
-2: the transfer id is per vLLM request (the proxy's id + ``@`` + D's request id) and P's prompt
-is D's prompt token ids (posted with the params); 1: the proxy's id and the client's body.
-An optional ``lw_epoch`` (a re-prefill's claim epoch, absent = 0) keeps version 2: only a decode
-engine with ``retry_prefill`` > 0 makes the proxy send it."""
-
 
 @dataclass(frozen=True)
 class SendSpec:

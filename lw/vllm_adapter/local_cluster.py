@@ -28,6 +28,9 @@ __all__ = ["BLOCK_SIZE", "MAX_BATCHED_TOKENS", "LocalCluster", "Server", "free_p
 BLOCK_SIZE = 32
 MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
 
+ADMISSION = "lw.vllm_adapter.admission.TransferParamsGuard"
+"""The ASGI middleware P's and D's API servers mount (``vllm serve --middleware``)."""
+
 
 def free_port(netns: str | None = None) -> int:
     """A TCP port free on loopback right now; with ``netns`` (an ``ip netns`` name), free in
@@ -235,7 +238,8 @@ class LocalCluster:
             env.update(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
                        OTEL_BSP_SCHEDULE_DELAY="200")
         if kv is not None:
-            argv += ["--kv-transfer-config", json.dumps(kv)]
+            # the admission guard answers bad transfer params 400 before the engine sees them
+            argv += ["--kv-transfer-config", json.dumps(kv), "--middleware", ADMISSION]
         if name in self.netns:
             argv = ["ip", "netns", "exec", self.netns[name], *argv]
         return Server(name, argv, env, f"http://{host}:{port}",

@@ -39,6 +39,9 @@ COUNTERS: dict[str, str] = {
                         "(its blocks are freed without the connector)",
     "prefill_retries": "D: new prefills asked of the proxy after a request's P was lost "
                        "(retry_prefill; each under a new claim epoch)",
+    "refused_params": "Requests whose kv_transfer_params were refused (malformed, of another "
+                      "contract version, or not signed by the cluster's proxy): served as plain "
+                      "requests, nothing of the params acted on",
     "protocol_errors": "Messages or events the core refused (counted and dropped, never raised)",
     "checksum_mismatches": "D: requests failed because a sender's KV checksums did not match "
                            "the bytes in our blocks (kv_checksum)",

@@ -7,107 +7,8 @@ The **control** port (an internal address: loopback by default, or the cluster n
 the metaserver and lw's introspection (lw.vllm_adapter.proxy_control); nothing that can start a
 prefill or name another user's request is reachable from the public port.
 
-Contract (the KV connectors on both sides rely on it)
-====================================================
-
-1. Client -> proxy: ``POST /v1/completions`` or ``POST /v1/chat/completions`` (streaming SSE or
-   not). The proxy assigns ``request_id`` (a uuid4 hex string) and picks the decode server with the
-   fewest outstanding requests (ties: round robin).
-2. Proxy -> decode server (D): the client's body, with ``kv_transfer_params`` replaced by::
-
-       {"do_remote_prefill": true, "do_remote_decode": false,
-        "metaserver": "http://<control host>:<control port>/v1/metaserver",
-        "transfer_id": <request_id>, "metaserver_grant": <random secret of this transfer>}
-
-   and the header ``X-Request-Id: <request_id>`` (vLLM then names the request
-   ``cmpl-<request_id>`` / ``chatcmpl-<request_id>``), plus the client's ``Authorization``,
-   ``traceparent`` and ``tracestate`` (so vLLM's spans and lw's join the client's trace; also
-   on P's requests). A client-supplied ``kv_transfer_params`` is dropped.
-3. One client request becomes several vLLM requests on D (``n`` > 1 children, each prompt of a
-   ``prompt`` list), all carrying the proxy's ``transfer_id``; a *sub-transfer* is one of them.
-   For each vLLM request whose prefill it wants, D's connector (scheduler side, once it has
-   allocated the blocks) -> ``POST /v1/metaserver`` with::
-
-       {"transfer_id": <request_id>, "sub_transfer_id": str, "prompt_token_ids": [int, ...],
-        "kv_transfer_params": {...}, "grant": <metaserver_grant>}
-
-   signed with the cluster key (headers of lw.vllm_adapter.control_auth: timestamp, nonce,
-   HMAC-SHA256 over them and the body). The proxy refuses an unsigned, forged, stale or replayed
-   call (401), and a call without the transfer's grant, for a sub-transfer id not of the form
-   ``<request_id>@...``, or beyond the sub-transfers the client request allows (``n`` x prompts)
-   (403); refusals are counted (``metaserver_refused``) and logged. Without a cluster key the
-   proxy starts only with ``--insecure-trusted-network`` (calls then go unsigned; the grant is
-   still required).
-
-   ``sub_transfer_id`` is unique per vLLM request (lw: ``<request_id>@<D's vLLM request id>``,
-   at most 256 characters), ``prompt_token_ids`` are that request's prompt tokens, and the params
-   are whatever P needs to push the KV (``remote_engine_id``, ``remote_host``, ``remote_port``,
-   ``remote_block_ids``, ``remote_first_block``, ``remote_dp_rank``, ...). D posts nothing for a
-   request it computes itself (e.g. a prefix-cache hit with a short tail): a client request may
-   have zero, one or several sub-transfers. A decode engine with a prefill retry budget adds
-   ``"retry_prefill": n`` (0..64): it may ask for up to n re-prefills of that sub-transfer
-   (see *Re-prefill* below). Replies:
-
-   - ``202 {"status": "ok", "transfer_id", "sub_transfer_id", "prefill_url", "detail",
-     "epoch"}``: the prefill request of that sub-transfer was started (or had already been
-     started: repeated posts for one sub-transfer and epoch are idempotent and start nothing
-     new); once the proxy has learned that prefill server's lw engine id and TP rank 0 side
-     channel (from its earlier prefill responses) the reply also names them
-     (``"prefill_engine_id"``, ``"prefill_worker"``), and D's core watches that P before it
-     claims the request (``prefill_routed``).
-   - ``404 {"status": "error", ...}``: unknown transfer (the client request already ended).
-   - ``400 {"status": "error", ...}``: malformed body.
-   - ``401`` / ``403 {"status": "error", ...}``: refused (see above); D fails the request.
-
-   *Re-prefill* (prefill failover, D's ``retry_prefill``): when D's core lost the P of a
-   sub-transfer and keeps its blocks, D posts, signed and with the same grant,
-   ``{"transfer_id", "sub_transfer_id", "grant", "epoch": e, "avoid": [engine id, ...],
-   "reason": str}`` with claim epoch e > 0. The proxy starts the same prefill (the first call's
-   token ids and params, plus ``"lw_epoch": e``) on a prefill server none of whose engines is in
-   ``avoid`` (and, when ``avoid`` is not empty, not an earlier attempt's server whose engine id
-   it never learned), closes the old attempt's request and ignores its outcome, counts it
-   (``prefill_failovers``) and answers 202 as above. Refused: a sub-transfer it never started
-   (404), an epoch lower than the current one (409), an epoch beyond the first call's
-   ``retry_prefill`` (403); no server left outside ``avoid``: 503 (D retries, then fails the
-   request). The same epoch again is idempotent (202, nothing new).
-
-   **The reply does not wait for the prefill.** The prefill request runs in a background task:
-   the connector's scheduler-side call must stay short, and the outcome of the transfer reaches D
-   through the KV connector itself (DONE from P, or D's own deadline), not through this reply.
-4. Proxy -> prefill server (P), one request per sub-transfer, each picked by fewest outstanding
-   requests: ``POST /v1/completions`` with ``{"model": <client's model>, "prompt":
-   <prompt_token_ids>, "max_tokens": 1, "n": 1, "stream": false, "kv_transfer_params": ...}``
-   (plus the client's ``cache_salt`` / ``priority`` if given), so P computes exactly D's tokens
-   whatever the client's API (chat, ``n`` > 1, prompt lists); ``kv_transfer_params`` = D's params
-   updated with ``{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id":
-   <sub_transfer_id>}`` (and ``"lw_epoch": e`` for a re-prefill); header
-   ``X-Request-Id: <request_id>``. P names its workers and engine id in its answer's
-   ``kv_transfer_params`` (``lw_prefill_workers``, ``lw_prefill_engine_id``).
-5. Streaming: the proxy sends the client its response head (200, D's SSE content type) as soon
-   as D answers with its head (D accepted the request), not with the first token, which waits for
-   the whole P/D round trip. From then on every error is sent in-band, as a final SSE event
-   ``data: {"error": {...}}``.
-6. Failures. If a prefill request fails (connection error, timeout, non-2xx) the proxy records it;
-   if no byte of D's answer has been relayed yet, the proxy abandons the D request (closing the
-   connection makes vLLM abort it) and reports the error naming the prefill server: HTTP 502 (504
-   if the prefill timed out), or the final SSE event if the stream's head is already out. Once D's
-   answer has started a prefill error is only logged: either that KV had arrived, or (another
-   choice of the same answer streaming) D's own deadline fails the vLLM request whose KV never
-   comes. A sub-transfer whose D declared a retry budget not yet spent (its epoch below
-   ``retry_prefill``) is left to D when its P did not answer, timed out or answered 5xx (P may be
-   gone: D's core finds that out and re-prefills, or fails the request itself), counted in
-   ``prefill_failures_left_to_decode``; a 4xx from P ends the request as above. A failed attempt a
-   re-prefill replaced is only logged. D unreachable, dropping the connection or answering 5xx
-   before any byte of its answer reached the client -> the request starts afresh on another decode
-   server (a new transfer id and grant; the old one's prefills cancelled), at most
-   ``--decode-failovers`` times, then 502 naming the servers tried; after a byte was relayed -> 502
-   (in-band). D timing out -> 504 (not retried: D may still be computing); D answering 4xx ->
-   passed through unchanged. A server that failed so is avoided for new requests for 1 s, doubling
-   per consecutive failure up to 30 s (jittered), unless every server is. Every outgoing call has a
-   timeout.
-7. Client disconnect (streaming or not) -> the D request is closed (vLLM aborts it) and every
-   in-flight prefill request of the client request is cancelled (closed, so P aborts it too).
-   Prefills still running when D's answer completed normally are left to finish.
+The contract between client, proxy, D and P (what each call carries, who signs it, how each
+failure is answered) is lw.contract's docstring; its types are lw.contract.params.
 
 Other public endpoints: ``GET /health`` (200 with an empty body while at least one prefill and
 one decode server answer, 503 otherwise: no server URLs), ``GET /v1/models`` (passed through from
@@ -144,16 +45,20 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from lw.contract.client import MAX_JSON_DEPTH, json_depth_exceeds, screen_client_body
+from lw.contract.params import ContractError
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.control_auth import CallVerifier
 from lw.vllm_adapter.passthrough import passthrough_handler
-from lw.vllm_adapter.proxy_control import build_control_app, health_report
+from lw.vllm_adapter.proxy_control import build_control_app, cached_health
 from lw.vllm_adapter.proxy_exchange import Exchange
+from lw.vllm_adapter.proxy_limits import BodyTooLarge, Limits, read_body
 from lw.vllm_adapter.proxy_state import (
     CHAT,
     COMPLETIONS,
@@ -186,25 +91,65 @@ __all__ = [
 log = logging.getLogger("lw.proxy")
 
 
-async def _relay_unroutable(state: ProxyState, request: Request, api: str, raw: bytes,
-                            why: str) -> Response:
-    """A body the proxy cannot route D first goes to a decode server as it is, so the client
-    gets vLLM's own answer (its error status, type and message: clients parse them)."""
+async def _relay_unroutable(state: ProxyState, request: Request, api: str,
+                            body: dict[str, Any], why: str) -> Response:
+    """A JSON object the proxy cannot route D first (its transfer fields already dropped) goes to
+    a decode server re-encoded, so the client gets vLLM's own answer (its error status, type and
+    message: clients parse them); D serves it alone if vLLM accepts it, with no P/D."""
     decode = state.pick(state.decodes)
-    headers = {k: v for k, v in request.headers.items()
-               if k.lower() in ("content-type", "authorization")}
+    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
     try:
-        # If vLLM accepts what the proxy could not route, D serves it alone (no P/D): the
-        # whole answer, within the proxy's ordinary timeout.
-        r = await state.client.post(decode.url + api, content=raw, headers=headers)
+        r = await state.client.post(decode.url + api, json=body, headers=headers)
     except httpx.HTTPError as exc:
         state.counters["errors"] += 1
-        return JSONResponse(error_body(f"request refused ({why}), and decode server "
-                                       f"{decode.url} did not answer: {_describe(exc)}", 502,
-                                       stage="decode", server=decode.url), status_code=502)
+        log.warning("request refused (%s), and decode server %s did not answer: %s", why,
+                    decode.url, _describe(exc))
+        return JSONResponse(error_body(f"request refused ({why}), and the decode server did "
+                                       "not answer", 502, stage="decode"), status_code=502)
     state.counters["bad_requests" if r.status_code >= 400 else "relayed_unroutable"] += 1
     return Response(r.content, status_code=r.status_code,
                     media_type=r.headers.get("content-type", "application/json"))
+
+
+def _refuse(state: ProxyState, status: int, message: str, *, counter: str,
+            param: str | None = None) -> JSONResponse:
+    """A client body refused by the proxy itself, in vLLM's error shape; counted, and logged
+    at most once per kind every few seconds."""
+    state.counters[counter] += 1
+    state.refusals.warning(counter, "client request refused (%d): %s", status, message)
+    return JSONResponse(error_body(message, status, stage="proxy", param=param),
+                        status_code=status)
+
+
+async def client_body(state: ProxyState, request: Request) -> dict[str, Any] | JSONResponse:
+    """The client's body as a JSON object without transfer fields, or the refusal to send:
+    413 over the size bound, 400 not JSON / too deep / not an object / a transfer field of a
+    wrong type (``param`` names it). The raw bytes never go anywhere."""
+    try:
+        raw = await read_body(request, state.limits.max_body_bytes)
+    except BodyTooLarge as exc:
+        return _refuse(state, 413, str(exc), counter="bodies_too_large")
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        return _refuse(state, 400, f"request body is not valid JSON: {str(exc)[:200]}",
+                       counter="bad_requests")
+    if json_depth_exceeds(parsed):
+        return _refuse(state, 400, f"request body nests deeper than {MAX_JSON_DEPTH} levels",
+                       counter="bad_requests")
+    if not isinstance(parsed, dict):
+        return _refuse(state, 400, "request body must be a JSON object",
+                       counter="bad_requests")
+    try:
+        body, fields = screen_client_body(parsed)
+    except ContractError as exc:
+        return _refuse(state, 400, str(exc), counter="client_transfer_params_refused",
+                       param=exc.field)
+    if fields.dropped:
+        state.counters["client_transfer_params_dropped"] += 1
+        state.refusals.warning("client_transfer_params_dropped", "a client's %s dropped (the "
+                               "proxy sets transfer parameters)", ", ".join(fields.dropped))
+    return body
 
 
 async def _served_model(state: ProxyState) -> str | None:
@@ -244,6 +189,7 @@ def build_apps(
     health_timeout_s: float = 2.0,
     sidecar: Sidecar | None = None,
     decode_failovers: int = 2,
+    limits: Limits | None = None,
 ) -> ProxyApps:
     """Build the proxy for these servers (base URLs such as ``http://10.0.0.1:8100``).
 
@@ -264,7 +210,7 @@ def build_apps(
                        connect_timeout_s=connect_timeout_s, health_timeout_s=health_timeout_s,
                        metaserver_url=metaserver_url,
                        verifier=CallVerifier(cluster_key, signature_window_s), sidecar=sidecar,
-                       decode_failovers=decode_failovers)
+                       decode_failovers=decode_failovers, limits=limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -275,19 +221,23 @@ def build_apps(
     app.state.proxy = state
 
     async def handle(request: Request, api: str) -> Response:
-        raw = await request.body()
+        if len(state.transfers) >= state.limits.max_concurrent_requests:
+            return _refuse(state, 503, f"the proxy is serving "
+                           f"{state.limits.max_concurrent_requests} requests; try again",
+                           counter="overloaded")
+        got = await client_body(state, request)
+        if isinstance(got, Response):
+            return got
         try:
-            body = validate_request(api, json.loads(raw))
-        except (ValueError, UnicodeDecodeError) as exc:
-            why = str(exc) if isinstance(exc, BadRequest) else f"request body is not JSON: {exc}"
-            return await _relay_unroutable(state, request, api, raw, why)
+            body = validate_request(api, got)
+        except BadRequest as exc:
+            return await _relay_unroutable(state, request, api, got, str(exc))
         body = dict(body)
         if "model" not in body:
             model = await _served_model(state)
             if model is None:
-                return await _relay_unroutable(state, request, api, raw, "no model named")
+                return await _relay_unroutable(state, request, api, body, "no model named")
             body["model"] = model
-        body.pop("kv_transfer_params", None)
         target: Backend | None = None
         if state.sidecar is not None:
             try:
@@ -327,7 +277,7 @@ def build_apps(
     async def health() -> Response:
         """As vLLM's: 200 with no body while the proxy can serve (a prefill and a decode server
         answer), 503 otherwise; the details are on the control port (/lw/health)."""
-        report = await health_report(state)
+        report = await cached_health(state)
         # a sidecar's prefill servers come with the requests: its decode server is what it needs
         sides = ("decode",) if state.sidecar is not None else ("prefill", "decode")
         up = all(any(r["healthy"] for r in report[side]) for side in sides)
@@ -457,6 +407,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a request whose decode server fails (refused, dropped, 5xx) before a "
                          "byte of its answer reached the client moves to another one, at most "
                          "N times (0: never)")
+    ap.add_argument("--max-body-mb", type=float, default=8.0, metavar="MB",
+                    help="largest client body on the public port (413 above it)")
+    ap.add_argument("--max-concurrent-requests", type=int, default=4096, metavar="N",
+                    help="client requests in flight; more are answered 503 at once")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     sidecar = _sidecar_from_args(ap, args)
@@ -488,7 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           cluster_key=key, insecure_trusted_network=args.insecure_trusted_network,
                           signature_window_s=args.signature_window, timeout_s=args.timeout,
                           connect_timeout_s=args.connect_timeout, sidecar=sidecar,
-                          decode_failovers=args.decode_failovers)
+                          decode_failovers=args.decode_failovers,
+                          limits=Limits(max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                                        max_concurrent_requests=args.max_concurrent_requests))
     except ValueError as exc:
         ap.error(str(exc))
     if key is None:

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 from typing import Any
 
 import httpx
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from lw.contract.params import ContractError, metaserver_call
 from lw.vllm_adapter.proxy_exchange import run_prefill
 from lw.vllm_adapter.proxy_failover import failover_problem, reprefill, route_fields
+from lw.vllm_adapter.proxy_limits import BodyTooLarge, read_body
 from lw.vllm_adapter.proxy_state import (
     Backend,
     ProxyState,
@@ -29,31 +31,22 @@ from lw.vllm_adapter.proxy_state import (
     Transfer,
     _describe,
     build_prefill_body,
-    log,
 )
-from lw.vllm_adapter.transfer_ids import MAX_TRANSFER_ID, is_sub_transfer_of
+from lw.vllm_adapter.transfer_ids import is_sub_transfer_of
 from lw.vllm_adapter.worker_addrs import decode_workers
 
-__all__ = ["build_control_app", "health_report"]
+__all__ = ["build_control_app", "cached_health", "health_report"]
 
 
-def _metaserver_problem(msg: Any) -> str:
-    """Why a metaserver body is malformed, or "" if it is well formed."""
-    if not isinstance(msg, dict):
-        return "body must be a JSON object"
-    for key in ("transfer_id", "sub_transfer_id"):
-        value = msg.get(key)
-        if not isinstance(value, str) or not value or len(value) > MAX_TRANSFER_ID:
-            return f"'{key}' (string of 1..{MAX_TRANSFER_ID} characters) required"
+def _metaserver_problem(msg: dict[str, Any]) -> str:
+    """Why a metaserver call (decoded into the contract's type) is malformed, or ""."""
     problem = failover_problem(msg)
     if problem or msg.get("epoch", 0):
         return problem  # a re-prefill resends what the first call of its sub-transfer gave
-    ids = msg.get("prompt_token_ids")
-    if (not isinstance(ids, list) or not ids
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+    if not msg.get("prompt_token_ids"):
         return "'prompt_token_ids' (non-empty list of token ids) required"
-    if not isinstance(msg.get("kv_transfer_params", {}), dict):
-        return "'kv_transfer_params' must be an object"
+    if msg.get("kv_transfer_params") is None:
+        return "'kv_transfer_params' (the decode engine's blocks) required"
     return ""
 
 
@@ -92,6 +85,21 @@ async def health_report(state: ProxyState) -> dict[str, Any]:
     return {"status": "ok" if ok else "degraded", "prefill": pre, "decode": dec}
 
 
+async def cached_health(state: ProxyState) -> dict[str, Any]:
+    """:func:`health_report`, probed at most once per ``limits.health_cache_s``: the public
+    ``/health`` answers a flood without sending one probe per call to every backend."""
+    now = asyncio.get_running_loop().time()
+    cached = state.health_cache
+    if cached is not None and now - cached[0] < state.limits.health_cache_s:
+        return cached[1]
+    task = state.health_task
+    if task is None or task.done():  # concurrent callers share one probe
+        task = state.health_task = asyncio.ensure_future(health_report(state))
+    report = await asyncio.shield(task)
+    state.health_cache = (asyncio.get_running_loop().time(), report)
+    return report
+
+
 def build_control_app(state: ProxyState) -> FastAPI:
     """The control-plane app over ``state`` (shared with the public app)."""
     app = FastAPI(title="lw D-first proxy: control plane")
@@ -101,24 +109,31 @@ def build_control_app(state: ProxyState) -> FastAPI:
         peer = request.client.host if request.client else "?"
         ids = {k: msg.get(k) for k in ("transfer_id", "sub_transfer_id")} if isinstance(
             msg, dict) else {}
-        log.warning("metaserver call from %s refused (%d): %s %s", peer, status, detail, ids)
+        state.refusals.warning(f"metaserver_{status}", "metaserver call from %s refused (%d): "
+                               "%s %s", peer, status, detail, ids)
         return JSONResponse({"status": "error", **ids, "detail": detail}, status)
 
     @app.post("/v1/metaserver", name="metaserver")
     async def metaserver(request: Request) -> JSONResponse:
         """Called by D's connector once a vLLM request's blocks are allocated: start its prefill."""
         state.counters["metaserver_calls"] += 1
-        raw = await request.body()
+        why = state.verifier.header_problem(request.headers) if state.verifier.key else ""
+        if why:  # before reading the body: an unsigned caller makes the proxy hold nothing
+            return refuse(401, why, request)
+        try:
+            raw = await read_body(request, state.limits.max_control_body_bytes)
+        except BodyTooLarge as exc:
+            return refuse(413, str(exc), request)
         why = state.verifier.check(request.headers, raw)
         if why:
             return refuse(401, why, request)
         try:
-            msg = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return JSONResponse({"status": "error", "detail": f"body is not JSON: {exc}"}, 400)
+            msg = msgspec.to_builtins(metaserver_call(raw))
+        except ContractError as exc:
+            return refuse(400, str(exc), request)
         problem = _metaserver_problem(msg)
         if problem:
-            return JSONResponse({"status": "error", "detail": problem}, 400)
+            return refuse(400, problem, request, msg)
         tid, sub_id = msg["transfer_id"], msg["sub_transfer_id"]
         tr = state.transfers.get(tid)
         if tr is None:
@@ -144,8 +159,8 @@ def build_control_app(state: ProxyState) -> FastAPI:
                                  "prefill_url": sub.backend.url,
                                  "detail": f"prefill already {sub.state}",
                                  **route_fields(sub)}, 202)
-        body = build_prefill_body(tr.body, msg.get("kv_transfer_params", {}), sub_id,
-                                  msg["prompt_token_ids"])
+        body = build_prefill_body(tr.body, msg["kv_transfer_params"], sub_id,
+                                  msg["prompt_token_ids"], key=state.verifier.key)
         sub = SubPrefill(sub_id, tr.prefill_target or state.pick(state.prefills),
                          budget=msg.get("retry_prefill", 0), body=body)
         tr.prefills[sub_id] = sub

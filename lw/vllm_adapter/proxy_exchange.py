@@ -283,8 +283,8 @@ class Exchange(Response):
         server = tr.decode.url
         now = asyncio.get_running_loop().time
         try:
-            body = tr.body if tr.local else build_decode_body(tr.body, tr.request_id,
-                                                              tr.metaserver, tr.grant)
+            body = tr.body if tr.local else build_decode_body(
+                tr.body, tr.request_id, tr.metaserver, tr.grant, state.verifier.key)
             headers = {**tr.headers, "X-Request-Id": tr.request_id}
             request = state.client.build_request("POST", server + tr.api, json=body,
                                                  headers=headers)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lw.contract.params import prefill_params, sign_params
 from lw.vllm_adapter.proxy_exchange import run_prefill
 from lw.vllm_adapter.proxy_state import Backend, ProxyState, SubPrefill, Transfer, log
 
@@ -92,9 +93,10 @@ def reprefill(state: ProxyState, tr: Transfer, msg: dict[str, Any]) -> tuple[int
     if old.task is not None and not old.task.done():
         old.task.cancel()  # closes its connection: P aborts the old attempt; its outcome is moot
     body = dict(old.body)
-    params = dict(body.get("kv_transfer_params", {}))
-    params["lw_epoch"] = epoch
-    body["kv_transfer_params"] = params
+    params = body.get("kv_transfer_params", {})
+    body["kv_transfer_params"] = sign_params(
+        state.verifier.key, "prefill", prefill_params(params, params.get("transfer_id", sub_id),
+                                                      epoch))
     sub = SubPrefill(sub_id, backend, epoch=epoch, budget=old.budget, body=body,
                      tried=(*old.tried, old.backend))
     tr.prefills[sub_id] = sub

@@ -16,7 +16,10 @@ from typing import Any, Protocol
 
 import httpx
 
+from lw.contract.params import decoder_params, prefill_params, sign_params
+from lw.transport.ratelog import RateLimitedLog
 from lw.vllm_adapter.control_auth import CallVerifier
+from lw.vllm_adapter.proxy_limits import Limits
 from lw.vllm_adapter.proxy_timeline import ProxyTimeline
 from lw.vllm_adapter.worker_addrs import KnownWorkers
 
@@ -95,17 +98,13 @@ def validate_request(api: str, body: Any) -> dict[str, Any]:
 
 
 def build_decode_body(body: dict[str, Any], request_id: str, metaserver: str,
-                      grant: str) -> dict[str, Any]:
-    """The body sent to D: the client's, with the proxy's ``kv_transfer_params`` (``grant``: the
-    transfer's secret that D's metaserver calls must carry; only D and the proxy see it)."""
+                      grant: str, key: bytes | None = None) -> dict[str, Any]:
+    """The body sent to D: the client's (its transfer fields already dropped), with the
+    proxy's ``kv_transfer_params`` signed with the cluster ``key`` (``grant``: the transfer's
+    secret that D's metaserver calls must carry; only D and the proxy see it)."""
     out = dict(body)
-    out["kv_transfer_params"] = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "metaserver": metaserver,
-        "transfer_id": request_id,
-        "metaserver_grant": grant,
-    }
+    out["kv_transfer_params"] = sign_params(key, "decode",
+                                            decoder_params(metaserver, request_id, grant))
     return out
 
 
@@ -129,22 +128,19 @@ PREFILL_KEPT = ("cache_salt", "priority")
 
 
 def build_prefill_body(
-    body: dict[str, Any], decode_params: dict[str, Any], transfer_id: str,
-    prompt_token_ids: list[int], epoch: int = 0,
+    body: dict[str, Any], decode_params: Mapping[str, Any], transfer_id: str,
+    prompt_token_ids: list[int], epoch: int = 0, key: bytes | None = None,
 ) -> dict[str, Any]:
     """The body P gets (``/v1/completions``): D's token ids, one token, not streamed, D's params
-    (with a re-prefill's claim epoch ``lw_epoch``; absent for the first attempt)."""
+    (with a re-prefill's claim epoch ``lw_epoch``; absent for the first attempt), signed with
+    the cluster ``key``."""
     out: dict[str, Any] = {"model": body["model"], "prompt": list(prompt_token_ids),
                            "max_tokens": 1, "n": 1, "stream": False}
-    for key in PREFILL_KEPT:
-        if key in body:
-            out[key] = copy.deepcopy(body[key])
-    params = dict(decode_params)
-    params.update(do_remote_decode=True, do_remote_prefill=False, transfer_id=transfer_id)
-    params.pop("lw_epoch", None)
-    if epoch:
-        params["lw_epoch"] = epoch
-    out["kv_transfer_params"] = params
+    for k in PREFILL_KEPT:
+        if k in body:
+            out[k] = copy.deepcopy(body[k])
+    out["kv_transfer_params"] = sign_params(key, "prefill",
+                                            prefill_params(decode_params, transfer_id, epoch))
     return out
 
 
@@ -159,13 +155,14 @@ def error_type(status: int) -> str:
 
 
 def error_body(message: str, status: int, *, stage: str = "proxy",
-               server: str | None = None, request_id: str | None = None) -> dict[str, Any]:
+               server: str | None = None, request_id: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
     """An error in vLLM's shape (``{"error": {"message", "type", "param", "code"}}``, what a
     client of vLLM parses); lw's details (stage, server, request) go at the end of the message."""
     where = f"stage={stage}" + (f", server={server}" if server else "") + (
         f", request={request_id}" if request_id else "")
     return {"error": {"message": f"{message} [lw proxy: {where}]", "type": error_type(status),
-                      "param": None, "code": status}}
+                      "param": param, "code": status}}
 
 
 def _describe(exc: BaseException) -> str:
@@ -315,7 +312,12 @@ class ProxyState:
         verifier: CallVerifier,
         sidecar: PrefillTargets | None = None,
         decode_failovers: int = 2,
+        limits: Limits | None = None,
     ) -> None:
+        self.limits = limits or Limits()
+        self.refusals = RateLimitedLog(log)  # one line per kind and 5 s, whatever the flood
+        self.health_cache: tuple[float, dict[str, Any]] | None = None  # (when, report)
+        self.health_task: asyncio.Future[dict[str, Any]] | None = None  # the probe running
         self.prefills = [Backend(normalize_url(u), "prefill") for u in prefill_urls]
         self.decodes = [Backend(normalize_url(u), "decode") for u in decode_urls]
         # as llm-d's routing sidecar: one local D; the prefill server comes with each request
@@ -355,6 +357,10 @@ class ProxyState:
             "prefill_failovers": 0,
             "prefill_failures_left_to_decode": 0,
             "decode_failovers": 0,
+            "client_transfer_params_dropped": 0,
+            "client_transfer_params_refused": 0,
+            "bodies_too_large": 0,
+            "overloaded": 0,
         }
 
     def pick(self, backends: list[Backend], exclude: Iterable[Backend] = ()) -> Backend:

@@ -15,16 +15,28 @@ the P engines to avoid; where the proxy sent each attempt goes back to the core 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lw.contract.params import (
+    CONTRACT_VERSION,
+    ContractError,
+    DecodeParams,
+    PrefillParams,
+    decode_params_for_decoder,
+    decode_params_for_prefiller,
+    is_prefill_request,
+    is_remote_prefill_request,
+    prompt_digest,
+)
 from lw.fsm.block_choice import PushCursor, blocks_to_receive
 from lw.fsm.prefill_request import received_blocks
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
+from lw.transport.ratelog import RateLimitedLog
+from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
-    PARAMS_VERSION,
     LwConnectorMetadata,
     LwWorkerMeta,
     RecvSpec,
@@ -107,24 +119,55 @@ class SchedulerSide:
         self._poster: MetaserverPoster | None = None
         self._lock = threading.Lock()
         self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0,
-                        "early_chunk_blocks": 0, "preempted_pushes": 0, "prefill_retries": 0}
+                        "early_chunk_blocks": 0, "preempted_pushes": 0, "prefill_retries": 0,
+                        "refused_params": 0}
         self._compute_s_per_token: float | None = None  # from the workers (LwWorkerMeta)
         self._compute_s_per_pair = 0.0
         self._wire_s_per_block: dict[str, float] = {}  # D host -> seconds per block
         self._bad_params: set[str] = set()
+        self._key = parse_cluster_key(cfg.cluster_key or None)  # checks the proxy's signature
+        self._refusals = RateLimitedLog(log)
         self._traced = tracing_endpoint(vllm_config) is not None  # hand trace context on
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
 
     # ------------------------------------------------------------------------------- P side
+    def _refused(self, request: Request, exc: ContractError, what: str) -> None:
+        """Count and log (once per request) params that are not the proxy's contract."""
+        rid = request.request_id
+        if rid in self._bad_params:
+            return
+        self._bad_params.add(rid)
+        with self._lock:
+            self._counts["refused_params"] += 1
+        self._refusals.warning("params", "lw: request %s: kv_transfer_params refused (%s); %s",
+                               rid, exc, what)
+
     def on_new_request(self, request: Request) -> None:
-        """P: validate the decoder's params and track the request."""
-        params = request.kv_transfer_params or {}
-        if not self.cfg.is_producer or not params.get("do_remote_decode"):
+        """Both: params that are not the contract's are refused and dropped from the request
+        (vLLM's scheduler itself reads them next: a non-object would raise there). P: track a
+        request to push."""
+        params = request.kv_transfer_params
+        if params is None:
+            return
+        if not isinstance(params, Mapping):
+            self._refused(request, ContractError("kv_transfer_params", f"must be an object, "
+                          f"got {type(params).__name__}"), "served as a plain request")
+            request.kv_transfer_params = None
+            return
+        if not self.cfg.is_producer:
+            if is_remote_prefill_request(params) and self._remote_prefill(request) is None:
+                request.kv_transfer_params = None  # refused: vLLM must not wait for KV either
+            return
+        if not is_prefill_request(params):
             return
         rid = request.request_id
         try:
-            self._p[rid] = self._parse_decoder_params(request, params)
+            self._p[rid] = self._parse_decoder_params(
+                request, decode_params_for_prefiller(self._key, params))
+        except ContractError as exc:
+            self._refused(request, exc, "computed, nothing pushed")
+            return
         except ValueError as exc:
             log.error("lw: request %s (transfer %s) will not be pushed: %s", rid,
                       params.get("transfer_id"), exc)
@@ -137,45 +180,31 @@ class SchedulerSide:
                         rid, request.max_tokens)
             request.max_tokens = 1
 
-    def _parse_decoder_params(self, request: Request, params: dict[str, Any]) -> _PReq:
-        tid = params.get("transfer_id")
-        if not isinstance(tid, str) or not tid:
-            raise ValueError("kv_transfer_params has no transfer_id")
-        version = params.get("lw_params_version")
-        if version != PARAMS_VERSION:
-            raise ValueError(f"kv_transfer_params lw_params_version={version!r}, this prefill "
-                             f"engine speaks {PARAMS_VERSION} (is the decode engine running "
-                             "lw's connector?)")
-        host, port = params.get("remote_host"), params.get("remote_port")
-        blocks = params.get("remote_block_ids")
-        first = params.get("remote_first_block", 0)
-        if not isinstance(host, str) or not host:
-            raise ValueError(f"bad remote_host {host!r}")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise ValueError(f"bad remote_port {port!r}")
-        if (not isinstance(blocks, list) or not blocks
-                or not all(isinstance(b, int) and b >= 0 for b in blocks)):
-            raise ValueError("remote_block_ids must be a non-empty list of block ids")
-        if not isinstance(first, int) or first < 0:
-            raise ValueError(f"bad remote_first_block {first!r}")
-        tp = params.get("remote_tp_size")
-        if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= 65536:
-            raise ValueError(f"bad remote_tp_size {tp!r}")
-        if self.cfg.peer_tp_size and tp != self.cfg.peer_tp_size:
-            raise ValueError(f"decode TP {tp} but this prefill engine was configured for decode "
-                             f"TP {self.cfg.peer_tp_size} (kv_connector_extra_config.peer_tp_size)")
-        geo = params.get("lw_geometry")
-        if geo != self.geometry:
-            raise ValueError(f"KV geometry differs: decode has {geo!r}, prefill has "
+    def _parse_decoder_params(self, request: Request, pp: PrefillParams) -> _PReq:
+        """What the proxy's signed params (already of their declared type) ask of this engine,
+        or ValueError where they do not fit it (TP, geometry, the prompt)."""
+        if pp.lw_params_version != CONTRACT_VERSION:
+            raise ValueError(f"kv_transfer_params lw_params_version={pp.lw_params_version!r}, "
+                             f"this prefill engine speaks {CONTRACT_VERSION} (is the decode "
+                             "engine running lw's connector of this release?)")
+        if self.cfg.peer_tp_size and pp.remote_tp_size != self.cfg.peer_tp_size:
+            raise ValueError(f"decode TP {pp.remote_tp_size} but this prefill engine was "
+                             f"configured for decode TP {self.cfg.peer_tp_size} "
+                             "(kv_connector_extra_config.peer_tp_size)")
+        if pp.lw_geometry != self.geometry:
+            raise ValueError(f"KV geometry differs: decode has {pp.lw_geometry!r}, prefill has "
                              f"{self.geometry!r}")
         need = received_blocks(request.num_prompt_tokens, 0, self.block_size).stop
+        first, blocks = pp.remote_first_block, pp.remote_block_ids
         if first + len(blocks) != need:
             raise ValueError(f"{first}+{len(blocks)} remote blocks for a prompt of "
                              f"{request.num_prompt_tokens} tokens ({need} blocks)")
-        epoch = params.get("lw_epoch", 0)
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2 ** 31:
-            raise ValueError(f"bad lw_epoch {epoch!r} (the claim epoch: an integer >= 0)")
-        return _PReq(request, tid, host, port, tuple(blocks), PushCursor(first), tp, epoch)
+        if prompt_digest(request.prompt_token_ids or ()) != pp.lw_prompt_digest:
+            # D's blocks are for another prompt: writing this one's KV there is wrong KV
+            raise ValueError("the prompt differs from the one the decode engine allocated its "
+                             "blocks for (lw_prompt_digest)")
+        return _PReq(request, pp.transfer_id, pp.remote_host, pp.remote_port, tuple(blocks),
+                     PushCursor(first), pp.remote_tp_size, pp.lw_epoch)
 
     def _push_chunk(self, rid: str, num_scheduled: int) -> None:
         """This step computes a chunk of ``rid``: push the blocks it completes (progressive), or
@@ -233,19 +262,19 @@ class SchedulerSide:
         return bool(self._pushed)
 
     # ------------------------------------------------------------------------------- D side
-    def _remote_prefill(self, request: Request) -> dict[str, Any] | None:
+    def _remote_prefill(self, request: Request) -> DecodeParams | None:
+        """D: the proxy's signed params of a request to prefill elsewhere, or None (a plain
+        request, or params refused: computed here, no call made to any URL they name)."""
         params = request.kv_transfer_params
-        if (self.cfg.is_producer or not params or not params.get("do_remote_prefill")
-                or request.request_id in self._d_seen):
+        if self.cfg.is_producer or params is None or request.request_id in self._d_seen:
             return None
-        if not isinstance(params.get("transfer_id"), str) or not isinstance(
-                params.get("metaserver"), str):
-            if request.request_id not in self._bad_params:
-                self._bad_params.add(request.request_id)
-                log.error("lw: request %s has do_remote_prefill but no transfer_id/metaserver;"
-                          " computing its prefill locally", request.request_id)
+        if not is_remote_prefill_request(params):
             return None
-        return params
+        try:
+            return decode_params_for_decoder(self._key, params)
+        except ContractError as exc:
+            self._refused(request, exc, "computing its prefill locally")
+            return None
 
     def num_new_matched_tokens(self, request: Request, n: int) -> tuple[int, bool]:
         """D: (uncached prompt tokens, async) for a fresh remote-prefill request; else (0, F).
@@ -298,7 +327,7 @@ class SchedulerSide:
         first, remote = blocks_to_receive(block_ids, request.num_prompt_tokens,
                                           request.num_prompt_tokens - num_external,
                                           self.block_size)
-        tid = sub_transfer_id(params["transfer_id"], rid)
+        tid = sub_transfer_id(params.transfer_id, rid)
         dr = self._d[rid] = _DReq(tid)
         self._meta.recvs.append(RecvSpec(tid, rid, remote, trace_headers_of(request)
                                          if self._traced else ()))
@@ -313,19 +342,19 @@ class SchedulerSide:
             "remote_dp_rank": self.cfg.dp_rank,
             "remote_tp_size": self.cfg.tp_size,
             "lw_geometry": self.geometry,
-            "lw_params_version": PARAMS_VERSION,
+            "lw_params_version": CONTRACT_VERSION,
+            "lw_prompt_digest": prompt_digest(request.prompt_token_ids or ()),
         }
-        body = {"transfer_id": params["transfer_id"], "sub_transfer_id": tid,
+        body = {"transfer_id": params.transfer_id, "sub_transfer_id": tid,
                 "prompt_token_ids": list(request.prompt_token_ids or ()),
-                "kv_transfer_params": kv}
-        if isinstance(params.get("metaserver_grant"), str):
-            body["grant"] = params["metaserver_grant"]  # binds the call to this transfer
+                "kv_transfer_params": kv,
+                "grant": params.metaserver_grant}  # binds the call to this transfer
         if self.cfg.retry_prefill:
             # The proxy leaves a failed prefill of this sub-transfer to D while D may retry it.
             body["retry_prefill"] = self.cfg.retry_prefill
-            dr.recall = (params["metaserver"], {k: body[k] for k in (
+            dr.recall = (params.metaserver, {k: body[k] for k in (
                 "transfer_id", "sub_transfer_id", "grant") if k in body})
-        self._to_post.append((rid, tid, params["metaserver"], body))
+        self._to_post.append((rid, tid, params.metaserver, body))
 
     def _reprefill(self, rp: Reprefill) -> None:
         """D: the core lost this request's P and keeps its blocks: ask the proxy again, with the

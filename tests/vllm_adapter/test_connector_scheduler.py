@@ -48,6 +48,13 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 import lw.vllm_adapter.connector as conn_mod  # noqa: E402
 import lw.vllm_adapter.scheduler_side as sched_mod  # noqa: E402
 import lw.vllm_adapter.worker_side as worker_mod  # noqa: E402
+from lw.contract.params import (  # noqa: E402
+    CONTRACT_VERSION,
+    prefill_params,
+    prompt_digest,
+    sign_params,
+)
+from lw.contract.params import decoder_params as contract_decoder_params  # noqa: E402
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, compute_left  # noqa: E402
 from lw.vllm_adapter.config import (  # noqa: E402
     ConfigError,
@@ -205,23 +212,30 @@ class Driver:
 
 
 def decoder_params(s_d: Scheduler | None = None, tid: str = "t1", n: int = 100,
-                   first: int = 0, **over: Any) -> dict[str, Any]:
-    """The params P receives through the proxy (what D's connector posted, plus the proxy's)."""
+                   first: int = 0, start: int = 10, **over: Any) -> dict[str, Any]:
+    """The params P receives through the proxy (what D's connector posted, plus the proxy's),
+    for the prompt ``make_request`` gives (``n`` tokens from ``start``), signed as the keyless
+    proxy signs them (the engines here have no cluster key)."""
     blocks = -(-n // BS)
-    p = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid,
-         "remote_engine_id": "kv_consumer", "remote_host": "127.0.0.1", "remote_port": 21000,
-         "remote_block_ids": list(range(40, 40 + blocks - first)), "remote_first_block": first,
-         "remote_dp_rank": 0, "remote_tp_size": 1, "lw_geometry": kv_geometry(kv_cache_config()),
-         "lw_params_version": sched_mod.PARAMS_VERSION}
+    kv = {"remote_engine_id": "kv_consumer", "remote_host": "127.0.0.1", "remote_port": 21000,
+          "remote_block_ids": list(range(40, 40 + blocks - first)), "remote_first_block": first,
+          "remote_dp_rank": 0, "remote_tp_size": 1, "lw_geometry": kv_geometry(kv_cache_config()),
+          "lw_params_version": CONTRACT_VERSION,
+          "lw_prompt_digest": prompt_digest(list(range(start, start + n)))}
+    p = sign_params(None, "prefill", prefill_params(kv, tid, over.pop("lw_epoch", 0)))
     p.update(over)
     return p
 
 
 def remote_prefill_params(tid: str = "t1") -> dict[str, Any]:
     """What the proxy sends to D."""
-    return {"do_remote_prefill": True, "do_remote_decode": False,
-            "metaserver": "http://127.0.0.1:9/v1/metaserver", "transfer_id": tid,
-            "metaserver_grant": "g" * 32}
+    return sign_params(None, "decode", contract_decoder_params(
+        "http://127.0.0.1:9/v1/metaserver", tid, "g" * 32))
+
+
+def as_proxy(kv: dict[str, Any], tid: str, epoch: int = 0) -> dict[str, Any]:
+    """What the (keyless) proxy makes of D's posted params for P."""
+    return sign_params(None, "prefill", prefill_params(kv, tid, epoch))
 
 
 # ------------------------------------------------------------------------------------ prefill
@@ -477,11 +491,13 @@ def test_p_refuses_params_it_cannot_honour(model_dir: str) -> None:
     s = make_scheduler(model_dir, "kv_producer")
     d = Driver(s)
     bad = [
-        decoder_params(tid="a", lw_geometry="layers=3 block_size=16 page_bytes=1 dtype=x"),
-        decoder_params(tid="b", remote_tp_size=0),
-        decoder_params(tid="c", lw_params_version=None),
-        decoder_params(tid="d", remote_block_ids=[1, 2]),  # too few for 100 tokens
-        decoder_params(tid="e", remote_port="x"),
+        decoder_params(tid="a", start=100, lw_geometry="layers=3 block_size=16 page_bytes=1 "
+                                                      "dtype=x"),
+        decoder_params(tid="b", start=300, remote_tp_size=0),
+        decoder_params(tid="c", start=500, lw_params_version=None),
+        decoder_params(tid="d", start=700, remote_block_ids=[1, 2]),  # too few for 100 tokens
+        decoder_params(tid="e", start=900, remote_port="x"),
+        decoder_params(tid="f", start=10),  # blocks D allocated for another prompt
     ]
     for i, p in enumerate(bad):
         s.add_request(make_request(f"r{i}", 100, params=p, start=100 + i * 200))
@@ -489,6 +505,60 @@ def test_p_refuses_params_it_cannot_honour(model_dir: str) -> None:
         d.step()
     assert all(not m.sends for m in d.metas)
     assert free_blocks(s) == BASELINE
+
+
+KEYED = {"cluster_key": "scheduler-test-key-0123456789"}
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+@pytest.mark.parametrize("params", [
+    "x", ["x"], 7, {"do_remote_prefill": "yes"}, {"do_remote_decode": 1},
+    {"do_remote_prefill": True, "transfer_id": "evil-1", "metaserver": "http://127.0.0.1:9/s",
+     "metaserver_grant": "g" * 32},  # the issue's SSRF params, unsigned
+])
+def test_params_a_client_wrote_never_raise_into_the_scheduler_and_are_counted(
+        model_dir: str, role: str, params: Any, fake_poster: type[FakePoster]) -> None:
+    """What vLLM hands the connector from ``vllm_xargs`` (any JSON) or from a client that
+    reached the engine's port: refused, counted, the request served as a plain one (no call
+    to any URL, no push), and the scheduler goes on."""
+    s = make_scheduler(model_dir, role, extra=KEYED)
+    d = Driver(s)
+    s.add_request(make_request("r1", 40, params=params))  # type: ignore[arg-type]
+    for _ in range(4):
+        d.step()
+    assert "r1" in d.finished
+    assert all(not m.sends and not m.recvs for m in d.metas)
+    assert not fake_poster.instances or not fake_poster.instances[0].posts
+    refused = sum(st.get("refused_params", 0) for st in d.stats)
+    # a P ignores decode params (do_remote_prefill) and a D prefill params: plain for them
+    ignored = isinstance(params, dict) and (
+        "do_remote_prefill" in params if role == "kv_producer" else "do_remote_decode" in params)
+    assert refused == (0 if ignored else 1), d.stats
+
+
+def test_unsigned_or_foreign_params_are_refused_with_a_key(model_dir: str,
+                                                           fake_poster: type[FakePoster]) -> None:
+    """With a cluster key, D and P act only on params the proxy signed with it."""
+    from lw.contract.params import decoder_params as unsigned_d
+    key = KEYED["cluster_key"].encode()
+    s = make_scheduler(model_dir, "kv_consumer", extra=KEYED)
+    d = Driver(s)
+    meta = ("http://127.0.0.1:9/v1/metaserver", "t1", "g" * 32)
+    s.add_request(make_request("a", 40, params=remote_prefill_params()))  # keyless signature
+    s.add_request(make_request("b", 40, start=100, params=sign_params(
+        b"another-cluster-key-0123456789", "decode", unsigned_d(*meta))))
+    s.add_request(make_request("c", 40, start=200, params=sign_params(key, "decode",
+                                                                      unsigned_d(*meta))))
+    for _ in range(4):
+        d.step()
+    # only the one this cluster's proxy signed waits for KV; the others were computed here
+    assert [r.req_id for m in d.metas for r in m.recvs] == ["c"]
+    p = make_scheduler(model_dir, "kv_producer", extra=KEYED)
+    dp = Driver(p)
+    p.add_request(make_request("p1", 100, params=decoder_params()))  # keyless signature
+    for _ in range(4):
+        dp.step()
+    assert all(not m.sends for m in dp.metas)
 
 
 def test_p_forces_one_token(model_dir: str) -> None:
@@ -1074,8 +1144,7 @@ class Cluster:
             rid, tid, _url, msg = posts[self.relayed]
             self.relayed += 1
             assert tid == msg["sub_transfer_id"]
-            body = {**msg["kv_transfer_params"], "do_remote_decode": True,
-                    "do_remote_prefill": False, "transfer_id": tid}
+            body = as_proxy(msg["kv_transfer_params"], tid)
             toks = msg["prompt_token_ids"]  # exactly D's tokens, as the proxy sends them to P
             self.p.sched.add_request(make_request(f"p-{rid}", len(toks), tokens=list(toks),
                                                   params=body))

@@ -34,6 +34,7 @@ from tests.vllm_adapter.test_connector_scheduler import (  # noqa: E402
     FakePoster,
     _build,
     _value,
+    as_proxy,
     decoder_params,
     fake_poster,
     free_blocks,
@@ -192,7 +193,7 @@ def test_p_takes_the_claim_epoch_and_names_its_engine(model_dir: str) -> None:
     s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
     d = Driver(s)
     s.add_request(make_request("p1", 100, params=decoder_params(lw_epoch=2)))
-    s.add_request(make_request("p2", 100, start=500, params=decoder_params(tid="t2")))
+    s.add_request(make_request("p2", 100, start=500, params=decoder_params(tid="t2", start=500)))
     s.add_request(make_request("bad", 100, start=900,
                                params=decoder_params(tid="t3", lw_epoch=-1)))
     while len(d.finished) < 3:
@@ -234,8 +235,7 @@ class TwoPrefills:
             else:
                 p, name = self.b, "p-b"
             self.sent_to.append((name, epoch, list(msg.get("avoid", []))))
-            body = {**self.first["kv_transfer_params"], "do_remote_decode": True,
-                    "do_remote_prefill": False, "transfer_id": tid, "lw_epoch": epoch}
+            body = as_proxy(self.first["kv_transfer_params"], tid, epoch)
             toks = self.first["prompt_token_ids"]
             p.sched.add_request(make_request(f"{name}-{rid}-{epoch}", len(toks),
                                              tokens=list(toks), params=body))

@@ -39,6 +39,12 @@ import uvicorn  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
 
+from lw.contract.params import (  # noqa: E402
+    CONTRACT_VERSION,
+    decode_params_for_decoder,
+    decode_params_for_prefiller,
+    prompt_digest,
+)
 from lw.vllm_adapter.control_auth import signed_call  # noqa: E402
 from lw.vllm_adapter.proxy import (  # noqa: E402
     build_apps,
@@ -53,7 +59,20 @@ from lw.vllm_adapter.worker_addrs import PREFILL_WORKERS_KEY  # noqa: E402
 TOKENS = [" t0", " t1", " t2"]
 KEY = b"proxy-test-cluster-key-0123456789"
 D_PARAMS = {"remote_host": "127.0.0.1", "remote_port": 5555, "remote_block_ids": [3, 4],
-            "remote_dp_rank": 0, "remote_tp_size": 2}
+            "remote_dp_rank": 0, "remote_tp_size": 2, "remote_engine_id": "d",
+            "lw_geometry": "g", "lw_params_version": CONTRACT_VERSION, "remote_first_block": 0}
+
+
+def d_params(ids: list[int], **kw: Any) -> dict[str, Any]:
+    """A decode engine's params of a metaserver call for the prompt ``ids``."""
+    return {**D_PARAMS, "lw_prompt_digest": prompt_digest(ids), **kw}
+
+
+def unsigned(params: dict[str, Any], role: str, key: bytes | None = KEY) -> dict[str, Any]:
+    """``params`` without the proxy's version and signature, once they are checked."""
+    check = decode_params_for_decoder if role == "decode" else decode_params_for_prefiller
+    check(key, params)
+    return {k: v for k, v in params.items() if k not in ("lw_sig", "lw_contract")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,9 +227,9 @@ def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
             subs["f" * 32 + "@0"] = "alien"
         async with httpx.AsyncClient(timeout=5) as client:
             for sub, text in subs.items():
-                msg = {"transfer_id": tid, "sub_transfer_id": sub,
-                       "prompt_token_ids": [ord(ch) for ch in text],
-                       "kv_transfer_params": {**D_PARAMS, "remote_engine_id": name},
+                ids = [ord(ch) for ch in text]
+                msg = {"transfer_id": tid, "sub_transfer_id": sub, "prompt_token_ids": ids,
+                       "kv_transfer_params": d_params(ids, remote_engine_id=name),
                        "grant": params["metaserver_grant"]}
                 for _ in range(2 if "twice" in prompt else 1):
                     content, headers = signed_call(world.key, msg)
@@ -433,10 +452,12 @@ def test_build_prefill_body_token_ids_one_token_no_stream_merged_params() -> Non
     body = {"model": "m", "prompt": ["hi", "yo"], "max_tokens": 50, "stream": True, "n": 3,
             "min_tokens": 3, "stream_options": {"include_usage": True}, "temperature": 1,
             "cache_salt": "s"}
-    out = build_prefill_body(body, {**D_PARAMS, "do_remote_prefill": True}, "tid@1", [5, 6, 7])
+    out = build_prefill_body(body, {**d_params([5, 6, 7]), "do_remote_prefill": True}, "tid@1",
+                             [5, 6, 7], key=KEY)
+    out["kv_transfer_params"] = unsigned(out["kv_transfer_params"], "prefill")
     assert out == {"model": "m", "prompt": [5, 6, 7], "max_tokens": 1, "n": 1, "stream": False,
                    "cache_salt": "s",
-                   "kv_transfer_params": {**D_PARAMS, "do_remote_decode": True,
+                   "kv_transfer_params": {**d_params([5, 6, 7]), "do_remote_decode": True,
                                           "do_remote_prefill": False, "transfer_id": "tid@1"}}
     assert body["max_tokens"] == 50 and body["stream"] is True  # input untouched
     chat = build_prefill_body({"model": "m", "messages": [], "max_completion_tokens": 9}, {}, "t",
@@ -446,10 +467,11 @@ def test_build_prefill_body_token_ids_one_token_no_stream_merged_params() -> Non
 
 def test_build_decode_body_sets_proxy_params() -> None:
     out = build_decode_body({"model": "m", "prompt": "p"}, "rid", "http://x/v1/metaserver",
-                            "g" * 32)
-    assert out["kv_transfer_params"] == {"do_remote_prefill": True, "do_remote_decode": False,
-                                         "metaserver": "http://x/v1/metaserver",
-                                         "transfer_id": "rid", "metaserver_grant": "g" * 32}
+                            "g" * 32, KEY)
+    assert unsigned(out["kv_transfer_params"], "decode") == {
+        "do_remote_prefill": True, "do_remote_decode": False,
+        "metaserver": "http://x/v1/metaserver", "transfer_id": "rid",
+        "metaserver_grant": "g" * 32}
 
 
 def test_normalize_url() -> None:
@@ -503,7 +525,7 @@ def test_non_stream_flow() -> None:
         w = c.world
         d_body, p_body = w.bodies[("d", rid)], w.bodies[("p", rid + "@0")]
         grant = d_body["kv_transfer_params"]["metaserver_grant"]
-        assert d_body["kv_transfer_params"] == {
+        assert unsigned(d_body["kv_transfer_params"], "decode") == {
             "do_remote_prefill": True, "do_remote_decode": False,
             "metaserver": c.control + "/v1/metaserver", "transfer_id": rid,
             "metaserver_grant": grant}
@@ -512,7 +534,9 @@ def test_non_stream_flow() -> None:
         assert w.headers[("p", rid + "@0")]["x-request-id"] == rid
         assert p_body["max_tokens"] == 1 and p_body["stream"] is False and p_body["n"] == 1
         assert p_body["prompt"] == [ord(ch) for ch in "hello world"]
-        assert p_body["kv_transfer_params"] == {**D_PARAMS, "remote_engine_id": "d0",
+        assert unsigned(p_body["kv_transfer_params"], "prefill") == {
+                                                **d_params(p_body["prompt"]),
+                                                "remote_engine_id": "d0",
                                                 "do_remote_decode": True,
                                                 "do_remote_prefill": False,
                                                 "transfer_id": rid + "@0"}
@@ -752,7 +776,7 @@ def test_metaserver_rejects_unknown_and_malformed() -> None:
     with cluster() as c:
         url = c.control + "/v1/metaserver"
         ok = {"transfer_id": "nope", "sub_transfer_id": "nope@0", "prompt_token_ids": [1, 2],
-              "kv_transfer_params": {}}
+              "kv_transfer_params": d_params([1, 2])}
         r = signed_post(url, ok)
         assert r.status_code == 404 and r.json()["status"] == "error"
         content, headers = signed_call(KEY, "x")
@@ -762,13 +786,22 @@ def test_metaserver_rejects_unknown_and_malformed() -> None:
                        headers=signed_call(KEY, None)[1] | {"x-lw-signature": "0"})
         assert r.status_code == 401
         for bad, fragment in [
-            ({"transfer_id": None}, "'transfer_id'"),
-            ({"sub_transfer_id": None}, "'sub_transfer_id'"),
-            ({"sub_transfer_id": "x" * 257}, "'sub_transfer_id'"),
-            ({"prompt_token_ids": None}, "'prompt_token_ids'"),
-            ({"prompt_token_ids": []}, "'prompt_token_ids'"),
-            ({"prompt_token_ids": [1, "2"]}, "'prompt_token_ids'"),
-            ({"kv_transfer_params": [1]}, "'kv_transfer_params'"),
+            ({"transfer_id": None}, "transfer_id"),
+            ({"sub_transfer_id": None}, "sub_transfer_id"),
+            ({"sub_transfer_id": "x" * 257}, "sub_transfer_id"),
+            ({"prompt_token_ids": None}, "prompt_token_ids"),
+            ({"prompt_token_ids": []}, "prompt_token_ids"),
+            ({"prompt_token_ids": [1, "2"]}, "prompt_token_ids"),
+            ({"prompt_token_ids": [1, 3]}, "lw_prompt_digest"),  # blocks for another prompt
+            ({"kv_transfer_params": [1]}, "kv_transfer_params"),
+            ({"kv_transfer_params": None}, "kv_transfer_params"),
+            ({"kv_transfer_params": {**d_params([1, 2]), "lw_params_version": 2}},
+             "lw_params_version"),
+            ({"kv_transfer_params": {**d_params([1, 2]), "remote_port": 0}}, "remote_port"),
+            ({"kv_transfer_params": {**d_params([1, 2]), "remote_block_ids": [-1]}},
+             "remote_block_ids"),
+            ({"kv_transfer_params": {**d_params([1, 2]), "evil": 1}}, "evil"),
+            ({"surprise": 1}, "surprise"),
         ]:
             r = signed_post(url, {**ok, **bad})
             assert r.status_code == 400 and fragment in r.json()["detail"], bad
@@ -877,14 +910,10 @@ def test_models_passthrough() -> None:
 @pytest.mark.parametrize(
     "path,content",
     [
-        ("/v1/completions", b"{not json"),
-        ("/v1/completions", b'"just a string"'),
-        ("/v1/completions", b"[1, 2]"),
         ("/v1/completions", json.dumps({"model": "m"}).encode()),
         ("/v1/completions", json.dumps({"model": "m", "prompt": ""}).encode()),
         ("/v1/chat/completions", json.dumps({"model": "m"}).encode()),
         ("/v1/chat/completions", json.dumps({"model": "m", "messages": []}).encode()),
-        ("/v1/chat/completions", b"{not json"),
     ],
 )
 def test_unroutable_input_gets_vllms_own_answer(path: str, content: bytes) -> None:
@@ -898,6 +927,88 @@ def test_unroutable_input_gets_vllms_own_answer(path: str, content: bytes) -> No
         assert c.world.has("d_relayed") and not c.world.has("d_request")
         m = c.metrics()
         assert m["bad_requests"] == 1 and m["requests"] == 0
+
+
+EVIL = {"do_remote_prefill": True, "transfer_id": "evil-1",
+        "metaserver": "http://127.0.0.1:9/steal"}
+
+
+@pytest.mark.parametrize("extra", [
+    {"stream": None, "kv_transfer_params": EVIL},  # unroutable: relayed to D alone
+    {"stream": None, "vllm_xargs": {"kv_transfer_params": EVIL}},
+    {"stream": None, "kv_transfer_params": EVIL, "vllm_xargs": {"kv_transfer_params": EVIL}},
+    {"kv_transfer_params": EVIL},  # routed: the proxy's own params, signed
+    {"vllm_xargs": {"kv_transfer_params": EVIL, "keep": "me"}},
+])
+def test_a_clients_transfer_params_never_reach_the_decode_server(extra: dict[str, Any]) -> None:
+    """The issue's SSRF: a body lw cannot route (``"stream": null``) with the client's own
+    ``kv_transfer_params`` went to D raw, and D called the client's URL. On every path the
+    client's params are dropped (and counted) before anything is sent."""
+    with cluster() as c:
+        body = {"model": "m", "prompt": "hello there friend", "max_tokens": 4, **extra}
+        r = httpx.post(c.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        m = c.metrics()
+        assert m["client_transfer_params_dropped"] == 1, m
+        with c.world.lock:
+            sent = list(c.world.bodies.items())
+        for (_role, _tid), got in sent:
+            assert "evil" not in json.dumps(got) and "steal" not in json.dumps(got)
+        if extra.get("stream", False) is None:
+            assert c.world.has("d_alone") and m["relayed_unroutable"] == 1
+        if "keep" in json.dumps(extra):
+            (d_body,) = [b for (role, _), b in sent if role == "d"]
+            assert d_body["vllm_xargs"] == {"keep": "me"}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("extra,field", [
+    ({"kv_transfer_params": "x"}, "kv_transfer_params"),
+    ({"kv_transfer_params": [1]}, "kv_transfer_params"),
+    ({"kv_transfer_params": 7}, "kv_transfer_params"),
+    ({"vllm_xargs": {"kv_transfer_params": "x"}}, "vllm_xargs.kv_transfer_params"),
+    ({"vllm_xargs": {"kv_transfer_params": ["x"]}}, "vllm_xargs.kv_transfer_params"),
+    ({"vllm_xargs": "x"}, "vllm_xargs"),
+    ({"stream": None, "vllm_xargs": {"kv_transfer_params": "x"}},
+     "vllm_xargs.kv_transfer_params"),
+])
+def test_a_transfer_field_of_a_wrong_type_is_a_400_naming_it(path: str, extra: dict[str, Any],
+                                                             field: str) -> None:
+    """Where vLLM would pass a non-object to the connector (an empty 500 before), the proxy
+    answers 400 in vLLM's shape with ``param`` naming the field; nothing is sent to D."""
+    with cluster() as c:
+        body = {"model": "m", "prompt": "p", "messages": [{"role": "user", "content": "p"}],
+                **extra}
+        r = httpx.post(c.url + path, json=body, timeout=10)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"], err
+        assert err["type"] == "BadRequestError"
+        assert not c.world.has("d_relayed") and not c.world.has("d_request")
+        assert c.metrics()["client_transfer_params_refused"] == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("content,fragment", [
+    (b"{not json", "not valid JSON"),
+    (b'"just a string"', "JSON object"),
+    (b"[1, 2]", "JSON object"),
+    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+    (b'{"prompt": ' + b"[" * 80 + b"]" * 80 + b"}", "deeper than"),
+    (b"\xff\xfe{}", "not valid JSON"),
+])
+def test_what_is_not_a_json_object_is_refused_by_the_proxy_never_relayed(
+        path: str, content: bytes, fragment: str) -> None:
+    """Bytes that are not a JSON object never go anywhere: a parser more lenient than the
+    proxy's must not see what the proxy could not screen (400 in vLLM's shape)."""
+    with cluster() as c:
+        r = httpx.post(c.url + path, content=content,
+                       headers={"content-type": "application/json"}, timeout=10)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert fragment in err["message"] and err["type"] == "BadRequestError", err
+        assert not c.world.has("d_relayed") and not c.world.has("d_request")
+        assert c.metrics()["bad_requests"] == 1
 
 
 def test_a_body_without_model_is_served_with_the_decode_servers_model() -> None:
@@ -962,7 +1073,8 @@ def _forged(tid: str, sub: str | None = None, grant: str = "0" * 32) -> dict[str
     """A metaserver body aimed at another request's transfer, at blocks the attacker names."""
     return {"transfer_id": tid, "sub_transfer_id": sub or tid + "@0",
             "prompt_token_ids": [ord(ch) for ch in "evil tokens"],
-            "kv_transfer_params": {**D_PARAMS, "remote_block_ids": [0, 1, 2, 3]},
+            "kv_transfer_params": d_params([ord(ch) for ch in "evil tokens"],
+                                           remote_block_ids=[0, 1, 2, 3]),
             "grant": grant}
 
 

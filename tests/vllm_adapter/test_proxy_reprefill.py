@@ -42,6 +42,7 @@ from tests.vllm_adapter.test_proxy import (  # noqa: E402
     ServerThread,
     closed_port_url,
     completion,
+    d_params,
     lw_detail,
     wait_for,
 )
@@ -100,8 +101,9 @@ def fake_d(seen: Seen) -> FastAPI:
         tid = params["transfer_id"]
         sub = f"{tid}@0"
         base = {"transfer_id": tid, "sub_transfer_id": sub, "grant": params["metaserver_grant"]}
-        calls = [{**base, "prompt_token_ids": [ord(c) for c in body["prompt"]],
-                  "kv_transfer_params": dict(D_PARAMS), **seen.first}]
+        ids = [ord(c) for c in body["prompt"]]
+        calls = [{**base, "prompt_token_ids": ids, "kv_transfer_params": d_params(ids),
+                  **seen.first}]
         calls += [{**base, **c} for c in seen.then]
         control = params["metaserver"].removesuffix("/v1/metaserver")
         epoch = -1
@@ -171,7 +173,7 @@ def test_a_lost_prefill_moves_to_another_server_with_the_new_epoch() -> None:
     seen = Seen(first={"retry_prefill": 1}, then=[
         {"_after_failures": 1, "epoch": 1, "avoid": ["eng-dead"], "reason": "P lost"},
         {"epoch": 1},  # D's poster repeating a call whose answer it lost: idempotent
-        {"epoch": 0, "prompt_token_ids": [104], "kv_transfer_params": {}},  # stale
+        {"epoch": 0, "prompt_token_ids": [104], "kv_transfer_params": d_params([104])},  # stale
         {"epoch": 2},  # beyond the budget D declared
     ])
     with proxy(seen, ["dead", "p1"]) as px:  # the first pick is the dead server
@@ -340,7 +342,7 @@ def test_the_connectors_poster_and_the_proxy_agree_on_the_failover_calls() -> No
             base = {"transfer_id": tid, "sub_transfer_id": sub,
                     "grant": params["metaserver_grant"]}
             poster.post("r", sub, url, {**base, "prompt_token_ids": [104, 105],
-                                        "kv_transfer_params": dict(D_PARAMS),
+                                        "kv_transfer_params": d_params([104, 105]),
                                         "retry_prefill": 1})
             if n == 1:  # the dead server took it: D's core lost it and asks again
                 wait_for(lambda: httpx.get(control.url + "/metrics-json").json()[
@@ -350,7 +352,9 @@ def test_the_connectors_poster_and_the_proxy_agree_on_the_failover_calls() -> No
         assert [r.status_code for r in results] == [200, 200]
         assert poster.take_failures() == []
         # the first answer named no engine (not yet learned), nor the dead server's
-        assert poster.take_routes() == [Route(sub, "r", "eng-p1", "tcp://127.0.0.1:6001", 1)]
+        routes: list[Route] = []  # the poster's thread reads the answer after D's came back
+        wait_for(lambda: bool(routes.extend(poster.take_routes()) or routes))
+        assert routes == [Route(sub, "r", "eng-p1", "tcp://127.0.0.1:6001", 1)]
         assert [b["kv_transfer_params"].get("lw_epoch") for _, b in seen.p_bodies] == [None, 1]
     finally:
         poster.close()

@@ -1,0 +1,69 @@
+"""The proxy's bounds on what a peer can make it hold: body sizes on both ports, P's answer
+(size and time), and the health probes' cache.
+
+Each bound is stated here, in docs/deployment.md ("Threat model") and tried by a test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+__all__ = ["BodyTooLarge", "Limits", "read_body"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The proxy's bounds (``lw proxy`` flags set them)."""
+
+    max_body_bytes: int = 8 << 20
+    """A client body on the public port (a 128k-token prompt as token ids is ~1 MB)."""
+    max_control_body_bytes: int = 16 << 20
+    """A metaserver call (a prompt's token ids: ~7 bytes each)."""
+    max_prefill_answer_bytes: int = 1 << 20
+    """P's answer to a prefill (one token and lw's params: a few hundred bytes)."""
+    prefill_total_s: float = 600.0
+    """Whole prefill call, connect to last byte (httpx's timeouts bound each read, not this)."""
+    health_cache_s: float = 1.0
+    """A public ``/health`` answers from a probe at most this old (a flood probes no backend)."""
+    max_concurrent_requests: int = 4096
+    """Client requests in flight on the public port; more get 503 at once."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_control_body_bytes", "max_prefill_answer_bytes",
+                     "max_concurrent_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_total_s <= 0 or self.health_cache_s < 0:
+            raise ValueError("prefill_total_s must be > 0 and health_cache_s >= 0")
+
+
+class BodyTooLarge(ValueError):
+    """A body over its bound; nothing past the bound was read."""
+
+    def __init__(self, limit: int, declared: int | None = None) -> None:
+        what = f"declares {declared} bytes" if declared is not None else "is larger"
+        super().__init__(f"request body {what}; the limit is {limit} bytes")
+        self.limit = limit
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, read only up to ``limit`` bytes: a ``Content-Length`` above it is
+    refused before a byte is read, a longer stream as soon as it passes the limit."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            n = int(declared)
+        except ValueError:
+            n = -1
+        if n > limit:
+            raise BodyTooLarge(limit, n)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
