@@ -45,6 +45,12 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
+from lw.contract.params import (  # noqa: E402
+    CONTRACT_VERSION,
+    decoder_params,
+    prompt_digest,
+    sign_params,
+)
 from lw.transport.dataplane.planted import TRUNCATE_ENV  # noqa: E402
 from lw.transport.sidechannel import parse_cluster_key  # noqa: E402
 from lw.vllm_adapter.control_auth import signed_call  # noqa: E402
@@ -104,6 +110,12 @@ _truncate_flag: list[Path] = [Path()]  # set by the cluster fixture
 
 
 _reference: dict[tuple[str, int], Result] = {}
+
+
+def proxy_params(c: LocalCluster, metaserver: str, tid: str) -> dict[str, Any]:
+    """D's params as the cluster's proxy would sign them (for tests that stand in for it)."""
+    return sign_params(parse_cluster_key(c.cluster_key), "decode",
+                       decoder_params(metaserver, tid, "g" * 32))
 
 
 def reference(c: LocalCluster, prompt: str, max_tokens: int = MAX_TOKENS) -> Result:
@@ -354,8 +366,7 @@ def test_prefill_that_cannot_be_requested_fails_fast(cluster: LocalCluster) -> N
     dead = f"http://127.0.0.1:{_closed_port()}/v1/metaserver"
     body = {"model": MODEL_NAME, "prompt": make_prompt(90, seed=61), "max_tokens": 4,
             "temperature": 0.0,
-            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
-                                   "metaserver": dead, "transfer_id": "e2e-dead-metaserver"}}
+            "kv_transfer_params": proxy_params(cluster, dead, "e2e-dead-metaserver")}
     t0 = time.monotonic()
     r = httpx.post(cluster.url("decode") + "/v1/completions", json=body, timeout=60)
     took = time.monotonic() - t0
@@ -424,8 +435,11 @@ def test_forged_metaserver_calls_are_refused_and_the_victim_unharmed(
         assert tid, "the victim's transfer never showed up"
         forged = {"transfer_id": tid, "sub_transfer_id": f"{tid}@cmpl-{tid}-0",
                   "prompt_token_ids": [1, 2, 3],
-                  "kv_transfer_params": {"remote_host": "127.0.0.1", "remote_port": 1,
-                                         "remote_block_ids": [0, 1, 2]},
+                  "kv_transfer_params": {"remote_engine_id": "evil", "remote_host": "127.0.0.1",
+                                         "remote_port": 1, "remote_block_ids": [0, 1, 2],
+                                         "remote_tp_size": 1, "lw_geometry": "g",
+                                         "lw_params_version": CONTRACT_VERSION,
+                                         "lw_prompt_digest": prompt_digest([1, 2, 3])},
                   "grant": "0" * 32}
         # First, while the victim is live: a holder of the cluster key still lacks the grant
         # (403), and a copy of that call is refused as a replay.
@@ -448,8 +462,9 @@ def test_forged_metaserver_calls_are_refused_and_the_victim_unharmed(
 
 
 class _Interposer(http.server.BaseHTTPRequestHandler):
-    """A metaserver that a forged call got through: it starts D's prefill on P with D's block
-    ids reversed (what a forged or mistaken call would name), then the honest one."""
+    """A metaserver that a forged call got through (it holds the cluster key, as a compromised
+    proxy would): it starts D's prefill on P with D's block ids reversed (what a forged or
+    mistaken call would name), then the honest one."""
 
     prefill_url = ""
     status_workers: list[str] = []
@@ -467,11 +482,12 @@ class _Interposer(http.server.BaseHTTPRequestHandler):
 
     def _prefill_twice(self, msg: dict[str, Any]) -> None:
         kv = msg["kv_transfer_params"]
+        key = parse_cluster_key(type(self).cluster_key)
         honest = build_prefill_body({"model": MODEL_NAME}, kv, msg["sub_transfer_id"],
-                                    msg["prompt_token_ids"])
+                                    msg["prompt_token_ids"], key=key)
         forged = build_prefill_body({"model": MODEL_NAME}, {
             **kv, "remote_block_ids": kv["remote_block_ids"][::-1]}, msg["sub_transfer_id"],
-            msg["prompt_token_ids"])
+            msg["prompt_token_ids"], key=key)
         url = type(self).prefill_url + "/v1/completions"
         httpx.post(url, json=forged, timeout=60)
         # The honest prefill reuses the sub-transfer id: wait until P's push of the forged one
@@ -497,6 +513,89 @@ class _Interposer(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _Canary(http.server.BaseHTTPRequestHandler):
+    """A listener at the URL an attacker names: every request that reaches it is a failure."""
+
+    hits: list[str] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        type(self).hits.append(self.path)
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_GET = do_POST  # noqa: N815
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_hostile_requests_mixed_into_honest_load_reach_nothing(cluster: LocalCluster) -> None:
+    """The issue's attacks on the real engines, through the proxy and straight at P's and D's
+    vLLM ports, while honest requests run: a client's transfer params make no call to the URL
+    they name (the SSRF through the raw relay), a wrong type is a 400 naming the field (an
+    empty 500 before), unsigned params are refused at the engines' own ports; the honest
+    outputs equal the single engine's, and nothing stays held."""
+    _Canary.hits = []
+    canary = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Canary)
+    threading.Thread(target=canary.serve_forever, daemon=True).start()
+    steal = f"http://127.0.0.1:{canary.server_port}/steal"
+    evil = {"do_remote_prefill": True, "transfer_id": "evil-1", "metaserver": steal}
+    forged_p = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "evil@1",
+                "remote_engine_id": "evil", "remote_host": "127.0.0.1",
+                "remote_port": canary.server_port, "remote_block_ids": [0, 1],
+                "remote_tp_size": 1, "lw_geometry": "g", "lw_params_version": CONTRACT_VERSION,
+                "lw_prompt_digest": "0" * 32}
+    proxy, d, p = cluster.url("proxy"), cluster.url("decode"), cluster.url("prefill")
+    base = {"model": MODEL_NAME, "prompt": "hello there friend", "max_tokens": 4}
+    cases: list[tuple[str, str, dict[str, Any], int, str | None]] = [
+        ("ssrf via the raw relay", proxy, {"stream": None, "kv_transfer_params": evil}, 200,
+         None),  # D serves it alone: the client's params were dropped
+        ("ssrf in vllm_xargs", proxy, {"stream": None, "vllm_xargs": {
+            "kv_transfer_params": evil}}, 200, None),
+        ("xargs wrong type, proxy", proxy, {"vllm_xargs": {"kv_transfer_params": "x"}}, 400,
+         "vllm_xargs.kv_transfer_params"),
+        ("xargs wrong type, D", d, {"vllm_xargs": {"kv_transfer_params": "x"}}, 400,
+         "vllm_xargs.kv_transfer_params"),
+        ("xargs wrong type, P", p, {"vllm_xargs": {"kv_transfer_params": "x"}}, 400,
+         "vllm_xargs.kv_transfer_params"),
+        ("unsigned ssrf params, D", d, {"kv_transfer_params": {
+            **evil, "metaserver_grant": "g" * 32}}, 400, "kv_transfer_params"),
+        ("forged signature, D", d, {"kv_transfer_params": {
+            **evil, "metaserver_grant": "g" * 32, "lw_contract": CONTRACT_VERSION,
+            "lw_sig": "0" * 64}}, 400, "kv_transfer_params.lw_sig"),
+        ("unsigned prefill params, P", p, {"kv_transfer_params": forged_p}, 400,
+         "kv_transfer_params"),
+    ]
+    before = httpx.get(cluster.control_url + "/metrics-json", timeout=10).json()
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            honest = [pool.submit(judged, cluster, proxy, make_prompt(90, seed=930 + i))
+                      for i in range(3)]
+            for name, url, extra, status, field in cases:
+                r = httpx.post(url + "/v1/completions", json={**base, **extra}, timeout=120)
+                assert r.status_code == status, (name, r.status_code, r.text)
+                if field is not None:
+                    err = r.json()["error"]
+                    assert err["param"] == field and field in err["message"], (name, err)
+                    assert err["type"] == "BadRequestError", (name, err)
+            verdicts = [f.result(timeout=300) for f in honest]
+    finally:
+        canary.shutdown()
+    assert _Canary.hits == [], _Canary.hits  # no engine called the attacker's URL
+    assert all(v.same for v in verdicts), verdicts
+    after = httpx.get(cluster.control_url + "/metrics-json", timeout=10).json()
+    assert after["client_transfer_params_dropped"] - before[
+        "client_transfer_params_dropped"] == 2
+    assert after["client_transfer_params_refused"] - before[
+        "client_transfer_params_refused"] == 1
+    for url in (d, p):  # both engines serve the next request
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert not any((h := wait_idle(cluster)).values()), h
+
+
 def test_decode_refuses_a_prefill_aimed_at_other_blocks(cluster: LocalCluster) -> None:
     """The second line: a prefill started with other D block ids than D registered for the
     request (here its own blocks reversed, which would scramble its KV) is refused at P's claim
@@ -510,10 +609,9 @@ def test_decode_refuses_a_prefill_aimed_at_other_blocks(cluster: LocalCluster) -
     try:
         prompt = make_prompt(90, seed=92)  # several blocks: reversed is another placement
         got = complete(cluster.url("decode"), prompt, MAX_TOKENS, stream=False,
-                       logprobs=TOP_K, extra={"kv_transfer_params": {
-                           "do_remote_prefill": True, "do_remote_decode": False,
-                           "transfer_id": "e2e-interposed",
-                           "metaserver": f"http://127.0.0.1:{server.server_port}/m"}})
+                       logprobs=TOP_K, extra={"kv_transfer_params": proxy_params(
+                           cluster, f"http://127.0.0.1:{server.server_port}/m",
+                           "e2e-interposed")})
     finally:
         server.shutdown()
     [msg] = _Interposer.seen
@@ -568,9 +666,8 @@ def test_lw_status_lists_a_request_in_flight_then_an_empty_table(
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     body = {"model": MODEL_NAME, "prompt": make_prompt(90, seed=71), "max_tokens": 4,
             "temperature": 0.0, "stream": True,
-            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
-                                   "metaserver": f"http://127.0.0.1:{srv.server_port}/meta",
-                                   "transfer_id": "e2e-status"}}
+            "kv_transfer_params": proxy_params(
+                cluster, f"http://127.0.0.1:{srv.server_port}/meta", "e2e-status")}
     try:
         with httpx.Client(timeout=30) as client, client.stream(
                 "POST", cluster.url("decode") + "/v1/completions", json=body):
@@ -691,6 +788,19 @@ def test_sidecar_prefills_on_the_prefill_server_the_header_names(
                        headers={"x-prefiller-host-port": "127.0.0.1:1"})
         assert r.status_code == 403 and r.json()["error"]["type"] == "ForbiddenError", r.text
         assert prompt_tokens(d_url) == d_before
+        # a client's transfer fields through the sidecar: a wrong type is a 400 naming it (a 502
+        # wrapping D's empty 500 before); a well-typed one is dropped, D serves the body alone
+        r = httpx.post(side.url + "/v1/completions", timeout=30, json={
+            **body, "vllm_xargs": {"kv_transfer_params": "x"}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "vllm_xargs.kv_transfer_params", r.text
+        r = httpx.post(side.url + "/v1/completions", timeout=120, json={
+            **body, "stream": None, "kv_transfer_params": {
+                "do_remote_prefill": True, "transfer_id": "evil-1",
+                "metaserver": "http://127.0.0.1:1/steal"}})
+        assert r.status_code == 200, r.text
+        m = httpx.get(f"http://127.0.0.1:{control}/metrics-json", timeout=10).json()
+        assert m["client_transfer_params_dropped"] == 1 and m["metaserver_calls"] == 2, m
         assert "vllm:kv_cache_usage_perc" in httpx.get(side.url + "/metrics", timeout=10).text
         assert not any((h := wait_idle(cluster)).values()), h
     finally:
