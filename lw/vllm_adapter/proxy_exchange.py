@@ -52,25 +52,28 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
     state.timeline.mark(sub.sub_id, "p_sent")
     try:
         try:
-            resp = await state.client.post(url, json=body, headers=headers)
+            code, content = await asyncio.wait_for(
+                _post_bounded(state, url, body, headers), state.limits.prefill_total_s)
             state.timeline.mark(sub.sub_id, "p_done")
-        except httpx.TimeoutException as exc:
+        except (TimeoutError, httpx.TimeoutException) as exc:
             status = 504
-            error = f"prefill server {backend.url} timed out on {COMPLETIONS}: {_describe(exc)}"
-        except httpx.HTTPError as exc:
+            why = _describe(exc) if str(exc) else (
+                f"no whole answer within {state.limits.prefill_total_s:g} s")
+            error = f"prefill server {backend.url} timed out on {COMPLETIONS}: {why}"
+        except (httpx.HTTPError, AnswerTooLarge) as exc:
             error = f"prefill server {backend.url} failed on {COMPLETIONS}: {_describe(exc)}"
         else:
-            if resp.is_success:
+            if 200 <= code < 300:
                 sub.state = "done"
                 backend.answered()
-                params = _prefill_params(resp)
+                params = _prefill_params(content)
                 state.workers.learn("prefill", params.get(PREFILL_WORKERS_KEY))
                 backend.learn_engine(params.get(PREFILL_ENGINE_KEY),
                                      params.get(PREFILL_WORKERS_KEY))
                 return
-            lost = resp.status_code >= 500
-            error = (f"prefill server {backend.url} returned HTTP {resp.status_code} on "
-                     f"{COMPLETIONS}: {_quote(resp.content)}")
+            lost = code >= 500
+            error = (f"prefill server {backend.url} returned HTTP {code} on "
+                     f"{COMPLETIONS}: {_quote(content)}")
         if status != 504:  # refused, dropped or 5xx: route new prefills elsewhere a while
             backend.failed(asyncio.get_running_loop().time())
         backend.errors += 1
@@ -109,11 +112,32 @@ def _left_to_decode(state: ProxyState, tr: Transfer, sub: SubPrefill, lost: bool
     return False
 
 
-def _prefill_params(resp: httpx.Response) -> dict[str, Any]:
+class AnswerTooLarge(ValueError):
+    """P's answer passed ``limits.max_prefill_answer_bytes`` (one token and lw's params are a
+    few hundred bytes): the rest is not read."""
+
+
+async def _post_bounded(state: ProxyState, url: str, body: dict[str, Any],
+                        headers: dict[str, str]) -> tuple[int, bytes]:
+    """POST to P; its status and answer, read up to the bound (decoded bytes: a compressed
+    answer cannot unpack past it)."""
+    limit = state.limits.max_prefill_answer_bytes
+    async with state.client.stream("POST", url, json=body, headers=headers) as resp:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.aiter_bytes():
+            size += len(chunk)
+            if size > limit:
+                raise AnswerTooLarge(f"answer larger than {limit} bytes")
+            chunks.append(chunk)
+        return resp.status_code, b"".join(chunks)
+
+
+def _prefill_params(content: bytes) -> dict[str, Any]:
     """The ``kv_transfer_params`` of a prefill response ({} if none)."""
     try:
-        params = resp.json().get("kv_transfer_params")
-    except (ValueError, AttributeError):
+        params = json.loads(content).get("kv_transfer_params")
+    except (ValueError, AttributeError, RecursionError):
         return {}
     return params if isinstance(params, dict) else {}
 
