@@ -208,22 +208,24 @@ def is_prefill_request(params: Any) -> bool:
 
 def decode_params_for_decoder(key: bytes | None, params: Any) -> DecodeParams:
     """D: the proxy's signed params of a request, or ContractError naming the field."""
+    if isinstance(params, Mapping):
+        _check(key, "decode", params)  # first: an unsigned caller learns no field names
     out: DecodeParams = _convert(params, DecodeParams)
     if not out.do_remote_prefill or out.do_remote_decode:
         raise ContractError("kv_transfer_params.do_remote_prefill",
                             "a decode engine takes do_remote_prefill=true, do_remote_decode=false")
-    _check(key, "decode", params)
     return out
 
 
 def decode_params_for_prefiller(key: bytes | None, params: Any) -> PrefillParams:
     """P: the proxy's signed params of a prefill, or ContractError naming the field."""
+    if isinstance(params, Mapping):
+        _check(key, "prefill", params)
     out: PrefillParams = _convert(params, PrefillParams)
     if not out.do_remote_decode or out.do_remote_prefill or not out.transfer_id:
         raise ContractError("kv_transfer_params.do_remote_decode",
                             "a prefill engine takes do_remote_decode=true, "
                             "do_remote_prefill=false and a transfer_id")
-    _check(key, "prefill", params)
     return out
 
 

@@ -79,6 +79,11 @@ class TransferParamsGuard:
         if scope.get("type") != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # refused unread
+            await _answer(send, 413, _error(413, f"request body declares {int(declared)} "
+                                                 f"bytes; the limit is {MAX_BODY_BYTES}", None))
+            return
         chunks: list[bytes] = []
         size = 0
         more = True
@@ -125,7 +130,9 @@ def _replay(raw: bytes, receive: Receive, first: Message | None = None) -> Recei
 
 
 async def _answer(send: Send, status: int, body: bytes) -> None:
+    # the connection closes: a client that sent a body it was refused for sends no more
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})

@@ -33,7 +33,8 @@ async def screened_body(state: ProxyState, request: Request) -> bytes | Response
         raw = await read_body(request, state.limits.max_body_bytes)
     except BodyTooLarge as exc:
         state.counters["bodies_too_large"] += 1
-        return JSONResponse(error_body(str(exc), 413, stage="proxy"), status_code=413)
+        return JSONResponse(error_body(str(exc), 413, stage="proxy"), status_code=413,
+                            headers={"connection": "close"})  # the rest is not read
     looks_json = raw.lstrip()[:1] in (b"{", b"[") or "json" in request.headers.get(
         "content-type", "")
     if not looks_json:

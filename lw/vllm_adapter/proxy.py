@@ -117,8 +117,9 @@ def _refuse(state: ProxyState, status: int, message: str, *, counter: str,
     at most once per kind every few seconds."""
     state.counters[counter] += 1
     state.refusals.warning(counter, "client request refused (%d): %s", status, message)
+    # closed after the answer: the rest of a refused body is not read (uvicorn would drain it)
     return JSONResponse(error_body(message, status, stage="proxy", param=param),
-                        status_code=status)
+                        status_code=status, headers={"connection": "close"})
 
 
 async def client_body(state: ProxyState, request: Request) -> dict[str, Any] | JSONResponse:

@@ -111,7 +111,9 @@ def build_control_app(state: ProxyState) -> FastAPI:
             msg, dict) else {}
         state.refusals.warning(f"metaserver_{status}", "metaserver call from %s refused (%d): "
                                "%s %s", peer, status, detail, ids)
-        return JSONResponse({"status": "error", **ids, "detail": detail}, status)
+        # closed after the answer: the rest of a refused body is not read
+        return JSONResponse({"status": "error", **ids, "detail": detail}, status,
+                            headers={"connection": "close"})
 
     @app.post("/v1/metaserver", name="metaserver")
     async def metaserver(request: Request) -> JSONResponse:
@@ -120,10 +122,17 @@ def build_control_app(state: ProxyState) -> FastAPI:
         why = state.verifier.header_problem(request.headers) if state.verifier.key else ""
         if why:  # before reading the body: an unsigned caller makes the proxy hold nothing
             return refuse(401, why, request)
+        if state.control_reads >= state.limits.max_control_reads:
+            # bodies are read before their MAC can be checked: bound what callers can hold
+            return refuse(503, f"{state.limits.max_control_reads} calls are being read; "
+                          "try again", request)
+        state.control_reads += 1
         try:
             raw = await read_body(request, state.limits.max_control_body_bytes)
         except BodyTooLarge as exc:
             return refuse(413, str(exc), request)
+        finally:
+            state.control_reads -= 1
         why = state.verifier.check(request.headers, raw)
         if why:
             return refuse(401, why, request)

@@ -19,8 +19,11 @@ class Limits:
 
     max_body_bytes: int = 8 << 20
     """A client body on the public port (a 128k-token prompt as token ids is ~1 MB)."""
-    max_control_body_bytes: int = 16 << 20
-    """A metaserver call (a prompt's token ids: ~7 bytes each)."""
+    max_control_body_bytes: int = 8 << 20
+    """A metaserver call (a prompt's token ids: ~7 bytes each; 8 MiB is a 1M-token prompt)."""
+    max_control_reads: int = 32
+    """Metaserver bodies read at once (each before its MAC is checked): with the size bound,
+    what callers without the key can make the proxy hold (256 MiB at most)."""
     max_prefill_answer_bytes: int = 1 << 20
     """P's answer to a prefill (one token and lw's params: a few hundred bytes)."""
     prefill_total_s: float = 600.0
@@ -32,7 +35,7 @@ class Limits:
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_control_body_bytes", "max_prefill_answer_bytes",
-                     "max_concurrent_requests"):
+                     "max_concurrent_requests", "max_control_reads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_total_s <= 0 or self.health_cache_s < 0:

@@ -318,6 +318,7 @@ class ProxyState:
         self.refusals = RateLimitedLog(log)  # one line per kind and 5 s, whatever the flood
         self.health_cache: tuple[float, dict[str, Any]] | None = None  # (when, report)
         self.health_task: asyncio.Future[dict[str, Any]] | None = None  # the probe running
+        self.control_reads = 0  # metaserver bodies being read (limits.max_control_reads)
         self.prefills = [Backend(normalize_url(u), "prefill") for u in prefill_urls]
         self.decodes = [Backend(normalize_url(u), "decode") for u in decode_urls]
         # as llm-d's routing sidecar: one local D; the prefill server comes with each request

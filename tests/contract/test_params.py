@@ -95,6 +95,10 @@ def test_unsigned_other_key_other_role_and_other_version_are_refused() -> None:
     ({**decoder_params("http://x/y", "t", "g" * 32), "extra": 1}, "kv_transfer_params"),
 ])
 def test_malformed_decode_params_name_the_field(params: Any, field: str) -> None:
+    """Signed (a proxy's bug, not a client: the signature is checked first, so an unsigned
+    caller learns no field names) yet malformed: refused naming the field."""
+    if isinstance(params, dict):
+        params = sign_params(KEY, "decode", params)
     with pytest.raises(ContractError) as err:
         decode_params_for_decoder(KEY, params)
     assert err.value.field.startswith(field), err.value

@@ -183,7 +183,7 @@ def fake_prefill(name: str, world: World) -> FastAPI:
 
     app.post("/v1/completions")(serve)
     app.post("/v1/chat/completions")(serve)
-    app.get("/health")(lambda: {"ok": True})
+    app.get("/health")(lambda: world.record("health", name, "") or {"ok": True})
     return app
 
 
@@ -303,7 +303,7 @@ def fake_decode(name: str, world: World, deadline_s: float = 5.0) -> FastAPI:
 
     app.post("/v1/completions")(serve)
     app.post("/v1/chat/completions")(serve)
-    app.get("/health")(lambda: {"ok": True})
+    app.get("/health")(lambda: world.record("health", name, "") or {"ok": True})
     app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "tiny", "server": name}]})
     app.get("/metrics")(lambda: Response(f"fake_vllm_up{{server=\"{name}\"}} 1\n",
                                          media_type="text/plain"))
