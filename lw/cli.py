@@ -8,6 +8,8 @@ import sys
 # subcommand -> (module, help); each module has main(argv) -> int
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("lw.demo", "run a local P/D cluster and report (default: real vLLM engines)"),
+    "hostile": ("lw.vllm_adapter.hostile", "send hostile inputs to a local P/D cluster (real "
+                "vLLM engines) and print what each did"),
     "check": ("lw.sim.cli", "model-check the protocol (exhaustive or random)"),
     "diagrams": ("lw.diagrams", "regenerate or --check docs/diagrams"),
     "proxy": ("lw.vllm_adapter.proxy", "run the D-first proxy in front of vLLM servers"),
