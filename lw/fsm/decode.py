@@ -136,12 +136,13 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
     # ----------------------------------------------------------------------------- events
     def add_request(
         self, req_id: str, block_ids: tuple[int, ...],
-        expected_senders: int | Collection[int], now: float,
+        expected_senders: int | Collection[int], now: float, prompt: str = "",
     ) -> list[Effect]:
         """Blocks were allocated for a request whose prefill is about to be requested.
 
         ``expected_senders`` is the set of P TP ranks that write into this worker (each claims
-        with its format and sends one DONE), or just how many senders, of any rank."""
+        with its format and sends one DONE), or just how many senders, of any rank; ``prompt``
+        the digest of the prompt the blocks are for (a claim must name the same)."""
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} is already live on D {self.me.engine_id}")
         if isinstance(expected_senders, int):
@@ -153,7 +154,9 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
             raise ValueError(f"request {req_id!r}: expected_senders must be >= 1")
         self._finished.pop(req_id, None)
         deadline = now + self.config.prefill_timeout_s
-        self._reqs[req_id] = DecodeRecord(req_id, tuple(block_ids), count, ranks, now, deadline)
+        rec = self._reqs[req_id] = DecodeRecord(req_id, tuple(block_ids), count, ranks, now,
+                                                deadline)
+        rec.prompt = prompt
         self.counters["requests"] += 1
         self.timeline.record(now, req_id, "allocated", "", PREFILL_REQUESTED,
                              f"{len(block_ids)} blocks, expects "
@@ -383,6 +386,11 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
             # mistaken metaserver call): its writes would land in another request's blocks.
             return (f"the sender would write D block(s) {brief_blocks(msg.blocks)}, but this "
                     f"request receives into {brief_blocks(rec.blocks)}")
+        if rec.prompt and msg.prompt != rec.prompt:
+            # Its prefill computed another prompt than the one these blocks were allocated for
+            # (chat template, tokenizer or a forged call): its KV would be wrong KV here.
+            return (f"the sender computed prompt {msg.prompt[:8] or '(unnamed)'}, but this "
+                    f"request's blocks are for prompt {rec.prompt[:8]}")
         why = pair_problem(msg.fmt, self.layout.fmt)
         if why:
             return why

@@ -80,7 +80,7 @@ class DecodeRecord:
 
     __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
                  "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums", "asked",
-                 "epoch", "retries", "avoid", "route", "asking")
+                 "epoch", "retries", "avoid", "route", "asking", "prompt")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
                  ranks: frozenset[int] | None, now: float, deadline: float) -> None:
@@ -91,6 +91,7 @@ class DecodeRecord:
         self.alarmed = False  # reported stuck in its current state already
         self.formats: dict[SenderKey, KVFormat] = {}  # each accepted sender's head format
         self.blocks = blocks
+        self.prompt = ""  # the digest of the prompt the blocks are for ("": not bound)
         self.expected = expected
         self.ranks = ranks  # the P TP ranks that write into us; None: any ``expected`` senders
         self.by_rank: dict[int, SenderKey] = {}  # P TP rank -> the sender that claimed it

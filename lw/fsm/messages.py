@@ -14,8 +14,9 @@ import msgspec
 MAX_TIMELINE = 100_000  # timeline entries one StatusQuery may ask for
 MAX_TEXT = 1024  # longest reason or other free text a message carries (senders cut theirs)
 # 2: KVFormat in layouts and claims (heterogeneous TP, MLA); 3: a claim names the D blocks;
-# 4: claims, DONEs, failures, aborts and their acks carry the claim epoch (prefill failover)
-PROTOCOL_VERSION = 4
+# 4: claims, DONEs, failures, aborts and their acks carry the claim epoch (prefill failover);
+# 5: a claim names the digest of the prompt its sender computed (D refuses another prompt's)
+PROTOCOL_VERSION = 5
 
 # Bounds that make absurd values a decode error rather than a problem for the core.
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -30,6 +31,8 @@ _BlockId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 # Which prefill attempt of a request a message belongs to: D starts at 0 and moves to the next
 # epoch when it asks for a re-prefill; messages of another epoch never count for the current one.
 _Epoch = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+_Prompt = Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{32})?$")]
+"""The digest of a prompt's token ids (lw.contract.params.prompt_digest); "" when unbound."""
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=True):
@@ -93,6 +96,9 @@ class MetaRequest(_Msg, tag="meta_req"):
     blocks: Annotated[tuple[_BlockId, ...], msgspec.Meta(max_length=1 << 20)]
     fmt: KVFormat = msgspec.field(default_factory=KVFormat)  # the heads this sender holds
     epoch: _Epoch = 0  # the prefill attempt that started this sender (D accepts only its own)
+    # The digest of the prompt this sender computed: D accepts it only for the prompt it
+    # allocated the blocks for ("" on both sides: not bound, as in the checker's world).
+    prompt: _Prompt = ""
 
 
 MetaStatus = Literal["accepted", "refused", "unknown"]

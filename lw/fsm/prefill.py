@@ -514,7 +514,7 @@ class PrefillEndpoint(LifecycleEndpoint):
                 out.append(Send(t.addr, MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me,
                                                     self.layouts.get(t.addr) is None,
                                                     rec.req.remote_blocks, self.fmt,
-                                                    rec.req.epoch)))
+                                                    rec.req.epoch, rec.req.prompt)))
         out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
 
     def _send_meta_request(self, rec: PrefillRecord, t: _Target, now: float,
@@ -523,7 +523,7 @@ class PrefillEndpoint(LifecycleEndpoint):
         rec.meta_tries += 1
         out.append(Send(t.addr, MetaRequest(PROTOCOL_VERSION, rec.req.req_id, self.me,
                                             True, rec.req.remote_blocks, self.fmt,
-                                            rec.req.epoch)))
+                                            rec.req.epoch, rec.req.prompt)))
         out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
 
     def _send_done(self, rec: PrefillRecord, out: list[Effect]) -> None:

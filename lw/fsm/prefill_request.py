@@ -84,6 +84,8 @@ class PrefillRequest:
     # D's claim epoch of this prefill attempt (0: the first; a re-prefill after a lost P has a
     # higher one): every message of this request carries it, D takes only its current one.
     epoch: int = 0
+    # the digest of the prompt this rank computes, named in its claim ("" : not bound)
+    prompt: str = ""
 
     @property
     def targets(self) -> tuple[str, ...]:

@@ -226,16 +226,16 @@ class WorkerLoop:
             self._batch_woken = t
         self._wake()
 
-    def call(self, method: str, *args: Any) -> Future:
-        """Run ``endpoint.<method>(*args, now)`` on the loop (add_request, add_chunk, abort,
-        peer_lost).
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Future:
+        """Run ``endpoint.<method>(*args, now, **kwargs)`` on the loop (add_request, add_chunk,
+        abort, peer_lost).
 
         Returns a Future with the method's effects (or its exception); never waits.
         """
         if method not in _CALLS:
             raise ValueError(f"WorkerLoop.call: {method!r} is not one of {sorted(_CALLS)}")
         fut: Future = Future()
-        self._enqueue((_CALL, method, args, fut))
+        self._enqueue((_CALL, method, (args, kwargs), fut))
         return fut
 
     def run(self, fn: Callable[[WorkerLoop], Any]) -> Future:
@@ -416,12 +416,12 @@ class WorkerLoop:
                 layer_effects += effects
                 self.counters["layer_event_s"] += time.perf_counter() - started
             elif kind == _CALL:
-                _, method, args, fut = item
+                _, method, (args, kwargs), fut = item
                 self.counters["calls"] += 1
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
-                    effects = getattr(ep, method)(*args, self._clock())
+                    effects = getattr(ep, method)(*args, self._clock(), **kwargs)
                 except BaseException as exc:
                     self.counters["call_errors"] += 1
                     fut.set_exception(exc)

@@ -39,6 +39,7 @@ class SendSpec:
     # the request's W3C trace context (first push, vLLM tracing on; lw.vllm_adapter.tracing)
     trace: tuple[tuple[str, str], ...] = ()
     epoch: int = 0  # D's claim epoch of this prefill attempt (``lw_epoch``; > 0: a re-prefill)
+    prompt: str = ""  # the digest of D's prompt (``lw_prompt_digest``), named in the claim
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class RecvSpec:
     req_id: str
     block_ids: tuple[int, ...]
     trace: tuple[tuple[str, str], ...] = ()  # as SendSpec.trace
+    prompt: str = ""  # the digest of the prompt the blocks are for (a claim must name it)
 
 
 @dataclass(frozen=True)

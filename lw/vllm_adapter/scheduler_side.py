@@ -74,6 +74,7 @@ class _PReq:
     push: PushCursor  # how far its push got (from D's prefix hit on)
     decoder_tp: int = 1
     epoch: int = 0  # D's claim epoch of this attempt (lw_epoch)
+    prompt: str = ""  # the digest of the prompt D's blocks are for, named in P's claim
 
 
 @dataclass
@@ -204,7 +205,7 @@ class SchedulerSide:
             raise ValueError("the prompt differs from the one the decode engine allocated its "
                              "blocks for (lw_prompt_digest)")
         return _PReq(request, pp.transfer_id, pp.remote_host, pp.remote_port, tuple(blocks),
-                     PushCursor(first), pp.remote_tp_size, pp.lw_epoch)
+                     PushCursor(first), pp.remote_tp_size, pp.lw_epoch, pp.lw_prompt_digest)
 
     def _push_chunk(self, rid: str, num_scheduled: int) -> None:
         """This step computes a chunk of ``rid``: push the blocks it completes (progressive), or
@@ -233,7 +234,7 @@ class SchedulerSide:
         trace = trace_headers_of(req) if push.first and self._traced else ()
         self._meta.sends.append(SendSpec(tr.transfer_id, rid, tr.host, tr.port, push.local,
                                          tr.remote_blocks, tr.decoder_tp, push.first,
-                                         push.final, trace, tr.epoch))
+                                         push.final, trace, tr.epoch, tr.prompt))
 
     def _starts_now(self, tr: _PReq, req: Any, computed: int) -> bool:
         """Whether a request not pushed yet starts its push with a chunk that is not its last."""
@@ -329,8 +330,9 @@ class SchedulerSide:
                                           self.block_size)
         tid = sub_transfer_id(params.transfer_id, rid)
         dr = self._d[rid] = _DReq(tid)
+        digest = prompt_digest(request.prompt_token_ids or ())
         self._meta.recvs.append(RecvSpec(tid, rid, remote, trace_headers_of(request)
-                                         if self._traced else ()))
+                                         if self._traced else (), digest))
         with self._lock:
             self._counts["prefix_hit_blocks"] += first
         kv = {
@@ -343,7 +345,7 @@ class SchedulerSide:
             "remote_tp_size": self.cfg.tp_size,
             "lw_geometry": self.geometry,
             "lw_params_version": CONTRACT_VERSION,
-            "lw_prompt_digest": prompt_digest(request.prompt_token_ids or ()),
+            "lw_prompt_digest": digest,
         }
         body = {"transfer_id": params.transfer_id, "sub_transfer_id": tid,
                 "prompt_token_ids": list(request.prompt_token_ids or ()),

@@ -259,9 +259,9 @@ class WorkerSide:
         return planted
 
     # ---------------------------------------------------------------------------- per step
-    def _call(self, method: str, *args: Any, rid: str, tid: str) -> None:
+    def _call(self, method: str, *args: Any, rid: str, tid: str, **kwargs: Any) -> None:
         assert self.loop is not None
-        fut = self.loop.call(method, *args)
+        fut = self.loop.call(method, *args, **kwargs)
         fut.add_done_callback(lambda f: self._call_done(f, method, rid, tid))
 
     def _call_done(self, fut: Any, method: str, rid: str, tid: str) -> None:
@@ -310,7 +310,7 @@ class WorkerSide:
                 self.tracer.begin(r.transfer_id, r.trace, {"lw.request_id": r.req_id})
             senders = expected_senders(self.fmt, self.cfg.peer_tp_size or self.cfg.tp_size)
             self._call("add_request", r.transfer_id, r.block_ids, senders, rid=r.req_id,
-                       tid=r.transfer_id)
+                       tid=r.transfer_id, prompt=r.prompt)
         for s in meta.sends:
             if not s.first:  # a further chunk of a request the core holds (or released)
                 if self._rid.get(s.transfer_id) != s.req_id:
@@ -339,7 +339,8 @@ class WorkerSide:
             addrs = tuple(f"tcp://{s.decoder_host}:{s.decoder_port + j}"
                           for j in targets_of(self.fmt, s.decoder_tp))
             self._call("add_request", PrefillRequest(s.transfer_id, addrs, s.local_blocks,
-                                                     s.remote_blocks, 1, s.final, s.epoch),
+                                                     s.remote_blocks, 1, s.final, s.epoch,
+                                                     s.prompt),
                        rid=s.req_id, tid=s.transfer_id)
             if s.local_blocks:  # a first chunk that completes no block reports no layer
                 self._step_sends.append(s.transfer_id)
