@@ -14,7 +14,7 @@ from starlette.background import BackgroundTask
 
 from lw.contract.client import screen_client_body
 from lw.contract.params import ContractError
-from lw.vllm_adapter.proxy_limits import BodyTooLarge, read_body
+from lw.vllm_adapter.proxy_limits import BodyTooLarge, BodyTooSlow, read_body
 from lw.vllm_adapter.proxy_state import ProxyState, _describe, error_body
 
 __all__ = ["passthrough_handler"]
@@ -30,7 +30,11 @@ async def screened_body(state: ProxyState, request: Request) -> bytes | Response
     """A body for the decode server: a JSON object without the client's transfer fields
     (re-encoded), other bytes as they came; at most ``limits.max_body_bytes`` either way."""
     try:
-        raw = await read_body(request, state.limits.max_body_bytes)
+        raw = await read_body(request, state.limits.max_body_bytes, state.limits.body_read_s)
+    except BodyTooSlow as exc:
+        state.counters["bodies_too_slow"] += 1
+        return JSONResponse(error_body(str(exc), 408, stage="proxy"), status_code=408,
+                            headers={"connection": "close"})
     except BodyTooLarge as exc:
         state.counters["bodies_too_large"] += 1
         return JSONResponse(error_body(str(exc), 413, stage="proxy"), status_code=413,

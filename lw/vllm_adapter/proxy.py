@@ -58,7 +58,7 @@ from lw.vllm_adapter.control_auth import CallVerifier
 from lw.vllm_adapter.passthrough import passthrough_handler
 from lw.vllm_adapter.proxy_control import build_control_app, cached_health
 from lw.vllm_adapter.proxy_exchange import Exchange
-from lw.vllm_adapter.proxy_limits import BodyTooLarge, Limits, read_body
+from lw.vllm_adapter.proxy_limits import BodyTooLarge, BodyTooSlow, Limits, read_body
 from lw.vllm_adapter.proxy_state import (
     CHAT,
     COMPLETIONS,
@@ -127,9 +127,11 @@ async def client_body(state: ProxyState, request: Request) -> dict[str, Any] | J
     413 over the size bound, 400 not JSON / too deep / not an object / a transfer field of a
     wrong type (``param`` names it). The raw bytes never go anywhere."""
     try:
-        raw = await read_body(request, state.limits.max_body_bytes)
+        raw = await read_body(request, state.limits.max_body_bytes, state.limits.body_read_s)
     except BodyTooLarge as exc:
         return _refuse(state, 413, str(exc), counter="bodies_too_large")
+    except BodyTooSlow as exc:
+        return _refuse(state, 408, str(exc), counter="bodies_too_slow")
     try:
         parsed = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -315,8 +317,11 @@ async def _serve(apps: ProxyApps, public: socket.socket, control: socket.socket,
     """Serve both apps until either stops (Ctrl-C stops both)."""
     import uvicorn
 
-    servers = [uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan=lifespan))
-               for app, lifespan in ((apps.public, "on"), (apps.control, "off"))]
+    # connections per port bounded (503 beyond); idle keep-alive connections close after 5 s
+    servers = [uvicorn.Server(uvicorn.Config(
+        app, log_level=log_level, lifespan=lifespan, timeout_keep_alive=5,
+        limit_concurrency=apps.state.limits.max_connections))
+        for app, lifespan in ((apps.public, "on"), (apps.control, "off"))]
     tasks = [asyncio.ensure_future(s.serve(sockets=[sock]))
              for s, sock in zip(servers, (public, control), strict=True)]
     try:

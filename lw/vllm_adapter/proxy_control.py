@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from lw.contract.params import ContractError, metaserver_call
 from lw.vllm_adapter.proxy_exchange import run_prefill
 from lw.vllm_adapter.proxy_failover import failover_problem, reprefill, route_fields
-from lw.vllm_adapter.proxy_limits import BodyTooLarge, read_body
+from lw.vllm_adapter.proxy_limits import BodyTooLarge, BodyTooSlow, read_body
 from lw.vllm_adapter.proxy_state import (
     Backend,
     ProxyState,
@@ -94,8 +94,14 @@ async def cached_health(state: ProxyState) -> dict[str, Any]:
         return cached[1]
     task = state.health_task
     if task is None or task.done():  # concurrent callers share one probe
-        task = state.health_task = asyncio.ensure_future(health_report(state))
-    report = await asyncio.shield(task)
+        task = state.health_task = asyncio.ensure_future(_probe(state))
+    return await asyncio.shield(task)
+
+
+async def _probe(state: ProxyState) -> dict[str, Any]:
+    """One probe of every backend, cached before its task ends (so no caller can find the
+    task done and the cache unset, and probe again)."""
+    report = await health_report(state)
     state.health_cache = (asyncio.get_running_loop().time(), report)
     return report
 
@@ -128,9 +134,12 @@ def build_control_app(state: ProxyState) -> FastAPI:
                           "try again", request)
         state.control_reads += 1
         try:
-            raw = await read_body(request, state.limits.max_control_body_bytes)
+            raw = await read_body(request, state.limits.max_control_body_bytes,
+                                  state.limits.body_read_s)
         except BodyTooLarge as exc:
             return refuse(413, str(exc), request)
+        except BodyTooSlow as exc:
+            return refuse(408, str(exc), request)
         finally:
             state.control_reads -= 1
         why = state.verifier.check(request.headers, raw)

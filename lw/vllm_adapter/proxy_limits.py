@@ -6,11 +6,12 @@ Each bound is stated here, in docs/deployment.md ("Threat model") and tried by a
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from starlette.requests import Request
 
-__all__ = ["BodyTooLarge", "Limits", "read_body"]
+__all__ = ["BodyTooLarge", "BodyTooSlow", "Limits", "read_body"]
 
 
 @dataclass(frozen=True)
@@ -32,14 +33,28 @@ class Limits:
     """A public ``/health`` answers from a probe at most this old (a flood probes no backend)."""
     max_concurrent_requests: int = 4096
     """Client requests in flight on the public port; more get 503 at once."""
+    body_read_s: float = 60.0
+    """A body must arrive whole within this (a client dripping one holds a connection and up
+    to the size bound; 408 after it)."""
+    max_connections: int = 8192
+    """Open connections per port (uvicorn's limit_concurrency: 503 beyond it)."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_control_body_bytes", "max_prefill_answer_bytes",
                      "max_concurrent_requests", "max_control_reads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefill_total_s <= 0 or self.health_cache_s < 0:
-            raise ValueError("prefill_total_s must be > 0 and health_cache_s >= 0")
+        if self.prefill_total_s <= 0 or self.health_cache_s < 0 or self.body_read_s <= 0:
+            raise ValueError("prefill_total_s and body_read_s must be > 0, health_cache_s >= 0")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+
+
+class BodyTooSlow(ValueError):
+    """A body that did not arrive whole within ``body_read_s``."""
+
+    def __init__(self, within_s: float) -> None:
+        super().__init__(f"request body not received within {within_s:g} s")
 
 
 class BodyTooLarge(ValueError):
@@ -51,9 +66,18 @@ class BodyTooLarge(ValueError):
         self.limit = limit
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, read only up to ``limit`` bytes: a ``Content-Length`` above it is
-    refused before a byte is read, a longer stream as soon as it passes the limit."""
+async def read_body(request: Request, limit: int, within_s: float = 60.0) -> bytes:
+    """The request's body, read only up to ``limit`` bytes and ``within_s`` seconds: a
+    ``Content-Length`` above the limit is refused before a byte is read, a longer stream as soon
+    as it passes the limit, a slower one at the deadline (BodyTooSlow)."""
+    try:
+        async with asyncio.timeout(within_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise BodyTooSlow(within_s) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         try:

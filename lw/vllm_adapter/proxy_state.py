@@ -361,6 +361,7 @@ class ProxyState:
             "client_transfer_params_dropped": 0,
             "client_transfer_params_refused": 0,
             "bodies_too_large": 0,
+            "bodies_too_slow": 0,
             "overloaded": 0,
         }
 

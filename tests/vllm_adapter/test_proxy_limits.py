@@ -138,3 +138,40 @@ def test_a_health_flood_probes_each_backend_once() -> None:
                                   .status_code, range(64)))
         assert codes == [200] * 64
         assert sorted(c.world.servers("health")[before:]) == ["d0", "p0"]  # one shared probe
+
+
+def test_a_body_dripped_slower_than_its_bound_is_a_408() -> None:
+    """A client that sends a head and then drips its body holds a connection and memory: the
+    proxy answers 408 at ``body_read_s`` and closes."""
+    with cluster(limits=Limits(body_read_s=0.5)) as c:
+        got = raw_head(c.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                              b"Content-Type: application/json\r\nContent-Length: 100\r\n",
+                       b'{"prompt": ')  # 11 of the 100 bytes promised, then nothing
+        assert got.startswith(b"HTTP/1.1 408"), got[:200]
+        assert c.metrics()["bodies_too_slow"] == 1
+
+
+def test_refusal_warnings_are_rate_limited_per_kind() -> None:
+    """A flood of refused calls logs one line per kind and period, then says how many it left
+    out (lw.transport.ratelog)."""
+    import logging
+
+    from lw.transport.ratelog import RateLimitedLog
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("lw.test.ratelog")
+    logger.addHandler(Keep())
+    logger.propagate = False
+    rl = RateLimitedLog(logger, every_s=3600.0)
+    for i in range(1000):
+        rl.warning("forged", "refused call %d", i)
+    rl.warning("other", "another kind")
+    assert records == ["refused call 0", "another kind"]
+    rl._last["forged"] -= 7200.0  # the period passed
+    rl.warning("forged", "refused call %d", 1000)
+    assert records[-1] == "refused call 1000 (999 more like it not logged)"
