@@ -85,10 +85,11 @@ def passthrough_handler(state: ProxyState) -> Callable[[Request], Awaitable[Resp
             resp = await state.client.send(upstream, stream=True)
         except httpx.HTTPError as exc:
             state.counters["errors"] += 1
-            return JSONResponse(error_body(f"decode server {decode.url} did not answer "
-                                           f"{request.method} {request.url.path}: "
-                                           f"{_describe(exc)}", 502, stage="decode",
-                                           server=decode.url), status_code=502)
+            message = (f"decode server {decode.url} did not answer {request.method} "
+                       f"{request.url.path}: {_describe(exc)}")
+            state.refusals.warning("upstream_decode", "%s", message)
+            return JSONResponse(error_body(state.public(message), 502, stage="decode",
+                                           server=state.label(decode.url)), status_code=502)
         out = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
         return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=out,
                                  background=BackgroundTask(resp.aclose))

@@ -19,7 +19,8 @@ messages, ...) goes to a decode server unchanged, so the client gets vLLM's own 
 without ``model`` is served with the decode servers' model, as vLLM serves its only one. The
 proxy's own errors (upstream failures) have vLLM's shape, ``{"error": {"message", "type",
 "param", "code"}}`` (type from the status: ``BadGatewayError``, ``GatewayTimeoutError``), with
-lw's details at the end of the message: ``[lw proxy: stage=..., server=..., request=...]``.
+lw's details at the end of the message: ``[lw proxy: stage=..., server=..., request=...]``,
+the server named by role and place (``prefill#0``), its URL only in the proxy's log.
 
 Sidecar mode (``--sidecar``, llm-d's decode-side routing sidecar; lw.vllm_adapter.sidecar): one
 local decode server; the prefill server of each request is the one its ``x-prefiller-host-port``
@@ -299,8 +300,9 @@ def build_apps(
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type", "application/json"))
         state.counters["errors"] += 1
-        return JSONResponse(error_body("no decode server answered /v1/models: "
-                                       + "; ".join(errors), 502, stage="decode"),
+        message = "no decode server answered /v1/models: " + "; ".join(errors)
+        state.refusals.warning("upstream_decode", "%s", message)
+        return JSONResponse(error_body(state.public(message), 502, stage="decode"),
                             status_code=502)
 
     if sidecar is not None:

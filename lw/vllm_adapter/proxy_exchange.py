@@ -243,8 +243,12 @@ class Exchange(Response):
     async def _error(self, send: Send, status: int, message: str, *, stage: str,
                      server: str | None) -> None:
         """Report an error to the client: a JSON response, or a final SSE event mid-stream."""
-        self.state.counters["errors"] += 1
-        body = error_body(message, status, stage=stage, server=server,
+        state = self.state
+        state.counters["errors"] += 1
+        # the client learns the server's role and place; its URL goes to the log
+        state.refusals.warning(f"upstream_{stage}", "request %s answered %d: %s",
+                               self.tr.request_id, status, message)
+        body = error_body(state.public(message), status, stage=stage, server=state.label(server),
                           request_id=self.tr.request_id)
         data = json.dumps(body).encode()
         if not self.started:

@@ -8,6 +8,7 @@ import copy
 import ipaddress
 import logging
 import random
+import re
 import secrets
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -191,6 +192,8 @@ def _url_host(host: str) -> str:
 # State
 
 
+_URL = re.compile(r"https?://[^\s,'\"\])]+")
+
 MAX_ENGINES = 64
 """Engine ids remembered per prefill server (one per DP rank behind its address)."""
 
@@ -364,6 +367,22 @@ class ProxyState:
             "bodies_too_slow": 0,
             "overloaded": 0,
         }
+
+    def label(self, url: str | None) -> str | None:
+        """How a public error names a server: its role and place in the proxy's list
+        (``prefill#0``, ``decode#1``), never its URL (that goes to the log)."""
+        if url is None:
+            return None
+        for role, backends in (("prefill", self.prefills), ("decode", self.decodes)):
+            for i, b in enumerate(backends):
+                if b.url == url:
+                    return f"{role}#{i}"
+        # a prefill server a sidecar request's header named: the client knows it already
+        return url if self.sidecar is not None else "server"
+
+    def public(self, text: str) -> str:
+        """``text`` with every server URL in it replaced by its :meth:`label`."""
+        return _URL.sub(lambda m: self.label(m.group(0).rstrip(".:;")) or "server", text)
 
     def pick(self, backends: list[Backend], exclude: Iterable[Backend] = ()) -> Backend:
         """The backend with the fewest outstanding requests, ties broken round robin, among

@@ -108,7 +108,8 @@ def test_a_prefill_server_that_failed_is_avoided_by_the_next_requests(
     with cluster(n_prefill=2) as c:
         r = _post(c.url, "fail here")  # the fake P fails it: 502 naming that P
         assert r.status_code == 502
-        bad = lw_detail(r.json()["error"])["server"]
+        label = lw_detail(r.json()["error"])["server"]  # "prefill#i": no URL for the client
+        bad = c.prefill_urls[int(label.removeprefix("prefill#"))]
         for i in range(4):
             assert _post(c.url, f"fine {i}").status_code == 200
         by_url = {p["url"]: p for p in c.metrics()["prefill"]}

@@ -203,7 +203,7 @@ def test_without_a_budget_a_failed_prefill_ends_the_request_as_before() -> None:
         r = px.post("hi")
         assert r.status_code == 502, r.text
         detail = lw_detail(r.json()["error"])
-        assert detail["stage"] == "prefill" and detail["server"] == px.prefill_urls[0]
+        assert detail["stage"] == "prefill" and detail["server"] == "prefill#0"
         m = px.metrics()
     assert m["prefill_failovers"] == 0 and m["prefill_failures_left_to_decode"] == 0
     assert not seen.p_bodies
