@@ -14,9 +14,13 @@ Other public endpoints: ``GET /health`` (200 with an empty body while at least o
 one decode server answer, 503 otherwise: no server URLs), ``GET /v1/models`` (passed through from
 a decode server). Control endpoints: ``GET /lw/health`` (per-server reachability),
 ``GET /metrics-json`` (counters), ``GET /lw/timeline`` (milestones per transfer).
-Errors. A client body the proxy cannot route D first (not JSON, not an object, no prompt or
-messages, ...) goes to a decode server unchanged, so the client gets vLLM's own answer; a body
-without ``model`` is served with the decode servers' model, as vLLM serves its only one. The
+Errors. A body that is not a JSON object, nests deeper than 64 levels, passes the size bound
+(lw.vllm_adapter.proxy_limits) or carries a transfer field of a wrong type is refused by the
+proxy itself (400/413 in vLLM's shape, ``param`` naming the field): it goes nowhere. A JSON object
+the proxy cannot route D first (no prompt or messages, ``"stream": null``, ...) goes to a decode
+server re-encoded, without the client's transfer fields, so the client gets vLLM's own answer
+(or D serves it alone); a body without ``model`` is served with the decode servers' model, as
+vLLM serves its only one. The
 proxy's own errors (upstream failures) have vLLM's shape, ``{"error": {"message", "type",
 "param", "code"}}`` (type from the status: ``BadGatewayError``, ``GatewayTimeoutError``), with
 lw's details at the end of the message: ``[lw proxy: stage=..., server=..., request=...]``,
