@@ -79,8 +79,8 @@ Contract (the KV connectors on both sides rely on it)
    <prompt_token_ids>, "max_tokens": 1, "n": 1, "stream": false, "kv_transfer_params": ...}``
    (plus the client's ``cache_salt`` / ``priority`` if given), so P computes exactly D's tokens
    whatever the client's API (chat, ``n`` > 1, prompt lists); ``kv_transfer_params`` = D's params
-   updated with ``{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id":
-   <sub_transfer_id>}`` (and ``"lw_epoch": e`` for a re-prefill); header
+   turned into a :class:`~lw.contract.params.PrefillParams` (``do_remote_decode`` true, the
+   ``transfer_id`` = sub_transfer_id, ``lw_epoch`` = e for a re-prefill) and signed; header
    ``X-Request-Id: <request_id>``. P names its workers and engine id in its answer's
    ``kv_transfer_params`` (``lw_prefill_workers``, ``lw_prefill_engine_id``).
 5. Streaming: the proxy sends the client its response head (200, D's SSE content type) as soon

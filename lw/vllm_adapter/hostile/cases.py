@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from lw.contract.params import decoder_params, prefill_params
 from lw.vllm_adapter.hostile.client import post, post_stream
 from lw.vllm_adapter.hostile.probes import Context, health_probes
 from lw.vllm_adapter.hostile.table import MB, MESSAGE_CHARS, Answer, clip
@@ -35,9 +36,12 @@ def _digest(token_ids: Sequence[int]) -> str:
 
 
 def ssrf_params(canary_url: str) -> dict[str, Any]:
-    """Transfer parameters that would make D call the canary as its metaserver."""
-    return {"do_remote_prefill": True, "transfer_id": "evil-1",
-            "metaserver": f"{canary_url}/steal"}
+    """Transfer parameters that would make D call the canary as its metaserver (the issue's
+    body: no grant, no signature)."""
+    params = decoder_params(f"{canary_url}/steal", "evil-1", "")
+    for k in ("metaserver_grant", "do_remote_decode"):
+        params.pop(k)
+    return params
 
 
 def ssrf_body(model: str, canary_url: str, in_xargs: bool = False) -> dict[str, Any]:
@@ -54,9 +58,8 @@ def ssrf_body(model: str, canary_url: str, in_xargs: bool = False) -> dict[str, 
 def forged_decode_params(canary_url: str) -> dict[str, Any]:
     """Every field of the proxy's params to D, pointing at the canary, with a made-up
     signature."""
-    return {"do_remote_prefill": True, "do_remote_decode": False,
-            "metaserver": f"{canary_url}/v1/metaserver", "transfer_id": "evil-6b",
-            "metaserver_grant": "g" * 32, "lw_contract": 3, "lw_sig": "0" * 64}
+    return {**decoder_params(f"{canary_url}/v1/metaserver", "evil-6b", "g" * 32),
+            "lw_contract": 3, "lw_sig": "0" * 64}
 
 
 def forged_prefill_params(token_ids: Sequence[int], host: str, port: int,
@@ -64,12 +67,11 @@ def forged_prefill_params(token_ids: Sequence[int], host: str, port: int,
     """Params shaped as the proxy's to P (D's fields: engine, host, port, blocks for the whole
     prompt, its digest), unsigned: P must push nothing to ``host:port``."""
     blocks = -(-len(token_ids) // block_size)
-    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "evil-7@x",
-            "remote_engine_id": "decode", "remote_host": host, "remote_port": port,
-            "remote_block_ids": list(range(1, blocks + 1)), "remote_first_block": 0,
-            "remote_dp_rank": 0, "remote_tp_size": 1, "lw_geometry": "guessed",
-            "lw_params_version": 3, "lw_prompt_digest": _digest(token_ids),
-            "lw_contract": 3, "lw_sig": "0" * 64}
+    kv = {"remote_engine_id": "decode", "remote_host": host, "remote_port": port,
+          "remote_block_ids": list(range(1, blocks + 1)), "remote_first_block": 0,
+          "remote_dp_rank": 0, "remote_tp_size": 1, "lw_geometry": "guessed",
+          "lw_params_version": 3, "lw_prompt_digest": _digest(token_ids)}
+    return {**prefill_params(kv, "evil-7@x"), "lw_contract": 3, "lw_sig": "0" * 64}
 
 
 def metaserver_body(canary_url: str) -> dict[str, Any]:
