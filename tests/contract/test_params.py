@@ -161,3 +161,13 @@ def test_json_depth_is_measured_without_recursion() -> None:
     for _ in range(100_000):
         deep = [deep]
     assert json_depth_exceeds(deep) and not json_depth_exceeds({"a": [[{"b": 1}]]})
+
+
+def test_the_transfer_params_are_spelled_in_the_contract_only() -> None:
+    """One module speaks the params' keys; every other reads them through its types."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "lw"
+    spelled = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if '"do_remote_prefill"' in p.read_text())
+    assert spelled == ["contract/params.py"], spelled
