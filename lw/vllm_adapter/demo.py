@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -55,6 +53,7 @@ from lw.vllm_adapter.local_cluster import (
     Server,
     free_port,
     free_port_range,
+    in_workdir,
     kv_transfer_config,
     wait_ready,
 )
@@ -173,18 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag in ("prefill_tp", "decode_tp", "prefill_dp", "decode_dp"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    tmp = None
-    if args.workdir is None:
-        tmp = tempfile.mkdtemp(prefix="lw-demo-")
-        args.workdir = Path(tmp)
-    try:
-        return _run(args)
-    finally:
-        if tmp is not None and not args.keep:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
+    return in_workdir(args, "lw-demo-", _run)
 
 
 def _run(args: argparse.Namespace) -> int:

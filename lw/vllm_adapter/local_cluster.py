@@ -8,12 +8,14 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,21 @@ __all__ = ["BLOCK_SIZE", "MAX_BATCHED_TOKENS", "LocalCluster", "Server", "free_p
 
 BLOCK_SIZE = 32
 MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
+
+def in_workdir(args: Any, prefix: str, run: Callable[[Any], int]) -> int:
+    """``run(args)`` with ``args.workdir`` set (a temporary folder, removed after unless
+    ``args.keep``, when none was given); offline model loading (HF_HUB_OFFLINE)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.mkdtemp(prefix=prefix)
+        args.workdir = Path(tmp)
+    try:
+        return run(args)
+    finally:
+        if tmp is not None and not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
 
 ADMISSION = "lw.vllm_adapter.admission.TransferParamsGuard"
 """The ASGI middleware P's and D's API servers mount (``vllm serve --middleware``)."""

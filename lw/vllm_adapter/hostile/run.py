@@ -4,9 +4,7 @@ and measuring what moved, and the lines that follow the table."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,18 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", default="", metavar="KEYS",
                     help="run only these cases (comma-separated keys, e.g. 1,8,12a)")
     args = ap.parse_args(list(argv) if argv is not None else None)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    tmp = None
-    if args.workdir is None:
-        tmp = tempfile.mkdtemp(prefix="lw-hostile-")
-        args.workdir = Path(tmp)
-    try:
-        return _run(args)
-    finally:
-        if tmp is not None and not args.keep:
-            import shutil
+    from lw.vllm_adapter.local_cluster import in_workdir
 
-            shutil.rmtree(tmp, ignore_errors=True)
+    return in_workdir(args, "lw-hostile-", _run)
 
 
 def _run(args: argparse.Namespace) -> int:
