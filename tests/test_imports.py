@@ -1,7 +1,7 @@
 """The house's import rules: no circle of imports inside lw (imports under TYPE_CHECKING and
-inside functions count: a circle of types is still a circle of responsibilities), lw.fsm
-imports nothing of lw above it, and no file in lw passes 700 lines (one known exception, which
-may not grow)."""
+inside functions count: a circle of types is still a circle of responsibilities), lw.fsm and
+lw.contract import nothing of lw above them, and no file in lw passes 700 lines (one known
+exception, which may not grow)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,14 @@ def test_the_core_imports_nothing_above_it() -> None:
     above = {m: sorted(d for d in deps if not d.startswith("lw.fsm") and d != "lw")
              for m, deps in graph.items() if m.startswith("lw.fsm")}
     assert not any(above.values()), {m: d for m, d in above.items() if d}
+
+
+def test_the_contract_imports_nothing_of_lw_but_itself() -> None:
+    """What P, D and the proxy speak (lw.contract) stands below all of them."""
+    graph = import_graph()
+    above = {m: sorted(d for d in deps if not d.startswith("lw.contract") and d != "lw")
+             for m, deps in graph.items() if m.startswith("lw.contract")}
+    assert not any(above.values()), above
 
 
 def test_no_file_in_lw_is_over_700_lines() -> None:
