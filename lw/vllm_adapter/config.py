@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -102,6 +103,11 @@ class LwConfig:
         "calls; the same value on every P, D and the proxy. The environment variable keeps it off"
         " the command line (`ps` shows `--kv-transfer-config`)",
         shown="`$LW_CLUSTER_KEY`", secret=True)
+    allowed_metaservers: str = _key(
+        "", "D",
+        "comma-separated metaserver URLs this decode engine may call (defence in depth: it "
+        "calls only URLs in params the proxy signed anyway); empty: any such URL",
+        shown="empty")
     request_timeout_s: float = _key(
         30.0, "P",
         "whole push of one request, from the step its prefill completes")
@@ -394,6 +400,10 @@ class LwConfig:
                 parse_cluster_key(values["cluster_key"])
             except ValueError as exc:
                 raise ConfigError(f"kv_connector_extra_config.cluster_key: {exc}") from None
+        for url in filter(None, (u.strip() for u in values["allowed_metaservers"].split(","))):
+            if not re.fullmatch(r"https?://[^\s@/?#]+(/[^\s?#]*)?", url):
+                raise ConfigError(f"kv_connector_extra_config.allowed_metaservers: {url!r} is "
+                                  "not an http(s) URL without user part, query or fragment")
         if not values["host"]:
             values["host"] = _default_host()
         cfg = cls(role=role, engine_id=engine_id, kv_port=kv_port, tp_size=tp_size,

@@ -128,6 +128,8 @@ class SchedulerSide:
         self._bad_params: set[str] = set()
         self._key = parse_cluster_key(cfg.cluster_key or None)  # checks the proxy's signature
         self._refusals = RateLimitedLog(log)
+        self._metaservers = frozenset(filter(None, (
+            u.strip() for u in cfg.allowed_metaservers.split(","))))
         self._traced = tracing_endpoint(vllm_config) is not None  # hand trace context on
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
@@ -272,7 +274,12 @@ class SchedulerSide:
         if not is_remote_prefill_request(params):
             return None
         try:
-            return decode_params_for_decoder(self._key, params)
+            out = decode_params_for_decoder(self._key, params)
+            if self._metaservers and out.metaserver not in self._metaservers:
+                raise ContractError("kv_transfer_params.metaserver", "not one of the "
+                                    "metaservers this decode engine may call "
+                                    "(allowed_metaservers)")
+            return out
         except ContractError as exc:
             self._refused(request, exc, "computing its prefill locally")
             return None

@@ -561,6 +561,21 @@ def test_unsigned_or_foreign_params_are_refused_with_a_key(model_dir: str,
     assert all(not m.sends for m in dp.metas)
 
 
+def test_d_calls_only_the_metaservers_its_config_lists(model_dir: str,
+                                                     fake_poster: type[FakePoster]) -> None:
+    """Defence in depth (allowed_metaservers): even params the proxy signed name no other URL."""
+    s = make_scheduler(model_dir, "kv_consumer",
+                       extra={"allowed_metaservers": "http://10.0.0.1:8001/v1/metaserver"})
+    d = Driver(s)
+    s.add_request(make_request("r1", 40, params=remote_prefill_params()))  # 127.0.0.1:9
+    for _ in range(3):
+        d.step()
+    assert not any(m.recvs for m in d.metas) and "r1" in d.finished
+    assert sum(st.get("refused_params", 0) for st in d.stats) == 1
+    with pytest.raises(ConfigError, match="allowed_metaservers"):
+        make_scheduler(model_dir, "kv_consumer", extra={"allowed_metaservers": "ftp://x/y"})
+
+
 def test_p_forces_one_token(model_dir: str) -> None:
     s = make_scheduler(model_dir, "kv_producer")
     d = Driver(s)
