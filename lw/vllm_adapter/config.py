@@ -99,8 +99,9 @@ class LwConfig:
         shown="= own TP")
     cluster_key: str = _key(
         "", "both",
-        "HMAC key (≥ 16 bytes; `hex:...` or text) for side-channel frames and D's metaserver "
-        "calls; the same value on every P, D and the proxy. The environment variable keeps it off"
+        "HMAC key (≥ 16 bytes; `hex:...` or text) for side-channel frames, D's metaserver "
+        "calls and the proxy's signature on transfer params (P and D act on no others); the "
+        "same value on every P, D and the proxy. The environment variable keeps it off"
         " the command line (`ps` shows `--kv-transfer-config`)",
         shown="`$LW_CLUSTER_KEY`", secret=True)
     allowed_metaservers: str = _key(
