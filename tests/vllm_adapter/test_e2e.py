@@ -74,6 +74,7 @@ pytestmark = pytest.mark.slow
 
 LENGTHS = {"one_block": 12, "many_blocks": 90, "chunked": 700}  # words ~ tokens; 256/step
 MAX_TOKENS = 16
+VICTIM_TOKENS = 300  # an answer long enough to keep a victim's transfer live (forged calls)
 # Short deadlines so that failure paths finish within the test; lease > P timeout + transfer.
 P_EXTRA = {"request_timeout_s": 10, "meta_attempts": 10}
 D_EXTRA = {"prefill_timeout_s": 15, "lease_s": 20, "peer_request_timeout_s": 10,
@@ -422,12 +423,19 @@ def test_forged_metaserver_calls_are_refused_and_the_victim_unharmed(
     key = parse_cluster_key(cluster.cluster_key)
     url = control + "/v1/metaserver"
     victims = 0
+    seen: list[tuple[str, Any]] = []
     for attempt in range(3):  # a victim that ends before the first forged call lands: again
         known = set(httpx.get(control + "/lw/timeline", timeout=10).json())
-        prompt = make_prompt(700, seed=91 + attempt)  # chunked on P: live for a while
+        # chunked on P and a long answer: live for hundreds of decode steps, however fast the
+        # machine (a 16-token victim ended before the forged calls on a loaded machine)
+        prompt = make_prompt(700, seed=791 + attempt)
         box: list[Verdict] = []
-        victim = threading.Thread(
-            target=lambda p=prompt, b=box: b.append(judged(cluster, proxy, p)))
+
+        def victim_run(p: str = prompt, b: list[Verdict] = box) -> None:
+            got = complete(proxy, p, VICTIM_TOKENS, stream=True, logprobs=TOP_K)
+            b.append(compare(reference(cluster, p, VICTIM_TOKENS), got))
+
+        victim = threading.Thread(target=victim_run)
         victim.start()
         victims += 1
         tid = ""
@@ -455,12 +463,13 @@ def test_forged_metaserver_calls_are_refused_and_the_victim_unharmed(
         codes.append(httpx.post(url, json=forged, timeout=10).status_code)  # unsigned
         content, headers = signed_call(b"an-attackers-own-key-0123456789", forged)
         codes.append(httpx.post(url, content=content, headers=headers, timeout=10).status_code)
-        victim.join(120)
+        seen.append((tid, httpx.get(control + "/lw/timeline", timeout=10).json().get(tid)))
+        victim.join(300)
         [verdict] = box
         assert verdict.same, verdict
         if codes[0] != 404:  # 404: the victim had ended (unknown transfer); try another
             break
-    assert codes == [403, 401, 401, 401], codes
+    assert codes == [403, 401, 401, 401], (codes, seen)
     after = httpx.get(control + "/metrics-json", timeout=10).json()
     assert after["metaserver_refused"] - before["metaserver_refused"] == 3 * victims + 1
     assert after["prefills"] - before["prefills"] == victims  # the victims' own, nothing else
@@ -614,7 +623,9 @@ def test_decode_refuses_a_prefill_aimed_at_other_blocks(cluster: LocalCluster) -
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Interposer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        prompt = make_prompt(90, seed=92)  # several blocks: reversed is another placement
+        # several blocks: reversed is another placement; a seed no other prompt starts with (a
+        # prefix D holds would be computed there, with no prefill to interpose)
+        prompt = make_prompt(90, seed=1092)
         got = complete(cluster.url("decode"), prompt, MAX_TOKENS, stream=False,
                        logprobs=TOP_K, extra={"kv_transfer_params": proxy_params(
                            cluster, f"http://127.0.0.1:{server.server_port}/m",

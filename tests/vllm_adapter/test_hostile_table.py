@@ -1,7 +1,7 @@
-"""The pure parts of ``lw hostile`` (lw.vllm_adapter.hostile: table, cases, probes): the messages
-read from answers, what counts as reached / acted on / an error, the rows, the summary line and
-the exit status. No engine is started here; the table itself runs against real engines
-(``lw hostile``)."""
+"""The pure parts of ``lw hostile`` (lw.vllm_adapter.hostile: table, cases, probes, run): the
+messages and params read from answers, what counts as reached / acted on / an error / unmet, the
+rows, the summary line, the exit status, the sidecar's cases and command line. No engine is
+started here; the table itself runs against real engines (``lw hostile``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from lw.cli import COMMANDS
 from lw.vllm_adapter import hostile
-from lw.vllm_adapter.hostile import cases, probes, table
+from lw.vllm_adapter.hostile import cases, probes, run, table
 from lw.vllm_adapter.hostile.table import Answer, Deltas, Row
 
 SUMMARY = re.compile(r"^summary cases=(\d+) refused=(\d+) reached_engine=(\d+) "
@@ -64,6 +64,15 @@ def test_answer_message_is_clipped_to_one_short_line() -> None:
     assert len(msg) == table.MESSAGE_CHARS and "\n" not in msg and msg.endswith("~")
 
 
+def test_answer_param_reads_the_errors_param() -> None:
+    body = {"error": {"message": "m", "param": "vllm_xargs.kv_transfer_params"}}
+    assert table.answer_param(json.dumps(body).encode()) == "vllm_xargs.kv_transfer_params"
+    assert table.answer_param(b'{"error": {"message": "m", "param": null}}') is None
+    assert table.answer_param(b'{"detail": "x"}') is None
+    assert table.answer_param(b"not json") is None and table.answer_param(b"") is None
+    assert table.answer_param(b'{"error": "text"}') is None
+
+
 # ------------------------------------------------------------------------------ deltas
 def test_deltas_between_snapshots() -> None:
     before = {"d": {table.REFUSED: 2.0, "lw_requests_done_total": 5.0}, "p": {},
@@ -78,6 +87,20 @@ def test_deltas_between_snapshots() -> None:
     assert d == Deltas(canary=2, d_refused=1, p_refused=1, d_used=1, p_used=4, dropped=1,
                        proxy_refused=0, too_large=1, meta_refused=3, prefills=1,
                        probes="probes")
+
+
+def test_deltas_of_a_sidecar_case_are_the_sidecars_counters() -> None:
+    before = {"d": {}, "p": {}, "proxy": {"client_transfer_params_dropped": 1},
+              "sidecar": {"client_transfer_params_dropped": 4, "bodies_too_large": 0},
+              "canary": 0}
+    after = {"d": {}, "p": {}, "proxy": {"client_transfer_params_dropped": 3},
+             "sidecar": {"client_transfer_params_dropped": 5, "bodies_too_large": 1,
+                         "prefills": 2}, "canary": 0}
+    assert table.deltas_between(before, after, counters="sidecar") == \
+        Deltas(dropped=1, too_large=1, prefills=2)
+    assert table.deltas_between(before, after) == Deltas(dropped=2)
+    # a sidecar that did not answer moves nothing
+    assert table.deltas_between({"sidecar": {}}, {}, counters="sidecar") == Deltas()
 
 
 def test_deltas_of_engines_that_did_not_answer_are_zero() -> None:
@@ -102,6 +125,16 @@ def test_engine_use_counts_only_for_cases_sent_straight_to_an_engine() -> None:
     assert table.outcome(row(200, "public", deltas=used)) == "served"
 
 
+def test_engine_use_during_a_sidecar_case_is_acting_on_it() -> None:
+    # no sidecar case names a prefill server it allows: the sidecar starts no transfer itself
+    r = row(200, "sidecar", deltas=Deltas(d_used=1))
+    assert table.acted(r) and table.verdict_text(r) == "ACTED ON: D used params (1)"
+    assert not row(200, "sidecar").direct and row(200, "sidecar").framed
+    r = row(403, "sidecar", deltas=Deltas(prefills=1))
+    assert table.acted(r) and table.verdict_text(r) == "ACTED ON: 1 prefill(s) started"
+    assert row(200, "decode").framed and not row(200, "public").framed
+
+
 def test_a_control_call_that_started_a_prefill_is_acting_on_it() -> None:
     r = row(202, "control", deltas=Deltas(prefills=1))
     assert table.acted(r) and "1 prefill(s) started" in table.verdict_text(r)
@@ -116,6 +149,9 @@ def test_a_control_call_that_started_a_prefill_is_acting_on_it() -> None:
     (row(200, "prefill", deltas=Deltas(p_refused=1, d_refused=1)), "served",
      "served; params refused by D+P connector"),
     (row(200), "served", "served harmlessly"),
+    (row(200, "sidecar", deltas=Deltas(dropped=1)), "served",
+     "served; params dropped by sidecar"),
+    (row(403, "sidecar"), "refused", "refused 403"),
     (row(None), "no answer", "no answer (connection closed)"),
     (row(502), "ERROR", "ERROR: HTTP 502"),
     (row(400, healthy=False, detail="P /health 503"), "ERROR",
@@ -131,6 +167,34 @@ def test_reached_text_names_the_canary_and_what_moved() -> None:
     assert table.reached_text(Deltas()) == "canary 0"
     assert table.reached_text(Deltas(d_refused=1, too_large=1, probes="backend probes D 2 P 2")) \
         == "canary 0, D refused +1, proxy 413 +1, backend probes D 2 P 2"
+    assert table.reached_text(Deltas(dropped=1, proxy_refused=2, too_large=1), "sidecar") == \
+        "canary 0, sidecar dropped +1, sidecar refused +2, sidecar 413 +1"
+
+
+# ------------------------------------------------------------------------------ expectations
+def test_unmet_names_a_wrong_param_and_counters_that_did_not_move_as_expected() -> None:
+    want = {"expect_param": "vllm_xargs.kv_transfer_params"}
+    r = Row("s1", "x", "sidecar", "x", Answer(400, "m", param="vllm_xargs"), **want)
+    assert table.unmet(r) == ["param vllm_xargs, expected vllm_xargs.kv_transfer_params"]
+    r = Row("s1", "x", "sidecar", "x", Answer(400, "m"), **want)
+    assert table.unmet(r) == ["param -, expected vllm_xargs.kv_transfer_params"]
+    r = Row("s1", "x", "sidecar", "x", Answer(400, "m", param=want["expect_param"]), **want)
+    assert table.unmet(r) == []
+    r = row(200, "sidecar", expect_moved=(("dropped", 1), ("canary", 0)))
+    assert table.unmet(r) == ["sidecar dropped +0, expected +1"]
+    r = row(200, "sidecar", deltas=Deltas(dropped=1, canary=2),
+            expect_moved=(("dropped", 1), ("canary", 0)))
+    assert table.unmet(r) == ["canary +2, expected +0"]
+    assert table.unmet(row(200, "public", expect_moved=(("too_large", 1),))) == \
+        ["proxy 413 +0, expected +1"]
+
+
+def test_format_row_marks_what_a_row_did_not_meet() -> None:
+    line = table.format_row(row(200, "sidecar", expect=(200,), expect_moved=(("dropped", 1),)))
+    assert line.endswith("canary 0; !sidecar dropped +0, expected +1"), line
+    assert " sidecar " in line and "!200" not in line
+    met = row(200, "sidecar", deltas=Deltas(dropped=1), expect_moved=(("dropped", 1),))
+    assert table.format_row(met).endswith("canary 0, sidecar dropped +1")
 
 
 # ------------------------------------------------------------------------------ rows
@@ -202,7 +266,8 @@ def fake_ctx(tmp_path: Path) -> Any:
     return probes.Context(public="http://127.0.0.1:1", control="http://127.0.0.1:2",
                      decode="http://127.0.0.1:3", prefill="http://127.0.0.1:4",
                      canary=canary, proxy_pid=os.getpid(), model="tiny",  # type: ignore[arg-type]
-                     decode_kv_port=5, logs=tmp_path)
+                     decode_kv_port=5, logs=tmp_path, sidecar="http://127.0.0.1:6",
+                     sidecar_control="http://127.0.0.1:7", sidecar_pid=os.getpid())
 
 
 def test_the_cases_cover_the_brief_and_send_nothing_when_built(tmp_path: Path) -> None:
@@ -210,12 +275,75 @@ def test_the_cases_cover_the_brief_and_send_nothing_when_built(tmp_path: Path) -
     keys = [c.key for c in built]
     assert len(set(keys)) == len(keys)
     for k in ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12a", "12b", "12c",
-              "13", "14"):
+              "13", "14", "s1", "s2", "s3", "s4", "s5", "s6", "s7"):
         assert k in keys
     assert all(c.target in table.TARGETS and c.expect for c in built)
     by = {c.key: c for c in built}
     assert by["4"].target == "decode" and by["5"].target == "prefill"
     assert by["12a"].expect == (401,) and by["8"].expect == (413,)
+
+
+def test_the_sidecar_cases_expect_the_brief(tmp_path: Path) -> None:
+    by = {c.key: c for c in cases.build_cases(fake_ctx(tmp_path))}
+    side = [k for k, c in by.items() if c.target == "sidecar"]
+    assert side == ["s1", "s2", "s3", "s4", "s5", "s6", "s7"]
+    assert by["s1"].expect == (400,) and by["s1"].param == "vllm_xargs.kv_transfer_params"
+    assert 200 in by["s2"].expect and 400 in by["s2"].expect
+    assert by["s3"].expect == by["s4"].expect == (400,) and by["s5"].expect == (403,)
+    assert by["s6"].moved == (("dropped", 1),) and by["s7"].expect == (413,)
+    for k in ("s2", "s3", "s4", "s5"):
+        assert ("canary", 0) in by[k].moved
+    assert by["s3"].sent.endswith(": @127.0.0.1:9") and ":pw@127.0.0.1:9" in by["s4"].sent
+
+
+def test_the_sidecar_cases_send_to_the_sidecar(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[str, Any, Any]] = []
+
+    def fake_post(url: str, body: Any, headers: Any = None, timeout: float = 0) -> Answer:
+        sent.append((url, body, headers))
+        return Answer(400)
+
+    def fake_stream(url: str, total: int, *, declare: bool, **kw: Any) -> Answer:
+        sent.append((url, (total, declare), None))
+        return Answer(413)
+
+    monkeypatch.setattr(cases, "post", fake_post)
+    monkeypatch.setattr(cases, "post_stream", fake_stream)
+    ctx = fake_ctx(tmp_path)
+    by = {c.key: c for c in cases.build_cases(ctx)}
+    for k in ("s1", "s2", "s3", "s4", "s5", "s6", "s7"):
+        by[k].send(ctx)
+    got = dict(zip(["s1", "s2", "s3", "s4", "s5", "s6", "s7"], sent, strict=True))
+    comp = "http://127.0.0.1:6/v1/completions"
+    assert all(url == comp for k, (url, _, _) in got.items() if k != "s6")
+    assert got["s1"][1]["vllm_xargs"] == {"kv_transfer_params": "x"}
+    assert got["s2"][1]["stream"] is None
+    assert got["s2"][1]["kv_transfer_params"]["metaserver"] == "http://127.0.0.1:9/steal"
+    assert got["s3"][2] == {"x-prefiller-host-port": "@127.0.0.1:9"}
+    assert got["s4"][2] == {"x-prefiller-host-port": ":pw@127.0.0.1:9"}
+    assert got["s5"][2] == {"x-prefiller-host-port": "127.0.0.1:9"}
+    for k in ("s3", "s4", "s5"):  # only the header is hostile
+        assert not {"kv_transfer_params", "vllm_xargs"} & set(got[k][1])
+    url, body, _ = got["s6"]
+    assert url == "http://127.0.0.1:6/tokenize" and "kv_transfer_params" in body
+    assert got["s7"][1] == (200 * table.MB, True)
+
+
+def test_the_sidecar_allows_only_the_clusters_prefill_server() -> None:
+    argv = run.sidecar_argv("http://127.0.0.1:3", "http://127.0.0.1:4", 6, 7)
+    assert argv[1:4] == ["-m", "lw.vllm_adapter.proxy", "--sidecar"]
+    pairs = dict(zip(argv[4::2], argv[5::2], strict=True))  # after --sidecar: pairs
+    assert argv.count("--allow-prefiller") == 1 and argv.count("--decode") == 1
+    assert "--prefill" not in argv and "--allow-any-prefiller" not in argv
+    assert pairs["--decode"] == "http://127.0.0.1:3"
+    assert pairs["--allow-prefiller"] == "127.0.0.1:4"
+    assert (pairs["--port"], pairs["--control-port"]) == ("6", "7")
+    # the proxy's own parser takes it (sidecar mode, one decode server, the allowlist)
+    from lw.vllm_adapter.sidecar import parse_allow
+
+    assert parse_allow(pairs["--allow-prefiller"]).admits("127.0.0.1", 4)
+    assert not parse_allow(pairs["--allow-prefiller"]).admits("127.0.0.1", 9)
 
 
 def test_hostile_bodies_name_the_canary(tmp_path: Path) -> None:

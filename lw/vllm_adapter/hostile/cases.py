@@ -1,5 +1,6 @@
 """The hostile cases as data: what each one sends, where (the proxy's public or control port,
-or straight to D's or P's vLLM port) and which HTTP statuses it expects back."""
+the sidecar's port, or straight to D's or P's vLLM port), which HTTP statuses it expects back,
+and what else it expects (the ``param`` an error names, how much a counter moves)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class Case:
     sent: str
     send: Callable[[Context], Answer | tuple[Answer, str]]
     expect: tuple[int, ...] = ()
+    param: str = ""  # the ``param`` the error answer must name
+    moved: tuple[tuple[str, int], ...] = ()  # (Deltas field, how much it must move)
 
 
 # ------------------------------------------------------------------------------ the bodies
@@ -138,6 +141,50 @@ def health_flood(ctx: Context, n: int = 200, workers: int = 16,
     else:
         probes = f"backend probes D {d1 - d0} P {p1 - p0} (cache 1 s)"
     return Answer(worst, clip(msg, MESSAGE_CHARS)), probes
+
+
+PREFILLER = "x-prefiller-host-port"
+"""The header llm-d's scheduler names the prefill server in (lw.vllm_adapter.sidecar)."""
+
+
+def sidecar_cases(ctx: Context) -> list[Case]:
+    """Cases sent to ``lw proxy --sidecar`` in front of D, whose allowlist admits only P: a
+    client's transfer fields, prefill servers named by the header (malformed, or not allowed:
+    the canary), a passthrough path, a body over the size bound."""
+    m, canary, port = ctx.model, ctx.canary.url, ctx.canary.port
+    comp = "/v1/completions"
+    plain = {"model": m, "prompt": "hello there friend", "max_tokens": 4}
+    x_str = {**plain, "vllm_xargs": {"kv_transfer_params": "x"}}
+    tokenize = {"model": m, "prompt": "hello there friend",
+                "kv_transfer_params": ssrf_params(canary)}
+
+    def named(value: str) -> Callable[[Context], Answer]:
+        return lambda c: post(c.sidecar + comp, plain, {PREFILLER: value}, c.timeout)
+
+    no_canary = (("canary", 0),)
+    return [
+        Case("s1", "vllm_xargs params a string", "sidecar", 'vllm_xargs.kv_transfer_params="x"',
+             lambda c: post(c.sidecar + comp, x_str, timeout=c.timeout), (400,),
+             param="vllm_xargs.kv_transfer_params"),
+        Case("s2", "SSRF kv_transfer_params", "sidecar",
+             "stream=null, kv_transfer_params={ssrf}",
+             lambda c: post(c.sidecar + comp, ssrf_body(m, canary), timeout=c.timeout),
+             (200, 400), moved=no_canary),
+        Case("s3", "prefiller with empty user part", "sidecar",
+             f"{PREFILLER}: @127.0.0.1:{port}", named(f"@127.0.0.1:{port}"), (400,),
+             moved=no_canary),
+        Case("s4", "prefiller with user :pw@", "sidecar", f"{PREFILLER}: :pw@127.0.0.1:{port}",
+             named(f":pw@127.0.0.1:{port}"), (400,), moved=no_canary),
+        Case("s5", "prefiller not allowed (canary)", "sidecar",
+             f"{PREFILLER}: 127.0.0.1:{port}", named(f"127.0.0.1:{port}"), (403,),
+             moved=no_canary),
+        Case("s6", "passthrough with params", "sidecar",
+             "POST /tokenize, kv_transfer_params={ssrf}",
+             lambda c: post(c.sidecar + "/tokenize", tokenize, timeout=c.timeout),
+             (200, 400, 404, 422), moved=(("dropped", 1),)),
+        Case("s7", "200 MB body, Content-Length", "sidecar", "CL 200 MB, streamed 1 MB chunks",
+             lambda c: post_stream(c.sidecar + comp, 200 * MB, declare=True), (413,)),
+    ]
 
 
 def _tokens(url: str, prompt: str) -> list[int]:
@@ -254,6 +301,7 @@ def build_cases(ctx: Context) -> list[Case]:
              big_meta(True), (401, 413)),
         Case("13b", "50 MB metaserver call, chunked", "control", "no CL, bogus well-formed sig",
              big_meta(False), (401, 413)),
+        *sidecar_cases(ctx),
         Case("14", "/health flood", "public", "200 x GET /health, 16 at a time",
              health_flood, (200,)),
     ]

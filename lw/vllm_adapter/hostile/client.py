@@ -8,11 +8,19 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from lw.vllm_adapter.hostile.table import MB, MESSAGE_CHARS, Answer, answer_message, clip
+from lw.vllm_adapter.hostile.table import (
+    MB,
+    MESSAGE_CHARS,
+    Answer,
+    answer_message,
+    answer_param,
+    clip,
+)
 
 
 def _answer(r: Any, sent: int | None = None) -> Answer:
-    return Answer(r.status_code, answer_message(r.status_code, r.content), sent)
+    return Answer(r.status_code, answer_message(r.status_code, r.content), sent,
+                  answer_param(r.content))
 
 
 def post(url: str, body: bytes | dict[str, Any], headers: Any = None,

@@ -1,5 +1,6 @@
 """Measuring the cluster while ``lw hostile`` runs: the canary listener, the processes' RSS and
-CPU, the engines' and proxy's counters, /health, the access logs and the honest request."""
+CPU, the engines', proxy's and sidecar's counters, /health, the access logs and the honest
+request."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ class Canary:
         self.server.server_close()
 
 
-# ------------------------------------------------------------------------------ the proxy's RSS
+# ------------------------------------------------------------------------------ RSS and CPU
 def rss_kb(pid: int) -> int:
     """A process's resident set (VmRSS), KiB; 0 if it is gone."""
     try:
@@ -142,11 +143,15 @@ class Context:
     decode_pid: int = 0  # the engines' API server processes
     prefill_pid: int = 0
     timeout: float = 60.0
+    # ``lw proxy --sidecar`` in front of D (allowlist: only P): its port, control port, process
+    sidecar: str = ""
+    sidecar_control: str = ""
+    sidecar_pid: int = 0
 
 
 # ------------------------------------------------------------------------------ readings
 def proxy_counters(control: str) -> dict[str, Any]:
-    """The proxy's control ``/metrics-json``; {} if it does not answer."""
+    """The proxy's (or the sidecar's) control ``/metrics-json``; {} if it does not answer."""
     import httpx
 
     try:
@@ -167,17 +172,23 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def snapshot(ctx: Context) -> dict[str, Any]:
-    """Engine metrics, proxy counters and the canary's count, now."""
+    """Engine metrics, the proxy's and the sidecar's counters and the canary's count, now."""
     return {"d": _metrics(ctx.decode), "p": _metrics(ctx.prefill),
-            "proxy": proxy_counters(ctx.control), "canary": ctx.canary.count()}
+            "proxy": proxy_counters(ctx.control),
+            "sidecar": proxy_counters(ctx.sidecar_control) if ctx.sidecar_control else {},
+            "canary": ctx.canary.count()}
 
 
 def healthy(ctx: Context) -> tuple[bool, str]:
-    """Whether D, P and the proxy answer /health with 200 (and which did not)."""
+    """Whether D, P, the proxy and the sidecar (if any) answer /health with 200 (and which did
+    not)."""
     import httpx
 
     bad = []
-    for name, url in (("D", ctx.decode), ("P", ctx.prefill), ("proxy", ctx.public)):
+    servers = [("D", ctx.decode), ("P", ctx.prefill), ("proxy", ctx.public)]
+    if ctx.sidecar:
+        servers.append(("sidecar", ctx.sidecar))
+    for name, url in servers:
         try:
             code = httpx.get(url + "/health", timeout=10.0).status_code
         except httpx.HTTPError as exc:
@@ -206,11 +217,11 @@ def settle(ctx: Context) -> None:
     time.sleep(0.5)
 
 
-def honest(ctx: Context, seed: int) -> tuple[bool, str]:
-    """An honest request through the proxy succeeds."""
+def honest(ctx: Context, seed: int, url: str = "") -> tuple[bool, str]:
+    """An honest request through the proxy (or ``url``: the sidecar) succeeds."""
     from lw.vllm_adapter.demo_client import complete, make_prompt
 
-    r = complete(ctx.public, make_prompt(12, seed=seed), max_tokens=2, stream=False,
+    r = complete(url or ctx.public, make_prompt(12, seed=seed), max_tokens=2, stream=False,
                  timeout=ctx.timeout)
     ok = not r.error and r.finish_reason is not None
     return ok, "" if ok else f"honest: {clip(r.error, 80)}"

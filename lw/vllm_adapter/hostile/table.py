@@ -1,5 +1,6 @@
 """The pure parts of ``lw hostile``: what came back and what moved during a case, the verdict
-of a row, the table's lines, the summary line and the exit status."""
+of a row, what a row expected and did not get, the table's lines, the summary line and the exit
+status."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ MB = 1 << 20
 MAX_RSS_GROWTH_MB = 20.0
 MESSAGE_CHARS = 60
 TARGETS = {"public": "proxy public", "control": "proxy control", "decode": "D vLLM port",
-           "prefill": "P vLLM port"}
+           "prefill": "P vLLM port", "sidecar": "sidecar"}
+DIRECT = ("decode", "prefill")
+"""Targets that are an engine's own port."""
+FRAMED = (*DIRECT, "sidecar")
+"""Targets whose cases are framed by plain steps on both engines, and during which an engine
+*using* transfer parameters means a client's were used: straight to an engine, or through the
+sidecar (no sidecar case names a prefill server it allows, so it starts no transfer of its
+own)."""
 
 # Engine counters that move only when lw's connector *uses* transfer parameters (plain requests,
 # and parameters it refused, leave them alone).
@@ -33,6 +41,7 @@ class Answer:
     status: int | None
     message: str = ""
     sent_bytes: int | None = None
+    param: str | None = None  # the error's ``param`` (vLLM's / the proxy's shape)
 
 
 @dataclass(frozen=True)
@@ -44,11 +53,12 @@ class Deltas:
     p_refused: int = 0
     d_used: int = 0
     p_used: int = 0
-    dropped: int = 0  # proxy: client_transfer_params_dropped
-    proxy_refused: int = 0  # proxy: client_transfer_params_refused
-    too_large: int = 0  # proxy: bodies_too_large
-    meta_refused: int = 0  # proxy: metaserver_refused
-    prefills: int = 0  # proxy: prefills started
+    # the proxy's counters (the sidecar's, for a case sent to the sidecar)
+    dropped: int = 0  # client_transfer_params_dropped
+    proxy_refused: int = 0  # client_transfer_params_refused
+    too_large: int = 0  # bodies_too_large
+    meta_refused: int = 0  # metaserver_refused
+    prefills: int = 0  # prefills started
     probes: str = ""  # health flood: backend probes seen
 
 
@@ -64,31 +74,48 @@ class Row:
     deltas: Deltas = field(default_factory=Deltas)
     healthy: bool = True  # D, P and the proxy answered /health after the case
     honest_ok: bool | None = None  # an honest request through the proxy after it
+    # RSS and CPU of the lw process the case concerns: the sidecar for a case sent to it, the
+    # proxy otherwise
     rss_before_kb: int = 0
     rss_after_kb: int = 0
     rss_peak_kb: int = 0
-    cpu_s: float = 0.0  # the proxy's CPU time during the case
+    cpu_s: float = 0.0
     engine_rss_mb: float | None = None  # growth of the engine's API server (cases sent to it)
     expect: tuple[int, ...] = ()
     detail: str = ""  # why unhealthy / honest failure
+    expect_param: str = ""  # the ``param`` the answer must name
+    expect_moved: tuple[tuple[str, int], ...] = ()  # (Deltas field, how much it must move)
 
     @property
     def direct(self) -> bool:
-        """Sent straight to an engine (its use counters count as acting on the case)."""
-        return self.target in ("decode", "prefill")
+        """Sent straight to an engine."""
+        return self.target in DIRECT
+
+    @property
+    def framed(self) -> bool:
+        """An engine's use counters moving during the case count as acting on it (see
+        :data:`FRAMED`)."""
+        return self.target in FRAMED
+
+    @property
+    def lw_process(self) -> str:
+        """Whose counters and RSS the row shows: ``sidecar`` or ``proxy``."""
+        return "sidecar" if self.target == "sidecar" else "proxy"
 
     @property
     def rss_growth_mb(self) -> float:
-        """Growth of the proxy's RSS during the case (peak or end over before), MB."""
+        """Growth of the RSS of the proxy (the sidecar, for a case sent to it) during the case
+        (peak or end over before), MB."""
         top = max(self.rss_peak_kb, self.rss_after_kb)
         return max(0.0, (top - self.rss_before_kb) / 1024)
 
 
 def deltas_between(before: Mapping[str, Any], after: Mapping[str, Any],
-                   probes: str = "") -> Deltas:
+                   probes: str = "", counters: str = "proxy") -> Deltas:
     """What moved between two snapshots ``{"d": metrics, "p": metrics, "proxy": counters,
-    "canary": int}`` (engine metrics as :func:`~lw.vllm_adapter.demo_client.metrics` reads
-    them)."""
+    "sidecar": counters, "canary": int}`` (engine metrics as
+    :func:`~lw.vllm_adapter.demo_client.metrics` reads them); ``counters``: whose counters
+    (``proxy`` or ``sidecar``) the row shows."""
 
     def d(side: str, key: str) -> int:
         a = after.get(side) or {}
@@ -100,23 +127,24 @@ def deltas_between(before: Mapping[str, Any], after: Mapping[str, Any],
         d_refused=d("d", REFUSED), p_refused=d("p", REFUSED),
         d_used=sum(max(0, d("d", k)) for k in D_USED),
         p_used=sum(max(0, d("p", k)) for k in P_USED),
-        dropped=d("proxy", "client_transfer_params_dropped"),
-        proxy_refused=d("proxy", "client_transfer_params_refused"),
-        too_large=d("proxy", "bodies_too_large"),
-        meta_refused=d("proxy", "metaserver_refused"),
-        prefills=d("proxy", "prefills"), probes=probes)
+        dropped=d(counters, "client_transfer_params_dropped"),
+        proxy_refused=d(counters, "client_transfer_params_refused"),
+        too_large=d(counters, "bodies_too_large"),
+        meta_refused=d(counters, "metaserver_refused"),
+        prefills=d(counters, "prefills"), probes=probes)
 
 
 def acted(row: Row) -> bool:
     """Whether the case's hostile part was acted on: the canary was contacted, a control-port
-    call started a prefill, or an engine it was sent to straight used transfer parameters
+    call or a sidecar case started a prefill (no sidecar case names a server it allows), or an
+    engine used transfer parameters during a case sent to it straight or through the sidecar
     (through the proxy, the engines' work is the proxy's own, signed)."""
     d = row.deltas
     if d.canary > 0:
         return True
-    if row.target == "control" and d.prefills > 0:
+    if row.target in ("control", "sidecar") and d.prefills > 0:
         return True
-    return row.direct and (d.d_used > 0 or d.p_used > 0)
+    return row.framed and (d.d_used > 0 or d.p_used > 0)
 
 
 def is_error(row: Row) -> bool:
@@ -148,11 +176,11 @@ def verdict_text(row: Row) -> str:
         why = []
         if d.canary:
             why.append(f"canary contacted {d.canary}x")
-        if row.target == "control" and d.prefills:
+        if row.target in ("control", "sidecar") and d.prefills:
             why.append(f"{d.prefills} prefill(s) started")
-        if row.direct and d.d_used:
+        if row.framed and d.d_used:
             why.append(f"D used params ({d.d_used})")
-        if row.direct and d.p_used:
+        if row.framed and d.p_used:
             why.append(f"P used params ({d.p_used})")
         return "ACTED ON: " + ", ".join(why)
     if kind == "ERROR":
@@ -168,31 +196,67 @@ def verdict_text(row: Row) -> str:
     if kind == "no answer":
         return "no answer (connection closed)"
     if d.dropped:
-        return "served; params dropped by proxy"
+        return f"served; params dropped by {row.lw_process}"
     if d.d_refused or d.p_refused:
         who = "+".join(n for n, v in (("D", d.d_refused), ("P", d.p_refused)) if v)
         return f"served; params refused by {who} connector"
     return "served harmlessly"
 
 
-def reached_text(d: Deltas) -> str:
-    """The counters that moved, compactly (the canary always)."""
+LABELS = (("d_refused", "D refused"), ("p_refused", "P refused"), ("d_used", "D used"),
+          ("p_used", "P used"), ("dropped", "{who} dropped"), ("proxy_refused", "{who} refused"),
+          ("too_large", "{who} 413"), ("meta_refused", "metaserver refused"),
+          ("prefills", "prefills"))
+"""How :func:`reached_text` names each counting field of :class:`Deltas` (``{who}``: proxy or
+sidecar)."""
+
+
+def _label(name: str, who: str) -> str:
+    return dict(LABELS, canary="canary").get(name, name).format(who=who)
+
+
+def reached_text(d: Deltas, who: str = "proxy") -> str:
+    """The counters that moved, compactly (the canary always); ``who``: whose counters the
+    proxy's fields are (``proxy`` or ``sidecar``)."""
     parts = [f"canary {d.canary}"]
-    for label, value in (("D refused", d.d_refused), ("P refused", d.p_refused),
-                         ("D used", d.d_used), ("P used", d.p_used),
-                         ("proxy dropped", d.dropped), ("proxy refused", d.proxy_refused),
-                         ("proxy 413", d.too_large), ("metaserver refused", d.meta_refused),
-                         ("prefills", d.prefills)):
+    for name, label in LABELS:
+        value = getattr(d, name)
         if value:
-            parts.append(f"{label} {value:+d}")
+            parts.append(f"{label.format(who=who)} {value:+d}")
     if d.probes:
         parts.append(d.probes)
     return ", ".join(parts)
 
 
+def unmet(row: Row) -> list[str]:
+    """What the row expected besides its status and did not get: the ``param`` its answer
+    names, how much counters moved."""
+    out = []
+    if row.expect_param and row.answer.param != row.expect_param:
+        out.append(f"param {row.answer.param or '-'}, expected {row.expect_param}")
+    for name, want in row.expect_moved:
+        got = getattr(row.deltas, name)
+        if got != want:
+            out.append(f"{_label(name, row.lw_process)} {got:+d}, expected {want:+d}")
+    return out
+
+
 def clip(text: str, n: int) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= n else text[: n - 1] + "~"
+
+
+def answer_param(content: bytes | str) -> str | None:
+    """The ``param`` of an error answer in vLLM's / the proxy's shape (``{"error": {"param":
+    ...}}``); None if it names none."""
+    text = content.decode("utf-8", "replace") if isinstance(content, bytes) else content
+    try:
+        body = json.loads(text) if text else None
+    except ValueError:
+        return None
+    err = body.get("error") if isinstance(body, dict) else None
+    param = err.get("param") if isinstance(err, dict) else None
+    return None if param is None else str(param)
 
 
 def answer_message(status: int | None, content: bytes | str, n: int = MESSAGE_CHARS) -> str:
@@ -234,15 +298,17 @@ def header() -> str:
     """The table's column titles."""
     return (f"{'#':>3} {'case':<30} {'to':<13} {'sent':<46} {'HTTP':>5} "
             f"{'answer (start)':<{MESSAGE_CHARS}} {'verdict':<42} {'honest':<6} "
-            f"{'proxy RSS MB, CPU':<32} reached")
+            f"{'proxy/sidecar RSS MB, CPU':<32} reached")
 
 
 def format_row(row: Row) -> str:
-    """One table line."""
-    reached = reached_text(row.deltas)
+    """One table line (an expectation the row did not meet is appended, marked ``!``)."""
+    reached = reached_text(row.deltas, row.lw_process)
     if row.engine_rss_mb is not None:
         who = "D" if row.target == "decode" else "P"
         reached += f", {who} API server RSS +{row.engine_rss_mb:.1f} MB"
+    for miss in unmet(row):
+        reached += f"; !{miss}"
     status = "-" if row.answer.status is None else str(row.answer.status)
     if row.expect and row.answer.status not in row.expect:
         status = "!" + status
@@ -292,7 +358,7 @@ def summary_line(s: Summary) -> str:
 
 def exit_status(s: Summary) -> int:
     """0 iff nothing acted on a hostile field, nothing failed, nothing leaked and the proxy
-    grew by less than :data:`MAX_RSS_GROWTH_MB` in every case."""
+    (the sidecar, in its cases) grew by less than :data:`MAX_RSS_GROWTH_MB` in every case."""
     ok = (s.reached_engine == 0 and s.engine_errors == 0 and s.leaked_blocks == 0
           and s.max_rss_growth_mb < MAX_RSS_GROWTH_MB)
     return 0 if ok else 1
