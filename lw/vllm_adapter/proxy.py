@@ -250,9 +250,10 @@ def build_apps(
         if state.sidecar is not None:
             try:
                 target = state.sidecar.target(request.headers.items(), state.prefills)
-            except BadTarget as exc:
-                state.counters["errors"] += 1
-                log.warning("request refused (%d): %s", exc.status, exc)
+            except BadTarget as exc:  # the client's fault, not a backend's: its own counter
+                state.counters["prefiller_refused"] += 1
+                state.refusals.warning("prefiller_refused", "request refused (%d): %s",
+                                       exc.status, exc)
                 return JSONResponse(error_body(str(exc), exc.status, stage="sidecar"),
                                     status_code=exc.status)
         # the client's credentials, and its trace context (vLLM's spans and lw's join its trace)

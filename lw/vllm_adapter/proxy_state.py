@@ -365,6 +365,7 @@ class ProxyState:
             "client_transfer_params_refused": 0,
             "bodies_too_large": 0,
             "bodies_too_slow": 0,
+            "prefiller_refused": 0,
             "overloaded": 0,
         }
 

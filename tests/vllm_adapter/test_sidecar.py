@@ -204,6 +204,8 @@ def test_a_prefill_server_outside_the_allowlist_is_refused_before_d_sees_it() ->
         r = post(pd, headers={HEADER: "no-port-here"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
         assert not pd.world.has("d_request")
+        m = pd.metrics()  # the client's fault, counted as such: no backend error
+        assert m["prefiller_refused"] == 2 and m["errors"] == 0, m
 
 
 def test_allow_any_accepts_a_server_named_by_the_header() -> None:
