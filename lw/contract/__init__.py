@@ -109,32 +109,3 @@ Contract (the KV connectors on both sides rely on it)
    in-flight prefill request of the client request is cancelled (closed, so P aborts it too).
    Prefills still running when D's answer completed normally are left to finish.
 """
-
-from lw.contract.client import ClientFields, screen_client_body
-from lw.contract.params import (
-    CONTRACT_VERSION,
-    ContractError,
-    DecodeParams,
-    DecoderKV,
-    MetaserverCall,
-    PrefillParams,
-    decode_params_for_decoder,
-    decode_params_for_prefiller,
-    prompt_digest,
-    sign_params,
-)
-
-__all__ = [
-    "CONTRACT_VERSION",
-    "ClientFields",
-    "ContractError",
-    "DecodeParams",
-    "DecoderKV",
-    "MetaserverCall",
-    "PrefillParams",
-    "decode_params_for_decoder",
-    "decode_params_for_prefiller",
-    "prompt_digest",
-    "screen_client_body",
-    "sign_params",
-]

@@ -178,11 +178,11 @@ def _check(key: bytes | None, role: str, params: Mapping[str, Any]) -> None:
                             "transfer parameters are refused)")
 
 
-def _error_field(exc: msgspec.ValidationError) -> str:
-    # msgspec says "... - at `$.remote_port`": name the field as the client wrote it
-    text = str(exc)
-    at = text.rpartition(" - at `$")[2].rstrip("`") if " - at `$" in text else ""
-    return "kv_transfer_params" + at.replace("[", ".").replace("]", "")
+def _where(exc: msgspec.ValidationError) -> tuple[str, str]:
+    """(what msgspec says is wrong, the path it names: ``.remote_port``, ``[2]``, or "")."""
+    # msgspec says "... - at `$.remote_port`"
+    what, _, at = str(exc).partition(" - at `$")
+    return what, at.rstrip("`")
 
 
 def _convert(params: Any, typ: type[Any]) -> Any:
@@ -192,7 +192,9 @@ def _convert(params: Any, typ: type[Any]) -> Any:
     try:
         return msgspec.convert(dict(params), typ)
     except msgspec.ValidationError as exc:
-        raise ContractError(_error_field(exc), str(exc).partition(" - at ")[0]) from None
+        what, at = _where(exc)  # the field named as the client wrote it
+        raise ContractError("kv_transfer_params" + at.replace("[", ".").replace("]", ""),
+                            what) from None
 
 
 def is_remote_prefill_request(params: Any) -> bool:
@@ -253,10 +255,8 @@ def metaserver_call(raw: bytes) -> MetaserverCall:
     try:
         call = msgspec.json.decode(raw, type=MetaserverCall)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        at = text.rpartition(" - at `$")[2].rstrip("`").lstrip(".") if " - at `$" in text \
-            else "body"
-        raise ContractError(at or "body", text.partition(" - at ")[0]) from None
+        what, at = _where(exc)
+        raise ContractError(at.lstrip(".") or "body", what) from None
     except msgspec.DecodeError as exc:
         raise ContractError("body", f"not JSON: {exc}") from None
     kv = call.kv_transfer_params

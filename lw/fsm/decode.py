@@ -154,9 +154,8 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
             raise ValueError(f"request {req_id!r}: expected_senders must be >= 1")
         self._finished.pop(req_id, None)
         deadline = now + self.config.prefill_timeout_s
-        rec = self._reqs[req_id] = DecodeRecord(req_id, tuple(block_ids), count, ranks, now,
-                                                deadline)
-        rec.prompt = prompt
+        self._reqs[req_id] = DecodeRecord(req_id, tuple(block_ids), count, ranks, now, deadline,
+                                          prompt)
         self.counters["requests"] += 1
         self.timeline.record(now, req_id, "allocated", "", PREFILL_REQUESTED,
                              f"{len(block_ids)} blocks, expects "

@@ -83,7 +83,8 @@ class DecodeRecord:
                  "epoch", "retries", "avoid", "route", "asking", "prompt")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
-                 ranks: frozenset[int] | None, now: float, deadline: float) -> None:
+                 ranks: frozenset[int] | None, now: float, deadline: float,
+                 prompt: str = "") -> None:
         self.req_id = req_id
         self.state = PREFILL_REQUESTED
         self.since = now  # when the request entered its current state (observability only)
@@ -91,7 +92,7 @@ class DecodeRecord:
         self.alarmed = False  # reported stuck in its current state already
         self.formats: dict[SenderKey, KVFormat] = {}  # each accepted sender's head format
         self.blocks = blocks
-        self.prompt = ""  # the digest of the prompt the blocks are for ("": not bound)
+        self.prompt = prompt  # the digest of the prompt the blocks are for ("": not bound)
         self.expected = expected
         self.ranks = ranks  # the P TP ranks that write into us; None: any ``expected`` senders
         self.by_rank: dict[int, SenderKey] = {}  # P TP rank -> the sender that claimed it

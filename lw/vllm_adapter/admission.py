@@ -73,7 +73,6 @@ class TransferParamsGuard:
     def __init__(self, app: App) -> None:
         self.app = app
         self.key = parse_cluster_key(os.environ.get("LW_CLUSTER_KEY") or None)
-        self.refused = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST":
@@ -108,7 +107,6 @@ class TransferParamsGuard:
                 body = None  # vLLM answers what is not JSON
             problem = transfer_params_problem(body, self.key)
             if problem is not None:
-                self.refused += 1
                 await _answer(send, 400, _error(400, str(problem), problem.field))
                 return
         await self.app(scope, _replay(raw, receive), send)

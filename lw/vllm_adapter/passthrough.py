@@ -12,9 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from lw.contract.client import screen_client_body
-from lw.contract.params import ContractError
-from lw.vllm_adapter.proxy_limits import BodyTooLarge, BodyTooSlow, read_body
+from lw.vllm_adapter.proxy_intake import client_bytes, parse_json, screen
 from lw.vllm_adapter.proxy_state import ProxyState, _describe, error_body
 
 __all__ = ["passthrough_handler"]
@@ -29,37 +27,20 @@ HTTP client sets itself."""
 async def screened_body(state: ProxyState, request: Request) -> bytes | Response:
     """A body for the decode server: a JSON object without the client's transfer fields
     (re-encoded), other bytes as they came; at most ``limits.max_body_bytes`` either way."""
-    try:
-        raw = await read_body(request, state.limits.max_body_bytes, state.limits.body_read_s)
-    except BodyTooSlow as exc:
-        state.counters["bodies_too_slow"] += 1
-        return JSONResponse(error_body(str(exc), 408, stage="proxy"), status_code=408,
-                            headers={"connection": "close"})
-    except BodyTooLarge as exc:
-        state.counters["bodies_too_large"] += 1
-        return JSONResponse(error_body(str(exc), 413, stage="proxy"), status_code=413,
-                            headers={"connection": "close"})  # the rest is not read
+    raw = await client_bytes(state, request)
+    if isinstance(raw, Response):
+        return raw
     looks_json = raw.lstrip()[:1] in (b"{", b"[") or "json" in request.headers.get(
         "content-type", "")
     if not looks_json:
         return raw  # a form or plain text: no JSON parser downstream reads transfer fields
-    try:
-        parsed = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        # refused rather than relayed: a parser more lenient than ours must not see it
-        return JSONResponse(error_body(f"request body is not valid JSON: {str(exc)[:200]}",
-                                       400, stage="proxy"), status_code=400)
+    parsed = parse_json(state, raw)
+    if isinstance(parsed, Response):
+        return parsed
     if not isinstance(parsed, dict):
         return raw
-    try:
-        body, fields = screen_client_body(parsed)
-    except ContractError as exc:
-        state.counters["client_transfer_params_refused"] += 1
-        return JSONResponse(error_body(str(exc), 400, stage="proxy", param=exc.field),
-                            status_code=400)
-    if fields.dropped:
-        state.counters["client_transfer_params_dropped"] += 1
-    return json.dumps(body).encode()
+    body = screen(state, parsed)
+    return body if isinstance(body, Response) else json.dumps(body).encode()
 
 
 def passthrough_handler(state: ProxyState) -> Callable[[Request], Awaitable[Response]]:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -56,14 +55,14 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from lw.contract.client import MAX_JSON_DEPTH, json_depth_exceeds, screen_client_body
-from lw.contract.params import ContractError
+from lw.contract.client import MAX_JSON_DEPTH, json_depth_exceeds
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.control_auth import CallVerifier
 from lw.vllm_adapter.passthrough import passthrough_handler
 from lw.vllm_adapter.proxy_control import build_control_app, cached_health
 from lw.vllm_adapter.proxy_exchange import Exchange
-from lw.vllm_adapter.proxy_limits import BodyTooLarge, BodyTooSlow, Limits, read_body
+from lw.vllm_adapter.proxy_intake import client_bytes, parse_json, refuse, screen
+from lw.vllm_adapter.proxy_limits import Limits
 from lw.vllm_adapter.proxy_state import (
     CHAT,
     COMPLETIONS,
@@ -116,48 +115,22 @@ async def _relay_unroutable(state: ProxyState, request: Request, api: str,
                     media_type=r.headers.get("content-type", "application/json"))
 
 
-def _refuse(state: ProxyState, status: int, message: str, *, counter: str,
-            param: str | None = None) -> JSONResponse:
-    """A client body refused by the proxy itself, in vLLM's error shape; counted, and logged
-    at most once per kind every few seconds."""
-    state.counters[counter] += 1
-    state.refusals.warning(counter, "client request refused (%d): %s", status, message)
-    # closed after the answer: the rest of a refused body is not read (uvicorn would drain it)
-    return JSONResponse(error_body(message, status, stage="proxy", param=param),
-                        status_code=status, headers={"connection": "close"})
-
-
 async def client_body(state: ProxyState, request: Request) -> dict[str, Any] | JSONResponse:
     """The client's body as a JSON object without transfer fields, or the refusal to send:
-    413 over the size bound, 400 not JSON / too deep / not an object / a transfer field of a
-    wrong type (``param`` names it). The raw bytes never go anywhere."""
-    try:
-        raw = await read_body(request, state.limits.max_body_bytes, state.limits.body_read_s)
-    except BodyTooLarge as exc:
-        return _refuse(state, 413, str(exc), counter="bodies_too_large")
-    except BodyTooSlow as exc:
-        return _refuse(state, 408, str(exc), counter="bodies_too_slow")
-    try:
-        parsed = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        return _refuse(state, 400, f"request body is not valid JSON: {str(exc)[:200]}",
-                       counter="bad_requests")
+    413 over the size bound, 408 too slow, 400 not JSON / too deep / not an object / a transfer
+    field of a wrong type (``param`` names it). The raw bytes never go anywhere."""
+    raw = await client_bytes(state, request)
+    if isinstance(raw, JSONResponse):
+        return raw
+    parsed = parse_json(state, raw)
+    if isinstance(parsed, JSONResponse):
+        return parsed
     if json_depth_exceeds(parsed):
-        return _refuse(state, 400, f"request body nests deeper than {MAX_JSON_DEPTH} levels",
-                       counter="bad_requests")
+        return refuse(state, 400, f"request body nests deeper than {MAX_JSON_DEPTH} levels",
+                      counter="bad_requests")
     if not isinstance(parsed, dict):
-        return _refuse(state, 400, "request body must be a JSON object",
-                       counter="bad_requests")
-    try:
-        body, fields = screen_client_body(parsed)
-    except ContractError as exc:
-        return _refuse(state, 400, str(exc), counter="client_transfer_params_refused",
-                       param=exc.field)
-    if fields.dropped:
-        state.counters["client_transfer_params_dropped"] += 1
-        state.refusals.warning("client_transfer_params_dropped", "a client's %s dropped (the "
-                               "proxy sets transfer parameters)", ", ".join(fields.dropped))
-    return body
+        return refuse(state, 400, "request body must be a JSON object", counter="bad_requests")
+    return screen(state, parsed)
 
 
 async def _served_model(state: ProxyState) -> str | None:
@@ -230,7 +203,7 @@ def build_apps(
 
     async def handle(request: Request, api: str) -> Response:
         if len(state.transfers) >= state.limits.max_concurrent_requests:
-            return _refuse(state, 503, f"the proxy is serving "
+            return refuse(state, 503, f"the proxy is serving "
                            f"{state.limits.max_concurrent_requests} requests; try again",
                            counter="overloaded")
         got = await client_body(state, request)
