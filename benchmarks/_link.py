@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from lw.synthetic.netns import enter
+from lw.lab.synthetic.netns import enter
 
 __all__ = ["Link", "missing_requirements", "close_all"]
 

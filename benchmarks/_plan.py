@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lw.vllm_adapter.demo import BLOCK_SIZE, block_layer_bytes
+from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 
 OUTPUT_TOKENS = 32
 SETUPS = ("single", "lw", "lw-progressive", "lw-last", "peer")

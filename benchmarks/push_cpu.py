@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"]
                                             if os.environ.get("PYTHONPATH") else "")
-    from lw.vllm_adapter.tiny_model import make_tiny_model
+    from lw.lab.tiny_model import make_tiny_model
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="lw-push-cpu-"))
     model = make_tiny_model(work / f"tiny-{args.layers}l", num_layers=args.layers)

@@ -71,7 +71,7 @@ from benchmarks._plan import (  # noqa: E402
     shapes,
 )
 from benchmarks._report import print_table  # noqa: E402
-from lw.vllm_adapter.demo import (  # noqa: E402
+from lw.lab.vllm_demo import (  # noqa: E402
     MODEL_NAME,
     LocalCluster,
     Server,
@@ -610,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             if os.environ.get("PYTHONPATH") else "")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="lw-serving-"))
     work.mkdir(parents=True, exist_ok=True)
-    from lw.vllm_adapter.tiny_model import make_tiny_model
+    from lw.lab.tiny_model import make_tiny_model
 
     plan = shapes(args.quick, link_mode)
     if args.shapes:

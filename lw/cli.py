@@ -7,12 +7,12 @@ import sys
 
 # subcommand -> (module, help); each module has main(argv) -> int
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("lw.demo", "run a local P/D cluster and report (default: real vLLM engines)"),
-    "hostile": ("lw.vllm_adapter.hostile", "send hostile inputs to a local P/D cluster (real "
+    "demo": ("lw.lab.demo", "run a local P/D cluster and report (default: real vLLM engines)"),
+    "hostile": ("lw.lab.hostile", "send hostile inputs to a local P/D cluster (real "
                 "vLLM engines) and print what each did"),
     "check": ("lw.sim.cli", "model-check the protocol (exhaustive or random)"),
     "diagrams": ("lw.diagrams", "regenerate or --check docs/diagrams"),
-    "proxy": ("lw.vllm_adapter.proxy", "run the D-first proxy in front of vLLM servers"),
+    "proxy": ("lw.proxy.server", "run the D-first proxy in front of vLLM servers"),
     "status": ("lw.ops.cli", "live requests of running P and D workers, timelines, traces"),
     "validate": ("lw.sim.validate_cli", "is a recorded run (lw-trace file) a behaviour of the "
                  "checked model?"),

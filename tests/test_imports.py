@@ -1,7 +1,8 @@
 """The house's import rules: no circle of imports inside lw (imports under TYPE_CHECKING and
-inside functions count: a circle of types is still a circle of responsibilities), lw.fsm and
-lw.contract import nothing of lw above them, and no file in lw passes 700 lines (one known
-exception, which may not grow)."""
+inside functions count: a circle of types is still a circle of responsibilities); lw.fsm and
+lw.contract import nothing of lw above them; the packages of the engines' and the proxy's
+processes import neither the checker (lw.sim) nor the lab (lw.lab), nor each other; no file in
+lw passes 700 lines."""
 
 from __future__ import annotations
 
@@ -107,6 +108,31 @@ def test_the_contract_imports_nothing_of_lw_but_itself() -> None:
     above = {m: sorted(d for d in deps if not d.startswith("lw.contract") and d != "lw")
              for m, deps in graph.items() if m.startswith("lw.contract")}
     assert not any(above.values()), above
+
+
+ENGINE_PACKAGES = ("lw.vllm_adapter", "lw.proxy", "lw.contract", "lw.transport")
+"""What runs in P's, D's and the proxy's processes: below the checker and the lab."""
+ABOVE_THE_ENGINES = ("lw.sim", "lw.lab")
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_engine_packages_import_neither_the_checker_nor_the_lab() -> None:
+    graph = import_graph()
+    up = {m: sorted(d for d in deps if _in(d, ABOVE_THE_ENGINES))
+          for m, deps in graph.items() if _in(m, ENGINE_PACKAGES)}
+    assert not any(up.values()), {m: d for m, d in up.items() if d}
+
+
+def test_the_connector_and_the_proxy_do_not_import_each_other() -> None:
+    """One package per process: vLLM loads lw.vllm_adapter, the proxy runs lw.proxy."""
+    graph = import_graph()
+    for side, other in (("lw.vllm_adapter", "lw.proxy"), ("lw.proxy", "lw.vllm_adapter")):
+        cross = {m: sorted(d for d in deps if _in(d, (other,)))
+                 for m, deps in graph.items() if _in(m, (side,))}
+        assert not any(cross.values()), {m: d for m, d in cross.items() if d}
 
 
 def test_no_file_in_lw_is_over_700_lines() -> None:

@@ -10,8 +10,8 @@ import pytest
 
 from lw.fsm import DecodeConfig, PrefillConfig
 from lw.fsm.settings import core_config
+from lw.lab.synthetic.config import ClusterConfig
 from lw.sim.config import WorldConfig
-from lw.synthetic.config import ClusterConfig
 from lw.vllm_adapter.config import PRODUCER, LwConfig
 
 

@@ -8,7 +8,7 @@ prompts of 12..700 words one at a time and the same number four at a time (hones
 many with P writing only the first 64 bytes of each block (planted), all with top-5 logprobs,
 and prints for each group the largest logprob drift per request (|difference| of a token both
 sides list, at the positions up to and including the first divergence) and the oracle's
-verdicts with and without the drift check. The figures in ``lw/vllm_adapter/oracle.py``'s
+verdicts with and without the drift check. The figures in ``lw/lab/oracle.py``'s
 docstring come from it. About five minutes here.
 """
 
@@ -25,11 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from lw.lab.demo_client import Result, complete, make_prompt  # noqa: E402
+from lw.lab.oracle import DRIFT, TOP_K, compare  # noqa: E402
+from lw.lab.tiny_model import make_tiny_model  # noqa: E402
+from lw.lab.vllm_demo import LocalCluster  # noqa: E402
 from lw.transport.dataplane.planted import TRUNCATE_ENV  # noqa: E402
-from lw.vllm_adapter.demo import LocalCluster  # noqa: E402
-from lw.vllm_adapter.demo_client import Result, complete, make_prompt  # noqa: E402
-from lw.vllm_adapter.oracle import DRIFT, TOP_K, compare  # noqa: E402
-from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
 
 LENGTHS = (12, 90, 300, 700)
 

@@ -31,7 +31,7 @@ Contract (the KV connectors on both sides rely on it)
        {"transfer_id": <request_id>, "sub_transfer_id": str, "prompt_token_ids": [int, ...],
         "kv_transfer_params": {...}, "grant": <metaserver_grant>}
 
-   signed with the cluster key (headers of lw.vllm_adapter.control_auth: timestamp, nonce,
+   signed with the cluster key (headers of lw.contract.auth: timestamp, nonce,
    HMAC-SHA256 over them and the body). The proxy refuses an unsigned, forged, stale or replayed
    call (401), and a call without the transfer's grant, for a sub-transfer id not of the form
    ``<request_id>@...``, or beyond the sub-transfers the client request allows (``n`` x prompts)

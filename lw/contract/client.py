@@ -14,7 +14,11 @@ from typing import Any
 
 from lw.contract.params import ContractError
 
-__all__ = ["MAX_JSON_DEPTH", "ClientFields", "json_depth_exceeds", "screen_client_body"]
+__all__ = ["MAX_JSON_DEPTH", "TRACE_HEADERS", "ClientFields", "json_depth_exceeds",
+           "screen_client_body"]
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+"""W3C trace-context headers: what a request's trace is carried in (the proxy forwards them)."""
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of a client body the proxy parses further (chat content parts are ~5)."""

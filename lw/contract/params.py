@@ -7,7 +7,7 @@ Three flows, one version (:data:`CONTRACT_VERSION`):
   transfer id and the grant of its calls, signed by the proxy with the cluster key;
 - D -> proxy (:class:`MetaserverCall`, whose ``kv_transfer_params`` is a :class:`DecoderKV`): the
   blocks D allocated and the digest of the prompt they are for (the HTTP call itself is signed,
-  lw.vllm_adapter.control_auth);
+  lw.contract.auth);
 - proxy -> P (:class:`PrefillParams`): D's :class:`DecoderKV` plus the sub-transfer id and claim
   epoch, signed by the proxy.
 

@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from lw.contract.tracefile import Entry, Trace, WorkerTrace
 from lw.fsm.timeline import Timeline
 from lw.sim.explorer import fingerprint
 from lw.sim.properties import Violation
-from lw.sim.tracefile import Entry, Trace, WorkerTrace
 from lw.sim.validate_world import (  # noqa: F401  (re-exported: the validation world's API)
     ValidationConfig,
     ValidationWorld,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lw.sim.tracefile import TraceFormatError, load
+from lw.contract.tracefile import TraceFormatError, load
 from lw.sim.validate import RequestVerdict, summary, validate, verdict_line
 
 

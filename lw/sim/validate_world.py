@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lw.contract.tracefile import Trace
 from lw.fsm import DecodeConfig, PrefillConfig
 from lw.fsm.settings import core_config
 from lw.sim.clock import Clock
@@ -17,7 +18,6 @@ from lw.sim.faults import Faults
 from lw.sim.proxy import Proxy
 from lw.sim.request import Req
 from lw.sim.state import WorldState
-from lw.sim.tracefile import Trace
 from lw.sim.world import World
 
 BIG_RING = 1 << 16

@@ -1,6 +1,6 @@
 """D's background caller of the proxy's metaserver: asks for a prefill (or, after a lost P, a
 re-prefill) without blocking vLLM; each call is signed with the cluster key
-(lw.vllm_adapter.control_auth). Where the proxy says it sent a prefill (the P engine id and
+(lw.contract.auth). Where the proxy says it sent a prefill (the P engine id and
 side channel, once it knows them) is kept for the core's ``prefill_routed``."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import time
 from collections import deque
 from typing import Any
 
+from lw.contract.auth import signed_call
 from lw.transport.osthread import name_os_thread
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import Route, log
-from lw.vllm_adapter.control_auth import signed_call
 
 __all__ = ["MetaserverPoster"]
 

@@ -30,6 +30,8 @@ from lw.contract.params import (
     is_remote_prefill_request,
     prompt_digest,
 )
+from lw.contract.transfer_ids import sub_transfer_id
+from lw.contract.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY, worker_addrs
 from lw.fsm.block_choice import PushCursor, blocks_to_receive
 from lw.fsm.prefill_request import received_blocks
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
@@ -48,8 +50,6 @@ from lw.vllm_adapter.connector_meta import (
 from lw.vllm_adapter.metaserver_client import MetaserverPoster
 from lw.vllm_adapter.metrics import LwKVConnectorStats
 from lw.vllm_adapter.tracing import trace_headers_of, tracing_endpoint
-from lw.vllm_adapter.transfer_ids import sub_transfer_id
-from lw.vllm_adapter.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY, worker_addrs
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

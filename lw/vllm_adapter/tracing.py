@@ -25,13 +25,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lw.contract.client import TRACE_HEADERS
+
 log = logging.getLogger("lw.tracing")
 
 __all__ = ["TRACE_HEADERS", "Phase", "LifecycleTracer", "phases_of", "trace_headers_of",
            "tracing_endpoint"]
-
-TRACE_HEADERS = ("traceparent", "tracestate")
-"""W3C trace-context headers: what a request's trace is carried in."""
 
 MAX_OPEN = 65536
 """Requests whose trace context a worker keeps until they end (the oldest go first)."""

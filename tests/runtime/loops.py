@@ -17,7 +17,7 @@ from lw.fsm import (
     PrefillEndpoint,
     PrefillRequest,
 )
-from lw.synthetic.pattern import Pattern
+from lw.lab.synthetic.pattern import Pattern
 from lw.transport.dataplane import InProcessDataPlane
 from lw.transport.runtime import WorkerLoop
 from lw.transport.sidechannel import SideChannel

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
-from lw.synthetic.corrupt import CorruptingPlane
+from lw.lab.synthetic.corrupt import CorruptingPlane
 from lw.transport.dataplane.planted import TruncatingPlane
 
 Entry = tuple[int, int, int]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from lw.synthetic import ClusterConfig, run_cluster
-from lw.synthetic.router import Lost, Router
+from lw.lab.synthetic import ClusterConfig, run_cluster
+from lw.lab.synthetic.router import Lost, Router
 
 from .conftest import needs_mooncake
 from .test_faults import FAST
@@ -95,7 +95,7 @@ def test_kill_one_of_two_decoders_fails_only_requests_past_their_first_token(
 
 def test_demo_with_two_decoders_reports_tokens_and_the_new_summary_field(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from lw.demo import main
+    from lw.lab.demo import main
 
     rc = main(["--engine", "synthetic", "--data-plane", "inprocess", "--requests", "6",
                "--layers", "3", "--decoders", "2", "--token-ms", "1", "--quiet"])

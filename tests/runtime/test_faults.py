@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lw.synthetic import ClusterConfig, ClusterResult, run_cluster
+from lw.lab.synthetic import ClusterConfig, ClusterResult, run_cluster
 
 from .conftest import needs_mooncake
 
@@ -109,7 +109,7 @@ def test_inprocess_tensor_parallel_under_faults(fault: str) -> None:
 
 def test_a_wrong_head_slice_is_corrupt(monkeypatch: pytest.MonkeyPatch) -> None:
     """P fills its two heads swapped: each D TP worker gets one wrong head, every block counts."""
-    from lw.synthetic.pattern import Pattern
+    from lw.lab.synthetic.pattern import Pattern
 
     real = Pattern.fill_heads
 
@@ -249,7 +249,7 @@ def test_demo_command_line_tensor_parallel() -> None:
 
 
 def test_demo_main_inprocess(capsys: pytest.CaptureFixture[str]) -> None:
-    from lw.demo import main
+    from lw.lab.demo import main
 
     rc = main(["--engine", "synthetic", "--data-plane", "inprocess", "--requests", "6",
                "--layers", "3", "--fault", "duplicate", "--quiet"])
@@ -261,7 +261,7 @@ def test_demo_main_inprocess(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_vllm_engine_gets_its_own_options() -> None:
-    from lw.demo import _without_engine
+    from lw.lab.demo import _without_engine
 
     assert _without_engine(["--engine", "vllm", "--requests", "3"]) == ["--requests", "3"]
     assert _without_engine(["--engine=vllm", "--keep"]) == ["--keep"]
@@ -322,7 +322,7 @@ def test_corrupt_writes_reach_the_decoder_only_without_kv_checksums(checksum: bo
 
 
 def _netns_missing() -> str:
-    from lw.synthetic.netns import unavailable
+    from lw.lab.synthetic.netns import unavailable
 
     return unavailable()
 
@@ -344,7 +344,7 @@ def test_real_network_partitions_between_p_and_d(fault: str) -> None:
 
 
 def _tun_missing() -> str:
-    from lw.synthetic.netem import unavailable
+    from lw.lab.synthetic.netem import unavailable
 
     return unavailable()
 
@@ -355,7 +355,7 @@ needs_tun = pytest.mark.skipif(bool(_tun_missing()),
 
 def _udp_pair(link: object) -> tuple[socket.socket, socket.socket]:
     """A UDP socket on P's side of ``link`` and one inside the decoder's namespace."""
-    from lw.synthetic.netem import Link, in_netns
+    from lw.lab.synthetic.netem import Link, in_netns
 
     assert isinstance(link, Link)
     p = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -389,7 +389,7 @@ def _loss_one_way(tx: socket.socket, rx: socket.socket, n: int) -> float:
 
 @needs_tun
 def test_the_link_relay_drops_the_configured_fraction_each_way() -> None:
-    from lw.synthetic.netem import Link
+    from lw.lab.synthetic.netem import Link
 
     with Link(loss=0.3, seed=1) as link:
         p, d = _udp_pair(link)
@@ -403,7 +403,7 @@ def test_the_link_relay_drops_the_configured_fraction_each_way() -> None:
 
 @needs_tun
 def test_the_link_relay_delays_one_way_and_keeps_order() -> None:
-    from lw.synthetic.netem import Link
+    from lw.lab.synthetic.netem import Link
 
     with Link(delay_pd_s=0.2) as link:
         p, d = _udp_pair(link)
@@ -426,7 +426,7 @@ def test_the_link_relay_delays_one_way_and_keeps_order() -> None:
 
 def _assert_link_gone(link: object) -> None:
     """The namespace and both TUN devices of ``link`` are gone."""
-    from lw.synthetic.netem import Link
+    from lw.lab.synthetic.netem import Link
 
     assert isinstance(link, Link)
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from lw.lab.synthetic import ClusterConfig, run_cluster
+from lw.lab.synthetic import workers as synthetic_workers
 from lw.sim import validate_cli
-from lw.synthetic import ClusterConfig, run_cluster
-from lw.synthetic import workers as synthetic_workers
 
 from ..runtime.conftest import needs_mooncake
 

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from lw.sim import tracefile, validate_cli
-from lw.sim.tracefile import RequestShape, TraceFormatError, WorkerTrace
+from lw.contract import tracefile
+from lw.contract.tracefile import RequestShape, TraceFormatError, WorkerTrace
+from lw.sim import validate_cli
 from lw.sim.validate_world import ValidationConfig, ValidationWorld
 
 PREFILL = {"meta_retry_s": 0.5, "meta_attempts": 2, "ack_retry_s": 0.5, "ack_attempts": 2,

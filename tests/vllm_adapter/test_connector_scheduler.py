@@ -55,7 +55,10 @@ from lw.contract.params import (  # noqa: E402
     sign_params,
 )
 from lw.contract.params import decoder_params as contract_decoder_params  # noqa: E402
+from lw.contract.worker_addrs import PREFILL_WORKERS_KEY, worker_addrs  # noqa: E402
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, compute_left  # noqa: E402
+from lw.lab.tiny_model import make_tiny_model  # noqa: E402
+from lw.lab.vllm_demo import free_port_range  # noqa: E402
 from lw.vllm_adapter.config import (  # noqa: E402
     ConfigError,
     LwConfig,
@@ -64,12 +67,9 @@ from lw.vllm_adapter.config import (  # noqa: E402
 )
 from lw.vllm_adapter.connector import LwConnectorMetadata, kv_geometry  # noqa: E402
 from lw.vllm_adapter.connector_meta import LwWorkerMeta  # noqa: E402
-from lw.vllm_adapter.demo import free_port_range  # noqa: E402
 from lw.vllm_adapter.device import merged_regions, planes_of, same_geometry  # noqa: E402
 from lw.vllm_adapter.metrics import LwKVConnectorStats  # noqa: E402
 from lw.vllm_adapter.push_rates import PushRates  # noqa: E402
-from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
-from lw.vllm_adapter.worker_addrs import PREFILL_WORKERS_KEY, worker_addrs  # noqa: E402
 
 BS = 16  # block size
 NUM_BLOCKS = 64
@@ -1329,7 +1329,7 @@ def test_cluster_kv_checksums_pass_clean_writes_and_catch_a_corrupt_one(
     assert c.verified == {"r1": True} and c.d.finished["r1"] == "length"
     assert c.d.loop.counters["checksums_verified"] >= 1
 
-    from lw.synthetic.corrupt import CorruptingPlane
+    from lw.lab.synthetic.corrupt import CorruptingPlane
 
     c.p.loop.data_plane = CorruptingPlane(c.p.loop.data_plane, every=1)  # every write shifted
     c.add("r2", list(range(6000, 6040)))

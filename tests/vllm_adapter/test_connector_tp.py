@@ -30,8 +30,8 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 import lw.vllm_adapter.connector as conn_mod  # noqa: E402
-from lw.vllm_adapter.demo import free_port_range  # noqa: E402
-from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
+from lw.lab.tiny_model import make_tiny_model  # noqa: E402
+from lw.lab.vllm_demo import free_port_range  # noqa: E402
 
 from .test_connector_scheduler import (  # noqa: E402
     BS,

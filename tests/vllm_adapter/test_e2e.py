@@ -45,16 +45,18 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
+from lw.contract.auth import signed_call  # noqa: E402
 from lw.contract.params import (  # noqa: E402
     CONTRACT_VERSION,
     decoder_params,
     prompt_digest,
     sign_params,
 )
-from lw.transport.dataplane.planted import TRUNCATE_ENV  # noqa: E402
-from lw.transport.sidechannel import parse_cluster_key  # noqa: E402
-from lw.vllm_adapter.control_auth import signed_call  # noqa: E402
-from lw.vllm_adapter.demo import (  # noqa: E402
+from lw.lab.local_cluster import Server, free_port, wait_ready  # noqa: E402
+from lw.lab.oracle import DRIFT, TOP_K, Verdict  # noqa: E402
+from lw.lab.oracle import compare as _compare  # noqa: E402
+from lw.lab.tiny_model import make_tiny_model  # noqa: E402
+from lw.lab.vllm_demo import (  # noqa: E402
     MODEL_NAME,
     LocalCluster,
     Result,
@@ -63,11 +65,9 @@ from lw.vllm_adapter.demo import (  # noqa: E402
     make_prompt,
     metrics,
 )
-from lw.vllm_adapter.local_cluster import Server, free_port, wait_ready  # noqa: E402
-from lw.vllm_adapter.oracle import DRIFT, TOP_K, Verdict  # noqa: E402
-from lw.vllm_adapter.oracle import compare as _compare  # noqa: E402
-from lw.vllm_adapter.proxy_state import build_prefill_body  # noqa: E402
-from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
+from lw.proxy.state import build_prefill_body  # noqa: E402
+from lw.transport.dataplane.planted import TRUNCATE_ENV  # noqa: E402
+from lw.transport.sidechannel import parse_cluster_key  # noqa: E402
 from tests.vllm_adapter.otlp_receiver import Receiver  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -130,7 +130,7 @@ def reference(c: LocalCluster, prompt: str, max_tokens: int = MAX_TOKENS) -> Res
 
 
 def compare(want: Result, got: Result) -> Verdict:
-    """The output oracle with the dense tiny model's drift tolerance (lw.vllm_adapter.oracle)."""
+    """The output oracle with the dense tiny model's drift tolerance (lw.lab.oracle)."""
     return _compare(want, got, drift=DRIFT["llama"])
 
 
@@ -766,7 +766,7 @@ def test_sidecar_prefills_on_the_prefill_server_the_header_names(
     target = p_url.removeprefix("http://")
     port = free_port()
     control = next(p for p in iter(free_port, None) if p != port)
-    argv = [sys.executable, "-m", "lw.vllm_adapter.proxy", "--sidecar", "--decode", d_url,
+    argv = [sys.executable, "-m", "lw.proxy.server", "--sidecar", "--decode", d_url,
             "--allow-prefiller", target, "--host", "127.0.0.1", "--port", str(port),
             "--control-host", "127.0.0.1", "--control-port", str(control), "--timeout", "120",
             "--log-level", "warning"]
@@ -830,10 +830,10 @@ def test_a_dead_decode_server_is_replaced_before_the_first_token(
     """A proxy whose first decode server is dead: the request moves to the live D (a fresh
     transfer) and its output equals the single engine's; the dead one is then avoided for its
     backoff (1 s, ±20 %), and tried again after it with a doubled backoff (a loaded machine can
-    take that long for one request; tests/vllm_adapter/test_failover.py times the avoidance)."""
+    take that long for one request; tests/proxy/test_failover.py times the avoidance)."""
     port = free_port()
     control = next(p for p in iter(free_port, None) if p != port)
-    argv = [sys.executable, "-m", "lw.vllm_adapter.proxy", "--prefill", cluster.url("prefill"),
+    argv = [sys.executable, "-m", "lw.proxy.server", "--prefill", cluster.url("prefill"),
             "--decode", f"http://127.0.0.1:{_closed_port()}", "--decode", cluster.url("decode"),
             "--port", str(port), "--control-port", str(control), "--timeout", "120",
             "--log-level", "warning"]

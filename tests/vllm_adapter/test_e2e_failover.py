@@ -22,16 +22,16 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
-from lw.transport.dataplane.planted import HELD_SUFFIX, HOLD_ENV  # noqa: E402
-from lw.vllm_adapter.demo import (  # noqa: E402
+from lw.lab.demo_client import wait_blocks_released  # noqa: E402
+from lw.lab.tiny_model import make_tiny_model  # noqa: E402
+from lw.lab.vllm_demo import (  # noqa: E402
     LocalCluster,
     Result,
     complete,
     make_prompt,
     metrics,
 )
-from lw.vllm_adapter.demo_client import wait_blocks_released  # noqa: E402
-from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
+from lw.transport.dataplane.planted import HELD_SUFFIX, HOLD_ENV  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

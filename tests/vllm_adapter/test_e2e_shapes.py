@@ -7,7 +7,7 @@ until lw registered itself with vLLM's connector factory, MultiConnector's stats
 "Connector 'LwConnector' is not registered" in the API server and the server died at its first
 request). A dense model with lw as vLLM's connector itself is tests/vllm_adapter/test_e2e.py's.
 
-The oracle (lw.vllm_adapter.oracle, the demo's too) means "same KV, same model", in two parts:
+The oracle (lw.lab.oracle, the demo's too) means "same KV, same model", in two parts:
 - bytes: lw's KV checksums are on in every cluster here (``kv_checksum`` on P and D): D checks
   the CRC-32C of every block P wrote before the request may decode, and fails it otherwise (the
   test then sees an error). The test also asks D's workers that checksums were verified.
@@ -53,17 +53,17 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
-from lw.ops.client import query  # noqa: E402
-from lw.vllm_adapter.demo import (  # noqa: E402
+from lw.lab.oracle import TOP_K, compare  # noqa: E402
+from lw.lab.tiny_model import make_tiny_model  # noqa: E402
+from lw.lab.trace_export import validate_trace, write_cluster_trace  # noqa: E402
+from lw.lab.vllm_demo import (  # noqa: E402
     LocalCluster,
     blocks_in_use,
     complete,
     make_prompt,
     metrics,
 )
-from lw.vllm_adapter.oracle import TOP_K, compare  # noqa: E402
-from lw.vllm_adapter.tiny_model import make_tiny_model  # noqa: E402
-from lw.vllm_adapter.trace_export import validate_trace, write_cluster_trace  # noqa: E402
+from lw.ops.client import query  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

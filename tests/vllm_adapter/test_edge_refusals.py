@@ -4,7 +4,7 @@ and, above all, those it must not (another port, a host outside the network, a n
 address, a name whose prefix or suffix matches, IPv4-mapped IPv6, odd spellings of ports and
 addresses, user parts), through ``Sidecar.target`` as a request's header reaches it.
 
-Decisions (also in lw.vllm_adapter.sidecar):
+Decisions (also in lw.proxy.sidecar):
 
 * Names are never resolved: a name matches only a name entry, letter for letter (case aside); an
   address matches only an address or network entry.
@@ -27,14 +27,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lw.vllm_adapter.proxy_state import Backend
-from lw.vllm_adapter.sidecar import (
+from lw.proxy.sidecar import (
     MAX_TARGETS,
     AllowEntry,
     BadTarget,
     Sidecar,
     parse_allow,
 )
+from lw.proxy.state import Backend
 
 HEADER = "x-prefiller-host-port"
 ADMIT = 200  # the outcome of a header the allowlist admits
@@ -281,10 +281,10 @@ def test_an_ipv6_header_is_admitted_exactly_when_its_address_and_port_are_in_the
 def test_the_control_plane_answers_hostile_signature_headers_with_401() -> None:
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    from lw.vllm_adapter import control_auth
-    from lw.vllm_adapter.control_auth import NONCE, SIGNATURE, TIMESTAMP
-    from tests.vllm_adapter.test_proxy import KEY
-    from tests.vllm_adapter.test_sidecar import pod
+    from lw.contract import auth as control_auth
+    from lw.contract.auth import NONCE, SIGNATURE, TIMESTAMP
+    from tests.proxy.test_proxy import KEY
+    from tests.proxy.test_sidecar import pod
 
     content = b'{"transfer_id":"t","sub_transfer_id":"t@r","prompt_token_ids":[1]}'
 

@@ -21,10 +21,10 @@ install_version_shim()
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from lw.contract.worker_addrs import PREFILL_ENGINE_KEY  # noqa: E402
 from lw.vllm_adapter.config import ConfigError  # noqa: E402
 from lw.vllm_adapter.connector_meta import LwWorkerMeta, Reprefill, Route  # noqa: E402
 from lw.vllm_adapter.metaserver_client import route_of  # noqa: E402
-from lw.vllm_adapter.worker_addrs import PREFILL_ENGINE_KEY  # noqa: E402
 from tests.vllm_adapter.test_connector_scheduler import (  # noqa: E402
     BASELINE,
     BS,

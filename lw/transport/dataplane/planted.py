@@ -5,7 +5,7 @@ e2e tests plant wrong KV with :class:`TruncatingPlane`, for the output oracle to
 and hold a prefill's writes with :class:`HoldingPlane`, so that a kill lands while the request is
 certainly in flight whatever the machine's speed. A vLLM worker wraps its data plane only when
 ``LW_TEST_TRUNCATE_WRITES_FILE`` or ``LW_TEST_HOLD_WRITES_FILE`` names a flag file. Here, not in
-lw.synthetic, so that a worker need not import the synthetic cluster.
+lw.lab.synthetic, so that a worker need not import the synthetic cluster.
 """
 
 from __future__ import annotations

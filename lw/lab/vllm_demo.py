@@ -1,0 +1,417 @@
+"""``lw demo --engine vllm``: a local P/D cluster on a tiny model, checked against one engine.
+
+It makes the tiny random model, starts a reference ``vllm serve`` (no connector), a prefill and a
+decode server (lw's connector, Mooncake over TCP) and the D-first proxy, sends prompts of several
+lengths (one block .. long enough for chunked prefill) to both, prints the outputs side by side
+with time-to-first-token and transfer figures, checks that no KV block is left held on either
+server, shuts everything down and ends with
+``summary done=<n> failed=<n> leaked_blocks=<n> mismatched=<n>`` (exit 0 iff all done, none
+leaked, none mismatched). "Same" is :mod:`lw.lab.oracle`'s: the same greedy tokens, or a
+near tie of the reference's at the first divergence (``tie@i``); D verifies lw's KV checksums
+(``kv_checksum``) of every block P wrote, and a request whose bytes differ fails.
+
+``--shared-prefix`` sends prompts that share long prefixes, some repeated, so that the decode
+server's prefix cache hits (partly, and fully: a short tail D computes itself); the summary adds
+``prefix_hit_blocks=<n>`` and the run also fails unless the bytes P wrote equal the blocks D did
+not hold (predicted from the prompts' token ids), times the block bytes of every layer.
+
+``--validate`` asks every P and D worker for its lifecycle timeline before the servers stop,
+writes the run as an ``lw-trace`` (each request in the shape its cores saw:
+:mod:`lw.lab.trace_export`) and checks it with ``lw validate`` against the checked
+model; it prints the verdict and ``traces validated=<n> rejected=<n> undecided=<n>``, and a
+trace that is not valid (its first unexplained event named) fails the run.
+
+The process management (:mod:`lw.lab.local_cluster`) and the client
+(:mod:`lw.lab.demo_client`) are also what the end-to-end tests and the benchmarks use;
+their names are re-exported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from lw.lab.demo_client import (
+    MODEL_NAME,
+    Result,
+    blocks_in_use,
+    complete,
+    make_prompt,
+    metrics,
+    tokenize,
+    wait_blocks_released,
+)
+from lw.lab.local_cluster import (
+    BLOCK_SIZE,
+    MAX_BATCHED_TOKENS,
+    LocalCluster,
+    Server,
+    free_port,
+    free_port_range,
+    in_workdir,
+    kv_transfer_config,
+    wait_ready,
+)
+from lw.lab.oracle import DRIFT, TOP_K, compare
+
+__all__ = ["BLOCK_SIZE", "MAX_BATCHED_TOKENS", "MODEL_NAME", "LocalCluster", "Result", "Server",
+           "blocks_in_use", "complete", "free_port", "free_port_range", "kv_transfer_config",
+           "main", "make_prompt", "metrics", "shared_prefix_prompts", "tokenize",
+           "wait_blocks_released", "wait_ready"]
+
+PROMPT_LENGTHS = (12, 90, 300, 700)  # words ~ tokens: 1 block, 3, 10, 22 (chunked)
+# --long-prompts: 4 to 7 chunks of MAX_BATCHED_TOKENS each (progressive push shows here)
+LONG_PROMPT_LENGTHS = (1100, 1300, 1500, 1800)
+# (prefix, suffix words, suffix seed): cold, partial hit, full hit (a repeat), ... in turn.
+_SHARED = ((0, 40, 1), (0, 40, 2), (0, 40, 1), (1, 70, 3), (1, 70, 4), (0, 40, 2), (1, 70, 3),
+           (0, 100, 5))
+_PREFIX_WORDS = (160, 224)  # 5 and 7 blocks of 32 tokens
+
+
+def shared_prefix_prompts(n: int) -> list[str]:
+    """``n`` prompts sharing two long prefixes, several repeated word for word."""
+    prefixes = [make_prompt(w, seed=1000 + i) for i, w in enumerate(_PREFIX_WORDS)]
+    out = []
+    for i in range(n):
+        pre, words, seed = _SHARED[i % len(_SHARED)]
+        out.append(prefixes[pre] + " " + make_prompt(words, seed=2000 + seed))
+    return out
+
+
+def predict_prefix_hits(token_ids: Sequence[Sequence[int]], block_size: int,
+                        local_tail_tokens: int) -> list[tuple[int, bool, int]]:
+    """(blocks D holds, computed locally, blocks P sends) per prompt sent in order to one D.
+
+    D's prefix cache keeps every full prompt block (nothing is evicted in the demo's cache);
+    vLLM counts a hit up to the prompt minus one token, in whole blocks.
+    """
+    cached: set[tuple[int, ...]] = set()
+    out = []
+    for ids in token_ids:
+        cap = (len(ids) - 1) // block_size
+        held = 0
+        while held < cap and tuple(ids[:(held + 1) * block_size]) in cached:
+            held += 1
+        local = held > 0 and len(ids) - held * block_size <= local_tail_tokens
+        sent = 0 if local else -(-len(ids) // block_size) - held
+        out.append((held, local, sent))
+        for k in range(1, len(ids) // block_size + 1):
+            cached.add(tuple(ids[:k * block_size]))
+    return out
+
+
+def block_layer_bytes(model: Path) -> tuple[int, int]:
+    """(bytes of one block in one layer, layers) of the tiny model's bf16 KV cache on CPU."""
+    cfg = json.loads((model / "config.json").read_text())
+    if "kv_lora_rank" in cfg:  # MLA: one latent vector (+ rope part) per token
+        width = int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
+        return BLOCK_SIZE * width * 2, int(cfg["num_hidden_layers"])
+    heads = int(cfg["num_key_value_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    # vLLM CPU: one plane per layer, (blocks, kv heads, block size, K+V head dims), bf16.
+    return heads * BLOCK_SIZE * 2 * head_dim * 2, int(cfg["num_hidden_layers"])
+
+
+# ------------------------------------------------------------------------------------ report
+def _bar(done: int, total: int, width: int = 30) -> str:
+    filled = width * done // max(total, 1)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+
+
+def _progress(label: str, done: int, total: int) -> None:
+    end = "\n" if done == total else ""
+    print(f"\r{label:<22} {_bar(done, total)}", end=end, flush=True)
+
+
+def _ms(x: float | None) -> str:
+    return "   -  " if x is None else f"{x * 1000:6.0f}"
+
+
+def _short(text: str, n: int = 34) -> str:
+    text = text.replace("\n", " ").strip()
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; exit 0 iff every request is done, none leaked blocks, none mismatched."""
+    ap = argparse.ArgumentParser(prog="lw demo --engine vllm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=8, help="number of prompts (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="model and server logs (default: a temporary folder)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    ap.add_argument("--timeout", type=float, default=300.0, help="server start timeout, s")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="prompts sharing long prefixes, repeated: D's prefix cache hits; "
+                         "check that only the blocks D did not hold move")
+    ap.add_argument("--long-prompts", action="store_true",
+                    help="prompts of 4 to 7 prefill chunks: P pushes each chunk's blocks while "
+                         "it computes (push_mode progressive: on loopback, auto would wait for "
+                         "the last chunk); the summary's early_chunk_blocks must be > 0")
+    ap.add_argument("--prefill-tp", type=int, default=1, help="prefill tensor-parallel size")
+    ap.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel size")
+    ap.add_argument("--prefill-dp", type=int, default=1, help="prefill data-parallel size")
+    ap.add_argument("--decode-dp", type=int, default=1, help="decode data-parallel size")
+    ap.add_argument("--model-kind", choices=("llama", "mla"), default="llama",
+                    help="tiny random Llama, or DeepSeek-V2-style MLA (latent KV)")
+    ap.add_argument("--validate", action="store_true",
+                    help="validate the run's trace (every worker's timeline) against the "
+                         "checked model (lw validate)")
+    ap.add_argument("--timelines-out", type=Path, default=None, metavar="DIR",
+                    help="keep the run's lw-trace file here (vllm.jsonl; default with "
+                         "--validate: the work folder)")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.requests < 1:
+        ap.error("--requests must be >= 1")
+    for flag in ("prefill_tp", "decode_tp", "prefill_dp", "decode_dp"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1")
+    return in_workdir(args, "lw-demo-", _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from lw.lab.tiny_model import make_tiny_model
+
+    n = args.requests
+    kind = "prompts sharing prefixes" if args.shared_prefix else "prompts"
+    shape = (f"P TP {args.prefill_tp} DP {args.prefill_dp} -> D TP {args.decode_tp} "
+             f"DP {args.decode_dp}")
+    print(f"lw demo: {n} {kind}, vLLM on CPU, tiny random {args.model_kind} model, {shape}, "
+          "Mooncake over TCP")
+    model = make_tiny_model(args.workdir / f"tiny-{args.model_kind}", kind=args.model_kind)
+    print(f"model      {model}")
+    if args.shared_prefix:
+        prompts = shared_prefix_prompts(n)
+    elif args.long_prompts:
+        prompts = [make_prompt(LONG_PROMPT_LENGTHS[i % len(LONG_PROMPT_LENGTHS)], seed=i)
+                   for i in range(n)]
+    else:
+        prompts = [make_prompt(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)], seed=i)
+                   for i in range(n)]
+    # D verifies the CRC-32C of every block P wrote: a P/D output is judged on the same KV
+    checksum = {"kv_checksum": True}
+    push = {"push_mode": "progressive"} if args.long_prompts else {}
+    cluster = LocalCluster(model=model, workdir=args.workdir / "logs", p_tp=args.prefill_tp,
+                           d_tp=args.decode_tp, p_dp=args.prefill_dp, d_dp=args.decode_dp,
+                           p_extra={**checksum, **push}, d_extra=dict(checksum))
+    t0 = time.monotonic()
+    print("starting   reference engine, prefill and decode servers (vllm serve), proxy ...",
+          flush=True)
+    failed_start = ""
+    try:
+        cluster.start(timeout=args.timeout)
+    except RuntimeError as exc:
+        failed_start = str(exc)
+    if failed_start:
+        print(f"error: {failed_start}", file=sys.stderr)
+        print(f"summary done=0 failed={n} leaked_blocks=0 mismatched=0")
+        return 1
+    try:
+        print(f"started    in {time.monotonic() - t0:.0f}s; logs in {cluster.workdir}")
+        for name in ("reference", "prefill", "decode", "proxy"):
+            print(f"  {name:<10} {cluster.url(name)}")
+        ref: list[Result] = []
+        for i, p in enumerate(prompts):
+            # with logprobs: the oracle (lw.lab.oracle) allows a near tie
+            ref.append(complete(cluster.url("reference"), p, args.max_tokens, logprobs=TOP_K))
+            _progress("single engine", i + 1, n)
+        token_ids = ([tokenize(cluster.url("reference"), p) for p in prompts]
+                     if args.shared_prefix else [])
+        pd: list[Result] = []
+        before = metrics(cluster.url("prefill"))
+        before_d = metrics(cluster.url("decode"))
+        for i, p in enumerate(prompts):
+            pd.append(complete(cluster.url("proxy"), p, args.max_tokens, logprobs=TOP_K))
+            _progress("P/D via proxy", i + 1, n)
+        leaked = wait_blocks_released([cluster.url("prefill"), cluster.url("decode")])
+        after_p, after_d = _settled_metrics(cluster, before, before_d, n)
+        trace = _write_trace(cluster, args) if args.validate or args.timelines_out else None
+    finally:
+        cluster.stop()
+    checks = [functools.partial(_report_chunks, before, after_p, args.long_prompts)]
+    if args.shared_prefix:
+        checks.append(functools.partial(_report_prefix, model, token_ids, before, after_p,
+                                        before_d, after_d))
+    status = _report(prompts, ref, pd, leaked, before, after_p, after_d, checks,
+                     DRIFT[args.model_kind])
+    if args.validate:
+        # after the servers stopped: the search has the CPU to itself
+        status = max(status, _validate(trace))
+    return status
+
+
+def _write_trace(cluster: LocalCluster, args: argparse.Namespace) -> tuple[str, list[str]]:
+    """Every worker's timeline as an lw-trace file (while the servers run): its path ("" when
+    no worker answered) and what is wrong with the requests' shapes, if anything."""
+    from lw.lab.trace_export import write_cluster_trace
+
+    folder = args.timelines_out or args.workdir
+    folder.mkdir(parents=True, exist_ok=True)
+    path = str(folder / "vllm.jsonl")
+    try:
+        answered, silent, problems = write_cluster_trace(cluster, path)
+    except (OSError, ValueError) as exc:  # the run's report still comes; the trace fails it
+        return "", [f"trace not written: {exc}"]
+    print(f"trace      {answered} workers' timelines in {path}"
+          + (f"; silent: {', '.join(silent)}" if silent else ""))
+    if not answered:
+        problems = ["no worker answered: nothing to validate", *problems]
+    return (path if answered else ""), problems
+
+
+def _validate(trace: tuple[str, list[str]] | None) -> int:
+    """``lw validate`` on the run's trace: its verdict and the count line; 1 unless valid (a
+    request whose shape P and D disagree on is a rejection too)."""
+    from lw.lab.trace_export import validate_trace
+
+    path, problems = trace or ("", ["no trace was written"])
+    ok = rejected = False
+    if path:
+        ok, line, bad = validate_trace(path)
+        for b in bad:
+            print(f"  trace vllm: {b}")
+        print(f"  trace vllm: {line}")
+        rejected = line.startswith("REJECTED")
+    for p in problems:
+        print(f"  trace vllm: REJECTED: {p}")
+    if problems:
+        ok, rejected = False, True
+    print(f"traces validated={int(ok)} rejected={int(rejected)} "
+          f"undecided={int(not ok and not rejected)}", flush=True)
+    return 0 if ok else 1
+
+
+def _report_chunks(before_p: dict[str, float], after_p: dict[str, float],
+                   required: bool) -> tuple[bool, str]:
+    """Blocks P pushed before a prompt's last chunk (progressive push); > 0 when ``required``."""
+    early = round(after_p.get("lw_early_chunk_blocks_total", 0)
+                  - before_p.get("lw_early_chunk_blocks_total", 0))
+    print(f"chunks     P wrote {early} blocks with a chunk before its prompt's last chunk "
+          "(progressive push)")
+    if required and early <= 0:
+        print("chunks     NOT PUSHED EARLY: long prompts sent every block in the last chunk",
+              file=sys.stderr)
+    return early > 0 or not required, f" early_chunk_blocks={early}"
+
+
+def _settled_metrics(cluster: LocalCluster, before_p: dict[str, float],
+                     before_d: dict[str, float], n: int,
+                     timeout: float = 30.0) -> tuple[dict[str, float], dict[str, float]]:
+    """P's and D's /metrics once D accounted for every request (stats arrive on vLLM's log
+    interval, not with the response): received or computed locally, and P done as often."""
+    deadline = time.monotonic() + timeout
+    while True:
+        after_p, after_d = metrics(cluster.url("prefill")), metrics(cluster.url("decode"))
+
+        def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+            return after.get(key, 0.0) - before.get(key, 0.0)
+
+        d_done = delta(after_d, before_d, "lw_requests_done_total")
+        d_failed = delta(after_d, before_d, "lw_requests_failed_total")
+        tails = delta(after_d, before_d, "lw_local_tails_total")
+        p_done = delta(after_p, before_p, "lw_requests_done_total")
+        if (d_done + d_failed + tails >= n and p_done >= d_done) or time.monotonic() > deadline:
+            return after_p, after_d
+        time.sleep(0.5)
+
+
+def _report_prefix(model: Path, token_ids: list[list[int]], before_p: dict[str, float],
+                   after_p: dict[str, float], before_d: dict[str, float],
+                   after_d: dict[str, float]) -> tuple[bool, str]:
+    """Prefix-hit figures against the prediction: (all as predicted, summary line addition)."""
+    plan = predict_prefix_hits(token_ids, BLOCK_SIZE, BLOCK_SIZE)
+    want_hits = sum(held for held, _, _ in plan)
+    want_tails = sum(local for _, local, _ in plan)
+    want_blocks = sum(sent for _, _, sent in plan)
+    block_bytes, layers = block_layer_bytes(model)
+    want_bytes = want_blocks * block_bytes * layers
+    hits = round(after_d.get("lw_prefix_hit_blocks_total", 0) - before_d.get(
+        "lw_prefix_hit_blocks_total", 0))
+    tails = round(after_d.get("lw_local_tails_total", 0) - before_d.get(
+        "lw_local_tails_total", 0))
+    nbytes = round(after_p.get("lw_transfer_bytes_total", 0) - before_p.get(
+        "lw_transfer_bytes_total", 0))
+    print("prefix     per prompt (tokens: D held blocks, sent blocks): " + ", ".join(
+        f"{len(ids)}: {held}{' local' if local else ''}/{sent}"
+        for ids, (held, local, sent) in zip(token_ids, plan, strict=True)))
+    print(f"prefix     D held {hits} blocks (expected {want_hits}), computed {tails} tails "
+          f"itself (expected {want_tails}); P wrote {nbytes} bytes, expected {want_bytes} = "
+          f"{want_blocks} blocks D did not hold x {block_bytes} B x {layers} layers")
+    ok = hits == want_hits and tails == want_tails and nbytes == want_bytes
+    if not ok:
+        print("prefix     MISMATCH: the bytes moved are not the blocks D did not hold",
+              file=sys.stderr)
+    return ok and hits > 0, f" prefix_hit_blocks={hits}"
+
+
+def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Result], leaked: int,
+            before: dict[str, float], after_p: dict[str, float],
+            after_d: dict[str, float],
+            checks: Sequence[Callable[[], tuple[bool, str]]] = (),
+            drift: float | None = None) -> int:
+    print()
+    print(f"{'#':>2} {'words':>5} {'TTFT 1 eng':>10} {'TTFT P/D':>9}  {'single engine':<34} "
+          f"{'P/D':<34} same")
+    done = failed = mismatched = 0
+    notes = []
+    for i, (p, r, d) in enumerate(zip(prompts, ref, pd, strict=True)):
+        ok = not d.error and d.finish_reason is not None
+        # same tokens (and, with ``drift``, distributions), or a near tie of the reference's at
+        # the first divergence (lw.lab.oracle)
+        verdict = compare(r, d, drift=drift)
+        same = ok and verdict.same
+        done += ok
+        failed += not ok
+        mismatched += ok and not same
+        right = d.error if d.error else d.text
+        size = len(p.split()) if isinstance(p, str) else len(p)
+        mark = "yes" if verdict.kind == "equal" else f"tie@{verdict.position}" if same else "NO"
+        print(f"{i:>2} {size:>5} {_ms(r.ttft_s):>7} ms {_ms(d.ttft_s):>6} ms  "
+              f"{_short(r.text if not r.error else r.error):<34} {_short(right):<34} {mark}")
+        if verdict.kind != "equal":
+            notes.append(f"{i:>2}: {verdict}")
+    for note in notes:  # ties with the reference's margin there; why the others differ
+        print(f"oracle     {note}")
+    ok_r = [r.ttft_s for r in ref if r.ttft_s is not None]
+    ok_d = [d.ttft_s for d in pd if d.ttft_s is not None]
+    if ok_r and ok_d:
+        mean_r, mean_d = sum(ok_r) / len(ok_r), sum(ok_d) / len(ok_d)
+        print(f"TTFT mean  single engine {mean_r * 1000:.0f} ms, P/D {mean_d * 1000:.0f} ms "
+              f"(x{mean_d / mean_r:.2f}; P/D adds the proxy hop, the D-first round trip and the "
+              "transfer)")
+
+    def delta(key: str) -> float:
+        return after_p.get(key, 0.0) - before.get(key, 0.0)
+
+    nbytes, secs = delta("lw_transfer_bytes_total"), delta("lw_transfer_seconds_total")
+    writes = delta("lw_transfers_total")
+    if done:
+        rate = f", {nbytes / secs / 1e6:.0f} MB/s over push time" if secs > 0 else ""
+        print(f"transfers  P wrote {nbytes / 2**20:.2f} MiB in {writes:.0f} transfers "
+              f"({nbytes / done / 1024:.0f} KiB per request); push time {secs * 1000 / done:.1f} "
+              f"ms per request (first layer computed -> DONE acknowledged, later layers' compute "
+              f"included){rate}")
+        print(f"lw core    P: done={delta('lw_requests_done_total'):.0f} "
+              f"failed={delta('lw_requests_failed_total'):.0f} "
+              f"deadlines={delta('lw_deadlines_fired_total'):.0f}; D: done="
+              f"{after_d.get('lw_requests_done_total', 0):.0f} failed="
+              f"{after_d.get('lw_requests_failed_total', 0):.0f} deadlines="
+              f"{after_d.get('lw_deadlines_fired_total', 0):.0f}")
+    print(f"blocks     held after the run: {leaked} (prefill + decode, from vLLM's kv cache usage)")
+    prefix_ok, extra = True, ""
+    for check in checks:
+        ok, text = check()
+        prefix_ok, extra = prefix_ok and ok, extra + text
+    print(f"summary done={done} failed={failed} leaked_blocks={leaked} mismatched={mismatched}"
+          + extra)
+    return 0 if failed == 0 and leaked == 0 and mismatched == 0 and prefix_ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The D-first proxy process: routing, control plane, failover, sidecar, passthrough."""

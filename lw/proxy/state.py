@@ -1,0 +1,430 @@
+"""The D-first proxy's shared state and pure helpers: servers, transfers in flight, request and
+body builders (the contract is in lw.proxy.server)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import ipaddress
+import logging
+import random
+import re
+import secrets
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, Protocol
+
+import httpx
+
+from lw.contract.auth import CallVerifier
+from lw.contract.params import decoder_params, prefill_params, sign_params
+from lw.contract.worker_addrs import KnownWorkers
+from lw.proxy.limits import Limits
+from lw.proxy.timeline import ProxyTimeline
+from lw.transport.ratelog import RateLimitedLog
+
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "BadRequest",
+    "Backend",
+    "ProxyState",
+    "SubPrefill",
+    "Transfer",
+    "build_decode_body",
+    "build_prefill_body",
+    "error_body",
+    "error_type",
+    "normalize_url",
+    "sub_transfer_allowance",
+    "validate_request",
+]
+
+
+log = logging.getLogger("lw.proxy")
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MAX_ERROR_BODY = 2000
+"""Characters of an upstream error body quoted in our error messages."""
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class BadRequest(ValueError):
+    """A client body the proxy cannot route D first (relayed to a decode server as it is, which
+    answers it as vLLM does)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def normalize_url(url: str) -> str:
+    """Base URL of a server: add ``http://`` if missing, strip a trailing ``/`` and ``/v1``."""
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+def validate_request(api: str, body: Any) -> dict[str, Any]:
+    """Check that the proxy can route a client body for ``api`` (D first); return it or raise
+    ``BadRequest`` saying why. ``model`` may be absent (vLLM then serves its only model)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise BadRequest("'model' must be a non-empty string")
+    if api == COMPLETIONS:
+        prompt = body.get("prompt")
+        if prompt is None or prompt == "" or prompt == []:
+            raise BadRequest("'prompt' is required for /v1/completions")
+        if not isinstance(prompt, str | list):
+            raise BadRequest("'prompt' must be a string or a list")
+    else:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' is required for /v1/chat/completions (non-empty list)")
+    if not isinstance(body.get("stream", False), bool):
+        raise BadRequest("'stream' must be a boolean")
+    return body
+
+
+def build_decode_body(body: dict[str, Any], request_id: str, metaserver: str,
+                      grant: str, key: bytes | None = None) -> dict[str, Any]:
+    """The body sent to D: the client's (its transfer fields already dropped), with the
+    proxy's ``kv_transfer_params`` signed with the cluster ``key`` (``grant``: the transfer's
+    secret that D's metaserver calls must carry; only D and the proxy see it)."""
+    out = dict(body)
+    out["kv_transfer_params"] = sign_params(key, "decode",
+                                            decoder_params(metaserver, request_id, grant))
+    return out
+
+
+def sub_transfer_allowance(api: str, body: dict[str, Any]) -> int:
+    """How many sub-transfers D may create for a client request: one per prompt and choice.
+
+    vLLM makes one request per prompt of a completions ``prompt`` list (a list of token ids is
+    one prompt) and ``n`` children of each; D posts at most one metaserver call per request.
+    """
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    prompt = body.get("prompt") if api == COMPLETIONS else None
+    prompts = 1
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompts = len(prompt)
+    return n * prompts
+
+
+PREFILL_KEPT = ("cache_salt", "priority")
+"""Client fields that still matter to P's prefill of token ids (cache isolation, scheduling)."""
+
+
+def build_prefill_body(
+    body: dict[str, Any], decode_params: Mapping[str, Any], transfer_id: str,
+    prompt_token_ids: list[int], epoch: int = 0, key: bytes | None = None,
+) -> dict[str, Any]:
+    """The body P gets (``/v1/completions``): D's token ids, one token, not streamed, D's params
+    (with a re-prefill's claim epoch ``lw_epoch``; absent for the first attempt), signed with
+    the cluster ``key``."""
+    out: dict[str, Any] = {"model": body["model"], "prompt": list(prompt_token_ids),
+                           "max_tokens": 1, "n": 1, "stream": False}
+    for k in PREFILL_KEPT:
+        if k in body:
+            out[k] = copy.deepcopy(body[k])
+    out["kv_transfer_params"] = sign_params(key, "prefill",
+                                            prefill_params(decode_params, transfer_id, epoch))
+    return out
+
+
+def error_type(status: int) -> str:
+    """vLLM's error ``type`` for an HTTP status: its phrase as one word ending in "Error"
+    (400 BadRequestError, 502 BadGatewayError, 504 GatewayTimeoutError, ...)."""
+    try:
+        word = "".join(HTTPStatus(status).phrase.split())
+    except ValueError:
+        word = "Unknown"
+    return word if word.endswith("Error") else word + "Error"
+
+
+def error_body(message: str, status: int, *, stage: str = "proxy",
+               server: str | None = None, request_id: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    """An error in vLLM's shape (``{"error": {"message", "type", "param", "code"}}``, what a
+    client of vLLM parses); lw's details (stage, server, request) go at the end of the message."""
+    where = f"stage={stage}" + (f", server={server}" if server else "") + (
+        f", request={request_id}" if request_id else "")
+    return {"error": {"message": f"{message} [lw proxy: {where}]", "type": error_type(status),
+                      "param": param, "code": status}}
+
+
+def _describe(exc: BaseException) -> str:
+    """Short description of an httpx exception."""
+    text = str(exc) or repr(exc)
+    return f"{type(exc).__name__}: {text}"
+
+
+def _quote(data: bytes) -> str:
+    """An upstream body shortened for an error message."""
+    text = data.decode("utf-8", errors="replace")
+    return text if len(text) <= MAX_ERROR_BODY else text[:MAX_ERROR_BODY] + "..."
+
+
+def _url_host(host: str) -> str:
+    """Host as written in a URL (IPv6 in brackets)."""
+    try:
+        if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
+            return f"[{host}]"
+    except ValueError:
+        pass
+    return host
+
+
+# ---------------------------------------------------------------------------------------------
+# State
+
+
+_URL = re.compile(r"https?://[^\s,'\"\])]+")
+
+MAX_ENGINES = 64
+"""Engine ids remembered per prefill server (one per DP rank behind its address)."""
+
+BACKOFF_S = (1.0, 30.0)
+"""A server that failed is avoided for 1 s, doubling per consecutive failure up to 30 s (each
+±20 %, so that proxies do not come back in step): no retry storm on a dead server."""
+
+
+@dataclass(eq=False)
+class Backend:
+    """A prefill or decode server and its counters."""
+
+    url: str
+    role: str
+    in_flight: int = 0
+    requests: int = 0
+    errors: int = 0
+    fails: int = 0  # consecutive connection-level failures
+    down_until: float = 0.0  # (loop time) avoided until then
+    # A prefill server's lw engine ids, each with its TP rank 0 side channel, as its prefill
+    # responses name them: what a decode engine's core watches and avoids (prefill failover).
+    engines: dict[str, str] = field(default_factory=dict)
+
+    def learn_engine(self, engine_id: Any, workers: Any) -> None:
+        """Remember an engine id and rank-0 worker a prefill response of this server named."""
+        if (isinstance(engine_id, str) and 0 < len(engine_id) <= 256 and isinstance(workers, list)
+                and workers and isinstance(workers[0], str) and len(self.engines) < MAX_ENGINES):
+            self.engines[engine_id] = workers[0]
+
+    def identity(self) -> tuple[str, str] | None:
+        """(engine id, rank-0 side channel) when this server has shown exactly one engine;
+        None when unknown or ambiguous (several DP engines behind one address)."""
+        return next(iter(self.engines.items())) if len(self.engines) == 1 else None
+
+    def failed(self, now: float) -> None:
+        """The server did not answer (connection refused or dropped, 5xx): avoid it a while."""
+        self.fails += 1
+        lo, hi = BACKOFF_S
+        wait = min(hi, lo * 2 ** min(self.fails - 1, 16))  # the exponent capped: no overflow
+        self.down_until = now + wait * random.uniform(0.8, 1.2)
+
+    def answered(self) -> None:
+        """The server answered: route to it as usual."""
+        self.fails = 0
+        self.down_until = 0.0
+
+    def up(self, now: float) -> bool:
+        """Not being avoided after a failure."""
+        return self.down_until <= now
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters as JSON."""
+        return {"url": self.url, "in_flight": self.in_flight, "requests": self.requests,
+                "errors": self.errors, "consecutive_failures": self.fails}
+
+
+@dataclass(eq=False)
+class SubPrefill:
+    """The prefill of one vLLM request of a client request (one sub-transfer)."""
+
+    sub_id: str
+    backend: Backend
+    task: asyncio.Task[None] | None = None
+    state: str = "running"  # running -> done | failed | cancelled
+    epoch: int = 0  # D's claim epoch of this attempt (a re-prefill replaces the attempt)
+    budget: int = 0  # re-prefills D may ask for (its retry_prefill, from its first call)
+    body: dict[str, Any] = field(default_factory=dict)  # what P was sent (a retry resends it)
+    tried: tuple[Backend, ...] = ()  # servers of the earlier attempts
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One client request in flight: its D request, and the prefills D asked for."""
+
+    request_id: str
+    api: str
+    body: dict[str, Any]
+    stream: bool
+    headers: dict[str, str]
+    metaserver: str
+    decode: Backend
+    allowance: int = 1  # sub-transfers D may create (sub_transfer_allowance)
+    # Sidecar mode: the prefill server the request's header named (None: the proxy picks), and
+    # whether D computes the prompt alone (no header and no prefill server of our own).
+    prefill_target: Backend | None = None
+    local: bool = False
+    # The transfer's secret for D's metaserver calls: sent to D only, never to the client.
+    grant: str = field(default_factory=lambda: secrets.token_hex(16))
+    prefills: dict[str, SubPrefill] = field(default_factory=dict)  # sub-transfer id -> prefill
+    prefill_error: str | None = None  # the first failure
+    prefill_error_status: int = 502
+    prefill_error_server: str | None = None
+    prefill_failed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class PrefillTargets(Protocol):
+    """Where a request's prefill goes when the request names it (lw.proxy.sidecar)."""
+
+    backends: Mapping[str, Backend]
+
+    def target(self, headers: Iterable[tuple[str, str]], known: Iterable[Backend] = ()
+               ) -> Backend | None:
+        """The prefill server a request's headers name (None: none); raises on a refused one."""
+        ...
+
+
+class ProxyState:
+    """Everything the proxy app shares: servers, transfers in flight, HTTP client, counters."""
+
+    def __init__(
+        self,
+        prefill_urls: Iterable[str],
+        decode_urls: Iterable[str],
+        *,
+        timeout_s: float,
+        connect_timeout_s: float,
+        health_timeout_s: float,
+        metaserver_url: str,
+        verifier: CallVerifier,
+        sidecar: PrefillTargets | None = None,
+        decode_failovers: int = 2,
+        limits: Limits | None = None,
+    ) -> None:
+        self.limits = limits or Limits()
+        self.refusals = RateLimitedLog(log)  # one line per kind and 5 s, whatever the flood
+        self.health_cache: tuple[float, dict[str, Any]] | None = None  # (when, report)
+        self.health_task: asyncio.Future[dict[str, Any]] | None = None  # the probe running
+        self.control_reads = 0  # metaserver bodies being read (limits.max_control_reads)
+        self.prefills = [Backend(normalize_url(u), "prefill") for u in prefill_urls]
+        self.decodes = [Backend(normalize_url(u), "decode") for u in decode_urls]
+        # as llm-d's routing sidecar: one local D; the prefill server comes with each request
+        self.sidecar = sidecar
+        # other decode servers a request may move to when its D fails before a token was sent
+        self.decode_failovers = decode_failovers
+        if sidecar is not None and len(self.decodes) != 1:
+            raise ValueError(f"a sidecar serves exactly one (its local) decode server, "
+                             f"got {len(self.decodes)}")
+        if not self.decodes or (not self.prefills and sidecar is None):
+            raise ValueError("the proxy needs at least one prefill and one decode server")
+        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.health_timeout = httpx.Timeout(health_timeout_s)
+        self.short_timeout = httpx.Timeout(min(timeout_s, 30.0), connect=connect_timeout_s)
+        self.metaserver_url = metaserver_url
+        self.verifier = verifier
+        self.default_model: str | None = None  # served when a body names none (as vLLM)
+        self.client = httpx.AsyncClient(
+            timeout=self.timeout,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.transfers: dict[str, Transfer] = {}
+        self.timeline = ProxyTimeline()
+        self.workers = KnownWorkers()  # side channels seen in traffic (lw status --proxy)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._rr = {"prefill": 0, "decode": 0}
+        self.counters = {
+            "requests": 0,
+            "errors": 0,
+            "bad_requests": 0,
+            "relayed_unroutable": 0,
+            "client_disconnects": 0,
+            "metaserver_calls": 0,
+            "metaserver_refused": 0,
+            "prefills": 0,
+            "prefill_failures": 0,
+            "prefill_failovers": 0,
+            "prefill_failures_left_to_decode": 0,
+            "decode_failovers": 0,
+            "client_transfer_params_dropped": 0,
+            "client_transfer_params_refused": 0,
+            "bodies_too_large": 0,
+            "bodies_too_slow": 0,
+            "prefiller_refused": 0,
+            "overloaded": 0,
+        }
+
+    def label(self, url: str | None) -> str | None:
+        """How a public error names a server: its role and place in the proxy's list
+        (``prefill#0``, ``decode#1``), never its URL (that goes to the log)."""
+        if url is None:
+            return None
+        for role, backends in (("prefill", self.prefills), ("decode", self.decodes)):
+            for i, b in enumerate(backends):
+                if b.url == url:
+                    return f"{role}#{i}"
+        # a prefill server a sidecar request's header named: the client knows it already
+        return url if self.sidecar is not None else "server"
+
+    def public(self, text: str) -> str:
+        """``text`` with every server URL in it replaced by its :meth:`label`."""
+        return _URL.sub(lambda m: self.label(m.group(0).rstrip(".:;")) or "server", text)
+
+    def pick(self, backends: list[Backend], exclude: Iterable[Backend] = ()) -> Backend:
+        """The backend with the fewest outstanding requests, ties broken round robin, among
+        those not avoided after a failure (all of them if every one is); never one of
+        ``exclude`` (ValueError if nothing else is left)."""
+        skip = set(exclude)
+        cands = [b for b in backends if b not in skip]
+        if not cands:
+            raise ValueError("no server left to try")
+        now = asyncio.get_running_loop().time()  # every caller is a request handler
+        live = [b for b in cands if b.up(now)] or cands
+        role = live[0].role
+        start = self._rr[role] % len(live)
+        self._rr[role] += 1
+        rotated = live[start:] + live[:start]
+        return min(rotated, key=lambda b: b.in_flight)
+
+    def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        """Run ``coro`` as a background task kept referenced until it ends."""
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters as JSON."""
+        return {
+            **self.counters,
+            "in_flight": len(self.transfers),
+            "prefill": [b.snapshot() for b in self.prefills] + (
+                [b.snapshot() for b in self.sidecar.backends.values()
+                 if b.url not in {p.url for p in self.prefills}] if self.sidecar else []),
+            "decode": [b.snapshot() for b in self.decodes],
+        }
+
+    async def aclose(self) -> None:
+        """Cancel background tasks and close the HTTP client."""
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.client.aclose()
+
+
