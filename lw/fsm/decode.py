@@ -12,13 +12,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
-from lw.fsm.decode_ghosts import FreshRetries
-from lw.fsm.decode_request import DecodeConfig, DecodeRecord, Ghost, SenderKey, brief_blocks
+from lw.fsm.decode_ghosts import GHOST_RULES, Ghosts, grant_problem
+from lw.fsm.decode_request import DecodeConfig, DecodeRecord, SenderKey, ack, brief_blocks
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
     Effect,
+    EpochTimer,
     FreshBlocks,
+    Granted,
     Quarantine,
     RecvDone,
     RecvFailed,
@@ -45,7 +47,6 @@ from lw.fsm.messages import (
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
-    Ack,
     DoneSending,
     FailedSending,
     KVLayout,
@@ -63,7 +64,7 @@ _FINAL = (DONE, FAILED)
 _LIVE = (PREFILL_REQUESTED, RECEIVING)  # an epoch whose prefill is under way
 
 
-class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
+class DecodeEndpoint(LifecycleEndpoint):
     """Protocol logic of one D worker (events in, effects out; time is an argument)."""
 
     SIDE = "decode"
@@ -80,34 +81,25 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
         self._reqs: dict[str, DecodeRecord] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._incarnations: dict[SenderKey, int] = {}  # newest incarnation seen per P worker
-        # retry_fresh_blocks: abandoned claim epochs whose blocks are quarantined, by
-        # (request, epoch); they outlive their request if need be
-        self._ghosts: dict[tuple[str, int], Ghost] = {}
         self.timeline = Timeline(self.config.timeline_entries)
         self._ring = self.timeline.ring
         self._durations = self.timeline.durations
-        self.counters: dict[str, int] = {
-            "peer_restarts": 0,
-            "requests": 0,
-            "done": 0,
-            "failed": 0,
-            "deadlines": 0,
-            "leases_expired": 0,
-            "stale_messages": 0,
-            "refused": 0,
-            "checksum_mismatches": 0,
-            "unknown_requests": 0,
-            "reprefills": 0,
-            "stale_epoch": 0,
-            "fresh_blocks": 0,
-            "fresh_refused": 0,
-            "ghosts_released": 0,
-        }
+        self.counters: dict[str, int] = dict.fromkeys((
+            "peer_restarts", "requests", "done", "failed", "deadlines", "leases_expired",
+            "stale_messages", "refused", "checksum_mismatches", "unknown_requests", "reprefills",
+            "stale_epoch", "fresh_blocks", "fresh_refused", "ghosts_released"), 0)
+        # retry_fresh_blocks: abandoned claim epochs whose blocks are quarantined; they outlive
+        # their request if need be
+        self._ghosts = Ghosts(me, self.config.lease_s, self.counters, self.timeline)
 
     # ----------------------------------------------------------------------------- inspection
     def quarantined(self) -> dict[str, tuple[int, ...]]:
         """Failed requests whose blocks must not be touched yet."""
         return {r.req_id: r.blocks for r in self._reqs.values() if r.state == FAILED}
+
+    def ghosts(self) -> dict[tuple[str, int], tuple[int, ...]]:
+        """Abandoned claim epochs (request, epoch) whose blocks must not be touched yet."""
+        return self._ghosts.blocks()
 
     def snapshot(self) -> tuple:
         """A canonical, hashable summary of the endpoint's protocol state (for the checker):
@@ -172,6 +164,8 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
             self._note_incarnation(sender, now, out)
         if isinstance(msg, MetaRequest):
             self._on_meta_request(msg, now, out)
+        elif self._to_ghost(msg, now, out):
+            pass  # a message of an abandoned claim epoch, taken by its ghost
         elif isinstance(msg, DoneSending):
             self._on_done(msg, now, out)
         elif isinstance(msg, FailedSending):
@@ -187,10 +181,10 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
 
     def on_timer(self, key: TimerKey, now: float) -> list[Effect]:
         """A timer armed by an earlier ArmTimer effect fired."""
+        if isinstance(key, EpochTimer):  # a ghost's lease
+            return self._ghosts.on_timer(key, now)
         kind, rid = key
         out: list[Effect] = []
-        if self._ghost_timer(key, now, out):
-            return out
         rec = self._reqs.get(rid)
         if rec is None:
             return out
@@ -262,7 +256,7 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
             out.append(CancelTimer(("deadline", rec.req_id)))
             self._new_epoch(rec, now, out)
             return
-        if self.config.retry_fresh_blocks and (rec.req_id, rec.epoch) not in self._ghosts:
+        if self.config.retry_fresh_blocks and (rec.req_id, rec.epoch) not in self._ghosts.held:
             # The next epoch may receive elsewhere: ask the driver for fresh blocks; on_fresh
             # goes on with its answer, in the same interpreter call (lw.fsm.effects). The
             # deadline stays armed until then (a driver that never answers cannot strand it).
@@ -271,6 +265,33 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
             return
         out.append(CancelTimer(("deadline", rec.req_id)))
         self._fence(rec, pending, now, out)
+
+    def on_fresh(self, answer: Granted, now: float) -> list[Effect]:
+        """The driver's answer to a :class:`FreshBlocks`: with blocks, the lost epoch becomes a
+        ghost (its blocks quarantined, its senders aborted) and the request goes on at once
+        under the next epoch in the fresh blocks, where no byte of the lost epoch can land (its
+        writes name the old blocks). Refused: FENCING, as without the setting."""
+        ask = answer.ask
+        rec = self._reqs.get(ask.req_id)
+        if rec is None or not rec.asking or ask.epoch != rec.epoch + 1:
+            raise ProtocolError("decode", ask.req_id, rec.state if rec else "UNKNOWN", "fresh",
+                                "fresh blocks nobody asked for")
+        rec.asking = False
+        out: list[Effect] = [CancelTimer(("deadline", rec.req_id))]
+        pending = {k: s for k, s in rec.claimers.items() if k not in rec.stopped}
+        if answer.blocks is None:
+            self.counters["fresh_refused"] += 1
+            self._fence(rec, list(pending.values()), now, out)
+            return out
+        held = {b for r in self._reqs.values() for b in r.blocks} | self._ghosts.held_blocks()
+        problem = grant_problem(answer.blocks, len(rec.blocks), held)
+        if problem:
+            raise ProtocolError("decode", rec.req_id, rec.state, "fresh", problem)
+        self.counters["fresh_blocks"] += 1
+        out += self._ghosts.hold(rec.req_id, rec.epoch, rec.blocks, pending, rec.reason, now)
+        rec.blocks = tuple(answer.blocks)
+        self._new_epoch(rec, now, out)
+        return out
 
     def _fence(self, rec: DecodeRecord, pending: list[Sender], now: float,
                out: list[Effect]) -> None:
@@ -406,9 +427,6 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
             return f"P TP rank {rank} was already claimed by sender {rec.by_rank[rank]}"
         return ""
 
-    def _ack(self, msg: DoneSending | FailedSending, of: str, accepted: bool) -> Send:
-        return Send(msg.sender.addr, Ack(PROTOCOL_VERSION, msg.req_id, of, self.me, accepted))
-
     def sum_plan(self, req_id: str, sender: SenderKey) -> SumPlan | None:
         """Where ``sender`` wrote for a live request (None if it did not claim it)."""
         rec = self._reqs.get(req_id)
@@ -468,15 +486,13 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
         return ""
 
     def _on_done(self, msg: DoneSending, now: float, out: list[Effect]) -> None:
-        if self._ghosts and self._to_ghost(msg, now, out):
-            return
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             fin = self._stale(msg)
-            out.append(self._ack(msg, "done", fin == DONE))
+            out.append(ack(self.me, msg, "done", fin == DONE))
             return
         if self._other_epoch(rec, msg.epoch, now):
-            out.append(self._ack(msg, "done", False))
+            out.append(ack(self.me, msg, "done", False))
             return
         key = (msg.sender.engine_id, msg.sender.rank)
         if key not in rec.claimers:
@@ -496,12 +512,12 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
             # confirms it stopped (its FailedSending after the refusal) or the lease ends.
             self._fail(rec, problem, now, out)
             self._fire(rec, "sender_done", now)
-            out.append(self._ack(msg, "done", False))
+            out.append(ack(self.me, msg, "done", False))
             return
         if rec.state in (FAILED, FENCING):
             self._fire(rec, "sender_done", now)
             rec.stopped.add(key)
-            out.append(self._ack(msg, "done", False))
+            out.append(ack(self.me, msg, "done", False))
             self._maybe_release(rec, out)
             self._maybe_quiet(rec, now, out)
             return
@@ -539,7 +555,7 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
             # flight (a sender whose DONE came early) as well as corrupted. Refused; the
             # blocks stay quarantined until it confirms it stopped or the lease ends.
             self.counters["checksum_mismatches"] += 1
-            out.append(self._ack(msg, "done", False))
+            out.append(ack(self.me, msg, "done", False))
             self._fail(rec, bad, now, out)
             return out
         rec.sums[key] = tuple(msg.checksums)
@@ -551,7 +567,7 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
         """A sender's DONE is accepted: count it, and finish the request at the last one."""
         self._fire(rec, "sender_done", now, f"P {key[0]} rank {key[1]}")
         rec.done.add(key)
-        out.append(self._ack(msg, "done", True))
+        out.append(ack(self.me, msg, "done", True))
         if rec.state != DONE and len(rec.done) == rec.expected:
             self._fire(rec, "all_done", now)
             out.append(CancelTimer(("deadline", rec.req_id)))
@@ -560,15 +576,13 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
             self._forget(rec)
 
     def _on_failed(self, msg: FailedSending, now: float, out: list[Effect]) -> None:
-        if self._ghosts and self._to_ghost(msg, now, out):
-            return
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             self._stale(msg)
-            out.append(self._ack(msg, "failed", False))
+            out.append(ack(self.me, msg, "failed", False))
             return
         if self._other_epoch(rec, msg.epoch, now):
-            out.append(self._ack(msg, "failed", False))
+            out.append(ack(self.me, msg, "failed", False))
             return
         key = (msg.sender.engine_id, msg.sender.rank)
         if key not in rec.claimers:
@@ -578,17 +592,15 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
             rec.stopped.add(key)
         if rec.state not in _LIVE:
             self._fire(rec, "fail" if rec.state == DONE else "sender_stopped", now)
-            out.append(self._ack(msg, "failed", False))
+            out.append(ack(self.me, msg, "failed", False))
             self._maybe_release(rec, out)
             self._maybe_quiet(rec, now, out)
             return
-        out.append(self._ack(msg, "failed", True))
+        out.append(ack(self.me, msg, "failed", True))
         # The sender's failure report: another P may succeed where it did not (budget allowing).
         self._lose(rec, f"prefill sender {key} failed: {msg.reason}", key[0], now, out)
 
     def _on_abort_ack(self, msg: AbortAck, now: float, out: list[Effect]) -> None:
-        if self._ghosts and self._to_ghost(msg, now, out):
-            return
         rec = self._reqs.get(msg.req_id)
         if rec is None:
             self._stale(msg)
@@ -607,6 +619,15 @@ class DecodeEndpoint(FreshRetries, LifecycleEndpoint):
         self._maybe_quiet(rec, now, out)
 
     # ----------------------------------------------------------------------------- helpers
+    def _to_ghost(self, msg: Message, now: float, out: list[Effect]) -> bool:
+        """Whether a message of an abandoned epoch went to its ghost (its effects into out)."""
+        if not isinstance(msg, DoneSending | FailedSending | AbortAck):
+            return False
+        rec = self._reqs.get(msg.req_id)
+        got = self._ghosts.take(msg, None if rec is None else rec.epoch, now)
+        out += got or ()
+        return got is not None
+
     def _stale(self, msg: Message) -> str:
         rid = getattr(msg, "req_id", "?")
         fin = self._finished.get(rid)
@@ -668,8 +689,5 @@ SNAPSHOT_RULES: Rules = {
         "layout": (OMIT, "fixed when made (own layout)"),
     },
     DecodeRecord: RECORD_RULES,
-    Ghost: {
-        "reason": RECORD_RULES["reason"],
-        "deadline": (OMIT, "the lease timer is armed by an effect"),
-    },
+    **GHOST_RULES,
 }

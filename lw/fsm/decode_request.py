@@ -7,11 +7,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lw.fsm.effects import Send
 from lw.fsm.lifecycles import PREFILL_REQUESTED
-from lw.fsm.messages import DoneSending, KVFormat, Sender
+from lw.fsm.messages import PROTOCOL_VERSION, Ack, DoneSending, FailedSending, KVFormat, Sender
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, check_observability
 
-__all__ = ["DecodeConfig", "DecodeRecord", "Ghost", "SenderKey", "brief_blocks", "check_lease"]
+__all__ = ["DecodeConfig", "DecodeRecord", "Ghost", "SenderKey", "ack", "brief_blocks",
+           "check_lease"]
 
 SenderKey = tuple[str, int]  # (engine_id, rank)
 
@@ -61,6 +63,11 @@ def brief_blocks(blocks: Sequence[int], most: int = 16) -> str:
     """Block ids for a reason text (bounded: reasons travel in messages)."""
     head = ", ".join(map(str, blocks[:most]))
     return f"[{head}{', ...' if len(blocks) > most else ''}] ({len(blocks)})"
+
+
+def ack(me: Sender, msg: DoneSending | FailedSending, of: str, accepted: bool) -> Send:
+    """D worker ``me``'s answer to a sender's DONE (``of`` "done") or failure ("failed")."""
+    return Send(msg.sender.addr, Ack(PROTOCOL_VERSION, msg.req_id, of, me, accepted))
 
 
 def check_lease(

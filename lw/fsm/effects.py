@@ -5,11 +5,30 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from lw.fsm.messages import KVLayout, Message
 
-TimerKey = tuple[str, str]  # (kind, req_id), e.g. ("meta", "req-7")
+
+class EpochTimer(NamedTuple):
+    """The key of a timer that belongs to one claim epoch of a request (D's ghost lease): the
+    epoch is a number the core reads back, never text. A tuple, so that keys of both shapes
+    hash, compare and sort together wherever drivers keep them."""
+
+    kind: str
+    req_id: str
+    epoch: int
+
+
+TimerKey = tuple[str, str] | EpochTimer  # (kind, req_id), e.g. ("meta", "req-7"), or per epoch
+
+
+def timer_name(key: TimerKey) -> str:
+    """How a timer reads in notes and traces: ``kind(req_id)``, per epoch ``kind:epoch(req_id)``
+    (the text the checker's counterexamples have always shown)."""
+    if isinstance(key, EpochTimer):
+        return f"{key.kind}:{key.epoch}({key.req_id})"
+    return f"{key[0]}({key[1]})"
 
 
 @dataclass(frozen=True, slots=True)

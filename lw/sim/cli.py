@@ -76,6 +76,13 @@ STRONG: tuple[dict[str, Any], ...] = (
     {"dp": 2, "requests": 2, "layers": 1, "d_blocks": 2, "faults": True,
      "fault_kinds": ("rank-crash", "write"), "delays": False, "late_writes": True,
      "kv_checksum": True, "retry_prefill": 1, "retry_fresh_blocks": True},
+    # The same without late writes: an old sender's in-doubt bytes land within the transfer
+    # timeout, so use-after-free judges who owns the old blocks until then. Where the sender
+    # lives it answers D's abort "in doubt", and the ghost must keep its blocks (late writes
+    # judge only stale bytes, which checksums catch: a ghost freed early passes there).
+    {"dp": 2, "requests": 2, "layers": 1, "d_blocks": 2, "faults": True,
+     "fault_kinds": ("rank-crash", "write"), "delays": False, "kv_checksum": True,
+     "retry_prefill": 1, "retry_fresh_blocks": True},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from lw.fsm.effects import TimerKey, timer_name
 from lw.sim.config import EPSILON, Action, Owner
 from lw.sim.kvbytes import KVBytes
 from lw.sim.pnode import PNode
@@ -108,16 +109,16 @@ class Clock:
         s.zombies.remove(z)
         self._tick(z[5])
 
-    def do_timer(self, owner: Owner, key: tuple[str, str]) -> None:
+    def do_timer(self, owner: Owner, key: TimerKey) -> None:
         """An endpoint's timer fires."""
         s = self.s
         at = s.timers.pop((owner, key))
         self._tick(at)
         kind, idx = owner
-        s.note(f"{kind.upper()}{idx}", f"t={at:g}: timer {key[0]}({key[1]}) fires")
+        s.note(f"{kind.upper()}{idx}", f"t={at:g}: timer {timer_name(key)} fires")
         if not s.cfg.faults and not s.cfg.misconfigured():
             raise Violation("no-deadline-without-faults",
-                            f"{kind.upper()}{idx}'s timer {key[0]}({key[1]}) fired at t={at:g} "
+                            f"{kind.upper()}{idx}'s timer {timer_name(key)} fired at t={at:g} "
                             "in a run without faults")
         before = self._deadline_count()
         if kind == "p":

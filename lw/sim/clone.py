@@ -3,7 +3,7 @@
 A :class:`Store` belongs to one family of worlds (an initial world and every copy of it). It
 holds what never changes once made — configs, declarations, dispatch tables, senders, layouts,
 interned requests and messages — and a pickled world refers to them by index. Measured on this
-machine (docs/checker.md): a clone costs a fraction of ``copy.deepcopy``'s time.
+machine (docs/benchmarks.md): a clone costs a fraction of ``copy.deepcopy``'s time.
 
 Two more savings, both for state no decision reads: an endpoint's lifecycle ``Timeline``
 (observability: ``lw status``, traces) is not carried into copies (a copy gets an empty one
@@ -20,11 +20,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from lw.fsm.decode_ghosts import Ghosts
 from lw.fsm.decode_request import DECODE_RECORDS
 from lw.fsm.prefill_request import PREFILL_RECORDS
 from lw.fsm.timeline import Timeline
 
-SLOT_RECORDS: tuple[type, ...] = (*PREFILL_RECORDS, *DECODE_RECORDS)
+SLOT_RECORDS: tuple[type, ...] = (*PREFILL_RECORDS, *DECODE_RECORDS, Ghosts)
 
 _STORES: weakref.WeakValueDictionary[int, Store] = weakref.WeakValueDictionary()
 _TOKENS = itertools.count(1)

@@ -13,13 +13,14 @@ from collections.abc import Iterable
 import msgspec
 
 from lw.fsm import ArmTimer, CancelTimer, DecodeEndpoint, Effect, PrefillEndpoint, Send
-from lw.fsm.decode_ghosts import GHOST_TIMER
 from lw.fsm.decode_request import DecodeRecord
 from lw.fsm.effects import Granted, KeptSums, TimerKey
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
+    AbortAck,
     DoneSending,
+    FailedSending,
     KVLayout,
     Message,
     MetaReply,
@@ -297,8 +298,19 @@ class GhostReleasedAtOnce(DecodeEndpoint):
 
     def on_fresh(self, answer: Granted, now: float) -> list[Effect]:
         out = super().on_fresh(answer, now)
-        ghost = self._ghosts.get((answer.ask.req_id, answer.ask.epoch - 1))
-        if ghost is not None and answer.blocks is not None:
-            out.append(CancelTimer((f"{GHOST_TIMER}{ghost.epoch}", ghost.req_id)))
-            self._release_ghost(ghost, "released at once", now, out)
+        rid, epoch = answer.ask.req_id, answer.ask.epoch - 1
+        if (rid, epoch) in self._ghosts.held and answer.blocks is not None:
+            out += self._ghosts.release(rid, epoch, "released at once", now)
         return out
+
+
+class GhostTrustsInDoubt(DecodeEndpoint):
+    """Prefill failover into fresh blocks whose ghost takes any answer of an old sender as its
+    stop: an AbortAck or FailedSending that says a write of that epoch is in doubt releases the
+    old blocks as a clean one would, while that write may still land in them."""
+
+    def _to_ghost(self, msg: Message, now: float, out: list[Effect]) -> bool:
+        if (isinstance(msg, AbortAck | FailedSending) and msg.in_doubt
+                and (msg.req_id, msg.epoch) in self._ghosts.held):
+            msg = msgspec.structs.replace(msg, in_doubt=False)
+        return super()._to_ghost(msg, now, out)

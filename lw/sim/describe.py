@@ -3,6 +3,7 @@ part of :class:`lw.sim.world.World`)."""
 
 from __future__ import annotations
 
+from lw.fsm.effects import timer_name
 from lw.sim.config import Action, _who
 from lw.sim.network import describe_key
 from lw.sim.state import WorldState
@@ -81,8 +82,9 @@ class Describe:
             blocks = list(q.d_blocks or ())
             return f"{s.dname(q.d_rank)} finishes decoding {q.rid} and frees block(s) {blocks}"
         if kind == "timer":
-            (ok, oi), (tk, rid) = a[1], a[2]
-            return f"t={s.timers[(a[1], a[2])]:g}: {ok.upper()}{oi} timer {tk}({rid}) fires"
+            ok, oi = a[1]
+            return (f"t={s.timers[(a[1], a[2])]:g}: {ok.upper()}{oi} timer {timer_name(a[2])} "
+                    "fires")
         if kind == "idle":
             return "time passes, to just before the next deadline"
         if kind == "restart_d":

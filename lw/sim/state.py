@@ -9,6 +9,7 @@ write the fields their docstrings name; no part keeps state of its own.
 from __future__ import annotations
 
 from lw.fsm import DecodeEndpoint, PrefillEndpoint, check_lease
+from lw.fsm.effects import TimerKey
 from lw.fsm.messages import MetaRequest, Sender
 from lw.sim.clone import Store
 from lw.sim.config import Owner, Plan, WorldConfig, Write, _layout, _p_layout, d_addr, p_addr
@@ -41,7 +42,7 @@ class WorldState:
     d_tp: int  # D workers per D engine
     # -- clock and control plane
     now: float
-    timers: dict[tuple[Owner, tuple[str, str]], float]  # (owner, timer key) -> deadline
+    timers: dict[tuple[Owner, TimerKey], float]  # (owner, timer key) -> deadline
     net: Network  # the side channel: a multiset of messages in flight
     # -- the endpoints: P worker w is DP rank w // tp, TP rank w % tp; D worker v is engine
     # v // d_tp, TP rank v % d_tp

@@ -52,7 +52,7 @@ class Design:
     prefill: type[PrefillEndpoint] = PrefillEndpoint
     decode: type[DecodeEndpoint] = DecodeEndpoint
     bounds: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
-    ruled_out: str = ""  # what in lw's design rules the bug out (docs/checker.md)
+    ruled_out: str = ""  # what in lw's design rules the bug out (docs/checker-findings.md)
 
     def __post_init__(self) -> None:
         unknown = set(self.quirks) - set(QUIRKS)
@@ -79,6 +79,11 @@ _CHUNKS = {"dp": 1, "requests": 1, "layers": 1, "chunks": 2, "blocks_per_request
 # Prefill failover: two P ranks (engines), one request; its rank dies (both, for the budget).
 _FAILOVER = {"dp": 2, "requests": 1, "layers": 1, "faults": True, "fault_kinds": ("rank-crash",),
              "delays": False, "retry_prefill": 1}
+
+# ... into fresh blocks, where a write of the lost epoch fails in doubt: its sender lives and
+# answers D's abort, saying so; without late writes, ownership judges the old blocks meanwhile.
+_IN_DOUBT_GHOST = {**_FAILOVER, "d_blocks": 2, "fault_kinds": ("write",),
+                   "retry_fresh_blocks": True}
 
 _DESIGNS: tuple[Design, ...] = (
     Design(
@@ -308,6 +313,15 @@ _DESIGNS: tuple[Design, ...] = (
         bounds={**_FAILOVER, "d_blocks": 2, "retry_fresh_blocks": True},
         ruled_out="the lost epoch's blocks are quarantined as a failed request's (a ghost: its "
                   "senders aborted, the blocks freed when each stopped or the lease ended)"),
+    Design(
+        name="fresh-blocks-trust-in-doubt", title="a ghost released on an in-doubt answer",
+        ref="plausible, no upstream report (lw issue 22)",
+        summary="Prefill failover into fresh blocks: the lost epoch's ghost takes its sender's "
+                "answer to the abort as that sender's stop even when the answer says a write "
+                "is in doubt, and frees the old blocks while that write may still land.",
+        decode=defects.GhostTrustsInDoubt, expected="use-after-free", bounds=_IN_DOUBT_GHOST,
+        ruled_out="a ghost counts a sender stopped only by an answer not in doubt (DONE, "
+                  "FailedSending, AbortAck); an in-doubt one leaves its blocks to the lease"),
     Design(
         name="retry-unbounded", title="prefill retried without a budget",
         ref="sglang #28651 class (abort storm); lw issue 22",

@@ -25,6 +25,7 @@ from lw.fsm import (
     ReleaseBlocks,
     Reprefill,
 )
+from lw.fsm.decode_ghosts import lease_key
 from lw.fsm.lifecycles import FAILED, FENCING, PREFILL_REQUESTED
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
@@ -109,7 +110,7 @@ def test_granted_the_request_goes_on_at_once_in_fresh_blocks_and_the_old_are_qua
     assert (rp.epoch, rp.block_ids, rp.fenced) == (1, FRESH, False)
     assert pair.d.state_of("r") == PREFILL_REQUESTED
     assert pair.d.ghosts() == {("r", 0): REMOTE}
-    assert pair.timers[("d", ("ghost:0", "r"))] == 31.0  # the old epoch's lease
+    assert pair.timers[("d", lease_key("r", 0))] == 31.0  # the old epoch's lease
     assert pair.timers[("d", ("deadline", "r"))] == 11.0  # a full deadline for the new epoch
     aborts = [(s.msg.req_id, s.msg.epoch) for s in pair.queue if isinstance(s.msg, Abort)]
     assert aborts == [("r", 0)]
@@ -131,7 +132,7 @@ def test_granted_the_request_goes_on_at_once_in_fresh_blocks_and_the_old_are_qua
     pair.deliver_all()
     (rel,) = _of(pair, ReleaseBlocks)
     assert (rel.req_id, rel.epoch, rel.block_ids) == ("r", 0, REMOTE)
-    assert pair.d.ghosts() == {} and ("d", ("ghost:0", "r")) not in pair.timers
+    assert pair.d.ghosts() == {} and ("d", lease_key("r", 0)) not in pair.timers
     assert pair.d.counters["fresh_blocks"] == 1 and pair.d.counters["ghosts_released"] == 1
 
 
@@ -284,3 +285,107 @@ def test_a_failed_request_keeps_nothing_of_a_ghost_in_its_own_release() -> None:
     pair.absorb("d", pair.d.on_message(AbortAck(PROTOCOL_VERSION, "r", _old_sender(pair),
                                                  True, epoch=0), 12.0))
     assert [e.block_ids for e in _of(pair, ReleaseBlocks)] == [REMOTE]
+
+
+# ---------------------------------------------------------------- the question and its answer
+def _asked(pair: FreshPair) -> FreshBlocks:
+    """P0, with a write in flight, is lost: D asks (nobody answers yet)."""
+    _claimed_with_write_in_flight(pair)
+    (ask,) = [e for e in pair.d.peer_lost("P0", "heartbeats lost", 1.0)
+              if isinstance(e, FreshBlocks)]
+    return ask
+
+
+@pytest.mark.parametrize("grant", [FRESH, None])
+def test_an_answer_ends_the_question(grant: tuple[int, ...] | None) -> None:
+    """Granted or refused, the question is answered: no other answer is taken for it, not even
+    one that would fit the request's next epoch."""
+    pair = _pair([])
+    ask = _asked(pair)
+    pair.d.on_fresh(Granted(ask, grant), 1.0)
+    later = FreshBlocks("r", pair.d.record("r").epoch + 1, 2)
+    for again in (ask, later):
+        with pytest.raises(ProtocolError, match="nobody asked"):
+            pair.d.on_fresh(Granted(again, (9, 10)), 1.0)
+
+
+def test_an_answer_for_another_epoch_or_request_is_refused_and_the_question_stays() -> None:
+    pair = _pair([])
+    ask = _asked(pair)
+    with pytest.raises(ProtocolError, match="nobody asked") as err:
+        pair.d.on_fresh(Granted(FreshBlocks("r", 2, 2), FRESH), 1.0)
+    assert err.value.state == "RECEIVING"
+    with pytest.raises(ProtocolError, match="nobody asked") as err:
+        pair.d.on_fresh(Granted(FreshBlocks("other", 1, 2), FRESH), 1.0)
+    assert err.value.state == "UNKNOWN"
+    out = pair.d.on_fresh(Granted(ask, FRESH), 1.0)  # the right answer still goes through
+    assert [r.block_ids for r in out if isinstance(r, Reprefill)] == [FRESH]
+
+
+def test_a_grant_of_a_block_a_ghost_holds_is_a_protocol_error() -> None:
+    """The lost epoch's blocks are the ghost's until released, not free for the next grant."""
+    pair = _pair([FRESH, (REMOTE[0], 9)], retry=2)
+    _claimed_with_write_in_flight(pair)
+    pair.absorb("d", pair.d.peer_lost("P0", "heartbeats lost", 1.0))
+    pair.queue.clear()
+    pair.writes.clear()
+    _claimed_with_write_in_flight(pair, 1, FRESH, epoch=1)
+    with pytest.raises(ProtocolError, match=r"block\(s\) \[5\] \(1\) that are held here"):
+        pair.absorb("d", pair.d.peer_lost("P1", "heartbeats lost", 2.0))
+
+
+def test_the_timeline_shows_a_ghost_from_quarantine_to_release() -> None:
+    """The milestones lw status and trace validation read (fresh, ghost, ghost_released)."""
+    pair = _pair([FRESH])
+    _claimed_with_write_in_flight(pair)
+    pair.now = 1.0
+    pair.absorb("d", pair.d.peer_lost("P0", "heartbeats lost", pair.now))
+    pair.d.on_message(AbortAck(PROTOCOL_VERSION, "r", _old_sender(pair), True, epoch=0), 2.0)
+    seen = [(e[0], e[2], e[5]) for e in pair.d.timeline.of("r")
+            if e[2] in ("fresh", "ghost", "ghost_released")]
+    assert seen == [
+        (1.0, "fresh", "epoch 0: 2 block(s) quarantined until 1 sender(s) stopped"),
+        (2.0, "ghost", "epoch 0: AbortAck from P P0 rank 0, 0 sender(s) left"),
+        (2.0, "ghost_released", "epoch 0: every sender stopped")]
+
+
+def _reused_id(pair: FreshPair) -> None:
+    """r's epoch 0 is a ghost (P0 dead), r ends DONE under epoch 1, and D is given a new
+    request under the same id: its epoch 0 is live while the old epoch 0's ghost is held."""
+    _claimed_with_write_in_flight(pair)
+    pair.absorb("d", pair.d.peer_lost("P0", "heartbeats lost", 1.0))
+    pair.queue.clear()
+    pair.writes.clear()
+    _start(pair, 1, FRESH, epoch=1)
+    pair.deliver_all()
+    for layer in range(L):
+        pair.absorb(1, pair.ps[1].layer_computed(layer, ["r"], pair.now))
+    pair.complete_writes()
+    pair.deliver_all()
+    assert pair.recv == [RecvDone("r")] and pair.d.ghosts() == {("r", 0): REMOTE}
+    pair.recv.clear()
+    pair.absorb("d", pair.d.add_request("r", (9, 10), 1, pair.now))
+    _start(pair, 2, (9, 10))
+    pair.deliver_all()
+
+
+def test_a_new_request_under_the_id_of_a_ghost_gets_its_own_epochs_messages() -> None:
+    pair = _pair([FRESH])
+    _reused_id(pair)
+    for layer in range(L):
+        pair.absorb(2, pair.ps[2].layer_computed(layer, ["r"], pair.now))
+    pair.complete_writes()
+    pair.deliver_all()
+    assert pair.recv == [RecvDone("r")]
+    assert pair.d.ghosts() == {("r", 0): REMOTE} and pair.d.counters["stale_epoch"] == 0
+
+
+def test_a_new_request_under_the_id_of_a_ghost_fences_its_epoch_instead() -> None:
+    """Its epoch 0 lost with a write in flight: a ghost of (r, 0) is held already, so D fences
+    (asks for no fresh blocks) rather than hold a second ghost under the same key."""
+    pair = _pair([FRESH, (11, 12)], retry=2)
+    _reused_id(pair)
+    pair.absorb(2, pair.ps[2].layer_computed(0, ["r"], pair.now))
+    pair.absorb("d", pair.d.peer_lost("P2", "heartbeats lost", 3.0))
+    assert len(pair.asked) == 1 and pair.d.state_of("r") == FENCING
+    assert pair.d.ghosts() == {("r", 0): REMOTE}

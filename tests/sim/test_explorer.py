@@ -206,6 +206,12 @@ def _ghost_world() -> World:
     return w
 
 
+def _ghosts_of(ep: object) -> list:
+    """The ghost records a D endpoint's ghosts part holds (none for P)."""
+    part = getattr(ep, "_ghosts", None)
+    return list(part.held.values()) if part is not None else []
+
+
 def test_snapshot_rules_name_real_fields() -> None:
     """Every field the snapshot rules leave out exists (the rules cannot rot silently), and
     every other field is in the snapshot by construction (lw/fsm/snapshot.py)."""
@@ -224,7 +230,7 @@ def test_snapshot_rules_name_real_fields() -> None:
             samples[type(rec)] = rec
             for t in getattr(rec, "targets", []):
                 samples[type(t)] = t
-        for ghost in getattr(ep, "_ghosts", {}).values():
+        for ghost in _ghosts_of(ep):
             samples[type(ghost)] = ghost
     for rules in (prefill.SNAPSHOT_RULES, decode.SNAPSHOT_RULES):
         for cls, fields in rules.items():
@@ -276,7 +282,8 @@ def test_every_field_not_omitted_is_in_the_snapshot() -> None:
     g = _ghost_world().d[0]
     for ep, rules in ((p, prefill.SNAPSHOT_RULES), (d, decode.SNAPSHOT_RULES),
                       (g, decode.SNAPSHOT_RULES)):
-        objs = [ep, *ep._reqs.values(), *getattr(ep, "_ghosts", {}).values()]  # noqa: SLF001
+        objs = [ep, *ep._reqs.values(), *_ghosts_of(ep)]  # noqa: SLF001
+        objs += [ep._ghosts] if hasattr(ep, "_ghosts") else []  # noqa: SLF001
         objs += [t for r in ep._reqs.values() for t in getattr(r, "targets", [])]  # noqa: SLF001
         for obj in objs:
             omitted = {n for n, (how, _why) in rules.get(type(obj), {}).items() if how == OMIT}

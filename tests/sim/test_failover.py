@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
+from lw.sim.cli import STRONG
 from lw.sim.config import WorldConfig
 from lw.sim.explorer import explore, replay
 from lw.sim.variants import DESIGNS
@@ -101,3 +104,47 @@ def test_lw_retries_into_fresh_blocks_where_freeing_them_at_once_is_caught() -> 
     _drain(w)
     assert w.d[0].ghosts() == {} and w.s.d_pool[0] == [None, None]
     assert w.d[0].counters["ghosts_released"] == 1
+
+
+def test_an_in_doubt_answer_leaves_the_ghost_to_its_lease() -> None:
+    """retry_fresh_blocks, the old sender alive with a write in doubt: the variant's
+    counterexample (its AbortAck says "in doubt", the ghost frees the blocks anyway) against
+    lw's D: the ghost keeps them past the in-doubt bytes' window, until its lease."""
+    name = "fresh-blocks-trust-in-doubt"
+    cfg = WorldConfig(design=name, **DESIGNS[name].config_overrides())
+    ce = explore(cfg, max_seconds=60).counterexample
+    assert ce is not None and ce.violation.prop == "use-after-free"
+    w, _run, _texts, v = replay(replace(cfg, design="d-first"), ce.actions, record=False)
+    assert v is None and w.d[0].ghosts() == {("r0", 0): (0,)} and w.s.zombies
+    _drain(w)
+    assert w.d[0].ghosts() == {} and w.d[0].counters["leases_expired"] == 1
+    assert w.s.d_pool[0] == [None, None] and w.reqs[0].d_stage == "done"
+
+
+def _fresh_rows() -> tuple[list[dict], list[dict]]:
+    """The strong default's rows of retries into fresh blocks with failed writes: without late
+    writes (ownership judged), with them."""
+    fresh = [kw for kw in STRONG if kw.get("retry_fresh_blocks") and "write" in kw["fault_kinds"]]
+    return ([kw for kw in fresh if not kw.get("late_writes")],
+            [kw for kw in fresh if kw.get("late_writes")])
+
+
+def test_the_strong_check_judges_a_ghosts_blocks_by_ownership() -> None:
+    """The strong default retries into fresh blocks with old senders in doubt and without late
+    writes, where use-after-free judges who owns the ghost's blocks: the variant that frees
+    them on an in-doubt answer is caught there."""
+    judged, _late = _fresh_rows()
+    assert judged
+    res = explore(WorldConfig(design="fresh-blocks-trust-in-doubt", **judged[0]), max_seconds=60)
+    assert res.counterexample is not None
+    assert res.counterexample.violation.prop == "use-after-free"
+
+
+@pytest.mark.slow
+def test_with_late_writes_a_ghost_freed_on_an_in_doubt_answer_goes_unseen() -> None:
+    """Why the row without late writes is in the default: with them, in-doubt bytes are judged
+    as stale bytes alone, which the checksums catch, and the variant holds (6,538 states)."""
+    _judged, late = _fresh_rows()
+    assert late
+    res = explore(WorldConfig(design="fresh-blocks-trust-in-doubt", **late[0]), max_seconds=120)
+    assert res.counterexample is None and res.complete
