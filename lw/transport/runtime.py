@@ -42,7 +42,7 @@ from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import Message
 from lw.fsm.status import status_line
 from lw.transport.kvmemory import Entry, KVMemory
-from lw.transport.liveness import Liveness
+from lw.transport.loopconfig import LoopConfig
 from lw.transport.osthread import name_os_thread
 from lw.transport.reports import ReportQueue
 from lw.transport.sidechannel import Inbound, SideChannel
@@ -68,7 +68,7 @@ from lw.transport.wire import (
 )
 from lw.transport.writepath import WritePath
 
-__all__ = ["WorkerLoop"]
+__all__ = ["LoopConfig", "WorkerLoop"]
 
 log = logging.getLogger("lw.runtime")
 
@@ -82,6 +82,9 @@ _LAYER = 0
 _CALL = 1
 _FN = 2
 
+_DEFAULT_CONFIG = LoopConfig()
+"""The settings of a loop given none (tests, benchmarks)."""
+
 _COUNTERS = ("turns", "layer_events", "calls", "messages", "protocol_errors", "core_errors",
     "effect_errors", "call_errors", "timers_fired", "transfers_submitted", "transfers_ok",
     "transfers_failed", "layer_writes", "write_setup_failures", "bytes_ok", "connects",
@@ -93,13 +96,14 @@ _COUNTERS = ("turns", "layer_events", "calls", "messages", "protocol_errors", "c
 class WorkerLoop:
     """One worker's protocol thread: endpoint + side channel + data plane + timers.
 
-    ``local_layout`` (P only) gives, per layer, where this worker's KV blocks live in memory
-    registered with ``data_plane``; ``entries_for`` may replace the address computation (a
-    ``WriteLayer`` -> ``[(src, dst, len)]`` function). ``on_report`` is called on the loop thread
-    for every report, in addition to queueing it for :meth:`drain_reports`. ``fresh_blocks``
-    (D, ``retry_fresh_blocks``) allocates blocks for a request's next claim epoch, on the loop
-    thread (``(req_id, count)`` -> block ids, or None to refuse); without it every such question
-    is refused.
+    ``config`` holds the loop's settings (:class:`~lw.transport.loopconfig.LoopConfig`, checked
+    when it was built). ``local_layout`` (P only) gives, per layer, where this worker's KV blocks
+    live in memory registered with ``data_plane``; ``entries_for`` may replace the address
+    computation (a ``WriteLayer`` -> ``[(src, dst, len)]`` function). ``on_report`` is called on
+    the loop thread for every report, in addition to queueing it for :meth:`drain_reports`.
+    ``fresh_blocks`` (D, ``retry_fresh_blocks``) allocates blocks for a request's next claim
+    epoch, on the loop thread (``(req_id, count)`` -> block ids, or None to refuse); without it
+    every such question is refused. The loop owns (and closes) its side channel and data plane.
     """
 
     def __init__(
@@ -107,43 +111,33 @@ class WorkerLoop:
         endpoint: PrefillEndpoint | DecodeEndpoint,
         side: SideChannel,
         data_plane: Any | None = None,
+        config: LoopConfig = _DEFAULT_CONFIG,
         *,
         local_layout: Sequence[LayerLayout] | None = None,
         entries_for: Callable[[WriteLayer], list[Entry]] | None = None,
         on_report: Callable[[Effect], None] | None = None,
         fresh_blocks: Callable[[str, int], Sequence[int] | None] | None = None,
-        owns_side: bool = True,
-        owns_data_plane: bool = True,
-        max_inbox: int = 1_000_000,
-        tail_samples: int = 65536,
-        hot_poll_s: float = 0.001,
-        hot_window_s: float = 0.05,
-        layer_batch_s: float = 0.0,
-        name: str = "lw-loop",
         clock: Callable[[], float] = time.monotonic,
-        stuck_check_s: float = 1.0,
-        heartbeat_s: float = 0.5,
-        heartbeat_misses: int = 3,
     ) -> None:
         self.endpoint = endpoint
         self.is_prefill = isinstance(endpoint, PrefillEndpoint)
         self._role = "prefill" if self.is_prefill else "decode"
         self.side = side
         self.data_plane = data_plane
+        self.config = config
         self.memory = KVMemory(local_layout, entries_for)
         self._on_report = on_report
         self._fresh_blocks = fresh_blocks
-        self._owns_side = owns_side
-        self._owns_dp = owns_data_plane
-        self._max_inbox = max_inbox
+        self._max_inbox = config.max_inbox
         # While layer events come faster than 2 * hot_poll_s, the loop polls every hot_poll_s
         # for hot_window_s after each, and hooks skip the wake-up write: a write wakes the loop
         # thread, and on a busy machine the context switch it triggers costs the forward thread
         # tens of microseconds per layer.
-        self._hot_poll_ms = max(0, round(hot_poll_s * 1000))
-        self._hot_window_s = hot_window_s if self._hot_poll_ms else 0.0
+        self._hot_poll_ms = round(config.hot_poll_s * 1000)
+        self._hot_window_s = config.hot_window_s if self._hot_poll_ms else 0.0
         self._hot_until = 0.0
-        self._hot_gap_s = 2 * hot_poll_s  # layer events closer than this keep the loop polling
+        # layer events closer than this keep the loop polling
+        self._hot_gap_s = 2 * config.hot_poll_s
         self._last_layer_ev = -1e9
         # A layer event wakes the loop only if the last one to wake it is layer_batch_s old (or
         # it is the last layer): the rest wait in the inbox and go out with it as one transfer.
@@ -152,12 +146,10 @@ class WorkerLoop:
         # thread CPU on P and took 6-18 % off a 1,024-token prefill (benchmarks/push_cpu.py).
         # The first layer after a quiet spell still wakes at once, so a push starts when its
         # first layer is computed.
-        if layer_batch_s < 0:
-            raise ValueError(f"layer_batch_s must be >= 0, got {layer_batch_s}")
-        self._layer_batch_s = layer_batch_s
+        self._layer_batch_s = config.layer_batch_s
         self._batch_woken = -1e9
         self._clock = clock
-        self._name = name
+        self._name = config.name
         local = self.memory.local
         if self.is_prefill and entries_for is None:
             if local is None:
@@ -175,13 +167,13 @@ class WorkerLoop:
         self.timers = Timers()
         # transfers
         self._last_layer_t: dict[str, float] = {}
-        self._tails: deque[float] = deque(maxlen=tail_samples)
-        self._rtts: deque[float] = deque(maxlen=tail_samples)
-        self._stuck_check_s = stuck_check_s
+        self._tails: deque[float] = deque(maxlen=config.tail_samples)
+        self._rtts: deque[float] = deque(maxlen=config.tail_samples)
+        self._stuck_check_s = config.stuck_check_s
         self._next_stuck_check = 0.0
-        # Liveness of the peers our live requests need: a peer silent for heartbeat_misses
-        # intervals (no message at all, heartbeats unanswered) goes to the core's peer_lost.
-        self.liveness = Liveness(heartbeat_s, heartbeat_misses)
+        # Liveness of the peers our live requests need: a peer silent past its budget (no
+        # message at all, heartbeats unanswered) goes to the core's peer_lost.
+        self.liveness = config.liveness()
         self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
         self.counters: dict[str, int | float] = dict.fromkeys(_COUNTERS, 0)
         self.counters["layer_event_s"] = 0.0
@@ -342,12 +334,11 @@ class WorkerLoop:
             self._close_owned()
 
     def _close_owned(self) -> None:
-        if self._owns_side:
-            try:
-                self.side.close()
-            except Exception:
-                log.exception("closing side channel")
-        if self._owns_dp and self.data_plane is not None:
+        try:
+            self.side.close()
+        except Exception:
+            log.exception("closing side channel")
+        if self.data_plane is not None:
             try:
                 self.data_plane.close()
             except Exception:
@@ -550,7 +541,9 @@ class WorkerLoop:
             self.counters["self_stalls"] += 1
         for addr, quiet in lost:
             self.counters["peers_lost"] += 1
-            why = f"no message or heartbeat answer for {quiet:.1f}s"
+            why = (f"no message or heartbeat answer for {quiet:.1f}s (budget "
+                   f"{self.liveness.budget(addr, now):.1f}s, heartbeat_cap_s "
+                   f"{self.liveness.cap_s:g}s)")
             log.warning("%s: peer %s lost: %s", self._name, addr, why)
             try:
                 effects = self.endpoint.peer_lost(peers[addr], why, now)

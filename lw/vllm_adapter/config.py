@@ -1,9 +1,11 @@
 """lw's connector configuration: ``kv_connector_extra_config`` validated once, at engine start.
 
 Every key is optional; unknown keys, wrong types, out-of-range values and unsupported layouts
-(kv_role ``kv_both``, pipeline parallelism, a peer TP that cannot shard the model) raise
-:class:`ConfigError` naming the key and what was expected, so a bad deployment fails before its
-first request.
+(kv_role ``kv_both``, pipeline parallelism, a peer TP that cannot shard the model, fresh blocks
+for failover) raise :class:`ConfigError` naming the key and what was expected, so a bad
+deployment fails before its first request. A key the core or the worker loop declares
+(PrefillConfig, DecodeConfig, LoopConfig) is range-checked by that declaration; this checks the
+connector's own keys.
 
 Ports: the side channel of worker (dp_rank, tp_rank) listens on
 ``kv_port + dp_rank * tp_size + tp_rank`` (see :func:`side_channel_port`).
@@ -22,6 +24,7 @@ from lw.fsm import DecodeConfig, PrefillConfig, check_lease
 from lw.fsm.kvmap import tp_problem
 from lw.fsm.push_schedule import PUSH_MODES
 from lw.fsm.settings import core_config
+from lw.transport.loopconfig import LoopConfig
 from lw.transport.sidechannel import parse_cluster_key
 
 __all__ = ["ConfigError", "LwConfig", "ModelHeads", "model_heads", "side_channel_port",
@@ -234,23 +237,27 @@ class LwConfig:
         "tried first, as the last one may still hold the old attempt and refuse its transfer id)")
     retry_fresh_blocks: bool = _key(
         False, "D",
-        "prefill failover into fresh blocks: a retry whose lost P may still write receives into "
-        "blocks the driver allocates at once, the old ones quarantined until that P's senders "
-        "stopped or `lease_s` passed, instead of waiting for them (fencing, up to `lease_s`). "
-        "The vLLM connector cannot allocate outside vLLM's scheduler: its workers refuse every "
-        "such request and D fences as with false (the synthetic cluster grants them, "
-        "docs/protocol.md)")
+        "prefill failover into fresh blocks, which the vLLM connector refuses (`true` fails at "
+        "start): a retry whose lost P may still write would receive into newly allocated blocks "
+        "instead of waiting for that P's senders, but vLLM's scheduler owns the blocks. D fences "
+        "instead (waits for those senders, up to `lease_s`); the synthetic cluster grants fresh "
+        "blocks ([protocol.md](protocol.md#prefill-failover-claim-epochs))")
     heartbeat_s: float = _key(
         0.5, "both",
         "liveness probes to the peers that live requests need (batched per peer, answered by the "
         "peer's protocol thread); 0 = off")
     heartbeat_misses: int = _key(
         3, "both",
-        "a needed peer silent for `heartbeat_s × heartbeat_misses` is declared lost and its "
-        "requests fail at once (a worker that was itself stalled does not blame its peers). On a "
-        "lossy link, TCP's retransmission timeouts alone can exceed the default 1.5 s (3.8–4.4 s "
-        "were seen under 30 % loss, `--fault lossy-link`, where 3–6 of 40 requests failed on a "
-        "live peer): raise `heartbeat_misses` there, at the price of noticing a dead peer later")
+        "the floor of a peer's silence budget: `heartbeat_s × heartbeat_misses`. A needed peer "
+        "silent past its budget is declared lost and its requests fail (or fail over) at once; "
+        "the budget rises to 3× the longest silence the peer lately came back from (halving "
+        "each minute), so a peer starved of CPU or paused by its GC is not taken for a dead one, "
+        "and a worker that was itself stalled does not blame its peers")
+    heartbeat_cap_s: float = _key(
+        30.0, "both",
+        "the most a needed peer's silence budget grows to: a dead peer is found within this "
+        "long even after the connection showed long pauses. At least `heartbeat_s × "
+        "heartbeat_misses`")
 
     @property
     def is_producer(self) -> bool:
@@ -264,6 +271,10 @@ class LwConfig:
     def decode_config(self) -> DecodeConfig:
         """The core's D settings (those this config names as the core does)."""
         return core_config(DecodeConfig, vars(self))
+
+    def loop_config(self, name: str) -> LoopConfig:
+        """The settings of this engine's worker loops (``name``: the loop thread's)."""
+        return _loop_config(vars(self), self.is_producer, name)
 
     def port(self, tp_rank: int, dp_rank: int | None = None) -> int:
         """Side-channel port of one of this engine's workers."""
@@ -331,8 +342,7 @@ class LwConfig:
         values: dict[str, Any] = {}
         for key in valid:
             values[key] = _coerce(key, extra.get(key, defaults[key]), defaults[key])
-        for key in ("request_timeout_s", "meta_retry_s", "ack_retry_s", "prefill_timeout_s",
-                    "lease_s", "peer_request_timeout_s", "metaserver_timeout_s"):
+        for key in ("peer_request_timeout_s", "metaserver_timeout_s"):
             if not values[key] > 0:
                 raise ConfigError(f"kv_connector_extra_config.{key} must be > 0, "
                                   f"got {values[key]}")
@@ -342,13 +352,9 @@ class LwConfig:
         if not 0 <= values["layer_batch_ms"] <= 1000:
             raise ConfigError("kv_connector_extra_config.layer_batch_ms must be in [0, 1000], "
                               f"got {values['layer_batch_ms']}")
-        if values["heartbeat_s"] < 0:
-            raise ConfigError("kv_connector_extra_config.heartbeat_s must be >= 0 (0: off), "
-                              f"got {values['heartbeat_s']}")
-        for key in ("meta_attempts", "ack_attempts", "metaserver_attempts", "heartbeat_misses"):
-            if values[key] < 1:
-                raise ConfigError(f"kv_connector_extra_config.{key} must be >= 1, "
-                                  f"got {values[key]}")
+        if values["metaserver_attempts"] < 1:
+            raise ConfigError("kv_connector_extra_config.metaserver_attempts must be >= 1, "
+                              f"got {values['metaserver_attempts']}")
         if values["transfer_timeout_s"] < 5:
             raise ConfigError("kv_connector_extra_config.transfer_timeout_s must be >= 5 "
                               f"(Mooncake's minimum), got {values['transfer_timeout_s']}")
@@ -364,12 +370,19 @@ class LwConfig:
         if values["local_tail_tokens"] < -1:
             raise ConfigError("kv_connector_extra_config.local_tail_tokens must be >= 0 "
                               f"(or -1: one block), got {values['local_tail_tokens']}")
-        if not 0 <= values["retry_prefill"] <= 64:
-            raise ConfigError("kv_connector_extra_config.retry_prefill must be in 0..64 (0: no "
-                              f"prefill failover), got {values['retry_prefill']}")
-        if values["retry_prefill_avoid"] not in ("lost", "none"):
-            raise ConfigError(f"kv_connector_extra_config.retry_prefill_avoid="
-                              f"{values['retry_prefill_avoid']!r}: expected 'lost' or 'none'")
+        if values["retry_fresh_blocks"]:
+            raise ConfigError(
+                "kv_connector_extra_config.retry_fresh_blocks=true cannot be honoured by the vLLM "
+                "connector: vLLM's scheduler owns block allocation, so a worker has no fresh "
+                "blocks to give a prefill retry; D fences instead (waits for the lost P's "
+                "senders, up to lease_s). Remove the key or set it false (docs/protocol.md, "
+                "'Prefill failover: claim epochs')")
+        try:  # the core's and the loop's settings are checked by their declarations
+            core_config(PrefillConfig, values)
+            core_config(DecodeConfig, values)
+            _loop_config(values, role == PRODUCER, "lw")
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config: {exc}") from None
         if role == CONSUMER and values["retry_prefill"] and tp_size != 1:
             # Each D TP worker runs its own core and would decide its own re-prefills, under
             # epochs the others never saw: the core has no agreement between them.
@@ -410,14 +423,20 @@ class LwConfig:
         cfg = cls(role=role, engine_id=engine_id, kv_port=kv_port, tp_size=tp_size,
                   dp_size=dp_size, dp_rank=dp_rank, load_failure_policy=load_failure_policy,
                   **values)
-        try:
-            cfg.prefill_config()
-            dec = cfg.decode_config()
-            if role == CONSUMER:
-                check_lease(dec, cfg.peer_request_timeout_s, cfg.transfer_timeout_s)
-        except ValueError as exc:
-            raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+        if role == CONSUMER:
+            try:
+                check_lease(cfg.decode_config(), cfg.peer_request_timeout_s,
+                            cfg.transfer_timeout_s)
+            except ValueError as exc:
+                raise ConfigError(f"kv_connector_extra_config: {exc}") from None
         return cfg
+
+
+def _loop_config(settings: dict[str, Any], producer: bool, name: str) -> LoopConfig:
+    """The loop settings the extra config names, by the loop's names, plus the layer batch: its
+    key is in ms, and it is P's alone (only a P worker's computed layers start writes)."""
+    batch_s = settings["layer_batch_ms"] / 1000 if producer else 0.0
+    return core_config(LoopConfig, settings, name=name, layer_batch_s=batch_s)
 
 
 def _warn_unkeyed(cfg: LwConfig) -> None:

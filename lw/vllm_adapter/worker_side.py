@@ -188,16 +188,13 @@ class WorkerSide:
         if self.cfg.is_producer:
             ep: Any = PrefillEndpoint(me, len(self.planes), self.cfg.prefill_config(),
                                       local=kv_layout)
-            self.loop = WorkerLoop(ep, side, dp, local_layout=layout, name=name,
-                                   layer_batch_s=self.cfg.layer_batch_ms / 1000,
-                                   heartbeat_s=self.cfg.heartbeat_s,
-                                   heartbeat_misses=self.cfg.heartbeat_misses)
+            self.loop = WorkerLoop(ep, side, dp, self.cfg.loop_config(name),
+                                   local_layout=layout)
         else:
             ep = DecodeEndpoint(me, kv_layout, self.cfg.decode_config())
-            # No fresh_blocks allocator: a worker cannot allocate outside vLLM's scheduler, so
-            # D's question for fresh blocks (retry_fresh_blocks) is refused and D fences.
-            self.loop = WorkerLoop(ep, side, dp, name=name, heartbeat_s=self.cfg.heartbeat_s,
-                                   heartbeat_misses=self.cfg.heartbeat_misses)
+            # No fresh_blocks allocator: a worker cannot allocate outside vLLM's scheduler (the
+            # config refuses retry_fresh_blocks), so D fences before a retry.
+            self.loop = WorkerLoop(ep, side, dp, self.cfg.loop_config(name))
         self.loop.start()
         if self.cfg.is_producer:
             self.rates = PushRates(self._block_bytes())

@@ -19,6 +19,7 @@ from lw.fsm import (
 )
 from lw.lab.synthetic.pattern import Pattern
 from lw.transport.dataplane import InProcessDataPlane
+from lw.transport.loopconfig import LoopConfig
 from lw.transport.runtime import WorkerLoop
 from lw.transport.sidechannel import SideChannel
 from lw.transport.wire import KVLayout, LayerLayout, Sender
@@ -93,6 +94,8 @@ class Pair:
 def make_pair(pcfg: PrefillConfig | None = None, dcfg: DecodeConfig | None = None,
               d_endpoint: type[DecodeEndpoint] = DecodeEndpoint, p_key: bytes | None = None,
               d_key: bytes | None = None, timeout_s: float = 1.0, **p_kw: Any) -> Pair:
+    """A started P/D pair; ``p_kw`` are P's loop settings (LoopConfig's names)."""
+    p_loop = LoopConfig(name="test-p", **p_kw)  # a bad setting fails before anything starts
     p_mem = np.zeros((L, NBLK, BLEN), dtype=np.uint8)
     d_mem = np.zeros((L, NBLK, BLEN), dtype=np.uint8)
     p_dp, d_dp = InProcessDataPlane(timeout_s=timeout_s), InProcessDataPlane(timeout_s=timeout_s)
@@ -109,7 +112,7 @@ def make_pair(pcfg: PrefillConfig | None = None, dcfg: DecodeConfig | None = Non
                            pcfg or PrefillConfig(meta_retry_s=0.05, ack_retry_s=0.05,
                                                  meta_attempts=600, ack_attempts=600,
                                                  request_timeout_s=30))
-    d = WorkerLoop(d_ep, d_side, d_dp, name="test-d").start()
-    p = WorkerLoop(p_ep, p_side, p_dp, local_layout=layouts(p_mem), name="test-p", **p_kw)
+    d = WorkerLoop(d_ep, d_side, d_dp, LoopConfig(name="test-d")).start()
+    p = WorkerLoop(p_ep, p_side, p_dp, p_loop, local_layout=layouts(p_mem))
     p.start()
     return Pair(p, d, p_mem, d_mem, p_dp, d_dp)

@@ -1,10 +1,14 @@
-"""Liveness: a silent peer that live requests need is declared lost fast; a live one never is."""
+"""Liveness: a silent peer that live requests need is declared lost fast; a live one never is,
+nor a slow one whose pauses the connection has shown (the budget adapts, within a floor and
+a cap)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import numpy as np
+import pytest
 
 from lw.fsm import (
     DecodeConfig,
@@ -15,6 +19,8 @@ from lw.fsm import (
     SendFinished,
 )
 from lw.transport.dataplane import InProcessDataPlane
+from lw.transport.liveness import Liveness
+from lw.transport.loopconfig import LoopConfig
 from lw.transport.runtime import WorkerLoop
 from lw.transport.sidechannel import SideChannel
 from lw.transport.wire import KVLayout, Sender
@@ -100,7 +106,7 @@ def test_an_orphan_of_a_silent_prefill_is_prefilled_again_within_the_heartbeat_b
     gone.close()  # the P process is gone: nothing answers at its address
     ep = DecodeEndpoint(Sender("D", 0, 1, side.addr), KVLayout("D", 1, dp.session, layouts(mem)),
                         DecodeConfig(prefill_timeout_s=5, lease_s=10, retry_prefill=1))
-    d = WorkerLoop(ep, side, dp, name="test-d", **HB).start()
+    d = WorkerLoop(ep, side, dp, LoopConfig(name="test-d", **HB)).start()
     try:
         d.call("add_request", "r1", (0, 1), 1).result(5)
         t0 = time.monotonic()
@@ -142,3 +148,112 @@ def test_a_lost_claimed_prefill_goes_on_in_fresh_blocks_from_the_loops_allocator
         assert pair.d.endpoint.ghosts() == {}
     finally:
         pair.stop()
+
+
+# ------------------------------------------------------------ the detector alone, on a fake clock
+def drive(hb: Liveness, until: float, answers: Iterable[float] = (), start: float = 0.0,
+          peer: str = "d") -> list[tuple[float, float]]:
+    """Rounds every interval from ``start`` to ``until`` with ``peer`` needed, which answers at
+    the times ``answers`` (each heard before the round that follows it), until it is lost (the
+    core then fails what needed it): [(round time, seconds quiet)] of the loss, or []."""
+    pending = sorted(answers)
+    i = 0
+    while (t := start + i * hb.interval_s) <= until:
+        while pending and pending[0] <= t:
+            hb.heard(peer, pending.pop(0))
+        _, lost, _ = hb.round([peer], t)
+        if lost:
+            return [(t, quiet) for _, quiet in lost]
+        i += 1
+    return []
+
+
+def test_a_peer_that_has_shown_long_pauses_is_not_lost_in_a_shorter_one() -> None:
+    hb = Liveness(0.5, 3)  # floor 1.5 s
+    # pauses that grow under load: 1.2 s (within the floor), then 3 s ones
+    assert drive(hb, 10.5, [1.2, 4.2, 7.2, 10.2]) == []
+    assert hb.budget("d", 10.5) == pytest.approx(9.0, rel=0.01)  # 3 x the 3 s pause
+    assert drive(hb, 12.5, start=11.0) == []  # 2 s quiet and more: not lost
+    # silent for good: lost near three such pauses (their weight fading a little meanwhile),
+    # long before the cap
+    (t, quiet), = drive(hb, 40.0, start=13.0)
+    assert 10.2 + 8.0 < t <= 10.2 + 9.0 + 0.5 and quiet > 8.0
+
+
+def test_a_first_pause_past_the_floor_is_still_lost() -> None:
+    hb = Liveness(0.5, 3)
+    assert drive(hb, 5.0, [3.0]) == [(2.0, 2.0)]  # nothing shown yet: the floor
+
+
+def test_a_steady_fast_peer_is_lost_after_the_floor() -> None:
+    hb = Liveness(0.5, 3)
+    assert drive(hb, 10.0, [i * 0.1 for i in range(101)]) == []
+    assert hb.budget("d", 10.0) == 1.5
+    assert drive(hb, 20.0, start=10.5) == [(12.0, 2.0)]  # quiet 2.0 > 1.5 at the next round
+
+
+def test_the_cap_bounds_the_budget_however_long_the_pauses_shown() -> None:
+    hb = Liveness(0.5, 3, cap_s=30.0)
+    hb.heard("d", 0.0)
+    hb.heard("d", 1000.0)  # came back after 1000 s
+    assert hb.budget("d", 1000.0) == 30.0
+    assert drive(hb, 1100.0, start=1000.0) == [(1030.5, 30.5)]
+
+
+def test_a_peer_never_heard_from_gets_the_floor() -> None:
+    hb = Liveness(0.5, 3)
+    assert hb.budget("d", 0.0) == 1.5
+    assert drive(hb, 5.0) == [(2.0, 2.0)]
+
+
+def test_a_backlog_of_answers_after_a_pause_keeps_the_budget_and_history_fades() -> None:
+    hb = Liveness(0.5, 3)
+    drive(hb, 4.0, [1.2, 4.0, 4.0, 4.0, 4.0])  # four heartbeats answered at once after 2.8 s
+    assert hb.budget("d", 4.0) == pytest.approx(8.4)
+    # the history outlives the peer being needed, and fades: half each HALF_LIFE_S
+    hb.round([], 5.0)
+    assert hb.budget("d", 4.0 + hb.HALF_LIFE_S) == pytest.approx(4.2)
+    assert hb.budget("d", 4.0 + 10 * hb.HALF_LIFE_S) == 1.5
+    hb.round([], 4.0 + 10 * hb.HALF_LIFE_S)
+    assert hb._shown == {}  # forgotten once it lifts the budget no more
+
+
+def test_a_late_round_is_our_silence_not_the_peers() -> None:
+    hb = Liveness(1.0, 3)
+    assert drive(hb, 2.0, [0.0]) == []
+    assert hb.round(["d"], 10.0) == ([], [], True)  # we were stopped: every clock restarts
+    assert hb.round(["d"], 13.0)[1:] == ([], True)
+    assert drive(hb, 20.0, start=14.0) == [(17.0, 4.0)]
+    # a round merely behind its time (1.8 s after the last, not 2 intervals) takes the 0.8 s
+    # off: quiet 3.8 s counts as 3.0, not over the 3 s floor
+    hb = Liveness(1.0, 3)
+    drive(hb, 2.0, [0.0])
+    assert hb.round(["d"], 3.8) == (["d"], [], False)
+    assert hb.round(["d"], 4.8)[1] == [("d", 4.0)]
+
+
+@pytest.mark.parametrize(("args", "kw", "says"), [
+    ((-1.0, 3), {}, "heartbeat_s must be >= 0"),
+    ((float("nan"), 3), {}, "heartbeat_s must be >= 0"),
+    ((0.5, 0), {}, "heartbeat_misses must be >= 1"),
+    ((0.5, 3), {"cap_s": 0.0}, "heartbeat_cap_s must be a finite number"),
+    ((0.5, 3), {"cap_s": float("inf")}, "heartbeat_cap_s must be a finite number"),
+    ((0.5, 3), {"cap_s": 1.0}, r"heartbeat_cap_s \(1.0\) must be >= .* \(1.5\)"),
+    ((0.5, 3), {"factor": 0.5}, "heartbeat_factor must be >= 1"),
+    ((0.5, 3), {"factor": float("nan")}, "heartbeat_factor must be >= 1"),
+])
+def test_bad_liveness_settings_are_refused_clearly(args: tuple[float, int], kw: dict[str, float],
+                                                   says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        Liveness(*args, **kw)
+    assert not Liveness(0.0, 3, cap_s=0.1).on  # off: the cap need not cover a floor of 0
+
+
+def test_the_loop_settings_carry_the_budget_and_refuse_a_cap_under_the_floor() -> None:
+    """The cap and factor reach the loop's detector from its config (the connector's
+    heartbeat_cap_s), and a bad pair fails when the config is made, not in a spawned worker."""
+    hb = LoopConfig(heartbeat_s=0.2, heartbeat_misses=2, heartbeat_cap_s=5.0,
+                    heartbeat_factor=2.0).liveness()
+    assert (hb.floor_s, hb.cap_s, hb.factor) == (0.4, 5.0, 2.0)
+    with pytest.raises(ValueError, match=r"heartbeat_cap_s \(1.0\) must be >= .* \(1.5\)"):
+        LoopConfig(heartbeat_s=0.5, heartbeat_misses=3, heartbeat_cap_s=1.0)

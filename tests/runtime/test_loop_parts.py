@@ -1,11 +1,13 @@
 """The worker loop's parts of their own: timers (re-arming replaces, cancelling forgets, due in
-time order) and heartbeat liveness (probe the quiet, lose the silent, forgive our own stall)."""
+time order), heartbeat liveness (probe the quiet, lose the silent, forgive our own stall) and
+its settings (LoopConfig: each checked once, on creation)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lw.transport.liveness import Liveness
+from lw.transport.loopconfig import LoopConfig
 from lw.transport.timers import Timers
 
 
@@ -58,3 +60,27 @@ def test_liveness_refuses_bad_settings() -> None:
     with pytest.raises(ValueError):
         Liveness(1.0, 0)
     assert not Liveness(0.0, 3).on and not Liveness(0.0, 3).due(5.0)
+
+
+@pytest.mark.parametrize(("bad", "needle"), [
+    ({"heartbeat_s": -1.0}, "LoopConfig.heartbeat_s must be >= 0 and finite (0: off), got -1.0"),
+    ({"heartbeat_s": float("nan")}, "LoopConfig.heartbeat_s must be >= 0"),
+    ({"heartbeat_misses": 0}, "LoopConfig.heartbeat_misses must be >= 1 (an integer), got 0"),
+    ({"heartbeat_misses": 2.5}, "heartbeat_misses must be >= 1 (an integer), got 2.5"),
+    ({"layer_batch_s": -0.001}, "LoopConfig.layer_batch_s must be >= 0"),
+    ({"hot_poll_s": float("inf")}, "LoopConfig.hot_poll_s must be >= 0 and finite"),
+    ({"hot_window_s": -1}, "LoopConfig.hot_window_s"),
+    ({"stuck_check_s": -1}, "LoopConfig.stuck_check_s"),
+    ({"max_inbox": 0}, "LoopConfig.max_inbox must be >= 1"),
+    ({"tail_samples": True}, "LoopConfig.tail_samples must be >= 1"),
+    ({"name": ""}, "LoopConfig.name must be a non-empty string"),
+])
+def test_loop_config_refuses_each_bad_setting_by_name(bad: dict, needle: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        LoopConfig(**bad)
+    assert needle in str(exc.value)
+
+
+def test_loop_config_defaults_and_offs_are_valid() -> None:
+    cfg = LoopConfig(heartbeat_s=0, hot_poll_s=0, stuck_check_s=0, layer_batch_s=0.015)
+    assert (cfg.heartbeat_s, cfg.layer_batch_s, LoopConfig().heartbeat_misses) == (0, 0.015, 3)

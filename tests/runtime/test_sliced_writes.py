@@ -24,6 +24,7 @@ from lw.fsm import (
 )
 from lw.fsm.kvmap import expected_senders, make_format, targets_of
 from lw.transport.dataplane import InProcessDataPlane
+from lw.transport.loopconfig import LoopConfig
 from lw.transport.runtime import WorkerLoop
 from lw.transport.sidechannel import SideChannel
 from lw.transport.wire import KVLayout, LayerLayout, Sender
@@ -68,7 +69,7 @@ def _start(p_tp: int, d_tp: int, heads: int, order: str, mla: bool = False,
         layout = KVLayout("D", inc, dp.session, _layouts(mem), fmt)
         ep = DecodeEndpoint(Sender("D", j, inc, side.addr), layout,
                             DecodeConfig(prefill_timeout_s=30, lease_s=60))
-        ds.append(_Worker(WorkerLoop(ep, side, dp, name=f"d{j}").start(), mem, fmt))
+        ds.append(_Worker(WorkerLoop(ep, side, dp, LoopConfig(name=f"d{j}")).start(), mem, fmt))
     ps: list[_Worker] = []
     for i in range(p_tp):
         fmt = make_format(tp_rank=i, tp_size=p_tp, total_heads=heads, block_tokens=T,
@@ -82,7 +83,8 @@ def _start(p_tp: int, d_tp: int, heads: int, order: str, mla: bool = False,
                              PrefillConfig(meta_retry_s=0.05, ack_retry_s=0.05,
                                            meta_attempts=600, ack_attempts=600,
                                            request_timeout_s=30), local=local)
-        loop = WorkerLoop(ep, side, dp, local_layout=local.layers, name=f"p{i}").start()
+        loop = WorkerLoop(ep, side, dp, LoopConfig(name=f"p{i}"),
+                          local_layout=local.layers).start()
         ps.append(_Worker(loop, mem, fmt))
     return ps, ds
 

@@ -54,7 +54,8 @@ RETRY = {"retry_prefill": 2}
     ({"extra": {"retry_prefill": -1}}, "retry_prefill must be in 0..64"),
     ({"extra": {"retry_prefill": 65}}, "retry_prefill must be in 0..64"),
     ({"extra": {"retry_prefill": "two"}}, "retry_prefill must be a int"),
-    ({"extra": {"retry_prefill_avoid": "all"}}, "retry_prefill_avoid='all': expected 'lost'"),
+    ({"extra": {"retry_prefill_avoid": "all"}}, "retry_prefill_avoid must be 'lost' or 'none', "
+                                                "got 'all'"),
     ({"tp_size": 2, "extra": {"retry_prefill": 1}}, "needs the decode engine's "
                                                     "tensor_parallel_size 1, got 2"),
 ])
@@ -73,17 +74,24 @@ def test_config_passes_the_failover_keys_to_the_core() -> None:
     assert _build(role="kv_producer", tp_size=2, extra={"retry_prefill": 1}).retry_prefill == 1
 
 
-def test_fresh_blocks_reach_the_core_but_the_worker_refuses_them() -> None:
-    """retry_fresh_blocks is the core's name here too; vLLM's worker has no allocator outside
-    the scheduler, so its loop answers every question for fresh blocks with a refusal."""
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
+def test_fresh_blocks_are_refused_at_start(role: str) -> None:
+    """vLLM's scheduler owns the blocks, so a worker can never grant fresh ones: the key set
+    true fails at start, saying why and what D does instead, rather than being accepted."""
     import inspect
 
     from lw.vllm_adapter import worker_side
 
-    cfg = _build(extra={"host": "127.0.0.1", "retry_prefill": 1, "retry_fresh_blocks": True})
-    assert cfg.decode_config().retry_fresh_blocks
+    with pytest.raises(ConfigError) as exc:
+        _build(role=role, extra={"host": "127.0.0.1", "retry_prefill": 1,
+                                 "retry_fresh_blocks": True})
+    why = str(exc.value)
+    assert "retry_fresh_blocks=true" in why and "vLLM's scheduler owns block allocation" in why
+    assert "D fences instead" in why and "Prefill failover: claim epochs" in why
+    off = _build(extra={"host": "127.0.0.1", "retry_prefill": 1, "retry_fresh_blocks": False})
+    assert off.decode_config().retry_fresh_blocks is False
     assert _build().decode_config().retry_fresh_blocks is False
-    assert "fresh_blocks=" not in inspect.getsource(worker_side)
+    assert "fresh_blocks=" not in inspect.getsource(worker_side)  # no allocator to hand the loop
 
 
 # ------------------------------------------------------------------------------------ decode

@@ -8,6 +8,7 @@ from lw.fsm import DecodeConfig, PrefillConfig, check_lease
 from lw.fsm.kvmap import make_format, tp_problem
 from lw.fsm.messages import KVFormat
 from lw.fsm.settings import core_config
+from lw.transport.loopconfig import LoopConfig
 from lw.transport.sidechannel import parse_cluster_key
 
 FAULTS: dict[str, str] = {
@@ -134,7 +135,8 @@ class ClusterConfig:
     kv_checksum: bool = False  # P sends per-block CRC-32C with DONE, D verifies them
     abort_rate: float = 0.0  # probability that the client aborts a request soon after D has it
     heartbeat_s: float = 0.5  # liveness probes between workers sharing requests (0: off)
-    heartbeat_misses: int = 3
+    heartbeat_misses: int = 3  # the floor of a peer's silence budget, in intervals
+    heartbeat_cap_s: float = 30.0  # the most that budget grows to (lw.transport.liveness)
     # prefill failover (DecodeConfig's names): re-prefills per request on another P rank when
     # its rank is lost, and which ranks a re-prefill avoids
     retry_prefill: int = 0
@@ -199,6 +201,10 @@ class ClusterConfig:
         if self.block_bytes % (8 * self.kv_heads):
             raise ValueError(f"block_bytes must be a multiple of 8 bytes per KV head "
                              f"({8 * self.kv_heads})")
+        # The core's and the loop's settings are checked by their declarations, here at start
+        # rather than in a spawned worker.
+        self.prefill_config()
+        self.loop_config("lw-loop")
         check_lease(self.decode_config(), self.request_timeout_s, self.transfer_timeout_s)
 
     @property
@@ -234,6 +240,10 @@ class ClusterConfig:
     def prefill_config(self) -> PrefillConfig:
         """Deadlines of every P rank (the settings named as the core names them)."""
         return core_config(PrefillConfig, vars(self))
+
+    def loop_config(self, name: str) -> LoopConfig:
+        """Settings of a worker's loop (``name``: its thread's), those named as the loop does."""
+        return core_config(LoopConfig, vars(self), name=name)
 
     def decode_config(self) -> DecodeConfig:
         """Deadlines of the decoder; the lease covers P's deadline plus the transfer timeout."""

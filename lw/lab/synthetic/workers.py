@@ -243,8 +243,8 @@ def _prefill_tp(cfg: ClusterConfig, rank: int, t: int, incarnation: int) -> _TP:
     me = Sender(p_engine(rank), t, incarnation, side.addr)
     local = KVLayout(me.engine_id, incarnation, dp.session, _layouts(kv), fmt)
     ep = PrefillEndpoint(me, cfg.layers, cfg.prefill_config(), local=local)
-    loop = WorkerLoop(ep, side, dp, local_layout=local.layers, name=f"lw-loop-p{rank}t{t}",
-                      heartbeat_s=cfg.heartbeat_s, heartbeat_misses=cfg.heartbeat_misses)
+    loop = WorkerLoop(ep, side, dp, cfg.loop_config(f"lw-loop-p{rank}t{t}"),
+                      local_layout=local.layers)
     return _TP(fmt, kv, loop.start())
 
 
@@ -491,11 +491,10 @@ def _decode_tp(cfg: ClusterConfig, j: int, port: int, incarnation: int, generati
     layout = KVLayout(d_engine(slot), incarnation, dp.session, _layouts(kv), fmt)
     # Fresh blocks come from the engine's pool; retries exist only with one TP worker
     # (ClusterConfig refuses retry_prefill otherwise: each worker's core decides alone).
+    name = f"lw-loop-d{j}" if slot == 0 else f"lw-loop-d{slot}t{j}"
     loop = WorkerLoop(DecodeEndpoint(me, layout, cfg.decode_config()), side, dp,
-                      on_report=lambda _e: wake.set(),
-                      fresh_blocks=lambda _rid, n: pool.take(n),
-                      name=f"lw-loop-d{j}" if slot == 0 else f"lw-loop-d{slot}t{j}",
-                      heartbeat_s=cfg.heartbeat_s, heartbeat_misses=cfg.heartbeat_misses)
+                      cfg.loop_config(name), on_report=lambda _e: wake.set(),
+                      fresh_blocks=lambda _rid, n: pool.take(n))
     return _TP(fmt, kv, loop.start())
 
 
