@@ -1,4 +1,5 @@
-"""What each live request waits for, in words: the rows of ``lw status`` and the stuck alarm.
+"""What each live request waits for, in words: the rows of ``lw status`` and the stuck alarm;
+and what a failed one failed of (:func:`failure_kind`, for metrics, logs and client errors).
 
 The endpoints know, for every request, its declared state and the event that would move it;
 these functions turn that into :class:`RequestStatus` rows. Pure: ``now`` is an argument.
@@ -139,3 +140,42 @@ def status_line(role: str, worker: Sender, row: RequestStatus) -> str:
         when = when.replace("deadline", "lease ends" if dl >= 0 else "lease")
     return (f"{side} {worker.engine_id} rank {worker.rank} request {row.req_id} {row.state} "
             f"for {row.in_state_s:.1f}s: {row.waiting_for}; {when}; {row.blocks} blocks held")
+
+
+FAILURE_KINDS: dict[str, str] = {
+    "checksum_mismatch": "the bytes in D's blocks differ from the sender's KV checksums",
+    "bad_done": "a sender's DONE does not describe the request (layers, blocks, no checksums)",
+    "prefill_failed": "the prefill worker reported its push failed (a write, its deadline, ...)",
+    "prefill_lost": "the prefill worker died, restarted or went silent",
+    "prefill_deadline": "no complete KV within D's prefill deadline",
+    "metaserver": "D could not ask the proxy for the prefill",
+    "aborted": "the local scheduler ended the request first (client gone, preempted, ...)",
+    "other": "none of the above",
+}
+"""Why a D request failed, as a bounded label (metric labels, log kinds) with its meaning."""
+
+# (words in the reason, kind): the words the decode endpoint writes (lw.fsm.decode). The words
+# found first in the reason win (ties: this order), since a reason quotes the sender's own
+# ("prefill sender ... failed: aborted locally: ..." is the sender's failure, not our abort).
+_KIND_WORDS: tuple[tuple[str, str], ...] = (
+    ("aborted locally: metaserver", "metaserver"),
+    ("aborted locally", "aborted"),
+    ("KV checksum mismatch", "checksum_mismatch"),
+    ("KV checksum", "bad_done"),
+    ("DONE covers", "bad_done"),
+    ("layers, we have", "bad_done"),
+    ("prefill sender", "prefill_failed"),
+    ("prefill engine", "prefill_lost"),
+    ("prefill deadline", "prefill_deadline"),
+)
+
+
+def failure_kind(reason: str) -> str:
+    """The :data:`FAILURE_KINDS` label of a D request's failure reason (its ``RecvFailed``
+    reason, or the detail of its timeline's ``fail`` event)."""
+    best, where = "other", len(reason) + 1
+    for words, kind in _KIND_WORDS:
+        at = reason.find(words)
+        if 0 <= at < where:
+            best, where = kind, at
+    return best

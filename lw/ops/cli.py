@@ -6,6 +6,8 @@ Examples::
     lw status --workers ... --watch 2                              # refreshed every 2 s
     lw status --workers ... --json                                 # for scripts
     lw status --workers ... REQUEST_ID                             # one request's whole history
+    lw status --proxy http://127.0.0.1:8001 X_REQUEST_ID           # a client request's (why it
+                                                                   # failed, on which worker)
     lw status --workers ... --timeline REQUEST_ID                  # as a Mermaid diagram
     lw status --workers ... --trace-out trace.json                 # Chrome trace of the timelines
     lw status --proxy http://127.0.0.1:8001                        # the workers a proxy has seen
@@ -31,7 +33,9 @@ from lw.ops.render import chrome_trace, history, mermaid_timeline, table, to_jso
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lw status", description=__doc__.splitlines()[0])
-    p.add_argument("request", nargs="?", default="", help="show this request's whole history")
+    p.add_argument("request", nargs="?", default="",
+                   help="show this request's whole history (a proxy's transfer id, the "
+                        "client's x-request-id, shows each of its sub-transfers)")
     p.add_argument("--workers", "-w", action="append", default=[],
                    help="side-channel addresses: tcp://HOST:PORT, HOST:PORT or HOST:FIRST-LAST, "
                         "comma separated or repeated (default: $LW_STATUS_WORKERS)")

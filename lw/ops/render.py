@@ -14,8 +14,9 @@ from typing import Any
 import msgspec
 
 from lw import seqdiagram
+from lw.contract.transfer_ids import is_sub_transfer_of
 from lw.fsm.messages import RequestStatus, StatusReply
-from lw.fsm.status import status_line
+from lw.fsm.status import failure_kind, status_line
 from lw.ops.client import Snapshot
 
 __all__ = ["chrome_trace", "history", "mermaid_timeline", "table", "to_json"]
@@ -93,27 +94,37 @@ def status_lines(snap: Snapshot) -> Iterator[str]:
             yield status_line(r.role, r.worker, q)
 
 
+def _about(rid: str, req_id: str) -> bool:
+    """Whether ``rid`` is the request asked about, or a sub-transfer of that transfer id (what
+    a proxy's client sees as ``x-request-id``)."""
+    return rid == req_id or is_sub_transfer_of(rid, req_id)
+
+
 def _events(snap: Snapshot, req_id: str) -> list[_Event]:
     out: list[_Event] = []
     for i, r in enumerate(snap.replies):
         shift = r.wall - r.now
         pid = f"{'P' if r.role == 'prefill' else 'D'}{i}"
         for e in r.timeline:
-            if not req_id or req_id in e.req_ids:
+            if not req_id or any(_about(x, req_id) for x in e.req_ids):
                 out.append((e.t + shift, worker_label(r), pid, e))
     out.sort(key=lambda x: x[0])
     return out
 
 
 def history(snap: Snapshot, req_id: str) -> str:
-    """One request across every worker: its current rows, then every remembered event."""
+    """One request (or a proxy's transfer: its sub-transfers) across every worker: its
+    current rows, why it failed where it did, then every remembered event."""
     lines = [f"request {req_id}"]
     now_rows: list[tuple[StatusReply, RequestStatus]] = [
-        (r, q) for r in snap.replies for q in r.requests if q.req_id == req_id]
+        (r, q) for r in snap.replies for q in r.requests if _about(q.req_id, req_id)]
     lines += [f"  now: {status_line(r.role, r.worker, q)}" for r, q in now_rows]
     if not now_rows:
         lines.append("  not live on any worker that answered")
     evs = _events(snap, req_id)
+    # D's reasons have kinds (its metrics' labels); P's are its own words
+    lines += [f"  failed on {who}" + (f" ({failure_kind(e.detail)})" if pid[0] == "D" else "")
+              + f": {e.detail}" for _t, who, pid, e in evs if e.event == "fail" and e.detail]
     t0 = evs[0][0] if evs else 0.0
     for t, who, _pid, e in evs:
         move = f"{e.src} -> {e.dst}" if e.dst and e.dst != e.src else e.src or ""

@@ -27,6 +27,7 @@ from lw.proxy.exchange import run_prefill
 from lw.proxy.failover import failover_problem, reprefill, route_fields
 from lw.proxy.limits import BodyTooLarge, BodyTooSlow, read_body
 from lw.proxy.state import (
+    MAX_WORKERS,
     Backend,
     ProxyState,
     SubPrefill,
@@ -167,7 +168,12 @@ def build_control_app(state: ProxyState) -> FastAPI:
             if status in (403, 409):
                 return refuse(status, answer["detail"], request, msg)
             return JSONResponse(answer, status)
-        state.workers.learn("decode", decode_workers(msg.get("kv_transfer_params")))
+        workers = decode_workers(msg.get("kv_transfer_params"))
+        state.workers.learn("decode", workers)
+        # whom to ask if this D fails the request (the call is signed and carries the grant)
+        tr.decode.learn_workers(workers)
+        for a in workers[:MAX_WORKERS - len(tr.decode_workers)]:
+            tr.decode_workers[a] = None
         sub = tr.prefills.get(sub_id)
         if sub is not None and sub.epoch > 0:  # D's first call, after a re-prefill of it
             return refuse(409, f"stale epoch 0: the sub-transfer is at epoch {sub.epoch}",

@@ -15,6 +15,15 @@ import httpx
 from fastapi.responses import Response
 
 from lw.contract.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY
+from lw.proxy.explain import (
+    ERROR_EVENT,
+    MAX_ERROR_EVENT,
+    Failure,
+    ask,
+    error_code,
+    explain,
+    split_error_event,
+)
 from lw.proxy.state import (
     COMPLETIONS,
     Backend,
@@ -241,12 +250,12 @@ class Exchange(Response):
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _error(self, send: Send, status: int, message: str, *, stage: str,
-                     server: str | None) -> None:
+                     server: str | None, log_kind: str | None = None) -> None:
         """Report an error to the client: a JSON response, or a final SSE event mid-stream."""
         state = self.state
         state.counters["errors"] += 1
         # the client learns the server's role and place; its URL goes to the log
-        state.refusals.warning(f"upstream_{stage}", "request %s answered %d: %s",
+        state.refusals.warning(log_kind or f"upstream_{stage}", "request %s answered %d: %s",
                                self.tr.request_id, status, message)
         body = error_body(state.public(message), status, stage=stage, server=state.label(server),
                           request_id=self.tr.request_id)
@@ -267,7 +276,6 @@ class Exchange(Response):
             failure = await self._attempt(send)
             if failure is None:
                 return
-            status, message = failure
             nxt = None
             if len(tried) <= self.state.decode_failovers:
                 with contextlib.suppress(ValueError):
@@ -275,11 +283,12 @@ class Exchange(Response):
             if nxt is None:
                 more = (f" (tried {len(tried)} decode servers: "
                         f"{', '.join(b.url for b in tried)})") if len(tried) > 1 else ""
-                await self._error(send, status, message + more, stage="decode",
-                                  server=self.tr.decode.url)
+                await self._error(send, failure.status, failure.message + more,
+                                  stage=failure.stage, server=failure.server,
+                                  log_kind=failure.log_kind)
                 return
             log.warning("request %s: %s; moving it to decode server %s", self.tr.request_id,
-                        message, nxt.url)
+                        failure.message, nxt.url)
             self._failover(nxt)
             tried.append(nxt)
 
@@ -294,7 +303,7 @@ class Exchange(Response):
                                  grant=secrets.token_hex(16), prefills={},
                                  prefill_error=None, prefill_error_status=502,
                                  prefill_error_server=None,
-                                 prefill_failed=asyncio.Event())
+                                 prefill_failed=asyncio.Event(), decode_workers={})
         nxt.in_flight += 1
         nxt.requests += 1
         state.transfers[tr.request_id] = tr
@@ -303,10 +312,11 @@ class Exchange(Response):
         self.tr = tr
         self._swapped.set()
 
-    async def _attempt(self, send: Send) -> tuple[int, str] | None:
+    async def _attempt(self, send: Send) -> Failure | None:
         """One try on the transfer's D. None when it ended (relayed, or an error reported);
-        (status, message) when D failed before any byte reached the client: refused or dropped
-        connection, or a 5xx answer (another D may take the request)."""
+        the failure when D failed before any byte reached the client: refused or dropped
+        connection, a 5xx answer or a stream's 5xx error event (another D may take the
+        request)."""
         tr, state = self.tr, self.state
         server = tr.decode.url
         now = asyncio.get_running_loop().time
@@ -322,10 +332,8 @@ class Exchange(Response):
             if resp.status_code != 200:
                 data = await resp.aread()
                 if resp.status_code >= 500:
-                    tr.decode.errors += 1
-                    tr.decode.failed(now())
-                    return 502, (f"decode server {server} returned HTTP {resp.status_code} on "
-                                 f"{tr.api}: {_quote(data)}")
+                    return await self._failed(f"decode server {server} returned HTTP "
+                                              f"{resp.status_code} on {tr.api}: {_quote(data)}")
                 tr.decode.answered()
                 await self._upstream_status(send, resp, data)
                 return None
@@ -341,13 +349,13 @@ class Exchange(Response):
                 # D accepted the request: the client gets its headers now, not with the first
                 # token (which waits for the whole P/D round trip); later errors go in-band.
                 await self._start(send, 200, content_type)
-                async for chunk in resp.aiter_bytes():
-                    if not chunk:
-                        continue
+                failed = await self._relay_stream(send, resp)
+                if failed is not None:
                     if not self.relayed:
-                        state.timeline.mark(tr.request_id, "first_token")
-                    self.relayed = True
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        return failed
+                    await self._error(send, failed.status, failed.message, stage=failed.stage,
+                                      server=failed.server, log_kind=failed.log_kind)
+                    return None
                 await send({"type": "http.response.body", "body": b""})
             self.ok = True
             state.timeline.mark(tr.request_id, "end")
@@ -358,7 +366,7 @@ class Exchange(Response):
                 else "failed"
             message = f"decode server {server} {what} on {tr.api}: {_describe(exc)}"
             if not self.relayed:
-                return 502, message
+                return Failure(502, message, server=server)
             await self._error(send, 502, message, stage="decode", server=server)
         except httpx.TimeoutException as exc:
             tr.decode.errors += 1
@@ -380,6 +388,55 @@ class Exchange(Response):
                 await self._upstream.aclose()
                 self._upstream = None
         return None
+
+    async def _relay_stream(self, send: Send, resp: httpx.Response) -> Failure | None:
+        """Relay D's stream to the client; the failure when D ends it with a 5xx error event
+        (vLLM's in-band error: the client gets the proxy's, which says why)."""
+        held = b""  # an error event not yet whole: judged once it is
+        async for chunk in resp.aiter_bytes():
+            if not chunk:
+                continue
+            if not held and ERROR_EVENT not in chunk and chunk.endswith(b"\n"):
+                await self._relay(send, chunk)  # the usual chunk: whole events, no error
+                continue
+            head, event, rest = split_error_event(held + chunk)
+            await self._relay(send, head)
+            if event is None:
+                held = rest if len(rest) <= MAX_ERROR_EVENT else b""
+                if not held:
+                    await self._relay(send, rest)
+                continue
+            held = b""
+            code = error_code(event)
+            if code is None or code < 500:
+                await self._relay(send, event + rest)
+                continue
+            tr = self.tr
+            return await self._failed(f"decode server {tr.decode.url} ended the stream of "
+                                      f"{tr.api} with an error: {_quote(event.strip())}")
+        await self._relay(send, held)
+        return None
+
+    async def _relay(self, send: Send, data: bytes) -> None:
+        """Send bytes of D's answer to the client (a stream's head is out)."""
+        if not data:
+            return
+        if not self.relayed:
+            self.state.timeline.mark(self.tr.request_id, "first_token")
+        self.relayed = True
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def _failed(self, what: str) -> Failure:
+        """D answered this try with a 5xx (``what``): ask its workers why. A failed KV
+        transfer is not D's failure (it is not avoided for it); anything else is."""
+        tr = self.tr
+        why = await ask(self.state, tr)
+        if why.transfer:
+            tr.decode.answered()
+        else:
+            tr.decode.errors += 1
+            tr.decode.failed(asyncio.get_running_loop().time())
+        return explain(self.state, tr, why, what)
 
     async def _upstream_status(self, send: Send, resp: httpx.Response, data: bytes) -> None:
         """Relay a non-200 answer of D: 4xx unchanged (in-band if the stream's head is out),

@@ -1,5 +1,6 @@
 """The proxy's bounds on what a peer can make it hold: body sizes on both ports, P's answer
-(size and time), and the health probes' cache.
+(size and time), the health probes' cache, and the questions it asks decode workers about
+failed requests.
 
 Each bound is stated here, in docs/deployment.md ("Threat model") and tried by a test.
 """
@@ -38,6 +39,14 @@ class Limits:
     to the size bound; 408 after it)."""
     max_connections: int = 8192
     """Open connections per port (uvicorn's limit_concurrency: 503 beyond it)."""
+    why_timeout_s: float = 0.5
+    """How long a failed request's client waits while the proxy asks D's workers why it failed
+    (lw.proxy.explain); past it, the error says the cause is unknown."""
+    why_in_flight: int = 4
+    """Such questions asked at once (each a thread and a side-channel socket)."""
+    why_per_s: float = 20.0
+    """Such questions asked per second, bursts included: each has D's worker scan its timeline
+    (a few ms), so a storm of failures must not become a storm of scans."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_control_body_bytes", "max_prefill_answer_bytes",
@@ -48,6 +57,9 @@ class Limits:
             raise ValueError("prefill_total_s and body_read_s must be > 0, health_cache_s >= 0")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.why_timeout_s < 0 or self.why_in_flight < 0 or self.why_per_s < 0:
+            raise ValueError("why_timeout_s, why_in_flight and why_per_s must be >= 0 (0: the "
+                             "proxy never asks why a request failed)")
 
 
 class BodyTooSlow(ValueError):

@@ -25,6 +25,14 @@ proxy's own errors (upstream failures) have vLLM's shape, ``{"error": {"message"
 "param", "code"}}`` (type from the status: ``BadGatewayError``, ``GatewayTimeoutError``), with
 lw's details at the end of the message: ``[lw proxy: stage=..., server=..., request=...]``,
 the server named by role and place (``prefill#0``), its URL only in the proxy's log.
+A request D fails with a 5xx (vLLM's bare "Internal server error", or that error as a stream's
+event) is explained (lw.proxy.explain): the proxy asks D's workers, by transfer id and within
+0.5 s, why; a failed KV transfer is answered 502 (bad transfer: checksum mismatch, failed write),
+503 (prefill worker lost, no prefill server) or 504 (prefill deadline), ``stage=kv_transfer``,
+the message "KV transfer from prefill server prefill#0 to decode server decode#0 failed:
+<D's reason>", counted per reason (``kv_transfer_failures`` on ``/metrics-json``) and logged
+once per reason every 5 s; D is not avoided for it. Otherwise the answer is as before (502,
+``stage=decode``, failover) with "cause unknown: <why>" at the end of the message.
 
 Sidecar mode (``--sidecar``, llm-d's decode-side routing sidecar; lw.proxy.sidecar): one
 local decode server; the prefill server of each request is the one its ``x-prefiller-host-port``

@@ -11,6 +11,7 @@ import random
 import re
 import secrets
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Protocol
@@ -32,6 +33,7 @@ __all__ = [
     "ProxyState",
     "SubPrefill",
     "Transfer",
+    "WhyBudget",
     "build_decode_body",
     "build_prefill_body",
     "error_body",
@@ -193,9 +195,12 @@ def _url_host(host: str) -> str:
 
 
 _URL = re.compile(r"https?://[^\s,'\"\])]+")
+_WORKER = re.compile(r"tcp://[^\s,'\"\])]+")
 
 MAX_ENGINES = 64
 """Engine ids remembered per prefill server (one per DP rank behind its address)."""
+MAX_WORKERS = 64
+"""Worker side channels remembered per decode server and per transfer (DP x TP ranks)."""
 
 BACKOFF_S = (1.0, 30.0)
 """A server that failed is avoided for 1 s, doubling per consecutive failure up to 30 s (each
@@ -216,6 +221,16 @@ class Backend:
     # A prefill server's lw engine ids, each with its TP rank 0 side channel, as its prefill
     # responses name them: what a decode engine's core watches and avoids (prefill failover).
     engines: dict[str, str] = field(default_factory=dict)
+    # A decode server's workers (side channels), as its metaserver calls name them: whom the
+    # proxy asks why a request failed (lw.proxy.explain).
+    workers: dict[str, None] = field(default_factory=dict)
+
+    def learn_workers(self, addrs: list[str]) -> None:
+        """Remember side channels of this server's workers (well formed: decode_workers)."""
+        for a in addrs:
+            if len(self.workers) >= MAX_WORKERS:
+                return
+            self.workers[a] = None
 
     def learn_engine(self, engine_id: Any, workers: Any) -> None:
         """Remember an engine id and rank-0 worker a prefill response of this server named."""
@@ -287,6 +302,9 @@ class Transfer:
     prefill_error_status: int = 502
     prefill_error_server: str | None = None
     prefill_failed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The side channels of the D workers that asked for this transfer's prefills (its
+    # metaserver calls name them): whom the proxy asks if D fails the request.
+    decode_workers: dict[str, None] = field(default_factory=dict)
 
 
 class PrefillTargets(Protocol):
@@ -298,6 +316,44 @@ class PrefillTargets(Protocol):
                ) -> Backend | None:
         """The prefill server a request's headers name (None: none); raises on a refused one."""
         ...
+
+
+class WhyBudget:
+    """The proxy's questions to decode workers about failed requests (lw.proxy.explain): at
+    most ``in_flight`` at once (a thread each) and ``per_s`` a second (a token bucket)."""
+
+    def __init__(self, in_flight: int, per_s: float) -> None:
+        self.in_flight = in_flight
+        self.per_s = per_s
+        self.running = 0
+        self._tokens = per_s
+        self._at = 0.0
+        self._pool: ThreadPoolExecutor | None = None
+
+    def take(self, now: float) -> str:
+        """"" and a question counted as running, or why none may be asked now."""
+        if not self.in_flight or not self.per_s:
+            return "the proxy is set to never ask (why_in_flight or why_per_s is 0)"
+        self._tokens = min(self.per_s, self._tokens + (now - self._at) * self.per_s)
+        self._at = now
+        if self.running >= self.in_flight:
+            return f"the proxy was already asking about {self.running} other failures"
+        if self._tokens < 1:
+            return f"more failures than the proxy asks about ({self.per_s:g} a second)"
+        self._tokens -= 1
+        self.running += 1
+        return ""
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The threads questions run in (the side channel's client blocks)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="lw-why")
+        return self._pool
+
+    def close(self) -> None:
+        """Let the threads end on their own (each within its question's timeout)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 class ProxyState:
@@ -347,6 +403,9 @@ class ProxyState:
         self.timeline = ProxyTimeline()
         self.workers = KnownWorkers()  # side channels seen in traffic (lw status --proxy)
         self.tasks: set[asyncio.Task[None]] = set()
+        self.why = WhyBudget(self.limits.why_in_flight, self.limits.why_per_s)
+        # requests failed by their KV transfer, per failure kind (lw.fsm.status.FAILURE_KINDS)
+        self.transfer_failures: dict[str, int] = {}
         self._rr = {"prefill": 0, "decode": 0}
         self.counters = {
             "requests": 0,
@@ -367,6 +426,8 @@ class ProxyState:
             "bodies_too_slow": 0,
             "prefiller_refused": 0,
             "overloaded": 0,
+            "decode_errors_explained": 0,
+            "decode_errors_unexplained": 0,
         }
 
     def label(self, url: str | None) -> str | None:
@@ -382,8 +443,10 @@ class ProxyState:
         return url if self.sidecar is not None else "server"
 
     def public(self, text: str) -> str:
-        """``text`` with every server URL in it replaced by its :meth:`label`."""
-        return _URL.sub(lambda m: self.label(m.group(0).rstrip(".:;")) or "server", text)
+        """``text`` with every server URL in it replaced by its :meth:`label`, and every
+        worker's side channel (``tcp://``, in a worker's failure reason) by "a worker"."""
+        text = _URL.sub(lambda m: self.label(m.group(0).rstrip(".:;")) or "server", text)
+        return _WORKER.sub("a worker", text)
 
     def pick(self, backends: list[Backend], exclude: Iterable[Backend] = ()) -> Backend:
         """The backend with the fewest outstanding requests, ties broken round robin, among
@@ -417,6 +480,7 @@ class ProxyState:
                 [b.snapshot() for b in self.sidecar.backends.values()
                  if b.url not in {p.url for p in self.prefills}] if self.sidecar else []),
             "decode": [b.snapshot() for b in self.decodes],
+            "kv_transfer_failures": dict(self.transfer_failures),
         }
 
     async def aclose(self) -> None:
@@ -425,6 +489,7 @@ class ProxyState:
             task.cancel()
         if self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.why.close()
         await self.client.aclose()
 
 

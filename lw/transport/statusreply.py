@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from lw.contract.transfer_ids import is_sub_transfer_of
 from lw.transport.wire import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -14,18 +15,47 @@ from lw.transport.wire import (
     encode,
 )
 
-__all__ = ["status_reply"]
+__all__ = ["of_transfer", "status_reply"]
+
+
+def of_transfer(ring: Any, req_id: str) -> list:
+    """The entries of ``ring`` about ``req_id`` or, for a proxy's transfer id, about its
+    sub-transfers (``<transfer id>@<request>``): batch milestones (tuples of ids) included."""
+    if "@" in req_id:
+        return [e for e in ring if e[1] == req_id or (type(e[1]) is tuple and req_id in e[1])]
+    key = req_id[:16]  # every sub-transfer id starts so: a C-level test first (a full ring)
+
+    def mine(r: str) -> bool:
+        return r.startswith(key) and (r == req_id or is_sub_transfer_of(r, req_id))
+
+    return [e for e in ring if (type(r := e[1]) is str and r.startswith(key) and mine(r))
+            or (type(r) is tuple and any(map(mine, r)))]
+
+
+def _rows(endpoint: Any, now: float, req_id: str) -> list:
+    """The live rows asked for: every request, ``req_id``, or (a transfer id: what the proxy and
+    its clients know) the live sub-transfers of it."""
+    rows = endpoint.status(now, req_id)
+    if rows or not req_id or "@" in req_id:
+        return rows
+    subs = [r for r in endpoint.live_requests() if is_sub_transfer_of(r, req_id)]
+    return [row for r in subs[:64] for row in endpoint.status(now, r)]
 
 
 def status_reply(endpoint: Any, role: str, loop_counters: dict[str, int | float], now: float,
                  req_id: str = "", timeline: int = 0) -> StatusReply:
-    """``endpoint``'s live requests (or one), its newest ``timeline`` entries and the counters of
-    the core and its loop, halved (newest entries kept) until the reply fits a message."""
+    """``endpoint``'s live requests (or one request or transfer: see :func:`of_transfer`), its
+    newest ``timeline`` entries and the counters of the core and its loop, halved (newest
+    entries kept) until the reply fits a message."""
     wall = time.time()  # taken with ``now``: together they place timeline times
-    rows = endpoint.status(now, req_id)
+    rows = _rows(endpoint, now, req_id)
     entries: list = []
     if timeline:
-        src = endpoint.timeline.of(req_id) if req_id else endpoint.timeline.last(timeline)
+        if req_id:
+            # a transfer's failure is asked about once it ended, when only the ring remembers it
+            src = of_transfer(endpoint.timeline, req_id)
+        else:
+            src = endpoint.timeline.last(timeline)
         entries = [TimelineEntry(t, [r] if isinstance(r, str) else list(r), ev, a, b,
                                  str(d)[:1024])
                    for t, r, ev, a, b, d in src[-timeline:]]

@@ -5,6 +5,8 @@ combines reports with :meth:`LwKVConnectorStats.aggregate` both across the worke
 across the steps of a logging interval, so counters are summed and gauges take the maximum (the
 busiest worker; over an interval, the peak). :meth:`LwKVConnectorStats.reduce` makes vLLM's
 periodic log line; :class:`LwPromMetrics` feeds the ``lw_*`` series on ``/metrics``.
+D's failed requests are also counted by reason (``failed_by_reason``: lw.fsm.status's failure
+kinds, a bounded label set), as ``lw_requests_failed_by_reason_total{reason=...}``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-__all__ = ["COUNTERS", "GAUGES", "HISTOGRAMS", "LwKVConnectorStats", "LwPromMetrics"]
+from lw.fsm.status import FAILURE_KINDS
+
+__all__ = ["BY_REASON", "COUNTERS", "GAUGES", "HISTOGRAMS", "LwKVConnectorStats",
+           "LwPromMetrics"]
 
 COUNTERS: dict[str, str] = {
     "transfers": "Layer writes completed (one per request, plane and P worker)",
@@ -65,6 +70,10 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
 }
 MAX_SAMPLES = 8192  # per histogram and report: the oldest samples beyond it are dropped
 
+BY_REASON = "failed_by_reason"
+"""Stats key of D's failed requests per failure kind ({kind: count}, deltas, summed); a kind
+outside lw.fsm.status.FAILURE_KINDS counts as "other" (the label set stays bounded)."""
+
 
 class LwKVConnectorStats(KVConnectorStats):
     """Counters (deltas, summed) and gauges (maximum over workers and steps)."""
@@ -78,6 +87,7 @@ class LwKVConnectorStats(KVConnectorStats):
         self.data = dict.fromkeys((*COUNTERS, *GAUGES), 0)
         for key in HISTOGRAMS:
             self.data[key] = []
+        self.data[BY_REASON] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Add another worker's (or interval's) figures to ours."""
@@ -88,6 +98,12 @@ class LwKVConnectorStats(KVConnectorStats):
                 self.data[key] = max(self.data.get(key, 0), value)
             elif key in HISTOGRAMS:
                 self.data[key] = (list(self.data.get(key) or []) + list(value))[-MAX_SAMPLES:]
+            elif key == BY_REASON and isinstance(value, dict):
+                mine = dict(self.data.get(key) or {})
+                for kind, n in value.items():
+                    kind = kind if kind in FAILURE_KINDS else "other"
+                    mine[kind] = mine.get(kind, 0) + n
+                self.data[key] = mine
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -113,7 +129,7 @@ class LwKVConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         """True when nothing happened and nothing is held."""
-        return not any(self.data.get(k) for k in (*COUNTERS, *GAUGES, *HISTOGRAMS))
+        return not any(self.data.get(k) for k in (*COUNTERS, *GAUGES, *HISTOGRAMS, BY_REASON))
 
 
 class LwPromMetrics(KVConnectorPromMetrics):
@@ -139,6 +155,13 @@ class LwPromMetrics(KVConnectorPromMetrics):
                                      labelnames=labelnames, multiprocess_mode="mostrecent")
             self._gauges[key] = self._per_engine(metric)
 
+        by_reason = self._counter_cls(
+            name="lw_requests_failed_by_reason", labelnames=[*labelnames, "reason"],
+            documentation="D: requests whose transfer failed, by reason (" + "; ".join(
+                f"{k}: {v}" for k, v in FAILURE_KINDS.items()) + ")")
+        self._by_reason = {(idx, kind): by_reason.labels(*values, kind)
+                           for idx, values in self.per_engine_labelvalues.items()
+                           for kind in FAILURE_KINDS}
         for key, (doc, buckets) in HISTOGRAMS.items():
             extra = ["state"] if key == "time_in_state" else []
             name = "lw_time_in_state_seconds" if key == "time_in_state" else f"lw_{key}"
@@ -158,6 +181,10 @@ class LwPromMetrics(KVConnectorPromMetrics):
         for key, per_engine in self._gauges.items():
             if key in transfer_stats_data and engine_idx in per_engine:
                 per_engine[engine_idx].set(transfer_stats_data[key])
+        for kind, n in (transfer_stats_data.get(BY_REASON) or {}).items():
+            counter = self._by_reason.get((engine_idx, kind if kind in FAILURE_KINDS else "other"))
+            if counter is not None and n > 0:
+                counter.inc(n)
         values = self.per_engine_labelvalues.get(engine_idx)
         if values is None:
             return

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from lw.fsm.kvmap import describe, expected_senders, targets_of
+from lw.fsm.status import failure_kind
 from lw.fsm.timeline import drain
 from lw.transport.osthread import name_os_thread
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
 from lw.vllm_adapter.connector_meta import LwConnectorMetadata, LwWorkerMeta, Reprefill, log
-from lw.vllm_adapter.metrics import LwKVConnectorStats
+from lw.vllm_adapter.metrics import BY_REASON, LwKVConnectorStats
 from lw.vllm_adapter.push_rates import PushRates
 from lw.vllm_adapter.tracing import LifecycleTracer, tracing_endpoint
 
@@ -125,6 +126,7 @@ class WorkerSide:
         self._pending_sending: set[str] = set()
         self._pending_recving: set[str] = set()
         self._pending_failed: set[str] = set()
+        self._failed_by: dict[str, int] = {}  # D: failed receives by failure kind, since stats()
         self._load_errors: set[int] = set()
         self._reprefills: list[Reprefill] = []  # D: for the scheduler's next worker metadata
         self._t0: dict[str, float] = {}  # P: transfer id -> first layer hook time
@@ -465,6 +467,8 @@ class WorkerSide:
                     self._pending_recving.add(rid)
                     self._pending_failed.add(rid)
                     self._load_errors.update(e.block_ids)
+                    kind = failure_kind(e.reason)
+                    self._failed_by[kind] = self._failed_by.get(kind, 0) + 1
                     if tid not in self._aborted:
                         log.warning("lw: receive of %s (transfer %s) failed: %s", rid, tid,
                                     e.reason)
@@ -529,7 +533,9 @@ class WorkerSide:
             data["transfer_seconds"] = self._extra["transfer_seconds"]
             data["quarantines"] = self._extra["quarantines"]
             self._extra["transfer_seconds"] = self._extra["quarantines"] = 0.0
+            failed_by, self._failed_by = self._failed_by, {}
         data_s: dict[str, Any] = dict(data)
+        data_s[BY_REASON] = failed_by
         data_s["time_in_state"] = [list(x) for x in loop.endpoint.timeline.drain_durations()]
         data_s["layer_write_seconds"] = drain(loop.writes.latencies)
         if not any(data_s.values()) and gauges == self._reported_gauges:

@@ -1114,6 +1114,14 @@ class Engine:
     def total(self, key: str) -> float:
         return sum(st.get(key, 0) for st in self.stats)
 
+    def failed_by_reason(self) -> dict[str, int]:
+        """D's failed receives by failure kind, summed over the stats the scheduler got."""
+        out: dict[str, int] = {}
+        for st in self.stats:
+            for kind, n in (st.get("failed_by_reason") or {}).items():
+                out[kind] = out.get(kind, 0) + n
+        return out
+
     def close(self) -> None:
         self.worker.shutdown()
         self.sched.shutdown()
@@ -1245,6 +1253,7 @@ def test_cluster_prefill_that_never_comes_fails_on_the_deadline(
     c.run_until(lambda: "r1" in c.d.finished and c.idle())
     assert c.d.finished["r1"] == "error"
     assert c.d.total("deadlines_fired") == 1
+    assert c.d.failed_by_reason() == {"prefill_deadline": 1}
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
@@ -1336,6 +1345,7 @@ def test_cluster_kv_checksums_pass_clean_writes_and_catch_a_corrupt_one(
     c.run_until(lambda: "r2" in c.d.finished and c.idle())
     assert c.d.finished["r2"] == "error"  # policy fail: never decoded on wrong KV
     assert c.d.total("checksum_mismatches") == 1
+    assert c.d.failed_by_reason() == {"checksum_mismatch": 1}  # lw_requests_failed_by_reason
 
 
 def test_config_takes_the_cluster_key_from_the_environment(

@@ -29,16 +29,21 @@ and a Mooncake write starved for its 30 s timeout. Those shapes are proven in-pr
 (tests/vllm_adapter/test_connector_tp.py: real Scheduler, one real connector per TP rank).
 
 One cluster per shape (module-scoped, parametrized: pytest runs them one after the other), each
-with a single-engine reference of the same model. Checked per shape: P/D outputs pass the oracle,
-sequential and concurrent, D verified every request's checksums, and nothing stays held on
-either side afterwards; then every worker's timeline is a behaviour of the checked model
-(``lw validate`` on the run's trace, each request in its own shape: trace_export).
+with a single-engine reference of the same model. P's data plane writes short while a flag file
+exists (lw.transport.dataplane.planted): a persistent corruption that the checksums catch, and
+whose client error, through the proxy and a sidecar, must say so (the last test). Checked per
+shape: P/D outputs pass the oracle, sequential and concurrent, D verified every request's
+checksums, and nothing stays held on either side afterwards; then every worker's timeline is a
+behaviour of the checked model (``lw validate`` on the run's trace, each request in its own
+shape: trace_export).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -53,10 +58,12 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
+from lw.lab.local_cluster import Server, free_port, wait_ready  # noqa: E402
 from lw.lab.oracle import TOP_K, compare  # noqa: E402
 from lw.lab.tiny_model import make_tiny_model  # noqa: E402
 from lw.lab.trace_export import validate_trace, write_cluster_trace  # noqa: E402
 from lw.lab.vllm_demo import (  # noqa: E402
+    MODEL_NAME,
     LocalCluster,
     blocks_in_use,
     complete,
@@ -64,6 +71,7 @@ from lw.lab.vllm_demo import (  # noqa: E402
     metrics,
 )
 from lw.ops.client import query  # noqa: E402
+from lw.transport.dataplane.planted import TRUNCATE_ENV  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -91,11 +99,18 @@ def shaped(request: pytest.FixtureRequest,
     model = make_tiny_model(work / "model", kind=kind)
     c = LocalCluster(model=model, workdir=work / "logs", reference=True,
                      p_extra=dict(CHECKSUM), d_extra=dict(CHECKSUM), **shape)
+    _truncate_flag[name] = work / "truncate-writes"  # P writes short while it exists
+    os.environ[TRUNCATE_ENV] = str(_truncate_flag[name])
     try:
         c.start(timeout=480)
+        os.environ.pop(TRUNCATE_ENV, None)
         yield name, c
     finally:
+        os.environ.pop(TRUNCATE_ENV, None)
         c.stop()
+
+
+_truncate_flag: dict[str, Path] = {}  # per shape, set by the cluster fixture
 
 
 def _lw_by_engine(url: str, series: str) -> dict[str, float]:
@@ -169,3 +184,58 @@ def test_outputs_equal_single_engine(shaped: tuple[str, LocalCluster],
     assert ok, f"{name}: {line}\n" + "\n".join(bad)
     assert line.startswith(f"valid: {2 * n} requests"), line
     print(f"{name}: trace {line} in {time.monotonic() - t0:.1f}s")
+
+
+def _error(r: httpx.Response, stream: bool) -> dict[str, Any]:
+    """The client's error: the body, or (a stream, whose head went out as 200) its last event."""
+    if not stream:
+        return dict(r.json()["error"])
+    events = [x[len("data: "):] for x in r.text.splitlines() if x.startswith("data: ")]
+    return dict(json.loads(events[-1])["error"])
+
+
+def test_a_persistently_corrupted_transfer_is_an_error_that_names_it(
+        shaped: tuple[str, LocalCluster], tmp_path: Path) -> None:
+    """P writes only the first 64 bytes of each entry (a planted fault): D's checksums fail every
+    request, vLLM answers a bare 500 (kv_load_failure_policy "fail"), and the client gets, through
+    the proxy and through ``lw proxy --sidecar``, a 502 that says the KV transfer from that prefill
+    server failed and why; the proxy counts it by reason; nothing stays held."""
+    name, c = shaped
+    flag = _truncate_flag[name]
+    p_url, d_url = c.url("prefill"), c.url("decode")
+    target = p_url.removeprefix("http://")
+    port = free_port()
+    control = next(x for x in iter(free_port, None) if x != port)
+    side = Server("sidecar", [
+        sys.executable, "-m", "lw.proxy.server", "--sidecar", "--decode", d_url,
+        "--allow-prefiller", target, "--host", "127.0.0.1", "--port", str(port),
+        "--control-host", "127.0.0.1", "--control-port", str(control), "--timeout", "120",
+        "--log-level", "warning"], dict(os.environ, PYTHONUNBUFFERED="1",
+                                        LW_CLUSTER_KEY=c.cluster_key),
+        f"http://127.0.0.1:{port}", tmp_path / "sidecar.log")
+    side.start()
+    try:
+        wait_ready([side], 60)
+        flag.write_text("64")
+        cases = [(c.url("proxy"), {}, False, "prefill#0"), (c.url("proxy"), {}, True, "prefill#0"),
+                 (side.url, {"x-prefiller-host-port": target}, False, f"http://{target}")]
+        for i, (url, headers, stream, p_name) in enumerate(cases):
+            body = {"model": MODEL_NAME, "prompt": make_prompt(90, seed=700 + i),
+                    "max_tokens": 4, "stream": stream}
+            r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=180)
+            assert r.status_code == (200 if stream else 502), r.text
+            err = _error(r, stream)
+            assert err["code"] == 502 and err["type"] == "BadGatewayError", err
+            assert err["message"].startswith(
+                f"KV transfer from prefill server {p_name} to decode server decode#0 failed: "
+                "KV checksum mismatch from sender"), f"{url} stream={stream}: {err}"
+            assert "stage=kv_transfer" in err["message"], err
+    finally:
+        flag.unlink(missing_ok=True)
+        side.stop()
+    got = complete(c.url("proxy"), make_prompt(90, seed=710), MAX_TOKENS, stream=False)
+    assert not got.error, got.error  # the fault gone, requests pass again
+    m = httpx.get(c.control_url + "/metrics-json", timeout=10).json()
+    assert m["kv_transfer_failures"] == {"checksum_mismatch": 2}, m
+    held, live = _idle(c)
+    assert (held, live) == (0, 0.0), f"{name}: blocks or requests still held after the faults"
