@@ -6,82 +6,12 @@ lw passes 700 lines."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+from lw.house import ABOVE_THE_ENGINES, ENGINE_PACKAGES, LW, cycles, import_graph, inside
 
-LW = Path(__file__).resolve().parent.parent / "lw"
 MAX_LINES = 700
 # Files still over the limit, at most this long (none: the runtime's interpreter, writes,
 # timers, heartbeats, wake pipe and status replies went to modules of their own).
 OVER_THE_LIMIT: dict[str, int] = {}
-
-
-def modules() -> dict[str, Path]:
-    """Every module of lw by dotted name (a package by its own name)."""
-    out = {}
-    for f in LW.rglob("*.py"):
-        parts = f.relative_to(LW.parent).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
-    return out
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the lw modules it imports. ``from pkg import mod`` is an edge to ``pkg.mod``
-    alone: the package is only the way there."""
-    mods = modules()
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    for name, path in mods.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                graph[name] |= {a.name for a in node.names if a.name in mods}
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    source = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    source = node.module or ""
-                subs = {f"{source}.{a.name}" for a in node.names} & mods.keys()
-                graph[name] |= subs
-                if source in mods and len(subs) < len(node.names):
-                    graph[name].add(source)
-        graph[name].discard(name)
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
 
 
 def test_no_import_circles_in_lw() -> None:
@@ -110,19 +40,10 @@ def test_the_contract_imports_nothing_of_lw_but_itself() -> None:
     assert not any(above.values()), above
 
 
-ENGINE_PACKAGES = ("lw.vllm_adapter", "lw.proxy", "lw.contract", "lw.transport")
-"""What runs in P's, D's and the proxy's processes: below the checker and the lab."""
-ABOVE_THE_ENGINES = ("lw.sim", "lw.lab")
-
-
-def _in(module: str, packages: tuple[str, ...]) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in packages)
-
-
 def test_the_engine_packages_import_neither_the_checker_nor_the_lab() -> None:
     graph = import_graph()
-    up = {m: sorted(d for d in deps if _in(d, ABOVE_THE_ENGINES))
-          for m, deps in graph.items() if _in(m, ENGINE_PACKAGES)}
+    up = {m: sorted(d for d in deps if inside(d, ABOVE_THE_ENGINES))
+          for m, deps in graph.items() if inside(m, ENGINE_PACKAGES)}
     assert not any(up.values()), {m: d for m, d in up.items() if d}
 
 
@@ -130,8 +51,8 @@ def test_the_connector_and_the_proxy_do_not_import_each_other() -> None:
     """One package per process: vLLM loads lw.vllm_adapter, the proxy runs lw.proxy."""
     graph = import_graph()
     for side, other in (("lw.vllm_adapter", "lw.proxy"), ("lw.proxy", "lw.vllm_adapter")):
-        cross = {m: sorted(d for d in deps if _in(d, (other,)))
-                 for m, deps in graph.items() if _in(m, (side,))}
+        cross = {m: sorted(d for d in deps if inside(d, (other,)))
+                 for m, deps in graph.items() if inside(m, (side,))}
         assert not any(cross.values()), {m: d for m, d in cross.items() if d}
 
 
