@@ -74,7 +74,7 @@ class WorldConfig:
     # crash), as bytes of a write that failed "in doubt" may (see zombies in World).
     crash_zombies: bool = True
     # D calls peer_lost when it learns that the P engine died (core finding 2 in
-    # docs/checker.md); off: D relies on its deadline and lease alone.
+    # docs/checker-findings.md); off: D relies on its deadline and lease alone.
     p_loss_detection: bool = True
     # P's DONE carries checksums of what it wrote; D verifies its blocks against them (the
     # endpoints' kv_checksum); the world tracks which claim's bytes each D block holds.

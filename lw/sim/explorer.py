@@ -6,7 +6,7 @@ then always on); ``explore(..., reduce=False)`` explores every interleaving.
 
 States are stored as pickles whose shared immutable parts (declarations, dispatch tables,
 configs, senders, layouts, messages) are kept by reference (lw/sim/clone.py), so a clone is a
-``loads`` of a ~1 KB string (measured faster than ``copy.deepcopy``, see docs/checker.md).
+``loads`` of a ~1 KB string (measured faster than ``copy.deepcopy``, see docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The world ``lw validate`` searches: the checker's world of one recorded request in the run's
 shape, with every endpoint's timeline on, plus what the checker's world leaves out and real runs
-were found to do (see docs/checker.md, "Trace validation", findings): bytes that land wrong,
-live peers suspected lost, writes that outlive their transfer timeout, and the proxy's routing
-notice reaching each D worker on its own, possibly after P's claim.
+were found to do (docs/checker-findings.md, "Trace validation: runs and findings"): bytes
+that land wrong, live peers suspected lost, writes that outlive their transfer timeout, and the
+proxy's routing notice reaching each D worker on its own, possibly after P's claim.
 """
 
 from __future__ import annotations

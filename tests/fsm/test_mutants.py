@@ -1,7 +1,7 @@
 """Tests written to kill the survivors of ``tools/mutation.py`` (mutation testing of lw/fsm).
 
 Each test states a piece of the protocol's intent that no earlier test or check pinned down;
-the mutants it kills are listed in docs/checker.md ("Mutation testing").
+the mutants it kills are listed in docs/checker-findings.md ("Mutation testing").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tests written for the survivors of the 2026-11-30 mutation run over the whole of lw/fsm.
 
 Like ``test_mutants.py``, each test states a piece of intent that no test or check pinned down
-(the mutants are listed in docs/checker.md, "Mutation testing").
+(the mutants are listed in docs/checker-findings.md, "Mutation testing").
 """
 
 from __future__ import annotations
