@@ -6,7 +6,10 @@ lengths (one block .. long enough for chunked prefill) to both, prints the outpu
 with time-to-first-token and transfer figures, checks that no KV block is left held on either
 server, shuts everything down and ends with
 ``summary done=<n> failed=<n> leaked_blocks=<n> mismatched=<n>`` (exit 0 iff all done, none
-leaked, none mismatched). "Same" is :mod:`lw.lab.oracle`'s: the same greedy tokens, or a
+leaked, none mismatched). Before the measured prompts each side answers warm-up prompts (one,
+or one per DP rank) that share no prefix block with them: they are left out of every figure and
+count (a failed one adds ``warmup_failed=<n>`` and fails the run), and TTFT is reported as
+median and range per side. "Same" is :mod:`lw.lab.oracle`'s: the same greedy tokens, or a
 near tie of the reference's at the first divergence (``tie@i``); D verifies lw's KV checksums
 (``kv_checksum``) of every block P wrote, and a request whose bytes differ fails.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -62,7 +66,7 @@ from lw.lab.oracle import DRIFT, TOP_K, compare
 __all__ = ["BLOCK_SIZE", "MAX_BATCHED_TOKENS", "MODEL_NAME", "LocalCluster", "Result", "Server",
            "blocks_in_use", "complete", "free_port", "free_port_range", "kv_transfer_config",
            "main", "make_prompt", "metrics", "shared_prefix_prompts", "tokenize",
-           "wait_blocks_released", "wait_ready"]
+           "ttft_summary", "wait_blocks_released", "wait_ready", "warmup_prompts"]
 
 PROMPT_LENGTHS = (12, 90, 300, 700)  # words ~ tokens: 1 block, 3, 10, 22 (chunked)
 # --long-prompts: 4 to 7 chunks of MAX_BATCHED_TOKENS each (progressive push shows here)
@@ -71,6 +75,11 @@ LONG_PROMPT_LENGTHS = (1100, 1300, 1500, 1800)
 _SHARED = ((0, 40, 1), (0, 40, 2), (0, 40, 1), (1, 70, 3), (1, 70, 4), (0, 40, 2), (1, 70, 3),
            (0, 100, 5))
 _PREFIX_WORDS = (160, 224)  # 5 and 7 blocks of 32 tokens
+# ~10 blocks, two prefill chunks: a warm-up also takes the first transfer and chunked prefill
+WARMUP_WORDS = 300
+# The tiny model's tokenizer gives one token per word: prompts differing in their first words
+# differ in their first block, so no later block can be a prefix-cache hit either.
+_APART_WORDS = 4
 
 
 def shared_prefix_prompts(n: int) -> list[str]:
@@ -80,6 +89,21 @@ def shared_prefix_prompts(n: int) -> list[str]:
     for i in range(n):
         pre, words, seed = _SHARED[i % len(_SHARED)]
         out.append(prefixes[pre] + " " + make_prompt(words, seed=2000 + seed))
+    return out
+
+
+def warmup_prompts(prompts: Sequence[str], count: int) -> list[str]:
+    """``count`` warm-up prompts sharing no prefix block with ``prompts`` (nor each other)."""
+    taken = {tuple(p.split()[:_APART_WORDS]) for p in prompts}
+    out: list[str] = []
+    seed = 1_000_000  # the measured prompts' seeds are far below
+    while len(out) < count:
+        cand = make_prompt(WARMUP_WORDS, seed=seed)
+        seed += 1
+        head = tuple(cand.split()[:_APART_WORDS])
+        if head not in taken:
+            taken.add(head)
+            out.append(cand)
     return out
 
 
@@ -135,6 +159,51 @@ def _ms(x: float | None) -> str:
 def _short(text: str, n: int = 34) -> str:
     text = text.replace("\n", " ").strip()
     return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _spread(xs: Sequence[float]) -> str:
+    """Median (min-max) of seconds, in ms, padded to one column."""
+    ms = sorted(x * 1000 for x in xs)
+    med = f"{statistics.median(ms):5.0f} ms"
+    return f"{med if len(ms) == 1 else f'{med} ({ms[0]:.0f}-{ms[-1]:.0f})':<22}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def ttft_summary(single: Sequence[float | None], pd: Sequence[float | None],
+                 warmups: int) -> list[str]:
+    """The TTFT lines: each side's median (min-max) over its measured requests (warm-ups are
+    not among them), what each figure includes, and how the medians compare."""
+    r = [x for x in single if x is not None]
+    d = [x for x in pd if x is not None]
+    # a failed request has no TTFT: then say how many each side's figure is over
+    over = (f"of {_plural(len(single), 'measured request')} per side"
+            if len(r) == len(single) and len(d) == len(pd) else
+            f"of the measured requests with a first token (single engine {len(r)} of "
+            f"{len(single)}, P/D {len(d)} of {len(pd)})")
+    lines = [f"TTFT       median (min-max) {over}, {_plural(warmups, 'warm-up')} per side "
+             "excluded"]
+    if r:
+        lines.append(f"  single engine {_spread(r)} client to first streamed token, one engine")
+    if d:
+        lines.append(f"  P/D           {_spread(d)} the same plus the proxy hop, D-first round "
+                     "trip to P, KV transfer")
+    if not r or not d:
+        none = " nor ".join(name for name, xs in (("the single engine", r), ("P/D", d)) if not xs)
+        lines.append(f"TTFT       no comparison: no first token from {none}")
+        return lines
+    med_r, med_d = statistics.median(r), statistics.median(d)
+    diff = round((med_d - med_r) * 1000)
+    ratio = f" (x{med_d / med_r:.2f})" if med_r > 0 else ""
+    if diff == 0:
+        lines.append("TTFT       P/D's median equals the single engine's (to the ms)")
+    else:
+        where = "above" if diff > 0 else "below"
+        lines.append(f"TTFT       P/D's median is {abs(diff)} ms {where} the single engine's"
+                     f"{ratio}")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -216,6 +285,19 @@ def _run(args: argparse.Namespace) -> int:
         print(f"started    in {time.monotonic() - t0:.0f}s; logs in {cluster.workdir}")
         for name in ("reference", "prefill", "decode", "proxy"):
             print(f"  {name:<10} {cluster.url(name)}")
+        # A fresh engine's first requests pay one-time set-up (seconds on CPU), as does the
+        # first transfer: one warm-up per DP rank that may serve, on each side, left out of
+        # every figure. Their prompts share no block with the measured ones, so neither prefix
+        # cache holds anything a measured prompt could hit.
+        warm = warmup_prompts(prompts, max(args.prefill_dp, args.decode_dp))
+        pre_p, pre_d = metrics(cluster.url("prefill")), metrics(cluster.url("decode"))
+        warm_ref = [complete(cluster.url("reference"), w, args.max_tokens, logprobs=TOP_K)
+                    for w in warm]
+        warm_pd = [complete(cluster.url("proxy"), w, args.max_tokens, logprobs=TOP_K)
+                   for w in warm]
+        warm_failed = _report_warmup(warm_ref, warm_pd)
+        # the measured figures start once P's and D's metrics hold every warm-up
+        before, before_d = _settled_metrics(cluster, pre_p, pre_d, len(warm))
         ref: list[Result] = []
         for i, p in enumerate(prompts):
             # with logprobs: the oracle (lw.lab.oracle) allows a near tie
@@ -224,8 +306,6 @@ def _run(args: argparse.Namespace) -> int:
         token_ids = ([tokenize(cluster.url("reference"), p) for p in prompts]
                      if args.shared_prefix else [])
         pd: list[Result] = []
-        before = metrics(cluster.url("prefill"))
-        before_d = metrics(cluster.url("decode"))
         for i, p in enumerate(prompts):
             pd.append(complete(cluster.url("proxy"), p, args.max_tokens, logprobs=TOP_K))
             _progress("P/D via proxy", i + 1, n)
@@ -239,11 +319,23 @@ def _run(args: argparse.Namespace) -> int:
         checks.append(functools.partial(_report_prefix, model, token_ids, before, after_p,
                                         before_d, after_d))
     status = _report(prompts, ref, pd, leaked, before, after_p, after_d, checks,
-                     DRIFT[args.model_kind])
+                     DRIFT[args.model_kind], before_d=before_d, warmups=len(warm),
+                     warmup_failed=warm_failed)
     if args.validate:
         # after the servers stopped: the search has the CPU to itself
         status = max(status, _validate(trace))
     return status
+
+
+def _report_warmup(ref: Sequence[Result], pd: Sequence[Result]) -> int:
+    """Print what the warm-up requests took (not measured); return how many failed."""
+    def show(res: Sequence[Result]) -> str:
+        return ", ".join(r.error[:80] if r.error else "no first token" if r.ttft_s is None
+                         else f"{r.ttft_s:.1f} s" for r in res)
+
+    print(f"warm-up    {len(ref)} request{'s' if len(ref) != 1 else ''} per side, not measured; "
+          f"first token after: single engine {show(ref)}; P/D {show(pd)}", flush=True)
+    return sum(bool(r.error) or r.finish_reason is None for r in (*ref, *pd))
 
 
 def _write_trace(cluster: LocalCluster, args: argparse.Namespace) -> tuple[str, list[str]]:
@@ -354,7 +446,11 @@ def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Resu
             before: dict[str, float], after_p: dict[str, float],
             after_d: dict[str, float],
             checks: Sequence[Callable[[], tuple[bool, str]]] = (),
-            drift: float | None = None) -> int:
+            drift: float | None = None, before_d: dict[str, float] | None = None,
+            warmups: int = 0, warmup_failed: int = 0) -> int:
+    """The per-request table, TTFT and transfer figures, the checks and the ``summary`` line
+    of the measured requests (metrics as deltas from ``before``/``before_d``); exit status."""
+    before_d = before_d or {}
     print()
     print(f"{'#':>2} {'words':>5} {'TTFT 1 eng':>10} {'TTFT P/D':>9}  {'single engine':<34} "
           f"{'P/D':<34} same")
@@ -378,16 +474,12 @@ def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Resu
             notes.append(f"{i:>2}: {verdict}")
     for note in notes:  # ties with the reference's margin there; why the others differ
         print(f"oracle     {note}")
-    ok_r = [r.ttft_s for r in ref if r.ttft_s is not None]
-    ok_d = [d.ttft_s for d in pd if d.ttft_s is not None]
-    if ok_r and ok_d:
-        mean_r, mean_d = sum(ok_r) / len(ok_r), sum(ok_d) / len(ok_d)
-        print(f"TTFT mean  single engine {mean_r * 1000:.0f} ms, P/D {mean_d * 1000:.0f} ms "
-              f"(x{mean_d / mean_r:.2f}; P/D adds the proxy hop, the D-first round trip and the "
-              "transfer)")
+    for line in ttft_summary([r.ttft_s for r in ref], [d.ttft_s for d in pd], warmups):
+        print(line)
 
-    def delta(key: str) -> float:
-        return after_p.get(key, 0.0) - before.get(key, 0.0)
+    def delta(key: str, after: dict[str, float] = after_p,
+              since: dict[str, float] = before) -> float:
+        return after.get(key, 0.0) - since.get(key, 0.0)
 
     nbytes, secs = delta("lw_transfer_bytes_total"), delta("lw_transfer_seconds_total")
     writes = delta("lw_transfers_total")
@@ -400,17 +492,20 @@ def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Resu
         print(f"lw core    P: done={delta('lw_requests_done_total'):.0f} "
               f"failed={delta('lw_requests_failed_total'):.0f} "
               f"deadlines={delta('lw_deadlines_fired_total'):.0f}; D: done="
-              f"{after_d.get('lw_requests_done_total', 0):.0f} failed="
-              f"{after_d.get('lw_requests_failed_total', 0):.0f} deadlines="
-              f"{after_d.get('lw_deadlines_fired_total', 0):.0f}")
+              f"{delta('lw_requests_done_total', after_d, before_d):.0f} failed="
+              f"{delta('lw_requests_failed_total', after_d, before_d):.0f} deadlines="
+              f"{delta('lw_deadlines_fired_total', after_d, before_d):.0f}")
     print(f"blocks     held after the run: {leaked} (prefill + decode, from vLLM's kv cache usage)")
     prefix_ok, extra = True, ""
     for check in checks:
         ok, text = check()
         prefix_ok, extra = prefix_ok and ok, extra + text
+    if warmup_failed:  # not among the measured requests, but a failure all the same
+        extra += f" warmup_failed={warmup_failed}"
     print(f"summary done={done} failed={failed} leaked_blocks={leaked} mismatched={mismatched}"
           + extra)
-    return 0 if failed == 0 and leaked == 0 and mismatched == 0 and prefix_ok else 1
+    return 0 if (failed == 0 and leaked == 0 and mismatched == 0 and prefix_ok
+                 and not warmup_failed) else 1
 
 
 if __name__ == "__main__":

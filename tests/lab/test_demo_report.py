@@ -1,0 +1,108 @@
+"""``lw demo --engine vllm``'s report, without engines: the TTFT lines compare medians of the
+measured requests only, say what each side's figure includes, and claim no direction the numbers
+do not show; warm-up prompts share no prefix block with the measured ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from lw.lab.demo_client import Result, make_prompt
+from lw.lab.vllm_demo import (
+    LONG_PROMPT_LENGTHS,
+    PROMPT_LENGTHS,
+    _report,
+    _report_warmup,
+    predict_prefix_hits,
+    shared_prefix_prompts,
+    ttft_summary,
+    warmup_prompts,
+)
+
+# the issue's run, the single engine's 16.6 s warm-up left out: P/D is the slower side
+SINGLE = [0.052, 0.040, 0.061, 0.050, 0.045, 0.055, 0.058, 0.049]
+PD = [0.068, 0.094, 0.080, 0.070, 0.072, 0.081, 0.090, 0.075]
+
+
+def test_ttft_lines_compare_medians_of_the_measured_requests() -> None:
+    """Medians and ranges per side, the warm-ups named as excluded, what P/D adds said."""
+    lines = ttft_summary(SINGLE, PD, warmups=1)
+    assert lines[0] == ("TTFT       median (min-max) of 8 measured requests per side, "
+                        "1 warm-up per side excluded")
+    assert "single engine" in lines[1] and "51 ms (40-61)" in lines[1]
+    assert "P/D" in lines[2] and "78 ms (68-94)" in lines[2]
+    assert "proxy hop" in lines[2] and "KV transfer" in lines[2]
+    assert lines[-1] == "TTFT       P/D's median is 26 ms above the single engine's (x1.52)"
+    assert not any("mean" in line for line in lines)
+
+
+def test_one_slow_request_does_not_turn_the_comparison_around() -> None:
+    """A cold first request measured by mistake moves a mean by seconds, the median not."""
+    lines = ttft_summary([16.6, *SINGLE[1:]], PD, warmups=0)
+    assert "52 ms (40-16600)" in lines[1]
+    assert "above" in lines[-1] and "0 warm-ups per side" in lines[0]
+
+
+@pytest.mark.parametrize(("pd", "says"), [
+    ([0.030] * 8, "P/D's median is 20 ms below the single engine's (x0.60)"),
+    ([0.0502] * 8, "P/D's median equals the single engine's (to the ms)"),
+])
+def test_the_direction_is_the_numbers(pd: list[float], says: str) -> None:
+    assert ttft_summary([0.050] * 8, pd, warmups=2)[-1] == "TTFT       " + says
+
+
+def test_requests_without_a_first_token_are_counted_not_hidden() -> None:
+    lines = ttft_summary([0.05, 0.06], [None, 0.07], warmups=1)
+    assert "(single engine 2 of 2, P/D 1 of 2)" in lines[0]
+    assert "   70 ms   " in lines[2]  # one figure: no range
+    only = ttft_summary([0.05], [None], warmups=1)
+    assert only[-1] == "TTFT       no comparison: no first token from P/D"
+
+
+@pytest.mark.parametrize("prompts", [
+    [make_prompt(PROMPT_LENGTHS[i % 4], seed=i) for i in range(64)],
+    [make_prompt(LONG_PROMPT_LENGTHS[i % 4], seed=i) for i in range(8)],
+    shared_prefix_prompts(16),
+])
+def test_warmups_seed_no_prefix_hit(prompts: list[str]) -> None:
+    """Sent first, the warm-ups leave every measured prompt's predicted hits as without them
+    (the tiny model's tokenizer: one token per word)."""
+    warm = warmup_prompts(prompts, 3)
+    assert len(set(warm)) == 3 and warm == warmup_prompts(prompts, 3)
+    vocab: dict[str, int] = {}
+    ids = [[vocab.setdefault(w, len(vocab)) for w in p.split()] for p in [*warm, *prompts]]
+    with_warm = predict_prefix_hits(ids, 32, 32)
+    assert with_warm[3:] == predict_prefix_hits(ids[3:], 32, 32)
+    assert all(held == 0 for held, _, _ in with_warm[:3])
+
+
+def _done(text: str = "x", ttft: float = 0.05) -> Result:
+    return Result(text=text, ttft_s=ttft, finish_reason="length", tokens=["token_id:1"],
+                  top_logprobs=[{"token_id:1": -0.1}])
+
+
+def test_the_summary_counts_the_measured_requests_and_d_from_before(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """done= is the measured requests; D's lw core figures are deltas (the warm-up is in
+    ``before_d``); a failed warm-up is named in the summary and fails the run."""
+    ref, pd = [_done(ttft=t) for t in SINGLE], [_done(ttft=t) for t in PD]
+    before = {"lw_requests_done_total": 1.0}
+    after = {"lw_requests_done_total": 9.0}
+    args = (["a b"] * 8, ref, pd, 0, before, after, after)
+    assert _report(*args, before_d=before, warmups=1) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "P: done=8 " in next(line for line in out if line.startswith("lw core"))
+    assert "D: done=8 " in next(line for line in out if line.startswith("lw core"))
+    assert "1 warm-up per side excluded" in next(line for line in out
+                                                 if line.startswith("TTFT"))
+    assert out[-1] == "summary done=8 failed=0 leaked_blocks=0 mismatched=0"
+    assert _report(*args, before_d=before, warmups=1, warmup_failed=1) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "summary done=8 failed=0 leaked_blocks=0 mismatched=0 warmup_failed=1"
+
+
+def test_the_warmup_line_says_what_it_took(capsys: pytest.CaptureFixture[str]) -> None:
+    failed = _report_warmup([_done(ttft=16.6)], [Result(error="HTTP 500: boom")])
+    out = capsys.readouterr().out
+    assert failed == 1
+    assert "1 request per side, not measured" in out
+    assert "single engine 16.6 s; P/D HTTP 500: boom" in out
