@@ -553,10 +553,13 @@ class DecodeEndpoint(LifecycleEndpoint):
         if bad:
             # Bytes differ from what the sender says it wrote: a write may still be in
             # flight (a sender whose DONE came early) as well as corrupted. Refused; the
-            # blocks stay quarantined until it confirms it stopped or the lease ends.
+            # blocks stay fenced (or quarantined) until it confirms it stopped or the lease
+            # ends.
+            # A bad transfer is a lost epoch like a lost P: prefilled again (budget allowing;
+            # the sender's engine avoided as a lost one is) once this epoch's senders stopped.
             self.counters["checksum_mismatches"] += 1
             out.append(ack(self.me, msg, "done", False))
-            self._fail(rec, bad, now, out)
+            self._lose(rec, bad, key[0], now, out)
             return out
         rec.sums[key] = tuple(msg.checksums)
         self._sender_done(rec, key, msg, now, out)

@@ -138,9 +138,17 @@ class Checks:
             loaded = q.d_stage == "done" and (all(q.recv_ok) or not q.loads())
             if loaded and (all(q.send_ok) or q.p_crashes):  # a dead P reports nothing
                 continue
-            if q.p_crashes > cfg.retry_prefill or len(s.dead_ranks) >= cfg.dp:
-                continue  # its P ranks died more often than D may retry, or all of them did
-            if q.p_crashes:
+            hits = q.p_crashes + q.bad_transfers
+            if hits > cfg.retry_prefill or len(s.dead_ranks) >= cfg.dp:
+                continue  # its prefill was lost more often than D may retry, or every P died
+            if (q.bad_transfers and hits >= cfg.dp
+                    and getattr(cfg, "retry_prefill_avoid", "lost") == "lost"):
+                continue  # each P engine it met is avoided after its bad transfer
+            if q.bad_transfers:
+                why = (f"although its transfers went bad {q.bad_transfers} time(s) and its P rank "
+                       f"died {q.p_crashes} time(s), within D's prefill retry budget of "
+                       f"{cfg.retry_prefill}, and a P rank it need not avoid lives")
+            elif q.p_crashes:
                 why = (f"although its P rank died {q.p_crashes} time(s), within D's prefill "
                        f"retry budget of {cfg.retry_prefill}, and a P rank lives")
             elif not cfg.faults:

@@ -83,6 +83,12 @@ STRONG: tuple[dict[str, Any], ...] = (
     {"dp": 2, "requests": 2, "layers": 1, "d_blocks": 2, "faults": True,
      "fault_kinds": ("rank-crash", "write"), "delays": False, "kv_checksum": True,
      "retry_prefill": 1, "retry_fresh_blocks": True},
+    # Bad transfers (bytes corrupted in D's blocks, caught by the checksums) prefilled again
+    # within the budget, with failed writes and a P rank crash besides: progress says a
+    # request with a bad transfer and budget left ends DONE.
+    {"dp": 2, "requests": 2, "layers": 1, "d_blocks": 2, "faults": True,
+     "fault_kinds": ("corrupt", "write", "rank-crash"), "delays": False, "kv_checksum": True,
+     "retry_prefill": 1},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",

@@ -23,10 +23,12 @@ HEAD_BYTES = 4096  # bytes of one KV head in one block (layouts only; no bytes a
 # forged or mistaken metaserver call); not among the default kinds, which are the faults of
 # processes and the network. "rank-crash": one P DP rank dies (a P server of several, with
 # retry_prefill: the failover target of the others' requests), also not a default kind.
-FAULT_KINDS = ("drop", "dup", "write", "crash", "abort", "forge", "rank-crash")
+# "corrupt" (with kv_checksum): every block a D worker holds so far reads wrong, the bytes of a
+# bad transfer (a corrupted or misdirected write), which D's checksums must catch.
+FAULT_KINDS = ("drop", "dup", "write", "crash", "abort", "forge", "rank-crash", "corrupt")
 DEFAULT_FAULT_KINDS = ("drop", "dup", "write", "crash", "abort")
 FAULT_ACTIONS = frozenset({"drop", "dup", "fail_write", "crash_p", "crash_d", "abort_d",
-                           "abort_p", "forge", "crash_rank"})
+                           "abort_p", "forge", "crash_rank", "corrupt"})
 EPSILON = 0.001  # abstract time: "just before" a deadline (below every timer's duration)
 
 

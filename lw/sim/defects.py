@@ -304,6 +304,18 @@ class GhostReleasedAtOnce(DecodeEndpoint):
         return out
 
 
+class BadTransferFailed(DecodeEndpoint):
+    """A transfer whose bytes fail D's checksums fails its request at once, whatever the
+    prefill retry budget (lw before issue 40): a live P could have prefilled it again."""
+
+    def _lose(self, rec: DecodeRecord, reason: str, engine_id: str, now: float,
+              out: list[Effect]) -> None:
+        if reason.startswith("KV checksum mismatch"):
+            self._fail(rec, reason, now, out)
+            return
+        super()._lose(rec, reason, engine_id, now, out)
+
+
 class GhostTrustsInDoubt(DecodeEndpoint):
     """Prefill failover into fresh blocks whose ghost takes any answer of an old sender as its
     stop: an AbortAck or FailedSending that says a write of that epoch is in doubt releases the

@@ -115,6 +115,9 @@ class Describe:
             q = s.reqs[a[1]]
             return (f"a forged metaserver call starts the prefill of {q.rid} into D block(s) "
                     f"{list(s.forged_blocks(q))}, not its {list(q.d_remote)}")
+        if kind == "corrupt":
+            return (f"the bytes of {s.reqs[a[2]].rid} landed in D{a[1]}'s blocks so far are "
+                    "CORRUPTED (a bad transfer)")
         return repr(a)
 
     def summary(self) -> list[str]:

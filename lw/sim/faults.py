@@ -4,7 +4,7 @@ forged starts, D restarts, and the survivors learning of a crash (a part of
 
 from __future__ import annotations
 
-from lw.fsm.lifecycles import DONE, FAILED
+from lw.fsm.lifecycles import DONE, FAILED, RECEIVING
 from lw.sim.clock import Clock
 from lw.sim.config import Action, _who, d_addr, p_addr
 from lw.sim.dnode import DNode
@@ -52,6 +52,9 @@ class Faults:
             acts += [("crash_d", d) for d in range(s.cfg.d_dp) if s.d_alive[d]]
         if "rank-crash" in kinds:
             acts += self.failover.rank_crash_actions()
+        if "corrupt" in kinds and s.cfg.kv_checksum:  # without sums D cannot tell: no fault
+            acts += [("corrupt", v, q.idx) for q in s.reqs if s.d_alive[q.d_rank]
+                     for v in s.d_workers_of(q.d_rank) if self._corruptible(q, v)]
         if "forge" in kinds and s.design.d_first and s.p_alive:
             acts += [("forge", q.idx) for q in s.reqs if self._forgeable(q)]
         if "abort" in kinds:
@@ -66,6 +69,25 @@ class Faults:
         # Before D's own call started the prefill (the proxy starts one per sub-transfer).
         return (q.d_stage == "allocated" and not q.started and q.p_stage == "none"
                 and q.loads() and self.s.forged_blocks(q) != q.d_remote)
+
+    def _corruptible(self, q: Req, v: int) -> bool:
+        """Whether bytes of ``q``'s current claim have landed in D worker ``v``'s blocks while
+        it receives (a bad transfer: what D verifies before the request may decode)."""
+        s = self.s
+        if s.d[v].state_of(q.rid) != RECEIVING:
+            return False
+        tag = s.claim_tag(q.idx, q.epoch)
+        return any(k[0] == v and k[1] in q.d_remote and r == tag for k, r in s.d_mem.items())
+
+    def do_corrupt(self, v: int, r: int) -> None:
+        """The bytes of request ``r`` that have landed in D worker ``v``'s blocks read wrong (one
+        sum per block and layer: which of them is wrong only the checksums' detail says)."""
+        s = self.s
+        q = s.reqs[r]
+        tag = s.claim_tag(r, q.epoch)
+        s.d_mem = {k: (-2 if k[0] == v and k[1] in q.d_remote and t == tag else t)
+                   for k, t in s.d_mem.items()}
+        q.bad_transfers += 1
 
     def do_forge(self, r: int) -> None:
         """A forged metaserver call starts ``r``'s prefill into other D blocks."""

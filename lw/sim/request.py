@@ -10,7 +10,7 @@ class Req:
                  "p_blocks", "started", "p_added", "landed", "send_reports", "send_ok",
                  "recv_reports", "recv_ok", "accepted", "quarantined", "p_freed", "t_alloc",
                  "t_padd", "t_dfail", "d_inc", "touched", "losses", "sizes", "chunk", "forged",
-                 "epoch", "p_epoch", "retry", "p_crashes")
+                 "epoch", "p_epoch", "retry", "p_crashes", "bad_transfers")
 
     def __init__(self, idx: int, p_rank: int, d_rank: int, tp: int, d_tp: int = 1,
                  hit: int = 0, sizes: tuple[int, ...] = (1,)) -> None:
@@ -56,6 +56,7 @@ class Req:
         self.p_epoch = 0
         self.retry: tuple[str, ...] | None = None
         self.p_crashes = 0
+        self.bad_transfers = 0  # its bytes corrupted in D's blocks (fault "corrupt")
 
     def key(self, now: float, progress_budget: int = 0) -> tuple:
         """Hashable content (times relative to ``now``). ``progress_budget``: P's retry budget
@@ -79,7 +80,7 @@ class Req:
                 self.p_added, self.chunk, landed, self.send_reports, self.send_ok,
                 self.recv_reports, self.recv_ok, tuple(sorted(self.accepted)), self.quarantined,
                 self.p_freed, t_alloc, t_padd, self.d_inc, self.forged, self.epoch,
-                self.p_epoch, self.retry, self.p_crashes,
+                self.p_epoch, self.retry, self.p_crashes, self.bad_transfers,
                 (self.touched, min(self.losses, progress_budget)) if progress_budget else None)
 
     def d_final(self) -> bool:

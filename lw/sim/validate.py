@@ -352,7 +352,7 @@ class _Search:
                 return None
             w = cloner.loads(blob)
             if w.faults_used >= self.cfg.max_faults and (
-                    self.cfg.fault_kinds or self.cfg.corrupt or self.cfg.suspect):
+                    self.cfg.fault_kinds or self.cfg.suspect):
                 self.bound = True
             for a in w.enabled():
                 if self._silences(w, a, pos):

@@ -30,7 +30,6 @@ class ValidationConfig(WorldConfig):
 
     meta_attempts: int = 2
     ack_attempts: int = 2
-    corrupt: bool = False  # landed bytes may be wrong (a fault the checker's world lacks)
     # a live peer may be declared lost (a heartbeat detector suspecting a frozen or cut-off
     # process; the checker's world declares only dead peers lost)
     suspect: bool = False
@@ -75,7 +74,7 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
     engines the request may meet (its first and its failover targets; more than one only in a
     run with a prefill retry budget)."""
     s, p, d = trace.shape, trace.prefill, trace.decode
-    kinds = tuple(k for k in trace.faults if k not in ("corrupt", "suspect"))
+    kinds = tuple(k for k in trace.faults if k != "suspect")
     retry = int(d.get("retry_prefill", 0) or 0)
     if retry and "crash" in kinds:
         # With failover each P DP rank is a process of its own: a crashed P process is one
@@ -97,7 +96,7 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
         chunks=shape.chunks,
         prefix_hits=(shape.prefix_hit,), chunk_blocks=shape.chunk_blocks, mla=s["mla"],
         heads=0 if s["mla"] else s["kv_heads"], faults=True, fault_kinds=kinds,
-        corrupt="corrupt" in trace.faults, suspect="suspect" in trace.faults,
+        suspect="suspect" in trace.faults,
         max_faults=max_faults, d_restarts=d_restarts, retries=max(p["meta_attempts"],
                                                                   p["ack_attempts"]),
         meta_attempts=p["meta_attempts"], ack_attempts=p["ack_attempts"],
@@ -156,13 +155,8 @@ class _Faults(Faults):
         s.routes = tuple(x for x in s.routes if x[0] // s.d_tp != d)
 
     def fault_actions(self) -> list[Action]:
-        """The checker's faults, corruption of what D holds, and suspicions."""
-        s = self.s
-        acts = super().fault_actions()
-        if getattr(s.cfg, "corrupt", False) and s.cfg.kv_checksum:
-            acts += [("corrupt", v) for v in range(len(s.d))
-                     if any(k[0] == v and r >= 0 for k, r in s.d_mem.items())]
-        return acts + self._suspicions()
+        """The checker's faults and suspicions."""
+        return super().fault_actions() + self._suspicions()
 
     def _suspicions(self) -> list[Action]:
         s = self.s
@@ -193,13 +187,6 @@ class _Faults(Faults):
         s.p_lost_seen[v] = True
         for i in range(s.cfg.dp) if s.p_engine(0) != "P" else (0,):
             self.ports.run(("d", v), s.d[v].peer_lost(s.p_engine(i), "P suspected", s.now))
-
-    def do_corrupt(self, v: int) -> None:
-        """Every block D worker ``v`` holds so far reads wrong (one sum per block and layer:
-        which of them is wrong only the checksums' detail would say)."""
-        s = self.s
-        s.faults_used += 1
-        s.d_mem = {k: (-2 if k[0] == v else r) for k, r in s.d_mem.items()}
 
 
 class _Clock(Clock):
@@ -260,7 +247,7 @@ class ValidationWorld(World):
     faults_type = _Faults
     clock_type = _Clock
     handlers = {**World.handlers, "route": "proxy", "suspect_d": "faults",
-                "suspect_p": "faults", "corrupt": "faults"}
+                "suspect_p": "faults"}
 
     def key(self) -> tuple:
         """The checker's state key and the routing notices in flight."""

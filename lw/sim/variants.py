@@ -323,6 +323,15 @@ _DESIGNS: tuple[Design, ...] = (
         ruled_out="a ghost counts a sender stopped only by an answer not in doubt (DONE, "
                   "FailedSending, AbortAck); an in-doubt one leaves its blocks to the lease"),
     Design(
+        name="bad-transfer-failed", title="a bad transfer failed, not prefilled again",
+        ref="vLLM kv_load_failure_policy=fail; lw before issue 40",
+        summary="D's KV checksums catch a transfer whose bytes are wrong, and the request "
+                "fails at once although D's prefill retry budget is left and another P lives.",
+        decode=defects.BadTransferFailed, expected="progress",
+        bounds={**_FAILOVER, "fault_kinds": ("corrupt", "write"), "kv_checksum": True},
+        ruled_out="a checksum mismatch loses the epoch as a lost P does: fenced until its "
+                  "senders stopped, then prefilled again on another P within retry_prefill"),
+    Design(
         name="retry-unbounded", title="prefill retried without a budget",
         ref="sglang #28651 class (abort storm); lw issue 22",
         summary="Every loss of the request's P is retried, however often: a request whose "

@@ -80,3 +80,23 @@ def test_reasons_that_quote_another_keep_their_own_kind() -> None:
                         "changed after it was verified)") == "checksum_mismatch"
     assert failure_kind("") == failure_kind("new words") == "other"
     assert all(k == k.lower() and " " not in k for k in FAILURE_KINDS)  # metric label values
+
+
+def test_a_checksum_mismatch_with_budget_left_is_prefilled_again_in_the_same_blocks() -> None:
+    """A bad transfer loses its epoch as a lost P does (issue 40): the mismatching sender is
+    aborted and, once it said it stopped, D asks for a new prefill of the same blocks under
+    the next epoch, avoiding that P's engine; the request does not fail (with no budget it
+    does: test_a_checksum_mismatch)."""
+    from lw.fsm import Reprefill
+
+    pair = make_pair(dcfg=DecodeConfig(kv_checksum=True, retry_prefill=1, prefill_timeout_s=30,
+                                       lease_s=100))
+    sums = list(range(3 * 3))
+    sums[4] += 1
+    send_done(pair, sums, list(range(3 * 3)))  # the refused DONE: P stops, says so
+    assert pair.recv == []
+    (again,) = [e for e in pair.other if isinstance(e, Reprefill)]
+    assert (again.req_id, again.epoch, again.avoid) == ("r1", 1, ("P",))
+    assert "KV checksum mismatch" in again.reason
+    assert pair.d.counters["checksum_mismatches"] == 1 and pair.d.record("r1").epoch == 1
+    assert pair.d.state_of("r1") == "PREFILL_REQUESTED"
