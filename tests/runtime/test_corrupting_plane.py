@@ -61,3 +61,20 @@ def test_truncating_plane_cuts_writes_only_while_its_file_exists(tmp_path: Path)
     assert inner.submitted == [[(0, 0, 4096), (8192, 8192, 32)],
                                [(0, 0, 64), (8192, 8192, 32)], [(0, 0, 4096)]]
     assert plane.truncated == 1
+
+
+def test_truncating_plane_can_cut_only_the_next_transfers(tmp_path: Path) -> None:
+    """``N K`` in the file: the next K transfers are cut, later ones go whole although the file
+    stays (a request's first attempt is bad, its retry clean); writing the file again plants
+    anew."""
+    inner = _Recorder()
+    flag = tmp_path / "truncate"
+    plane = TruncatingPlane(inner, str(flag))
+    flag.write_text("64 1")
+    for x in "ab":
+        plane.submit(x, "s", [(0, 0, 4096)])
+    assert inner.submitted == [[(0, 0, 64)], [(0, 0, 4096)]] and plane.truncated == 1
+    flag.write_text("32 1 ")  # another plant (other text): one more cut
+    plane.submit("c", "s", [(0, 0, 4096)])
+    plane.submit("d", "s", [(0, 0, 4096)])
+    assert inner.submitted[2:] == [[(0, 0, 32)], [(0, 0, 4096)]] and plane.truncated == 2

@@ -31,7 +31,9 @@ and a Mooncake write starved for its 30 s timeout. Those shapes are proven in-pr
 One cluster per shape (module-scoped, parametrized: pytest runs them one after the other), each
 with a single-engine reference of the same model. P's data plane writes short while a flag file
 exists (lw.transport.dataplane.planted): a persistent corruption that the checksums catch, and
-whose client error, through the proxy and a sidecar, must say so (the last test). Checked per
+whose client error, through the proxy and a sidecar, must say so; and a corruption of a
+request's first attempt only, which D's prefill retry (``retry_prefill`` 1) must turn into the
+single engine's output (the last two tests). Checked per
 shape: P/D outputs pass the oracle, sequential and concurrent, D verified every request's
 checksums, and nothing stays held on either side afterwards; then every worker's timeline is a
 behaviour of the checked model (``lw validate`` on the run's trace, each request in its own
@@ -87,6 +89,7 @@ if os.environ.get("LW_E2E_SHAPES") == "all":  # more workers than cores: see the
 WORDS = (12, 90, 300, 40, 150, 70)
 MAX_TOKENS = 12
 CHECKSUM = {"kv_checksum": True}  # D verifies every block P wrote, byte for byte
+RETRY = {"retry_prefill": 1, "retry_prefill_avoid": "none"}
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
@@ -97,8 +100,10 @@ def shaped(request: pytest.FixtureRequest,
     kind = shape.pop("kind", "llama")
     work = tmp_path_factory.mktemp(name)
     model = make_tiny_model(work / "model", kind=kind)
+    # A bad transfer is prefilled again once (retry_prefill needs D TP 1), on the one P there is
+    d_extra = dict(CHECKSUM) | (RETRY if shape.get("d_tp", 1) == 1 else {})
     c = LocalCluster(model=model, workdir=work / "logs", reference=True,
-                     p_extra=dict(CHECKSUM), d_extra=dict(CHECKSUM), **shape)
+                     p_extra=dict(CHECKSUM), d_extra=d_extra, **shape)
     _truncate_flag[name] = work / "truncate-writes"  # P writes short while it exists
     os.environ[TRUNCATE_ENV] = str(_truncate_flag[name])
     try:
@@ -227,8 +232,8 @@ def test_a_persistently_corrupted_transfer_is_an_error_that_names_it(
             err = _error(r, stream)
             assert err["code"] == 502 and err["type"] == "BadGatewayError", err
             assert err["message"].startswith(
-                f"KV transfer from prefill server {p_name} to decode server decode#0 failed: "
-                "KV checksum mismatch from sender"), f"{url} stream={stream}: {err}"
+                f"KV transfer from prefill server {p_name} to decode server decode#0 failed "
+                "after 1 retry: KV checksum mismatch from sender"), f"{url} stream={stream}: {err}"
             assert "stage=kv_transfer" in err["message"], err
     finally:
         flag.unlink(missing_ok=True)
@@ -239,3 +244,38 @@ def test_a_persistently_corrupted_transfer_is_an_error_that_names_it(
     assert m["kv_transfer_failures"] == {"checksum_mismatch": 2}, m
     held, live = _idle(c)
     assert (held, live) == (0, 0.0), f"{name}: blocks or requests still held after the faults"
+
+
+def _d_counter(c: LocalCluster, name: str) -> float:
+    """A core or loop counter summed over D's workers (their status replies)."""
+    snap = query(c.status_workers()[c.p_tp * c.p_dp:], c.cluster_key, timeout_s=30)
+    assert not snap.silent, snap.silent
+    return sum(r.counters.get(name, 0.0) for r in snap.replies)
+
+
+def test_a_transfer_corrupted_once_is_prefilled_again_and_decodes_right(
+        shaped: tuple[str, LocalCluster]) -> None:
+    """P's first transfer of a request writes short (the planted fault "64 1"): D's checksums
+    refuse it, the epoch is lost as with a lost P, D asks for a new prefill (retry_prefill 1)
+    whose KV is whole, and the client gets the single engine's output, not an error (issue 40)."""
+    name, c = shaped
+    if c.d_tp != 1:
+        pytest.skip("retry_prefill needs the decode engine's tensor_parallel_size 1")
+    flag = _truncate_flag[name]
+    prompt = make_prompt(150, seed=720)
+    ref = complete(c.url("reference"), prompt, MAX_TOKENS, stream=False, logprobs=TOP_K)
+    assert not ref.error, ref.error
+    mismatches = _d_counter(c, "core.checksum_mismatches")
+    reprefills = _d_counter(c, "core.reprefills")
+    flag.write_text("64 1")  # each P worker cuts its next transfer only
+    try:
+        got = complete(c.url("proxy"), prompt, MAX_TOKENS, stream=False, logprobs=TOP_K)
+    finally:
+        flag.unlink(missing_ok=True)
+    assert not got.error, got.error
+    verdict = compare(ref, got)
+    assert verdict.same, str(verdict)
+    assert _d_counter(c, "core.checksum_mismatches") == mismatches + 1
+    assert _d_counter(c, "core.reprefills") == reprefills + 1
+    held, live = _idle(c)
+    assert (held, live) == (0, 0.0), f"{name}: blocks or requests still held after the retry"

@@ -73,25 +73,34 @@ class HoldingPlane:
 
 class TruncatingPlane:
     """A data plane that, while the file ``flag`` exists, writes only the first N bytes of
-    each entry (N: the file's content): the planted wrong KV that the e2e output oracle must
-    catch (issue 20). Test fault only; a vLLM worker wraps its plane in one when the
-    environment names the file in ``LW_TEST_TRUNCATE_WRITES_FILE``."""
+    each entry: the planted wrong KV that D's checksums and the e2e output oracle must catch
+    (issues 20, 40). The file reads ``N`` (every transfer while it exists) or ``N K`` (the next
+    K transfers after it was written, then none: a fault of a request's first attempt only).
+    Test fault only; a vLLM worker wraps its plane in one when the environment names the file
+    in ``LW_TEST_TRUNCATE_WRITES_FILE``."""
 
     def __init__(self, inner: Any, flag: str) -> None:
         self._inner = inner
         self._flag = flag
         self.truncated = 0
+        self._spent: dict[tuple[int, str], int] = {}  # per plant (mtime, text): transfers cut
 
     def _limit(self) -> int | None:
         try:
             with open(self._flag) as f:
-                return max(1, int(f.read().strip() or "64"))
+                text = f.read().strip()
+            plant = (os.stat(self._flag).st_mtime_ns, text)
+            n_max, _, count = (text or "64").partition(" ")
+            if count and self._spent.get(plant, 0) >= int(count):
+                return None
+            self._spent[plant] = self._spent.get(plant, 0) + 1
+            return max(1, int(n_max))
         except (OSError, ValueError):
             return None
 
     def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry],
                within_s: float = math.inf) -> None:
-        """Submit, each entry cut to the flag file's byte count while the file exists."""
+        """Submit, each entry cut to the flag file's byte count while it plants a fault."""
         n_max = self._limit()
         if n_max is not None:
             entries = [(s, d, min(n, n_max)) for s, d, n in entries]
