@@ -497,8 +497,12 @@ class WorkerLoop:
             pairs = c.xfer_id
             if not isinstance(pairs, tuple):
                 continue  # not ours (a plane shared with something else)
-            self.writes.completed(c)
+            landed_in = self.writes.completed(c)
             now = self._clock()
+            if landed_in and self.liveness.on:
+                # progress is a sign of life: D's process took the bytes while its protocol
+                # thread may be starved of CPU (liveness by progress, not by chatter alone)
+                self.liveness.heard(landed_in, now)
             for rid, seq in pairs:
                 try:
                     effects = ep.transfer_done(rid, seq, c.ok, c.reason, now, c.in_doubt)

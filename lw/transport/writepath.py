@@ -34,7 +34,8 @@ class WritePath:
         self.link = LinkMeter()
         # per-transfer write latency (submit -> completion), drained by metrics; keyed by the id
         # of the transfer's pairs tuple, which the data plane keeps alive until it completes
-        self._submitted_at: dict[int, tuple[float, str]] = {}  # -> (when, D host)
+        # -> (when, D host, D worker's side-channel address)
+        self._submitted_at: dict[int, tuple[float, str, str]] = {}
         self.latencies: deque[float] = deque(maxlen=4096)
         self._sessions: dict[str, str] = {}  # D side-channel addr -> transfer-engine session
         self._hinted: set[str] = set()  # sessions whose memory regions the plane was told
@@ -44,7 +45,7 @@ class WritePath:
         swap); the ones that could not start (bad addressing, no data plane, the plane
         refused), for the core's ``transfer_done(..., ok=False)``. ``now`` is the loop's clock,
         the one the writes' ``not_after`` is on."""
-        groups: dict[str, tuple[list[tuple[str, int]], list[Entry], str]] = {}
+        groups: dict[str, tuple[list[tuple[str, int]], list[Entry], str, str]] = {}
         not_after: dict[str, float] = {}
         failed: list[Failure] = []
         memory, counters = self.memory, self.counters
@@ -60,21 +61,21 @@ class WritePath:
             session = w.layout.te_session
             g = groups.get(session)
             if g is None:
-                g = groups[session] = ([], [], host_of(w.target))
+                g = groups[session] = ([], [], host_of(w.target), w.target)
             g[0].append((w.req_id, w.seq))
             g[1].extend(entries)
             not_after[session] = min(not_after.get(session, math.inf), w.not_after)
         # The link meter sees one batch per host and tick (D's TP ranks are sessions of one
         # host): a busy period starts with the tick's first submit, whatever its session.
         batches: dict[str, tuple[float, int]] = {}
-        for session, (pairs, entries, host) in groups.items():
+        for session, (pairs, entries, host, target) in groups.items():
             if dp is None:
                 failed.extend((r, k, "no data plane") for r, k in pairs)
                 continue
             xfer = tuple(pairs)
             try:
                 mono = time.monotonic()
-                self._submitted_at[id(xfer)] = (mono, host)
+                self._submitted_at[id(xfer)] = (mono, host, target)
                 # the plane's clock is its own: hand it the time left, not the instant
                 dp.submit(xfer, session, entries, not_after[session] - now)
                 first, n = batches.get(host, (mono, 0))
@@ -106,8 +107,10 @@ class WritePath:
         dp.connect(session)
         return True
 
-    def completed(self, c: Completion) -> None:
-        """Account one of our transfers' completion (counters, latency, link meter)."""
+    def completed(self, c: Completion) -> str:
+        """Account one of our transfers' completion (counters, latency, link meter); the
+        side-channel address of the D worker a write that succeeded landed in ("" if none):
+        its process took the bytes, so it is alive however quiet its protocol thread is."""
         counters = self.counters
         if c.ok:
             counters["transfers_ok"] += 1
@@ -115,8 +118,11 @@ class WritePath:
         else:
             counters["transfers_failed"] += 1
         sub = self._submitted_at.pop(id(c.xfer_id), None)
-        if sub is not None:
-            mono = time.monotonic()
-            self.link.completed(sub[1], c.nbytes if c.ok else 0, mono)
-            if c.ok:
-                self.latencies.append(mono - sub[0])
+        if sub is None:
+            return ""
+        mono = time.monotonic()
+        self.link.completed(sub[1], c.nbytes if c.ok else 0, mono)
+        if not c.ok:
+            return ""
+        self.latencies.append(mono - sub[0])
+        return sub[2]

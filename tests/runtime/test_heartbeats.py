@@ -82,6 +82,29 @@ def test_a_worker_that_was_stalled_itself_does_not_blame_its_peers() -> None:
         pair.stop()
 
 
+def test_writes_landing_keep_a_decoder_with_a_starved_protocol_thread_alive() -> None:
+    """Liveness by progress (issue 40): D's protocol thread does not run for 1.2 s (starved of
+    CPU on a loaded host) while P's writes keep landing in D's memory: P does not declare D
+    lost, although no message answers for four times the 0.3 s heartbeat floor."""
+    pair = make_pair(pcfg=SLOW_P, **HB)
+    try:
+        reqs = [(f"r{i}", (2 * i, 2 * i + 1), (8 + 2 * i, 9 + 2 * i)) for i in range(3)]
+        for rid, local, remote in reqs:
+            pair.start(rid, local, remote)
+        wait_for(lambda: all(pair.p.endpoint.state_of(r) == "META_READY" for r, _l, _r in reqs))
+        stalled = pair.d.run(lambda lp: time.sleep(1.2))  # D's loop thread blocked
+        for layer in range(L):
+            for rid, local, _remote in reqs:
+                pair.compute(rid, local, range(layer, layer + 1))
+                time.sleep(0.1)  # a write lands every 0.1 s, under the 0.3 s floor
+        stalled.result(10)
+        pair.wait_reports(3, 3)
+        assert pair.p.counters["peers_lost"] == 0
+        assert [e.ok for e in pair.p_reports if isinstance(e, SendFinished)] == [True] * 3
+    finally:
+        pair.stop()
+
+
 def test_heartbeats_off_leave_detection_to_the_retries() -> None:
     pair = make_pair(pcfg=SLOW_P, heartbeat_s=0)
     try:
