@@ -383,7 +383,9 @@ class PrefillEndpoint(LifecycleEndpoint):
         for rec in list(self._reqs.values()):
             t = rec.target(decoder_addr)
             if t is not None and rec.state not in _FINAL:
-                t.claimed = False  # nobody there to tell
+                # A claimed D still gets our FailedSending (fire and forget): one declared
+                # lost may be alive, its protocol thread starved, and then fails or retries
+                # the request at once instead of at its prefill deadline.
                 self._fail(rec, f"decoder lost: {reason}", now, out)
         return out
 
