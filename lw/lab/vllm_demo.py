@@ -251,8 +251,12 @@ def _run(args: argparse.Namespace) -> int:
     kind = "prompts sharing prefixes" if args.shared_prefix else "prompts"
     shape = (f"P TP {args.prefill_tp} DP {args.prefill_dp} -> D TP {args.decode_tp} "
              f"DP {args.decode_dp}")
+    # Prefill failover (D TP 1 only): a request whose transfer was lost or went bad is
+    # prefilled again once, on any prefill server (the proxy prefers one it has not tried)
+    failover = ({"retry_prefill": 1, "retry_prefill_avoid": "none"} if args.decode_tp == 1
+                else {})
     print(f"lw demo: {n} {kind}, vLLM on CPU, tiny random {args.model_kind} model, {shape}, "
-          "Mooncake over TCP")
+          f"Mooncake over TCP{', prefill failover 1 retry' if failover else ''}")
     model = make_tiny_model(args.workdir / f"tiny-{args.model_kind}", kind=args.model_kind)
     print(f"model      {model}")
     if args.shared_prefix:
@@ -268,7 +272,7 @@ def _run(args: argparse.Namespace) -> int:
     push = {"push_mode": "progressive"} if args.long_prompts else {}
     cluster = LocalCluster(model=model, workdir=args.workdir / "logs", p_tp=args.prefill_tp,
                            d_tp=args.decode_tp, p_dp=args.prefill_dp, d_dp=args.decode_dp,
-                           p_extra={**checksum, **push}, d_extra=dict(checksum))
+                           p_extra={**checksum, **push}, d_extra={**checksum, **failover})
     t0 = time.monotonic()
     print("starting   reference engine, prefill and decode servers (vllm serve), proxy ...",
           flush=True)
