@@ -55,6 +55,10 @@ class Liveness:
         # peer address -> (longest silence it came back from, when): the connection's history,
         # kept while the peer is not needed and until it no longer lifts the budget
         self._shown: dict[str, tuple[float, float]] = {}
+        # peer address -> when it was last heard before it was declared lost: if it speaks
+        # again, that silence is one it came back from (the pause that cost a request is the
+        # one most worth learning)
+        self._lost: dict[str, float] = {}
 
     @property
     def on(self) -> bool:
@@ -71,6 +75,8 @@ class Liveness:
     def heard(self, addr: str, now: float) -> None:
         """Any message from ``addr`` counts; the silence it ends is one the peer came back from."""
         last = self._heard.get(addr)
+        if last is None and self._lost:
+            last = self._lost.pop(addr, None)
         self._heard[addr] = now
         # Only silences while the peer was needed (and so probed) count: _heard forgets the
         # others at each round, and an idle peer's silence says nothing of its pauses.
@@ -110,7 +116,7 @@ class Liveness:
         for addr in order:
             quiet = now - heard.setdefault(addr, now)
             if quiet > self.floor_s and quiet > self.budget(addr, now):
-                del heard[addr]
+                self._lost[addr] = heard.pop(addr)
                 lost.append((addr, quiet))
             elif quiet >= self.interval_s * 0.9:
                 probe.append(addr)
@@ -126,7 +132,10 @@ class Liveness:
         return longest * 0.5 ** (max(0.0, now - at) / self.HALF_LIFE_S)
 
     def _forget(self, wanted: set[str], now: float) -> None:
-        """Drop the history of peers not needed whose pauses no longer lift their budget."""
+        """Drop the history of peers not needed whose pauses no longer lift their budget, and
+        of lost peers silent past the cap (a silence that long would only be capped)."""
+        for addr in [a for a, t in self._lost.items() if now - t > 2 * self.cap_s]:
+            del self._lost[addr]
         shown = self._shown
         for addr in [a for a, s in shown.items()
                      if a not in wanted and self._decayed(s, now) <= self._telling_gap]:

@@ -208,6 +208,17 @@ def test_a_first_pause_past_the_floor_is_still_lost() -> None:
     assert drive(hb, 5.0, [3.0]) == [(2.0, 2.0)]  # nothing shown yet: the floor
 
 
+def test_a_peer_lost_in_a_pause_that_speaks_again_lifts_its_budget() -> None:
+    """The pause that cost a request is learned too (seen on the 2-core heterogeneous-TP demo:
+    a live D lost at 1.9 s again and again, the budget stuck at the floor): the peer's next
+    answer ends a silence it came back from, and the next such pause is survived."""
+    hb = Liveness(0.5, 3)
+    assert drive(hb, 5.0, [3.0]) == [(2.0, 2.0)]  # lost at the floor; it answers at 3.0
+    hb.heard("d", 3.0)
+    assert hb.budget("d", 3.0) == pytest.approx(9.0)  # 3 x the 3 s it was silent
+    assert drive(hb, 9.0, [8.0], start=5.0) == []  # the same pause again: not lost
+
+
 def test_a_steady_fast_peer_is_lost_after_the_floor() -> None:
     hb = Liveness(0.5, 3)
     assert drive(hb, 10.0, [i * 0.1 for i in range(101)]) == []
