@@ -313,8 +313,11 @@ def _run(args: argparse.Namespace) -> int:
         for i, p in enumerate(prompts):
             pd.append(complete(cluster.url("proxy"), p, args.max_tokens, logprobs=TOP_K))
             _progress("P/D via proxy", i + 1, n)
-        leaked = wait_blocks_released([cluster.url("prefill"), cluster.url("decode")])
-        after_p, after_d = _settled_metrics(cluster, before, before_d, n)
+        try:
+            leaked = wait_blocks_released([cluster.url("prefill"), cluster.url("decode")])
+            after_p, after_d = _settled_metrics(cluster, before, before_d, n)
+        except OSError as exc:  # httpx's errors too: a server died after the requests
+            return _server_gone(cluster, pd, exc)
         trace = _write_trace(cluster, args) if args.validate or args.timelines_out else None
     finally:
         cluster.stop()
@@ -329,6 +332,25 @@ def _run(args: argparse.Namespace) -> int:
         # after the servers stopped: the search has the CPU to itself
         status = max(status, _validate(trace))
     return status
+
+
+def _server_gone(cluster: LocalCluster, pd: Sequence[Result], exc: BaseException) -> int:
+    """A server stopped answering after the requests went out: say which, where its log is,
+    and what is known (no leak count: the dead server's blocks cannot be read)."""
+    import httpx
+
+    for name in ("prefill", "decode"):
+        try:
+            httpx.get(cluster.url(name) + "/health", timeout=5.0)
+        except httpx.HTTPError:
+            print(f"error: the {name} server stopped answering after the requests "
+                  f"({type(exc).__name__}: {exc}); its log: "
+                  f"{cluster.servers[name].log_path} (kept with --keep or --workdir)",
+                  file=sys.stderr)
+    done = sum(1 for r in pd if not r.error and r.finish_reason is not None)
+    print(f"summary done={done} failed={len(pd) - done} leaked_blocks=unknown mismatched=unknown "
+          "server_died=1")
+    return 1
 
 
 def _report_warmup(ref: Sequence[Result], pd: Sequence[Result]) -> int:

@@ -4,6 +4,8 @@ do not show; warm-up prompts share no prefix block with the measured ones."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lw.lab.demo_client import Result, make_prompt
@@ -106,3 +108,24 @@ def test_the_warmup_line_says_what_it_took(capsys: pytest.CaptureFixture[str]) -
     assert failed == 1
     assert "1 request per side, not measured" in out
     assert "single engine 16.6 s; P/D HTTP 500: boom" in out
+
+
+def test_a_server_that_dies_after_the_requests_is_named_not_a_traceback(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Seen on a loaded 2-core run: D's worker died after the last request, and the demo ended
+    in a ConnectError traceback. It names the server and its log, and what it knows."""
+    from types import SimpleNamespace
+
+    from lw.lab.local_cluster import free_port
+    from lw.lab.vllm_demo import _server_gone
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cluster = SimpleNamespace(url=lambda name: dead, servers={
+        n: SimpleNamespace(log_path=tmp_path / f"{n}.log") for n in ("prefill", "decode")})
+    pd = [Result(text="x", finish_reason="length"), Result(error="HTTP 502")]
+    assert _server_gone(cluster, pd, ConnectionRefusedError(111, "refused")) == 1  # type: ignore[arg-type]
+    out, err = capsys.readouterr()
+    assert "error: the decode server stopped answering after the requests" in err
+    assert str(tmp_path / "decode.log") in err
+    assert out.strip() == ("summary done=1 failed=1 leaked_blocks=unknown mismatched=unknown "
+                           "server_died=1")
