@@ -313,10 +313,12 @@ def _run(args: argparse.Namespace) -> int:
         for i, p in enumerate(prompts):
             pd.append(complete(cluster.url("proxy"), p, args.max_tokens, logprobs=TOP_K))
             _progress("P/D via proxy", i + 1, n)
+        import httpx
+
         try:
             leaked = wait_blocks_released([cluster.url("prefill"), cluster.url("decode")])
             after_p, after_d = _settled_metrics(cluster, before, before_d, n)
-        except OSError as exc:  # httpx's errors too: a server died after the requests
+        except (OSError, httpx.HTTPError) as exc:  # a server died after the requests
             return _server_gone(cluster, pd, exc)
         trace = _write_trace(cluster, args) if args.validate or args.timelines_out else None
     finally:

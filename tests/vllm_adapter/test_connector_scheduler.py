@@ -1006,23 +1006,9 @@ def test_stats_aggregate_and_reduce() -> None:
 
 
 def test_prom_metrics_observe_histograms_and_the_stuck_counter() -> None:
-    from types import SimpleNamespace
+    from .prom import lw_prom
 
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-    from lw.vllm_adapter.metrics import LwPromMetrics
-
-    reg = CollectorRegistry()
-
-    def bind(cls: type) -> type:
-        class Bound(cls):  # type: ignore[misc, valid-type]
-            def __init__(self, *a: object, multiprocess_mode: str = "", **kw: object) -> None:
-                super().__init__(*a, registry=reg, **kw)  # type: ignore[arg-type]
-        return Bound
-
-    vc = SimpleNamespace(kv_transfer_config=None)
-    prom = LwPromMetrics(vc, {Counter: bind(Counter), Gauge: bind(Gauge),
-                              Histogram: bind(Histogram)}, ["engine"], {0: ["0"]})
+    prom, reg = lw_prom({0: ["0"]})
     prom.observe({"stuck_requests": 2, "time_in_state": [["RECEIVING", 0.3]],
                   "layer_write_seconds": [0.002, 0.004]}, 0)
     assert reg.get_sample_value("lw_stuck_requests_total", {"engine": "0"}) == 2

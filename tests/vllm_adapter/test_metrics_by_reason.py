@@ -4,17 +4,15 @@ lw.fsm.status.FAILURE_KINDS declared (a kind outside them counts as "other")."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("prometheus_client")
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
-
 from lw.fsm.status import FAILURE_KINDS  # noqa: E402
-from lw.vllm_adapter.metrics import BY_REASON, LwKVConnectorStats, LwPromMetrics  # noqa: E402
+from lw.vllm_adapter.metrics import BY_REASON, LwKVConnectorStats  # noqa: E402
+
+from .prom import lw_prom  # noqa: E402
 
 
 def test_reasons_sum_over_workers_and_unknown_ones_count_as_other() -> None:
@@ -29,17 +27,7 @@ def test_reasons_sum_over_workers_and_unknown_ones_count_as_other() -> None:
 
 
 def test_prom_counter_per_reason_and_engine() -> None:
-    reg = CollectorRegistry()
-
-    def bind(cls: type) -> type:
-        class Bound(cls):  # type: ignore[misc, valid-type]
-            def __init__(self, *a: object, multiprocess_mode: str = "", **kw: object) -> None:
-                super().__init__(*a, registry=reg, **kw)  # type: ignore[arg-type]
-        return Bound
-
-    prom = LwPromMetrics(SimpleNamespace(kv_transfer_config=None),
-                         {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)},
-                         ["engine"], {0: ["0"], 1: ["1"]})
+    prom, reg = lw_prom({0: ["0"], 1: ["1"]})
     for kind in FAILURE_KINDS:  # declared at 0: a dashboard sees every reason from the start
         assert reg.get_sample_value("lw_requests_failed_by_reason_total",
                                     {"engine": "0", "reason": kind}) == 0
