@@ -27,6 +27,7 @@ from lw.fsm.effects import (
 from lw.fsm.lifecycles import decode_declaration, prefill_declaration
 from lw.fsm.machine import STAY, Declaration, ProtocolError, Transition
 from lw.fsm.prefill import PrefillConfig, PrefillEndpoint, PrefillRequest
+from lw.fsm.silence import Silence
 
 __all__ = [
     "STAY",
@@ -50,6 +51,7 @@ __all__ = [
     "RecvFailed",
     "Send",
     "SendFinished",
+    "Silence",
     "SumBlocks",
     "SumPlan",
     "Sums",

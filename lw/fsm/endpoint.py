@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import RequestStatus
+from lw.fsm.silence import Silence, silence_loses
 
 __all__ = ["LifecycleEndpoint"]
 
@@ -71,6 +72,21 @@ class LifecycleEndpoint:
 
     def _span(self, rec: Any) -> float:
         """The deadline the record's time in its current state is measured against."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------- liveness
+    # Whether a silence loses the peer: lw's verdict (a checker variant puts another back).
+    silence_loses = staticmethod(silence_loses)
+
+    def peer_silent(self, peer: str, silence: Silence, now: float) -> list[Any] | None:
+        """A peer live requests need (``peer``: what :meth:`peer_lost` takes) has been silent:
+        the effects of losing it, or None while it is judged slow, not dead."""
+        if not self.silence_loses(silence):
+            return None
+        return self.peer_lost(peer, silence.reason(), now)
+
+    def peer_lost(self, peer: str, reason: str, now: float) -> list[Any]:
+        """A peer is gone: what that means for the requests that need it (the side's own)."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------- dispatch

@@ -93,7 +93,8 @@ class Liveness:
     def round(self, needed: Iterable[str], now: float
               ) -> tuple[list[str], list[tuple[str, float]], bool]:
         """One heartbeat round over the peers ``needed`` now: (addresses to probe, (address,
-        seconds quiet) of the lost ones, whether this round came late)."""
+        seconds quiet) of those silent past their budget, whether this round came late). Whether
+        a silent one is lost is the core's verdict; the driver reports it with :meth:`lost`."""
         order = list(needed)
         wanted = set(order)
         heard = self._heard
@@ -112,15 +113,21 @@ class Liveness:
             for addr, t in heard.items():
                 heard[addr] = min(now, t + behind)
         probe: list[str] = []
-        lost: list[tuple[str, float]] = []
+        silent: list[tuple[str, float]] = []
         for addr in order:
             quiet = now - heard.setdefault(addr, now)
             if quiet > self.floor_s and quiet > self.budget(addr, now):
-                self._lost[addr] = heard.pop(addr)
-                lost.append((addr, quiet))
-            elif quiet >= self.interval_s * 0.9:
-                probe.append(addr)
-        return probe, lost, late
+                silent.append((addr, quiet))
+            if quiet >= self.interval_s * 0.9:
+                probe.append(addr)  # a silent peer is still asked: an answer ends its silence
+        return probe, silent, late
+
+    def lost(self, addr: str) -> None:
+        """``addr`` was declared lost: its clock stops (if it speaks again, that silence is one
+        it came back from)."""
+        last = self._heard.pop(addr, None)
+        if last is not None:
+            self._lost[addr] = last
 
     def _came_back(self, addr: str, silence: float, now: float) -> None:
         shown = self._shown.get(addr)

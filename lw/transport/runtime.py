@@ -40,10 +40,12 @@ from lw.fsm.effects import Granted, KeptSums, SumPlan, TimerKey
 from lw.fsm.interpreter import Answer, Report, perform
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import Message
+from lw.fsm.silence import Silence
 from lw.fsm.status import status_line
 from lw.transport.kvmemory import Entry, KVMemory
 from lw.transport.loopconfig import LoopConfig
 from lw.transport.osthread import name_os_thread
+from lw.transport.portprobe import PortProbe
 from lw.transport.reports import ReportQueue
 from lw.transport.sidechannel import Inbound, SideChannel
 from lw.transport.statusreply import status_reply
@@ -174,6 +176,9 @@ class WorkerLoop:
         # Liveness of the peers our live requests need: a peer silent past its budget (no
         # message at all, heartbeats unanswered) goes to the core's peer_lost.
         self.liveness = config.liveness()
+        # ... and whether a silent one's process still holds its port (slow, not dead)
+        self.knocks = PortProbe(answer_s=max(1.0, self.liveness.floor_s))
+        self._slow_noted: dict[str, str] = {}  # silent peers kept, by the evidence last logged
         self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
         self.counters: dict[str, int | float] = dict.fromkeys(_COUNTERS, 0)
         self.counters["layer_event_s"] = 0.0
@@ -334,6 +339,7 @@ class WorkerLoop:
             self._close_owned()
 
     def _close_owned(self) -> None:
+        self.knocks.close()
         try:
             self.side.close()
         except Exception:
@@ -454,6 +460,9 @@ class WorkerLoop:
         origin = getattr(msg, "sender", None) or getattr(msg, "responder", None)
         if origin is not None and self.liveness.on:
             self.liveness.heard(origin.addr, now)
+            if self._slow_noted.pop(origin.addr, None) is not None:
+                self.knocks.forget(origin.addr)
+                log.info("%s: peer %s speaks again", self._name, origin.addr)
         if isinstance(msg, Heartbeat):
             self.side.reply(ib, msg.sender.addr,
                             HeartbeatAck(PROTOCOL_VERSION, self.endpoint.me))
@@ -540,20 +549,29 @@ class WorkerLoop:
         except Exception as exc:
             self._core_error("awaited_peers", exc)
             return
-        probe, lost, late = self.liveness.round(peers, now)
+        hb = self.liveness
+        probe, silent, late = hb.round(peers, now)
         if late:  # we were stopped or starved ourselves: our silence, not the peers'
             self.counters["self_stalls"] += 1
-        for addr, quiet in lost:
-            self.counters["peers_lost"] += 1
-            why = (f"no message or heartbeat answer for {quiet:.1f}s (budget "
-                   f"{self.liveness.budget(addr, now):.1f}s, heartbeat_cap_s "
-                   f"{self.liveness.cap_s:g}s)")
-            log.warning("%s: peer %s lost: %s", self._name, addr, why)
+        for addr, quiet in silent:
+            process = self.knocks.evidence(addr, now)
+            silence = Silence(quiet, hb.budget(addr, now), hb.cap_s, process)
             try:
-                effects = self.endpoint.peer_lost(peers[addr], why, now)
+                effects = self.endpoint.peer_silent(peers[addr], silence, now)
             except Exception as exc:
-                self._core_error("peer_lost", exc)
+                self._core_error("peer_silent", exc)
                 continue
+            if effects is None:
+                if self._slow_noted.get(addr) != process:
+                    self._slow_noted[addr] = process
+                    log.info("%s: peer %s silent %.1fs past its %.1fs budget, kept: %s",
+                             self._name, addr, quiet, silence.budget_s, process)
+                continue
+            hb.lost(addr)
+            self.knocks.forget(addr)
+            self._slow_noted.pop(addr, None)
+            self.counters["peers_lost"] += 1
+            log.warning("%s: peer %s lost: %s", self._name, addr, silence.reason())
             self._execute(effects, None)
         for addr in probe:
             self.counters["heartbeats_sent"] += 1

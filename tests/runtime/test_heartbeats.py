@@ -42,6 +42,7 @@ def test_a_decoder_that_goes_silent_is_lost_within_the_heartbeat_budget() -> Non
         took = time.monotonic() - t0
         (fin,) = [e for e in pair.p_reports if isinstance(e, SendFinished)]
         assert not fin.ok and "decoder lost" in fin.reason and "heartbeat" in fin.reason
+        assert "its port refuses or does not answer" in fin.reason  # dead, not slow
         # timing: within the heartbeat budget (3 x 0.1 s plus a round), 10x generous: far
         # below the next way P would notice (its 5 s retries; the request deadline is 30 s)
         assert took < 4.0, took
@@ -101,6 +102,44 @@ def test_writes_landing_keep_a_decoder_with_a_starved_protocol_thread_alive() ->
         pair.wait_reports(3, 3)
         assert pair.p.counters["peers_lost"] == 0
         assert [e.ok for e in pair.p_reports if isinstance(e, SendFinished)] == [True] * 3
+    finally:
+        pair.stop()
+
+
+def test_a_decoder_whose_loop_is_frozen_but_whose_process_lives_is_kept_then_served() -> None:
+    """Slow is not dead (issue 40): D's protocol thread does not run for 2 s, seven times the
+    0.3 s floor, with nothing landing; its kernel still accepts a connection to its side
+    channel, so P keeps it (up to the 30 s cap) and the request completes once D runs again."""
+    pair = make_pair(pcfg=SLOW_P, **HB)
+    try:
+        pair.start("r1", (0, 1), (2, 3))
+        wait_for(lambda: pair.p.endpoint.state_of("r1") == "META_READY")
+        frozen = pair.d.run(lambda lp: time.sleep(2.0))
+        time.sleep(0.2)
+        pair.compute("r1", (0, 1))  # writes wait on D's answer to nothing: they land
+        frozen.result(10)
+        pair.wait_reports(1, 1)
+        assert pair.p.counters["peers_lost"] == 0
+        assert pair.p.knocks.probes >= 1  # the silence was looked into, not ignored
+        assert [e.ok for e in pair.p_reports if isinstance(e, SendFinished)] == [True]
+    finally:
+        pair.stop()
+
+
+def test_a_frozen_decoder_is_lost_at_the_cap_and_says_its_process_held_its_port() -> None:
+    pair = make_pair(pcfg=SLOW_P, heartbeat_cap_s=1.0, **HB)
+    try:
+        pair.start("r1", (0, 1), (2, 3))
+        wait_for(lambda: pair.p.endpoint.state_of("r1") == "META_READY")
+        t0 = time.monotonic()
+        frozen = pair.d.run(lambda lp: time.sleep(4.0))
+        pair.wait_reports(1, 0)
+        took = time.monotonic() - t0
+        (fin,) = [e for e in pair.p_reports if isinstance(e, SendFinished)]
+        assert not fin.ok and "heartbeat_cap_s 1s" in fin.reason
+        assert "its process still holds its port" in fin.reason
+        assert 1.0 < took < 3.5, took  # at the cap, not at the 0.3 s floor
+        frozen.result(10)
     finally:
         pair.stop()
 
@@ -185,7 +224,9 @@ def drive(hb: Liveness, until: float, answers: Iterable[float] = (), start: floa
         while pending and pending[0] <= t:
             hb.heard(peer, pending.pop(0))
         _, lost, _ = hb.round([peer], t)
-        if lost:
+        if lost:  # the core's verdict with no probe possible: lost
+            for addr, _ in lost:
+                hb.lost(addr)
             return [(t, quiet) for _, quiet in lost]
         i += 1
     return []

@@ -42,7 +42,9 @@ def test_liveness_probes_the_quiet_and_loses_the_silent_in_order() -> None:
     for t in (1.0, 2.0, 3.0, 4.0):
         hb.heard("d1", t - 0.05)
         seen.append(hb.round(["d2", "d1"], t))
-    assert seen == [(["d2"], [], False)] * 3 + [([], [("d2", 4.0)], False)]
+    # a silent peer is still asked: an answer would end its silence
+    assert seen == [(["d2"], [], False)] * 3 + [(["d2"], [("d2", 4.0)], False)]
+    hb.lost("d2")
     assert hb.round(["d1"], 5.0) == (["d1"], [], False)  # quiet for about an interval
 
 
