@@ -9,13 +9,14 @@ from dataclasses import dataclass
 __all__ = ["ALIVE", "GONE", "PENDING", "PROCESS_EVIDENCE", "UNKNOWN", "Silence",
            "fixed_budget_loses", "silence_loses"]
 
-# What a kernel-level probe of the peer's side-channel port shows. A process starved of CPU,
-# stopped or paused by its GC still has its kernel complete a TCP handshake into its listen
-# backlog; a dead one's host refuses (or, host gone or cut off, does not answer).
-ALIVE = "alive"  # the connection was accepted: a process holds the port
-GONE = "gone"  # refused, or no answer within the probe's time
-PENDING = "pending"  # a probe is under way
-UNKNOWN = "unknown"  # no probe is possible (a transport with no port to knock on)
+# What the driver's connection to the peer shows of its process. A process starved of CPU,
+# stopped or paused by its GC keeps its TCP connections (its kernel acknowledges and accepts
+# reconnections); a dead one's host resets and refuses them, a host gone or cut off lets them
+# time out.
+ALIVE = "alive"  # the connection is up: a process holds the peer's port
+GONE = "gone"  # down (reset, refused, timed out) for longer than a reconnection takes
+PENDING = "pending"  # down only briefly: a reconnection may be under way
+UNKNOWN = "unknown"  # no connection to judge by
 PROCESS_EVIDENCE = (ALIVE, GONE, PENDING, UNKNOWN)
 
 
@@ -35,18 +36,19 @@ class Silence:
 
     def reason(self) -> str:
         """Why the peer is lost, for the request's failure and the log."""
-        shown = {GONE: "its port refuses or does not answer",
-                 UNKNOWN: "its process could not be probed",
-                 ALIVE: "its process still holds its port",
-                 PENDING: "a probe of its port is under way"}[self.process]
+        shown = {GONE: "our connection to it is down",
+                 UNKNOWN: "no connection to it to judge by",
+                 ALIVE: "our connection to it is up: its process lives",
+                 PENDING: "our connection to it is reconnecting"}[self.process]
         return (f"no message or heartbeat answer for {self.quiet_s:.1f}s (budget "
                 f"{self.budget_s:.1f}s, heartbeat_cap_s {self.cap_s:g}s; {shown})")
 
 
 def silence_loses(s: Silence) -> bool:
     """lw's verdict: a slow peer is not a dead one. Within its budget the peer is waited
-    for; past it, it is lost only when its port shows no process (or none can be probed);
-    one whose process lives is waited for up to the cap, and a probe under way is waited for."""
+    for; past it, it is lost only when the connection shows no process (or there is none to
+    judge by); one whose process lives, or whose connection is reconnecting, is waited for up
+    to the cap."""
     if s.quiet_s <= s.budget_s:
         return False
     if s.quiet_s > s.cap_s:

@@ -45,7 +45,6 @@ from lw.fsm.status import status_line
 from lw.transport.kvmemory import Entry, KVMemory
 from lw.transport.loopconfig import LoopConfig
 from lw.transport.osthread import name_os_thread
-from lw.transport.portprobe import PortProbe
 from lw.transport.reports import ReportQueue
 from lw.transport.sidechannel import Inbound, SideChannel
 from lw.transport.statusreply import status_reply
@@ -176,8 +175,6 @@ class WorkerLoop:
         # Liveness of the peers our live requests need: a peer silent past its budget (no
         # message at all, heartbeats unanswered) goes to the core's peer_lost.
         self.liveness = config.liveness()
-        # ... and whether a silent one's process still holds its port (slow, not dead)
-        self.knocks = PortProbe(answer_s=max(1.0, self.liveness.floor_s))
         self._slow_noted: dict[str, str] = {}  # silent peers kept, by the evidence last logged
         self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
         self.counters: dict[str, int | float] = dict.fromkeys(_COUNTERS, 0)
@@ -339,7 +336,6 @@ class WorkerLoop:
             self._close_owned()
 
     def _close_owned(self) -> None:
-        self.knocks.close()
         try:
             self.side.close()
         except Exception:
@@ -461,7 +457,6 @@ class WorkerLoop:
         if origin is not None and self.liveness.on:
             self.liveness.heard(origin.addr, now)
             if self._slow_noted.pop(origin.addr, None) is not None:
-                self.knocks.forget(origin.addr)
                 log.info("%s: peer %s speaks again", self._name, origin.addr)
         if isinstance(msg, Heartbeat):
             self.side.reply(ib, msg.sender.addr,
@@ -554,7 +549,8 @@ class WorkerLoop:
         if late:  # we were stopped or starved ourselves: our silence, not the peers'
             self.counters["self_stalls"] += 1
         for addr, quiet in silent:
-            process = self.knocks.evidence(addr, now)
+            # whether our connection to it is up: its process lives however slow it is
+            process = self.side.link_evidence(addr)
             silence = Silence(quiet, hb.budget(addr, now), hb.cap_s, process)
             try:
                 effects = self.endpoint.peer_silent(peers[addr], silence, now)
@@ -568,7 +564,6 @@ class WorkerLoop:
                              self._name, addr, quiet, silence.budget_s, process)
                 continue
             hb.lost(addr)
-            self.knocks.forget(addr)
             self._slow_noted.pop(addr, None)
             self.counters["peers_lost"] += 1
             log.warning("%s: peer %s lost: %s", self._name, addr, silence.reason())

@@ -49,6 +49,7 @@ from typing import Any
 
 import zmq
 
+from lw.transport.links import Links
 from lw.transport.wire import MAX_MESSAGE_BYTES, Message, WireError, decode, encode
 
 __all__ = [
@@ -266,6 +267,8 @@ class SideChannel:
         self.addr = f"tcp://{host}:{self.port}"
         self._addr_b = self.addr.encode()  # what a MAC must have been made for to be accepted
         self._dealers: OrderedDict[str, zmq.Socket] = OrderedDict()  # LRU by dest
+        # each DEALER's connection state, for telling a slow peer from a dead one
+        self.links = Links(answer_s=1.0)
         self._dealer_dest: dict[zmq.Socket, str] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
@@ -305,6 +308,7 @@ class SideChannel:
         self._dealers[dest] = sock
         self._dealer_dest[sock] = dest
         self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self.links.watch(dest, sock), zmq.POLLIN)
         self.counters["dealers_opened"] += 1
         while len(self._dealers) > self._max_peers:
             old_dest, old = self._dealers.popitem(last=False)
@@ -315,9 +319,23 @@ class SideChannel:
 
     def _drop_dealer(self, sock: zmq.Socket) -> None:
         self._poller.unregister(sock)
-        self._dealer_dest.pop(sock, None)
+        dest = self._dealer_dest.pop(sock, None)
+        if dest is not None:
+            self._unwatch(dest)
         self._excess.pop(sock, None)
         sock.close(0)
+
+    def _unwatch(self, dest: str) -> None:
+        monitor = self.links.monitor_of(dest)
+        if monitor is not None:
+            self._poller.unregister(monitor)
+        self.links.unwatch(dest)
+
+    def link_evidence(self, dest: str) -> str:
+        """What our connection to ``dest`` shows of its process (lw.fsm.silence's evidence):
+        ALIVE while it is up, GONE once down or never up for a while, else PENDING; UNKNOWN
+        when we hold no connection to it."""
+        return self.links.evidence(dest)
 
     def forget_peer(self, dest: str) -> None:
         """Close the DEALER to ``dest`` (queued frames are dropped); the next send reopens it."""
@@ -464,6 +482,8 @@ class SideChannel:
                 ready.add(sock)
             elif sock is self._router:
                 self._drain(sock, True, inbound)
+            elif sock in self.links:
+                self.links.drain(sock)
             else:
                 self._drain(sock, False, inbound)
         if self._tally and time.monotonic() >= self._warn_at:
@@ -653,6 +673,8 @@ class SideChannel:
         self._closed = True
         for fd in list(self._fds):
             self.unregister_fd(fd)
+        for dest in self.links.watched():
+            self._unwatch(dest)
         for sock in list(self._dealers.values()):
             sock.close(0)
         self._dealers.clear()

@@ -42,7 +42,7 @@ def test_a_decoder_that_goes_silent_is_lost_within_the_heartbeat_budget() -> Non
         took = time.monotonic() - t0
         (fin,) = [e for e in pair.p_reports if isinstance(e, SendFinished)]
         assert not fin.ok and "decoder lost" in fin.reason and "heartbeat" in fin.reason
-        assert "its port refuses or does not answer" in fin.reason  # dead, not slow
+        assert "our connection to it is down" in fin.reason  # dead, not slow
         # timing: within the heartbeat budget (3 x 0.1 s plus a round), 10x generous: far
         # below the next way P would notice (its 5 s retries; the request deadline is 30 s)
         assert took < 4.0, took
@@ -108,8 +108,9 @@ def test_writes_landing_keep_a_decoder_with_a_starved_protocol_thread_alive() ->
 
 def test_a_decoder_whose_loop_is_frozen_but_whose_process_lives_is_kept_then_served() -> None:
     """Slow is not dead (issue 40): D's protocol thread does not run for 2 s, seven times the
-    0.3 s floor, with nothing landing; its kernel still accepts a connection to its side
-    channel, so P keeps it (up to the 30 s cap) and the request completes once D runs again."""
+    0.3 s floor, with nothing landing; P's connection to its side
+    channel stays up, so P keeps it (up to the 30 s cap) and the request completes once D
+    runs again."""
     pair = make_pair(pcfg=SLOW_P, **HB)
     try:
         pair.start("r1", (0, 1), (2, 3))
@@ -120,7 +121,6 @@ def test_a_decoder_whose_loop_is_frozen_but_whose_process_lives_is_kept_then_ser
         frozen.result(10)
         pair.wait_reports(1, 1)
         assert pair.p.counters["peers_lost"] == 0
-        assert pair.p.knocks.probes >= 1  # the silence was looked into, not ignored
         assert [e.ok for e in pair.p_reports if isinstance(e, SendFinished)] == [True]
     finally:
         pair.stop()
@@ -137,7 +137,7 @@ def test_a_frozen_decoder_is_lost_at_the_cap_and_says_its_process_held_its_port(
         took = time.monotonic() - t0
         (fin,) = [e for e in pair.p_reports if isinstance(e, SendFinished)]
         assert not fin.ok and "heartbeat_cap_s 1s" in fin.reason
-        assert "its process still holds its port" in fin.reason
+        assert "our connection to it is up: its process lives" in fin.reason
         assert 1.0 < took < 3.5, took  # at the cap, not at the 0.3 s floor
         frozen.result(10)
     finally:

@@ -1,0 +1,132 @@
+"""A side channel's connection to each peer tells a process that lives (however slow: stopped,
+starved) from one that is gone, without a connection of its own; and the core's verdict on a
+silence reads what it shows."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+
+from lw.fsm.silence import (
+    ALIVE,
+    GONE,
+    PENDING,
+    UNKNOWN,
+    Silence,
+    fixed_budget_loses,
+    silence_loses,
+)
+from lw.transport.sidechannel import SideChannel
+from lw.transport.wire import PROTOCOL_VERSION, Heartbeat, Sender
+
+# A peer process with a side channel of its own, which prints its address and serves until
+# killed (its loop answers nothing: only the kernel and ZMQ's I/O thread act for it).
+_PEER = """
+import sys, time
+from lw.transport.sidechannel import SideChannel
+side = SideChannel()
+print(side.addr, flush=True)
+while True:
+    side.poll(100)
+"""
+
+
+def _until(side: SideChannel, dest: str, want: str, within: float = 10.0) -> str:
+    t0 = time.monotonic()
+    shown = side.link_evidence(dest)
+    while shown != want and time.monotonic() - t0 < within:
+        side.poll(50)
+        shown = side.link_evidence(dest)
+    return shown
+
+
+def _peer() -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-c", _PEER], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()
+
+
+def _hello(side: SideChannel, dest: str) -> None:
+    assert side.send(dest, Heartbeat(PROTOCOL_VERSION, Sender("P", 0, 1, side.addr)))
+
+
+@pytest.fixture
+def side() -> SideChannel:
+    s = SideChannel(heartbeat_s=0.2)  # ZMTP times out an unanswering peer in 0.6 s
+    yield s
+    s.close()
+
+
+def test_a_peer_never_sent_to_is_unknown(side: SideChannel) -> None:
+    assert side.link_evidence("tcp://127.0.0.1:1") == UNKNOWN
+
+
+def test_a_stopped_peer_stays_alive_and_a_killed_one_is_gone(side: SideChannel) -> None:
+    proc, addr = _peer()
+    try:
+        _hello(side, addr)
+        assert _until(side, addr, ALIVE) == ALIVE
+        proc.send_signal(signal.SIGSTOP)  # frozen: ZMTP's heartbeat times out, the kernel
+        deadline = time.monotonic() + 3.0  # still takes the reconnection
+        while time.monotonic() < deadline:
+            side.poll(50)
+            assert side.link_evidence(addr) in (ALIVE, PENDING)
+        assert _until(side, addr, ALIVE) == ALIVE
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+        assert _until(side, addr, GONE) == GONE  # reset, then refused: no process there
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_port_nobody_holds_is_gone_once_the_answer_time_passed(side: SideChannel) -> None:
+    proc, addr = _peer()
+    proc.kill()
+    proc.wait()
+    _hello(side, addr)
+    assert side.link_evidence(addr) == PENDING  # connecting: not yet an answer
+    assert _until(side, addr, GONE) == GONE
+
+
+def test_closing_a_side_channel_with_connections_followed_does_not_hang() -> None:
+    proc, addr = _peer()
+    try:
+        s = SideChannel()
+        _hello(s, addr)
+        _until(s, addr, ALIVE)
+        s.forget_peer(addr)
+        assert s.link_evidence(addr) == UNKNOWN
+        _hello(s, addr)
+        t0 = time.monotonic()
+        s.close()
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize(("quiet", "process", "lw_loses", "fixed_loses"), [
+    (1.0, GONE, False, False),  # within the budget: waited for, whatever shows
+    (3.0, ALIVE, False, True),  # slow, not dead: kept (a fixed budget loses it)
+    (3.0, PENDING, False, True),  # the connection's answer is waited for
+    (3.0, GONE, True, True),
+    (3.0, UNKNOWN, True, True),  # nothing to go on: the budget decides, as before
+    (31.0, ALIVE, True, True),  # past the cap: a wedged process is found too
+])
+def test_the_verdict_on_a_silence(quiet: float, process: str, lw_loses: bool,
+                                  fixed_loses: bool) -> None:
+    s = Silence(quiet, budget_s=1.5, cap_s=30.0, process=process)
+    verdicts: list[Callable[[Silence], bool]] = [silence_loses, fixed_budget_loses]
+    assert [v(s) for v in verdicts] == [lw_loses, fixed_loses]
+
+
+def test_unknown_evidence_is_refused() -> None:
+    with pytest.raises(ValueError, match="process evidence"):
+        Silence(1.0, 1.0, 2.0, "maybe")
