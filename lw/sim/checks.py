@@ -156,6 +156,9 @@ class Checks:
             elif q.losses:
                 why = (f"although only {q.losses} of its messages were lost (P's retry budget "
                        f"is {cfg.retries}) and no other fault touched it")
+            elif "stall" in cfg.fault_kinds:
+                why = ("although no fault touched it (its peers were at most slow: silent "
+                       f"{cfg.stall_s:g}s with their processes alive)")
             else:
                 why = "although no fault touched it (only other requests were hit)"
             raise Violation("progress", f"{q.rid} did not end DONE {why}", self.describe.summary())

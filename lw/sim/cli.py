@@ -89,6 +89,15 @@ STRONG: tuple[dict[str, Any], ...] = (
     {"dp": 2, "requests": 2, "layers": 1, "d_blocks": 2, "faults": True,
      "fault_kinds": ("corrupt", "write", "rank-crash"), "delays": False, "kv_checksum": True,
      "retry_prefill": 1},
+    # Slow-but-alive peers (issue 40): any worker's needed peer goes silent well past the
+    # heartbeat floor while its process lives; progress says no request fails for it. Then
+    # with prefill failover, where D also watches the P a request was routed to, besides a
+    # rank that really dies.
+    {"dp": 2, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("stall",),
+     "max_faults": 2, "delays": False},
+    {"dp": 2, "requests": 2, "layers": 1, "faults": True,
+     "fault_kinds": ("stall", "rank-crash"), "max_faults": 2, "delays": False,
+     "retry_prefill": 1},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",

@@ -25,10 +25,14 @@ HEAD_BYTES = 4096  # bytes of one KV head in one block (layouts only; no bytes a
 # retry_prefill: the failover target of the others' requests), also not a default kind.
 # "corrupt" (with kv_checksum): every block a D worker holds so far reads wrong, the bytes of a
 # bad transfer (a corrupted or misdirected write), which D's checksums must catch.
-FAULT_KINDS = ("drop", "dup", "write", "crash", "abort", "forge", "rank-crash", "corrupt")
+# "stall": a live peer a worker's requests need is silent for stall_s, well past the heartbeat
+# floor and under its cap (starved of CPU, paused by its GC), while its connection stays up:
+# the detector's verdict runs on those facts; slow is not a fault, so it excuses no failure.
+FAULT_KINDS = ("drop", "dup", "write", "crash", "abort", "forge", "rank-crash", "corrupt",
+               "stall")
 DEFAULT_FAULT_KINDS = ("drop", "dup", "write", "crash", "abort")
 FAULT_ACTIONS = frozenset({"drop", "dup", "fail_write", "crash_p", "crash_d", "abort_d",
-                           "abort_p", "forge", "crash_rank", "corrupt"})
+                           "abort_p", "forge", "crash_rank", "corrupt", "stall"})
 EPSILON = 0.001  # abstract time: "just before" a deadline (below every timer's duration)
 
 
@@ -103,6 +107,11 @@ class WorldConfig:
     prefill_timeout_s: float = 60.0
     lease_s: float = 90.0
     transfer_timeout_s: float = 10.0
+    # The liveness detector's facts for a "stall": the budget a peer with no history gets (the
+    # floor: heartbeat_s x heartbeat_misses), the cap, and how long the stalled peer is silent.
+    heartbeat_floor_s: float = 1.5
+    heartbeat_cap_s: float = 30.0
+    stall_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.design not in DESIGNS:

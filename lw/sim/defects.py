@@ -26,6 +26,7 @@ from lw.fsm.messages import (
     MetaReply,
     MetaRequest,
 )
+from lw.fsm.silence import fixed_budget_loses
 
 _FINAL = (DONE, FAILED)
 
@@ -326,3 +327,16 @@ class GhostTrustsInDoubt(DecodeEndpoint):
                 and (msg.req_id, msg.epoch) in self._ghosts.held):
             msg = msgspec.structs.replace(msg, in_doubt=False)
         return super()._to_ghost(msg, now, out)
+
+
+class FixedBudgetPrefill(PrefillEndpoint):
+    """A heartbeat lease with one fixed budget: a D silent past it is lost, however alive
+    its process (lw before issue 40; most heartbeat leases)."""
+
+    silence_loses = staticmethod(fixed_budget_loses)
+
+
+class FixedBudgetDecode(DecodeEndpoint):
+    """The same fixed budget on D's side, for the P it waits on."""
+
+    silence_loses = staticmethod(fixed_budget_loses)

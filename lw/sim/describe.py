@@ -115,6 +115,10 @@ class Describe:
             q = s.reqs[a[1]]
             return (f"a forged metaserver call starts the prefill of {q.rid} into D block(s) "
                     f"{list(s.forged_blocks(q))}, not its {list(q.d_remote)}")
+        if kind == "stall":
+            who = f"P{a[2]}" if a[1] == "p" else s.dwname(a[2])
+            return (f"{a[3].upper()} is silent for {s.cfg.stall_s:g}s while its process lives "
+                    f"(slow, not dead); {who}'s detector judges it")
         if kind == "corrupt":
             return (f"the bytes of {s.reqs[a[2]].rid} landed in D{a[1]}'s blocks so far are "
                     "CORRUPTED (a bad transfer)")

@@ -73,7 +73,12 @@ class Result:
         if "done" not in self.seen:
             return Violation("sometimes-done", "no request ever reached DONE on both sides: "
                                                "the model is vacuous")
-        if self.cfg.faults and "deadline" not in self.seen:
+        if self.cfg.faults and set(self.cfg.fault_kinds) == {"stall"}:
+            # a slow peer must fire no timer: the vacuity to rule out is a stall never judged
+            if "stall" not in self.seen:
+                return Violation("sometimes-deadline", "faults were stalls but no peer ever "
+                                                       "stalled: the fault model is vacuous")
+        elif self.cfg.faults and "deadline" not in self.seen:
             return Violation("sometimes-deadline", "faults were on but no deadline or lease "
                                                    "ever fired: the fault model is vacuous")
         return None

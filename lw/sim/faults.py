@@ -5,6 +5,7 @@ forged starts, D restarts, and the survivors learning of a crash (a part of
 from __future__ import annotations
 
 from lw.fsm.lifecycles import DONE, FAILED, RECEIVING
+from lw.fsm.silence import ALIVE, Silence
 from lw.sim.clock import Clock
 from lw.sim.config import Action, _who, d_addr, p_addr
 from lw.sim.dnode import DNode
@@ -55,6 +56,8 @@ class Faults:
         if "corrupt" in kinds and s.cfg.kv_checksum:  # without sums D cannot tell: no fault
             acts += [("corrupt", v, q.idx) for q in s.reqs if s.d_alive[q.d_rank]
                      for v in s.d_workers_of(q.d_rank) if self._corruptible(q, v)]
+        if "stall" in kinds:
+            acts += self._stall_actions()
         if "forge" in kinds and s.design.d_first and s.p_alive:
             acts += [("forge", q.idx) for q in s.reqs if self._forgeable(q)]
         if "abort" in kinds:
@@ -64,6 +67,35 @@ class Faults:
                 if self._p_abortable(q):
                     acts.append(("abort_p", q.idx))
         return acts
+
+    def _stall_actions(self) -> list[Action]:
+        """("stall", side, worker, peer address): a live peer that the worker's live requests
+        await goes silent for ``stall_s`` while its process lives."""
+        s = self.s
+        acts: list[Action] = []
+        for i, ep in enumerate(s.p):
+            if s.rank_alive(i // s.tp):
+                acts += [("stall", "p", i, a) for a in sorted(ep.awaited_peers())
+                         if s.d_alive[int(a[1:]) // s.d_tp]]
+        for v, ep in enumerate(s.d):
+            if s.d_alive[v // s.d_tp]:
+                acts += [("stall", "d", v, a) for a in sorted(ep.awaited_peers())
+                         if s.rank_alive(int(a[1:]) // s.tp)]
+        return acts
+
+    def do_stall(self, side: str, w: int, addr: str) -> None:
+        """Worker ``w`` of ``side`` hears nothing from ``addr`` for ``stall_s``; its connection
+        to it stays up (its process lives). The endpoint's verdict decides whether it is lost."""
+        s = self.s
+        cfg = s.cfg
+        s.flags.add("stall")
+        ep = s.p[w] if side == "p" else s.d[w]
+        silence = Silence(cfg.stall_s, cfg.heartbeat_floor_s, cfg.heartbeat_cap_s, ALIVE)
+        effects = ep.peer_silent(ep.awaited_peers()[addr], silence, s.now)
+        if effects is not None:
+            s.note(f"P{w}" if side == "p" else s.dwname(w),
+                   f"declares the live {_who(addr)} lost: {silence.reason()}")
+            self.ports.run((side, w), effects)
 
     def _forgeable(self, q: Req) -> bool:
         # Before D's own call started the prefill (the proxy starts one per sub-transfer).

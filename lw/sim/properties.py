@@ -72,7 +72,8 @@ PROPERTIES: tuple[Property, ...] = (
     Property("sometimes-done", "vacuity", "sometimes",
              "some request reaches DONE on both sides"),
     Property("sometimes-deadline", "vacuity", "sometimes",
-             "with faults, some deadline, lease or retry timer fires"),
+             "with faults, some deadline, lease or retry timer fires (with stalls only: some "
+             "peer stalls, and no timer need fire)"),
 )
 
 PROPERTY_BY_ID: dict[str, Property] = {p.id: p for p in PROPERTIES}

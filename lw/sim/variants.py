@@ -74,6 +74,10 @@ _LATE_WRITES = {"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kind
 # A D engine crashes and restarts while a second request is still to come (the #4650 variants).
 _D_RESTART = {"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("crash",),
               "d_restarts": 1, "delays": False}
+# Slow-but-alive peers: each worker's needed peer may go silent (stall_s well past the floor)
+# twice, with no other fault and a timely clock, where progress is checked.
+_STALL = {"dp": 1, "requests": 1, "layers": 1, "faults": True, "fault_kinds": ("stall",),
+          "max_faults": 2, "delays": False}
 _CHUNKS = {"dp": 1, "requests": 1, "layers": 1, "chunks": 2, "blocks_per_request": 2,
            "d_blocks": 2, "p_blocks": 2}
 # Prefill failover: two P ranks (engines), one request; its rank dies (both, for the budget).
@@ -331,6 +335,17 @@ _DESIGNS: tuple[Design, ...] = (
         bounds={**_FAILOVER, "fault_kinds": ("corrupt", "write"), "kv_checksum": True},
         ruled_out="a checksum mismatch loses the epoch as a lost P does: fenced until its "
                   "senders stopped, then prefilled again on another P within retry_prefill"),
+    Design(
+        name="fixed-heartbeat-budget", title="a slow peer declared dead",
+        ref="lw before issue 40 (a starved D lost at 1.9 s on a 2-core host); NIXL heartbeat "
+            "leases",
+        summary="Each worker declares a needed peer lost once it is silent past one fixed "
+                "budget, however alive its process: a peer starved of CPU for longer loses "
+                "the requests that wait on it.",
+        prefill=defects.FixedBudgetPrefill, decode=defects.FixedBudgetDecode,
+        expected="progress", bounds=_STALL,
+        ruled_out="past its budget a silent peer is lost only when the connection to it is "
+                  "down (no process holds its port), or past heartbeat_cap_s (lw.fsm.silence)"),
     Design(
         name="retry-unbounded", title="prefill retried without a budget",
         ref="sglang #28651 class (abort storm); lw issue 22",
