@@ -136,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             # the prefill failover row next to the old one: the dead rank's requests again
             i = rows.index(("kill-prefill-rank", args.decoders, 0))
             rows.insert(i + 1, ("kill-prefill-rank", args.decoders, 2))
+        if (not args.retry_prefill and args.decode_tp == 1 and args.prefill_dp > 1
+                and "corrupt-write" in faults):
+            # ... and the bad transfers prefilled again (the fault hits first attempts only)
+            i = rows.index(("corrupt-write", args.decoders, 0))
+            rows.insert(i + 1, ("corrupt-write", args.decoders, 1))
     else:
         try:
             rows = [(canonical_fault(args.fault), args.decoders, args.retry_prefill)]
@@ -442,7 +447,7 @@ def _failover_lines(res: ClusterResult) -> list[str]:
     fresh = res.counters.get("d.core.fresh_blocks", 0)
     lines = [f"  {'prefilled again on a live P rank':<40} {res.reprefills} ("
              f"{res.reprefills - res.reprefills_fenced} at once, {fresh} of them into fresh "
-             f"blocks: the dead rank had written; {res.reprefills_fenced} fenced first)"]
+             f"blocks: the lost attempt had written; {res.reprefills_fenced} fenced first)"]
     if res.reprefills > res.reprefills_fenced:
         lines.append(f"  {'slowest at once, fault -> outcome':<40} {res.failover_s:.2f}s "
                      f"(heartbeat budget {hb:.2f}s + one prefill, the median request "

@@ -12,7 +12,7 @@ wrapped plane's.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 Entry = tuple[int, int, int]
@@ -22,14 +22,18 @@ class CorruptingPlane:
     """A data plane whose every ``every``-th transfer lands shifted bytes (test fault only)."""
 
     def __init__(self, inner: Any, every: int = 7,
-                 memory: tuple[int, int] | None = None) -> None:
+                 memory: tuple[int, int] | None = None,
+                 spare: Callable[[str], bool] | None = None) -> None:
         """``memory``: (address, length) of the memory registered with ``inner``, which every
-        shifted read stays inside (None: reads are shifted forward, unchecked)."""
+        shifted read stays inside (None: reads are shifted forward, unchecked). ``spare``: a
+        request it must not corrupt (a retried claim epoch, for a fault of first attempts
+        only); its transfers are not counted either."""
         if every < 1:
             raise ValueError("every must be >= 1")
         self._inner = inner
         self._every = every
         self._memory = memory
+        self._spare = spare
         self._n = 0
         self.corrupted = 0
 
@@ -42,6 +46,11 @@ class CorruptingPlane:
     def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry],
                within_s: float = math.inf) -> None:
         """Submit, shifting the source of the first entry of every ``every``-th transfer."""
+        spare = self._spare
+        if spare is not None and isinstance(xfer_id, tuple) and any(
+                spare(rid) for rid, _seq in xfer_id):
+            self._inner.submit(xfer_id, session, entries, within_s)
+            return
         self._n += 1
         if self._n % self._every == 0 and entries:
             src, dst, n = entries[0]

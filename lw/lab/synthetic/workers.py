@@ -228,15 +228,21 @@ def prefill_main(cfg: ClusterConfig, rank: int, cmd: Connection, out: Connection
         outbox.close()
 
 
-def _prefill_tp(cfg: ClusterConfig, rank: int, t: int, incarnation: int) -> _TP:
-    """TP worker ``t`` of P DP rank ``rank``: its heads of every block, and its loop."""
+def _prefill_tp(cfg: ClusterConfig, rank: int, t: int, incarnation: int,
+                epochs: dict[str, int]) -> _TP:
+    """TP worker ``t`` of P DP rank ``rank``: its heads of every block, and its loop
+    (``epochs``: the claim epoch of each request the rank was asked to prefill again)."""
     fmt = cfg.p_format(t)
     kv = np.zeros((cfg.layers, cfg.p_blocks, cfg.rank_block_bytes(fmt)), dtype=np.uint8)
     dp = _data_plane(cfg, f"p{rank}t{t}", cfg.p_host)
     dp.register_memory(kv.ctypes.data, kv.nbytes)
     if cfg.fault in ("corrupt-write", "mix"):
+        # With a retry budget the fault hits first attempts only: what a bad transfer's retry
+        # must show is that the request then completes (issue 40)
         dp = CorruptingPlane(dp, every=7 if cfg.fault == "corrupt-write" else 61,
-                             memory=(kv.ctypes.data, kv.nbytes))
+                             memory=(kv.ctypes.data, kv.nbytes),
+                             spare=(lambda rid: epochs.get(rid, 0) > 0) if cfg.retry_prefill
+                             else None)
     keyless = cfg.fault == "no-cluster-key" and rank == cfg.prefill_dp - 1
     side = SideChannel(cfg.p_host, cluster_key=None if keyless else cfg.cluster_key,
                        faults=_faults(cfg, 1 + rank + 1000 * t))
@@ -253,17 +259,19 @@ def _prefill(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outbox, ba
     L = cfg.layers
     pattern = Pattern(cfg.head_bytes)
     tps: list[_TP] = []
+    epochs: dict[str, int] = {}  # request -> the claim epoch D asked this prefill under
     try:
         for t in range(cfg.prefill_tp):
-            tps.append(_prefill_tp(cfg, rank, t, incarnation))
-        _prefill_steps(cfg, rank, cmd, outbox, barrier, flags, tps, pattern, L)
+            tps.append(_prefill_tp(cfg, rank, t, incarnation, epochs))
+        _prefill_steps(cfg, rank, cmd, outbox, barrier, flags, tps, pattern, L, epochs)
     finally:
         for tp in tps:
             tp.loop.stop()
 
 
 def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outbox,
-                   barrier: Any, flags: Any, tps: list[_TP], pattern: Pattern, L: int) -> None:
+                   barrier: Any, flags: Any, tps: list[_TP], pattern: Pattern, L: int,
+                   epochs: dict[str, int]) -> None:
     """The DP rank's scheduler and forward pass: one block allocation per request for all TP
     workers, blocks freed once every TP worker released them."""
     # Per TP worker: the D TP ranks it writes into, and how many P ranks write into each.
@@ -280,8 +288,6 @@ def _prefill_steps(cfg: ClusterConfig, rank: int, cmd: Connection, outbox: _Outb
     # vLLM frees a request's blocks only once it is finished).
     computing: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...], int]] = {}
     failures: dict[str, str] = {}  # request -> first failure reason of a TP worker
-
-    epochs: dict[str, int] = {}  # request -> the claim epoch D asked this prefill under
 
     def add_request(rid: str, d_addrs: tuple[str, ...], local: tuple[int, ...],
                     remote: tuple[int, ...], final: bool) -> None:
