@@ -299,16 +299,19 @@ class SideChannel:
         self._tune(sock)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        # followed before it connects: a connection made before its monitor is never reported
+        monitor = self.links.watch(dest, sock)
         try:
             sock.connect(dest)
         except zmq.ZMQError:
+            self.links.unwatch(dest)
             sock.close(0)
             self.counters["bad_dest"] += 1
             return None
         self._dealers[dest] = sock
         self._dealer_dest[sock] = dest
         self._poller.register(sock, zmq.POLLIN)
-        self._poller.register(self.links.watch(dest, sock), zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
         self.counters["dealers_opened"] += 1
         while len(self._dealers) > self._max_peers:
             old_dest, old = self._dealers.popitem(last=False)

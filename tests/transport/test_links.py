@@ -130,3 +130,68 @@ def test_the_verdict_on_a_silence(quiet: float, process: str, lw_loses: bool,
 def test_unknown_evidence_is_refused() -> None:
     with pytest.raises(ValueError, match="process evidence"):
         Silence(1.0, 1.0, 2.0, "maybe")
+
+
+def test_a_connection_made_before_its_monitor_is_never_reported() -> None:
+    """Why the side channel follows a DEALER before it connects."""
+    import zmq
+
+    from lw.transport.links import Links
+
+    proc, addr = _peer()
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(addr)
+        time.sleep(0.3)  # connected by now
+        links = Links(answer_s=0.2)
+        links.watch(addr, dealer)
+        time.sleep(0.5)
+        assert links.evidence(addr) == GONE  # a live peer read as gone
+        links.unwatch(addr)
+        dealer.close(0)
+    finally:
+        ctx.term()
+        proc.kill()
+        proc.wait()
+
+
+def test_the_side_channel_follows_each_dealer_before_it_connects(
+        side: SideChannel, monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmq
+
+    seen: list[bytes] = []
+    watch = side.links.watch
+
+    def spy(dest: str, dealer: zmq.Socket) -> zmq.Socket:
+        seen.append(dealer.getsockopt(zmq.LAST_ENDPOINT))  # empty until connect() was called
+        return watch(dest, dealer)
+
+    monkeypatch.setattr(side.links, "watch", spy)
+    proc, addr = _peer()
+    try:
+        _hello(side, addr)
+        assert seen == [b""]
+        assert _until(side, addr, ALIVE) == ALIVE
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_every_fresh_connection_to_a_live_peer_shows_alive(side: SideChannel) -> None:
+    """The monitor is attached before the DEALER connects: a connection made before it would
+    never be reported, and a live peer would read as gone (seen: a live D lost on a loaded
+    2-core run, 'our connection to it is down')."""
+    proc, addr = _peer()
+    try:
+        shown = []
+        for _ in range(20):
+            side.forget_peer(addr)
+            _hello(side, addr)
+            time.sleep(0.05)  # the connection completes before anyone looks
+            shown.append(_until(side, addr, ALIVE, within=2.0))
+        assert shown == [ALIVE] * 20
+    finally:
+        proc.kill()
+        proc.wait()
