@@ -94,6 +94,7 @@ class PrefillEndpoint(LifecycleEndpoint):
         self._tombstones: dict[str, float] = {}  # req_id -> expiry (aborted by D before we saw it)
         self._finished: OrderedDict[str, str] = OrderedDict()  # req_id -> final state
         self._in_doubt: set[str] = set()  # finished requests with a write whose bytes may land
+        self._landed_at: dict[str, float] = {}  # D address -> when a write to it last landed
         self.timeline = Timeline(self.config.timeline_entries)
         self._ring = self.timeline.ring
         self._durations = self.timeline.durations
@@ -178,7 +179,9 @@ class PrefillEndpoint(LifecycleEndpoint):
             self._fire(rec, "no_target", now)
             self._maybe_release(rec, out)
             return out
-        out.append(ArmTimer(("deadline", req.req_id), now + self.config.request_timeout_s))
+        t = self.config.progress_timeout_s
+        out.append(ArmTimer(("deadline", req.req_id), min(rec.deadline, now + t) if t
+                            else rec.deadline))
         self._send_meta_requests(rec, now, out)
         return out
 
@@ -214,6 +217,7 @@ class PrefillEndpoint(LifecycleEndpoint):
             if st == FAILED:
                 continue
             rec.computed += 1
+            rec.progress_at = now
             if st != AWAIT_DECODER_META:
                 self._submit_ready(rec, out)
         return out
@@ -287,6 +291,10 @@ class PrefillEndpoint(LifecycleEndpoint):
             rec.in_doubt = True
         if not ok and self._ring is not None:
             self._ring.append((now, req_id, "write_failed", rec.state, "", f"{seq}: {reason}"))
+        if ok:
+            rec.progress_at = now
+            for tg in rec.targets:  # the link to its D moves: requests queued behind progress
+                self._landed_at[tg.addr] = now
         if not ok:
             self._fail(rec, f"{self._what(seq)} write failed: {reason}", now, out)
         elif rec.state == FAILED:
@@ -340,8 +348,10 @@ class PrefillEndpoint(LifecycleEndpoint):
             return out  # timer of a released request: nothing depends on it any more
         if kind == "deadline":
             if rec.state not in _FINAL:
-                self.counters["deadlines"] += 1
-                self._fail(rec, f"deadline of {self.config.request_timeout_s}s passed", now, out)
+                why = self._stalled(rec, now, out)
+                if why:
+                    self.counters["deadlines"] += 1
+                    self._fail(rec, why, now, out)
         elif kind == "meta":
             self._fire(rec, "meta_timer", now)
             if rec.state == AWAIT_DECODER_META:
@@ -380,6 +390,7 @@ class PrefillEndpoint(LifecycleEndpoint):
         """The D worker at ``decoder_addr`` is gone or restarted: fail what it was to receive."""
         out: list[Effect] = []
         self._forget_layout(decoder_addr)
+        self._landed_at.pop(decoder_addr, None)
         for rec in list(self._reqs.values()):
             t = rec.target(decoder_addr)
             if t is not None and rec.state not in _FINAL:
@@ -390,6 +401,20 @@ class PrefillEndpoint(LifecycleEndpoint):
         return out
 
     # ----------------------------------------------------------------------------- messages
+    def _stalled(self, rec: PrefillRecord, now: float, out: list[Effect]) -> str:
+        """Why a live request whose deadline timer fired fails now, or "" (its timer armed
+        again) while it still makes progress before its cap."""
+        t = self.config.progress_timeout_s
+        if not t or now >= rec.deadline:
+            return f"deadline of {self.config.request_timeout_s}s passed"
+        landed = self._landed_at
+        last = max([rec.progress_at, *(landed.get(tg.addr, 0.0) for tg in rec.targets)])
+        if now - last < t:
+            out.append(ArmTimer(("deadline", rec.req.req_id), min(rec.deadline, last + t)))
+            return ""
+        return (f"no progress for {now - last:.1f}s (progress_timeout_s {t:g}s; nothing "
+                f"computed, answered or landing on its decoder)")
+
     def _on_meta_reply(self, msg: MetaReply, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
         # a reply to a claim of another prefill attempt (epoch) is not about ours
@@ -436,6 +461,7 @@ class PrefillEndpoint(LifecycleEndpoint):
         t.segs = segs
         t.layout = layout
         t.accepted = True
+        rec.progress_at = now
         if all(x.accepted for x in rec.targets):
             out.append(CancelTimer(("meta", rec.req.req_id)))
             self._fire(rec, "meta_accepted", now)
@@ -632,6 +658,8 @@ SNAPSHOT_RULES: Rules = {
         "fmt": (OMIT, "fixed when made (own head format)"),
         "_tombstones": (KEYS, "the values are expiry times no decision reads (the tomb timer "
                               "ends a tombstone)"),
+        "_landed_at": (OMIT, "read only with progress_timeout_s on, which the checker's worlds "
+                             "leave off"),
     },
     Layouts: {
         "num_layers": (OMIT, "fixed when made"),

@@ -47,6 +47,10 @@ class PrefillConfig:
     ack_retry_s: float = 0.5
     ack_attempts: int = 10
     request_timeout_s: float = 30.0  # whole transfer, from add_request; D's lease must exceed it
+    # Fail a request sooner when it made no progress for this long (layers computed, D's
+    # answers, writes landing on its D, any request's): a slow link keeps it to the cap above,
+    # a stuck one ends early. 0: off (the cap alone).
+    progress_timeout_s: float = 0.0
     tombstone_ttl_s: float = 300.0  # remember D's aborts for requests we have not seen yet
     finished_memory: int = 4096  # finished requests remembered to recognise late duplicates
     timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
@@ -57,6 +61,10 @@ class PrefillConfig:
         for name in ("meta_retry_s", "ack_retry_s", "request_timeout_s", "tombstone_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PrefillConfig.{name} must be > 0, got {getattr(self, name)}")
+        p = self.progress_timeout_s
+        if not (p == 0 or 0 < p < self.request_timeout_s):
+            raise ValueError(f"PrefillConfig.progress_timeout_s must be 0 (off) or between 0 "
+                             f"and request_timeout_s={self.request_timeout_s} (the cap), got {p}")
         for name in ("meta_attempts", "ack_attempts", "finished_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PrefillConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -128,6 +136,7 @@ class PrefillRecord:
         "in_doubt",
         "since",
         "deadline",
+        "progress_at",
         "alarmed",
         "local",
         "chunks",
@@ -145,6 +154,7 @@ class PrefillRecord:
         self.state = state
         self.since = now  # when the request entered its current state (observability only)
         self.deadline = deadline  # when the request deadline fires; its writes' not_after
+        self.progress_at = now  # its last progress (progress_timeout_s)
         self.alarmed = False  # reported stuck in its current state already
         self.targets = [_Target(a) for a in req.targets]
         # Writes are numbered seq = chunk * L + layer (one chunk: seq is the layer).

@@ -45,6 +45,8 @@ RECORD_RULES: Mapping[str, tuple[str, str]] = {
                        "it as not_after, which the checker's world need not read: its writes "
                        "resolve within the transfer timeout of their submission"),
     "alarmed": (OMIT, "observability (stuck-request alarm)"),
+    "progress_at": (OMIT, "read only with P's progress_timeout_s on, which the checker's worlds "
+                          "leave off (their deadline is the cap alone)"),
 }
 
 _ATOMS = frozenset({type(None), bool, int, float, str, bytes})
