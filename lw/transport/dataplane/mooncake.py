@@ -63,6 +63,7 @@ from lw.transport.dataplane.base import (
     coalesce,
     split_batches,
 )
+from lw.transport.dataplane.window import ByteWindow
 
 __all__ = ["MooncakeDataPlane"]
 
@@ -290,6 +291,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
         # this thread about eight times per entry on the core the forward pass runs on.
         gap = 0.0
         last_progress = 0.0
+        window = ByteWindow(self._deadline_s)
         while True:
             # 1. Take new jobs (block only when there is nothing in flight).
             with peer.cond:
@@ -308,7 +310,8 @@ class MooncakeDataPlane(_QueuedDataPlane):
             # 2. Submit entries, oldest transfer first, while there is room.
             now = time.monotonic()
             for f in flights:
-                if inflight >= self._max_batch:
+                if inflight >= self._max_batch or (
+                        f.next < len(f.plan) and not window.room(f.plan[f.next][2])):
                     break
                 if f.failure or f.next >= len(f.plan) or self._closed:
                     continue
@@ -321,7 +324,8 @@ class MooncakeDataPlane(_QueuedDataPlane):
                     f.deadline = now + self._deadline_s + f.job.nbytes / (1 << 30)
                     self._count(batches=1)
                 first = f.next
-                while f.next < len(f.plan) and inflight < self._max_batch:
+                while (f.next < len(f.plan) and inflight < self._max_batch
+                       and window.room(f.plan[f.next][2])):
                     s, d, n = f.plan[f.next]
                     bid = submit(session, s, d, n)
                     if bid in _BAD_BATCH_IDS:
@@ -330,6 +334,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
                     f.pending.append(bid)
                     f.next += 1
                     inflight += 1
+                    window.sent(n, now)
                 self._count(entries_sent=f.next - first)
             # 3. Poll in submission order, stopping at the first entry still in flight: reports
             #    are FIFO anyway, and this keeps a poll round O(entries resolved + 1).
@@ -347,8 +352,12 @@ class MooncakeDataPlane(_QueuedDataPlane):
                 if resolved:
                     progressed = True
                     inflight -= resolved
+                    first = f.next - len(f.pending)  # plan index of the oldest in flight
+                    window.resolved(_bytes(f.plan, first, first + resolved), now)
                     del f.pending[:resolved]
                 if f.pending and now > f.deadline:
+                    first = f.next - len(f.pending)
+                    window.dropped(_bytes(f.plan, first, f.next))
                     # Mooncake still owns these ids; freeing them is unsafe: leaked on purpose.
                     f.failure = f.failure or (
                         f"timeout: {len(f.pending)} entries unfinished after "
@@ -429,3 +438,8 @@ class MooncakeDataPlane(_QueuedDataPlane):
         """Drop the engine (frees its ports) unless a sender thread may still be inside it."""
         if all_joined:
             self._engine = None
+
+
+def _bytes(plan: list[Entry], lo: int, hi: int) -> int:
+    """Bytes of the plan's entries ``lo`` .. ``hi - 1``."""
+    return sum(plan[i][2] for i in range(lo, hi))
