@@ -22,6 +22,7 @@ from lw.lab.synthetic import netem, netns
 from lw.lab.synthetic.cluster import run_cluster
 from lw.lab.synthetic.config import (
     FAULTS,
+    LINK_DEADLINES,
     LINK_FAULTS,
     ONE_DECODER_FAULTS,
     PARTITION_FAULTS,
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_timeout_s=max(180.0, 0.3 * args.requests),  # soak runs are long
                 trace_out=args.trace_out,
                 timelines_out=traces.path(fault, decoders, retry) if traces else None,
+                **(LINK_DEADLINES if fault in LINK_FAULTS else {}),  # type: ignore[arg-type]
             )
         except ValueError as exc:
             print(f"lw demo: {exc}", file=sys.stderr)

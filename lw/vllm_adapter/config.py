@@ -115,6 +115,12 @@ class LwConfig:
     request_timeout_s: float = _key(
         30.0, "P",
         "whole push of one request, from the step its prefill completes")
+    progress_timeout_s: float = _key(
+        0.0, "P",
+        "fail a push sooner when it made no progress for this long (no layer computed, no "
+        "answer from D, no write landing on its D, another request's included); a push that "
+        "keeps progressing on a slow link lives to `request_timeout_s`. Under "
+        "`request_timeout_s`; 0: off")
     meta_retry_s: float = _key(
         0.5, "P",
         "resend the claim (`MetaRequest`) to D after this long")

@@ -47,6 +47,13 @@ PARTITION_FAULTS = frozenset({"partition-before-contact", "partition-mid-transfe
                               "partition-long"})
 # Faults of the link itself: the decoder's namespace is joined by TUN devices and a relay.
 LINK_FAULTS = frozenset({"lossy-link", "slow-link"})
+# ... run with deadlines sized for such a link, as a deployment on one would set them: a cap
+# its backlog fits (40 requests of 2 MiB over the slow link's ~5 MB/s take ~16 s), a progress
+# timeout that still ends a stuck request in seconds, D's deadline above P's cap, and a
+# transfer timeout over TCP's retransmission back-off (the lease and the settling follow).
+LINK_DEADLINES = {"request_timeout_s": 20.0, "progress_timeout_s": 8.0,
+                  "prefill_timeout_s": 24.0, "transfer_timeout_s": 10.0,
+                  "settle_timeout_s": 45.0}
 # Faults that need the decoder in its own network namespace (root, iproute2).
 NETNS_FAULTS = PARTITION_FAULTS | LINK_FAULTS
 PROCESS_FAULTS = frozenset({"kill-decoder", "freeze-decoder-before-contact",
@@ -116,6 +123,7 @@ class ClusterConfig:
     ack_retry_s: float = 0.2
     ack_attempts: int = 10
     request_timeout_s: float = 4.0
+    progress_timeout_s: float = 0.0  # P fails a request with no progress this long (0: off)
     prefill_timeout_s: float = 6.0
     transfer_timeout_s: float = 5.0  # Mooncake's MC_TRANSFER_TIMEOUT (5 is its minimum)
     lease_margin_s: float = 1.0
