@@ -254,16 +254,17 @@ class LwConfig:
         "peer's protocol thread); 0 = off")
     heartbeat_misses: int = _key(
         3, "both",
-        "the floor of a peer's silence budget: `heartbeat_s × heartbeat_misses`. A needed peer "
-        "silent past its budget is declared lost and its requests fail (or fail over) at once; "
-        "the budget rises to 3× the longest silence the peer lately came back from (halving "
-        "each minute), so a peer starved of CPU or paused by its GC is not taken for a dead one, "
-        "and a worker that was itself stalled does not blame its peers")
+        "the floor of a peer's silence budget: `heartbeat_s × heartbeat_misses`; it rises to 3× "
+        "the longest silence the peer lately came back from (halving each minute). A needed "
+        "peer silent past its budget is declared lost, and its requests fail (or fail over) at "
+        "once, when our side-channel connection to it is down (reset, refused, timed out); "
+        "while that connection stays up its process lives (starved of CPU, paused by its GC) "
+        "and it is waited for, up to `heartbeat_cap_s`. A worker that was itself stalled does "
+        "not blame its peers")
     heartbeat_cap_s: float = _key(
         30.0, "both",
-        "the most a needed peer's silence budget grows to: a dead peer is found within this "
-        "long even after the connection showed long pauses. At least `heartbeat_s × "
-        "heartbeat_misses`")
+        "the longest a needed peer may be silent, however alive its connection: a wedged "
+        "process is found within this long. At least `heartbeat_s × heartbeat_misses`")
 
     @property
     def is_producer(self) -> bool:
