@@ -355,7 +355,8 @@ class PrefillEndpoint(LifecycleEndpoint):
         elif kind == "meta":
             self._fire(rec, "meta_timer", now)
             if rec.state == AWAIT_DECODER_META:
-                if rec.meta_tries >= self.config.meta_attempts:
+                if (rec.meta_tries >= self.config.meta_attempts
+                        and not self.config.resend_until_deadline):
                     self.counters["deadlines"] += 1
                     waiting = [t.addr for t in rec.targets if not t.accepted]
                     self._fail(
@@ -367,7 +368,8 @@ class PrefillEndpoint(LifecycleEndpoint):
         elif kind == "ack":
             self._fire(rec, "ack_timer", now)
             if rec.state not in _FINAL:
-                if rec.ack_tries >= self.config.ack_attempts:
+                if (rec.ack_tries >= self.config.ack_attempts
+                        and not self.config.resend_until_deadline):
                     self.counters["deadlines"] += 1
                     self._fail(rec, f"no acknowledgement of DONE after {rec.ack_tries} tries",
                                now, out)

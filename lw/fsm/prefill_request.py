@@ -46,6 +46,12 @@ class PrefillConfig:
     meta_attempts: int = 20  # give up (FAILED) after this many unanswered or "unknown" replies
     ack_retry_s: float = 0.5
     ack_attempts: int = 10
+    # Past meta_attempts / ack_attempts, resend MetaRequests and DONE (at the same pace) until
+    # the request deadline instead of failing: a D that stays silent is judged by the liveness
+    # verdict (lw.fsm.silence: lost when its connection is down), not by a count, so a live D
+    # starved of CPU for longer than the attempts last is not taken for a dead one. For drivers
+    # with heartbeats on; without them the count is the only way to find a silent D early.
+    resend_until_deadline: bool = False
     request_timeout_s: float = 30.0  # whole transfer, from add_request; D's lease must exceed it
     # Fail a request sooner when it made no progress for this long (layers computed, D's
     # answers, writes landing on its D, any request's): a slow link keeps it to the cap above,

@@ -98,6 +98,11 @@ STRONG: tuple[dict[str, Any], ...] = (
     {"dp": 2, "requests": 2, "layers": 1, "faults": True,
      "fault_kinds": ("stall", "rank-crash"), "max_faults": 2, "delays": False,
      "retry_prefill": 1},
+    # ... and as the drivers run P with heartbeats on: unanswered MetaRequests and DONEs are
+    # resent until the request deadline, among lost and duplicated messages and a D crash.
+    {"dp": 2, "requests": 2, "layers": 1, "faults": True,
+     "fault_kinds": ("stall", "drop", "dup", "crash"), "max_faults": 2, "delays": False,
+     "resend_until_deadline": True},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",

@@ -109,6 +109,9 @@ class WorldConfig:
     transfer_timeout_s: float = 10.0
     # The liveness detector's facts for a "stall": the budget a peer with no history gets (the
     # floor: heartbeat_s x heartbeat_misses), the cap, and how long the stalled peer is silent.
+    # P resends MetaRequests and DONE past its attempts until the request deadline (drivers with
+    # heartbeats on: a silent D is judged by the liveness verdict, not by a count).
+    resend_until_deadline: bool = False
     heartbeat_floor_s: float = 1.5
     heartbeat_cap_s: float = 30.0
     stall_s: float = 15.0
@@ -218,6 +221,8 @@ class WorldConfig:
             faults += ", KV checksums"
         if self.unordered_writes:
             faults += ", writes complete in any order"
+        if self.resend_until_deadline:
+            faults += ", P resends until its deadline"
         if self.retry_prefill:
             faults += f", prefill failover (budget {self.retry_prefill}" + (
                 ", fresh blocks)" if self.retry_fresh_blocks else ")")

@@ -273,7 +273,9 @@ class LwConfig:
 
     def prefill_config(self) -> PrefillConfig:
         """The core's P settings (those this config names as the core does)."""
-        return core_config(PrefillConfig, vars(self))
+        # with heartbeats on, a silent D is judged by the liveness verdict, not by attempts
+        return core_config(PrefillConfig, vars(self),
+                           resend_until_deadline=self.heartbeat_s > 0)
 
     def decode_config(self) -> DecodeConfig:
         """The core's D settings (those this config names as the core does)."""

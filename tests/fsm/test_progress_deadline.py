@@ -108,3 +108,51 @@ def test_off_the_cap_alone_decides_as_before() -> None:
 def test_a_progress_timeout_not_under_the_cap_is_refused(bad: float) -> None:
     with pytest.raises(ValueError, match="progress_timeout_s must be 0 .off. or between"):
         PrefillConfig(request_timeout_s=20.0, progress_timeout_s=bad)
+
+
+def _fire_p_timers(pair: Pair, to: float) -> None:
+    """P's due timers up to ``to``, nothing delivered (D is starved: it answers nothing)."""
+    while True:
+        due = sorted((at, key) for (who, key), at in pair.timers.items() if who == 0 and at <= to)
+        if not due:
+            break
+        at, key = due[0]
+        del pair.timers[(0, key)]
+        pair.now = at
+        pair.absorb(0, pair.ps[0].on_timer(key, at))
+    pair.now = to
+
+
+def test_resend_until_deadline_keeps_a_silent_d_asked_until_the_cap() -> None:
+    """With heartbeats on, a D that answers no DONE is judged by the liveness verdict, not by a
+    count: P resends DONE past ack_attempts, and the request deadline still ends it."""
+    cfg = PrefillConfig(ack_attempts=2, ack_retry_s=0.5, request_timeout_s=10.0,
+                        resend_until_deadline=True)
+    pair = _pair(cfg)
+    _start(pair, "r1", (1, 2, 3))
+    pair.deliver_all()
+    for layer in range(L):
+        pair.absorb(0, pair.ps[0].layer_computed(layer, ["r1"], pair.now))
+    pair.complete_writes()
+    dones = [s for s in pair.queue if type(s.msg).__name__ == "DoneSending"]
+    assert len(dones) == 1
+    pair.queue.clear()  # D is starved: its DONE answers never come
+    _fire_p_timers(pair, 6.0)
+    sent = sum(type(s.msg).__name__ == "DoneSending" for s in pair.queue)
+    assert pair.ps[0].state_of("r1") not in ("FAILED", "DONE")
+    assert sent >= 10  # five times the two attempts a count would have allowed
+    _fire_p_timers(pair, 10.0)
+    assert pair.ps[0].state_of("r1") == "FAILED"
+
+
+def test_by_default_the_attempts_end_a_request_whose_d_answers_nothing() -> None:
+    pair = _pair(PrefillConfig(ack_attempts=2, ack_retry_s=0.5, request_timeout_s=10.0))
+    _start(pair, "r1", (1, 2, 3))
+    pair.deliver_all()
+    for layer in range(L):
+        pair.absorb(0, pair.ps[0].layer_computed(layer, ["r1"], pair.now))
+    pair.complete_writes()
+    pair.queue.clear()
+    _fire_p_timers(pair, 1.6)
+    assert pair.ps[0].state_of("r1") == "FAILED"
+    assert "no acknowledgement of DONE after 2 tries" in pair.finished[0].reason

@@ -247,7 +247,9 @@ class ClusterConfig:
 
     def prefill_config(self) -> PrefillConfig:
         """Deadlines of every P rank (the settings named as the core names them)."""
-        return core_config(PrefillConfig, vars(self))
+        # with heartbeats on, a silent D is judged by the liveness verdict, not by attempts
+        return core_config(PrefillConfig, vars(self),
+                           resend_until_deadline=self.heartbeat_s > 0)
 
     def loop_config(self, name: str) -> LoopConfig:
         """Settings of a worker's loop (``name``: its thread's), those named as the loop does."""
