@@ -180,6 +180,8 @@ class Bench:
     links: dict[tuple[str, int], LinkInfo] = field(default_factory=dict)
     failures: int = 0
     row_warmups: int = 0
+    # (repeat, input tokens) -> the single server's prefill time measured before that repeat
+    prefills: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def dataset(self, rep: int, row: LinkRow, shape: Shape) -> Path:
         """Fresh prompts per repeat and link row (a started set-up runs several rows: repeated

@@ -106,6 +106,7 @@ def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> No
                 continue
             spread = f"; {_spread(xs, '.2f')} over {len(xs)} repeats" if len(xs) > 1 else ""
             print(f"{metric}_{suffix}: {statistics.median(xs):.2f}  ({label}{spread})")
+    print_limits(bench, shape, row, runs_of, label)
     tails = []
     for s in PUSH_MODES:
         xs = [r["lw_phases_ms"][TAIL_PHASE] for r in runs_of.get(s, [])
@@ -116,3 +117,46 @@ def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> No
     if tails:
         print(f"lw_transfer_tail_ms: {', '.join(tails)}  ({label}; last layer computed -> "
               "written, mean per run, median over runs)")
+
+
+def limits_ms(bench: Bench, shape: Shape, row: LinkRow) -> dict[int, float]:
+    """Per repeat, the physical limit of a request's TTFT: max(the single server's prefill,
+    the prompt's KV over the link's measured goodput) + the single server's TPOT p50, all
+    measured in that repeat's calibration (a repeat not calibrated again: the last one's)."""
+    single = {r.get("rep"): r for r in _ok(bench.results.get((shape.key, "-", "single")))}
+    info = bench.links.get((row.key, shape.input_len))
+    wire_s = 0.0  # loopback: no link to cross
+    if info is not None and row.veth and info.goodputs_bps:
+        wire_s = info.kv_bytes * 8 / statistics.median(info.goodputs_bps)
+    out: dict[int, float] = {}
+    for (rep, n), pre in sorted(bench.prefills.items()):
+        r = single.get(rep)
+        if n == shape.input_len and r is not None and r.get("median_tpot_ms") is not None:
+            out[rep] = max(pre, wire_s) * 1e3 + float(r["median_tpot_ms"])
+    return out
+
+
+def print_limits(bench: Bench, shape: Shape, row: LinkRow,
+                 runs_of: dict[str, list[dict[str, Any]]], label: str) -> None:
+    """The limit and each P/D set-up's distance to it (TTFT p50 minus the limit of its own
+    repeat): what is judged across machines whose speeds differ."""
+    lim = limits_ms(bench, shape, row)
+    if not lim:
+        print(f"limit_ms: n/a  ({label}; no single-server prefill and TPOT measured)")
+        return
+    pre = [t * 1e3 for (_r, n), t in sorted(bench.prefills.items()) if n == shape.input_len]
+    print(f"limit_ms: {statistics.median(lim.values()):.0f}  ({label}; max(prefill, KV / "
+          f"goodput) + TPOT p50 of the single server; {_spread(list(lim.values()), '.0f')} over "
+          f"{len(lim)} calibration(s); single-server prefill {_spread(pre, '.0f')} ms)")
+    reps = sorted(lim)
+    for s, runs in runs_of.items():
+        if s == "single" or not runs:
+            continue
+        xs = []
+        for r in runs:
+            rep = r.get("rep", 0)
+            at = [k for k in reps if k <= rep] or reps
+            xs.append(float(r["median_ttft_ms"]) - lim[at[-1]])
+        spread = f"; {_spread(xs, '.0f')} over {len(xs)} repeats" if len(xs) > 1 else ""
+        print(f"ttft_p50_minus_limit_ms_{s.replace('-', '_')}: {statistics.median(xs):+.0f}  "
+              f"({label}{spread})")

@@ -485,8 +485,10 @@ def calibrate(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ..
     """Start the single server; measure its prefill time per prompt length (if a link row has
     a factor) and, in repeat 0, run its benchmark (if ``single`` is a set-up); aim every
     factor row of ``bench.links`` at that prefill time."""
-    need_prefill = any(r.kind == "factor" for r in bench.rows)
-    run_single = "single" in args.setups and rep == 0
+    # Every row's physical limit needs the single server's prefill time and TPOT in the same
+    # repeat, whatever --setups says (issue 39): it is started and measured each calibration.
+    need_prefill = True
+    run_single = True
     prefill: dict[int, float] = {}
     if need_prefill or run_single:
         logs = bench.work / f"{bench.model.name}-single" / f"r{rep}"
@@ -515,9 +517,11 @@ def calibrate(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ..
                         prefill[n] = prefill_time(run.url, bench.model, n, seed=bench.seed)
                         print(f"  prefill time, {n} tokens (single server, TTFT p50, "
                               f"max_tokens 1): {prefill[n] * 1e3:.0f} ms", flush=True)
+                for n, t in prefill.items():
+                    bench.prefills[(rep, n)] = t
                 if run_single:
                     for sh in bench.plan:
-                        measure(bench, run, "single", 0, bench.rows[0], sh, logs)
+                        measure(bench, run, "single", rep, bench.rows[0], sh, logs)
             finally:
                 run.stop()
     for sh in bench.plan:

@@ -63,6 +63,36 @@ def test_report_ratios_pair_runs_of_the_same_repeat(capsys: pytest.CaptureFixtur
     assert "tbf 536.9 Mbit/s, goodput 515-520 Mbit/s, kv_over_prefill achieved 1.03-1.04" in out
 
 
+def test_report_prints_the_limit_of_each_repeat_and_the_distance_to_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """limit = max(single-server prefill, KV / goodput) + single TPOT p50, per calibration; each
+    P/D run is judged against its own repeat's limit (issue 39, item 1)."""
+    shape, row = Shape(1024, 1, 6), LinkRow("factor", 1.0)
+    bench = Bench("llama 32 layers", Path("/nonexistent/tiny-32l"), Path("/tmp"), [shape],
+                  [row], 0, 1.0)
+    # 33.5 MB over 268 Mbit/s: 1.0 s of wire, over the 0.3 s and 0.4 s prefills
+    bench.links[(row.key, 1024)] = LinkInfo(kv_bytes=33_500_000, goodputs_bps=[268e6])
+    bench.prefills = {(0, 1024): 0.3, (1, 1024): 0.4}
+    single = [_res(0, 320.0, 20.0), _res(1, 420.0, 20.0)]  # TPOT p50 30 ms in both
+    bench.results[(shape.key, "-", "single")] = single
+    k = (shape.key, row.key)
+    bench.results[(*k, "lw")] = [_res(0, 1045.0, 11.0), _res(1, 1065.0, 11.0)]
+    bench.results[(*k, "peer")] = [_res(0, 1530.0, 10.0), _res(1, 1430.0, 10.0)]
+    print_table(bench, shape, row, link_mode=True)
+    out = capsys.readouterr().out
+    assert "limit_ms: 1030  (llama 32 layers in1024-c1 kv_over_prefill=1.0; max(prefill" in out
+    assert "single-server prefill 300-400 ms)" in out
+    assert "ttft_p50_minus_limit_ms_lw: +25  (llama 32 layers in1024-c1 kv_over_prefill=1.0; " \
+           "15-35 over 2 repeats)" in out
+    assert "ttft_p50_minus_limit_ms_peer: +450" in out
+    # on loopback (no link row) the limit is the prefill alone plus TPOT
+    none = LinkRow("none")
+    bench.rows = [none]
+    bench.results[(shape.key, none.key, "lw")] = [_res(0, 345.0, 11.0)]
+    print_table(bench, shape, none, link_mode=False)
+    assert "ttft_p50_minus_limit_ms_lw: +15" in capsys.readouterr().out
+
+
 def test_link_needs_root(monkeypatch: pytest.MonkeyPatch,
                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(serving, "missing_requirements", lambda: "needs root (test)")
