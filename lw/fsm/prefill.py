@@ -402,7 +402,6 @@ class PrefillEndpoint(LifecycleEndpoint):
                 self._fail(rec, f"decoder lost: {reason}", now, out)
         return out
 
-    # ----------------------------------------------------------------------------- messages
     def _stalled(self, rec: PrefillRecord, now: float, out: list[Effect]) -> str:
         """Why a live request whose deadline timer fired fails now, or "" (its timer armed
         again) while it still makes progress before its cap."""
@@ -417,6 +416,7 @@ class PrefillEndpoint(LifecycleEndpoint):
         return (f"no progress for {now - last:.1f}s (progress_timeout_s {t:g}s; nothing "
                 f"computed, answered or landing on its decoder)")
 
+    # ----------------------------------------------------------------------------- messages
     def _on_meta_reply(self, msg: MetaReply, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
         # a reply to a claim of another prefill attempt (epoch) is not about ours

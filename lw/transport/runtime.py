@@ -173,7 +173,8 @@ class WorkerLoop:
         self._stuck_check_s = config.stuck_check_s
         self._next_stuck_check = 0.0
         # Liveness of the peers our live requests need: a peer silent past its budget (no
-        # message at all, heartbeats unanswered) goes to the core's peer_lost.
+        # message at all, heartbeats unanswered) goes to the core's verdict (peer_silent), with
+        # what our connection to it shows.
         self.liveness = config.liveness()
         self._slow_noted: dict[str, str] = {}  # silent peers kept, by the evidence last logged
         self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
@@ -548,6 +549,8 @@ class WorkerLoop:
         probe, silent, late = hb.round(peers, now)
         if late:  # we were stopped or starved ourselves: our silence, not the peers'
             self.counters["self_stalls"] += 1
+        for addr in [a for a in self._slow_noted if a not in peers]:
+            del self._slow_noted[addr]  # no longer needed: nothing waits on it
         for addr, quiet in silent:
             # whether our connection to it is up: its process lives however slow it is
             process = self.side.link_evidence(addr)
