@@ -34,6 +34,9 @@ class ValidationConfig(WorldConfig):
     # process; the checker's world declares only dead peers lost)
     suspect: bool = False
     retry_prefill_avoid: str = "lost"  # D's DecodeConfig setting of the run (failover)
+    # P's progress deadline of the run (PrefillConfig): a request with no progress this long
+    # fails before its cap (the checker's own worlds leave it off)
+    progress_timeout_s: float = 0.0
     # The blocks each of the request's chunks completes, as the run's P scheduler announced them
     # (a trace's per-request ``chunk_blocks``); () is the checker's own split (chunk_sizes).
     chunk_blocks: tuple[int, ...] = ()
@@ -101,6 +104,7 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
                                                                   p["ack_attempts"]),
         meta_attempts=p["meta_attempts"], ack_attempts=p["ack_attempts"],
         resend_until_deadline=bool(p.get("resend_until_deadline", False)),
+        progress_timeout_s=float(p.get("progress_timeout_s", 0.0)),
         meta_retry_s=p["meta_retry_s"], ack_retry_s=p["ack_retry_s"],
         request_timeout_s=p["request_timeout_s"], prefill_timeout_s=d["prefill_timeout_s"],
         lease_s=d["lease_s"], transfer_timeout_s=float(s.get("transfer_timeout_s", 5.0)),
