@@ -669,6 +669,12 @@ SNAPSHOT_RULES: Rules = {
         "fmt": (OMIT, "fixed when made (own head format)"),
         "segs": (OMIT, "cache of a pure function of a layout (the used one is in _Target.segs)"),
     },
-    PrefillRecord: RECORD_RULES,
+    PrefillRecord: {
+        **RECORD_RULES,
+        "progress_at": (OMIT, "read only with P's progress_timeout_s on, which the "
+                              "checker's worlds leave off (their deadline is the cap alone); "
+                              "lw validate turns it on for a run that had it, where the "
+                              "re-armed deadline timer tells apart what it decides"),
+    },
     _Target: {},
 }

@@ -45,10 +45,6 @@ RECORD_RULES: Mapping[str, tuple[str, str]] = {
                        "it as not_after, which the checker's world need not read: its writes "
                        "resolve within the transfer timeout of their submission"),
     "alarmed": (OMIT, "observability (stuck-request alarm)"),
-    "progress_at": (OMIT, "read only with P's progress_timeout_s on, which the checker's worlds "
-                          "leave off (their deadline is the cap alone); lw validate turns it on "
-                          "for a run that had it, where the re-armed deadline timer tells apart "
-                          "what it decides"),
 }
 
 _ATOMS = frozenset({type(None), bool, int, float, str, bytes})
