@@ -6,8 +6,10 @@ accepts a reconnection into the listen backlog; a dead process's host resets or 
 and a host gone or cut off lets ZMTP's heartbeat time it out with no reconnection after. ZMQ
 reports each change on a monitor socket per DEALER; this keeps the last one, read as the
 evidence :func:`lw.fsm.silence.silence_loses` weighs. No extra connection is made: a raw
-TCP connect-and-close into a ZMQ port can crash the peer's libzmq (zeromq/libzmq#4841:
-``Assertion failed: !_io_error``; seen on a loaded 2-core run)."""
+TCP connect-and-close into a ZMQ port was followed by the peer's libzmq asserting (``Assertion
+failed: !_io_error``, the pattern of zeromq/libzmq#4841; a loaded 2-core run). The same
+assertion was seen later without it (docs/benchmarks.md), so a connection that breaks while
+output is pending is enough to hit it."""
 
 from __future__ import annotations
 
