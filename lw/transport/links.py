@@ -28,10 +28,9 @@ _WATCHED = _UP | _DOWN
 
 
 class _Link:
-    __slots__ = ("dest", "up", "since")
+    __slots__ = ("up", "since")
 
-    def __init__(self, dest: str, now: float) -> None:
-        self.dest = dest
+    def __init__(self, now: float) -> None:
         self.up = False
         self.since = now  # when it last went up or down (created: connecting)
 
@@ -52,7 +51,7 @@ class Links:
         """Start following ``dealer``'s connection; the monitor socket to poll."""
         monitor = dealer.get_monitor_socket(_WATCHED)
         monitor.setsockopt(zmq.LINGER, 0)
-        self._by_monitor[monitor] = _Link(dest, time.monotonic())
+        self._by_monitor[monitor] = _Link(time.monotonic())
         self._by_dest[dest] = (dealer, monitor)
         return monitor
 
