@@ -63,7 +63,7 @@ def query(addrs: list[str], cluster_key: str | bytes | None = None, *, req_id: s
     newest ``timeline`` lifecycle events; wait at most ``timeout_s`` in total."""
     snap = Snapshot(asked_at=time.time())
     key = parse_cluster_key(cluster_key)
-    with SideChannel(bind_host, 0, cluster_key=key, heartbeat_s=0) as side:
+    with SideChannel(bind_host, 0, cluster_key=key) as side:
         pending: dict[int, str] = {}
         for addr in addrs:
             msg = StatusQuery(PROTOCOL_VERSION, side.addr, req_id, timeline)

@@ -2,14 +2,13 @@
 
 A process starved of CPU, stopped, or paused by its GC does not answer heartbeats, but its
 kernel keeps the TCP connection its side channel holds, acknowledges what is sent on it, and
-accepts a reconnection into the listen backlog; a dead process's host resets or refuses it,
-and a host gone or cut off lets ZMTP's heartbeat time it out with no reconnection after. ZMQ
-reports each change on a monitor socket per DEALER; this keeps the last one, read as the
-evidence :func:`lw.fsm.silence.silence_loses` weighs. No extra connection is made: a raw
-TCP connect-and-close into a ZMQ port was followed by the peer's libzmq asserting (``Assertion
-failed: !_io_error``, the pattern of zeromq/libzmq#4841; a loaded 2-core run). The same
-assertion was seen later without it (docs/benchmarks.md), so a connection that breaks while
-output is pending is enough to hit it."""
+answers keepalive probes; a dead process's host resets or refuses it, and a host gone or cut
+off stops answering, which the kernel turns into a closed connection within the side channel's
+``host_timeout_s`` (keepalive, TCP_MAXRT), with no reconnection after. ZMQ reports each change
+on a monitor socket per DEALER; this keeps the last one, read as the evidence
+:func:`lw.fsm.silence.silence_loses` weighs. No extra connection is made and no ZMTP heartbeat
+runs: each was followed by libzmq 4.3.5 aborting the process (``Assertion failed: !_io_error``;
+see :func:`lw.transport.sidechannel.tune_socket`)."""
 
 from __future__ import annotations
 

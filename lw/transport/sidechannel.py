@@ -38,6 +38,7 @@ from __future__ import annotations
 import errno
 import hmac
 import logging
+import math
 import os
 import random
 import struct
@@ -94,6 +95,12 @@ MAX_ADDR_BYTES = 1024
 WARN_INTERVAL_S = 10.0
 """At most one warning about refused frames per this many seconds per channel, with the counts
 since the last one: a flood of bad frames must not flood the log."""
+
+HOST_TIMEOUT_S = 10.0
+"""How long a peer's host may leave a connection unanswered before its kernel-level connection
+counts as down: longer than TCP's retransmissions take on a link dropping 30 % of its packets
+(3 s was not: the lossy-link row's connections broke and were redialled), short against
+``heartbeat_cap_s``, the most lw waits for a silent peer whose connection stays up."""
 
 _MAGIC = b"LW"
 _FRAME_VERSION = 2  # 2: the header names its destination, which the MAC covers
@@ -200,6 +207,29 @@ _COUNTERS = (
 )
 
 
+def tune_socket(sock: zmq.Socket, hwm: int, recv_hwm: int, host_timeout_s: float) -> None:
+    """Set what every side-channel socket shares: bounded queues and frames, no linger, and a
+    connection the *kernel* declares down when the peer's host stops answering."""
+    sock.setsockopt(zmq.LINGER, 0)  # close never waits for a dead peer
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, recv_hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    # No ZMTP heartbeats (HEARTBEAT_IVL stays 0). On libzmq 4.3.5 a heartbeat timer that fires
+    # after a connection broke while its input was stopped (a full receive queue: a process
+    # starved of CPU) aborts the process: ``Assertion failed: !_io_error``, seen killing D's
+    # worker on loaded runs, reproduced by tests/transport/test_zmq_abort.py. Heartbeats were
+    # also the wrong witness: they are answered by the peer's libzmq thread, which starves with
+    # its process, while the peer's kernel keeps answering TCP. Keepalive probes find a host gone
+    # while the connection is idle, TCP_MAXRT (TCP_USER_TIMEOUT) while data waits for its ack;
+    # a slow process is lw's verdict to make (lw.fsm.silence), not the socket's.
+    if host_timeout_s > 0:
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, max(1, math.ceil(host_timeout_s)))
+        sock.setsockopt(zmq.TCP_MAXRT, max(1, round(host_timeout_s * 1000)))
+
+
 class SideChannel:
     """ROUTER listener + one DEALER per peer, authenticated frames, bounded and non-blocking."""
 
@@ -215,12 +245,17 @@ class SideChannel:
         replay_cache_size: int = 1 << 18,
         hwm: int = 10_000,
         recv_hwm: int = RECV_HWM,
-        heartbeat_s: float = 1.0,
+        host_timeout_s: float = HOST_TIMEOUT_S,
         faults: FaultInjection | None = None,
         burst: int = 256,
         warn_interval_s: float = WARN_INTERVAL_S,
     ) -> None:
-        """``hwm``: messages queued per peer for sending; ``recv_hwm``: per connection received."""
+        """``hwm``: messages queued per peer for sending; ``recv_hwm``: per connection received;
+        ``host_timeout_s``: how long a peer's host may leave a connection unanswered before it
+        counts as down (0: the OS's defaults, minutes)."""
+        if not (math.isfinite(host_timeout_s) and host_timeout_s >= 0):
+            raise ValueError(f"host_timeout_s must be >= 0 and finite (0: the OS's defaults), "
+                             f"got {host_timeout_s}")
         if cluster_key is not None and len(cluster_key) < 16:
             raise ValueError("cluster_key must be at least 16 bytes")
         if max_peers < 1:
@@ -231,7 +266,7 @@ class SideChannel:
         self._replay_cap = replay_cache_size
         self._hwm = hwm
         self._recv_hwm = recv_hwm
-        self._heartbeat_ms = int(heartbeat_s * 1000)
+        self._host_timeout_s = host_timeout_s
         self._faults = faults if faults is not None and faults.active else None
         self._rng = random.Random(faults.seed if faults is not None else None)
         self._burst = burst
@@ -277,14 +312,7 @@ class SideChannel:
 
     # ----------------------------------------------------------------------------- sockets
     def _tune(self, sock: zmq.Socket) -> None:
-        sock.setsockopt(zmq.LINGER, 0)  # close never waits for a dead peer
-        sock.setsockopt(zmq.SNDHWM, self._hwm)
-        sock.setsockopt(zmq.RCVHWM, self._recv_hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        if self._heartbeat_ms > 0:
-            # ZMTP heartbeats notice a dead or frozen peer and make the DEALER reconnect.
-            sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self._heartbeat_ms)
+        tune_socket(sock, self._hwm, self._recv_hwm, self._host_timeout_s)
 
     def _dealer(self, dest: str) -> zmq.Socket | None:
         sock = self._dealers.get(dest)

@@ -71,7 +71,7 @@ class FakeWorker:
     queries from a timeline (lw.transport.statusreply, as a real worker loop does)."""
 
     def __init__(self) -> None:
-        self.side = SideChannel(cluster_key=KEY, heartbeat_s=0)
+        self.side = SideChannel(cluster_key=KEY)
         self.me = Sender("decode", 0, 1, self.side.addr)
         self.timeline = Timeline()
         self.counters: dict[str, int] = {"failed": 0}

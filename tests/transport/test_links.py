@@ -28,8 +28,11 @@ from lw.transport.wire import PROTOCOL_VERSION, Heartbeat, Sender
 # killed (its loop answers nothing: only the kernel and ZMQ's I/O thread act for it).
 _PEER = """
 import sys, time
+from lw.lab.synthetic import netns
 from lw.transport.sidechannel import SideChannel
-side = SideChannel()
+if len(sys.argv) > 1:  # behind a partition: inside the decoder's namespace
+    netns.enter(sys.argv[1])
+side = SideChannel(*sys.argv[2:3])
 print(side.addr, flush=True)
 while True:
     side.poll(100)
@@ -45,8 +48,10 @@ def _until(side: SideChannel, dest: str, want: str, within: float = 10.0) -> str
     return shown
 
 
-def _peer() -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-c", _PEER], stdout=subprocess.PIPE, text=True)
+def _peer(*where: str) -> tuple[subprocess.Popen[str], str]:
+    """A peer process; ``where``: the namespace it enters and the address it binds there."""
+    proc = subprocess.Popen([sys.executable, "-c", _PEER, *where], stdout=subprocess.PIPE,
+                            text=True)
     assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()
 
@@ -57,7 +62,7 @@ def _hello(side: SideChannel, dest: str) -> None:
 
 @pytest.fixture
 def side() -> SideChannel:
-    s = SideChannel(heartbeat_s=0.2)  # ZMTP times out an unanswering peer in 0.6 s
+    s = SideChannel(host_timeout_s=2.0)  # a host that stops answering: down within 2 s
     yield s
     s.close()
 
@@ -71,12 +76,12 @@ def test_a_stopped_peer_stays_alive_and_a_killed_one_is_gone(side: SideChannel) 
     try:
         _hello(side, addr)
         assert _until(side, addr, ALIVE) == ALIVE
-        proc.send_signal(signal.SIGSTOP)  # frozen: ZMTP's heartbeat times out, the kernel
-        deadline = time.monotonic() + 3.0  # still takes the reconnection
+        proc.send_signal(signal.SIGSTOP)  # frozen: its kernel still answers for it, past
+        deadline = time.monotonic() + 4.0  # the host timeout, with what was sent unread
         while time.monotonic() < deadline:
+            _hello(side, addr)
             side.poll(50)
-            assert side.link_evidence(addr) in (ALIVE, PENDING)
-        assert _until(side, addr, ALIVE) == ALIVE
+            assert side.link_evidence(addr) == ALIVE
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
@@ -84,6 +89,40 @@ def test_a_stopped_peer_stays_alive_and_a_killed_one_is_gone(side: SideChannel) 
     finally:
         proc.kill()
         proc.wait()
+
+
+def _netns_missing() -> str:
+    from lw.lab.synthetic.netns import unavailable
+
+    return unavailable()
+
+
+@pytest.mark.skipif(bool(_netns_missing()), reason=f"no network namespaces: {_netns_missing()}")
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "sending"])
+def test_a_host_cut_off_is_gone_within_the_host_timeout(side: SideChannel, busy: bool) -> None:
+    """The peer behind a veth pair whose link is cut: no reset, no refusal, only silence. The
+    kernel gives the connection up (keepalive while idle, TCP_MAXRT while data is unacked)."""
+    from lw.lab.synthetic.netns import Partition
+
+    with Partition() as net:
+        proc, addr = _peer(net.name, net.ns_ip)
+        try:
+            _hello(side, addr)
+            assert _until(side, addr, ALIVE) == ALIVE
+            net.partition()
+            t0 = time.monotonic()
+            shown = side.link_evidence(addr)
+            while shown != GONE and time.monotonic() - t0 < 10.0:
+                if busy:
+                    _hello(side, addr)
+                side.poll(50)
+                shown = side.link_evidence(addr)
+            assert shown == GONE
+            # 2 s of host timeout, answer_s, and a keepalive probe's second of slack
+            assert time.monotonic() - t0 < 2.0 + side.links.answer_s + 1.5
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_port_nobody_holds_is_gone_once_the_answer_time_passed(side: SideChannel) -> None:
