@@ -33,20 +33,28 @@ class Shape:
     input_len: int
     concurrency: int
     prompts: int
+    only_factors: tuple[float, ...] = ()  # the kv_over_prefill rows it runs on (empty: all)
 
     @property
     def key(self) -> str:
         """Short name, e.g. ``in1024-c4``."""
         return f"in{self.input_len}-c{self.concurrency}"
 
+    def runs_on(self, row: LinkRow) -> bool:
+        """Whether this shape is measured on ``row``: load shapes run on their factor rows only
+        (each costs minutes per set-up and repeat)."""
+        return not self.only_factors or (row.kind == "factor" and row.factor in self.only_factors)
+
 
 def shapes(quick: bool, link: bool = False) -> list[Shape]:
     """The shapes of the issue; ``--quick`` sends fewer prompts. With a link: 1,024-token
-    prompts (``--quick``), plus 128- and 4,096-token ones on the full run."""
+    prompts (``--quick``), plus 128- and 4,096-token ones on the full run, and concurrency 8
+    and 16 at kv_over_prefill 1.0, where a bound on work ahead of D's claims would show."""
     if link:
         if quick:
             return [Shape(1024, 1, 6)]
-        return [Shape(128, 1, 16), Shape(1024, 1, 12), Shape(1024, 4, 16), Shape(4096, 1, 6)]
+        return [Shape(128, 1, 16), Shape(1024, 1, 12), Shape(1024, 4, 16), Shape(4096, 1, 6),
+                Shape(1024, 8, 32, (1.0,)), Shape(1024, 16, 48, (1.0,))]
     if quick:
         return [Shape(128, 1, 8), Shape(1024, 1, 6), Shape(1024, 4, 12)]
     return [Shape(128, 1, 32), Shape(1024, 1, 16), Shape(1024, 4, 32)]

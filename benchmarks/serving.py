@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -459,7 +460,7 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
             print(f"[{name}] FAILED to start: {exc}", flush=True)
             bench.failures += 1
             for sh in bench.plan:
-                for row in rows:
+                for row in (r for r in rows if sh.runs_on(r)):
                     key = (sh.key, "-" if setup == "single" else row.key, setup)
                     bench.results.setdefault(key, []).append({"error": "did not start"})
             return
@@ -469,7 +470,7 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
             warm_up(run)
             print(f"[{name}] ready in {time.monotonic() - t0:.0f}s", flush=True)
             for sh in bench.plan:
-                for row in rows:
+                for row in (r for r in rows if sh.runs_on(r)):
                     if place.link is not None:
                         set_link(place.link, bench, row, sh)
                     measure(bench, run, setup, rep, row, sh, logs)
@@ -627,7 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.row_warmups is not None and args.row_warmups < 0:
         ap.error(f"--row-warmups must be >= 0, got {args.row_warmups}")
     if args.prompts:
-        plan = [Shape(s.input_len, s.concurrency, args.prompts) for s in plan]
+        plan = [dataclasses.replace(s, prompts=args.prompts) for s in plan]
     longest = max(s.input_len for s in plan) + OUTPUT_TOKENS
     engine_args: tuple[str, ...] = ()
     model_kw: dict[str, Any] = {}
@@ -661,7 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for bench in benches:
             failures += bench.failures
             for sh in bench.plan:
-                for row in bench.rows:
+                for row in (r for r in bench.rows if sh.runs_on(r)):
                     print_table(bench, sh, row, link_mode)
         print(f"\ntotal time {time.monotonic() - t_all:.0f}s; results and logs in {work}")
     return 1 if failures else 0

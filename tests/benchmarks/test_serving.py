@@ -115,3 +115,19 @@ def test_a_row_retargets_to_each_repeats_prefill_time() -> None:
     info.goodput_prefills_s.append(info.prefill_s)
     assert info.achieved() == pytest.approx([1.0, 1.0])  # each against its own repeat
     assert info.prefills_s == [0.5, 0.4]
+
+
+def test_the_full_link_run_adds_load_shapes_at_kv_over_prefill_1_only() -> None:
+    """Issue 39 item 6: concurrency 8 and 16 at 1.0 (where ahead prefills would pile up), not on
+    every row; the other shapes run on every row, and --prompts keeps the restriction."""
+    from benchmarks._plan import shapes
+
+    full = {s.key: s for s in shapes(False, link=True)}
+    rows = parse_link("auto")
+    for key in ("in1024-c8", "in1024-c16"):
+        assert [r.key for r in rows if full[key].runs_on(r)] == ["kv_over_prefill=1.0"]
+    assert all(full["in1024-c4"].runs_on(r) for r in rows)
+    assert [s.key for s in shapes(True, link=True)] == ["in1024-c1"]  # --quick: unchanged
+    import dataclasses
+
+    assert dataclasses.replace(full["in1024-c8"], prompts=3).only_factors == (1.0,)
