@@ -48,3 +48,20 @@ class Pattern:
         n = self.block_bytes
         return all(self.check(block[k * n:(k + 1) * n], req_id, layer, index, head)
                    for k, head in enumerate(range(head_lo, head_hi)))
+
+    def identify(self, block: np.ndarray, req_ids: list[str], layers: int, indices: int,
+                 head: int = 0) -> str:
+        """What a wrong head slice holds, for a corrupt request's report: zeros, the pattern of
+        some (request, layer, block index) among those given, whole or in part, or unknown."""
+        words = block.view(np.uint64)
+        if not words.any():
+            return "zeros (never written)"
+        first = int(words[0])  # word XOR position 0: the writer's seed
+        for rid in req_ids:
+            for layer in range(layers):
+                for index in range(indices):
+                    if word(rid, layer, index, head) == first:
+                        whole = self.check(block, rid, layer, index, head)
+                        return (f"{rid} layer {layer} block {index}"
+                                + ("" if whole else " (its first bytes only: a partial write)"))
+        return "unknown bytes"

@@ -526,6 +526,7 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
     pattern = Pattern(cfg.head_bytes)
     senders = [expected_senders(tp.fmt, cfg.prefill_tp) for tp in tps]
     alloc: dict[str, tuple[tuple[int, ...], float]] = {}
+    alloc_seen: list[str] = []  # every request allocated, to name whose bytes a wrong block holds
     unreported: dict[str, set[int]] = {}  # request -> TP workers that have not finished it
     bad: dict[str, set[tuple[int, int]]] = {}  # request -> (layer, block index) with a bad head
     failures: dict[str, str] = {}  # request -> first failure of a TP worker
@@ -577,7 +578,14 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
         if reason is not None:
             outcome = "failed"
         elif wrong:
-            outcome, reason = "corrupt", f"{len(wrong)} of {L * len(blocks)} blocks wrong"
+            layer, i = min(wrong)
+            tp = next((t for t in tps if not pattern.check_heads(
+                t.kv[layer, blocks[i]], rid, layer, i, t.fmt.head_lo, t.fmt.head_hi)), tps[0])
+            held = pattern.identify(tp.kv[layer, blocks[i]][:cfg.head_bytes], alloc_seen,
+                                    L, len(blocks), tp.fmt.head_lo)
+            outcome, reason = "corrupt", (f"{len(wrong)} of {L * len(blocks)} blocks wrong; "
+                                          f"layer {layer} block {i} (slot {blocks[i]}) holds "
+                                          f"{held}")
         else:
             outcome, reason = "done", ""
         now = time.monotonic()
@@ -673,6 +681,7 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
             rid = waiting.popleft()
             blocks = got
             alloc[rid] = (blocks, time.monotonic())
+            alloc_seen.append(rid)
             unreported[rid] = set(range(len(tps)))
             # D first: every TP worker knows the request before anyone may ask about it.
             futs = [tp.loop.call("add_request", rid, blocks, senders[j])
