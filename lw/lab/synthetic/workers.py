@@ -583,9 +583,14 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
                 t.kv[layer, blocks[i]], rid, layer, i, t.fmt.head_lo, t.fmt.head_hi)), tps[0])
             held = pattern.identify(tp.kv[layer, blocks[i]][:cfg.head_bytes], alloc_seen,
                                     L, len(blocks), tp.fmt.head_lo)
-            outcome, reason = "corrupt", (f"{len(wrong)} of {L * len(blocks)} blocks wrong; "
-                                          f"layer {layer} block {i} (slot {blocks[i]}) holds "
-                                          f"{held}")
+            writer = held.split(" ", 1)[0]
+            when = ("" if writer not in alloc_seen else
+                    ", allocated after it: a block held twice" if
+                    alloc_seen.index(writer) > alloc_seen.index(rid) else
+                    ", an earlier owner of the block: its write landed late")
+            outcome, reason = "corrupt", (f"{rid}: {len(wrong)} of {L * len(blocks)} blocks "
+                                          f"wrong; layer {layer} block {i} (slot {blocks[i]}) "
+                                          f"holds {held}{when}")
         else:
             outcome, reason = "done", ""
         now = time.monotonic()
