@@ -294,7 +294,7 @@ class PrefillEndpoint(LifecycleEndpoint):
         if ok:
             rec.progress_at = now
             for tg in rec.targets:  # the link to its D moves: requests queued behind progress
-                self._landed_at[tg.addr] = now
+                self.link_moved(tg.addr, now)
         if not ok:
             self._fail(rec, f"{self._what(seq)} write failed: {reason}", now, out)
         elif rec.state == FAILED:
@@ -402,6 +402,12 @@ class PrefillEndpoint(LifecycleEndpoint):
                 self._fail(rec, f"decoder lost: {reason}", now, out)
         return out
 
+    def link_moved(self, addr: str, now: float) -> None:
+        """A write to the D worker at ``addr`` landed: every request writing there progresses
+        (with ``progress_timeout_s``). Called on each landed write; the trace validator calls it
+        for the other requests' writes a one-request world does not hold."""
+        self._landed_at[addr] = now
+
     def _stalled(self, rec: PrefillRecord, now: float, out: list[Effect]) -> str:
         """Why a live request whose deadline timer fired fails now, or "" (its timer armed
         again) while it still makes progress before its cap."""
@@ -410,8 +416,13 @@ class PrefillEndpoint(LifecycleEndpoint):
             return f"deadline of {self.config.request_timeout_s}s passed"
         landed = self._landed_at
         last = max([rec.progress_at, *(landed.get(tg.addr, 0.0) for tg in rec.targets)])
-        if now - last < t:
-            out.append(ArmTimer(("deadline", rec.req.req_id), min(rec.deadline, last + t)))
+        # Compared with the very time the timer is armed for: ``now - last < t`` can hold at
+        # ``now == last + t`` in floating point (8.2 - 0.2 < 8), and a timer armed again for
+        # the instant it fires at fires for ever without the request failing (the checker's
+        # clock, which stands still between the two, found it: lw validate).
+        due = last + t
+        if now < due:
+            out.append(ArmTimer(("deadline", rec.req.req_id), min(rec.deadline, due)))
             return ""
         return (f"no progress for {now - last:.1f}s (progress_timeout_s {t:g}s; nothing "
                 f"computed, answered or landing on its decoder)")

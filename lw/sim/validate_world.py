@@ -230,6 +230,14 @@ class _Clock(Clock):
         return [("idle",)] + [("idle", at) for at in sorted(targets)
                               if s.now + EPSILON < at < first - EPSILON]
 
+    def do_landed(self, i: int) -> None:
+        """Another request's write landed on every D worker P worker ``i`` writes to now."""
+        s = self.s
+        ep = s.p[i]
+        for rec in list(ep._reqs.values()):
+            for tg in rec.targets:
+                ep.link_moved(tg.addr, s.now)
+
     def do_idle(self, at: float | None = None) -> None:
         """Time passes, to ``at`` (default: just before the next deadline)."""
         if at is None:
@@ -252,16 +260,43 @@ class ValidationWorld(World):
     faults_type = _Faults
     clock_type = _Clock
     handlers = {**World.handlers, "route": "proxy", "suspect_d": "faults",
-                "suspect_p": "faults"}
+                "suspect_p": "faults", "landed": "clock"}
 
     def key(self) -> tuple:
-        """The checker's state key and the routing notices in flight."""
-        return (super().key(), self.s.routes)
+        """The checker's state key, the routing notices in flight and, with P's progress
+        deadline on, what it reads (relative to now): the checker's snapshot leaves both out,
+        and two states that differ only there decide differently when the deadline fires."""
+        s = self.s
+        if not s.cfg.progress_timeout_s:
+            return (super().key(), s.routes)
+        progress = tuple((tuple(sorted((a, round(t - s.now, 9)) for a, t in ep._landed_at.items())),
+                          tuple(round(r.progress_at - s.now, 9) for r in ep._reqs.values()))
+                         for ep in s.p)
+        return (super().key(), s.routes, progress)
 
     def enabled(self) -> list[Action]:
-        """The checker's actions, the delivery of each routing notice in flight, and P learning
-        late of a D crash."""
-        return super().enabled() + [("route", *x) for x in self.s.routes] + self._late_d_lost()
+        """The checker's actions, the delivery of each routing notice in flight, P learning
+        late of a D crash, and other requests' writes landing on the request's D."""
+        return (super().enabled() + [("route", *x) for x in self.s.routes]
+                + self._late_d_lost() + self._landed_elsewhere())
+
+    def _landed_elsewhere(self) -> list[Action]:
+        # P's progress deadline counts every write that lands on a request's D, the other
+        # requests' too (a lossy-link run failed a request at its 20 s cap that its own
+        # progress would have failed at 8 s). The one-request world holds no other request:
+        # another's write may land just before the deadline timer fires, which then waits on.
+        s = self.s
+        if not s.cfg.progress_timeout_s or not s.p_alive:
+            return []
+        due = self.clock.deadlines()
+        if not due:
+            return []
+        first = min(at for at, _ in due)
+        if first - s.now > 1.5 * EPSILON:
+            return []
+        return [("landed", i) for at, a in due if at == first and a[0] == "timer"
+                and a[1][0] == "p" and a[2][0] == "deadline" and s.rank_alive(a[1][1] // s.tp)
+                for i in (a[1][1],)]
 
     def _late_d_lost(self) -> list[Action]:
         # A heartbeat detector declares a D lost some time after its death: in a kill-decoder
