@@ -156,3 +156,26 @@ def test_by_default_the_attempts_end_a_request_whose_d_answers_nothing() -> None
     _fire_p_timers(pair, 1.6)
     assert pair.ps[0].state_of("r1") == "FAILED"
     assert "no acknowledgement of DONE after 2 tries" in pair.finished[0].reason
+
+
+def test_the_deadline_fires_once_at_the_instant_it_was_armed_for() -> None:
+    """Progress at 0.2 s and 8 s without more: the timer armed for 8.2 s fails the request when
+    it fires at 8.2 s. 8.2 - 0.2 < 8 in floating point: compared so, the timer was armed again
+    for the same instant, for ever (the trace validator's clock found it)."""
+    pair = _pair(PrefillConfig(request_timeout_s=20.0, progress_timeout_s=8.0))
+    _start(pair, "r1", (1, 2, 3))
+    pair.deliver_all()
+    pair.advance(0.2)
+    pair.absorb(0, pair.ps[0].layer_computed(0, ["r1"], pair.now))
+    fired = 0
+    real = pair.ps[0].on_timer
+
+    def counting(key: object, now: float) -> list:
+        nonlocal fired
+        fired += 1
+        assert fired < 10, "the deadline timer keeps firing at the same instant"
+        return real(key, now)
+
+    pair.ps[0].on_timer = counting  # type: ignore[method-assign]
+    pair.advance(8.2)
+    assert pair.ps[0].state_of("r1") == "FAILED"

@@ -318,3 +318,16 @@ def test_ack_retries_then_ps_deadline_is_valid(capsys: pytest.CaptureFixture[str
     args = [str(path), "--request", "req-1", "--strict", "--seconds", "120"]
     assert validate_cli.main(args) == 0, capsys.readouterr().out
     assert "valid: 1 requests, 1 valid" in capsys.readouterr().out
+
+
+def test_a_progress_deadline_postponed_by_other_requests_writes_is_valid(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Two requests of a lossy-link run (2026-12-03, rejected there; the other requests' events
+    cut out): req-2 failed for no progress at 10.1 s, 2 s past its own last progress, and req-9
+    at its 20 s cap: other requests' writes landing on their D postponed P's progress deadline.
+    The one-request world holds no other request (now it lets their writes land), and the
+    deadline timer re-armed itself for ever at 8.2 s - 0.2 s < 8 s."""
+    path = Path(__file__).parent / "data" / "lossy-link-progress-elsewhere.jsonl"
+    args = [str(path), "--request", "req-2", "--request", "req-9", "--strict", "--seconds", "120"]
+    assert validate_cli.main(args) == 0, capsys.readouterr().out
+    assert "valid: 2 requests, 2 valid" in capsys.readouterr().out
