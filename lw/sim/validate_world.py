@@ -294,9 +294,8 @@ class ValidationWorld(World):
         first = min(at for at, _ in due)
         if first - s.now > 1.5 * EPSILON:
             return []
-        return [("landed", i) for at, a in due if at == first and a[0] == "timer"
-                and a[1][0] == "p" and a[2][0] == "deadline" and s.rank_alive(a[1][1] // s.tp)
-                for i in (a[1][1],)]
+        return [("landed", a[1][1]) for at, a in due if at == first and a[0] == "timer"
+                and a[1][0] == "p" and a[2][0] == "deadline" and s.rank_alive(a[1][1] // s.tp)]
 
     def _late_d_lost(self) -> list[Action]:
         # A heartbeat detector declares a D lost some time after its death: in a kill-decoder
