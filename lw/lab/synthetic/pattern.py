@@ -51,17 +51,24 @@ class Pattern:
 
     def identify(self, block: np.ndarray, req_ids: list[str], layers: int, indices: int,
                  head: int = 0) -> str:
-        """What a wrong head slice holds, for a corrupt request's report: zeros, the pattern of
-        some (request, layer, block index) among those given, whole or in part, or unknown."""
+        """What a wrong head slice holds, for a corrupt request's report: each run of bytes
+        written by one (request, layer, block index) among those given, zeros, or unknown."""
         words = block.view(np.uint64)
-        if not words.any():
-            return "zeros (never written)"
-        first = int(words[0])  # word XOR position 0: the writer's seed
-        for rid in req_ids:
-            for layer in range(layers):
-                for index in range(indices):
-                    if word(rid, layer, index, head) == first:
-                        whole = self.check(block, rid, layer, index, head)
-                        return (f"{rid} layer {layer} block {index}"
-                                + ("" if whole else " (its first bytes only: a partial write)"))
-        return "unknown bytes"
+        seeds = words ^ self._ramp  # word XOR position: each word's writer's seed
+        names = {word(rid, layer, index, head): f"{rid} layer {layer} block {index}"
+                 for rid in req_ids for layer in range(layers) for index in range(indices)}
+        key = np.where(words == 0, np.uint64(0), seeds)  # zero words: one run, whatever seed
+        zero = words == 0
+        runs: list[str] = []
+        start = 0
+        n = len(seeds)
+        while start < n:
+            end = start + 1
+            while end < n and key[end] == key[start] and zero[end] == zero[start]:
+                end += 1
+            what = "zeros" if zero[start] else names.get(int(seeds[start]), "unknown bytes")
+            runs.append(f"[{start * 8}, {end * 8}): {what}")
+            start = end
+        if len(runs) > 4:
+            runs = runs[:3] + [f"... {len(runs) - 3} more runs"]
+        return "; ".join(runs)
