@@ -388,6 +388,9 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
     if res.reasons:
         lines.append("  failure reasons:")
         lines += [f"    {n:>4} x {why}" for why, n in res.reasons.most_common(8)]
+    if res.corrupt_details:
+        lines.append("  corrupt blocks (what the first wrong block of each holds):")
+        lines += [f"    {d}" for d in res.corrupt_details]
     if res.counters:
         lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in
                                                sorted(res.counters.items())))

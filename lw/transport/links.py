@@ -8,7 +8,7 @@ off stops answering, which the kernel turns into a closed connection within the 
 on a monitor socket per DEALER; this keeps the last one, read as the evidence
 :func:`lw.fsm.silence.silence_loses` weighs. No extra connection is made and no ZMTP heartbeat
 runs: each was followed by libzmq 4.3.5 aborting the process (``Assertion failed: !_io_error``;
-see :func:`lw.transport.sidechannel.tune_socket`)."""
+see :func:`lw.transport.zmqsock.tune_socket`)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ import zmq
 _VICTIM = r"""
 import subprocess, sys, time
 import zmq
-from lw.transport.sidechannel import HOST_TIMEOUT_S, RECV_HWM, tune_socket
+from lw.transport.sidechannel import MAX_FRAME_BYTES, RECV_HWM
+from lw.transport.zmqsock import HOST_TIMEOUT_S, tune_socket
 
 PEER = '''
 import os, sys, time, zmq
@@ -35,7 +36,7 @@ os._exit(0)
 '''
 ctx = zmq.Context()
 router = ctx.socket(zmq.ROUTER)
-tune_socket(router, 10_000, RECV_HWM, HOST_TIMEOUT_S)
+tune_socket(router, 10_000, RECV_HWM, MAX_FRAME_BYTES, HOST_TIMEOUT_S)
 if sys.argv[1] == "zmtp":  # what the side channel did before
     router.setsockopt(zmq.HEARTBEAT_IVL, 1500)
     router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 60000)

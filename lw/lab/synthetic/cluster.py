@@ -49,6 +49,7 @@ from lw.lab.synthetic.workers import (
 )
 
 ProgressFn = Callable[["ClusterResult"], None]
+CORRUPT_DETAILS = 5  # corrupt requests whose wrong block is described in the result
 
 
 @dataclass
@@ -312,7 +313,10 @@ class _Cluster(FaultInjector):
                 self.res.latencies_s.append(latency)
         elif outcome == "corrupt":
             self.res.corrupt += 1
-            self.res.reasons[f"corrupt: {reason}"] += 1
+            what, _, detail = reason.partition("; ")
+            self.res.reasons[f"corrupt: {what}"] += 1
+            if detail and len(self.res.corrupt_details) < CORRUPT_DETAILS:
+                self.res.corrupt_details.append(detail)
         else:
             self.res.failed += 1
             self.res.client_gone += rid in self.gone

@@ -72,3 +72,24 @@ class Pattern:
         if len(runs) > 4:
             runs = runs[:3] + [f"... {len(runs) - 3} more runs"]
         return "; ".join(runs)
+
+    def corrupt_report(self, rid: str, wrong: set[tuple[int, int]], blocks: tuple[int, ...],
+                       layers: int, ranks: list[tuple[np.ndarray, int, int]],
+                       allocated: list[str]) -> str:
+        """A corrupt request's reason: ``N of M blocks wrong`` (its class, counted), then what
+        its first wrong block holds, run by run, and which other writers were allocated before
+        or after it (a late write of an earlier owner, or a block held twice). ``ranks``: each
+        D TP rank's KV array and head range; ``allocated``: request ids in allocation order."""
+        layer, i = min(wrong)
+        kv, lo, _hi = next(((kv, lo, hi) for kv, lo, hi in ranks if not self.check_heads(
+            kv[layer, blocks[i]], rid, layer, i, lo, hi)), ranks[0])
+        held = self.identify(kv[layer, blocks[i]][:self.block_bytes], allocated, layers,
+                             len(blocks), lo)
+        order = {r: k for k, r in enumerate(allocated)}  # first allocation of each
+        others = sorted({run.split(": ", 1)[1].split(" ", 1)[0] for run in held.split("; ")
+                         if ": " in run} & set(order) - {rid}, key=order.__getitem__)
+        when = "".join(f"; {w} was allocated "
+                       f"{'after' if order[w] > order.get(rid, -1) else 'before'} it"
+                       for w in others)
+        return (f"{len(wrong)} of {layers * len(blocks)} blocks wrong; {rid} layer {layer} "
+                f"block {i} (slot {blocks[i]}) holds {held}{when}")

@@ -51,6 +51,8 @@ class ClusterResult:
     leaked_d: int = 0
     p_unreported: int = 0  # requests a live P rank never released (SendFinished)
     reasons: Counter = field(default_factory=Counter)
+    # what the first corrupt requests' wrong blocks held (synthetic D's report), at most a few
+    corrupt_details: list[str] = field(default_factory=list)
     counters: Counter = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
     double_reports: int = 0

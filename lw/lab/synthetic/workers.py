@@ -578,20 +578,9 @@ def _decode_steps(cfg: ClusterConfig, cmd: Connection, outbox: _Outbox, generati
         if reason is not None:
             outcome = "failed"
         elif wrong:
-            layer, i = min(wrong)
-            tp = next((t for t in tps if not pattern.check_heads(
-                t.kv[layer, blocks[i]], rid, layer, i, t.fmt.head_lo, t.fmt.head_hi)), tps[0])
-            held = pattern.identify(tp.kv[layer, blocks[i]][:cfg.head_bytes], alloc_seen,
-                                    L, len(blocks), tp.fmt.head_lo)
-            order = {r: k for k, r in enumerate(alloc_seen)}  # first allocation of each
-            others = sorted({w.split(" ", 1)[0] for w in held.split(": ")[1:]} - {rid},
-                            key=lambda r: order.get(r, -1))
-            when = "".join(
-                f"; {w} was allocated {'after' if order.get(w, -1) > order[rid] else 'before'} "
-                f"it" for w in others if w in order)
-            outcome, reason = "corrupt", (f"{rid}: {len(wrong)} of {L * len(blocks)} blocks "
-                                          f"wrong; layer {layer} block {i} (slot {blocks[i]}) "
-                                          f"holds {held}{when}")
+            outcome, reason = "corrupt", pattern.corrupt_report(
+                rid, wrong, blocks, L, [(t.kv, t.fmt.head_lo, t.fmt.head_hi) for t in tps],
+                alloc_seen)
         else:
             outcome, reason = "done", ""
         now = time.monotonic()
