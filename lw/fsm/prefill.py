@@ -293,8 +293,9 @@ class PrefillEndpoint(LifecycleEndpoint):
             self._ring.append((now, req_id, "write_failed", rec.state, "", f"{seq}: {reason}"))
         if ok:
             rec.progress_at = now
+            landed = self._landed_at  # link_moved, inlined: once per landed write
             for tg in rec.targets:  # the link to its D moves: requests queued behind progress
-                self.link_moved(tg.addr, now)
+                landed[tg.addr] = now
         if not ok:
             self._fail(rec, f"{self._what(seq)} write failed: {reason}", now, out)
         elif rec.state == FAILED:
@@ -404,8 +405,9 @@ class PrefillEndpoint(LifecycleEndpoint):
 
     def link_moved(self, addr: str, now: float) -> None:
         """A write to the D worker at ``addr`` landed: every request writing there progresses
-        (with ``progress_timeout_s``). Called on each landed write; the trace validator calls it
-        for the other requests' writes a one-request world does not hold."""
+        (with ``progress_timeout_s``). The trace validator calls it for the other requests'
+        writes a one-request world does not hold (a landed write of this endpoint's does the
+        same inline)."""
         self._landed_at[addr] = now
 
     def _stalled(self, rec: PrefillRecord, now: float, out: list[Effect]) -> str:
@@ -684,8 +686,8 @@ SNAPSHOT_RULES: Rules = {
         **RECORD_RULES,
         "progress_at": (OMIT, "read only with P's progress_timeout_s on, which the "
                               "checker's worlds leave off (their deadline is the cap alone); "
-                              "lw validate turns it on for a run that had it, where the "
-                              "re-armed deadline timer tells apart what it decides"),
+                              "lw validate turns it on for a run that had it and keys it itself "
+                              "(ValidationWorld.key)"),
     },
     _Target: {},
 }

@@ -231,12 +231,10 @@ class _Clock(Clock):
                               if s.now + EPSILON < at < first - EPSILON]
 
     def do_landed(self, i: int) -> None:
-        """Another request's write landed on every D worker P worker ``i`` writes to now."""
+        """Another request's write landed on each D worker P worker ``i`` may write to now."""
         s = self.s
-        ep = s.p[i]
-        for rec in list(ep._reqs.values()):
-            for tg in rec.targets:
-                ep.link_moved(tg.addr, s.now)
+        for v in range(len(s.d)):
+            s.p[i].link_moved(d_addr(v), s.now)
 
     def do_idle(self, at: float | None = None) -> None:
         """Time passes, to ``at`` (default: just before the next deadline)."""
