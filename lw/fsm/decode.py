@@ -12,19 +12,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
-from lw.fsm.decode_ghosts import GHOST_RULES, Ghosts, grant_problem
+from lw.fsm.decode_failover import Failover
+from lw.fsm.decode_ghosts import GHOST_RULES, Ghosts
 from lw.fsm.decode_request import DecodeConfig, DecodeRecord, SenderKey, ack, brief_blocks
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
     Effect,
     EpochTimer,
-    FreshBlocks,
-    Granted,
     Quarantine,
     RecvDone,
     RecvFailed,
-    Reprefill,
     Send,
     SumBlocks,
     SumPlan,
@@ -64,7 +62,7 @@ _FINAL = (DONE, FAILED)
 _LIVE = (PREFILL_REQUESTED, RECEIVING)  # an epoch whose prefill is under way
 
 
-class DecodeEndpoint(LifecycleEndpoint):
+class DecodeEndpoint(Failover, LifecycleEndpoint):
     """Protocol logic of one D worker (events in, effects out; time is an argument)."""
 
     SIDE = "decode"
@@ -87,10 +85,12 @@ class DecodeEndpoint(LifecycleEndpoint):
         self.counters: dict[str, int] = dict.fromkeys((
             "peer_restarts", "requests", "done", "failed", "deadlines", "leases_expired",
             "stale_messages", "refused", "checksum_mismatches", "unknown_requests", "reprefills",
-            "stale_epoch", "fresh_blocks", "fresh_refused", "ghosts_released"), 0)
+            "stale_epoch", "fresh_blocks", "fresh_refused", "ghosts_released", "fences",
+            "fence_failures", "stale_fences"), 0)
         # retry_fresh_blocks: abandoned claim epochs whose blocks are quarantined; they outlive
         # their request if need be
-        self._ghosts = Ghosts(me, self.config.lease_s, self.counters, self.timeline)
+        self._ghosts = Ghosts(me, self.config.lease_s, self.counters, self.timeline,
+                              self.config.fence_data)
 
     # ----------------------------------------------------------------------------- inspection
     def quarantined(self) -> dict[str, tuple[int, ...]]:
@@ -193,14 +193,10 @@ class DecodeEndpoint(LifecycleEndpoint):
                 self.counters["deadlines"] += 1
                 self._fail(rec, f"prefill deadline of {self.config.prefill_timeout_s}s passed",
                            now, out)
-        elif kind == "lease" and rec.state == FENCING:
-            # Every write the old epoch's senders may have started has landed or never will.
-            self.counters["leases_expired"] += 1
-            self._new_epoch(rec, now, out)
         elif kind == "lease":
-            self._fire(rec, "lease_expired", now)
-            self.counters["leases_expired"] += 1
-            self._release(rec, out)
+            # The old epoch's senders issue no more writes (FENCING: then the next epoch;
+            # FAILED: the blocks back), once their bytes in flight are fenced (fence_data).
+            self._lease_over(rec, now, out)
         else:
             raise ValueError(f"unknown timer kind {kind!r} for request {rid!r}")
         return out
@@ -237,94 +233,6 @@ class DecodeEndpoint(LifecycleEndpoint):
             self.timeline.record(now, req_id, "routed", rec.state, rec.state,
                                  f"epoch {epoch} to P {engine_id}")
         return []
-
-    # ----------------------------------------------------------------------------- failover
-    def _lose(self, rec: DecodeRecord, reason: str, engine_id: str, now: float,
-              out: list[Effect]) -> None:
-        """The current epoch's P is gone: another epoch if the budget allows, else fail."""
-        if rec.retries >= self.config.retry_prefill:
-            self._fail(rec, reason, now, out)
-            return
-        rec.retries += 1
-        if self.config.retry_prefill_avoid == "lost" and engine_id not in rec.avoid:
-            rec.avoid = (*rec.avoid, engine_id)
-        rec.reason = reason
-        pending = [s for k, s in rec.claimers.items() if k not in rec.stopped]
-        if not pending:
-            # No sender of this epoch can write any more (none was accepted, or each said it
-            # stopped): a new epoch may use the same blocks at once.
-            out.append(CancelTimer(("deadline", rec.req_id)))
-            self._new_epoch(rec, now, out)
-            return
-        if self.config.retry_fresh_blocks and (rec.req_id, rec.epoch) not in self._ghosts.held:
-            # The next epoch may receive elsewhere: ask the driver for fresh blocks; on_fresh
-            # goes on with its answer, in the same interpreter call (lw.fsm.effects). The
-            # deadline stays armed until then (a driver that never answers cannot strand it).
-            rec.asking = True
-            out.append(FreshBlocks(rec.req_id, rec.epoch + 1, len(rec.blocks)))
-            return
-        out.append(CancelTimer(("deadline", rec.req_id)))
-        self._fence(rec, pending, now, out)
-
-    def on_fresh(self, answer: Granted, now: float) -> list[Effect]:
-        """The driver's answer to a :class:`FreshBlocks`: with blocks, the lost epoch becomes a
-        ghost (its blocks quarantined, its senders aborted) and the request goes on at once
-        under the next epoch in the fresh blocks, where no byte of the lost epoch can land (its
-        writes name the old blocks). Refused: FENCING, as without the setting."""
-        ask = answer.ask
-        rec = self._reqs.get(ask.req_id)
-        if rec is None or not rec.asking or ask.epoch != rec.epoch + 1:
-            raise ProtocolError("decode", ask.req_id, rec.state if rec else "UNKNOWN", "fresh",
-                                "fresh blocks nobody asked for")
-        rec.asking = False
-        out: list[Effect] = [CancelTimer(("deadline", rec.req_id))]
-        pending = {k: s for k, s in rec.claimers.items() if k not in rec.stopped}
-        if answer.blocks is None:
-            self.counters["fresh_refused"] += 1
-            self._fence(rec, list(pending.values()), now, out)
-            return out
-        held = {b for r in self._reqs.values() for b in r.blocks} | self._ghosts.held_blocks()
-        problem = grant_problem(answer.blocks, len(rec.blocks), held)
-        if problem:
-            raise ProtocolError("decode", rec.req_id, rec.state, "fresh", problem)
-        self.counters["fresh_blocks"] += 1
-        out += self._ghosts.hold(rec.req_id, rec.epoch, rec.blocks, pending, rec.reason, now)
-        rec.blocks = tuple(answer.blocks)
-        self._new_epoch(rec, now, out)
-        return out
-
-    def _fence(self, rec: DecodeRecord, pending: list[Sender], now: float,
-               out: list[Effect]) -> None:
-        """Wait out the lost epoch in the request's own blocks (FENCING)."""
-        # A sender of this epoch may still write into our blocks, and D cannot refuse bytes,
-        # only messages: stop it and wait, as a quarantine, before another P writes there.
-        reason = rec.reason
-        self._fire(rec, "fence", now, reason)
-        for sender in pending:
-            out.append(Send(sender.addr, Abort(PROTOCOL_VERSION, rec.req_id, self.me,
-                                               reason[:MAX_TEXT], rec.epoch)))
-        rec.deadline = now + self.config.lease_s
-        out.append(ArmTimer(("lease", rec.req_id), rec.deadline))
-
-    def _maybe_quiet(self, rec: DecodeRecord, now: float, out: list[Effect]) -> None:
-        """A fenced epoch whose every accepted sender confirmed it stopped: go on at once."""
-        if rec.state == FENCING and all(k in rec.stopped for k in rec.claimers):
-            out.append(CancelTimer(("lease", rec.req_id)))
-            self._new_epoch(rec, now, out)
-
-    def _new_epoch(self, rec: DecodeRecord, now: float, out: list[Effect]) -> None:
-        """Start the next claim epoch: forget the old senders, ask the driver for a prefill."""
-        rec.epoch += 1
-        fenced = rec.state == FENCING
-        self._fire(rec, "retry", now, f"epoch {rec.epoch}: {rec.reason}")
-        rec.claimers, rec.by_rank, rec.formats, rec.sums = {}, {}, {}, {}
-        rec.done, rec.stopped = set(), set()
-        rec.route = None
-        self.counters["reprefills"] += 1
-        rec.deadline = now + self.config.prefill_timeout_s
-        out.append(ArmTimer(("deadline", rec.req_id), rec.deadline))
-        out.append(Reprefill(rec.req_id, rec.epoch, rec.blocks, rec.avoid, rec.reason[:MAX_TEXT],
-                             fenced))
 
     def _other_epoch(self, rec: DecodeRecord, epoch: int, now: float) -> bool:
         """Whether a message of claim epoch ``epoch`` belongs to another epoch (then it is

@@ -14,7 +14,15 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from lw.fsm.decode_request import Ghost, SenderKey, ack, brief_blocks
-from lw.fsm.effects import ArmTimer, CancelTimer, Effect, EpochTimer, ReleaseBlocks, Send
+from lw.fsm.effects import (
+    ArmTimer,
+    CancelTimer,
+    Effect,
+    EpochTimer,
+    FenceData,
+    ReleaseBlocks,
+    Send,
+)
 from lw.fsm.messages import (
     MAX_TEXT,
     PROTOCOL_VERSION,
@@ -54,15 +62,16 @@ class Ghosts:
     stay quarantined, whatever becomes of its request, until its senders stopped or its lease
     passed, and then go back (``ReleaseBlocks``)."""
 
-    __slots__ = ("me", "lease_s", "counters", "timeline", "held")
+    __slots__ = ("me", "lease_s", "counters", "timeline", "held", "fence")
 
     def __init__(self, me: Sender, lease_s: float, counters: dict[str, int],
-                 timeline: Timeline) -> None:
+                 timeline: Timeline, fence: bool = False) -> None:
         self.me = me  # the D worker: the sender of the ghosts' aborts and acks
         self.lease_s = lease_s  # DecodeConfig.lease_s: a ghost's quarantine bound
         self.counters = counters  # the endpoint's statistics, shared
         self.timeline = timeline  # the endpoint's timeline, shared ("fresh", "ghost", ...)
         self.held: dict[tuple[str, int], Ghost] = {}
+        self.fence = fence  # DecodeConfig.fence_data: a lease ends with a fence (FenceData)
 
     def blocks(self) -> dict[tuple[str, int], tuple[int, ...]]:
         """The blocks of each ghost held, by (request, epoch)."""
@@ -121,9 +130,37 @@ class Ghosts:
             raise ValueError(f"unknown timer kind {key.kind!r} for request {key.req_id!r}")
         out: list[Effect] = []
         ghost = self.held.get((key.req_id, key.epoch))
-        if ghost is not None:
+        if ghost is not None and self.fence and ghost.pending:
+            ghost.fencing = True  # its senders issue no more writes; fence their bytes in flight
+            self.counters["fences"] += 1
+            self.timeline.record(now, ghost.req_id, "fence_data", "", "",
+                                 f"epoch {ghost.epoch}: lease over, fencing "
+                                 f"{len(ghost.pending)} sender(s)")
+            out.append(FenceData(ghost.req_id, ghost.epoch, tuple(ghost.pending.values())))
+        elif ghost is not None:
             self.counters["leases_expired"] += 1
             self._free(ghost, "lease expired", now, out)
+        return out
+
+    def fenced(self, req_id: str, epoch: int, ok: bool, reason: str, now: float,
+               retry_s: float) -> list[Effect]:
+        """The driver's answer to a ghost's :class:`FenceData`: released when it holds, else
+        the lease timer asks again after ``retry_s``."""
+        ghost = self.held[(req_id, epoch)]
+        out: list[Effect] = []
+        if not ghost.fencing:
+            self.counters["stale_fences"] += 1
+        elif ok:
+            ghost.fencing = False
+            self.counters["leases_expired"] += 1
+            self._free(ghost, "lease expired, data plane fenced", now, out)
+        else:
+            ghost.fencing = False
+            self.counters["fence_failures"] += 1
+            self.timeline.record(now, req_id, "fence_failed", "", "",
+                                 f"epoch {epoch}: {reason}"[:MAX_TEXT])
+            ghost.deadline = now + retry_s
+            out.append(ArmTimer(lease_key(req_id, epoch), ghost.deadline))
         return out
 
     def release(self, req_id: str, epoch: int, why: str, now: float) -> list[Effect]:
@@ -150,6 +187,7 @@ GHOST_RULES: Rules = {
     Ghosts: {
         **{k: ENDPOINT_RULES[k] for k in ("me", "counters", "timeline")},
         "lease_s": (OMIT, "fixed when made (DecodeConfig.lease_s)"),
+        "fence": (OMIT, "fixed when made (DecodeConfig.fence_data)"),
     },
     Ghost: {
         "reason": RECORD_RULES["reason"],

@@ -43,9 +43,16 @@ class DecodeConfig:
     # (a "ghost": abort its senders, free the blocks when each stopped or the lease ends). A
     # driver that cannot allocate outside its scheduler (vLLM's worker) refuses: then FENCING.
     retry_fresh_blocks: bool = False
+    # A lease that ends with senders not known to have stopped (a failure "in doubt", a lost
+    # P) does not free or reuse the blocks until the driver fenced the data plane from those
+    # senders (FenceData): bytes a lossy TCP link still carries land long after the writer gave
+    # up (measured up to 83 s, benchmarks/late_landing.py). Off: the lease alone decides, for a
+    # data plane that cannot fence (then a late byte can land in a reused block).
+    fence_data: bool = False
+    fence_retry_s: float = 2.0  # a fence that failed is tried again this much later
 
     def __post_init__(self) -> None:
-        for name in ("prefill_timeout_s", "lease_s"):
+        for name in ("prefill_timeout_s", "lease_s", "fence_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"DecodeConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.finished_memory < 1:
@@ -87,7 +94,7 @@ class DecodeRecord:
 
     __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
                  "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums", "asked",
-                 "epoch", "retries", "avoid", "route", "asking", "prompt")
+                 "epoch", "retries", "avoid", "route", "asking", "prompt", "fencing")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
                  ranks: frozenset[int] | None, now: float, deadline: float,
@@ -120,6 +127,7 @@ class DecodeRecord:
         # retry_fresh_blocks: a FreshBlocks question awaits its answer (set only within one
         # interpreter call, like ``asked``)
         self.asking = False
+        self.fencing = False  # fence_data: its lease ended, the FenceData awaits its answer
 
 
 class Ghost:
@@ -128,7 +136,7 @@ class Ghost:
     request, until every one of them stopped or the lease passed; then the blocks are freed
     (``ReleaseBlocks``)."""
 
-    __slots__ = ("req_id", "epoch", "blocks", "pending", "reason", "deadline")
+    __slots__ = ("req_id", "epoch", "blocks", "pending", "reason", "deadline", "fencing")
 
     def __init__(self, req_id: str, epoch: int, blocks: tuple[int, ...],
                  pending: dict[SenderKey, Sender], reason: str, deadline: float) -> None:
@@ -138,6 +146,7 @@ class Ghost:
         self.pending = pending  # accepted senders of that epoch not known to have stopped
         self.reason = reason  # why the epoch was abandoned (free text, for the release)
         self.deadline = deadline  # the lease's end (observability: the timer is armed)
+        self.fencing = False  # fence_data: its lease ended, the FenceData awaits its answer
 
 
 # D's per-request record types, all with __slots__ (a copier may carry them as tuples of values).

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from lw.fsm.messages import KVLayout, Message
+from lw.fsm.messages import KVLayout, Message, Sender
 
 
 class EpochTimer(NamedTuple):
@@ -142,6 +142,19 @@ class ReleaseBlocks:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class FenceData:
+    """D (``fence_data``): cut every data-plane connection from ``senders``' hosts into this
+    worker, so that no byte they had in flight can land here any more, then answer
+    ``DecodeEndpoint.data_fenced(req_id, epoch, ok)``. Asked when a lease ends with senders
+    that never confirmed they stopped: the lease bounds when P issues writes, not when bytes a
+    lossy link still carries arrive (measured: 83 s after the write was reported failed)."""
+
+    req_id: str
+    epoch: int
+    senders: tuple[Sender, ...]
+
+
 # KV checksums (kv_checksum) are questions the core asks its driver, answered by the interpreter
 # in the same call it performs them (lw.fsm.interpreter): the driver's ports compute or look up
 # CRC-32C over memory, and the answer goes straight back to the core's ``on_sums`` as a
@@ -224,7 +237,7 @@ class Sums:
 
 Effect = (
     Send | WriteLayer | ArmTimer | CancelTimer | SendFinished | RecvDone | RecvFailed | Quarantine
-    | Reprefill | ReleaseBlocks | SumBlocks | KeptSums | FreshBlocks
+    | Reprefill | ReleaseBlocks | SumBlocks | KeptSums | FreshBlocks | FenceData
 )
 
 

@@ -8,7 +8,7 @@ core's answer back into the same loop, and a checksum question (``SumBlocks`` on
 now: the ports compute or look up the CRCs, or allocate blocks, and the interpreter hands the
 answer to the core (``on_sums``, ``on_fresh``) before anything else can happen (why:
 lw.fsm.effects). A driver's ports only move bytes, messages and timers, sum memory and
-allocate blocks; they decide nothing about a request. No I/O here: ports do it.
+allocate blocks, start a fence; they decide nothing about a request. No I/O here: ports do it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
     Effect,
+    FenceData,
     FreshBlocks,
     Granted,
     KeptSums,
@@ -83,6 +84,10 @@ class EffectPorts(Protocol):
         its own), or None: refused (none free, or a driver that cannot allocate here)."""
         ...
 
+    def fence(self, effect: FenceData) -> None:
+        """D: start cutting the data-plane connections from ``effect.senders`` into this worker
+        (non-blocking); answer the core's ``data_fenced`` when done or failed."""
+
     def answer(self, answer: Answer) -> list[Effect]:
         """Hand an answer to the core (``Sums`` to its ``on_sums``, ``Granted`` to D's
         ``on_fresh``, at the driver's now); its effects."""
@@ -116,6 +121,8 @@ def perform(effects: list[Effect], ports: EffectPorts,
                 elif isinstance(e, SumBlocks):
                     got = tuple(ports.sum_blocks(e.layout, plan) for plan in e.plans)
                     work.append(ports.answer(Sums(e, got)))
+                elif isinstance(e, FenceData):
+                    ports.fence(e)
                 elif isinstance(e, FreshBlocks):
                     got = ports.fresh_blocks(e.req_id, e.count)
                     work.append(ports.answer(Granted(e, None if got is None else tuple(got))))

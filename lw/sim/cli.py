@@ -109,7 +109,8 @@ BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_head
                "p_blocks", "blocks_per_request", "chunks", "prefix_hits", "faults", "fault_kinds",
                "max_faults", "retries", "no_atomic_layers", "no_p_loss_detection",
                "no_crash_zombies", "no_delays", "no_abstract_time", "d_restarts", "late_writes",
-               "kv_checksum", "unordered_writes", "retry_prefill", "retry_fresh_blocks")
+               "kv_checksum", "unordered_writes", "retry_prefill", "retry_fresh_blocks",
+               "no_fence_data")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -187,6 +188,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--late-writes", action="store_true", default=None,
                     help="in-doubt bytes may land at any later time while D lives, past its "
                          "lease, into blocks of another claim (property stale-kv)")
+    ap.add_argument("--no-fence-data", action="store_true", default=None,
+                    help="D frees or reuses blocks when a lease ends, without fencing the data "
+                         "plane from senders that may still have bytes in flight")
     ap.add_argument("--kv-checksum", action="store_true", default=None,
                     help="the endpoints' kv_checksum: D verifies what its blocks hold against "
                          "P's checksums")
@@ -245,6 +249,8 @@ def config_from(args: argparse.Namespace, base: dict[str, Any] | None = None) ->
         kw["crash_zombies"] = False
     if args.late_writes:
         kw["late_writes"] = True
+    if args.no_fence_data:
+        kw["fence_data"] = False
     if args.kv_checksum:
         kw["kv_checksum"] = True
     if args.retry_fresh_blocks:
@@ -345,6 +351,10 @@ def report(cfg: WorldConfig, res: Result) -> list[str]:
              "after the failure; use-after-free keeps them off reused blocks"))
     if not cfg.p_loss_detection:
         lines.append("assumption: D never calls peer_lost for the P engine (finding 2)")
+    lines.append("fences: " + (
+        "a lease that ends with senders not known stopped fences the data plane from them "
+        "before their blocks are freed or reused; a fence completes at any later moment"
+        if cfg.fence_data else "none: a lease's end frees or reuses the blocks at once"))
     lines.append("properties:")
     for p in PROPERTIES:
         if p.id == "sometimes-deadline" and not cfg.faults:

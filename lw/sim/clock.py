@@ -41,6 +41,8 @@ class Clock:
         due += [(f[0][5], ("wto", i)) for i, f in enumerate(s.fifo) if f]
         due += [(z[5], ("zexp", z[0], z[1], z[2], z[3])) for z in s.zombies
                 if z[5] != math.inf]
+        due += [(f[4], ("fenced", f[0], f[1], f[2])) for f in s.fences
+                if s.d_alive[f[0] // s.d_tp]]
         return due
 
     def due_timers(self) -> list[Action]:
@@ -136,4 +138,5 @@ class Clock:
     def _deadline_count(self) -> int:
         s = self.s
         n = sum(ep.counters["deadlines"] for ep in s.p)
-        return n + sum(ep.counters["deadlines"] + ep.counters["leases_expired"] for ep in s.d)
+        return n + sum(ep.counters["deadlines"] + ep.counters["leases_expired"]
+                       + ep.counters["fences"] for ep in s.d)

@@ -93,6 +93,12 @@ class WorldConfig:
     # Bytes of a write that failed in doubt may land at any later moment while that D process
     # lives (not only within transfer_timeout_s): past D's lease, into blocks of another claim.
     late_writes: bool = False
+    # D fences the data plane from the senders of an epoch whose lease ended before it frees or
+    # reuses their blocks (DecodeConfig.fence_data); the fence completes at any later moment
+    # and cuts the in-doubt bytes of those senders to that worker (lw's design: late bytes
+    # are not bounded in time on a lossy TCP link).
+    fence_data: bool = True
+    fence_s: float = 5.0  # the longest a fence takes to hold (the runtime's fence timeout)
     # D's prefill retry budget (DecodeConfig.retry_prefill): a request whose P rank was lost is
     # prefilled again on another rank under a new claim epoch. With it, each DP rank is a P
     # engine of its own (engine id P<rank>): one rank dies ("rank-crash") while the others live.
@@ -200,6 +206,10 @@ class WorldConfig:
         for both; no timeline: observability only, the checker needs none)."""
         return core_config(PrefillConfig, vars(self), meta_attempts=self.retries,
                            ack_attempts=self.retries, timeline_entries=0)
+
+    def quarantine_s(self) -> float:
+        """The longest D holds a lost epoch's blocks: its lease, then a fence."""
+        return self.lease_s + (self.fence_s if self.fence_data else 0.0)
 
     def decode_config(self) -> DecodeConfig:
         """The D endpoints' deadline and lease in this world (no timeline, as for P)."""

@@ -4,9 +4,9 @@ part of :class:`lw.sim.world.World`)."""
 
 from __future__ import annotations
 
-from lw.fsm import WriteLayer
+from lw.fsm import FenceData, WriteLayer
 from lw.fsm.messages import KVLayout
-from lw.sim.config import HEAD_BYTES
+from lw.sim.config import HEAD_BYTES, p_addr
 from lw.sim.heads import write_problem
 from lw.sim.kvbytes import KVBytes
 from lw.sim.ports import Ports
@@ -56,6 +56,35 @@ class DataPath:
                           s.now + s.cfg.transfer_timeout_s, e.layout.incarnation))
         to = f" to D{v}" if s.d_tp > 1 else ""
         s.note(f"P{i}", f"write of {q.rid} {what}{to} submitted (in flight)")
+
+    # ------------------------------------------------------------------ fences (fence_data)
+    def on_fence(self, v: int, e: FenceData) -> None:
+        """D worker ``v`` asks to fence the data plane from ``e.senders``: what it will cut is
+        the in-doubt bytes of those P workers to ``v`` now (their connections)."""
+        s = self.s
+        workers = {w for w in range(len(s.p)) for x in e.senders if x.addr == p_addr(w)}
+        cut = tuple(sorted(z[:4] for z in s.zombies if z[0] in workers and z[3] == v))
+        s.fences = [f for f in s.fences if f[:3] != (v, e.req_id, e.epoch)]
+        s.fences.append((v, e.req_id, e.epoch, cut, s.now + s.cfg.fence_s))
+        s.note(s.dwname(v), f"fences the data plane from P worker(s) {sorted(workers)} "
+                            f"({e.req_id} epoch {e.epoch})")
+
+    def fenced_actions(self) -> list[tuple]:
+        """The fences that may complete now (any moment after they were asked)."""
+        s = self.s
+        return [("fenced", f[0], f[1], f[2]) for f in s.fences if s.d_alive[f[0] // s.d_tp]]
+
+    def do_fenced(self, v: int, req_id: str, epoch: int) -> None:
+        """A fence completes (at the latest fence_s after it was asked: a clock deadline): the
+        in-doubt bytes it cuts can no longer land; D is told."""
+        s = self.s
+        f = next(f for f in s.fences if f[:3] == (v, req_id, epoch))
+        s.fences.remove(f)
+        if s.now > f[4]:
+            raise AssertionError(f"fence of {req_id} held at t={s.now:g}, after its bound")
+        s.zombies = [z for z in s.zombies if z[:4] not in f[3]]
+        s.note(s.dwname(v), f"the data-plane fence for {req_id} epoch {epoch} holds")
+        self.ports.run(("d", v), s.d[v].data_fenced(req_id, epoch, True, "", s.now))
 
     def _check_placement(self, i: int, q: Req, e: WriteLayer) -> None:
         """Property kv-placement: write ``seq`` (chunk * L + layer, the chunks counted as the

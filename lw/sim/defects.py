@@ -189,17 +189,18 @@ class NoDeadline(DecodeEndpoint):
         return [e for e in out if not isinstance(e, ArmTimer)]
 
 
-class VerifyEachDone(DecodeEndpoint):
-    """lw before issue 11's fencing: with kv_checksum, D verified each sender's blocks only at
-    that sender's DONE, so bytes of a superseded claim landing after it went unseen."""
+class LeaseFreesInFlight(DecodeEndpoint):
+    """vLLM #41383's lease (and lw before issue 40): the end of the lease frees or reuses a
+    request's blocks at once, on the premise that a write given up on lands within its timeout
+    or never; no fence stops the bytes a lossy link still carries."""
 
-    def _to_verify(self, rec: object, key: tuple[str, int]) -> list[tuple[str, int]]:
-        return [key]
+    def _lease_over(self, rec: DecodeRecord, now: float, out: list[Effect]) -> None:
+        self._quiet(rec, now, out)
 
 
-class LeaseOnlyFence(DecodeEndpoint):
-    """vLLM #41383's lease (and lw with kv_checksum off): nothing ties the bytes in D's blocks
-    to the claim; only waiting out the lease keeps a late write off a reused block."""
+class LeaseOnlyFence(LeaseFreesInFlight):
+    """The same lease, and nothing ties the bytes in D's blocks to the claim (lw with
+    kv_checksum off): a late write is decoded as the next claim's KV."""
 
     def _verify(self, rec: object, key: tuple[str, int], msg: DoneSending,
                 local: object) -> str:

@@ -59,6 +59,9 @@ class Describe:
             return (f"LATE: the in-doubt bytes of {s.reqs[z[1]].rid} "
                     f"{s.what(z[1], z[2])} from P{z[0]} land in D{z[3]} block(s) "
                     f"{list(z[4])}")
+        if kind == "fenced":
+            return (f"the data-plane fence {s.dwname(a[1])} asked for ({a[2]} epoch {a[3]}) "
+                    "holds: its senders' in-doubt bytes can no longer land there")
         if kind == "zexp":
             z = next(z for z in s.zombies if z[:4] == a[1:])
             return (f"t={z[5]:g}: the in-doubt bytes of {s.reqs[z[1]].rid} "

@@ -148,7 +148,7 @@ class DNode:
         q = s.reqs[int(e.req_id[1:])]
         self._recv_report(v, q, True)
         # every earlier epoch may have taken its deadline and a fencing lease
-        retried = q.epoch * (s.cfg.prefill_timeout_s + s.cfg.lease_s)
+        retried = q.epoch * (s.cfg.prefill_timeout_s + s.cfg.quarantine_s())
         self._check_d_bound(v, q, retried + s.cfg.prefill_timeout_s)
         missing, inflight = self._missing_kv(q, v)
         if missing or inflight:
@@ -200,6 +200,7 @@ class DNode:
         if tuple(e.block_ids) != q.d_remote:
             raise Violation("double-free", f"D{v} releases blocks {list(e.block_ids)} for "
                                            f"{q.rid}, which receives into {list(q.d_remote)}")
-        self._check_d_bound(v, q, (q.epoch + 1) * (s.cfg.prefill_timeout_s + s.cfg.lease_s))
+        self._check_d_bound(v, q, (q.epoch + 1) * (s.cfg.prefill_timeout_s
+                                                   + s.cfg.quarantine_s()))
         s.note(f"D{v}", f"RecvFailed({q.rid}): {e.reason[:60]}")
         self._d_settle(q)

@@ -218,6 +218,7 @@ class Faults:
                     if not (k[0][0] == "d" and k[0][1] in dead)}
         s.net.drop_to([d_addr(v) for v in dead])
         s.zombies = [z for z in s.zombies if z[3] not in dead]
+        s.fences = [f for f in s.fences if f[0] not in dead]
         s.d_queue[d] = []
         for q in s.reqs:
             # only requests that reached this engine: one arriving after a restart must end

@@ -65,10 +65,23 @@ class KVBytes:
         z = next(z for z in s.zombies if z[:4] == (i, r, seq, v))
         s.zombies.remove(z)
         self.land(i, r, seq % s.cfg.layers, v, z[4], z[6])
+        tag = s.claim_tag(r, z[6])
         for b in z[4]:  # the fault's bytes reach whichever request holds the block now
             owner = s.d_pool[v // s.d_tp][b]
-            if owner is not None:
-                s.reqs[owner].touched = True
+            if owner is None:
+                continue
+            q = s.reqs[owner]
+            q.touched = True
+            if (q.d_stage == "decoding" and b in q.d_remote
+                    and s.claim_tag(q.idx, q.epoch) != tag):
+                # Checked when D started decoding it; these bytes come after: no checksum
+                # sees them, the engine reads them as this request's KV.
+                raise Violation("stale-kv",
+                                f"{s.dname(v // s.d_tp)} decodes {q.rid} while the in-doubt "
+                                f"bytes of {s.reqs[r].rid} {s.what(r, seq)} from P worker {i} "
+                                f"land late in its block {b}: D freed or reused that block "
+                                "before anything stopped them (a lease is no bound on when "
+                                "bytes a link still carries arrive)")
         s.arrow(f"P{i}", f"D{v}", f"LATE bytes of {s.reqs[r].rid} {s.what(r, seq)} -> "
                                   f"block(s) {list(z[4])}", dashed=True)
 

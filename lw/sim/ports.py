@@ -13,7 +13,7 @@ import weakref
 from typing import Protocol
 
 from lw.fsm import Effect, Quarantine, RecvDone, RecvFailed, Reprefill, SendFinished, WriteLayer
-from lw.fsm.effects import Granted, ReleaseBlocks, SumPlan, TimerKey
+from lw.fsm.effects import FenceData, Granted, ReleaseBlocks, SumPlan, TimerKey
 from lw.fsm.interpreter import Answer, Report, perform
 from lw.fsm.messages import KVLayout, Message, MetaRequest
 from lw.sim.config import Owner, _who, d_addr, p_addr
@@ -59,6 +59,9 @@ class WriteSink(Protocol):
 
     def on_write(self, i: int, e: WriteLayer) -> None:
         """P worker ``i`` submits a write."""
+
+    def on_fence(self, v: int, e: FenceData) -> None:
+        """D worker ``v`` asks for a fence of the data plane from some senders."""
 
 
 class Ports:
@@ -168,6 +171,9 @@ class _Port:
 
     def fresh_blocks(self, req_id: str, count: int) -> tuple[int, ...] | None:
         return self.ports.d_node.fresh_blocks(self.idx, req_id, count)
+
+    def fence(self, effect: FenceData) -> None:
+        self.ports.data.on_fence(self.idx, effect)
 
     def answer(self, answer: Answer) -> list[Effect]:
         s = self.ports.s

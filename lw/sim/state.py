@@ -59,6 +59,11 @@ class WorldState:
     # -- the data plane and D's memory
     fifo: list[list[Write]]  # writes in flight, per P worker
     zombies: list[Zombie]  # in-doubt bytes that may still land until their deadline
+    # fence_data: fences D workers asked for and the data plane has not completed, as (D
+    # worker, request id, epoch, the zombies it cuts: those of its senders to that worker
+    # when it was asked (bytes of writes that fail later are not cut, conservatively), the
+    # time by which it holds)
+    fences: list[tuple[int, str, int, tuple[tuple[int, int, int, int], ...], float]]
     d_mem: Memory  # whose bytes D's blocks hold (kv_checksum, late_writes)
     # -- schedulers: block pools (owner request index or None), queues
     p_pool: list[list[int | None]]  # per P DP rank
@@ -121,6 +126,7 @@ class WorldState:
         self.d_lost_seen = set()
         self.fifo = [[] for _ in range(nw)]
         self.zombies = []
+        self.fences = []
         self.d_mem = {}
         self.p_pool = [[None] * cfg.p_blocks for _ in range(cfg.dp)]
         self.d_pool = [[None] * cfg.d_blocks for _ in range(cfg.d_dp)]

@@ -109,7 +109,9 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
         request_timeout_s=p["request_timeout_s"], prefill_timeout_s=d["prefill_timeout_s"],
         lease_s=d["lease_s"], transfer_timeout_s=float(s.get("transfer_timeout_s", 5.0)),
         kv_checksum=bool(p.get("kv_checksum", False)), retry_prefill=retry,
-        retry_prefill_avoid=str(d.get("retry_prefill_avoid", "lost")), retry_fresh_blocks=fresh)
+        retry_prefill_avoid=str(d.get("retry_prefill_avoid", "lost")), retry_fresh_blocks=fresh,
+        # runs recorded before issue 40's fence freed blocks at the lease's end
+        fence_data=bool(d.get("fence_data", False)))
 
 
 class ValidationState(WorldState):

@@ -256,15 +256,18 @@ _DESIGNS: tuple[Design, ...] = (
                 "lease keeps an in-doubt write off reused blocks, and a write that lands later "
                 "(a partition healing after the lease) is decoded as another request's KV.",
         decode=defects.LeaseOnlyFence, expected="stale-kv", bounds=_LATE_WRITES,
-        ruled_out="with kv_checksum every DONE is verified against what D's blocks hold"),
+        ruled_out="a lease's end fences the data plane from senders not known stopped before "
+                  "it frees the blocks (fence_data), and with kv_checksum every DONE is "
+                  "verified against what D's blocks hold"),
     Design(
-        name="verify-each-done", title="checksums verified per DONE only",
-        ref="lw issue 11 (before fencing)",
-        summary="With kv_checksum D verified each sender's blocks at that sender's DONE only; "
-                "late bytes of a superseded claim landing before the last DONE went unseen.",
-        decode=defects.VerifyEachDone, expected="stale-kv",
-        bounds={**_LATE_WRITES, "tp": 2},
-        ruled_out="the last DONE's SumBlocks re-reads every sender's blocks (DecodeEndpoint)"),
+        name="lease-frees-in-flight", title="a lease frees blocks late bytes still reach",
+        ref="vllm #41383 (NIXL lease); lw issue 40 (bytes landed 83 s after a failed report)",
+        summary="With KV checksums on, D frees a failed request's blocks when its lease ends; "
+                "a write that failed in doubt lands after the next request's last DONE was "
+                "verified, while that request decodes: no checksum sees it.",
+        decode=defects.LeaseFreesInFlight, expected="stale-kv", bounds=_LATE_WRITES,
+        ruled_out="a lease's end fences the data plane from the senders not known stopped "
+                  "(FenceData) and frees or reuses the blocks only once the fence holds"),
     Design(
         name="done-before-earlier-chunk", title="DONE after the last chunk, an earlier in flight",
         ref="plausible, no upstream report",

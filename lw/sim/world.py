@@ -61,6 +61,7 @@ HANDLERS: dict[str, str] = {
     **dict.fromkeys(("crash_rank", "rank_lost", "reprefill"), "failover"),
     **dict.fromkeys(("idle", "wto", "zexp", "timer"), "clock"),
     "zland": "kv",
+    "fenced": "data",
 }
 
 
@@ -127,6 +128,7 @@ class World:
             tuple(map(tuple, s.p_running)),
             tuple(sorted((z[0], z[1], z[2], z[3], round(z[5] - now, 6), z[6])
                          for z in s.zombies)),
+            tuple(sorted((*f[:4], round(f[4] - now, 6)) for f in s.fences)),
             tuple(q.key(now, budget) for q in s.reqs),
             tuple(ep.snapshot() if s.rank_alive(w // tp) else None
                   for w, ep in enumerate(s.p)) if s.p_alive else None,
@@ -316,7 +318,7 @@ class World:
                 acts += self.clock.idle(acts)
         # Late bytes land at any moment, independent of the clock: even a timely clock moves
         # while they are pending (so leases expire before they land).
-        return acts + self.kv.zland_actions()
+        return acts + self.kv.zland_actions() + self.data.fenced_actions()
 
     def apply(self, a: Action) -> None:
         """Perform one enabled action, then check the safety properties (raises Violation)."""

@@ -2,8 +2,9 @@
 
 With ``late_writes`` the bytes of an in-doubt write may land at any later moment, past D's
 lease, into a block another request holds by then; ``stale-kv`` is the property. These tests show
-the model reaches that landing (the property is not vacuous), that lw's checksums turn it into a
-failed request, and that nothing changes for worlds without the switch.
+the model reaches that landing (the property is not vacuous), that lw's data-plane fence keeps it
+out, that without the fence lw's checksums turn a landing before the DONE into a failed request,
+and that nothing changes for worlds without the switch.
 """
 
 from __future__ import annotations
@@ -18,21 +19,36 @@ from lw.sim.world import World
 LATE = DESIGNS["lease-only-fence"].config_overrides()
 
 
-def test_without_checksums_a_late_write_is_decoded_as_another_request_kv() -> None:
-    res = explore(WorldConfig(design="d-first", **{**LATE, "kv_checksum": False}),
+def test_without_checksums_or_fence_a_late_write_is_decoded_as_another_request_kv() -> None:
+    res = explore(WorldConfig(design="d-first", **{**LATE, "kv_checksum": False,
+                                                   "fence_data": False}),
                   max_seconds=60)
     ce = res.counterexample
     assert ce is not None and ce.violation.prop == "stale-kv"
-    assert "holds bytes of r0" in ce.violation.message
+    assert "bytes of r0" in ce.violation.message
     assert any(a[0] == "zland" for a in ce.actions)
+
+
+def test_the_fence_keeps_late_writes_out_without_checksums() -> None:
+    res = explore(WorldConfig(design="d-first", **{**LATE, "kv_checksum": False}),
+                  max_seconds=60)
+    assert res.counterexample is None and res.complete
+    assert "deadline" in res.seen  # leases ended (and fences were asked for)
 
 
 def test_with_checksums_the_same_late_write_fails_the_request_it_reached() -> None:
     cfg = WorldConfig(design="lease-only-fence", **LATE)
     ce = explore(cfg, max_seconds=60).counterexample
     assert ce is not None
-    # The same events against lw's own D: the DONE after the late landing is refused.
-    w, _run, _texts, v = replay(replace(cfg, design="d-first"), ce.actions, record=False)
+    # The same events against lw's own D without its fence: the DONE after the late landing
+    # is refused (with the fence, the landing is not reachable at all).
+    # The shortest landing comes after r1's DONE, while it decodes, where no checksum can see
+    # it; the same landing just before that DONE is what the checksums are for.
+    acts = list(ce.actions)
+    assert acts[-1][0] == "zland" and acts[-2][0] == "deliver" and "DoneSending" in acts[-2][1]
+    acts[-2], acts[-1] = acts[-1], acts[-2]
+    w, _run, _texts, v = replay(replace(cfg, design="d-first", fence_data=False), acts,
+                                record=False)
     assert v is None
     assert w.d[0].counters["checksum_mismatches"] == 1
     r1 = w.reqs[1]

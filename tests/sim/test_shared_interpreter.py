@@ -39,6 +39,8 @@ def _drops_timers(effects, ports, on_error=None):  # type: ignore[no-untyped-def
                 writes.append(e)
             elif isinstance(e, _REPORTS):  # noqa: F821
                 ports.report(e)
+            elif isinstance(e, FenceData):  # noqa: F821
+                ports.fence(e)
             elif isinstance(e, SumBlocks):  # noqa: F821
                 got = tuple(ports.sum_blocks(e.layout, plan) for plan in e.plans)
                 work.append(ports.answer(Sums(e, got)))  # noqa: F821
@@ -65,6 +67,8 @@ def _sums_defect(effects, ports, on_error=None):  # type: ignore[no-untyped-def]
                 ports.cancel(e.key)
             elif isinstance(e, _REPORTS):  # noqa: F821
                 ports.report(e)
+            elif isinstance(e, FenceData):  # noqa: F821
+                ports.fence(e)
             else:
                 work.extend(_sums_branches(e, ports))  # noqa: F821
         if writes:
