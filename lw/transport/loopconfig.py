@@ -37,6 +37,9 @@ class LoopConfig:
     stuck_check_s: float = 1.0  # how often requests are checked for being stuck; 0 = never
     max_inbox: int = 1_000_000  # engine events queued for a loop that no longer runs are dropped
     tail_samples: int = 65536  # last-layer tails and round trips kept for stats()
+    # D (fence_data): the longest a data-plane fence waits for the transport to close what it
+    # cut; past it the fence has not held, and the core asks again later
+    fence_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -44,7 +47,7 @@ class LoopConfig:
         for key, note in (("layer_batch_s", " (0: every layer)"), ("hot_poll_s", " (0: off)"),
                           ("hot_window_s", ""), ("heartbeat_s", " (0: off)"),
                           ("heartbeat_cap_s", ""), ("heartbeat_factor", ""),
-                          ("stuck_check_s", " (0: off)")):
+                          ("stuck_check_s", " (0: off)"), ("fence_timeout_s", "")):
             value = getattr(self, key)
             # NaN and infinity compare in surprising ways with the loop's deadlines
             if (not isinstance(value, (int, float)) or isinstance(value, bool)

@@ -36,14 +36,15 @@ from lw.fsm import (
     SendFinished,
     WriteLayer,
 )
-from lw.fsm.effects import Granted, KeptSums, SumPlan, TimerKey
-from lw.fsm.interpreter import Answer, Report, perform
+from lw.fsm.effects import FenceData, KeptSums
+from lw.fsm.interpreter import Report, perform
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import Message
 from lw.fsm.silence import Silence
 from lw.fsm.status import status_line
 from lw.transport.kvmemory import Entry, KVMemory
 from lw.transport.loopconfig import LoopConfig
+from lw.transport.loopports import LoopPorts
 from lw.transport.osthread import name_os_thread
 from lw.transport.reports import ReportQueue
 from lw.transport.sidechannel import Inbound, SideChannel
@@ -59,7 +60,6 @@ from lw.transport.wire import (
     FailedSending,
     Heartbeat,
     HeartbeatAck,
-    KVLayout,
     LayerLayout,
     MetaReply,
     MetaRequest,
@@ -74,9 +74,17 @@ __all__ = ["LoopConfig", "WorkerLoop"]
 log = logging.getLogger("lw.runtime")
 
 
+def _host(addr: str) -> str:
+    """The host of a side-channel address ``tcp://host:port`` (IPv6 in brackets)."""
+    hostport = addr.split("://", 1)[-1]
+    host = hostport.rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
 _REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's connection
 _REQUESTS = (MetaRequest, DoneSending, FailedSending, Abort)  # questions: correlated
-_CALLS = frozenset({"add_request", "add_chunk", "abort", "peer_lost", "prefill_routed"})
+_CALLS = frozenset({"add_request", "add_chunk", "abort", "peer_lost", "prefill_routed",
+                    "data_fenced"})
 
 # inbox item kinds
 _LAYER = 0
@@ -90,7 +98,7 @@ _COUNTERS = ("turns", "layer_events", "calls", "messages", "protocol_errors", "c
     "effect_errors", "call_errors", "timers_fired", "transfers_submitted", "transfers_ok",
     "transfers_failed", "layer_writes", "write_setup_failures", "bytes_ok", "connects",
     "inbox_overflow", "reports", "status_queries", "stuck_requests", "checksums_verified",
-    "heartbeats_sent", "peers_lost", "self_stalls")
+    "heartbeats_sent", "peers_lost", "self_stalls", "fences")
 """The loop's monotonic counters (``stats()`` prefixes them ``loop.``)."""
 
 
@@ -159,6 +167,13 @@ class WorkerLoop:
                 raise ValueError(f"local_layout has {len(local)} layers, endpoint has "
                                  f"{endpoint.num_layers}")
         self._num_layers = endpoint.num_layers if self.is_prefill else 0
+        if (not self.is_prefill and endpoint.config.fence_data
+                and not getattr(data_plane, "can_fence", False)):
+            raise ValueError(
+                f"{config.name}: DecodeConfig.fence_data needs a data plane that can fence "
+                f"inbound transfers (Mooncake over TCP); {type(data_plane).__name__} cannot: "
+                "turn fence_data off (then a lease's end frees blocks late bytes may still "
+                "reach) or use one that can")
         # engine -> loop
         self._inbox: deque[tuple] = deque()
         self._pipe = WakePipe()
@@ -610,7 +625,7 @@ class WorkerLoop:
         """Perform effects through the shared interpreter; ``ib``: the message they answer."""
         # Made per call: ports kept on the loop would be a reference cycle, and a loop freed by
         # the cyclic collector may finalize its zmq context before its sockets (term() hangs).
-        perform(effects, _LoopPorts(self, ib), self._effect_failed)
+        perform(effects, LoopPorts(self, ib), self._effect_failed)
 
     def _effect_failed(self, e: Effect, exc: Exception) -> None:
         self.counters["effect_errors"] += 1
@@ -637,6 +652,24 @@ class WorkerLoop:
             except Exception:
                 log.exception("%s: on_report callback raised", self._name)
 
+    def _fence(self, e: FenceData) -> None:
+        """Fence the data plane from ``e.senders``' hosts on a thread of its own (it waits for
+        Mooncake to close what it cut); the core hears the outcome through ``data_fenced``."""
+        hosts = sorted({_host(s.addr) for s in e.senders})
+        self.counters["fences"] += 1
+
+        def run() -> None:
+            try:
+                ok, why = self.data_plane.fence_inbound(hosts, self.config.fence_timeout_s)
+            except Exception as exc:  # a fence that raised did not hold
+                ok, why = False, f"fence raised {exc!r}"
+            if not ok:
+                log.warning("%s: data-plane fence of %s for %s (epoch %d) failed: %s",
+                            self._name, hosts, e.req_id, e.epoch, why)
+            self.call("data_fenced", e.req_id, e.epoch, ok, why)
+
+        threading.Thread(target=run, name=f"{self._name}-fence", daemon=True).start()
+
     def _write(self, writes: list[WriteLayer]) -> list[list[Effect]]:
         """Start ``writes``; the core's effects for those that could not start."""
         out: list[list[Effect]] = []
@@ -647,48 +680,3 @@ class WorkerLoop:
             except Exception as exc:
                 self._core_error("transfer_done", exc)
         return out
-
-
-class _LoopPorts:
-    """The runtime's ports for :func:`lw.fsm.interpreter.perform`: the side channel (a reply
-    goes back on the asker's connection), the data plane, the loop's timer heap, the reports,
-    CRC-32C over the worker's memory, and the core for the answers to checksum questions."""
-
-    __slots__ = ("ib", "loop")
-
-    def __init__(self, loop: WorkerLoop, ib: Inbound | None) -> None:
-        self.loop = loop
-        self.ib = ib  # the message being answered, if any
-
-    def send(self, dest: str, msg: Message) -> None:
-        self.loop._send(dest, msg, self.ib)
-
-    def write(self, writes: list[WriteLayer]) -> list[list[Effect]]:
-        return self.loop._write(writes)
-
-    def arm(self, key: TimerKey, at: float) -> None:
-        self.loop.timers.arm(key, at)
-
-    def cancel(self, key: TimerKey) -> None:
-        self.loop.timers.cancel(key)
-
-    def report(self, effect: Report) -> None:
-        self.loop._report(effect)
-
-    def sum_blocks(self, layout: KVLayout, plan: SumPlan) -> list[list[int]]:
-        self.loop.counters["checksums_verified"] += 1
-        return KVMemory.sums_over(layout, plan)
-
-    def kept_sums(self, req_id: str, target: str, layers: int) -> list[list[int]]:
-        return self.loop.memory.kept_sums(req_id, target, layers)
-
-    def fresh_blocks(self, req_id: str, count: int) -> Sequence[int] | None:
-        fresh = self.loop._fresh_blocks
-        return None if fresh is None else fresh(req_id, count)
-
-    def answer(self, answer: Answer) -> list[Effect]:
-        ep, now = self.loop.endpoint, self.loop._clock()
-        if isinstance(answer, Granted):
-            assert isinstance(ep, DecodeEndpoint)
-            return ep.on_fresh(answer, now)
-        return ep.on_sums(answer, now)

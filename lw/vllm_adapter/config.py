@@ -278,8 +278,11 @@ class LwConfig:
                            resend_until_deadline=self.heartbeat_s > 0)
 
     def decode_config(self) -> DecodeConfig:
-        """The core's D settings (those this config names as the core does)."""
-        return core_config(DecodeConfig, vars(self))
+        """The core's D settings (those this config names as the core does); a lease's end
+        fences the data plane where it can (Mooncake over TCP; not RDMA, not in-process)."""
+        fence = (self.data_plane == "mooncake" and self.mooncake_protocol == "tcp"
+                 and not self.mooncake_device)
+        return core_config(DecodeConfig, vars(self), fence_data=fence)
 
     def loop_config(self, name: str) -> LoopConfig:
         """The settings of this engine's worker loops (``name``: the loop thread's)."""

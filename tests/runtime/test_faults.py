@@ -18,6 +18,7 @@ import pytest
 
 from lw.lab.synthetic import ClusterConfig, ClusterResult, run_cluster
 from lw.lab.synthetic.config import LINK_DEADLINES
+from lw.transport.loopconfig import LoopConfig
 
 from .conftest import needs_mooncake
 
@@ -66,7 +67,9 @@ def run(fault: str, data_plane: str = "mooncake", **kw: object) -> ClusterResult
     # until it thaws: a deadline that fell inside the freeze fires at the thaw (measured: a
     # request allocated just before a 6 s freeze ended at 6 + 7.5 s, past 3 + 7.5 + 2)
     frozen = cfg.freeze_s if "freeze" in fault else 0.0
-    bound = max(dcfg.prefill_timeout_s, frozen) + dcfg.lease_s + 2.0
+    # a lease that ends with a sender in doubt then waits for the data-plane fence
+    fence = LoopConfig.fence_timeout_s if dcfg.fence_data else 0.0
+    bound = max(dcfg.prefill_timeout_s, frozen) + dcfg.lease_s + fence + 2.0
     assert res.max_outcome_s < bound, (res.max_outcome_s, bound)
     assert res.ok
     return res

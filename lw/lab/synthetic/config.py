@@ -258,4 +258,6 @@ class ClusterConfig:
     def decode_config(self) -> DecodeConfig:
         """Deadlines of the decoder; the lease covers P's deadline plus the transfer timeout."""
         lease = self.request_timeout_s + self.transfer_timeout_s + self.lease_margin_s
-        return core_config(DecodeConfig, vars(self), lease_s=lease)
+        # Mooncake's TCP data plane can fence what a failed sender still has in flight
+        return core_config(DecodeConfig, vars(self), lease_s=lease,
+                           fence_data=self.data_plane == "mooncake")

@@ -256,6 +256,8 @@ class _QueuedDataPlane:
         self._pipe_open = True
         self._counters: dict[str, int] = dict.fromkeys(
             (
+                "fences",
+                "fence_failures",
                 "submitted",
                 "completed",
                 "failed",

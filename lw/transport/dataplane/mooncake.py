@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -63,6 +64,7 @@ from lw.transport.dataplane.base import (
     coalesce,
     split_batches,
 )
+from lw.transport.dataplane.fence import fence_inbound, listening_ports
 from lw.transport.dataplane.window import ByteWindow
 
 __all__ = ["MooncakeDataPlane"]
@@ -140,6 +142,12 @@ class MooncakeDataPlane(_QueuedDataPlane):
             raise ValueError(f"wait must be 'spin' or 'poll', got {wait!r}")
         if timeout_s is not None:
             os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, math.ceil(timeout_s)))
+            # Mooncake's TCP transport keeps a stalled write (and resends it on new
+            # connections) past MC_TRANSFER_TIMEOUT until these give up: bound them by the same
+            # timeout, so that what a receiver's fence at the end of D's lease cuts is the last
+            # of it (benchmarks/late_landing.py --fence); an operator's own values stay.
+            for key in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC"):
+                os.environ.setdefault(key, str(max(5, math.ceil(timeout_s))))
         for key, value in (env or {}).items():
             os.environ[key] = value
         if os.environ.get("MC_TCP_PROTO") == "1":
@@ -160,13 +168,23 @@ class MooncakeDataPlane(_QueuedDataPlane):
         self._coalesce = coalesce_entries
         self._remote_bounds: dict[str, frozenset[int]] = {}
         self._engine: Any = TransferEngine()
+        before = listening_ports()
         rc = self._engine.initialize(hostname, metadata_server, protocol, device_name)
+        # The ports Mooncake listens on (its RPC port and its TCP transport's data port, which
+        # the Python API does not name): what a fence cuts inbound connections on.
+        self._fence_ports = frozenset(listening_ports() - before)
         if rc != 0:
             raise RuntimeError(
                 f"mooncake TransferEngine.initialize({hostname!r}, {metadata_server!r}, "
                 f"{protocol!r}, {device_name!r}) returned {rc}"
             )
         self._session = f"{hostname}:{self._engine.get_rpc_port()}"
+        # Over TCP (no RDMA card) a receiver can cut what peers still send it (fence.py). The
+        # TCP transport opens exactly two listeners, its RPC port and its data port: anything
+        # else means another thread listened meanwhile, and cutting its connections would be
+        # wrong, so then this engine does not fence.
+        self.can_fence = (protocol == "tcp" and not device_name and len(self._fence_ports) == 2
+                          and self._engine.get_rpc_port() in self._fence_ports)
 
     @property
     def session(self) -> str:
@@ -182,6 +200,28 @@ class MooncakeDataPlane(_QueuedDataPlane):
         """A failure after entries reached Mooncake (timeout, peer error, close mid-write) may
         still deliver bytes later (measured: a resumed frozen peer receives them)."""
         return reason.startswith(("mooncake ", "closed after", "internal error"))
+
+    def fence_inbound(self, hosts: Iterable[str], timeout_s: float) -> tuple[bool, str]:
+        """Cut every inbound Mooncake connection from ``hosts`` and wait until Mooncake closed
+        each (at most ``timeout_s``): then no byte those peers still had in flight to us can
+        land. (ok, what was done or why not). Any thread."""
+        if not self.can_fence:
+            return False, "this Mooncake engine cannot fence (not TCP, or its ports unknown)"
+        notes: list[str] = []
+        ok = True
+        deadline = time.monotonic() + timeout_s
+        for host in hosts:
+            try:
+                ip = socket.gethostbyname(host)
+            except OSError as exc:
+                return False, f"cannot resolve peer host {host!r}: {exc}"
+            r = fence_inbound(ip, self._fence_ports, max(0.0, deadline - time.monotonic()))
+            ok = ok and r.ok
+            notes.append(f"{ip}: {len(r.cut)} connection(s) cut in {r.elapsed_s * 1000:.0f} ms"
+                         + ("" if r.closed else ", not all closed in time")
+                         + "".join(f"; {e}" for e in r.errors[:3]))
+        self._count(fences=1, fence_failures=0 if ok else 1)
+        return ok, "; ".join(notes)
 
     def hint_remote_regions(self, session: str, regions: Iterable[tuple[int, int]]) -> None:
         """Tell the plane how ``session`` registered its memory ((addr, length) per region),
