@@ -416,6 +416,8 @@ def _row(res: ClusterResult) -> str:
                        ("d.side.wire_errors", "garbage dropped (D)"),
                        ("p.core.stale_messages", "stale (P)"),
                        ("d.core.leases_expired", "leases expired"),
+                       ("d.core.fences", "data-plane fences"),
+                       ("d.core.fence_failures", "fences that did not hold"),
                        ("link.dropped", "packets dropped by the link")):
         if c.get(key):
             notes.append(f"{c[key]} {label}")

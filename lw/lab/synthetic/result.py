@@ -25,7 +25,8 @@ _INTERESTING = ("side.unauthenticated", "side.forged", "side.wire_errors", "side
                 "loop.protocol_errors", "loop.core_errors", "loop.effect_errors",
                 "core.stale_messages", "core.deadlines", "core.leases_expired",
                 "loop.transfers_failed", "side.send_dropped", "core.peer_restarts",
-                "side.replies_matched", "core.fresh_blocks", "core.ghosts_released")
+                "side.replies_matched", "core.fresh_blocks", "core.ghosts_released",
+                "core.fences", "core.fence_failures")
 
 
 @dataclass
