@@ -7,6 +7,7 @@ D core's ``Reprefill`` goes to the scheduler side in the worker metadata (it ask
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -193,7 +194,16 @@ class WorkerSide:
             self.loop = WorkerLoop(ep, side, dp, self.cfg.loop_config(name),
                                    local_layout=layout)
         else:
-            ep = DecodeEndpoint(me, kv_layout, self.cfg.decode_config())
+            dcfg = self.cfg.decode_config()
+            if dcfg.fence_data and not getattr(dp, "can_fence", False):
+                # Mooncake over TCP whose two ports could not be told apart from another
+                # thread's listener: run as before the fence rather than not at all
+                log.warning("lw: D %s rank %d cannot fence its Mooncake data plane (its listening "
+                            "ports are unknown); a lease's end frees blocks that bytes a lossy "
+                            "link still carries may reach: turn kv_checksum on",
+                            self.cfg.engine_id, self.rank)
+                dcfg = dataclasses.replace(dcfg, fence_data=False)
+            ep = DecodeEndpoint(me, kv_layout, dcfg)
             # No fresh_blocks allocator: a worker cannot allocate outside vLLM's scheduler (the
             # config refuses retry_fresh_blocks), so D fences before a retry.
             self.loop = WorkerLoop(ep, side, dp, self.cfg.loop_config(name))
