@@ -419,13 +419,17 @@ class MooncakeDataPlane(_QueuedDataPlane):
                     and f.started
                     and not f.retried
                     and elapsed < _FAST_FAIL_S
-                    and len(f.plan) != len(f.job.entries)
                     and not self._closed
                     and not f.job.expired(time.monotonic())
                 ):
-                    # Fast failure with merged entries: maybe a merge spanned two remote
-                    # registrations. Writes are idempotent: resend the original entries.
-                    self._count(uncoalesced_retries=1)
+                    # A fast failure: with merged entries maybe a merge spanned two remote
+                    # registrations; else a cached connection the peer had cut (a receiver's
+                    # fence resets every connection from this host, and Mooncake reconnects
+                    # on the next write). Writes are idempotent: resend the original entries.
+                    if len(f.plan) != len(f.job.entries):
+                        self._count(uncoalesced_retries=1)
+                    else:
+                        self._count(fast_retries=1)
                     f.first_failure = f.failure
                     f.plan, f.next, f.failure, f.retried = f.job.entries, 0, "", True
                     progressed = True
@@ -436,7 +440,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
                         f"({len(f.plan)} entries, {f.job.nbytes} bytes)"
                     )
                     if f.retried:
-                        reason += f" (retried uncoalesced; merged entries: {f.first_failure})"
+                        reason += f" (retried once; at first: {f.first_failure})"
                 elif f.failure:
                     reason = f.failure  # rejected before anything was sent
                 elif f.next < len(f.plan):
