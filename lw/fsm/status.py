@@ -111,9 +111,11 @@ def decode_row(ep: DecodeEndpoint, rec: DReq, now: float) -> RequestStatus:
         waiting = [s for k, s in claimers.items() if k not in rec.stopped]
         peers = [s.addr for s in waiting]
         names = [f"P {s.engine_id} rank {s.rank}" for s in waiting]
+        until = ("the data-plane fence of their host(s) (lease over)" if rec.fencing
+                 else "the lease")
         what = (f"{'fenced before a re-prefill' if st == FENCING else 'quarantined'} "
                 f"({rec.reason}); waiting for FailedSending/AbortAck from {_join(names)} or "
-                "the lease")
+                f"{until}")
     return RequestStatus(
         req_id=rec.req_id, state=st, in_state_s=now - rec.since, waiting_for=what[:MAX_TEXT],
         deadline_in_s=rec.deadline - now, blocks=len(rec.blocks), peers=peers[:64],

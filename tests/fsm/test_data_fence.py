@@ -60,6 +60,8 @@ def test_a_fenced_epoch_goes_on_only_once_the_data_plane_fence_holds() -> None:
     assert (fence.req_id, fence.epoch) == ("r", 0)
     assert [s.engine_id for s in fence.senders] == ["P0"]
     assert not _of(pair, Reprefill) and pair.d.state_of("r") == FENCING
+    (row,) = pair.d.status(31.0, "r")
+    assert "the data-plane fence" in row.waiting_for and row.quarantined
     pair.absorb("d", pair.d.data_fenced("r", 0, True, "", 31.5))
     (rp,) = _of(pair, Reprefill)
     assert rp.epoch == 1 and rp.fenced and pair.d.state_of("r") == PREFILL_REQUESTED
