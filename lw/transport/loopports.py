@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lw.fsm import DecodeEndpoint, Effect, WriteLayer
 from lw.fsm.effects import FenceData, Granted, SumPlan, TimerKey
@@ -13,7 +13,6 @@ from lw.fsm.messages import KVLayout, Message
 from lw.transport.kvmemory import KVMemory
 
 if TYPE_CHECKING:
-    from lw.transport.runtime import WorkerLoop
     from lw.transport.sidechannel import Inbound
 
 
@@ -24,7 +23,8 @@ class LoopPorts:
 
     __slots__ = ("ib", "loop")
 
-    def __init__(self, loop: WorkerLoop, ib: Inbound | None) -> None:
+    def __init__(self, loop: Any, ib: Inbound | None) -> None:
+        # loop: the WorkerLoop (not imported: it imports this module)
         self.loop = loop
         self.ib = ib  # the message being answered, if any
 
