@@ -28,11 +28,14 @@ HEAD_BYTES = 4096  # bytes of one KV head in one block (layouts only; no bytes a
 # "stall": a live peer a worker's requests need is silent for stall_s, well past the heartbeat
 # floor and under its cap (starved of CPU, paused by its GC), while its connection stays up:
 # the detector's verdict runs on those facts; slow is not a fault, so it excuses no failure.
+# "fence-fail" (with fence_data): a data-plane fence D asked for does not hold in time (the
+# transport did not close what it cut), so D keeps the blocks and asks again later.
 FAULT_KINDS = ("drop", "dup", "write", "crash", "abort", "forge", "rank-crash", "corrupt",
-               "stall")
+               "stall", "fence-fail")
 DEFAULT_FAULT_KINDS = ("drop", "dup", "write", "crash", "abort")
 FAULT_ACTIONS = frozenset({"drop", "dup", "fail_write", "crash_p", "crash_d", "abort_d",
-                           "abort_p", "forge", "crash_rank", "corrupt", "stall"})
+                           "abort_p", "forge", "crash_rank", "corrupt", "stall",
+                           "fence_fail"})
 EPSILON = 0.001  # abstract time: "just before" a deadline (below every timer's duration)
 
 
@@ -99,6 +102,7 @@ class WorldConfig:
     # are not bounded in time on a lossy TCP link).
     fence_data: bool = True
     fence_s: float = 5.0  # the longest a fence takes to hold (the runtime's fence timeout)
+    fence_retry_s: float = 2.0  # D's DecodeConfig.fence_retry_s: a failed fence asked again
     # D's prefill retry budget (DecodeConfig.retry_prefill): a request whose P rank was lost is
     # prefilled again on another rank under a new claim epoch. With it, each DP rank is a P
     # engine of its own (engine id P<rank>): one rank dies ("rank-crash") while the others live.
@@ -209,7 +213,11 @@ class WorldConfig:
 
     def quarantine_s(self) -> float:
         """The longest D holds a lost epoch's blocks: its lease, then a fence."""
-        return self.lease_s + (self.fence_s if self.fence_data else 0.0)
+        if not self.fence_data:
+            return self.lease_s
+        # each fence that does not hold (fault "fence-fail") costs a retry and another fence
+        fails = self.max_faults if "fence-fail" in self.fault_kinds and self.faults else 0
+        return self.lease_s + self.fence_s + fails * (self.fence_retry_s + self.fence_s)
 
     def decode_config(self) -> DecodeConfig:
         """The D endpoints' deadline and lease in this world (no timeline, as for P)."""

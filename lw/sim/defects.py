@@ -198,6 +198,16 @@ class LeaseFreesInFlight(DecodeEndpoint):
         self._quiet(rec, now, out)
 
 
+class FenceFailureTrusted(DecodeEndpoint):
+    """A driver's fence that did not hold taken as held: D frees or reuses the blocks after a
+    fence whose cut connections were never closed (a fence reported by its start, not its
+    outcome)."""
+
+    def data_fenced(self, req_id: str, epoch: int, ok: bool, reason: str,
+                    now: float) -> list[Effect]:
+        return super().data_fenced(req_id, epoch, True, reason, now)
+
+
 class LeaseOnlyFence(LeaseFreesInFlight):
     """The same lease, and nothing ties the bytes in D's blocks to the claim (lw with
     kv_checksum off): a late write is decoded as the next claim's KV."""

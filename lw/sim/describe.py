@@ -59,6 +59,9 @@ class Describe:
             return (f"LATE: the in-doubt bytes of {s.reqs[z[1]].rid} "
                     f"{s.what(z[1], z[2])} from P{z[0]} land in D{z[3]} block(s) "
                     f"{list(z[4])}")
+        if kind == "fence_fail":
+            return (f"the data-plane fence {s.dwname(a[1])} asked for ({a[2]} epoch {a[3]}) "
+                    "does NOT hold (the transport did not close what it cut)")
         if kind == "fenced":
             return (f"the data-plane fence {s.dwname(a[1])} asked for ({a[2]} epoch {a[3]}) "
                     "holds: its senders' in-doubt bytes can no longer land there")

@@ -58,6 +58,9 @@ class Faults:
                      for v in s.d_workers_of(q.d_rank) if self._corruptible(q, v)]
         if "stall" in kinds:
             acts += self._stall_actions()
+        if "fence-fail" in kinds:
+            acts += [("fence_fail", f[0], f[1], f[2]) for f in s.fences
+                     if s.d_alive[f[0] // s.d_tp]]
         if "forge" in kinds and s.design.d_first and s.p_alive:
             acts += [("forge", q.idx) for q in s.reqs if self._forgeable(q)]
         if "abort" in kinds:
@@ -183,6 +186,15 @@ class Faults:
             self.clock.zombie(i, r, seq, d, remote, inc)
         self.ports.run(("p", i), s.p[i].transfer_done(q.rid, seq, False, "injected",
                                                       s.now, in_doubt))
+
+    def do_fence_fail(self, v: int, req_id: str, epoch: int) -> None:
+        """A fence D worker ``v`` asked for does not hold: what it was to cut may still land,
+        and D is told so."""
+        s = self.s
+        f = next(f for f in s.fences if f[:3] == (v, req_id, epoch))
+        s.fences.remove(f)
+        s.note(s.dwname(v), f"the data-plane fence for {req_id} epoch {epoch} does NOT hold")
+        self.ports.run(("d", v), s.d[v].data_fenced(req_id, epoch, False, "injected", s.now))
 
     def do_crash_p(self) -> None:
         """The P engine crashes (all DP ranks: they share collectives)."""

@@ -83,6 +83,9 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
         # With failover each P DP rank is a process of its own: a crashed P process is one
         # rank (rank-crash), while its peers live and take over its requests.
         kinds += ("rank-crash",)
+    if any(e.event == "fence_failed" and rid in e.reqs for w in trace.workers
+           if w.role == "decode" for e in w.entries):
+        kinds += ("fence-fail",)  # a data-plane fence of this request's that did not hold
     shape = trace.request_shape(rid)
     bpr = shape.blocks
     # retry_fresh_blocks: D's pool has room for as many more epochs' blocks as the run's D

@@ -70,6 +70,9 @@ _LATE_WRITES = {"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kind
                 "late_writes": True, "kv_checksum": True, "delays": False,
                 "retries": 1}
 
+# The same, where a data-plane fence may not hold (twice: the retry may fail too).
+_FENCE_FAIL = {**_LATE_WRITES, "fault_kinds": ("write", "fence-fail"), "max_faults": 2}
+
 # Chunked prefill with progressive push: two chunks of one block each, pushed layer by layer.
 # A D engine crashes and restarts while a second request is still to come (the #4650 variants).
 _D_RESTART = {"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("crash",),
@@ -259,6 +262,15 @@ _DESIGNS: tuple[Design, ...] = (
         ruled_out="a lease's end fences the data plane from senders not known stopped before "
                   "it frees the blocks (fence_data), and with kv_checksum every DONE is "
                   "verified against what D's blocks hold"),
+    Design(
+        name="fence-failure-trusted", title="a fence that did not hold taken as held",
+        ref="plausible, no upstream report (lw issue 40: a fence timed out in a lossy run)",
+        summary="D's fence of an in-doubt sender times out (the transport did not close what "
+                "it cut) and D frees the blocks anyway; the sender's late bytes land in the next "
+                "request's blocks while it decodes.",
+        decode=defects.FenceFailureTrusted, expected="stale-kv", bounds=_FENCE_FAIL,
+        ruled_out="only data_fenced(ok=True) releases; a failed fence keeps the blocks and is "
+                  "asked again after fence_retry_s"),
     Design(
         name="lease-frees-in-flight", title="a lease frees blocks late bytes still reach",
         ref="vllm #41383 (NIXL lease); lw issue 40 (bytes landed 83 s after a failed report)",

@@ -56,7 +56,7 @@ HANDLERS: dict[str, str] = {
     "complete": "data",
     "decode": "d_node",
     **dict.fromkeys(("drop", "dup", "fail_write", "crash_p", "crash_d", "restart_d", "p_lost",
-                     "d_lost", "abort_d", "abort_p", "forge", "corrupt", "stall"),
+                     "d_lost", "abort_d", "abort_p", "forge", "corrupt", "stall", "fence_fail"),
                     "faults"),
     **dict.fromkeys(("crash_rank", "rank_lost", "reprefill"), "failover"),
     **dict.fromkeys(("idle", "wto", "zexp", "timer"), "clock"),
