@@ -2,7 +2,8 @@
 
 D accepts P senders per request (MetaRequest), counts their DONE messages and reports the request
 finished only when every expected sender has written every layer. A failed request's blocks are
-quarantined until every accepted sender confirmed it stopped, or until a lease expires. With
+quarantined until every accepted sender confirmed it stopped, or until a lease expires (and,
+with ``fence_data``, the data plane was fenced from the senders that never confirmed). With
 ``retry_fresh_blocks`` a lost claim epoch's blocks are quarantined the same way (a ghost of that
 epoch) while the request goes on at once in fresh blocks.
 """
