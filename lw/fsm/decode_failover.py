@@ -72,8 +72,7 @@ class Failover:
 
     def _quiet(self, rec: DecodeRecord, now: float, out: list[Effect]) -> None:
         """No byte of the request's current epoch can land any more: the next epoch (FENCING)
-        or the blocks back (FAILED)."""
-        rec.fencing = False
+        or the blocks back (FAILED); either ends any fence the record waited for."""
         self.counters["leases_expired"] += 1
         if rec.state == FENCING:
             self._new_epoch(rec, now, out)

@@ -151,7 +151,6 @@ class Ghosts:
         if not ghost.fencing:
             self.counters["stale_fences"] += 1
         elif ok:
-            ghost.fencing = False
             self.counters["leases_expired"] += 1
             self._free(ghost, "lease expired, data plane fenced", now, out)
         else:

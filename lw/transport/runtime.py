@@ -43,6 +43,7 @@ from lw.fsm.messages import Message
 from lw.fsm.silence import Silence
 from lw.fsm.status import status_line
 from lw.transport.kvmemory import Entry, KVMemory
+from lw.transport.linkmeter import host_of
 from lw.transport.loopconfig import LoopConfig
 from lw.transport.loopports import LoopPorts
 from lw.transport.osthread import name_os_thread
@@ -73,12 +74,6 @@ __all__ = ["LoopConfig", "WorkerLoop"]
 
 log = logging.getLogger("lw.runtime")
 
-
-def _host(addr: str) -> str:
-    """The host of a side-channel address ``tcp://host:port`` (IPv6 in brackets)."""
-    hostport = addr.split("://", 1)[-1]
-    host = hostport.rsplit(":", 1)[0]
-    return host.strip("[]")
 
 
 _REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's connection
@@ -655,7 +650,7 @@ class WorkerLoop:
     def _fence(self, e: FenceData) -> None:
         """Fence the data plane from ``e.senders``' hosts on a thread of its own (it waits for
         Mooncake to close what it cut); the core hears the outcome through ``data_fenced``."""
-        hosts = sorted({_host(s.addr) for s in e.senders})
+        hosts = sorted({host_of(s.addr) for s in e.senders})
         self.counters["fences"] += 1
 
         def run() -> None:
