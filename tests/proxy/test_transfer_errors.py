@@ -136,6 +136,12 @@ def failing_decode(world: World, worker: FakeWorker) -> FastAPI:
         async with httpx.AsyncClient(timeout=5) as client:
             r = await client.post(params["metaserver"], content=content, headers=headers)
             assert r.status_code == 202, r.text
+        # The metaserver answers 202 before it forwards the prefill; a real D fails a transfer
+        # only after P has the request, so the fake waits for that (bounded) before failing.
+        for _ in range(200):
+            if world.has("p_request", tid=sub):
+                break
+            await asyncio.sleep(0.01)
         for word, reason in REASONS.items():
             if word in prompt:
                 worker.fail(sub, reason)
