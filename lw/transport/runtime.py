@@ -594,8 +594,20 @@ class WorkerLoop:
         except Exception as exc:
             self._core_error("stuck", exc)
             return
+        plane = ""
+        if rows and self.data_plane is not None:
+            # What the worker's data plane holds, beside what the core believes: a core
+            # counting writes in flight that the plane has completed or never taken is a
+            # different fault from a plane whose writes stall in the transport.
+            try:
+                st = self.data_plane.stats()
+                plane = (f" [data plane: {st.get('submitted', 0)} submitted, "
+                         f"{st.get('completed', 0)} completed, {st.get('failed', 0)} failed, "
+                         f"{st.get('queued', 0)} queued, {st.get('pending', 0)} pending]")
+            except Exception as exc:  # diagnostics only
+                plane = f" [data plane stats raised {exc!r}]"
         for row in rows:
-            line = status_line(self._role, self.endpoint.me, row)
+            line = status_line(self._role, self.endpoint.me, row) + plane
             log.warning("lw stuck request: %s", line)
             self.stuck.append(line)
             self.counters["stuck_requests"] += 1  # last: observers see the line once counted

@@ -141,6 +141,39 @@ def test_fence_spares_other_ports_to_the_same_peer(receiver: tuple) -> None:
             s.close()
 
 
+@needs_mooncake
+def test_a_write_after_a_fence_lands_though_every_lane_was_cut(receiver: tuple) -> None:
+    """Mooncake keeps one cached connection per lane (4): a fence resets them all, and a
+    multi-entry write meets them one after another; lw resends until it has new ones."""
+    from lw.transport.dataplane import MooncakeDataPlane
+
+    plane, ports = receiver
+    n, size = 16, 64 << 10
+    dst = np.zeros(n * size, np.uint8)
+    plane.register_memory(dst.ctypes.data, dst.nbytes)
+    sender = MooncakeDataPlane("127.0.0.1", 10.0)
+    src = np.full(n * size, 7, np.uint8)
+    sender.register_memory(src.ctypes.data, src.nbytes)
+    # Every other chunk: entries that cannot be merged, spread over the lanes.
+    entries = [(src.ctypes.data + i * size, dst.ctypes.data + i * size, size // 2)
+               for i in range(n)]
+    try:
+        for tid in range(1, 4):
+            sender.submit(tid, plane.session, entries)
+        assert all(c.ok for c in collect(sender, 3))
+        inbound = [s for s in tcp_sockets() if s.local_port in ports and s.remote_ip]
+        assert len(inbound) > 2, inbound  # several lanes plus the handshake's
+        assert fence_inbound("127.0.0.1", ports, 5.0).ok
+        dst[:] = 0
+        for tid in range(4, 7):
+            sender.submit(tid, plane.session, entries)
+        done = collect(sender, 3)
+        assert all(c.ok for c in done), [c.reason for c in done]
+        assert all((dst[i * size:i * size + size // 2] == 7).all() for i in range(n))
+    finally:
+        sender.close()
+
+
 def test_a_cut_connection_loses_its_queued_bytes() -> None:
     lsn = socket.create_server(("127.0.0.1", 0))
     port = lsn.getsockname()[1]

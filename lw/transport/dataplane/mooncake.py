@@ -69,8 +69,20 @@ from lw.transport.dataplane.window import ByteWindow
 
 __all__ = ["MooncakeDataPlane"]
 
-_FAST_FAIL_S = 0.5
-"""A failed batch that returned faster than this was rejected up front (not a timeout)."""
+_FAST_FAIL_S = 2.0
+"""A failed batch that returned faster than this was rejected up front or met a connection the
+peer had reset (Mooncake reports the latter after about 1 s), not a timeout (>= 5 s)."""
+
+def _fast_retries() -> int:
+    """How often a transfer that failed fast is resent: a receiver's fence resets every cached
+    connection from this host, one per lane (``MC_TCP_LANES_PER_PEER``, Mooncake's default 4),
+    and each resend may meet another of them before Mooncake has reconnected them all."""
+    try:
+        lanes = int(os.environ.get("MC_TCP_LANES_PER_PEER", "4"))
+    except ValueError:
+        lanes = 4
+    return max(1, lanes) + 1
+
 
 _MIN_NAP_S = 2e-5
 """First sleep of the poll-mode sender when nothing progressed (doubles up to the interval)."""
@@ -93,7 +105,7 @@ class _Flight:
         "failure",
         "started",
         "deadline",
-        "retried",
+        "retries",
         "first_failure",
     )
 
@@ -105,7 +117,7 @@ class _Flight:
         self.failure = ""
         self.started = 0.0
         self.deadline = math.inf
-        self.retried = False
+        self.retries = 0
         self.first_failure = ""
 
 
@@ -324,6 +336,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
         submit = self._engine.transfer_submit_write
         check = self._engine.transfer_check_status
         session = peer.session
+        fast_retries = _fast_retries()
         inflight = 0
         nap = _MIN_NAP_S
         # Time between resolutions while entries are in flight (moving average): on a slow
@@ -417,7 +430,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
                 if (
                     f.failure
                     and f.started
-                    and not f.retried
+                    and f.retries < fast_retries
                     and elapsed < _FAST_FAIL_S
                     and not self._closed
                     and not f.job.expired(time.monotonic())
@@ -430,8 +443,9 @@ class MooncakeDataPlane(_QueuedDataPlane):
                         self._count(uncoalesced_retries=1)
                     else:
                         self._count(fast_retries=1)
-                    f.first_failure = f.failure
-                    f.plan, f.next, f.failure, f.retried = f.job.entries, 0, "", True
+                    f.first_failure = f.first_failure or f.failure
+                    f.plan, f.next, f.failure = f.job.entries, 0, ""
+                    f.retries += 1
                     progressed = True
                     break
                 if f.failure and f.started:
@@ -439,8 +453,9 @@ class MooncakeDataPlane(_QueuedDataPlane):
                         f"mooncake {f.failure} to {session} after {elapsed:.2f}s "
                         f"({len(f.plan)} entries, {f.job.nbytes} bytes)"
                     )
-                    if f.retried:
-                        reason += f" (retried once; at first: {f.first_failure})"
+                    if f.retries:
+                        reason += (f" (resent {f.retries} time(s) after fast failures; at first: "
+                                   f"{f.first_failure})")
                 elif f.failure:
                     reason = f.failure  # rejected before anything was sent
                 elif f.next < len(f.plan):
