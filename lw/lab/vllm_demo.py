@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from lw.lab.demo_client import (
@@ -62,6 +63,10 @@ from lw.lab.local_cluster import (
     wait_ready,
 )
 from lw.lab.oracle import DRIFT, TOP_K, compare
+from lw.vllm_adapter.config import LwConfig
+
+_LEASE_S = float(next(f.default for f in fields(LwConfig) if f.name == "lease_s"))
+"""D's default lease: how long a failed request's blocks may stay quarantined."""
 
 __all__ = ["BLOCK_SIZE", "MAX_BATCHED_TOKENS", "MODEL_NAME", "LocalCluster", "Result", "Server",
            "blocks_in_use", "complete", "free_port", "free_port_range", "kv_transfer_config",
@@ -316,7 +321,12 @@ def _run(args: argparse.Namespace) -> int:
         import httpx
 
         try:
-            leaked = wait_blocks_released([cluster.url("prefill"), cluster.url("decode")])
+            # A failed request's blocks may stay quarantined until D's lease ends (by design,
+            # lest late bytes land in them): a leak is a block held after that, not before.
+            failed_any = warm_failed or any(r.error for r in pd)
+            leaked = wait_blocks_released(
+                [cluster.url("prefill"), cluster.url("decode")],
+                timeout=_LEASE_S + 10.0 if failed_any else 10.0)
             after_p, after_d = _settled_metrics(cluster, before, before_d, n)
         except (OSError, httpx.HTTPError) as exc:  # a server died after the requests
             return _server_gone(cluster, pd, exc)
