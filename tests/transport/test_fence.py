@@ -33,7 +33,8 @@ needs_mooncake = pytest.mark.skipif(not HAVE_MOONCAKE, reason="mooncake not impo
 
 
 # The sender (P): a MooncakeDataPlane on argv[1] that writes to session argv[2] on command.
-# stdin: "write <id> <dst addr> <bytes> <value>"; stdout: "ready", then "done <id> <ok> <why>".
+# stdin: "write <id> <dst addr> <bytes> <value> [<within_s>]" (the request's deadline, seconds
+# from now); stdout: "ready", then "done <id> <ok> <why>".
 _SENDER = r"""
 import select, sys
 import numpy as np
@@ -49,9 +50,10 @@ while True:
         cmd = sys.stdin.readline().split()
         if not cmd:
             break
-        xid, dst, n, value = (int(x) for x in cmd[1:])
+        xid, dst, n, value = (int(x) for x in cmd[1:5])
+        within = float(cmd[5]) if len(cmd) > 5 else float("inf")
         src[:n] = value
-        dp.submit(xid, sys.argv[2], [(src.ctypes.data, dst, n)])
+        dp.submit(xid, sys.argv[2], [(src.ctypes.data, dst, n)], within)
     for c in dp.poll():
         print("done", c.xfer_id, int(c.ok), c.reason.replace(chr(10), " "), flush=True)
 dp.close()
@@ -250,7 +252,9 @@ def test_fence_stops_a_write_crossing_a_slow_link_and_the_next_write_lands() -> 
         assert tx.stdin is not None
         try:
             assert _wait_line(tx, 15.0) == "ready"
-            tx.stdin.write(f"write 1 {dst.ctypes.data} {size} 7\n")
+            # As in the protocol, the request's deadline has passed when D fences (D fences at
+            # the end of its lease, which outlasts P's deadline): P resends nothing after it.
+            tx.stdin.write(f"write 1 {dst.ctypes.data} {size} 7 0.5\n")
             tx.stdin.flush()
             deadline = time.monotonic() + 15.0
             while np.count_nonzero(dst[::4096]) < 1024:  # 4 MiB landed

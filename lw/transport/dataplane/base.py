@@ -268,7 +268,7 @@ class _QueuedDataPlane:
                 "connects",
                 "connect_failures",
                 "uncoalesced_retries",
-                "fast_retries",
+                "resends",
             ),
             0,
         )
@@ -365,7 +365,7 @@ class _QueuedDataPlane:
         """Counters: submitted, completed (ok), failed, bytes (of ok transfers), entries (as
         submitted), batches (Mooncake batches in spin mode, submission passes in poll mode),
         entries_sent (after coalescing), connects, connect_failures, uncoalesced_retries,
-        fast_retries, fences, fence_failures, peers, queued (not yet taken by a sender), pending
+        resends, fences, fence_failures, peers, queued (not yet taken by a sender), pending
         (submitted, not yet completed)."""
         with self._lock:
             out: dict[str, int | float] = dict(self._counters)

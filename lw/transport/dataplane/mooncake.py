@@ -16,7 +16,9 @@ entries are coalesced and split into batches (spin) or in-flight windows (poll) 
 ``max_batch_entries`` (1024); an entry whose remote range spans two *separately registered* remote
 regions fails even when they are adjacent, so when a transfer that contains merged entries fails
 fast it is retried once uncoalesced (callers that know the remote layout can pass it to
-:meth:`MooncakeDataPlane.hint_remote_regions` instead); an empty batch performs the first contact
+:meth:`MooncakeDataPlane.hint_remote_regions` instead); in poll mode a transfer Mooncake failed
+(not timed out) is resent, a few times, while its request's deadline allows (a receiver's fence
+resets every connection from this host, lane by lane); an empty batch performs the first contact
 with a peer (its ``openSegment``) and nothing else, which is what ``connect`` uses; Mooncake does
 not check that local source addresses are registered on TCP, so the plane checks them itself;
 ``transfer_submit_write`` returns 0 when it cannot open the peer's segment.
@@ -70,13 +72,13 @@ from lw.transport.dataplane.window import ByteWindow
 __all__ = ["MooncakeDataPlane"]
 
 _FAST_FAIL_S = 2.0
-"""A failed batch that returned faster than this was rejected up front or met a connection the
-peer had reset (Mooncake reports the latter after about 1 s), not a timeout (>= 5 s)."""
+"""A failed batch (spin mode) that returned faster than this was rejected up front, not timed
+out (Mooncake's timeouts are >= 5 s)."""
 
-def _fast_retries() -> int:
-    """How often a transfer that failed fast is resent: a receiver's fence resets every cached
-    connection from this host, one per lane (``MC_TCP_LANES_PER_PEER``, Mooncake's default 4),
-    and each resend may meet another of them before Mooncake has reconnected them all."""
+def _resends() -> int:
+    """How often a transfer Mooncake failed is resent (poll mode): a receiver's fence resets
+    every cached connection from this host, one per lane (``MC_TCP_LANES_PER_PEER``, Mooncake's
+    default 4), and each resend may meet another of them before Mooncake reconnected them all."""
     try:
         lanes = int(os.environ.get("MC_TCP_LANES_PER_PEER", "4"))
     except ValueError:
@@ -107,6 +109,7 @@ class _Flight:
         "deadline",
         "retries",
         "first_failure",
+        "timed_out",
     )
 
     def __init__(self, job: _Job, plan: list[Entry]) -> None:
@@ -119,6 +122,7 @@ class _Flight:
         self.deadline = math.inf
         self.retries = 0
         self.first_failure = ""
+        self.timed_out = False
 
 
 class MooncakeDataPlane(_QueuedDataPlane):
@@ -336,7 +340,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
         submit = self._engine.transfer_submit_write
         check = self._engine.transfer_check_status
         session = peer.session
-        fast_retries = _fast_retries()
+        resends = _resends()
         inflight = 0
         nap = _MIN_NAP_S
         # Time between resolutions while entries are in flight (moving average): on a slow
@@ -418,6 +422,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
                     )
                     inflight -= len(f.pending)
                     f.pending = []
+                    f.timed_out = True
                     progressed = True
                 if f.pending:
                     break
@@ -430,19 +435,21 @@ class MooncakeDataPlane(_QueuedDataPlane):
                 if (
                     f.failure
                     and f.started
-                    and f.retries < fast_retries
-                    and elapsed < _FAST_FAIL_S
+                    and not f.timed_out
+                    and f.retries < resends
                     and not self._closed
                     and not f.job.expired(time.monotonic())
                 ):
-                    # A fast failure: with merged entries maybe a merge spanned two remote
-                    # registrations; else a cached connection the peer had cut (a receiver's
-                    # fence resets every connection from this host, and Mooncake reconnects
-                    # on the next write). Writes are idempotent: resend the original entries.
+                    # Mooncake failed an entry (not our timeout): with merged entries maybe a
+                    # merge spanned two remote registrations; else a cached connection the peer
+                    # had cut (a receiver's fence resets every connection from this host, one
+                    # per lane, and Mooncake reports each after up to a few seconds, then
+                    # reconnects). Writes are idempotent and the request's deadline still
+                    # bounds them (the lease's premise): resend the original entries.
                     if len(f.plan) != len(f.job.entries):
                         self._count(uncoalesced_retries=1)
                     else:
-                        self._count(fast_retries=1)
+                        self._count(resends=1)
                     f.first_failure = f.first_failure or f.failure
                     f.plan, f.next, f.failure = f.job.entries, 0, ""
                     f.retries += 1
@@ -454,7 +461,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
                         f"({len(f.plan)} entries, {f.job.nbytes} bytes)"
                     )
                     if f.retries:
-                        reason += (f" (resent {f.retries} time(s) after fast failures; at first: "
+                        reason += (f" (resent {f.retries} time(s); at first: "
                                    f"{f.first_failure})")
                 elif f.failure:
                     reason = f.failure  # rejected before anything was sent
