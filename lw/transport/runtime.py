@@ -595,7 +595,7 @@ class WorkerLoop:
             self._core_error("stuck", exc)
             return
         plane = ""
-        if rows and self.data_plane is not None:
+        if rows and self.data_plane is not None and self._role == "prefill":
             # What the worker's data plane holds, beside what the core believes: a core
             # counting writes in flight that the plane has completed or never taken is a
             # different fault from a plane whose writes stall in the transport.
