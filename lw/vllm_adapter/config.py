@@ -26,6 +26,7 @@ from lw.fsm.push_schedule import PUSH_MODES
 from lw.fsm.settings import core_config
 from lw.transport.loopconfig import LoopConfig
 from lw.transport.sidechannel import parse_cluster_key
+from lw.vllm_adapter.placement import parse_cpus
 
 __all__ = ["ConfigError", "LwConfig", "ModelHeads", "model_heads", "side_channel_port",
            "PRODUCER", "CONSUMER"]
@@ -154,6 +155,11 @@ class LwConfig:
     mooncake_device: str = _key(
         "", "both",
         "`device_name` of `TransferEngine.initialize`")
+    transport_cpus: str = _key(
+        "all", "both",
+        "CPUs of lw's transport threads (worker loop, data-plane senders, Mooncake's and ZMQ's "
+        "IO threads): `all` (every online CPU), `inherit` (the worker's own pinning) or a list "
+        "such as `0,2-3`")
     mooncake_metadata_server: str = _key(
         "P2PHANDSHAKE", "both",
         "Mooncake metadata mode (P2P handshake: no metadata server)")
@@ -370,6 +376,10 @@ class LwConfig:
         if values["transfer_timeout_s"] < 5:
             raise ConfigError("kv_connector_extra_config.transfer_timeout_s must be >= 5 "
                               f"(Mooncake's minimum), got {values['transfer_timeout_s']}")
+        try:
+            parse_cpus(values["transport_cpus"])
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config.transport_cpus: {exc}") from None
         if values["data_plane"] not in ("mooncake", "inprocess"):
             raise ConfigError(f"kv_connector_extra_config.data_plane="
                               f"{values['data_plane']!r}: expected 'mooncake' or 'inprocess'")

@@ -23,6 +23,7 @@ from lw.transport.osthread import name_os_thread
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
 from lw.vllm_adapter.connector_meta import LwConnectorMetadata, LwWorkerMeta, Reprefill, log
 from lw.vllm_adapter.metrics import BY_REASON, LwKVConnectorStats
+from lw.vllm_adapter.placement import parse_cpus, transport_threads
 from lw.vllm_adapter.push_rates import PushRates
 from lw.vllm_adapter.tracing import LifecycleTracer, tracing_endpoint
 
@@ -175,16 +176,21 @@ class WorkerSide:
         self.fmt = self._format(kv_caches[min(seen.values(), key=_layer_order)])
         layout = [LayerLayout(p.base_addr, p.block_stride, p.block_len, p.num_blocks)
                   for p in self.planes]
-        dp = self._data_plane()
-        try:
-            for addr, length in merged_regions(self.planes):
-                dp.register_memory(addr, length)
-            side = SideChannel(self.cfg.bind_host or self.cfg.host, self.cfg.port(self.tp_rank),
-                               cluster_key=parse_cluster_key(self.cfg.cluster_key or None),
-                               advertise_host=self.cfg.host)
-        except Exception:
-            dp.close()
-            raise
+        # Mooncake's and ZMQ's IO threads start inside these constructors and the loop thread
+        # at start(): all off the forward's pinned cores (lw.vllm_adapter.placement).
+        cpus = parse_cpus(self.cfg.transport_cpus)
+        with transport_threads(cpus):
+            dp = self._data_plane()
+            try:
+                for addr, length in merged_regions(self.planes):
+                    dp.register_memory(addr, length)
+                side = SideChannel(self.cfg.bind_host or self.cfg.host,
+                                   self.cfg.port(self.tp_rank),
+                                   cluster_key=parse_cluster_key(self.cfg.cluster_key or None),
+                                   advertise_host=self.cfg.host)
+            except Exception:
+                dp.close()
+                raise
         me = Sender(self.cfg.engine_id, self.rank, self.incarnation, side.addr)
         name = f"lw-{'p' if self.cfg.is_producer else 'd'}{self.rank}"
         kv_layout = KVLayout(self.cfg.engine_id, self.incarnation, dp.session, layout, self.fmt)
@@ -207,7 +213,8 @@ class WorkerSide:
             # No fresh_blocks allocator: a worker cannot allocate outside vLLM's scheduler (the
             # config refuses retry_fresh_blocks), so D fences before a retry.
             self.loop = WorkerLoop(ep, side, dp, self.cfg.loop_config(name))
-        self.loop.start()
+        with transport_threads(cpus):
+            self.loop.start()  # the loop starts the data plane's sender and fence threads
         if self.cfg.is_producer:
             self.rates = PushRates(self._block_bytes())
         if self._trace_endpoint:
