@@ -22,11 +22,13 @@ class ScriptedEngine:
 
     fail_attempts = 0
     hang = False
+    fail_after_s = 0.0  # a failure reported this long after the submit (a stall's give-up)
 
     def __init__(self) -> None:
         self.submits = 0
         self._next = 0
         self._status: dict[int, int] = {}
+        self._at: dict[int, float] = {}
 
     def initialize(self, *_args: object) -> int:
         return 0
@@ -45,9 +47,12 @@ class ScriptedEngine:
         self._next += 1
         status = 0 if self.hang else (-1 if self.submits <= self.fail_attempts else 1)
         self._status[self._next] = status
+        self._at[self._next] = time.monotonic()
         return self._next
 
     def transfer_check_status(self, bid: int) -> int:
+        if self._status[bid] < 0 and time.monotonic() - self._at[bid] < self.fail_after_s:
+            return 0
         return self._status[bid]
 
 
@@ -118,8 +123,21 @@ def test_a_timed_out_transfer_is_not_resent(plane: tuple, monkeypatch: pytest.Mo
     assert dp.engine.submits == 1  # its entries are still Mooncake's: never doubled
 
 
+def test_a_stall_mooncake_gave_up_on_is_not_resent(plane: tuple, monkeypatch: pytest.MonkeyPatch
+                                                   ) -> None:
+    dp, src = plane
+    ScriptedEngine.fail_attempts = 100
+    ScriptedEngine.fail_after_s = 0.3  # past half of lw's transfer timeout: a stalled link
+    monkeypatch.setattr(dp, "_deadline_s", 0.5)
+    dp.submit("t", "peer:1", [(src.ctypes.data, 1 << 20, 4096)], 5.0)
+    c = _one(dp)
+    assert not c.ok and "resent" not in c.reason, c.reason
+    assert dp.engine.submits == 1  # the writes behind it get the link, not a second copy
+
+
 @pytest.fixture(autouse=True)
 def _reset_script() -> Iterator[None]:
     yield
     ScriptedEngine.fail_attempts = 0
     ScriptedEngine.hang = False
+    ScriptedEngine.fail_after_s = 0.0

@@ -17,7 +17,8 @@ entries are coalesced and split into batches (spin) or in-flight windows (poll) 
 regions fails even when they are adjacent, so when a transfer that contains merged entries fails
 fast it is retried once uncoalesced (callers that know the remote layout can pass it to
 :meth:`MooncakeDataPlane.hint_remote_regions` instead); in poll mode a transfer Mooncake failed
-(not timed out) is resent, a few times, while its request's deadline allows (a receiver's fence
+within half the transfer timeout (not timed out) is resent, a few times, while its request's
+deadline allows (a receiver's fence
 resets every connection from this host, lane by lane); an empty batch performs the first contact
 with a peer (its ``openSegment``) and nothing else, which is what ``connect`` uses; Mooncake does
 not check that local source addresses are registered on TCP, so the plane checks them itself;
@@ -436,16 +437,19 @@ class MooncakeDataPlane(_QueuedDataPlane):
                     f.failure
                     and f.started
                     and not f.timed_out
+                    and elapsed < self._deadline_s / 2
                     and f.retries < resends
                     and not self._closed
                     and not f.job.expired(time.monotonic())
                 ):
-                    # Mooncake failed an entry (not our timeout): with merged entries maybe a
-                    # merge spanned two remote registrations; else a cached connection the peer
-                    # had cut (a receiver's fence resets every connection from this host, one
-                    # per lane, and Mooncake reports each after up to a few seconds, then
-                    # reconnects). Writes are idempotent and the request's deadline still
-                    # bounds them (the lease's premise): resend the original entries.
+                    # Mooncake failed an entry (not our timeout, nor its own give-up on a
+                    # stalled connection, which takes its progress timeout: resending into a
+                    # link that stalls only takes bandwidth from the writes behind): with merged
+                    # entries maybe a merge spanned two remote registrations; else a cached
+                    # connection the peer had cut (a receiver's fence resets every connection
+                    # from this host, one per lane, and Mooncake reports each after up to a few
+                    # seconds, then reconnects). Writes are idempotent and the request's
+                    # deadline still bounds them (the lease's premise): resend the entries.
                     if len(f.plan) != len(f.job.entries):
                         self._count(uncoalesced_retries=1)
                     else:
