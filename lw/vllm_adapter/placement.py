@@ -28,7 +28,22 @@ def parse_cpus(spec: str) -> frozenset[int] | None:
     if text == "inherit":
         return None
     if text == "all":
+        return _online_cpus()
+    return _cpu_list(text, spec)
+
+
+def _online_cpus() -> frozenset[int]:
+    """Every online CPU (their numbers need not be contiguous); the kernel narrows a thread's
+    affinity to its cpuset."""
+    try:
+        with open("/sys/devices/system/cpu/online") as f:
+            return _cpu_list(f.read().strip(), "online CPUs")
+    except (OSError, ValueError):
         return frozenset(range(os.cpu_count() or 1))
+
+
+def _cpu_list(text: str, spec: str) -> frozenset[int]:
+    """A list such as "0,2-3" as a set; ValueError naming ``spec`` otherwise."""
     cpus: set[int] = set()
     for part in text.split(","):
         lo, sep, hi = part.strip().partition("-")

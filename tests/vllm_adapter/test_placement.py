@@ -14,7 +14,7 @@ from lw.vllm_adapter.placement import parse_cpus, transport_threads
 
 def test_cpu_lists() -> None:
     assert parse_cpus("inherit") is None
-    assert parse_cpus("all") == frozenset(range(os.cpu_count() or 1))
+    assert parse_cpus("all") >= os.sched_getaffinity(0)  # every online CPU
     assert parse_cpus(" 0, 2-3 ") == frozenset({0, 2, 3})
     for bad in ("", "x", "3-1", "-1", "0,,1", "1-"):
         with pytest.raises(ValueError):

@@ -18,8 +18,8 @@ regions fails even when they are adjacent, so when a transfer that contains merg
 fast it is retried once uncoalesced (callers that know the remote layout can pass it to
 :meth:`MooncakeDataPlane.hint_remote_regions` instead); in poll mode a transfer Mooncake failed
 within half the transfer timeout (not timed out) is resent, a few times, while its request's
-deadline allows (a receiver's fence
-resets every connection from this host, lane by lane); an empty batch performs the first contact
+deadline allows (a receiver's fence resets every connection from this host, lane by lane); an
+empty batch performs the first contact
 with a peer (its ``openSegment``) and nothing else, which is what ``connect`` uses; Mooncake does
 not check that local source addresses are registered on TCP, so the plane checks them itself;
 ``transfer_submit_write`` returns 0 when it cannot open the peer's segment.
@@ -75,6 +75,7 @@ __all__ = ["MooncakeDataPlane"]
 _FAST_FAIL_S = 2.0
 """A failed batch (spin mode) that returned faster than this was rejected up front, not timed
 out (Mooncake's timeouts are >= 5 s)."""
+
 
 def _resends() -> int:
     """How often a transfer Mooncake failed is resent (poll mode): a receiver's fence resets
