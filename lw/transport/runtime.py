@@ -75,7 +75,6 @@ __all__ = ["LoopConfig", "WorkerLoop"]
 log = logging.getLogger("lw.runtime")
 
 
-
 _REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's connection
 _REQUESTS = (MetaRequest, DoneSending, FailedSending, Abort)  # questions: correlated
 _CALLS = frozenset({"add_request", "add_chunk", "abort", "peer_lost", "prefill_routed",

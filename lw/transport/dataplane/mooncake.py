@@ -111,7 +111,6 @@ class _Flight:
         "deadline",
         "retries",
         "first_failure",
-        "timed_out",
     )
 
     def __init__(self, job: _Job, plan: list[Entry]) -> None:
@@ -124,7 +123,6 @@ class _Flight:
         self.deadline = math.inf
         self.retries = 0
         self.first_failure = ""
-        self.timed_out = False
 
 
 class MooncakeDataPlane(_QueuedDataPlane):
@@ -424,7 +422,6 @@ class MooncakeDataPlane(_QueuedDataPlane):
                     )
                     inflight -= len(f.pending)
                     f.pending = []
-                    f.timed_out = True
                     progressed = True
                 if f.pending:
                     break
@@ -437,8 +434,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
                 if (
                     f.failure
                     and f.started
-                    and not f.timed_out
-                    and elapsed < self._deadline_s / 2
+                    and elapsed < self._deadline_s / 2  # so never one lw timed out
                     and f.retries < resends
                     and not self._closed
                     and not f.job.expired(time.monotonic())
