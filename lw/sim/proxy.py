@@ -67,8 +67,7 @@ class Proxy:
             s.note(s.dpart(d), f"{q.rid} gets block(s) {list(blocks)}: full prefix-cache "
                                "hit, but registered as loading")
             for v in s.d_workers_of(d):
-                self.ports.run(("d", v), s.d[v].add_request(
-                    q.rid, blocks, s.plan.senders[v % s.d_tp], s.now))
+                self.register(q, v, blocks)
         elif not q.loads():
             # Every block is in D's prefix cache: nothing to load, D decodes at once (the
             # stranded request of vLLM #56640 waited here for a transfer that never comes).
@@ -80,10 +79,16 @@ class Proxy:
             cached = f", {list(q.d_cached)} cached" if q.hit else ""
             s.note(s.dpart(d), f"{q.rid} gets block(s) {list(blocks)}{cached}")
             for v in s.d_workers_of(d):
-                self.ports.run(("d", v), s.d[v].add_request(
-                    q.rid, q.d_remote, s.plan.senders[v % s.d_tp], s.now))
+                self.register(q, v, q.d_remote)
         if not s.design.d_first and q.p_stage == "scheduled" and not q.p_added:
             self.p_node.p_add(q)
+
+    def register(self, q: Req, v: int, blocks: tuple[int, ...]) -> None:
+        """D worker ``v`` registers ``q`` to receive into ``blocks`` (in the allocation's
+        own action here)."""
+        s = self.s
+        self.ports.run(("d", v), s.d[v].add_request(
+            q.rid, blocks, s.plan.senders[v % s.d_tp], s.now))
 
     def do_start(self, r: int) -> None:
         """The proxy starts the prefill of request ``r`` on its (live) P rank."""

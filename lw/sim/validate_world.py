@@ -2,7 +2,8 @@
 shape, with every endpoint's timeline on, plus what the checker's world leaves out and real runs
 were found to do (docs/checker-findings.md, "Trace validation: runs and findings"): bytes
 that land wrong, live peers suspected lost, writes that outlive their transfer timeout, and the
-proxy's routing notice reaching each D worker on its own, possibly after P's claim.
+proxy's routing notice and D's registration reaching each D worker on its own, possibly after
+P's claim.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class ValidationConfig(WorldConfig):
     # The blocks each of the request's chunks completes, as the run's P scheduler announced them
     # (a trace's per-request ``chunk_blocks``); () is the checker's own split (chunk_sizes).
     chunk_blocks: tuple[int, ...] = ()
+    # D's workers may register the request after P's first claim reaches them (each takes
+    # the step's metadata in its own loop); on only where the run's P was answered "unknown",
+    # since the deferral multiplies every other request's search by the interleavings.
+    late_register: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,6 +100,8 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
     fresh = bool(d.get("retry_fresh_blocks", False)) and retry > 0
     grants = sum(1 for w in trace.workers if w.role == "decode" for e in w.entries
                  if e.event == "fresh" and rid in e.reqs) if fresh else 0
+    late = any(e.event == "meta_unknown" and rid in e.reqs for w in trace.workers
+               if w.role == "prefill" for e in w.entries)
     return ValidationConfig(
         dp=max(p_engines, 2) if retry else 1, tp=s["prefill_tp"], d_dp=1, d_tp=s["decode_tp"],
         requests=1, layers=s["layers"],
@@ -114,29 +121,53 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
         kv_checksum=bool(p.get("kv_checksum", False)), retry_prefill=retry,
         retry_prefill_avoid=str(d.get("retry_prefill_avoid", "lost")), retry_fresh_blocks=fresh,
         # runs recorded before issue 40's fence freed blocks at the lease's end
-        fence_data=bool(d.get("fence_data", False)))
+        fence_data=bool(d.get("fence_data", False)), late_register=late)
 
 
 class ValidationState(WorldState):
-    """The checker's state and the routing notices in flight."""
+    """The checker's state, and the registrations and routing notices in flight."""
 
     # (D worker, request, P rank, claim epoch). The proxy tells D where it sent a prefill by a
     # message of its own to the D process, whose TP workers each take it in their own loop; P,
     # started at the same moment, may claim first (the D TP 2 flake of issue 20). The checker's
     # world routes in the same action as the start.
     routes: tuple[tuple[int, int, int, int], ...]
+    # (D worker, request, blocks). D's scheduler hands the metaserver a request in the same
+    # step whose metadata tells its workers; each worker registers it when it next takes
+    # metadata, and P's claim may come first (D answers "unknown", P asks again): an MLA run's
+    # D worker did so (2026-12-03, finding 10). The checker's world registers in the allocation.
+    regs: tuple[tuple[int, int, tuple[int, ...]], ...]
 
     def __init__(self, cfg: WorldConfig) -> None:
         super().__init__(cfg)
         self.routes = ()
+        self.regs = ()
+
+    def registering(self, v: int, r: int) -> bool:
+        """Whether D worker ``v`` has yet to register request ``r``."""
+        return any(x[0] == v and x[1] == r for x in self.regs)
 
 
 class _Proxy(Proxy):
-    """Routing notices delivered to each D worker on their own."""
+    """Registrations and routing notices delivered to each D worker on their own."""
 
     __slots__ = ()
 
     s: ValidationState
+
+    def register(self, q: Req, v: int, blocks: tuple[int, ...]) -> None:
+        """D worker ``v`` registers ``q`` in an action of its own where the run's P was told
+        "unknown" (else in the allocation, as the checker's world does)."""
+        if self.s.cfg.late_register:
+            self.s.regs += ((v, q.idx, blocks),)
+        else:
+            super().register(q, v, blocks)
+
+    def do_register(self, v: int, r: int, blocks: tuple[int, ...]) -> None:
+        """D worker ``v`` takes the metadata that registers request ``r``."""
+        s = self.s
+        s.regs = tuple(x for x in s.regs if x[:2] != (v, r))
+        super().register(s.reqs[r], v, blocks)
 
     def route(self, q: Req) -> None:
         """The notices of ``q``'s current attempt leave for each D worker of its engine."""
@@ -163,6 +194,7 @@ class _Faults(Faults):
         super().do_crash_d(d)
         s = self.s  # a new process never gets them
         s.routes = tuple(x for x in s.routes if x[0] // s.d_tp != d)
+        s.regs = tuple(x for x in s.regs if x[0] // s.d_tp != d)
 
     def fault_actions(self) -> list[Action]:
         """The checker's faults and suspicions."""
@@ -253,7 +285,7 @@ class _Clock(Clock):
 class ValidationWorld(World):
     """The checker's world plus what runs were found to do that it leaves out: bytes that land
     wrong (``corrupt``), live peers suspected lost (``suspect``), writes that do not bound the
-    clock, and routing notices delivered to each D worker on their own."""
+    clock, and registrations and routing notices delivered to each D worker on their own."""
 
     __slots__ = ()
 
@@ -262,25 +294,27 @@ class ValidationWorld(World):
     proxy_type = _Proxy
     faults_type = _Faults
     clock_type = _Clock
-    handlers = {**World.handlers, "route": "proxy", "suspect_d": "faults",
+    handlers = {**World.handlers, "route": "proxy", "register": "proxy", "suspect_d": "faults",
                 "suspect_p": "faults", "landed": "clock"}
 
     def key(self) -> tuple:
-        """The checker's state key, the routing notices in flight and, with P's progress
+        """The checker's state key, the registrations and notices in flight and, with P's progress
         deadline on, what it reads (relative to now): the checker's snapshot leaves both out,
         and two states that differ only there decide differently when the deadline fires."""
         s = self.s
         if not s.cfg.progress_timeout_s:
-            return (super().key(), s.routes)
+            return (super().key(), s.routes, s.regs)
         progress = tuple((tuple(sorted((a, round(t - s.now, 9)) for a, t in ep._landed_at.items())),
                           tuple(round(r.progress_at - s.now, 9) for r in ep._reqs.values()))
                          for ep in s.p)
-        return (super().key(), s.routes, progress)
+        return (super().key(), s.routes, s.regs, progress)
 
     def enabled(self) -> list[Action]:
-        """The checker's actions, the delivery of each routing notice in flight, P learning
+        """The checker's actions, each D worker's registration and routing notice, P learning
         late of a D crash, and other requests' writes landing on the request's D."""
-        return (super().enabled() + [("route", *x) for x in self.s.routes]
+        s = self.s  # a worker's notice follows its registration (both come in its metadata)
+        return (super().enabled() + [("register", *x) for x in s.regs]
+                + [("route", *x) for x in s.routes if not s.registering(x[0], x[1])]
                 + self._late_d_lost() + self._landed_elsewhere())
 
     def _landed_elsewhere(self) -> list[Action]:

@@ -167,6 +167,25 @@ def test_claim_before_the_routing_notice_is_valid(
     assert validate_cli.main([out, "--request", "req-3"]) == 0, capsys.readouterr().out
 
 
+def test_claim_before_d_registers_is_valid(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """D's scheduler posts a request to the metaserver in the step whose metadata registers it
+    on each D worker, so P's first claim may reach a worker before it registered: D answers
+    "unknown" and P asks again at its next retry tick (an MLA run of the e2e shapes did, CI of
+    2026-12-03). Planted in a real trace: P's first claim of req-3 is answered "unknown"."""
+    out = str(tmp_path / "run.jsonl")
+    res = run_cluster(ClusterConfig(**{**SMALL, "decode_tp": 2, "timelines_out": out}))  # type: ignore[arg-type]
+    assert not res.errors, res.errors
+    lines = Path(out).read_text().splitlines()
+    i = next(k for k, x in enumerate(lines) if '"req": "req-3"' in x and '"admitted"' in x)
+    admitted = json.loads(lines[i])
+    lines[i + 1:i + 1] = [json.dumps(dict(admitted, event=ev, src="AWAIT_DECODER_META",
+                                          dst="AWAIT_DECODER_META", detail=""))
+                          for ev in ("meta_unknown", "meta_timer")]
+    Path(out).write_text("\n".join(lines) + "\n")
+    assert validate_cli.main([out, "--request", "req-3"]) == 0, capsys.readouterr().out
+
+
 # A recorded prefill failover (kept from `lw demo --engine synthetic --requests 40 --prefill-dp 2
 # --fault kill-prefill-rank --retry-prefill 2 --timelines-out DIR`, 2026-12-01): P rank 1 was
 # killed, its timeline is absent; four of its requests: req-0 on the live rank, req-1 done on
