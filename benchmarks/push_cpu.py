@@ -32,14 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._pin import CORES, P_THREADS, pin, worker_pid  # noqa: E402
 from benchmarks._plan import Shape, make_prompts  # noqa: E402
 from benchmarks.serving import (  # noqa: E402
-    CORES,
     Placement,
     Running,
-    _tasks,
     complete,
-    pin,
     start_peer,
     start_single,
     warm_up,
@@ -54,18 +52,6 @@ CONFIGS = {  # name -> lw kv_connector_extra_config (P and D)
 OTHERS = {"peer": start_peer, "single": start_single}
 """Not lw: vLLM's MooncakeConnector P/D (its P sends a prompt's KV once the prefill is done, on
 the same core) and one plain server, for P's prefill time without any transfer."""
-
-
-def worker_pid(root_pid: int) -> int:
-    """The process of P's engine whose main thread runs the forward pass (``VLLM::Worker``)."""
-    for tid in _tasks(root_pid):
-        try:
-            with open(f"/proc/{tid}/comm") as f:
-                if f.read().strip() == "VLLM::Worker" and os.path.exists(f"/proc/{tid}/task/{tid}"):
-                    return tid
-        except OSError:
-            continue
-    raise RuntimeError(f"no VLLM::Worker process under pid {root_pid}")
 
 
 def thread_ticks(pid: int) -> dict[str, int]:
@@ -115,7 +101,8 @@ def prefill_sum(url: str) -> tuple[float, float]:
 
 
 def measure(name: str, model: Path, logs: Path, prompts: list[str],
-            link_mbit: float | None = None) -> dict[str, float]:
+            link_mbit: float | None = None, p_threads: str = "forward-core"
+            ) -> dict[str, float]:
     """Start lw P/D with ``CONFIGS[name]`` (or the peer, or the single server), send
     ``prompts``; per-prompt figures in ms. With ``link_mbit``, D sits behind a veth capped at
     that rate (0: uncapped veth)."""
@@ -126,7 +113,7 @@ def measure(name: str, model: Path, logs: Path, prompts: list[str],
         link = Link.create(link_mbit * 1e6 if link_mbit > 0 else None)
     place = Placement(link=link)
     try:
-        return _measure(name, place, model, logs, prompts)
+        return _measure(name, place, model, logs, prompts, p_threads)
     finally:
         if link is not None:
             link.close()
@@ -143,12 +130,13 @@ def _start(name: str, place: Placement, model: Path, logs: Path) -> Running:
 
 
 def _measure(name: str, place: Placement, model: Path, logs: Path,
-             prompts: list[str]) -> dict[str, float]:
+             prompts: list[str], p_threads: str) -> dict[str, float]:
     run = _start(name, place, model, logs)
     p_name = "single" if name == "single" else "prefill"
     try:
-        pin(run)
+        pin(run, p_threads)
         warm_up(run)
+        pin(run, p_threads)  # again: threads that started with the first requests
         p_url = run.servers[p_name].url
         pid = worker_pid(run.servers[p_name].proc.pid)  # type: ignore[union-attr]
         ticks0, (s0, c0) = thread_ticks(pid), prefill_sum(p_url)
@@ -188,6 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--link-mbit", type=float, default=None,
                     help="put D behind a veth capped at this many Mbit/s (0: uncapped veth; "
                          "default: loopback); needs root (ip netns, tc)")
+    ap.add_argument("--p-threads", nargs="+", choices=P_THREADS, default=["forward-core"],
+                    help="placements of P's worker threads but the forward's (each "
+                         "configuration runs in each; named CONFIG@PLACEMENT when more than one)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.prompts < 1:
         ap.error("--repeats and --prompts must be >= 1")
@@ -198,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="lw-push-cpu-"))
     model = make_tiny_model(work / f"tiny-{args.layers}l", num_layers=args.layers)
-    names = list(args.configs)
+    places = list(dict.fromkeys(args.p_threads))
+    names = [f"{c}@{p}" if len(places) > 1 else c for c in args.configs for p in places]
     base = names[0]
     results: dict[str, list[dict[str, float]]] = {k: [] for k in names}
     t_all = time.monotonic()
@@ -206,9 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         order = names[rep % len(names):] + names[:rep % len(names)]
         prompts = make_prompts(model, Shape(1024, 1, args.prompts), f"push-cpu-{rep}")
         for name in order:
-            r = measure(name, model, work / f"{name}-r{rep}", prompts, args.link_mbit)
+            config, _, place = name.partition("@")
+            r = measure(config, model, work / f"{name}-r{rep}", prompts, args.link_mbit,
+                        place or places[0])
             results[name].append(r)
-            print(f"[rep {rep}] {name:13s} P side threads {r['side_cpu_ms']:6.1f} ms/prompt, "
+            print(f"[rep {rep}] {name:26s} P side threads {r['side_cpu_ms']:6.1f} ms/prompt, "
                   f"P prefill {r['p_prefill_ms']:5.0f} ms, TTFT p50 {r['ttft_p50_ms']:5.0f} ms",
                   flush=True)
     print(f"\n### llama {args.layers} layers, 1,024-token prompts, {args.prompts} per start, "

@@ -56,6 +56,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._link import Link, missing_requirements  # noqa: E402
+from benchmarks._pin import P_THREADS, pin  # noqa: E402
 from benchmarks._plan import (  # noqa: E402
     GOODPUT_TOLERANCE,
     LABELS,
@@ -214,43 +215,6 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
         run.stop()
         raise
     return run
-
-
-CORES = {"single": 0, "prefill": 0, "decode": 1}
-"""The core each engine's worker is bound to (``LocalCluster``: VLLM_CPU_OMP_THREADS_BIND)."""
-
-
-def _tasks(pid: int) -> list[int]:
-    """Every thread of ``pid`` and of its descendants."""
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            out += [int(t) for t in os.listdir(f"/proc/{p}/task")]
-            for t in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    return out
-
-
-def pin(run: Running) -> None:
-    """Bind every thread of each engine (API server, EngineCore, worker) to its worker's core.
-
-    vLLM binds only the worker's OpenMP threads; the API server and the EngineCore float. On 2
-    cores that puts D's EngineCore, which steps about a thousand times a second while a request
-    waits for remote KV, on P's core: P's prefill ran 3-4x slower (lw and the peer alike)."""
-    for name, server in run.servers.items():
-        core = CORES.get(name)
-        if core is None or server.proc is None:
-            continue  # proxies float
-        for tid in _tasks(server.proc.pid):
-            try:
-                os.sched_setaffinity(tid, {core})
-            except OSError:
-                pass  # a thread that just ended
 
 
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
@@ -465,10 +429,14 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
                     bench.results.setdefault(key, []).append({"error": "did not start"})
             return
         try:
+            moved = ""
             if not args.float_frontends:
-                pin(run)
+                pin(run, args.p_threads)
             warm_up(run)
-            print(f"[{name}] ready in {time.monotonic() - t0:.0f}s", flush=True)
+            if not args.float_frontends:  # again: threads that started with the first requests
+                n = pin(run, args.p_threads)
+                moved = f"; {n} P worker thread(s) on D's core" if n else ""
+            print(f"[{name}] ready in {time.monotonic() - t0:.0f}s{moved}", flush=True)
             for sh in bench.plan:
                 for row in (r for r in rows if sh.runs_on(r)):
                     if place.link is not None:
@@ -591,11 +559,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--float-frontends", action="store_true",
                     help="leave each engine's API server and EngineCore unbound (vLLM's "
                          "default; only the workers are pinned), as in the first runs")
+    ap.add_argument("--p-threads", choices=P_THREADS, default="forward-core",
+                    help="where every thread of each P worker but the forward pass's runs "
+                         "(its transfer threads, lw's and the peer's alike): on the forward's "
+                         "core (default) or on the other core, D's, as on a host whose "
+                         "transfer threads have cores of their own")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="models, datasets, results, logs (default: a temporary folder, kept)")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="server start, s")
     ap.add_argument("--bench-timeout", type=float, default=900.0, help="one bench run, s")
     args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.float_frontends and args.p_threads != "forward-core":
+        ap.error("--p-threads other-core places threads: it needs the engines pinned "
+                 "(drop --float-frontends)")
     link_mode = any(r.veth for r in args.link)
     if link_mode:
         why = missing_requirements()
@@ -641,7 +617,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm = args.row_warmups if args.row_warmups is not None else 2 if link_mode else 0
     print(f"serving benchmark: setups {', '.join(args.setups)}{pm}; link rows "
           f"{', '.join(r.key for r in args.link)}; repeats {args.repeats}; {warm} unmeasured "
-          f"prompt(s) before each run; work dir {work}", flush=True)
+          f"prompt(s) before each run; P's side threads on the {args.p_threads}; work dir "
+          f"{work}", flush=True)
     benches: list[Bench] = []
     failures = 0
     try:
