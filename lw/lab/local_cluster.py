@@ -178,6 +178,16 @@ def kv_transfer_config(role: str, kv_port: int, engine_id: str,
             "kv_connector_extra_config": {"host": "127.0.0.1", **(extra or {})}}
 
 
+def is_lw_connector(kv: dict[str, Any] | None) -> bool:
+    """Whether ``kv`` (a --kv-transfer-config) runs lw's connector, alone or in MultiConnector."""
+    if kv is None:
+        return False
+    if kv.get("kv_connector") == "MultiConnector":
+        return any(is_lw_connector(c) for c in
+                   kv.get("kv_connector_extra_config", {}).get("connectors", ()))
+    return kv.get("kv_connector") == "LwConnector"
+
+
 def in_multi_connector(kv: dict[str, Any]) -> dict[str, Any]:
     """``kv`` (lw's config) as the only connector inside vLLM's MultiConnector. The engine id
     stays outside: vLLM 0.32 passes it to each child's config itself, and a child that also
@@ -255,8 +265,11 @@ class LocalCluster:
             env.update(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
                        OTEL_BSP_SCHEDULE_DELAY="200")
         if kv is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv)]
+        if is_lw_connector(kv):
             # the admission guard answers bad transfer params 400 before the engine sees them
-            argv += ["--kv-transfer-config", json.dumps(kv), "--middleware", ADMISSION]
+            # (lw's only: it refuses every other connector's params, vLLM's own included)
+            argv += ["--middleware", ADMISSION]
         if name in self.netns:
             argv = ["ip", "netns", "exec", self.netns[name], *argv]
         return Server(name, argv, env, f"http://{host}:{port}",

@@ -19,7 +19,10 @@ ProxyEvents = Mapping[str, Mapping[str, float]]
 PHASES: tuple[tuple[str, str, str], ...] = (
     ("client -> D allocated", "received", "allocated"),
     ("D allocated -> metaserver called", "allocated", "meta_posted"),
-    ("metaserver -> P admitted", "meta_posted", "admitted"),
+    # the proxy's own part (a sub-transfer's checks, the POST leaving), then P's (its HTTP
+    # server, EngineCore, the scheduler's next step: issue 39 item 3 cuts there)
+    ("metaserver -> prefill POSTed (proxy)", "meta_posted", "p_sent"),
+    ("prefill POSTed -> P admitted", "p_sent", "admitted"),
     ("P admitted -> first layer computed", "admitted", "first_computed"),
     ("prefill compute (first -> last layer)", "first_computed", "last_computed"),
     ("transfer tail (last layer computed -> written)", "last_computed", "last_written"),
