@@ -192,43 +192,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     places = list(dict.fromkeys(args.p_threads))
     names = [f"{c}@{p}" if len(places) > 1 else c for c in args.configs for p in places]
     base = names[0]
-    results: dict[str, list[dict[str, float]]] = {k: [] for k in names}
+    # None: that start failed (told, counted, and left out of its medians and ratios)
+    results: dict[str, list[dict[str, float] | None]] = {k: [] for k in names}
     t_all = time.monotonic()
     for rep in range(args.repeats):
         order = names[rep % len(names):] + names[:rep % len(names)]
         prompts = make_prompts(model, Shape(1024, 1, args.prompts), f"push-cpu-{rep}")
         for name in order:
             config, _, place = name.partition("@")
-            r = measure(config, model, work / f"{name}-r{rep}", prompts, args.link_mbit,
-                        place or places[0])
+            try:
+                r = measure(config, model, work / f"{name}-r{rep}", prompts, args.link_mbit,
+                            place or places[0])
+            except RuntimeError as exc:
+                results[name].append(None)
+                print(f"[rep {rep}] {name:26s} FAILED: {str(exc).splitlines()[0]}", flush=True)
+                continue
             results[name].append(r)
             print(f"[rep {rep}] {name:26s} P side threads {r['side_cpu_ms']:6.1f} ms/prompt, "
                   f"P prefill {r['p_prefill_ms']:5.0f} ms, TTFT p50 {r['ttft_p50_ms']:5.0f} ms",
                   flush=True)
+    failed = sum(r is None for rs in results.values() for r in rs)
     print(f"\n### llama {args.layers} layers, 1,024-token prompts, {args.prompts} per start, "
           f"{args.repeats} repeat(s), "
           + ("loopback" if args.link_mbit is None else
              f"veth {'uncapped' if not args.link_mbit else f'{args.link_mbit:g} Mbit/s'}"))
-    print("| configuration | P side-thread CPU ms/prompt | P prefill ms | TTFT p50 ms |")
-    print("|---|---|---|---|")
+    print("| configuration | P side-thread CPU ms/prompt | P prefill ms | TTFT p50 ms | failed |")
+    print("|---|---|---|---|---|")
     for name in names:
-        rs = results[name]
+        ok = [r for r in results[name] if r is not None]
 
-        def span(key: str, rs: list[dict[str, float]] = rs) -> str:
+        def span(key: str, rs: list[dict[str, float]] = ok) -> str:
             xs = [r[key] for r in rs]
-            return f"{statistics.median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})"
+            return f"{statistics.median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})" if xs else "-"
 
         print(f"| {name} | {span('side_cpu_ms')} | {span('p_prefill_ms')} | "
-              f"{span('ttft_p50_ms')} |")
+              f"{span('ttft_p50_ms')} | {len(results[name]) - len(ok)} |")
     for name in names:
         if name == base:
             continue
         for key in ("side_cpu_ms", "p_prefill_ms"):
-            ratios = [a[key] / b[key] for a, b in zip(results[name], results[base], strict=True)]
-            print(f"{key}_ratio_vs_{base}: {statistics.median(ratios):.2f}  ({name}; "
-                  f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} repeat(s))")
-    print(f"total time {time.monotonic() - t_all:.0f}s; logs in {work}")
-    return 0
+            ratios = [a[key] / b[key] for a, b in zip(results[name], results[base], strict=True)
+                      if a is not None and b is not None]
+            if ratios:
+                print(f"{key}_ratio_vs_{base}: {statistics.median(ratios):.2f}  ({name}; "
+                      f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} repeat(s))")
+    print(f"total time {time.monotonic() - t_all:.0f}s; {failed} start(s) failed; logs in "
+          f"{work}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
