@@ -19,10 +19,11 @@ ProxyEvents = Mapping[str, Mapping[str, float]]
 PHASES: tuple[tuple[str, str, str], ...] = (
     ("client -> D allocated", "received", "allocated"),
     ("D allocated -> metaserver called", "allocated", "meta_posted"),
-    # the proxy's own part (a sub-transfer's checks, the POST leaving), then P's (its HTTP
-    # server, EngineCore, the scheduler's next step: issue 39 item 3 cuts there)
+    # the proxy's own part (a sub-transfer's checks, the POST leaving), then P's: its HTTP
+    # server, EngineCore, the scheduler's next step and, since P's core admits a request when
+    # its push starts, the chunks push_mode auto or last_chunk computes before that
     ("metaserver -> prefill POSTed (proxy)", "meta_posted", "p_sent"),
-    ("prefill POSTed -> P admitted", "p_sent", "admitted"),
+    ("prefill POSTed -> P admitted (push starts)", "p_sent", "admitted"),
     ("P admitted -> first layer computed", "admitted", "first_computed"),
     ("prefill compute (first -> last layer)", "first_computed", "last_computed"),
     ("transfer tail (last layer computed -> written)", "last_computed", "last_written"),

@@ -81,7 +81,7 @@ def test_report_prints_the_limit_of_each_repeat_and_the_distance_to_it(
     print_table(bench, shape, row, link_mode=True)
     out = capsys.readouterr().out
     assert "limit_ms: 1030  (llama 32 layers in1024-c1 kv_over_prefill=1.0; max(prefill" in out
-    assert "single-server prefill 300-400 ms)" in out
+    assert "single-server prefill 300-400 ms, its TTFT p50 320-420 ms" in out
     assert "ttft_p50_minus_limit_ms_lw: +25  (llama 32 layers in1024-c1 kv_over_prefill=1.0; " \
            "15-35 over 2 repeats)" in out
     assert "ttft_p50_minus_limit_ms_peer: +450" in out
@@ -91,6 +91,10 @@ def test_report_prints_the_limit_of_each_repeat_and_the_distance_to_it(
     bench.results[(shape.key, none.key, "lw")] = [_res(0, 345.0, 11.0)]
     print_table(bench, shape, none, link_mode=False)
     assert "ttft_p50_minus_limit_ms_lw: +15" in capsys.readouterr().out
+    # the single server's own TTFT below the calibration's prefill: the limit takes the lower
+    bench.results[(shape.key, "-", "single")] = [_res(0, 280.0, 20.0)]
+    print_table(bench, shape, none, link_mode=False)
+    assert "ttft_p50_minus_limit_ms_lw: +35" in capsys.readouterr().out
 
 
 def test_link_needs_root(monkeypatch: pytest.MonkeyPatch,

@@ -131,7 +131,8 @@ def test_phases_of_a_request_from_both_sides_and_the_proxy() -> None:
     assert [times[k] for k in order] == sorted(times[k] for k in order)
     rows = {name: n for name, _mean, n in phase_means(ms)}
     assert rows["D allocated -> metaserver called"] == 0  # this test has no metaserver
-    assert rows["metaserver -> prefill POSTed (proxy)"] == rows["prefill POSTed -> P admitted"] == 0
+    assert rows["metaserver -> prefill POSTed (proxy)"] == 0
+    assert rows["prefill POSTed -> P admitted (push starts)"] == 0
     assert rows["transfer tail (last layer computed -> written)"] == 1
     assert "sum of the means" in format_phases(phase_means(ms))
 
