@@ -69,7 +69,14 @@ def test_a_killed_prefill_server_is_retried_then_fails_cleanly_without_another(
         (r,) = results
         assert r.error or r.finish_reason not in ("length", "stop"), r
         pm = httpx.get(c.control_url + "/metrics-json", timeout=5).json()
-        assert pm["prefill_failures_left_to_decode"] == 1, pm  # left to D, which asked again
+        seen = httpx.get(c.control_url + "/lw/timeline", timeout=5).json()
+        posts = [ev for ev in seen.values() if "p_sent" in ev]  # the warm-up's and this one's
+        answered = all("p_done" in ev for ev in posts)
+        # P answers its one token when its compute ends, its writes still held: on a fast
+        # machine it has answered before the kill lands and only D finds it lost (CI run of
+        # 2026-12-04); else the proxy's POST fails and the proxy leaves the failure to D.
+        # Either way D asks again, once (below).
+        assert pm["prefill_failures_left_to_decode"] == (0 if answered else 1), (pm, seen)
         assert pm["prefill_failovers"] == 0, pm  # ... and no other P was there to take it
         decode = c.url("decode")
         assert metrics(decode).get("lw_prefill_retries_total", 0) == 1
