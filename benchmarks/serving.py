@@ -4,14 +4,15 @@ For each tiny model (today's 2-layer Llama and a deep one) and each shape (input
 concurrency), it starts, in turn and fresh, on this machine: a single ``vllm serve`` (core 0),
 lw P/D (``LocalCluster`` from ``lw demo``: P and D pinned to one core each, lw's proxy) with
 ``push_mode`` ``auto`` (``lw``, the default), ``progressive`` (``lw-progressive``) and
-``last_chunk`` (``lw-last``), and vLLM's in-tree
-MooncakeConnector P/D (same engines and cores, Mooncake over TCP, the minimal proxy in
-``benchmarks/_peer``); every process of an engine is bound to its core (``--float-frontends``:
-only the workers, vLLM's default). Against each it runs ``vllm bench serve`` on the same prompts
-of fresh random words (a ShareGPT-format file: vLLM's ``random`` dataset makes token-id runs;
-``--num-warmups 0``: a warm-up re-sends the first measured prompt, which then hits the prefix
-cache), 32 output tokens, and prints one table per model and shape plus
-``ttft_p50_ratio_vs_peer`` and ``throughput_ratio_vs_peer`` (lw / MooncakeConnector).
+``last_chunk`` (``lw-last``), and vLLM's in-tree MooncakeConnector P/D (same engines and cores,
+Mooncake over TCP, the minimal proxy in ``benchmarks/_peer``); every process of an engine is
+bound to its core (``--float-frontends``: only the workers, vLLM's default; ``--p-threads
+other-core``: then every thread of P's worker but the forward's on D's core, lw's and the peer's
+alike). Against each it runs ``vllm bench serve`` on the same prompts of fresh random words (a
+ShareGPT-format file: vLLM's ``random`` dataset makes token-id runs; ``--num-warmups 0``: a
+warm-up re-sends the first measured prompt, which then hits the prefix cache), 32 output tokens,
+and prints one table per model and shape plus ``ttft_p50_ratio_vs_peer`` and
+``throughput_ratio_vs_peer`` (lw / MooncakeConnector).
 
 ``--link`` puts every P/D set-up's D in its own network namespace behind a veth pair
 (``benchmarks/_link.py``) whose P -> D direction is capped with tbf; P, the proxies and the
