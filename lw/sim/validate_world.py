@@ -135,7 +135,7 @@ class ValidationState(WorldState):
     # (D worker, request, blocks). D's scheduler hands the metaserver a request in the same
     # step whose metadata tells its workers; each worker registers it when it next takes
     # metadata, and P's claim may come first (D answers "unknown", P asks again): an MLA run's
-    # D worker did so (2026-12-03, finding 10). The checker's world registers in the allocation.
+    # D worker did so (2026-12-03, finding 11). The checker's world registers in the allocation.
     regs: tuple[tuple[int, int, tuple[int, ...]], ...]
 
     def __init__(self, cfg: WorldConfig) -> None:
