@@ -4,9 +4,11 @@ internal address of its own, never on the public OpenAI port (docs/deployment.md
 ``POST /v1/metaserver`` starts a prefill only for a call that is signed with the cluster key
 (lw.contract.auth), carries the grant the proxy gave the decode server it sent that
 transfer to, names a sub-transfer of that transfer and stays within the sub-transfers the client
-request allows (``n`` x prompts). ``GET /lw/timeline``, ``GET /metrics-json``, ``GET /lw/health``
-and ``GET /lw/workers`` tell what the proxy saw (request ids, timings, server URLs, the workers'
-side channels): internal only.
+request allows (``n`` x prompts). ``POST /v1/ahead`` (``--start-mode admit-ahead``) hands a
+prefill engine D's params for a request sent to it ahead of them, under the same signature and
+the transfer's ahead grant (lw.proxy.ahead). ``GET /lw/timeline``, ``GET /metrics-json``,
+``GET /lw/health`` and ``GET /lw/workers`` tell what the proxy saw (request ids, timings,
+server URLs, the workers' side channels): internal only.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from lw.contract.ahead import ahead_fetch
 from lw.contract.params import ContractError, metaserver_call
 from lw.contract.transfer_ids import is_sub_transfer_of
 from lw.contract.worker_addrs import decode_workers
+from lw.proxy.ahead import bind as bind_ahead
+from lw.proxy.ahead import fetch as fetch_ahead
 from lw.proxy.exchange import run_prefill
 from lw.proxy.failover import failover_problem, reprefill, route_fields
 from lw.proxy.limits import BodyTooLarge, BodyTooSlow, read_body
@@ -122,10 +127,8 @@ def build_control_app(state: ProxyState) -> FastAPI:
         return JSONResponse({"status": "error", **ids, "detail": detail}, status,
                             headers={"connection": "close"})
 
-    @app.post("/v1/metaserver", name="metaserver")
-    async def metaserver(request: Request) -> JSONResponse:
-        """Called by D's connector once a vLLM request's blocks are allocated: start its prefill."""
-        state.counters["metaserver_calls"] += 1
+    async def signed_body(request: Request) -> bytes | JSONResponse:
+        """A control call's body, its signature checked, or the refusal to answer."""
         why = state.verifier.header_problem(request.headers) if state.verifier.key else ""
         if why:  # before reading the body: an unsigned caller makes the proxy hold nothing
             return refuse(401, why, request)
@@ -144,8 +147,33 @@ def build_control_app(state: ProxyState) -> FastAPI:
         finally:
             state.control_reads -= 1
         why = state.verifier.check(request.headers, raw)
-        if why:
-            return refuse(401, why, request)
+        return refuse(401, why, request) if why else raw
+
+    @app.post("/v1/ahead", name="ahead")
+    async def ahead(request: Request) -> JSONResponse:
+        """Called by P's connector for a prefill sent to it ahead of D: D's params, once D's
+        metaserver call arrives (lw.proxy.ahead)."""
+        raw = await signed_body(request)
+        if isinstance(raw, JSONResponse):
+            state.counters["ahead_fetches_refused"] += 1
+            return raw
+        try:
+            call = ahead_fetch(raw)
+        except ContractError as exc:
+            state.counters["ahead_fetches_refused"] += 1
+            return refuse(400, str(exc), request)
+        status, answer = await fetch_ahead(state, call)
+        if status != 200:
+            state.counters["ahead_fetches_refused"] += 1
+        return JSONResponse(answer, status)
+
+    @app.post("/v1/metaserver", name="metaserver")
+    async def metaserver(request: Request) -> JSONResponse:
+        """Called by D's connector once a vLLM request's blocks are allocated: start its prefill."""
+        state.counters["metaserver_calls"] += 1
+        raw = await signed_body(request)
+        if isinstance(raw, JSONResponse):
+            return raw
         try:
             msg = msgspec.to_builtins(metaserver_call(raw))
         except ContractError as exc:
@@ -185,12 +213,14 @@ def build_control_app(state: ProxyState) -> FastAPI:
                                  **route_fields(sub)}, 202)
         body = build_prefill_body(tr.body, msg["kv_transfer_params"], sub_id,
                                   msg["prompt_token_ids"], key=state.verifier.key)
-        sub = SubPrefill(sub_id, tr.prefill_target or state.pick(state.prefills),
-                         budget=msg.get("retry_prefill", 0), body=body)
+        state.timeline.mark(sub_id, "meta_posted")
+        sub = bind_ahead(state, tr, msg, body)  # P has it already (admit-ahead)
+        if sub is None:
+            sub = SubPrefill(sub_id, tr.prefill_target or state.pick(state.prefills),
+                             budget=msg.get("retry_prefill", 0), body=body)
+            sub.task = state.spawn(run_prefill(state, tr, sub, body))
         tr.prefills[sub_id] = sub
         state.counters["prefills"] += 1
-        state.timeline.mark(sub_id, "meta_posted")
-        sub.task = state.spawn(run_prefill(state, tr, sub, body))
         return JSONResponse({"status": "ok", "transfer_id": tid, "sub_transfer_id": sub_id,
                              "prefill_url": sub.backend.url, "detail": "prefill started",
                              **route_fields(sub)}, 202)

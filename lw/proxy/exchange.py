@@ -47,12 +47,14 @@ __all__ = ["Exchange", "run_prefill"]
 # Prefill (started by the metaserver)
 
 
-async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: dict[str, Any]
-                       ) -> None:
+async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: dict[str, Any],
+                      post: asyncio.Future[tuple[int, bytes]] | None = None,
+                      api: str = COMPLETIONS) -> None:
     """POST one sub-transfer's prefill request; record success or failure on ``tr`` (unless a
-    re-prefill replaced this attempt, or D may still replace it: see ``_left_to_decode``)."""
+    re-prefill replaced this attempt, or D may still replace it: see ``_left_to_decode``).
+    ``post``: the request is already on its way (an ahead prefill's POST to ``api``)."""
     backend = sub.backend
-    url = backend.url + COMPLETIONS
+    url = backend.url + api
     headers = {**tr.headers, "X-Request-Id": tr.request_id}
     backend.in_flight += 1
     backend.requests += 1
@@ -62,15 +64,15 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
     try:
         try:
             code, content = await asyncio.wait_for(
-                _post_bounded(state, url, body, headers), state.limits.prefill_total_s)
+                post or _post_bounded(state, url, body, headers), state.limits.prefill_total_s)
             state.timeline.mark(sub.sub_id, "p_done")
         except (TimeoutError, httpx.TimeoutException) as exc:
             status = 504
             why = _describe(exc) if str(exc) else (
                 f"no whole answer within {state.limits.prefill_total_s:g} s")
-            error = f"prefill server {backend.url} timed out on {COMPLETIONS}: {why}"
+            error = f"prefill server {backend.url} timed out on {api}: {why}"
         except (httpx.HTTPError, AnswerTooLarge) as exc:
-            error = f"prefill server {backend.url} failed on {COMPLETIONS}: {_describe(exc)}"
+            error = f"prefill server {backend.url} failed on {api}: {_describe(exc)}"
         else:
             if 200 <= code < 300:
                 sub.state = "done"
@@ -82,7 +84,7 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
                 return
             lost = code >= 500
             error = (f"prefill server {backend.url} returned HTTP {code} on "
-                     f"{COMPLETIONS}: {_quote(content)}")
+                     f"{api}: {_quote(content)}")
         if status != 504:  # refused, dropped or 5xx: route new prefills elsewhere a while
             backend.failed(asyncio.get_running_loop().time())
         backend.errors += 1
@@ -153,6 +155,8 @@ def _prefill_params(content: bytes) -> dict[str, Any]:
 
 def _cancel_prefills(tr: Transfer) -> None:
     """Cancel every prefill request of ``tr`` still running (closes their connections)."""
+    if tr.ahead is not None:
+        tr.ahead.cancel("the request ended")
     for sub in tr.prefills.values():
         if sub.task is not None and not sub.task.done():
             sub.task.cancel()
@@ -235,6 +239,9 @@ class Exchange(Response):
         tr = self.tr
         tr.decode.in_flight -= 1
         self.state.transfers.pop(tr.request_id, None)
+        # (D answered without calling the metaserver, e.g. a prefix hit computed locally)
+        if tr.ahead is not None:
+            tr.ahead.cancel("the request ended before D asked for its prefill")
         if not self.ok:
             _cancel_prefills(tr)
 
@@ -303,7 +310,8 @@ class Exchange(Response):
                                  grant=secrets.token_hex(16), prefills={},
                                  prefill_error=None, prefill_error_status=502,
                                  prefill_error_server=None,
-                                 prefill_failed=asyncio.Event(), decode_workers={})
+                                 prefill_failed=asyncio.Event(), decode_workers={},
+                                 ahead=None)
         nxt.in_flight += 1
         nxt.requests += 1
         state.transfers[tr.request_id] = tr

@@ -48,7 +48,14 @@ class Limits:
     """Such questions asked per second, bursts included: each has D's worker scan its timeline
     (a few ms), so a storm of failures must not become a storm of scans."""
 
+    ahead_wait_s: float = 2.0
+    """admit-ahead: how long a prefill sent to P ahead of D waits for D's metaserver call (and
+    D's call for P's fetch) before it is cancelled and the prefill started D first. Below the
+    prefill engines' metaserver_timeout_s (their fetch's timeout)."""
+
     def __post_init__(self) -> None:
+        if not self.ahead_wait_s > 0:
+            raise ValueError(f"ahead_wait_s must be > 0, got {self.ahead_wait_s}")
         for name in ("max_body_bytes", "max_control_body_bytes", "max_prefill_answer_bytes",
                      "max_concurrent_requests", "max_control_reads"):
             if getattr(self, name) < 1:

@@ -65,6 +65,8 @@ from fastapi.responses import JSONResponse, Response
 
 from lw.contract.auth import CallVerifier
 from lw.contract.client import MAX_JSON_DEPTH, TRACE_HEADERS, json_depth_exceeds
+from lw.proxy.ahead import START_MODES
+from lw.proxy.ahead import start as start_ahead
 from lw.proxy.control import build_control_app, cached_health
 from lw.proxy.exchange import Exchange
 from lw.proxy.intake import client_bytes, parse_json, refuse, screen
@@ -178,6 +180,8 @@ def build_apps(
     sidecar: Sidecar | None = None,
     decode_failovers: int = 2,
     limits: Limits | None = None,
+    start_mode: str = "d-first",
+    ahead_limit: int = 4,
 ) -> ProxyApps:
     """Build the proxy for these servers (base URLs such as ``http://10.0.0.1:8100``).
 
@@ -198,7 +202,8 @@ def build_apps(
                        connect_timeout_s=connect_timeout_s, health_timeout_s=health_timeout_s,
                        metaserver_url=metaserver_url,
                        verifier=CallVerifier(cluster_key, signature_window_s), sidecar=sidecar,
-                       decode_failovers=decode_failovers, limits=limits)
+                       decode_failovers=decode_failovers, limits=limits,
+                       start_mode=start_mode, ahead_limit=ahead_limit)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -250,6 +255,8 @@ def build_apps(
         state.counters["requests"] += 1
         state.timeline.mark(tr.request_id, "received")
         state.transfers[tr.request_id] = tr
+        if state.start_mode == "admit-ahead":
+            start_ahead(state, tr)  # P admits it while D does (lw.proxy.ahead)
         return Exchange(state, tr)
 
     @app.post(COMPLETIONS)
@@ -400,6 +407,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a request whose decode server fails (refused, dropped, 5xx) before a "
                          "byte of its answer reached the client moves to another one, at most "
                          "N times (0: never)")
+    ap.add_argument("--start-mode", choices=START_MODES, default="d-first",
+                    help="d-first: a request's prefill is sent to P once D has allocated its "
+                         "blocks; admit-ahead: it is sent to P together with the request to D, "
+                         "and P admits it but computes nothing until D's params reach it "
+                         "(lw.proxy.ahead; P's admission overlaps D's)")
+    ap.add_argument("--ahead-limit", type=int, default=4, metavar="N",
+                    help="admit-ahead: prefills one prefill server holds waiting for D's "
+                         "params; a request beyond it starts D first")
+    ap.add_argument("--ahead-wait", type=float, default=2.0, metavar="S",
+                    help="admit-ahead: how long a prefill sent ahead waits for D's call before "
+                         "it is cancelled and started D first (below the prefill engines' "
+                         "metaserver_timeout_s)")
     ap.add_argument("--max-body-mb", type=float, default=8.0, metavar="MB",
                     help="largest client body on the public port (413 above it)")
     ap.add_argument("--max-concurrent-requests", type=int, default=4096, metavar="N",
@@ -436,8 +455,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                           signature_window_s=args.signature_window, timeout_s=args.timeout,
                           connect_timeout_s=args.connect_timeout, sidecar=sidecar,
                           decode_failovers=args.decode_failovers,
+                          start_mode=args.start_mode, ahead_limit=args.ahead_limit,
                           limits=Limits(max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                                        max_concurrent_requests=args.max_concurrent_requests))
+                                        max_concurrent_requests=args.max_concurrent_requests,
+                                        ahead_wait_s=args.ahead_wait))
     except ValueError as exc:
         ap.error(str(exc))
     if key is None:

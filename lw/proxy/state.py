@@ -224,6 +224,7 @@ class Backend:
     # A decode server's workers (side channels), as its metaserver calls name them: whom the
     # proxy asks why a request failed (lw.proxy.explain).
     workers: dict[str, None] = field(default_factory=dict)
+    ahead_waiting: int = 0  # prefills sent here ahead of D's params, not bound yet
 
     def learn_workers(self, addrs: list[str]) -> None:
         """Remember side channels of this server's workers (well formed: decode_workers)."""
@@ -265,6 +266,45 @@ class Backend:
                 "errors": self.errors, "consecutive_failures": self.fails}
 
 
+def ahead_fallback(why: str) -> dict[str, Any]:
+    """The answer to P's ahead fetch that tells it D's params will not come."""
+    return {"status": "fallback", "detail": why[:1000]}
+
+
+@dataclass(eq=False)
+class AheadPrefill:
+    """One request's prefill sent to P ahead of D's params, until D's call binds it."""
+
+    backend: Backend
+    grant: str = field(default_factory=lambda: secrets.token_hex(16))
+    task: asyncio.Task[tuple[int, bytes]] | None = None  # P's POST
+    state: str = "waiting"  # -> bound | fallback
+    digest: str | None = None  # of the prompt P tokenized (its fetch names it)
+    fetched: asyncio.Event = field(default_factory=asyncio.Event)
+    answer: asyncio.Future[dict[str, Any]] | None = None  # what P's fetch is answered
+
+    def release(self, state: str) -> None:
+        """Leave "waiting" (its slot on P is free again) for ``state``."""
+        if self.state == "waiting":
+            self.backend.ahead_waiting -= 1
+        self.state = state
+
+    def cancel(self, why: str) -> None:
+        """The request ended or moved before D's call bound it: P's fetch is told, its POST
+        cancelled (P aborts the waiting request)."""
+        if self.state != "waiting":
+            return
+        self.release("fallback")
+        self.resolve(ahead_fallback(why))
+        if self.task is not None:
+            self.task.cancel()
+
+    def resolve(self, answer: dict[str, Any]) -> None:
+        """Answer P's fetch (now, or when it arrives); the first answer stands."""
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_result(answer)
+
+
 @dataclass(eq=False)
 class SubPrefill:
     """The prefill of one vLLM request of a client request (one sub-transfer)."""
@@ -302,6 +342,7 @@ class Transfer:
     prefill_error_status: int = 502
     prefill_error_server: str | None = None
     prefill_failed: asyncio.Event = field(default_factory=asyncio.Event)
+    ahead: AheadPrefill | None = None  # its prefill sent to P ahead of D (lw.proxy.ahead)
     # The side channels of the D workers that asked for this transfer's prefills (its
     # metaserver calls name them): whom the proxy asks if D fails the request.
     decode_workers: dict[str, None] = field(default_factory=dict)
@@ -372,8 +413,17 @@ class ProxyState:
         sidecar: PrefillTargets | None = None,
         decode_failovers: int = 2,
         limits: Limits | None = None,
+        start_mode: str = "d-first",
+        ahead_limit: int = 4,
     ) -> None:
         self.limits = limits or Limits()
+        if start_mode not in ("d-first", "admit-ahead") or ahead_limit < 1:
+            raise ValueError(f"start_mode {start_mode!r} (d-first or admit-ahead) and "
+                             f"ahead_limit {ahead_limit} (>= 1)")
+        # admit-ahead: a request's prefill goes to P with its D request, at most ahead_limit
+        # per prefill server waiting for D's params (lw.proxy.ahead)
+        self.start_mode = start_mode
+        self.ahead_limit = ahead_limit
         self.refusals = RateLimitedLog(log)  # one line per kind and 5 s, whatever the flood
         self.health_cache: tuple[float, dict[str, Any]] | None = None  # (when, report)
         self.health_task: asyncio.Future[dict[str, Any]] | None = None  # the probe running
@@ -428,6 +478,13 @@ class ProxyState:
             "overloaded": 0,
             "decode_errors_explained": 0,
             "decode_errors_unexplained": 0,
+            "ahead_started": 0,
+            "ahead_bound": 0,
+            "ahead_fallbacks": 0,
+            "ahead_expired": 0,
+            "ahead_unbound": 0,
+            "ahead_skipped_full": 0,
+            "ahead_fetches_refused": 0,
         }
 
     def label(self, url: str | None) -> str | None:

@@ -16,6 +16,7 @@ import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from lw.contract.ahead import decode_ahead_params, is_ahead_request
 from lw.contract.params import (
     ContractError,
     decode_params_for_decoder,
@@ -52,7 +53,9 @@ def transfer_params_problem(body: Any, key: bytes | None) -> ContractError | Non
     if not isinstance(params, dict):
         return ContractError(FIELD, f"must be an object, got {type(params).__name__}")
     try:
-        if is_prefill_request(params):
+        if is_prefill_request(params) and is_ahead_request(params):
+            decode_ahead_params(key, params)
+        elif is_prefill_request(params):
             decode_params_for_prefiller(key, params)
         elif is_remote_prefill_request(params):
             decode_params_for_decoder(key, params)

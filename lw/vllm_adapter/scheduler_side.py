@@ -15,10 +15,12 @@ the P engines to avoid; where the proxy sent each attempt goes back to the core 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lw.contract.ahead import decode_ahead_params, is_ahead_request
 from lw.contract.params import (
     CONTRACT_VERSION,
     ContractError,
@@ -30,13 +32,14 @@ from lw.contract.params import (
     is_remote_prefill_request,
     prompt_digest,
 )
-from lw.contract.transfer_ids import sub_transfer_id
+from lw.contract.transfer_ids import is_sub_transfer_of, sub_transfer_id
 from lw.contract.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY, worker_addrs
 from lw.fsm.block_choice import PushCursor, blocks_to_receive
 from lw.fsm.prefill_request import received_blocks
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
 from lw.transport.ratelog import RateLimitedLog
 from lw.transport.sidechannel import parse_cluster_key
+from lw.vllm_adapter.ahead_client import AheadFetcher
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
     LwConnectorMetadata,
@@ -60,6 +63,18 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerSide", "sub_transfer_id"]
 
 _NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
+AHEAD_HOLD_S = 10.0
+"""A request admitted ahead whose params will not come waits this long for the proxy to cancel
+it (it holds no blocks meanwhile); then it is computed as a plain request, nothing pushed."""
+
+
+@dataclass
+class _Ahead:
+    """P: a request admitted ahead of D's params (lw.contract.ahead), not scheduled yet."""
+
+    request: Any
+    transfer_id: str
+    gave_up: float | None = None  # when its params were found not to be coming
 
 
 @dataclass
@@ -112,6 +127,8 @@ class SchedulerSide:
         self._pushed: dict[str, str] = {}  # vLLM req id -> transfer id, until finished sending
         self._d: dict[str, _DReq] = {}  # vLLM req id -> receiving (D)
         self._d_seen: set[str] = set()  # D requests already handled (never load twice)
+        self._ahead: dict[str, _Ahead] = {}  # P: vLLM req id -> waiting for D's params
+        self._fetcher: AheadFetcher | None = None
         self._tails: dict[str, int] = {}  # D: req -> cached blocks, tail to compute locally
         tail = cfg.local_tail_tokens
         self.local_tail_tokens = self.block_size if tail < 0 else tail
@@ -121,7 +138,7 @@ class SchedulerSide:
         self._lock = threading.Lock()
         self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0,
                         "early_chunk_blocks": 0, "preempted_pushes": 0, "prefill_retries": 0,
-                        "refused_params": 0}
+                        "refused_params": 0, "ahead_admitted": 0, "ahead_fallbacks": 0}
         self._compute_s_per_token: float | None = None  # from the workers (LwWorkerMeta)
         self._compute_s_per_pair = 0.0
         self._wire_s_per_block: dict[str, float] = {}  # D host -> seconds per block
@@ -165,23 +182,95 @@ class SchedulerSide:
         if not is_prefill_request(params):
             return
         rid = request.request_id
-        try:
-            self._p[rid] = self._parse_decoder_params(
-                request, decode_params_for_prefiller(self._key, params))
-        except ContractError as exc:
-            self._refused(request, exc, "computed, nothing pushed")
-            return
-        except ValueError as exc:
-            log.error("lw: request %s (transfer %s) will not be pushed: %s", rid,
-                      params.get("transfer_id"), exc)
-            self._bad_params.add(rid)
-            return
+        if is_ahead_request(params):
+            if not self._admit_ahead(request, params):
+                return
+        else:
+            try:
+                self._p[rid] = self._parse_decoder_params(
+                    request, decode_params_for_prefiller(self._key, params))
+            except ContractError as exc:
+                self._refused(request, exc, "computed, nothing pushed")
+                return
+            except ValueError as exc:
+                log.error("lw: request %s (transfer %s) will not be pushed: %s", rid,
+                          params.get("transfer_id"), exc)
+                self._bad_params.add(rid)
+                return
         if request.max_tokens != 1:
             # A pushed request must finish in its prefill step: vLLM frees a preempted
             # request's blocks without asking the connector, under a write still reading them.
             log.warning("lw: prefill request %s asked for max_tokens=%s; P computes 1 token",
                         rid, request.max_tokens)
             request.max_tokens = 1
+
+    def _admit_ahead(self, request: Request, params: Mapping[str, Any]) -> bool:
+        """A request the proxy sent ahead of D's params: start fetching them (it is scheduled
+        once they are here: num_new_matched_tokens). False: refused, computed as a plain one."""
+        rid = request.request_id
+        try:
+            ap = decode_ahead_params(self._key, params)
+            if self._metaservers and ap.lw_ahead_url not in {
+                    m.rsplit("/", 1)[0] + "/ahead" for m in self._metaservers}:
+                raise ContractError("kv_transfer_params.lw_ahead_url", "not beside one of the "
+                                    "metaservers this engine may call (allowed_metaservers)")
+        except ContractError as exc:
+            self._refused(request, exc, "computed, nothing pushed")
+            return False
+        if request.prompt_token_ids is None:
+            log.error("lw: request %s admitted ahead has no prompt token ids; computed, nothing "
+                      "pushed", rid)
+            self._bad_params.add(rid)
+            return False
+        self._ahead[rid] = _Ahead(request, ap.transfer_id)
+        if self._fetcher is None:
+            self._fetcher = AheadFetcher(self.cfg)
+        self._fetcher.fetch(rid, ap.lw_ahead_url, {
+            "transfer_id": ap.transfer_id, "grant": ap.lw_ahead_grant,
+            "prompt_digest": prompt_digest(request.prompt_token_ids)})
+        with self._lock:
+            self._counts["ahead_admitted"] += 1
+        return True
+
+    def _ahead_ready(self, request: Request) -> int | None:
+        """P: 0 when a request may be scheduled (admitted ahead and D's params are here, or an
+        ordinary one); None while it waits for them (vLLM asks again next step)."""
+        rid = request.request_id
+        a = self._ahead.get(rid)
+        if a is None:
+            return 0
+        now = time.monotonic()
+        if a.gave_up is not None:
+            if now - a.gave_up < AHEAD_HOLD_S:
+                return None
+            del self._ahead[rid]
+            log.error("lw: prefill request %s (transfer %s) admitted ahead was not cancelled "
+                      "within %g s of its fallback; computed, nothing pushed", rid,
+                      a.transfer_id, AHEAD_HOLD_S)
+            return 0
+        got = self._fetcher.take(rid) if self._fetcher is not None else ("error", "no fetcher")
+        if got is None:
+            return None
+        status, val = got
+        if status == "go":
+            try:
+                pp = decode_params_for_prefiller(self._key, val)
+                if not is_sub_transfer_of(pp.transfer_id, a.transfer_id):
+                    raise ContractError("kv_transfer_params.transfer_id", "not a sub-transfer "
+                                        "of the transfer admitted ahead")
+                self._p[rid] = self._parse_decoder_params(request, pp)
+            except (ContractError, ValueError) as exc:
+                val = f"D's params refused: {exc}"
+            else:
+                request.kv_transfer_params = val
+                del self._ahead[rid]
+                return 0
+        a.gave_up = now  # the proxy cancels it (and starts the prefill D first)
+        with self._lock:
+            self._counts["ahead_fallbacks"] += 1
+        log.warning("lw: prefill request %s (transfer %s) admitted ahead: %s; waiting for the "
+                    "proxy to cancel it", rid, a.transfer_id, val)
+        return None
 
     def _parse_decoder_params(self, request: Request, pp: PrefillParams) -> _PReq:
         """What the proxy's signed params (already of their declared type) ask of this engine,
@@ -284,12 +373,15 @@ class SchedulerSide:
             self._refused(request, exc, "computing its prefill locally")
             return None
 
-    def num_new_matched_tokens(self, request: Request, n: int) -> tuple[int, bool]:
+    def num_new_matched_tokens(self, request: Request, n: int) -> tuple[int | None, bool]:
         """D: (uncached prompt tokens, async) for a fresh remote-prefill request; else (0, F).
+        P: (None, F) while a request admitted ahead waits for D's params.
 
         ``n`` is D's own prefix-cache hit (whole blocks, at most the prompt minus one token):
         a remainder of at most ``local_tail_tokens`` after a hit is computed here instead.
         """
+        if self.cfg.is_producer:
+            return self._ahead_ready(request), False
         if self._remote_prefill(request) is None:
             return 0, False
         rid = request.request_id
@@ -429,6 +521,8 @@ class SchedulerSide:
         rid = request.request_id
         self._bad_params.discard(rid)
         if self.cfg.is_producer:
+            if self._ahead.pop(rid, None) is not None and self._fetcher is not None:
+                self._fetcher.forget(rid)
             tr = self._p.pop(rid, None)
             if tr is None or not tr.push.started:
                 return False
@@ -503,6 +597,8 @@ class SchedulerSide:
             return out
 
     def close(self) -> None:
-        """Stop the metaserver thread."""
+        """Stop the metaserver thread and the ahead fetches."""
         if self._poster is not None:
             self._poster.close()
+        if self._fetcher is not None:
+            self._fetcher.close()

@@ -1,0 +1,150 @@
+"""Admission ahead of D (``--start-mode admit-ahead``): the proxy sends a request's prefill to P
+together with its request to D; P admits it and keeps it waiting, holding no blocks, until it
+fetches D's params here (lw.contract.ahead), which the proxy hands over once D's metaserver call
+arrives. P's admission (HTTP, its engine's queue) then overlaps D's instead of following it.
+
+Decided here: whether a request goes ahead (one sub-transfer, a free slot on its P), and whether
+D's call binds the waiting P (P still waiting, the same prompt digest, in time) or falls back to
+today's order (the ahead request is cancelled, the prefill started as in D-first mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from typing import Any
+
+from lw.contract.ahead import AheadFetch, sign_ahead_params
+from lw.proxy.exchange import _post_bounded, run_prefill
+from lw.proxy.state import AheadPrefill, ProxyState, SubPrefill, Transfer, ahead_fallback, log
+
+__all__ = ["START_MODES", "ahead_url", "bind", "build_ahead_body", "fetch", "start"]
+
+START_MODES = ("d-first", "admit-ahead")
+
+# Client fields P's one token must not carry: each changes nothing in the prompt's tokens, and
+# some are refused with max_tokens 1 (min_tokens) or cost P work for a token nobody reads.
+_DROPPED = ("stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens", "n",
+            "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "response_format",
+            "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+            "guided_grammar", "kv_transfer_params", "vllm_xargs", "stop", "stop_token_ids")
+
+
+def ahead_url(metaserver_url: str) -> str:
+    """Where P fetches D's params: the control plane's ``/v1/ahead`` beside ``/v1/metaserver``."""
+    return metaserver_url.rsplit("/", 1)[0] + "/ahead"
+
+
+def build_ahead_body(tr: Transfer, url: str, grant: str, key: bytes | None) -> dict[str, Any]:
+    """The body P gets ahead: the client's request (P tokenizes it as D does), one token, not
+    streamed, and the signed ahead params."""
+    out = {k: v for k, v in tr.body.items() if k not in _DROPPED}
+    out.update(max_tokens=1, n=1, stream=False)
+    out["kv_transfer_params"] = sign_ahead_params(key, url, tr.request_id, grant)
+    return out
+
+
+def start(state: ProxyState, tr: Transfer) -> None:
+    """Send ``tr``'s prefill to P now, if it can go ahead: one sub-transfer (D makes one call
+    whose prompt P can match), a prefill server of lw's, and a free ahead slot on it."""
+    if tr.local or tr.allowance != 1:
+        return
+    backend = tr.prefill_target or state.pick(state.prefills)
+    if backend.ahead_waiting >= state.ahead_limit:
+        state.counters["ahead_skipped_full"] += 1
+        return
+    a = AheadPrefill(backend)
+    a.answer = asyncio.get_running_loop().create_future()
+    body = build_ahead_body(tr, ahead_url(state.metaserver_url), a.grant, state.verifier.key)
+    headers = {**tr.headers, "X-Request-Id": tr.request_id}
+    backend.ahead_waiting += 1
+    a.task = asyncio.ensure_future(_post_bounded(state, backend.url + tr.api, body, headers))
+    a.task.add_done_callback(lambda t: _ended_unbound(state, tr, a, t))
+    tr.ahead = a
+    state.counters["ahead_started"] += 1
+    state.timeline.mark(tr.request_id, "p_ahead_sent")
+
+
+def _ended_unbound(state: ProxyState, tr: Transfer, a: AheadPrefill,
+                   task: asyncio.Task[tuple[int, bytes]]) -> None:
+    """P's ahead POST ended before D's call bound it: P failed, refused the params (a P
+    without admit-ahead, or of another release), or computed it without waiting."""
+    if a.state != "waiting":
+        return
+    a.release("fallback")
+    a.resolve(ahead_fallback("P's ahead request ended"))
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        a.backend.failed(asyncio.get_running_loop().time())
+        why = f"{type(exc).__name__}: {exc}"
+    else:
+        code, content = task.result()
+        why = f"answered HTTP {code} before D's params: {content[:200]!r}"
+    state.counters["ahead_unbound"] += 1
+    log.warning("request %s: ahead prefill on %s %s; D's call will start it D first",
+                tr.request_id, a.backend.url, why)
+
+
+def bind(state: ProxyState, tr: Transfer, msg: dict[str, Any], body: dict[str, Any]
+         ) -> SubPrefill | None:
+    """D's first call for ``tr``'s sub-transfer: the ahead prefill becomes it (None: there is
+    none waiting; start it D first). ``body`` is the D-first prefill body the call makes."""
+    a = tr.ahead
+    if a is None or a.state != "waiting" or a.task is None or a.task.done():
+        return None
+    a.release("bound")
+    sub = SubPrefill(msg["sub_transfer_id"], a.backend, budget=msg.get("retry_prefill", 0),
+                     body=body)
+    sub.task = state.spawn(_run_bound(state, tr, sub, a, msg["kv_transfer_params"]
+                                      ["lw_prompt_digest"]))
+    return sub
+
+
+async def _run_bound(state: ProxyState, tr: Transfer, sub: SubPrefill, a: AheadPrefill,
+                     digest: str) -> None:
+    """Hand D's params to the waiting P if it tokenized the same prompt; else cancel it and
+    start the prefill D first on the same server (the one D was told of)."""
+    assert a.task is not None
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(a.fetched.wait(), state.limits.ahead_wait_s)
+    if a.digest == digest and not a.task.done() and a.answer is not None \
+            and not a.answer.done():
+        a.resolve({"status": "go", "kv_transfer_params": sub.body["kv_transfer_params"]})
+        state.counters["ahead_bound"] += 1
+        await run_prefill(state, tr, sub, sub.body, post=a.task, api=tr.api)
+        return
+    why = ("P did not ask for D's params in time" if a.digest is None else
+           "P's ahead request ended" if a.task.done() else
+           "P tokenized another prompt than D")
+    a.resolve(ahead_fallback(why))
+    a.task.cancel()
+    state.counters["ahead_fallbacks"] += 1
+    log.warning("request %s: ahead prefill on %s not used (%s); started D first",
+                tr.request_id, a.backend.url, why)
+    await run_prefill(state, tr, sub, sub.body)
+
+
+async def fetch(state: ProxyState, call: AheadFetch) -> tuple[int, dict[str, Any]]:
+    """P's fetch of D's params: (status, answer), once D's call bound the request, or a
+    fallback when it does not within ``limits.ahead_wait_s`` (the ahead request is cancelled)."""
+    tr = state.transfers.get(call.transfer_id)
+    a = tr.ahead if tr is not None else None
+    if tr is None or a is None or a.answer is None:
+        return 404, ahead_fallback("unknown transfer (ended, or not sent ahead)")
+    if not hmac.compare_digest(call.grant.encode(), a.grant.encode()):
+        return 403, ahead_fallback("not this transfer's ahead grant")
+    a.digest = call.prompt_digest
+    a.fetched.set()
+    try:
+        return 200, await asyncio.wait_for(asyncio.shield(a.answer), state.limits.ahead_wait_s)
+    except TimeoutError:
+        why = f"no decode engine's call within {state.limits.ahead_wait_s:g} s"
+        if a.state == "waiting":
+            a.cancel(why)
+            state.counters["ahead_expired"] += 1
+        a.resolve(ahead_fallback(why))  # (bound meanwhile: _run_bound sees it answered)
+        return 200, a.answer.result()
+

@@ -1,0 +1,184 @@
+"""The proxy's admit-ahead start mode against fakes (no vLLM): P gets the request with D, fetches
+D's params from the control plane, and anything but a timely, matching fetch falls back to the
+D-first order. The fake D is test_proxy's; the fake P here acts as lw's P does with ahead params.
+Prompt keywords steer it: ``pother`` (P tokenized another prompt), ``pnofetch`` (P never asks for
+D's params), ``local`` (D computes the prompt itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from lw.contract.ahead import decode_ahead_params, is_ahead_request
+from lw.contract.auth import signed_call
+from lw.contract.params import decode_params_for_prefiller, prompt_digest
+from lw.proxy.limits import Limits
+from tests.proxy.test_proxy import (
+    KEY,
+    Cluster,
+    ServerThread,
+    World,
+    _poll_until,
+    _prompt,
+    cluster,
+    completion,
+    wait_for,
+)
+
+
+def ahead_prefill(world: World) -> FastAPI:
+    """A prefill server taking ahead params as lw's connector does (fetch, then compute)."""
+    app = FastAPI()
+
+    async def serve(request: Request) -> Response:
+        body = await request.json()
+        params = body["kv_transfer_params"]
+        prompt = _prompt(body)
+        if not is_ahead_request(params):  # a D-first prefill (the fallback)
+            tid = decode_params_for_prefiller(KEY, params).transfer_id
+            world.record("p_request", "p0", tid)
+            with world.lock:
+                world.prefill_done.add(tid)
+            return JSONResponse({"choices": [{"index": 0, "text": "x"}]})
+        ap = decode_ahead_params(KEY, params)
+        with world.lock:
+            world.bodies[("p_ahead", ap.transfer_id)] = body
+        world.record("p_ahead", "p0", ap.transfer_id)
+        if "pnofetch" in prompt:
+            await _poll_until(request, lambda: False, 30)
+            world.record("p_ahead_cancelled", "p0", ap.transfer_id)
+            return Response(status_code=499)
+        text = prompt + ("!" if "pother" in prompt else "")
+        call = {"transfer_id": ap.transfer_id, "grant": ap.lw_ahead_grant,
+                "prompt_digest": prompt_digest([ord(ch) for ch in text])}
+        content, headers = signed_call(KEY, call)
+        async with httpx.AsyncClient(timeout=10) as client:
+            r = await client.post(ap.lw_ahead_url, content=content, headers=headers)
+        answer = r.json()
+        with world.lock:
+            world.meta_replies.setdefault("fetch:" + ap.transfer_id, []).append(
+                (r.status_code, answer))
+        if answer["status"] != "go":
+            await _poll_until(request, lambda: False, 30)  # the proxy cancels it
+            world.record("p_ahead_cancelled", "p0", ap.transfer_id)
+            return Response(status_code=499)
+        pp = decode_params_for_prefiller(KEY, answer["kv_transfer_params"])
+        world.record("p_ahead_go", "p0", pp.transfer_id)
+        await asyncio.sleep(0.05)  # the compute
+        with world.lock:
+            world.prefill_done.add(pp.transfer_id)
+        return JSONResponse({"choices": [{"index": 0, "text": "x"}]})
+
+    app.post("/v1/completions")(serve)
+    app.post("/v1/chat/completions")(serve)
+    return app
+
+
+@contextlib.contextmanager
+def ahead_cluster(wait_s: float = 1.0, **kw: Any) -> Iterator[Cluster]:
+    world = World(key=KEY)
+    p = ServerThread(ahead_prefill(world)).start()
+    try:
+        with cluster(prefill_urls=[p.url], start_mode="admit-ahead",
+                     limits=Limits(ahead_wait_s=wait_s), **kw) as c:
+            c.world.__dict__.update(world.__dict__)  # the fakes share one world
+            yield c
+    finally:
+        p.stop()
+
+
+def post(c: Cluster, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(c.url + "/v1/completions", json=body, timeout=15)
+
+
+def test_ahead_prefill_is_bound_to_d_call_and_sent_once() -> None:
+    with ahead_cluster() as c:
+        r = post(c, completion("hello there"))
+        assert r.status_code == 200, r.text
+        m = c.metrics()
+        assert (m["ahead_started"], m["ahead_bound"], m["ahead_fallbacks"]) == (1, 1, 0)
+        w = c.world
+        assert len(w.tids("p_ahead")) == 1 and not w.tids("p_request")  # P got it once
+        (tid,) = w.tids("p_ahead")
+        (sub,) = w.tids("p_ahead_go")
+        assert sub.startswith(tid + "@")
+        body = w.bodies[("p_ahead", tid)]
+        assert (body["max_tokens"], body["n"], body["stream"]) == (1, 1, False)
+        assert body["prompt"] == "hello there"
+
+
+def test_another_prompt_on_p_falls_back_to_d_first() -> None:
+    with ahead_cluster() as c:
+        r = post(c, completion("pother prompt"))
+        assert r.status_code == 200, r.text
+        m = c.metrics()
+        assert (m["ahead_bound"], m["ahead_fallbacks"]) == (0, 1)
+        w = c.world
+        wait_for(lambda: bool(w.tids("p_ahead_cancelled")))
+        assert len(w.tids("p_request")) == 1  # the D-first prefill
+        ((status, answer),) = next(v for k, v in w.meta_replies.items()
+                                   if k.startswith("fetch:"))
+        assert status == 200 and answer["status"] == "fallback"
+        assert "another prompt" in answer["detail"]
+
+
+def test_p_that_never_fetches_is_cancelled_and_started_d_first() -> None:
+    with ahead_cluster(wait_s=0.3) as c:
+        r = post(c, completion("pnofetch please"))
+        assert r.status_code == 200, r.text
+        assert c.metrics()["ahead_fallbacks"] == 1
+        wait_for(lambda: bool(c.world.tids("p_ahead_cancelled")))
+        assert len(c.world.tids("p_request")) == 1
+
+
+def test_d_computing_alone_cancels_the_ahead_prefill() -> None:
+    with ahead_cluster(wait_s=0.5) as c:
+        r = post(c, completion("local only"))
+        assert r.status_code == 200, r.text
+        wait_for(lambda: bool(c.world.tids("p_ahead_cancelled")))
+        m = c.metrics()
+        assert m["ahead_bound"] == 0 and m["prefills"] == 0
+
+
+def test_requests_of_several_sub_transfers_start_d_first() -> None:
+    with ahead_cluster() as c:
+        r = post(c, completion("two choices", n=2))
+        assert r.status_code == 200, r.text
+        m = c.metrics()
+        assert m["ahead_started"] == 0 and len(c.world.tids("p_request")) == 2
+
+
+@pytest.mark.parametrize("case", ["unsigned", "unknown", "malformed"])
+def test_fetches_that_are_not_the_transfer_s_are_refused(case: str) -> None:
+    with ahead_cluster() as c:
+        call: dict[str, Any] = {"transfer_id": "f" * 32, "grant": "g" * 32,
+                                "prompt_digest": "0" * 32}
+        if case == "malformed":
+            call["prompt_digest"] = "not hex"
+        content, headers = signed_call(None if case == "unsigned" else KEY, call)
+        r = httpx.post(c.control + "/v1/ahead", content=content, headers=headers, timeout=5)
+        assert r.status_code == {"unsigned": 401, "unknown": 404, "malformed": 400}[case], r.text
+        assert c.metrics()["ahead_fetches_refused"] == 1
+
+
+def test_a_fetch_without_the_transfer_s_grant_learns_nothing() -> None:
+    with ahead_cluster(wait_s=0.5) as c:
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(post, c, completion("pnofetch grant"))
+            wait_for(lambda: bool(c.world.tids("p_ahead")))
+            (tid,) = c.world.tids("p_ahead")
+            call = {"transfer_id": tid, "grant": "g" * 32, "prompt_digest": "0" * 32}
+            content, headers = signed_call(KEY, call)
+            r = httpx.post(c.control + "/v1/ahead", content=content, headers=headers,
+                           timeout=5)
+            assert r.status_code == 403 and r.json()["status"] == "fallback", r.text
+            assert "kv_transfer_params" not in r.json()
+            assert fut.result().status_code == 200

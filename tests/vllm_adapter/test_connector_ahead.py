@@ -1,0 +1,156 @@
+"""P's connector in the REAL vLLM ``Scheduler`` with a request admitted ahead of D's params
+(the proxy's admit-ahead, lw.contract.ahead): it is not scheduled, and holds no blocks, until
+the fetched params are the proxy's for this prompt; anything else leaves it for the proxy to
+cancel. The fetch thread is replaced by a fake the test answers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+import lw.vllm_adapter.scheduler_side as sched_mod  # noqa: E402
+from lw.contract.ahead import sign_ahead_params  # noqa: E402
+from lw.contract.params import prompt_digest, sign_params  # noqa: E402
+from lw.transport.sidechannel import parse_cluster_key  # noqa: E402
+from lw.vllm_adapter.config import LwConfig  # noqa: E402
+from tests.vllm_adapter.test_connector_scheduler import (  # noqa: E402
+    BASELINE,
+    Driver,
+    decoder_params,
+    free_blocks,
+    make_request,
+    make_scheduler,
+    model_dir,
+)
+
+__all__ = ["model_dir"]  # the module-scoped fixture, shared
+
+URL = "http://127.0.0.1:9/v1/ahead"
+
+
+class FakeFetcher:
+    """Records fetches; the test sets the answers."""
+
+    last: FakeFetcher | None = None
+
+    def __init__(self, cfg: LwConfig) -> None:
+        self.fetches: list[tuple[str, str, dict[str, Any]]] = []
+        self.answers: dict[str, tuple[str, Any]] = {}
+        self.forgotten: list[str] = []
+        FakeFetcher.last = self
+
+    def fetch(self, rid: str, url: str, body: dict[str, Any]) -> None:
+        self.fetches.append((rid, url, body))
+
+    def take(self, rid: str) -> tuple[str, Any] | None:
+        return self.answers.pop(rid, None)
+
+    def forget(self, rid: str) -> None:
+        self.forgotten.append(rid)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def fake_fetcher(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(sched_mod, "AheadFetcher", FakeFetcher)
+    FakeFetcher.last = None
+    yield
+
+
+def ahead(tid: str = "t1") -> dict[str, Any]:
+    return sign_ahead_params(None, URL, tid, "g" * 32)
+
+
+def test_an_ahead_request_waits_without_blocks_until_d_params_come(model_dir: str) -> None:
+    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
+    d = Driver(s)
+    s.add_request(make_request("r1", 40, params=ahead()))
+    f = FakeFetcher.last
+    assert f is not None
+    ((rid, url, body),) = f.fetches
+    assert (rid, url, body["transfer_id"]) == ("r1", URL, "t1")
+    assert body["prompt_digest"] == prompt_digest(list(range(10, 50)))
+    for _ in range(3):
+        so = d.step()
+        assert not so.num_scheduled_tokens and free_blocks(s) == BASELINE
+    f.answers["r1"] = ("go", decoder_params(tid="t1@r1", n=40))
+    so = d.step()
+    assert so.num_scheduled_tokens == {"r1": 40}
+    (spec,) = d.meta.sends
+    assert spec.transfer_id == "t1@r1" and spec.remote_blocks == (40, 41, 42)
+    assert d.finished["r1"] is not None
+    d.step(KVConnectorOutput(finished_sending={"r1"}))
+    assert free_blocks(s) == BASELINE
+
+
+@pytest.mark.parametrize("answer", [
+    ("fallback", "P tokenized another prompt than D"),
+    ("error", "POST: connection refused"),
+    ("go", "not params"),
+    ("go", "another prompt"),
+    ("go", "another transfer"),
+])
+def test_an_ahead_request_without_its_params_waits_for_the_cancel(
+        model_dir: str, answer: tuple[str, Any]) -> None:
+    s = make_scheduler(model_dir, "kv_producer")
+    d = Driver(s)
+    s.add_request(make_request("r1", 40, params=ahead()))
+    f = FakeFetcher.last
+    assert f is not None
+    status, val = answer
+    if val == "another prompt":  # D allocated for other tokens: its blocks are not ours
+        val = decoder_params(tid="t1@r1", n=40, start=11)
+    elif val == "another transfer":
+        val = decoder_params(tid="t2@r1", n=40)
+    f.answers["r1"] = (status, val)
+    for _ in range(3):
+        so = d.step()
+        assert not so.num_scheduled_tokens and free_blocks(s) == BASELINE
+    s.finish_requests("r1", RequestStatus.FINISHED_ABORTED)  # the proxy closed the request
+    d.step()
+    assert f.forgotten == ["r1"] and free_blocks(s) == BASELINE
+    assert not d.meta.sends
+
+
+def test_an_ahead_request_never_cancelled_is_computed_plain_after_the_hold(
+        model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sched_mod, "AHEAD_HOLD_S", 0.0)
+    s = make_scheduler(model_dir, "kv_producer")
+    d = Driver(s)
+    s.add_request(make_request("r1", 40, params=ahead()))
+    assert FakeFetcher.last is not None
+    FakeFetcher.last.answers["r1"] = ("fallback", "no decode engine's call within 2 s")
+    assert not d.step().num_scheduled_tokens  # gives up
+    so = d.step()  # past the hold: a plain request, nothing pushed
+    assert so.num_scheduled_tokens == {"r1": 40} and not d.meta.sends
+    assert d.finished["r1"] is not None and free_blocks(s) == BASELINE
+
+
+@pytest.mark.parametrize("bad", ["url", "signature", "role"])
+def test_ahead_params_that_are_not_the_proxy_s_are_refused(model_dir: str, bad: str) -> None:
+    text = "ahead-test-cluster-key-0123456789"
+    key = parse_cluster_key(text)
+    s = make_scheduler(model_dir, "kv_producer", extra={"cluster_key": text})
+    d = Driver(s)
+    params = sign_ahead_params(key, URL, "t1", "g" * 32)
+    if bad == "url":
+        params = sign_ahead_params(key, "file:///etc/passwd", "t1", "g" * 32)
+    elif bad == "signature":
+        params = sign_ahead_params(b"another cluster's key 0123456789", URL, "t1", "g" * 32)
+    else:  # a D-first prefill's signature is not an ahead one
+        params = sign_params(key, "prefill", {k: v for k, v in params.items()
+                                              if k not in ("lw_sig", "lw_contract")})
+    s.add_request(make_request("r1", 40, params=params))
+    assert FakeFetcher.last is None or not FakeFetcher.last.fetches
+    so = d.step()  # computed as a plain request: nothing fetched, nothing pushed
+    assert so.num_scheduled_tokens == {"r1": 40} and not d.meta.sends
+    assert any(st.get("refused_params") for st in d.stats)
