@@ -14,12 +14,16 @@ from typing import Any
 from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 
 OUTPUT_TOKENS = 32
-SETUPS = ("single", "lw", "lw-progressive", "lw-last", "peer")
+SETUPS = ("single", "lw", "lw-ahead", "lw-progressive", "lw-last", "peer")
 LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
-          "lw-progressive": "lw P/D progressive", "lw-last": "lw P/D last-chunk",
+          "lw-ahead": "lw P/D auto, admit-ahead", "lw-progressive": "lw P/D progressive",
+          "lw-last": "lw P/D last-chunk",
           "peer": "Mooncake P/D"}
-PUSH_MODES = {"lw": "auto", "lw-progressive": "progressive", "lw-last": "last_chunk"}
+PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-progressive": "progressive",
+              "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
+PROXY_ARGS = {"lw-ahead": ["--start-mode", "admit-ahead"]}
+"""``lw proxy`` arguments per lw set-up (the others: its defaults, D first)."""
 AUTO_FACTORS = (0.5, 1.0, 2.0)
 TAIL_PHASE = "transfer tail (last layer computed -> written)"
 GOODPUT_TOLERANCE = 0.01

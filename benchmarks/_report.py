@@ -49,7 +49,9 @@ def ratios(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> list[f
     return out
 
 
-COMPARISONS = (("vs_peer", "lw", "peer"), ("progressive_vs_peer", "lw-progressive", "peer"),
+COMPARISONS = (("vs_peer", "lw", "peer"), ("ahead_vs_peer", "lw-ahead", "peer"),
+               ("ahead_vs_d_first", "lw-ahead", "lw"),
+               ("progressive_vs_peer", "lw-progressive", "peer"),
                ("last_chunk_vs_peer", "lw-last", "peer"), ("vs_last_chunk", "lw", "lw-last"),
                ("progressive_vs_last_chunk", "lw-progressive", "lw-last"))
 

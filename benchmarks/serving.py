@@ -62,6 +62,7 @@ from benchmarks._plan import (  # noqa: E402
     GOODPUT_TOLERANCE,
     LABELS,
     OUTPUT_TOKENS,
+    PROXY_ARGS,
     PUSH_MODES,
     SETUPS,
     Bench,
@@ -159,7 +160,8 @@ def _start_lw(setup: str, model: Path, logs: Path, timeout: float,
               place: Placement) -> Running:
     """lw P/D as ``lw demo`` starts it (without the reference engine), with ``push_mode``."""
     extra = {"push_mode": PUSH_MODES[setup]} if push_mode_supported() else {}
-    cluster = place.cluster(model, logs, p_extra=dict(extra), d_extra=dict(extra))
+    cluster = place.cluster(model, logs, p_extra=dict(extra), d_extra=dict(extra),
+                            proxy_args=list(PROXY_ARGS.get(setup, ())))
     cluster.start(timeout=timeout)  # stops what it started if it fails
     return Running(setup, dict(cluster.servers), cluster.url("proxy"), cluster)
 
@@ -167,6 +169,11 @@ def _start_lw(setup: str, model: Path, logs: Path, timeout: float,
 def start_lw(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
     """lw P/D, ``push_mode`` auto (the default)."""
     return _start_lw("lw", model, logs, timeout, place)
+
+
+def start_lw_ahead(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """lw P/D, ``push_mode`` auto, the proxy in ``--start-mode admit-ahead``."""
+    return _start_lw("lw-ahead", model, logs, timeout, place)
 
 
 def start_lw_progressive(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
@@ -219,7 +226,8 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
 
 
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
-    "single": start_single, "lw": start_lw, "lw-progressive": start_lw_progressive,
+    "single": start_single, "lw": start_lw, "lw-ahead": start_lw_ahead,
+    "lw-progressive": start_lw_progressive,
     "lw-last": start_lw_last, "peer": start_peer}
 
 

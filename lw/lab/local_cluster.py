@@ -226,6 +226,7 @@ class LocalCluster:
     # vLLM's --otlp-traces-endpoint for every engine (OTLP/HTTP; spans exported within 0.2 s)
     otlp_endpoint: str | None = None
     multi_connector: bool = False  # lw inside vLLM's MultiConnector on P and D
+    proxy_args: list[str] = field(default_factory=list)  # extra `lw proxy` args (--start-mode)
 
     def host(self, name: str) -> str:
         """The address server ``name`` binds and advertises."""
@@ -335,7 +336,8 @@ class LocalCluster:
         argv = [sys.executable, "-m", "lw.proxy.server",
                 "--prefill", self.servers["prefill"].url, "--decode", self.servers["decode"].url,
                 "--host", host, "--port", str(port), "--control-host", host,
-                "--control-port", str(control), "--timeout", "120", "--log-level", "warning"]
+                "--control-port", str(control), "--timeout", "120", "--log-level", "warning",
+                *self.proxy_args]
         proxy = Server("proxy", argv, env, f"http://{host}:{port}",
                        self.workdir / "proxy.log")
         proxy.start()

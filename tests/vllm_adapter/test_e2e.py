@@ -825,6 +825,54 @@ def test_sidecar_prefills_on_the_prefill_server_the_header_names(
         side.stop()
 
 
+def test_admit_ahead_equals_single_engine_and_binds_every_prefill(
+        cluster: LocalCluster, tmp_path: Any) -> None:
+    """A second proxy in ``--start-mode admit-ahead`` in front of the same engines: each
+    request's prefill reaches P with its request to D; P admits it, computes nothing until it
+    fetched D's params, and the outputs (completions sequential and concurrent, a chat
+    completion) equal the single engine's, every prefill bound ahead, none started twice; a
+    chat request P tokenizes differently would fall back (tests/proxy/test_ahead.py)."""
+    port = free_port()
+    control = next(p for p in iter(free_port, None) if p != port)
+    argv = [sys.executable, "-m", "lw.proxy.server", "--prefill", cluster.url("prefill"),
+            "--decode", cluster.url("decode"), "--start-mode", "admit-ahead", "--host",
+            "127.0.0.1", "--port", str(port), "--control-host", "127.0.0.1", "--control-port",
+            str(control), "--timeout", "120", "--log-level", "warning"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LW_CLUSTER_KEY=cluster.cluster_key)
+    ahead = Server("ahead-proxy", argv, env, f"http://127.0.0.1:{port}",
+                   tmp_path / "ahead-proxy.log")
+    ahead.start()
+    try:
+        wait_ready([ahead], 60)
+        prompts = [make_prompt(n, seed=1300 + i) for i, n in enumerate((12, 90, 700, 40))]
+        for i, prompt in enumerate(prompts[:2]):
+            got = complete(ahead.url, prompt, MAX_TOKENS, stream=i % 2 == 1, logprobs=TOP_K)
+            assert not got.error, f"{got.error}\n{ahead.tail()}"
+            assert (v := compare(reference(cluster, prompt), got)).same, v
+        wants = [reference(cluster, p) for p in prompts[2:]]
+        with ThreadPoolExecutor(2) as pool:
+            gots = list(pool.map(lambda p: complete(ahead.url, p, MAX_TOKENS, logprobs=TOP_K),
+                                 prompts[2:]))
+        for w, g in zip(wants, gots, strict=True):
+            assert not g.error and (v := compare(w, g)).same, (g.error, v)
+        body = {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": MAX_TOKENS,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": make_prompt(150, seed=1310)}]}
+        texts = []
+        for url in (cluster.url("reference"), ahead.url):
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["message"]["content"])
+        assert texts[0] == texts[1] and texts[0]
+        m = httpx.get(f"http://127.0.0.1:{control}/metrics-json", timeout=10).json()
+        n = len(prompts) + 1
+        assert (m["ahead_started"], m["ahead_bound"], m["prefills"]) == (n, n, n), m
+        assert m["ahead_fallbacks"] == m["ahead_unbound"] == m["prefill_failures"] == 0, m
+        assert not any((h := wait_idle(cluster)).values()), h
+    finally:
+        ahead.stop()
+
+
 def test_a_dead_decode_server_is_replaced_before_the_first_token(
         cluster: LocalCluster, tmp_path: Any) -> None:
     """A proxy whose first decode server is dead: the request moves to the live D (a fresh
