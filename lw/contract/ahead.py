@@ -82,8 +82,8 @@ def is_ahead_request(params: Any) -> bool:
 
 def ahead_params(url: str, transfer_id: str, grant: str) -> dict[str, Any]:
     """The (unsigned) params the proxy gives P for an ahead admission."""
-    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id,
-            URL_FIELD: url, "lw_ahead_grant": grant}
+    return {"do_remote_decode": True, "transfer_id": transfer_id, URL_FIELD: url,
+            "lw_ahead_grant": grant}
 
 
 def sign_ahead_params(key: bytes | None, url: str, transfer_id: str, grant: str
