@@ -108,8 +108,13 @@ async def _run_bound(state: ProxyState, tr: Transfer, sub: SubPrefill, a: AheadP
     """Hand D's params to the waiting P if it tokenized the same prompt; else cancel it and
     start the prefill D first on the same server (the one D was told of)."""
     assert a.task is not None
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(a.fetched.wait(), state.limits.ahead_wait_s)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(a.fetched.wait(), state.limits.ahead_wait_s)
+    except asyncio.CancelledError:  # the request ended meanwhile: P must not wait on
+        a.resolve(ahead_fallback("the request ended"))
+        a.task.cancel()
+        raise
     if a.digest == digest and not a.task.done() and a.answer is not None \
             and not a.answer.done():
         a.resolve({"status": "go", "kv_transfer_params": sub.body["kv_transfer_params"]})

@@ -519,7 +519,7 @@ class ProxyState:
         start = self._rr[role] % len(live)
         self._rr[role] += 1
         rotated = live[start:] + live[:start]
-        return min(rotated, key=lambda b: b.in_flight)
+        return min(rotated, key=lambda b: b.in_flight + b.ahead_waiting)
 
     def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         """Run ``coro`` as a background task kept referenced until it ends."""
