@@ -83,6 +83,18 @@ Contract (the KV connectors on both sides rely on it)
    ``transfer_id`` = sub_transfer_id, ``lw_epoch`` = e for a re-prefill) and signed; header
    ``X-Request-Id: <request_id>``. P names its workers and engine id in its answer's
    ``kv_transfer_params`` (``lw_prefill_workers``, ``lw_prefill_engine_id``).
+   *Admit-ahead* (``lw proxy --start-mode admit-ahead``; lw.contract.ahead): for a client
+   request of one sub-transfer, the proxy also sends P, together with the request to D, the
+   client's own body (``max_tokens`` 1, ``n`` 1, not streamed) with
+   :class:`~lw.contract.ahead.AheadParams` signed for the role "prefill-ahead" (the control
+   plane's ``/v1/ahead`` URL and a grant only P gets). P admits it, keeps it unscheduled and
+   posts ``{"transfer_id", "grant", "prompt_digest"}`` there, signed like a metaserver
+   call; once D's first metaserver call for that transfer arrives the proxy answers
+   ``{"status": "go", "kv_transfer_params": <the signed PrefillParams of step 4>}`` if the two
+   prompt digests agree, and P schedules the request with them (checking them as in step 4).
+   Otherwise (another digest, no fetch or no call within ``--ahead-wait``, P's request ended)
+   P is answered ``{"status": "fallback", "detail"}``, its request is closed, and the prefill
+   starts as in step 4.
 5. Streaming: the proxy sends the client its response head (200, D's SSE content type) as soon
    as D answers with its head (D accepted the request), not with the first token, which waits for
    the whole P/D round trip. From then on every error is sent in-band, as a final SSE event
