@@ -14,6 +14,7 @@ the P engines to avoid; where the proxy sent each attempt goes back to the core 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -63,6 +64,10 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerSide", "sub_transfer_id"]
 
 _NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
+AHEAD_SWITCH_S = 0.0002
+"""The interpreter's thread switch interval while a request waits for its params: the engine
+loop steps without work and holds the GIL, and at the default 5 ms the fetch thread that brings
+the params waited most of that to run (measured: ~5 ms from the proxy's answer to the push)."""
 AHEAD_HOLD_S = 10.0
 """A request admitted ahead whose params will not come waits this long for the proxy to cancel
 it (it holds no blocks meanwhile); then it is computed as a plain request, nothing pushed."""
@@ -129,6 +134,7 @@ class SchedulerSide:
         self._d_seen: set[str] = set()  # D requests already handled (never load twice)
         self._ahead: dict[str, _Ahead] = {}  # P: vLLM req id -> waiting for D's params
         self._fetcher: AheadFetcher | None = None
+        self._switch_was: float | None = None  # the switch interval before requests waited
         self._tails: dict[str, int] = {}  # D: req -> cached blocks, tail to compute locally
         tail = cfg.local_tail_tokens
         self.local_tail_tokens = self.block_size if tail < 0 else tail
@@ -223,6 +229,7 @@ class SchedulerSide:
             self._bad_params.add(rid)
             return False
         self._ahead[rid] = _Ahead(request, ap.transfer_id)
+        self._waiting_changed()
         if self._fetcher is None:
             self._fetcher = AheadFetcher(self.cfg)
         self._fetcher.fetch(rid, ap.lw_ahead_url, {
@@ -231,6 +238,16 @@ class SchedulerSide:
         with self._lock:
             self._counts["ahead_admitted"] += 1
         return True
+
+    def _waiting_changed(self) -> None:
+        """Switch threads often while a request waits for its params (AHEAD_SWITCH_S), at the
+        interpreter's own pace otherwise."""
+        if self._ahead and self._switch_was is None:
+            self._switch_was = sys.getswitchinterval()
+            sys.setswitchinterval(AHEAD_SWITCH_S)
+        elif not self._ahead and self._switch_was is not None:
+            sys.setswitchinterval(self._switch_was)
+            self._switch_was = None
 
     def _ahead_ready(self, request: Request) -> int | None:
         """P: 0 when a request may be scheduled (admitted ahead and D's params are here, or an
@@ -244,6 +261,7 @@ class SchedulerSide:
             if now - a.gave_up < AHEAD_HOLD_S:
                 return None
             del self._ahead[rid]
+            self._waiting_changed()
             log.error("lw: prefill request %s (transfer %s) admitted ahead was not cancelled "
                       "within %g s of its fallback; computed, nothing pushed", rid,
                       a.transfer_id, AHEAD_HOLD_S)
@@ -264,6 +282,7 @@ class SchedulerSide:
             else:
                 request.kv_transfer_params = val
                 del self._ahead[rid]
+                self._waiting_changed()
                 return 0
         a.gave_up = now  # the proxy cancels it (and starts the prefill D first)
         with self._lock:
@@ -523,6 +542,7 @@ class SchedulerSide:
         if self.cfg.is_producer:
             if self._ahead.pop(rid, None) is not None and self._fetcher is not None:
                 self._fetcher.forget(rid)
+                self._waiting_changed()
             tr = self._p.pop(rid, None)
             if tr is None or not tr.push.started:
                 return False

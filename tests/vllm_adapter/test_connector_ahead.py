@@ -5,6 +5,7 @@ cancel. The fetch thread is replaced by a fake the test answers."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,11 +80,15 @@ def test_an_ahead_request_waits_without_blocks_until_d_params_come(model_dir: st
     ((rid, url, body),) = f.fetches
     assert (rid, url, body["transfer_id"]) == ("r1", URL, "t1")
     assert body["prompt_digest"] == prompt_digest(list(range(10, 50)))
+    before = sys.getswitchinterval()
     for _ in range(3):
         so = d.step()
         assert not so.num_scheduled_tokens and free_blocks(s) == BASELINE
+        # threads switch often while it waits: the fetch thread must not wait for the GIL
+        assert sys.getswitchinterval() == pytest.approx(sched_mod.AHEAD_SWITCH_S)
     f.answers["r1"] = ("go", decoder_params(tid="t1@r1", n=40))
     so = d.step()
+    assert sys.getswitchinterval() == before != sched_mod.AHEAD_SWITCH_S
     assert so.num_scheduled_tokens == {"r1": 40}
     (spec,) = d.meta.sends
     assert spec.transfer_id == "t1@r1" and spec.remote_blocks == (40, 41, 42)
@@ -118,6 +123,7 @@ def test_an_ahead_request_without_its_params_waits_for_the_cancel(
     s.finish_requests("r1", RequestStatus.FINISHED_ABORTED)  # the proxy closed the request
     d.step()
     assert f.forgotten == ["r1"] and free_blocks(s) == BASELINE
+    assert sys.getswitchinterval() != sched_mod.AHEAD_SWITCH_S  # restored
     assert not d.meta.sends
 
 
