@@ -9,6 +9,7 @@ import dataclasses
 import json
 import secrets
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -181,10 +182,14 @@ class Exchange(Response):
     before D's answer has started. The first decides; the others are cancelled.
     """
 
-    def __init__(self, state: ProxyState, tr: Transfer) -> None:
+    def __init__(self, state: ProxyState, tr: Transfer,
+                 after_d_sent: Callable[[Transfer], None] | None = None) -> None:
         super().__init__()
         self.state = state
         self.tr = tr
+        # run once the first D request is on its way (admit-ahead starts P's then: D's
+        # admission is the one on the critical path)
+        self._after_d_sent = after_d_sent
         self.started = False  # response start sent to the client
         self.relayed = False  # a byte of D's answer was sent to the client
         self.ok = False  # D's answer was relayed completely
@@ -335,7 +340,10 @@ class Exchange(Response):
             request = state.client.build_request("POST", server + tr.api, json=body,
                                                  headers=headers)
             state.timeline.mark(tr.request_id, "d_sent")
-            resp = await state.client.send(request, stream=True)
+            if self._after_d_sent is None:
+                resp = await state.client.send(request, stream=True)
+            else:
+                resp = await self._send_then(request)
             self._upstream = resp
             if resp.status_code != 200:
                 data = await resp.aread()
@@ -396,6 +404,21 @@ class Exchange(Response):
                 await self._upstream.aclose()
                 self._upstream = None
         return None
+
+    async def _send_then(self, request: httpx.Request) -> httpx.Response:
+        """Send D's request, then (once it is on its way) run ``after_d_sent``."""
+        then, self._after_d_sent = self._after_d_sent, None
+        sending = asyncio.ensure_future(self.state.client.send(request, stream=True))
+        try:
+            await asyncio.sleep(0)  # the send writes D's request before it first waits
+        except asyncio.CancelledError:
+            await _cancel_and_wait(sending)
+            if sending.done() and not sending.cancelled() and sending.exception() is None:
+                await sending.result().aclose()
+            raise
+        if then is not None:
+            then(self.tr)
+        return await sending
 
     async def _relay_stream(self, send: Send, resp: httpx.Response) -> Failure | None:
         """Relay D's stream to the client; the failure when D ends it with a 5xx error event

@@ -255,9 +255,9 @@ def build_apps(
         state.counters["requests"] += 1
         state.timeline.mark(tr.request_id, "received")
         state.transfers[tr.request_id] = tr
-        if state.start_mode == "admit-ahead":
-            start_ahead(state, tr)  # P admits it while D does (lw.proxy.ahead)
-        return Exchange(state, tr)
+        # admit-ahead: P admits it while D does (lw.proxy.ahead)
+        ahead = (lambda t: start_ahead(state, t)) if state.start_mode == "admit-ahead" else None
+        return Exchange(state, tr, ahead)
 
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
