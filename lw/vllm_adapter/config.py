@@ -109,9 +109,10 @@ class LwConfig:
         " the command line (`ps` shows `--kv-transfer-config`)",
         shown="`$LW_CLUSTER_KEY`", secret=True)
     allowed_metaservers: str = _key(
-        "", "D",
+        "", "both",
         "comma-separated metaserver URLs this decode engine may call (defence in depth: it "
-        "calls only URLs in params the proxy signed anyway); empty: any such URL",
+        "calls only URLs in params the proxy signed anyway); on P, the `/v1/ahead` beside each "
+        "is the only URL it fetches admit-ahead params from; empty: any such URL",
         shown="empty")
     request_timeout_s: float = _key(
         30.0, "P",
