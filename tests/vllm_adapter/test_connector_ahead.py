@@ -74,13 +74,13 @@ def ahead(tid: str = "t1") -> dict[str, Any]:
 def test_an_ahead_request_waits_without_blocks_until_d_params_come(model_dir: str) -> None:
     s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
     d = Driver(s)
+    before = sys.getswitchinterval()
     s.add_request(make_request("r1", 40, params=ahead()))
     f = FakeFetcher.last
     assert f is not None
     ((rid, url, body),) = f.fetches
     assert (rid, url, body["transfer_id"]) == ("r1", URL, "t1")
     assert body["prompt_digest"] == prompt_digest(list(range(10, 50)))
-    before = sys.getswitchinterval()
     for _ in range(3):
         so = d.step()
         assert not so.num_scheduled_tokens and free_blocks(s) == BASELINE
