@@ -123,7 +123,8 @@ async def _run_bound(state: ProxyState, tr: Transfer, sub: SubPrefill, a: AheadP
         return
     why = ("P did not ask for D's params in time" if a.digest is None else
            "P's ahead request ended" if a.task.done() else
-           "P tokenized another prompt than D")
+           "P tokenized another prompt than D" if a.digest != digest else
+           "P's fetch had been answered (its wait ran out before D's call)")
     a.resolve(ahead_fallback(why))
     a.task.cancel()
     state.counters["ahead_fallbacks"] += 1
