@@ -14,9 +14,7 @@ the P engines to avoid; where the proxy sent each attempt goes back to the core 
 
 from __future__ import annotations
 
-import sys
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,7 +38,7 @@ from lw.fsm.prefill_request import received_blocks
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
 from lw.transport.ratelog import RateLimitedLog
 from lw.transport.sidechannel import parse_cluster_key
-from lw.vllm_adapter.ahead_client import AheadFetcher
+from lw.vllm_adapter.ahead_admission import AheadAdmissions
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
     LwConnectorMetadata,
@@ -64,24 +62,6 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerSide", "sub_transfer_id"]
 
 _NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
-AHEAD_SWITCH_S = 0.0002
-"""The interpreter's thread switch interval while a request waits for its params: the engine
-loop steps without work and holds the GIL, and at the default 5 ms the fetch thread that brings
-the params waited most of that to run (measured: ~5 ms from the proxy's answer to the push)."""
-AHEAD_HOLD_S = 10.0
-"""A request admitted ahead whose params will not come waits this long for the proxy to cancel
-it (it holds no blocks meanwhile); then it is computed as a plain request, nothing pushed."""
-
-
-@dataclass
-class _Ahead:
-    """P: a request admitted ahead of D's params (lw.contract.ahead), not scheduled yet."""
-
-    request: Any
-    transfer_id: str
-    gave_up: float | None = None  # when its params were found not to be coming
-
-
 @dataclass
 class _PReq:
     """P: a request whose blocks are pushed as its chunks complete them."""
@@ -132,9 +112,7 @@ class SchedulerSide:
         self._pushed: dict[str, str] = {}  # vLLM req id -> transfer id, until finished sending
         self._d: dict[str, _DReq] = {}  # vLLM req id -> receiving (D)
         self._d_seen: set[str] = set()  # D requests already handled (never load twice)
-        self._ahead: dict[str, _Ahead] = {}  # P: vLLM req id -> waiting for D's params
-        self._fetcher: AheadFetcher | None = None
-        self._switch_was: float | None = None  # the switch interval before requests waited
+        self._ahead = AheadAdmissions(cfg)  # P: requests waiting for D's params
         self._tails: dict[str, int] = {}  # D: req -> cached blocks, tail to compute locally
         tail = cfg.local_tail_tokens
         self.local_tail_tokens = self.block_size if tail < 0 else tail
@@ -228,52 +206,22 @@ class SchedulerSide:
                       "pushed", rid)
             self._bad_params.add(rid)
             return False
-        self._ahead[rid] = _Ahead(request, ap.transfer_id)
-        self._waiting_changed()
-        if self._fetcher is None:
-            self._fetcher = AheadFetcher(self.cfg)
-        self._fetcher.fetch(rid, ap.lw_ahead_url, {
-            "transfer_id": ap.transfer_id, "grant": ap.lw_ahead_grant,
-            "prompt_digest": prompt_digest(request.prompt_token_ids)})
+        self._ahead.admit(request, ap)
         with self._lock:
             self._counts["ahead_admitted"] += 1
         return True
-
-    def _waiting_changed(self) -> None:
-        """Switch threads often while a request waits for its params (AHEAD_SWITCH_S), at the
-        interpreter's own pace otherwise."""
-        if self._ahead and self._switch_was is None:
-            self._switch_was = sys.getswitchinterval()
-            sys.setswitchinterval(AHEAD_SWITCH_S)
-        elif not self._ahead and self._switch_was is not None:
-            sys.setswitchinterval(self._switch_was)
-            self._switch_was = None
 
     def _ahead_ready(self, request: Request) -> int | None:
         """P: 0 when a request may be scheduled (admitted ahead and D's params are here, or an
         ordinary one); None while it waits for them (vLLM asks again next step)."""
         rid = request.request_id
-        a = self._ahead.get(rid)
-        if a is None:
-            return 0
-        now = time.monotonic()
-        if a.gave_up is not None:
-            if now - a.gave_up < AHEAD_HOLD_S:
-                return None
-            del self._ahead[rid]
-            self._waiting_changed()
-            log.error("lw: prefill request %s (transfer %s) admitted ahead was not cancelled "
-                      "within %g s of its fallback; computed, nothing pushed", rid,
-                      a.transfer_id, AHEAD_HOLD_S)
-            return 0
-        got = self._fetcher.take(rid) if self._fetcher is not None else ("error", "no fetcher")
-        if got is None:
-            return None
-        status, val = got
-        if status == "go":
+        verdict, val = self._ahead.verdict(rid)
+        if verdict in ("plain", "wait"):
+            return 0 if verdict == "plain" else None
+        if verdict == "go":
             try:
                 pp = decode_params_for_prefiller(self._key, val)
-                if not is_sub_transfer_of(pp.transfer_id, a.transfer_id):
+                if not is_sub_transfer_of(pp.transfer_id, self._ahead.transfer_of(rid)):
                     raise ContractError("kv_transfer_params.transfer_id", "not a sub-transfer "
                                         "of the transfer admitted ahead")
                 self._p[rid] = self._parse_decoder_params(request, pp)
@@ -281,14 +229,11 @@ class SchedulerSide:
                 val = f"D's params refused: {exc}"
             else:
                 request.kv_transfer_params = val
-                del self._ahead[rid]
-                self._waiting_changed()
+                self._ahead.bound(rid)
                 return 0
-        a.gave_up = now  # the proxy cancels it (and starts the prefill D first)
+        self._ahead.give_up(rid, val)  # the proxy cancels it (and starts the prefill D first)
         with self._lock:
             self._counts["ahead_fallbacks"] += 1
-        log.warning("lw: prefill request %s (transfer %s) admitted ahead: %s; waiting for the "
-                    "proxy to cancel it", rid, a.transfer_id, val)
         return None
 
     def _parse_decoder_params(self, request: Request, pp: PrefillParams) -> _PReq:
@@ -540,9 +485,7 @@ class SchedulerSide:
         rid = request.request_id
         self._bad_params.discard(rid)
         if self.cfg.is_producer:
-            if self._ahead.pop(rid, None) is not None and self._fetcher is not None:
-                self._fetcher.forget(rid)
-                self._waiting_changed()
+            self._ahead.forget(rid)
             tr = self._p.pop(rid, None)
             if tr is None or not tr.push.started:
                 return False
@@ -620,5 +563,4 @@ class SchedulerSide:
         """Stop the metaserver thread and the ahead fetches."""
         if self._poster is not None:
             self._poster.close()
-        if self._fetcher is not None:
-            self._fetcher.close()
+        self._ahead.close()

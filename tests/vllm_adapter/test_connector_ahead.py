@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-import lw.vllm_adapter.scheduler_side as sched_mod  # noqa: E402
+import lw.vllm_adapter.ahead_admission as ahead_mod  # noqa: E402
 from lw.contract.ahead import sign_ahead_params  # noqa: E402
 from lw.contract.params import prompt_digest, sign_params  # noqa: E402
 from lw.transport.sidechannel import parse_cluster_key  # noqa: E402
@@ -62,7 +62,7 @@ class FakeFetcher:
 
 @pytest.fixture(autouse=True)
 def fake_fetcher(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(sched_mod, "AheadFetcher", FakeFetcher)
+    monkeypatch.setattr(ahead_mod, "AheadFetcher", FakeFetcher)
     FakeFetcher.last = None
     yield
 
@@ -85,10 +85,10 @@ def test_an_ahead_request_waits_without_blocks_until_d_params_come(model_dir: st
         so = d.step()
         assert not so.num_scheduled_tokens and free_blocks(s) == BASELINE
         # threads switch often while it waits: the fetch thread must not wait for the GIL
-        assert sys.getswitchinterval() == pytest.approx(sched_mod.AHEAD_SWITCH_S)
+        assert sys.getswitchinterval() == pytest.approx(ahead_mod.AHEAD_SWITCH_S)
     f.answers["r1"] = ("go", decoder_params(tid="t1@r1", n=40))
     so = d.step()
-    assert sys.getswitchinterval() == before != sched_mod.AHEAD_SWITCH_S
+    assert sys.getswitchinterval() == before != ahead_mod.AHEAD_SWITCH_S
     assert so.num_scheduled_tokens == {"r1": 40}
     (spec,) = d.meta.sends
     assert spec.transfer_id == "t1@r1" and spec.remote_blocks == (40, 41, 42)
@@ -123,13 +123,13 @@ def test_an_ahead_request_without_its_params_waits_for_the_cancel(
     s.finish_requests("r1", RequestStatus.FINISHED_ABORTED)  # the proxy closed the request
     d.step()
     assert f.forgotten == ["r1"] and free_blocks(s) == BASELINE
-    assert sys.getswitchinterval() != sched_mod.AHEAD_SWITCH_S  # restored
+    assert sys.getswitchinterval() != ahead_mod.AHEAD_SWITCH_S  # restored
     assert not d.meta.sends
 
 
 def test_an_ahead_request_never_cancelled_is_computed_plain_after_the_hold(
         model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sched_mod, "AHEAD_HOLD_S", 0.0)
+    monkeypatch.setattr(ahead_mod, "AHEAD_HOLD_S", 0.0)
     s = make_scheduler(model_dir, "kv_producer")
     d = Driver(s)
     s.add_request(make_request("r1", 40, params=ahead()))
