@@ -37,7 +37,7 @@ from lw.contract.params import (
 )
 
 __all__ = ["AHEAD_ROLE", "AheadAnswer", "AheadFetch", "AheadParams", "ahead_answer",
-           "ahead_fetch", "ahead_params", "decode_ahead_params", "is_ahead_request",
+           "ahead_fetch", "ahead_params", "ahead_url", "decode_ahead_params", "is_ahead_request",
            "sign_ahead_params"]
 
 AHEAD_ROLE = "prefill-ahead"
@@ -78,6 +78,12 @@ def is_ahead_request(params: Any) -> bool:
     """Whether a prefill request's params ask for admission ahead of D's (any shape: one that
     says so and is malformed must be refused, not taken for another kind)."""
     return isinstance(params, Mapping) and URL_FIELD in params
+
+
+def ahead_url(metaserver_url: str) -> str:
+    """Where P fetches D's params: the control plane's ``/v1/ahead`` beside the metaserver (the
+    proxy builds it so; P fetches from no other URL when its metaservers are listed)."""
+    return metaserver_url.rsplit("/", 1)[0] + "/ahead"
 
 
 def ahead_params(url: str, transfer_id: str, grant: str) -> dict[str, Any]:

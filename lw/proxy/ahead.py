@@ -15,11 +15,11 @@ import contextlib
 import hmac
 from typing import Any
 
-from lw.contract.ahead import AheadFetch, sign_ahead_params
+from lw.contract.ahead import AheadFetch, ahead_url, sign_ahead_params
 from lw.proxy.exchange import _post_bounded, run_prefill
 from lw.proxy.state import AheadPrefill, ProxyState, SubPrefill, Transfer, ahead_fallback, log
 
-__all__ = ["START_MODES", "ahead_url", "bind", "build_ahead_body", "fetch", "start"]
+__all__ = ["START_MODES", "bind", "build_ahead_body", "fetch", "start"]
 
 START_MODES = ("d-first", "admit-ahead")
 
@@ -29,11 +29,6 @@ _DROPPED = ("stream", "stream_options", "max_tokens", "max_completion_tokens", "
             "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "response_format",
             "structured_outputs", "guided_json", "guided_regex", "guided_choice",
             "guided_grammar", "kv_transfer_params", "vllm_xargs", "stop", "stop_token_ids")
-
-
-def ahead_url(metaserver_url: str) -> str:
-    """Where P fetches D's params: the control plane's ``/v1/ahead`` beside ``/v1/metaserver``."""
-    return metaserver_url.rsplit("/", 1)[0] + "/ahead"
 
 
 def build_ahead_body(tr: Transfer, url: str, grant: str, key: bytes | None) -> dict[str, Any]:

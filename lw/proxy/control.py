@@ -116,52 +116,53 @@ def build_control_app(state: ProxyState) -> FastAPI:
     """The control-plane app over ``state`` (shared with the public app)."""
     app = FastAPI(title="lw D-first proxy: control plane")
 
-    def refuse(status: int, detail: str, request: Request, msg: Any = None) -> JSONResponse:
-        state.counters["metaserver_refused"] += 1
+    def refuse(status: int, detail: str, request: Request, msg: Any = None,
+               what: str = "metaserver") -> JSONResponse:
+        """Count and log a refused control call (``what``: "metaserver" or "ahead")."""
+        state.counters["metaserver_refused" if what == "metaserver"
+                       else "ahead_fetches_refused"] += 1
         peer = request.client.host if request.client else "?"
         ids = {k: msg.get(k) for k in ("transfer_id", "sub_transfer_id")} if isinstance(
             msg, dict) else {}
-        state.refusals.warning(f"metaserver_{status}", "metaserver call from %s refused (%d): "
-                               "%s %s", peer, status, detail, ids)
+        state.refusals.warning(f"{what}_{status}", "%s call from %s refused (%d): %s %s", what,
+                               peer, status, detail, ids)
         # closed after the answer: the rest of a refused body is not read
         return JSONResponse({"status": "error", **ids, "detail": detail}, status,
                             headers={"connection": "close"})
 
-    async def signed_body(request: Request) -> bytes | JSONResponse:
+    async def signed_body(request: Request, what: str) -> bytes | JSONResponse:
         """A control call's body, its signature checked, or the refusal to answer."""
         why = state.verifier.header_problem(request.headers) if state.verifier.key else ""
         if why:  # before reading the body: an unsigned caller makes the proxy hold nothing
-            return refuse(401, why, request)
+            return refuse(401, why, request, what=what)
         if state.control_reads >= state.limits.max_control_reads:
             # bodies are read before their MAC can be checked: bound what callers can hold
             return refuse(503, f"{state.limits.max_control_reads} calls are being read; "
-                          "try again", request)
+                          "try again", request, what=what)
         state.control_reads += 1
         try:
             raw = await read_body(request, state.limits.max_control_body_bytes,
                                   state.limits.body_read_s)
         except BodyTooLarge as exc:
-            return refuse(413, str(exc), request)
+            return refuse(413, str(exc), request, what=what)
         except BodyTooSlow as exc:
-            return refuse(408, str(exc), request)
+            return refuse(408, str(exc), request, what=what)
         finally:
             state.control_reads -= 1
         why = state.verifier.check(request.headers, raw)
-        return refuse(401, why, request) if why else raw
+        return refuse(401, why, request, what=what) if why else raw
 
     @app.post("/v1/ahead", name="ahead")
     async def ahead(request: Request) -> JSONResponse:
         """Called by P's connector for a prefill sent to it ahead of D: D's params, once D's
         metaserver call arrives (lw.proxy.ahead)."""
-        raw = await signed_body(request)
+        raw = await signed_body(request, "ahead")
         if isinstance(raw, JSONResponse):
-            state.counters["ahead_fetches_refused"] += 1
             return raw
         try:
             call = ahead_fetch(raw)
         except ContractError as exc:
-            state.counters["ahead_fetches_refused"] += 1
-            return refuse(400, str(exc), request)
+            return refuse(400, str(exc), request, what="ahead")
         status, answer = await fetch_ahead(state, call)
         if status != 200:
             state.counters["ahead_fetches_refused"] += 1
@@ -171,7 +172,7 @@ def build_control_app(state: ProxyState) -> FastAPI:
     async def metaserver(request: Request) -> JSONResponse:
         """Called by D's connector once a vLLM request's blocks are allocated: start its prefill."""
         state.counters["metaserver_calls"] += 1
-        raw = await signed_body(request)
+        raw = await signed_body(request, "metaserver")
         if isinstance(raw, JSONResponse):
             return raw
         try:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lw.contract.ahead import decode_ahead_params, is_ahead_request
+from lw.contract.ahead import ahead_url, decode_ahead_params, is_ahead_request
 from lw.contract.params import (
     CONTRACT_VERSION,
     ContractError,
@@ -62,6 +62,8 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerSide", "sub_transfer_id"]
 
 _NORMAL_FINISH = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
+
+
 @dataclass
 class _PReq:
     """P: a request whose blocks are pushed as its chunks complete them."""
@@ -194,8 +196,7 @@ class SchedulerSide:
         rid = request.request_id
         try:
             ap = decode_ahead_params(self._key, params)
-            if self._metaservers and ap.lw_ahead_url not in {
-                    m.rsplit("/", 1)[0] + "/ahead" for m in self._metaservers}:
+            if self._metaservers and ap.lw_ahead_url not in map(ahead_url, self._metaservers):
                 raise ContractError("kv_transfer_params.lw_ahead_url", "not beside one of the "
                                     "metaservers this engine may call (allowed_metaservers)")
         except ContractError as exc:
