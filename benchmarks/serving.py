@@ -439,11 +439,13 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
             return
         try:
             moved = ""
+            p_threads = ("forward-core" if setup == "peer" and args.peer_on_forward_core
+                         else args.p_threads)
             if not args.float_frontends:
-                pin(run, args.p_threads)
+                pin(run, p_threads)
             warm_up(run)
             if not args.float_frontends:  # again: threads that started with the first requests
-                n = pin(run, args.p_threads)
+                n = pin(run, p_threads)
                 moved = f"; {n} P worker thread(s) on D's core" if n else ""
             print(f"[{name}] ready in {time.monotonic() - t0:.0f}s{moved}", flush=True)
             for sh in bench.plan:
@@ -573,6 +575,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(its transfer threads, lw's and the peer's alike): on the forward's "
                          "core (default) or on the other core, D's, as on a host whose "
                          "transfer threads have cores of their own")
+    ap.add_argument("--peer-on-forward-core", action="store_true",
+                    help="with --p-threads other-core, leave the peer's threads on its "
+                         "forward's core: moved to D's core its Mooncake transfers stall on "
+                         "this kind of machine (docs/benchmarks.md)")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="models, datasets, results, logs (default: a temporary folder, kept)")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="server start, s")
@@ -626,7 +632,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm = args.row_warmups if args.row_warmups is not None else 2 if link_mode else 0
     print(f"serving benchmark: setups {', '.join(args.setups)}{pm}; link rows "
           f"{', '.join(r.key for r in args.link)}; repeats {args.repeats}; {warm} unmeasured "
-          f"prompt(s) before each run; P's side threads on the {args.p_threads}; work dir "
+          f"prompt(s) before each run; P's side threads on the {args.p_threads}"
+          f"{' (the peer on its forward-core)' if args.peer_on_forward_core else ''}; work dir "
           f"{work}", flush=True)
     benches: list[Bench] = []
     failures = 0
