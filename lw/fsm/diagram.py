@@ -8,7 +8,7 @@ from lw.fsm.machine import STAY, Declaration
 def mermaid(decl: Declaration, title: str, blurb: str) -> str:
     """A Markdown document with a Mermaid ``stateDiagram-v2`` of ``decl`` and its table."""
     lines = [f"# {title}", "", blurb, "", "```mermaid", "stateDiagram-v2"]
-    lines.append(f"    [*] --> {decl.initial}")
+    lines += [f"    [*] --> {s}" for s in (decl.initial, *decl.entries)]
     edges: dict[tuple[str, str], list[str]] = {}
     for t in decl.transitions:
         if t.dest == STAY:

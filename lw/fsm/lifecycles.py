@@ -5,6 +5,11 @@ Prefill side (per request and P worker rank)::
     AWAIT_DECODER_META -> META_READY -> LAYER_0_SENT -> ... -> LAYER_{L-1}_SENT -> DONE
     (FAILED from every non-final state)
 
+A prefill computed ahead (before D's parameters reached P) starts in AHEAD: its layers are
+computed into P's own blocks and remembered; ``bind`` (D's blocks known) leads on to
+AWAIT_DECODER_META, where the earlier layers' writes catch up once D accepts. Not bound in time,
+it fails and its blocks go back; a bind after that is refused (no write from freed blocks).
+
 With progressive push a prompt computed in chunks sends each chunk's complete blocks layer by
 layer: LAYER_k_SENT then counts the layers of the chunk being written, and a chunk that is not
 the prompt's last goes from LAYER_{L-1}_SENT to CHUNK_SENT and on to the next chunk's
@@ -29,6 +34,7 @@ from functools import lru_cache
 
 from lw.fsm.machine import STAY, Declaration, rows
 
+AHEAD = "AHEAD"
 AWAIT_DECODER_META = "AWAIT_DECODER_META"
 META_READY = "META_READY"
 CHUNK_SENT = "CHUNK_SENT"
@@ -48,13 +54,17 @@ def prefill_declaration(num_layers: int) -> Declaration:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     sent = [layer_sent(k) for k in range(num_layers)]
     last = sent[-1]
-    live = (AWAIT_DECODER_META, META_READY, *sent, CHUNK_SENT)
+    live = (AHEAD, AWAIT_DECODER_META, META_READY, *sent, CHUNK_SENT)
     return Declaration(
         name="prefill",
         states=(*live, DONE, FAILED),
         initial=AWAIT_DECODER_META,
+        entries=(AHEAD,),
         finals=frozenset({DONE, FAILED}),
         transitions=(
+            # A prefill computed ahead learns D's blocks (the proxy bound it to D's call).
+            rows("bind", [AHEAD], AWAIT_DECODER_META),
+            rows("bind", [FAILED], STAY, "refused: dropped before D's parameters came"),
             # Every target D worker accepted this sender (its layout is cached or came with it).
             rows("meta_accepted", [AWAIT_DECODER_META], META_READY),
             # This rank holds nothing any D rank takes from it (MLA: another P rank writes it).
@@ -69,12 +79,12 @@ def prefill_declaration(num_layers: int) -> Declaration:
                  "stale reply"),
             # The scheduler computes another chunk of the prompt (progressive push): its
             # complete blocks are written layer by layer as it computes them.
-            rows("chunk_scheduled", [AWAIT_DECODER_META, META_READY, *sent[:-1], CHUNK_SENT],
-                 STAY, "more blocks to write"),
+            rows("chunk_scheduled", [AHEAD, AWAIT_DECODER_META, META_READY, *sent[:-1],
+                                     CHUNK_SENT], STAY, "more blocks to write"),
             rows("chunk_scheduled", [FAILED], STAY, "computation goes on; nothing is sent"),
             # The forward pass finished a layer: remembered, never waited for.
-            rows("layer_computed", [AWAIT_DECODER_META, META_READY, *sent[:-1], CHUNK_SENT],
-                 STAY),
+            rows("layer_computed", [AHEAD, AWAIT_DECODER_META, META_READY, *sent[:-1],
+                                    CHUNK_SENT], STAY),
             rows("layer_computed", [FAILED], STAY, "computation goes on; nothing is sent"),
             # A layer write completed (in (chunk, layer) order).
             rows("layer_sent", [META_READY, CHUNK_SENT], sent[0]),

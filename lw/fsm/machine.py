@@ -41,7 +41,10 @@ class Transition:
 
 @dataclass(frozen=True)
 class Declaration:
-    """A machine: its states, initial and final states, and the transition table."""
+    """A machine: its states, initial and final states, and the transition table.
+
+    ``entries``: further states a record may start in (besides ``initial``), e.g. a prefill
+    admitted before its decoder is known."""
 
     name: str
     states: tuple[str, ...]
@@ -49,8 +52,12 @@ class Declaration:
     finals: frozenset[str]
     transitions: tuple[Transition, ...]
     events: tuple[str, ...] = field(default=())
+    entries: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for s in (self.initial, *self.entries):
+            if s not in self.states or s in self.finals:
+                raise ValueError(f"{self.name}: entry state {s} must be a live state")
         evs: list[str] = []
         seen: set[tuple[str, str]] = set()
         for t in self.transitions:

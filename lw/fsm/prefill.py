@@ -16,10 +16,18 @@ announces each later chunk and its newly complete blocks. Every chunk runs every
 k of chunk c writes chunk c's blocks of layer k as soon as it is computed. Writes are numbered in
 (chunk, layer) order (``WriteLayer.seq``); DONE goes out once the last chunk's last layer and
 every write before it have completed.
+
+Computing ahead: :meth:`PrefillEndpoint.add_ahead` admits a request before D's blocks are known
+(state AHEAD): its chunks are announced and its layers computed into P's own blocks, and nothing
+is sent. :meth:`PrefillEndpoint.bind` hands it D's blocks (and D's prefix hit, whose blocks P
+computed but does not write); from then on it is a request like any other, the layers computed
+before the bind written once D accepts. Unbound after ``ahead_wait_s`` it fails and its blocks
+go back; a bind that comes later is refused and writes nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -36,6 +44,7 @@ from lw.fsm.effects import (
 )
 from lw.fsm.endpoint import LifecycleEndpoint
 from lw.fsm.lifecycles import (
+    AHEAD,
     AWAIT_DECODER_META,
     DONE,
     FAILED,
@@ -107,6 +116,8 @@ class PrefillEndpoint(LifecycleEndpoint):
             "layer_writes": 0,
             "no_target": 0,
             "bad_chunks": 0,
+            "ahead": 0,
+            "late_binds": 0,
         }
 
     # ----------------------------------------------------------------------------- inspection
@@ -185,6 +196,101 @@ class PrefillEndpoint(LifecycleEndpoint):
         self._send_meta_requests(rec, now, out)
         return out
 
+    def add_ahead(self, req_id: str, local_blocks: tuple[int, ...], final: bool, prompt: str,
+                  now: float) -> list[Effect]:
+        """The scheduler computes a request before D's parameters reached P (computing ahead):
+        ``local_blocks`` are the P blocks its first chunk completes (possibly none), ``final``
+        whether that chunk is the prompt's last, ``prompt`` the digest of the prompt computed.
+        Nothing is sent until :meth:`bind`; unbound after ``ahead_wait_s`` it fails."""
+        if req_id in self._reqs:
+            raise ValueError(f"request {req_id!r} is already live on {self._who()}")
+        if final and not local_blocks:
+            raise ValueError(f"request {req_id!r}: a prompt computed in one chunk completes "
+                             "at least one block")
+        self._finished.pop(req_id, None)
+        req = PrefillRequest(req_id, (), local_blocks, (), final=final, prompt=prompt)
+        rec = PrefillRecord(req, AHEAD, now, now + self.config.ahead_wait_s)
+        if local_blocks:
+            self._announce(rec, local_blocks)
+        self._reqs[req_id] = rec
+        self.counters["requests"] += 1
+        self.counters["ahead"] += 1
+        self.timeline.record(now, req_id, "admitted", "", AHEAD,
+                             f"{len(local_blocks)} blocks computed ahead of D's parameters"
+                             + ("" if final else " (first chunk)"))
+        return [ArmTimer(("deadline", req_id), rec.deadline)]
+
+    def bind(self, req: PrefillRequest, first: int, now: float) -> list[Effect]:
+        """D's parameters for a request computed ahead: its decoders and D's blocks
+        (``req.remote_blocks``: the prompt's blocks from ``first`` on, ``first`` being D's own
+        prefix hit in blocks), epoch and prompt digest. ``req.local_blocks`` and ``req.final``
+        are the endpoint's (what was announced). A request already dropped is refused: the
+        driver's caller (the proxy) starts that prefill the D-first way instead."""
+        rid = req.req_id
+        rec = self._reqs.get(rid)
+        if rec is None:
+            if rid in self._finished:
+                self.counters["late_binds"] += 1
+                self.timeline.record(now, rid, "bind", self._finished[rid],
+                                     self._finished[rid], "refused: already released")
+                return []
+            raise ProtocolError("prefill", rid, "UNKNOWN", "bind",
+                                f"no such request on {self._who()}")
+        if rec.state == FAILED:
+            self.counters["late_binds"] += 1
+            self._fire(rec, "bind", now, "refused: already failed")
+            return []
+        if rec.state != AHEAD:
+            raise ProtocolError("prefill", rid, rec.state, "bind",
+                                "only a request computed ahead is bound")
+        out: list[Effect] = []
+        problem = self._bind_problem(rec, req, first)
+        bound = PrefillRequest(rid, req.decoder_addr, (), req.remote_blocks,
+                               req.expected_senders, rec.final, req.epoch, req.prompt)
+        raw = [local for local, _remote in rec.chunks]
+        rec.req = bound
+        rec.local, rec.chunks, rec.limit, rec.announced = (), [], 0, 0
+        rec.skip = 0 if problem else first
+        for local in raw:
+            self._announce(rec, local)
+        rec.req = dataclasses.replace(bound, local_blocks=rec.local)
+        rec.deadline = now + self.config.request_timeout_s
+        self._fire(rec, "bind", now, f"{len(req.remote_blocks)} blocks to "
+                   f"{', '.join(bound.targets) or 'no decoder'} (D holds {first})")
+        if problem:
+            # no target is claimed: D hears nothing from us and the caller tells the proxy
+            self._fail(rec, f"bound to parameters that do not fit: {problem}", now, out)
+            return out
+        rec.targets = [_Target(a) for a in bound.targets]
+        if not rec.targets:
+            self.counters["no_target"] += 1
+            self._fire(rec, "no_target", now)
+            self._maybe_release(rec, out)
+            return out
+        t = self.config.progress_timeout_s
+        out.append(ArmTimer(("deadline", rid), min(rec.deadline, now + t) if t
+                            else rec.deadline))
+        self._send_meta_requests(rec, now, out)
+        return out
+
+    @staticmethod
+    def _bind_problem(rec: PrefillRecord, req: PrefillRequest, first: int) -> str:
+        """Why D's parameters cannot be those of the prompt computed ahead, or ""."""
+        if len(set(req.targets)) != len(req.targets):
+            return f"a decoder is named twice in {req.targets}"
+        if rec.req.prompt and req.prompt != rec.req.prompt:
+            return "D's blocks are for another prompt than the one computed"
+        if not req.targets:
+            return ""  # nothing goes from this rank (MLA: another P rank writes)
+        n, m = rec.announced, len(req.remote_blocks)
+        if first < 0 or m < 1:
+            return f"D holds {first} blocks and asks for {m}"
+        if rec.final and first + m != n:
+            return f"the prompt has {n} blocks; D holds {first} and asks for {m}"
+        if first + m < n:
+            return f"{n} blocks are computed already; D holds {first} and asks for {m}"
+        return ""
+
     def layer_computed(self, layer: int, req_ids: Iterable[str], now: float) -> list[Effect]:
         """The forward pass finished ``layer`` for these requests (hot path; never waits).
 
@@ -218,8 +324,8 @@ class PrefillEndpoint(LifecycleEndpoint):
                 continue
             rec.computed += 1
             rec.progress_at = now
-            if st != AWAIT_DECODER_META:
-                self._submit_ready(rec, out)
+            if st != AWAIT_DECODER_META and st != AHEAD:
+                self._submit_ready(rec, out, now)
         return out
 
     def add_chunk(self, req_id: str, local_blocks: tuple[int, ...], final: bool,
@@ -238,13 +344,14 @@ class PrefillEndpoint(LifecycleEndpoint):
         if rec.state == FAILED:
             self._fire(rec, "chunk_scheduled", now, len(local_blocks))
             return []
-        have, want = len(rec.local) + len(local_blocks), len(rec.req.remote_blocks)
+        have = rec.announced + len(local_blocks)
+        want = len(rec.req.remote_blocks) + rec.skip  # unknown before the bind (AHEAD)
         problem = ""
         if rec.final:
             problem = "a chunk after the prompt's last chunk"
         elif not local_blocks:
             problem = "a chunk that completes no block is not announced"
-        elif have > want or (final and have != want):
+        elif rec.state != AHEAD and (have > want or (final and have != want)):
             problem = (f"{have} of {want} blocks complete after this chunk"
                        + (" (its last)" if final else ""))
         out: list[Effect] = []
@@ -258,13 +365,16 @@ class PrefillEndpoint(LifecycleEndpoint):
         return out
 
     def _announce(self, rec: PrefillRecord, local_blocks: tuple[int, ...]) -> None:
-        """Record a chunk: the blocks its layers write (P side and D side)."""
-        lo = len(rec.local)
-        hi = lo + len(local_blocks)
-        rec.local += local_blocks
+        """Record a chunk: the blocks its layers write (P side and D side), without those of
+        D's own prefix hit (``rec.skip``; none before a bind: D's blocks are not known)."""
+        lo = rec.announced
+        hi = rec.announced = lo + len(local_blocks)
+        cut = min(len(local_blocks), max(0, rec.skip - lo))
+        mine = local_blocks[cut:] if cut else local_blocks
+        rec.local += mine
         remote = rec.req.remote_blocks
-        rec.chunks.append((local_blocks, remote if lo == 0 and hi == len(remote)
-                           else remote[lo:hi]))
+        a, b = lo + cut - rec.skip, hi - rec.skip
+        rec.chunks.append((mine, remote if a == 0 and b == len(remote) else remote[a:b]))
         rec.limit += self.num_layers
 
     def transfer_done(
@@ -278,7 +388,6 @@ class PrefillEndpoint(LifecycleEndpoint):
         if rec is None:
             raise ProtocolError("prefill", req_id, "UNKNOWN", "layer_sent", "no such live request")
         left = rec.pending.get(seq, 0)
-        L = self.num_layers
         if rec.inflight <= 0 or left <= 0:
             raise ProtocolError("prefill", req_id, rec.state, "layer_sent",
                                 f"no write of {self._what(seq)} in flight")
@@ -302,20 +411,26 @@ class PrefillEndpoint(LifecycleEndpoint):
             if left == 1:
                 self._fire(rec, "layer_sent", now, seq)
         elif left == 1:  # the write reached every target
-            rec.out_of_order.add(seq)
-            if rec.sent != seq and self._ring is not None:  # written ahead of an earlier one
-                self._ring.append((now, req_id, "layer_written", rec.state, "", seq))
-            while rec.sent in rec.out_of_order:
-                rec.out_of_order.discard(rec.sent)
-                self._fire(rec, "layer_sent", now, rec.sent)
-                rec.sent += 1
-                if rec.sent % L == 0 and not (rec.final and rec.sent == rec.limit):
-                    self._fire(rec, "chunk_sent", now, rec.sent // L - 1)
-            if rec.final and rec.sent == rec.limit and not rec.out_of_order:
-                self._send_done(rec, out)
-                out.append(ArmTimer(("ack", req_id), now + self.config.ack_retry_s))
+            self._written(rec, seq, now, out)
         self._maybe_release(rec, out)
         return out
+
+    def _written(self, rec: PrefillRecord, seq: int, now: float, out: list[Effect]) -> None:
+        """Write ``seq`` reached every target (or had no block to write): the lifecycle moves
+        past every write completed in order, and DONE goes out after the last."""
+        L = self.num_layers
+        rec.out_of_order.add(seq)
+        if rec.sent != seq and self._ring is not None:  # written ahead of an earlier one
+            self._ring.append((now, rec.req.req_id, "layer_written", rec.state, "", seq))
+        while rec.sent in rec.out_of_order:
+            rec.out_of_order.discard(rec.sent)
+            self._fire(rec, "layer_sent", now, rec.sent)
+            rec.sent += 1
+            if rec.sent % L == 0 and not (rec.final and rec.sent == rec.limit):
+                self._fire(rec, "chunk_sent", now, rec.sent // L - 1)
+        if rec.final and rec.sent == rec.limit and not rec.out_of_order:
+            self._send_done(rec, out)
+            out.append(ArmTimer(("ack", rec.req.req_id), now + self.config.ack_retry_s))
 
     def _what(self, seq: int) -> str:
         L = self.num_layers
@@ -348,7 +463,11 @@ class PrefillEndpoint(LifecycleEndpoint):
         if rec is None:
             return out  # timer of a released request: nothing depends on it any more
         if kind == "deadline":
-            if rec.state not in _FINAL:
+            if rec.state == AHEAD:
+                self.counters["deadlines"] += 1
+                self._fail(rec, f"not bound to a decoder's parameters within ahead_wait_s="
+                                f"{self.config.ahead_wait_s:g}s", now, out)
+            elif rec.state not in _FINAL:
                 why = self._stalled(rec, now, out)
                 if why:
                     self.counters["deadlines"] += 1
@@ -480,7 +599,7 @@ class PrefillEndpoint(LifecycleEndpoint):
         if all(x.accepted for x in rec.targets):
             out.append(CancelTimer(("meta", rec.req.req_id)))
             self._fire(rec, "meta_accepted", now)
-            self._submit_ready(rec, out)
+            self._submit_ready(rec, out, now)
         else:
             self._fire(rec, "target_accepted", now)  # found by the model checker (finding 3)
 
@@ -600,7 +719,7 @@ class PrefillEndpoint(LifecycleEndpoint):
         return [Send(addr, self._done_msg(rec, [c for layer in sums for c in layer]))
                 for addr, sums in zip(ask.targets, answer.sums, strict=True)]
 
-    def _submit_ready(self, rec: PrefillRecord, out: list[Effect]) -> None:
+    def _submit_ready(self, rec: PrefillRecord, out: list[Effect], now: float) -> None:
         rid = rec.req.req_id
         n = len(rec.targets)
         L = self.num_layers
@@ -608,6 +727,10 @@ class PrefillEndpoint(LifecycleEndpoint):
             seq = rec.submitted
             layer = seq % L
             local, remote = rec.chunks[seq // L]
+            if not local:  # a chunk of D's own prefix hit (computed ahead): nothing to write
+                rec.submitted += 1
+                self._written(rec, seq, now, out)
+                continue
             for t in rec.targets:
                 assert t.layout is not None
                 out.append(WriteLayer(rid, layer, t.layout, local, remote, t.segs[layer],

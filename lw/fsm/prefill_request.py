@@ -53,6 +53,9 @@ class PrefillConfig:
     # with heartbeats on; without them the count is the only way to find a silent D early.
     resend_until_deadline: bool = False
     request_timeout_s: float = 30.0  # whole transfer, from add_request; D's lease must exceed it
+    # A prefill computed ahead of D's parameters (add_ahead) not bound to them by then is
+    # dropped and its blocks go back; its deadline then counts from the bind.
+    ahead_wait_s: float = 5.0
     # Fail a request sooner when it made no progress for this long (layers computed, D's
     # answers, writes landing on its D, any request's): a slow link keeps it to the cap above,
     # a stuck one ends early. 0: off (the cap alone).
@@ -64,7 +67,8 @@ class PrefillConfig:
     kv_checksum: bool = False  # writes are summed (CRC-32C) and DONE carries the sums
 
     def __post_init__(self) -> None:
-        for name in ("meta_retry_s", "ack_retry_s", "request_timeout_s", "tombstone_ttl_s"):
+        for name in ("meta_retry_s", "ack_retry_s", "request_timeout_s", "tombstone_ttl_s",
+                     "ahead_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PrefillConfig.{name} must be > 0, got {getattr(self, name)}")
         p = self.progress_timeout_s
@@ -148,6 +152,8 @@ class PrefillRecord:
         "chunks",
         "limit",
         "final",
+        "skip",
+        "announced",
     )
 
     @property
@@ -170,6 +176,10 @@ class PrefillRecord:
         self.out_of_order: set[int] = set()
         self.pending: dict[int, int] = {}  # seq -> target writes not completed yet
         self.local: tuple[int, ...] = ()  # P blocks of the remote blocks announced so far
+        # The prompt's first ``skip`` blocks are D's own prefix hit: P holds them too (a prefill
+        # computed ahead computes the whole prompt) but writes none of them.
+        self.skip = 0
+        self.announced = 0  # the prompt's blocks announced so far, written or skipped
         # Per announced chunk: (P blocks, D blocks) it completes (what its layers write).
         self.chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self.limit = 0  # writes the announced chunks make: len(chunks) * L

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from lw.fsm.lifecycles import (
+    AHEAD,
     AWAIT_DECODER_META,
     DONE,
     FAILED,
@@ -57,7 +58,10 @@ def prefill_row(ep: PrefillEndpoint, rec: PReq, now: float) -> RequestStatus:
     total = L if one else rec.limit
     unit = "layers" if one else (f"layer writes ({len(rec.chunks)} chunk(s)"
                                  + (")" if rec.final else " so far, more to come)"))
-    if st == AWAIT_DECODER_META:
+    if st == AHEAD:
+        what = (f"computed ahead, waiting for D's parameters (bind); {rec.computed} of {total} "
+                f"{unit} computed")
+    elif st == AWAIT_DECODER_META:
         peers = [t.addr for t in rec.targets if not t.accepted]
         what = (f"waiting for MetaReply(accepted) from D {_join(peers)} (try {rec.meta_tries} "
                 f"of {cfg.meta_attempts}); {rec.computed} of {total} {unit} computed")
@@ -125,7 +129,7 @@ def decode_row(ep: DecodeEndpoint, rec: DReq, now: float) -> RequestStatus:
 
 def prefill_span(ep: PrefillEndpoint, rec: PReq) -> float:
     """The deadline a P request's time in one state is measured against."""
-    return ep.config.request_timeout_s
+    return ep.config.ahead_wait_s if rec.state == AHEAD else ep.config.request_timeout_s
 
 
 def decode_span(ep: DecodeEndpoint, rec: DReq) -> float:

@@ -635,8 +635,8 @@ def test_protocol_error_reads_as_one_sentence_with_its_detail() -> None:
 def test_a_model_has_at_least_one_layer() -> None:
     with pytest.raises(ValueError, match="num_layers must be >= 1"):
         PrefillEndpoint(p_sender(), 0)
-    assert PrefillEndpoint(p_sender(), 1).declaration.states[:3] == (
-        "AWAIT_DECODER_META", "META_READY", "LAYER_0_SENT")
+    assert PrefillEndpoint(p_sender(), 1).declaration.states[:4] == (
+        "AHEAD", "AWAIT_DECODER_META", "META_READY", "LAYER_0_SENT")
 
 
 def _nhd(rank: int, tp: int, heads: int = 4) -> KVFormat:
