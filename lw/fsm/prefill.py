@@ -263,6 +263,7 @@ class PrefillEndpoint(LifecycleEndpoint):
             return out
         rec.targets = [_Target(a) for a in bound.targets]
         if not rec.targets:
+            out.append(CancelTimer(("deadline", rid)))  # the ahead wait's
             self.counters["no_target"] += 1
             self._fire(rec, "no_target", now)
             self._maybe_release(rec, out)

@@ -18,8 +18,9 @@ from lw.sim.world import FAULT_KINDS, WorldConfig
 # The generated counterexample gallery: file name -> the `lw check` arguments that produce it
 # (one per variant, at its default bounds).
 GALLERY: dict[str, list[str]] = {f"{name}.md": ["--design", name]
-                                 for name in DESIGNS if name != "d-first"}
+                                 for name, d in DESIGNS.items() if d.expected != "holds"}
 
+AHEAD_DESIGN = "compute-ahead"  # lw's protocol with prefills computed ahead of D's params
 _CHUNKED = {"chunks": 2, "blocks_per_request": 2, "d_blocks": 2, "p_blocks": 2}
 # The strong default check (`lw check` with no bound flags): d-first at these bounds, then at
 # every variant's own bounds (so d-first is checked wherever a variant is caught).
@@ -103,6 +104,20 @@ STRONG: tuple[dict[str, Any], ...] = (
     {"dp": 2, "requests": 2, "layers": 1, "faults": True,
      "fault_kinds": ("stall", "drop", "dup", "crash"), "max_faults": 2, "delays": False,
      "resend_until_deadline": True},
+    # Computing ahead (issue 39): P computes before D's blocks are known and is bound when D
+    # allocates; dropped at ahead_wait_s, a later bind is refused and the proxy starts the
+    # request again D first. D's prefix hit computed but never written; restarts, aborts, lost
+    # and duplicated messages; chunks whose writes complete out of order; two D TP ranks.
+    {**BASE_BOUNDS, "design": AHEAD_DESIGN},
+    {"design": AHEAD_DESIGN, "dp": 2, "d_tp": 2, "requests": 2, "layers": 2},
+    {"design": AHEAD_DESIGN, "dp": 1, "requests": 2, "layers": 1, "faults": True,
+     "fault_kinds": ("drop", "dup"), "delays": False},
+    {"design": AHEAD_DESIGN, "dp": 1, "requests": 2, "layers": 1, "faults": True,
+     "fault_kinds": ("crash", "abort"), "delays": False, "d_restarts": 1},
+    {"design": AHEAD_DESIGN, "dp": 1, "requests": 2, "layers": 1, **_CHUNKED, "faults": True,
+     "fault_kinds": ("write",), "delays": False, "unordered_writes": True},
+    {"design": AHEAD_DESIGN, "dp": 1, "requests": 1, "layers": 1, **_CHUNKED,
+     "prefix_hits": (1,), "faults": True, "fault_kinds": ()},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",
@@ -261,7 +276,8 @@ def config_from(args: argparse.Namespace, base: dict[str, Any] | None = None) ->
         kw["p_loss_detection"] = False
     if "max_faults" not in kw:
         kw["max_faults"] = 1 if args.mode == "exhaustive" else 4
-    return WorldConfig(design=args.design, **kw)
+    design = kw.pop("design", args.design)  # a strong configuration may name its own
+    return WorldConfig(design=design, **kw)
 
 
 def strong_configs(design: str) -> list[tuple[str, dict[str, Any]]]:
@@ -269,8 +285,10 @@ def strong_configs(design: str) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
     seen: list[dict[str, Any]] = []
     cands = [("strong", c) for c in STRONG]
-    cands += [(f"bounds of {d.name}", d.config_overrides()) for d in DESIGNS.values()
-              if d.name != "d-first"]
+    # each variant's bounds, with the design it is a variant of (computing ahead, or d-first)
+    cands += [(f"bounds of {d.name}", {**d.config_overrides(),
+                                       **({"design": AHEAD_DESIGN} if d.ahead else {})})
+              for d in DESIGNS.values() if d.expected != "holds"]
     for label, kw in cands:
         if kw not in seen:
             seen.append(kw)
@@ -304,7 +322,8 @@ def run_strong(args: argparse.Namespace) -> int:
         verdict = ("holds" if res.complete else "PARTIAL") if res.counterexample is None else (
             f"VIOLATION {res.counterexample.violation.prop}")
         partial += res.counterexample is None and not res.complete
-        print(f"[{n}/{len(configs)}] {label}: {cfg.bounds()}: {res.states} states, "
+        own = f" (design {cfg.design})" if cfg.design != args.design else ""
+        print(f"[{n}/{len(configs)}] {label}{own}: {cfg.bounds()}: {res.states} states, "
               f"{res.seconds:.1f} s: {verdict}")
         if res.counterexample is not None:
             for line in report(cfg, res):

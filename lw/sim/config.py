@@ -114,6 +114,7 @@ class WorldConfig:
     meta_retry_s: float = 1.0
     ack_retry_s: float = 1.0
     request_timeout_s: float = 30.0
+    ahead_wait_s: float = 5.0  # P drops a prefill computed ahead and not bound by then
     prefill_timeout_s: float = 60.0
     lease_s: float = 90.0
     transfer_timeout_s: float = 10.0
@@ -145,6 +146,9 @@ class WorldConfig:
         if self.retry_prefill and (self.d_tp != 1 or not DESIGNS[self.design].d_first):
             raise ValueError("retry_prefill needs D TP 1 and a D-first design (each D worker "
                              "decides its own retries; the world routes one prefill per request)")
+        if DESIGNS[self.design].ahead and self.tp != 1:
+            raise ValueError("a design that computes ahead needs P TP 1 (each P worker decides "
+                             "its own bind; the world binds one per request)")
         if self.heads < 0:
             raise ValueError(f"heads must be >= 0, got {self.heads}")
         for side, n in (("P", self.tp), ("D", self.d_tp)):

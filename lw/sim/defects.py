@@ -12,10 +12,18 @@ from collections.abc import Iterable
 
 import msgspec
 
-from lw.fsm import ArmTimer, CancelTimer, DecodeEndpoint, Effect, PrefillEndpoint, Send
+from lw.fsm import (
+    ArmTimer,
+    CancelTimer,
+    DecodeEndpoint,
+    Effect,
+    PrefillEndpoint,
+    PrefillRequest,
+    Send,
+)
 from lw.fsm.decode_request import DecodeRecord
 from lw.fsm.effects import Granted, KeptSums, TimerKey
-from lw.fsm.lifecycles import DONE, FAILED
+from lw.fsm.lifecycles import AHEAD, DONE, FAILED
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
     AbortAck,
@@ -26,6 +34,7 @@ from lw.fsm.messages import (
     MetaReply,
     MetaRequest,
 )
+from lw.fsm.prefill_request import PrefillRecord
 from lw.fsm.silence import fixed_budget_loses
 
 _FINAL = (DONE, FAILED)
@@ -351,3 +360,60 @@ class FixedBudgetDecode(DecodeEndpoint):
     """The same fixed budget on D's side, for the P it waits on."""
 
     silence_loses = staticmethod(fixed_budget_loses)
+
+
+
+class AheadIgnoresHit(PrefillEndpoint):
+    """Computing ahead: the bind pairs P's blocks with D's from the prompt's first block on, as
+    if D held no prefix of its own: with a hit, P's prefix blocks go into D's suffix slots."""
+
+    def bind(self, req: PrefillRequest, first: int, now: float) -> list[Effect]:
+        rec = self._reqs.get(req.req_id)
+        if rec is not None and rec.state == AHEAD and first:
+            left = len(req.remote_blocks)  # P's first blocks, as many as D asks for
+            raw = [local for local, _remote in rec.chunks]
+            rec.chunks, rec.local, rec.limit, rec.announced = [], (), 0, 0
+            for local in raw:
+                take = local[:max(0, left)]
+                left -= len(take)
+                self._announce(rec, take)
+            first = 0
+        return super().bind(req, first, now)
+
+
+class LateBindResurrects(PrefillEndpoint):
+    """Computing ahead: a bind that comes after P dropped the request (its blocks freed) takes
+    it up again, its layers remembered as computed, and writes from the freed blocks."""
+
+    def bind(self, req: PrefillRequest, first: int, now: float) -> list[Effect]:
+        rid = req.req_id
+        old = self._dropped.get(rid)
+        if rid not in self._reqs and old is not None:
+            chunks, final, computed = old
+            self._finished.pop(rid, None)
+            out = self.add_ahead(rid, chunks[0], final and len(chunks) == 1, req.prompt, now)
+            for i, local in enumerate(chunks[1:], 1):
+                out += self.add_chunk(rid, local, final and i == len(chunks) - 1, now)
+            self._reqs[rid].computed = computed
+            return out + super().bind(req, first, now)
+        return super().bind(req, first, now)
+
+    def _maybe_release(self, rec: PrefillRecord, out: list[Effect]) -> None:
+        if rec.state == FAILED and rec.inflight == 0 and not rec.targets:
+            self._dropped[rec.req.req_id] = ([local for local, _r in rec.chunks], rec.final,
+                                             rec.computed)
+        super()._maybe_release(rec, out)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._dropped: dict[str, tuple[list[tuple[int, ...]], bool, int]] = {}
+
+
+class AheadNeverDropped(PrefillEndpoint):
+    """Computing ahead with no deadline: a prefill computed ahead that is never bound (its D
+    died, or held the whole prompt) keeps P's blocks for ever."""
+
+    def add_ahead(self, req_id: str, local_blocks: tuple[int, ...], final: bool, prompt: str,
+                  now: float) -> list[Effect]:
+        out = super().add_ahead(req_id, local_blocks, final, prompt, now)
+        return [e for e in out if not isinstance(e, ArmTimer)]

@@ -111,6 +111,8 @@ class PNode:
                 s.p_batch[i].append(r)
                 if s.design.d_first or q.d_blocks is not None:
                     self.p_add(q)
+                elif s.design.ahead:
+                    self.p_add_ahead(q)
         s.phase = 0
         s.hooks_done = [False] * len(s.p)
         batches = "; ".join(f"P{i}: " + (",".join(s.in_step(r) for r in b) or "dummy")
@@ -144,17 +146,50 @@ class PNode:
         s = self.s
         q.p_added = True
         q.t_padd = s.now
-        plan = s.plan
-        base = q.d_rank * s.d_tp
+        local = self._p_sent(q)[q.span(0)]  # the blocks its first chunk completes
         for w in s.workers_of(q.p_rank):
-            # The D workers this TP rank writes into (none: MLA's idle ranks, a full prefix hit)
-            js = plan.targets[w % s.tp] if q.loads() else ()
-            n = len(plan.senders[js[0]]) if js else 1
-            local = self._p_sent(q)[q.span(0)]  # the blocks its first chunk completes
-            req = s.store.intern(PrefillRequest(
-                q.rid, tuple(d_addr(base + j) for j in js), local, q.p_target, n,
-                final=not q.more_chunks(), epoch=q.p_epoch))
+            req = self._request(q, w, local, not q.more_chunks())
             self.ports.run(("p", w), s.p[w].add_request(req, s.now))
+
+    def _request(self, q: Req, w: int, local: tuple[int, ...], final: bool) -> PrefillRequest:
+        """What P worker ``w`` is told of ``q``: the D workers its TP rank writes into (none:
+        MLA's idle ranks, a full prefix hit), D's blocks, the senders each D worker expects."""
+        s = self.s
+        js = s.plan.targets[w % s.tp] if q.loads() else ()
+        n = len(s.plan.senders[js[0]]) if js else 1
+        base = q.d_rank * s.d_tp
+        return s.store.intern(PrefillRequest(
+            q.rid, tuple(d_addr(base + j) for j in js), local, q.p_target, n, final=final,
+            epoch=q.p_epoch))
+
+    def p_add_ahead(self, q: Req) -> None:
+        """Register ``q`` (scheduled, D's blocks not known yet) with every P worker of its rank
+        as computed ahead: its first chunk's blocks, with those of D's prefix hit."""
+        assert q.p_blocks is not None and q.chunk == 1
+        s = self.s
+        q.p_added = True
+        q.ahead = "ahead"
+        q.t_padd = s.now
+        local = (q.p_blocks[:q.hit] + self._p_sent(q)[q.span(0)]) if q.announced(0) else ()
+        for w in s.workers_of(q.p_rank):
+            self.ports.run(("p", w), s.p[w].add_ahead(q.rid, local, not q.more_chunks(), "",
+                                                      s.now))
+
+    def p_bind(self, q: Req) -> None:
+        """D allocated ``q``'s blocks: bind P's attempt computed ahead to them (D's prefix hit
+        computed but not written). A worker that dropped it refuses: the proxy starts ``q``
+        again, D first, once P has released the dropped attempt."""
+        s = self.s
+        q.ahead = "bound"
+        q.t_padd = s.now  # its deadline counts from the bind
+        for w in s.workers_of(q.p_rank):
+            ep = s.p[w]
+            # (the blocks and final of a bind are the endpoint's own: what it was announced)
+            self.ports.run(("p", w), ep.bind(self._request(q, w, (), True), q.hit, s.now))
+            if ep.state_of(q.rid) in (None, "FAILED"):
+                q.refused = q.loads()  # a full hit needs nothing from P
+        if q.refused:
+            s.note(self._all_p(), f"{q.rid} was dropped before D's blocks came: bind refused")
 
     def _all_p(self) -> str:
         n = len(self.s.p)

@@ -80,7 +80,11 @@ class Proxy:
             s.note(s.dpart(d), f"{q.rid} gets block(s) {list(blocks)}{cached}")
             for v in s.d_workers_of(d):
                 self.register(q, v, q.d_remote)
-        if not s.design.d_first and q.p_stage == "scheduled" and not q.p_added:
+        if s.design.ahead and q.ahead == "ahead" and s.rank_alive(q.p_rank):
+            self.p_node.p_bind(q)  # a full hit binds it to no decoder: P ends, sending nothing
+            if not q.refused and q.loads():
+                self.route(q)
+        elif not s.design.d_first and q.p_stage == "scheduled" and not q.p_added:
             self.p_node.p_add(q)
 
     def register(self, q: Req, v: int, blocks: tuple[int, ...]) -> None:
@@ -103,6 +107,27 @@ class Proxy:
         s.p_queue[q.p_rank].append(r)
         s.arrow("Proxy", f"P{q.p_rank * s.tp}", f"prefill {q.rid}")
         self.route(q)
+
+    def fallback_actions(self) -> list[tuple]:
+        """Requests whose bind P refused, now released by P, with D still waiting: the proxy
+        starts them D first (computing ahead)."""
+        s = self.s
+        if not s.p_alive or s.first_live_rank() is None:
+            return []
+        return [("fallback", q.idx) for q in s.reqs
+                if q.refused and q.p_stage == "released" and q.d_stage == "allocated"]
+
+    def do_fallback(self, r: int) -> None:
+        """The proxy starts request ``r`` again, D first: P dropped its attempt computed ahead
+        before D's blocks came (nothing of it was written: it never claimed D)."""
+        s = self.s
+        q = s.reqs[r]
+        q.p_stage, q.p_blocks, q.p_added, q.p_freed, q.t_padd = "none", None, False, False, None
+        q.chunk, q.accepted, q.landed = 0, frozenset(), frozenset()
+        q.send_reports, q.send_ok = (0,) * s.tp, (False,) * s.tp
+        q.ahead, q.refused = "", False
+        s.note("Proxy", f"{q.rid}: P refused the bind; started again, D first")
+        self.do_start(r)
 
     def route(self, q: Req) -> None:
         """The proxy sends ``q``'s current attempt to its rank: D watches that P from now."""

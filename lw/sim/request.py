@@ -10,7 +10,7 @@ class Req:
                  "p_blocks", "started", "p_added", "landed", "send_reports", "send_ok",
                  "recv_reports", "recv_ok", "accepted", "quarantined", "p_freed", "t_alloc",
                  "t_padd", "t_dfail", "d_inc", "touched", "losses", "sizes", "chunk", "forged",
-                 "epoch", "p_epoch", "retry", "p_crashes", "bad_transfers")
+                 "epoch", "p_epoch", "retry", "p_crashes", "bad_transfers", "ahead", "refused")
 
     def __init__(self, idx: int, p_rank: int, d_rank: int, tp: int, d_tp: int = 1,
                  hit: int = 0, sizes: tuple[int, ...] = (1,)) -> None:
@@ -57,6 +57,11 @@ class Req:
         self.retry: tuple[str, ...] | None = None
         self.p_crashes = 0
         self.bad_transfers = 0  # its bytes corrupted in D's blocks (fault "corrupt")
+        # Computing ahead: this P attempt was added before D's blocks were known ("ahead"),
+        # then bound ("bound") or refused at the bind ("refused": the proxy starts it again, D
+        # first, once P released the dropped attempt); "" otherwise.
+        self.ahead = ""
+        self.refused = False
 
     def key(self, now: float, progress_budget: int = 0) -> tuple:
         """Hashable content (times relative to ``now``). ``progress_budget``: P's retry budget
@@ -80,7 +85,8 @@ class Req:
                 self.p_added, self.chunk, landed, self.send_reports, self.send_ok,
                 self.recv_reports, self.recv_ok, tuple(sorted(self.accepted)), self.quarantined,
                 self.p_freed, t_alloc, t_padd, self.d_inc, self.forged, self.epoch,
-                self.p_epoch, self.retry, self.p_crashes, self.bad_transfers,
+                self.p_epoch, self.retry, self.p_crashes, self.bad_transfers, self.ahead,
+                self.refused,
                 (self.touched, min(self.losses, progress_budget)) if progress_budget else None)
 
     def d_final(self) -> bool:
@@ -119,7 +125,7 @@ class Req:
     def chunk_of(self, seq: int, layers: int) -> int:
         """The prompt chunk of this request's write ``seq`` (the core numbers its writes
         chunk * layers + layer counting the chunks announced to it: all but an empty first)."""
-        return seq // layers + (self.sizes[0] == 0)
+        return seq // layers + (not self.announced(0))
 
     def more_chunks(self) -> bool:
         """P's scheduler has chunks of its prefill still to compute."""
@@ -128,5 +134,6 @@ class Req:
     def announced(self, c: int) -> bool:
         """Whether chunk ``c`` completes a sent block: only then is it announced to P's core
         and are its layers reported for the request (the core announces no empty chunk but
-        the first: a request added with no local block)."""
-        return self.sizes[c] > 0
+        the first: a request added with no local block). Computed ahead, the first chunk also
+        completes the blocks of D's prefix hit, which P computes (it does not know of it yet)."""
+        return self.sizes[c] > 0 or (c == 0 and self.hit > 0 and self.ahead != "")

@@ -45,6 +45,9 @@ class Design:
     expected: str  # the property the checker must report, or "holds"
     ref: str = ""  # upstream reference of the bug it re-introduces
     d_first: bool = True  # the proxy asks D to allocate before P starts (else P and D together)
+    # P computes a prefill before D's blocks are known (add_ahead) and is bound to them when D
+    # allocates; a bind P refuses (dropped meanwhile) makes the proxy start it D first
+    ahead: bool = False
     hook_waits_for_meta: bool = False  # a P layer hook blocks until D's metadata arrived
     timers: bool = True  # deadlines and retries exist (the pre-#3866 plan had none)
     free_on_request_finished: bool = False  # P frees blocks when compute ends
@@ -105,6 +108,43 @@ _DESIGNS: tuple[Design, ...] = (
                 "requests is ready, with no timeout (no deadlines anywhere).",
         d_first=False, hook_waits_for_meta=True, timers=False, expected="deadlock",
         ruled_out="D allocates first, and the hook only records the layer"),
+    Design(
+        name="compute-ahead", title="lw's protocol, computing ahead",
+        summary="The proxy starts P and D together; P computes into its own blocks before D's "
+                "are known and sends nothing; D's allocation binds it (the earlier layers are "
+                "written once D accepts, D's prefix hit never); not bound within ahead_wait_s "
+                "P drops it and frees its blocks, refuses a later bind, and the proxy starts it "
+                "again D first.",
+        d_first=False, ahead=True, expected="holds"),
+    Design(
+        name="ahead-ignores-hit", title="computed ahead, D's prefix hit ignored",
+        summary="Computing ahead, the bind pairs P's blocks with D's from the prompt's first "
+                "block on: with a prefix hit on D, P's prefix blocks are written into D's "
+                "suffix slots.",
+        d_first=False, ahead=True, prefill=defects.AheadIgnoresHit, expected="kv-placement",
+        bounds={"dp": 1, "requests": 1, "layers": 1, "blocks_per_request": 2, "d_blocks": 2,
+                "p_blocks": 2, "prefix_hits": (1,)},
+        ruled_out="the bind names D's hit; P skips those blocks and pairs the rest by prompt "
+                  "position"),
+    Design(
+        name="late-bind-resurrects", title="computed ahead, bound after it was dropped",
+        summary="Computing ahead, a bind that comes after P dropped the request at its "
+                "ahead_wait_s deadline (its blocks freed) takes it up again and writes its "
+                "remembered layers from the freed blocks.",
+        d_first=False, ahead=True, prefill=defects.LateBindResurrects,
+        expected="use-after-free",
+        bounds={"dp": 1, "requests": 1, "layers": 1, "faults": True, "fault_kinds": ()},
+        ruled_out="a bind of a request P released is refused and writes nothing; the proxy "
+                  "starts it again D first"),
+    Design(
+        name="ahead-never-dropped", title="computed ahead, no deadline",
+        summary="Computing ahead with no ahead_wait_s: a prefill computed ahead whose D never "
+                "binds it (that D died before allocating) holds P's blocks for ever.",
+        d_first=False, ahead=True, prefill=defects.AheadNeverDropped,
+        expected="deadlock",
+        bounds={"dp": 1, "requests": 1, "layers": 1, "faults": True, "fault_kinds": ("crash",),
+                "delays": False},
+        ruled_out="an unbound prefill fails at ahead_wait_s and frees its blocks"),
     Design(
         name="eager-free", title="the seed's eager free", ref="lw seed (vllm-ascend #3866)",
         summary="As d-first, but P's request_finished returns 'free now' when compute ends: the "

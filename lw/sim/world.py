@@ -51,7 +51,7 @@ from lw.sim.state import WorldState
 
 # Which part performs each kind of action (its method ``do_<kind>``).
 HANDLERS: dict[str, str] = {
-    **dict.fromkeys(("arrive", "alloc", "start", "deliver"), "proxy"),
+    **dict.fromkeys(("arrive", "alloc", "start", "deliver", "fallback"), "proxy"),
     **dict.fromkeys(("schedule", "layer", "hook", "barrier"), "p_node"),
     "complete": "data",
     "decode": "d_node",
@@ -307,6 +307,8 @@ class World:
             acts += self.failover.rank_lost_actions()
         if cfg.retry_prefill:
             acts += self.failover.reprefill_actions()
+        if s.design.ahead:
+            acts += self.proxy.fallback_actions()
         if s.restarts < cfg.d_restarts and not s.draining:
             acts += [("restart_d", d) for d in range(cfg.d_dp) if not s.d_alive[d]]
         faults = s.faults_on()

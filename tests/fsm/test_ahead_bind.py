@@ -150,3 +150,13 @@ def test_status_names_the_wait_for_d_parameters() -> None:
     (row,) = p.status(pair.now)
     assert row.state == "AHEAD" and "waiting for D's parameters" in row.waiting_for
     assert "1 of 2 layers computed" in row.waiting_for
+
+
+def test_bound_to_no_decoder_ends_at_once_and_its_wait_is_disarmed() -> None:
+    """A rank that writes nothing (MLA's idle rank, a D that holds the whole prompt)."""
+    pair = make()
+    p = pair.ps[0]
+    pair.absorb(0, p.add_ahead("r", (1, 2, 3), True, "", pair.now))
+    pair.absorb(0, p.bind(PrefillRequest("r", (), (), ()), 3, pair.now))
+    assert p.state_of("r") == "DONE" and [f.ok for f in pair.finished] == [True]
+    assert not [k for k in pair.timers if k[0] == 0] and not pair.queue

@@ -17,7 +17,7 @@ from lw.sim.explorer import explore
 from lw.sim.trace import render_text
 from lw.sim.variants import DESIGNS, Design
 
-VARIANTS = [d for d in DESIGNS.values() if d.name != "d-first"]
+VARIANTS = [d for d in DESIGNS.values() if d.expected != "holds"]
 # d-first at these variants' bounds explores thousands of states (seconds on a loaded machine)
 SLOW_HOLDS = {"deadline-frees-under-write", "handshake-hol"}
 
@@ -53,7 +53,9 @@ def test_variant_is_caught_with_its_property(design: Design) -> None:
     pytest.param(d, marks=pytest.mark.slow) if d.name in SLOW_HOLDS else d for d in VARIANTS
 ], ids=lambda d: d.name)
 def test_d_first_holds_at_the_variant_bounds(design: Design) -> None:
-    res = explore(_cfg("d-first", design), max_seconds=120, check_cycles=True)
+    """lw's design, the one the variant changes (computing ahead or d-first), holds there."""
+    res = explore(_cfg("compute-ahead" if design.ahead else "d-first", design),
+                  max_seconds=120, check_cycles=True)
     assert res.counterexample is None, res.counterexample.violation.headline()
     assert res.complete
 
@@ -88,7 +90,9 @@ def test_cli_design_exits_1_and_d_first_bounds_of_exits_0(
 def test_strong_check_covers_every_variant_bounds() -> None:
     configs = [kw for _label, kw in strong_configs("d-first")]
     for d in VARIANTS:
-        assert d.config_overrides() in configs, d.name
+        want = {**d.config_overrides(), **({"design": "compute-ahead"} if d.ahead else {})}
+        assert want in configs, d.name
+    assert sum(kw.get("design") == "compute-ahead" for kw in configs) >= 6
     assert any(kw.get("faults") and kw.get("d_restarts") for kw in configs)
     assert any(kw.get("faults") and kw.get("delays", True) for kw in configs)
 
