@@ -17,7 +17,10 @@ ProxyEvents = Mapping[str, Mapping[str, float]]
 
 # (phase name, from milestone, to milestone); milestones below
 PHASES: tuple[tuple[str, str, str], ...] = (
-    ("client -> D allocated", "received", "allocated"),
+    # the proxy's own part (signing D's params, the POST leaving), then D's: its HTTP server,
+    # EngineCore, the scheduler's step that allocates the blocks
+    ("client -> D POSTed (proxy)", "received", "d_sent"),
+    ("D POSTed -> D allocated", "d_sent", "allocated"),
     ("D allocated -> metaserver called", "allocated", "meta_posted"),
     # the proxy's own part (a sub-transfer's checks, the POST leaving), then P's: its HTTP
     # server, EngineCore, the scheduler's next step and, since P's core admits a request when

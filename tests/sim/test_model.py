@@ -21,11 +21,12 @@ from hypothesis.stateful import (
 
 from lw.sim.explorer import drain
 from lw.sim.properties import Violation
+from lw.sim.variants import DESIGNS
 from lw.sim.world import Action, World, WorldConfig
 
 from .profiles import sim_settings
 
-PROXY = frozenset({"arrive", "alloc", "start"})
+PROXY = frozenset({"arrive", "alloc", "start", "fallback"})
 P_STEP = frozenset({"schedule", "layer", "hook", "barrier"})
 DATA = frozenset({"complete", "decode", "zland"})
 CLOCK = frozenset({"timer", "wto", "zexp", "idle"})
@@ -45,7 +46,9 @@ def worlds(draw: st.DrawFn, design: str) -> WorldConfig:
     writing several D ranks), MLA, D prefix-cache hits (none to full), chunked prefill, a data
     plane completing writes in or out of order, with or without faults. Every field shrinks
     towards the plain shape (tp=d_tp=1, no MLA, no hits, one chunk, writes in order)."""
-    tp, d_tp = draw(st.integers(1, 2), label="tp"), draw(st.integers(1, 2), label="d_tp")
+    # computing ahead: P TP 1 (each P worker would decide its own bind)
+    tp = 1 if DESIGNS[design].ahead else draw(st.integers(1, 2), label="tp")
+    d_tp = draw(st.integers(1, 2), label="d_tp")
     mla = draw(st.booleans(), label="mla")
     requests = draw(st.integers(1, 3), label="requests")
     bpr = draw(st.integers(1, 2), label="blocks_per_request")
@@ -184,6 +187,17 @@ class WorldMachine(RuleBasedStateMachine):
 def test_d_first_random_model() -> None:
     """lw's protocol: every property holds on random runs with and without faults."""
     run_state_machine_as_test(WorldMachine, settings=sim_settings())
+
+
+class ComputeAheadMachine(WorldMachine):
+    """lw's protocol computing ahead: P computes before D allocates, D's allocation binds it."""
+
+    design = "compute-ahead"
+
+
+def test_compute_ahead_random_model() -> None:
+    """Computing ahead: every property holds on random runs with and without faults."""
+    run_state_machine_as_test(ComputeAheadMachine, settings=sim_settings())
 
 
 class EagerFreeMachine(WorldMachine):
