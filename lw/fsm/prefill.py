@@ -220,29 +220,41 @@ class PrefillEndpoint(LifecycleEndpoint):
                              + ("" if final else " (first chunk)"))
         return [ArmTimer(("deadline", req_id), rec.deadline)]
 
-    def bind(self, req: PrefillRequest, first: int, now: float) -> list[Effect]:
+    def bind(self, req: PrefillRequest, first: int, now: float,
+             ahead_id: str = "") -> list[Effect]:
         """D's parameters for a request computed ahead: its decoders and D's blocks
         (``req.remote_blocks``: the prompt's blocks from ``first`` on, ``first`` being D's own
         prefix hit in blocks), epoch and prompt digest. ``req.local_blocks`` and ``req.final``
-        are the endpoint's (what was announced). A request already dropped is refused: the
-        driver's caller (the proxy) starts that prefill the D-first way instead."""
+        are the endpoint's (what was announced). ``ahead_id``: the id it was admitted under
+        when that is not D's (P admits it before D names it); from here on it is ``req.req_id``.
+        A request already dropped is refused: the driver's caller (the proxy) starts that
+        prefill the D-first way instead."""
         rid = req.req_id
-        rec = self._reqs.get(rid)
+        aid = ahead_id or rid
+        rec = self._reqs.get(aid)
         if rec is None:
-            if rid in self._finished:
+            if aid in self._finished:
                 self.counters["late_binds"] += 1
-                self.timeline.record(now, rid, "bind", self._finished[rid],
-                                     self._finished[rid], "refused: already released")
+                self.timeline.record(now, aid, "bind", self._finished[aid],
+                                     self._finished[aid], "refused: already released")
                 return []
-            raise ProtocolError("prefill", rid, "UNKNOWN", "bind",
+            raise ProtocolError("prefill", aid, "UNKNOWN", "bind",
                                 f"no such request on {self._who()}")
         if rec.state == FAILED:
             self.counters["late_binds"] += 1
             self._fire(rec, "bind", now, "refused: already failed")
             return []
         if rec.state != AHEAD:
-            raise ProtocolError("prefill", rid, rec.state, "bind",
+            raise ProtocolError("prefill", aid, rec.state, "bind",
                                 "only a request computed ahead is bound")
+        if aid != rid:
+            if rid in self._reqs:
+                raise ValueError(f"request {rid!r} is already live on {self._who()}")
+            # D's id from now on: every message and effect of the request carries it
+            self.timeline.record(now, aid, "renamed", AHEAD, AHEAD, rid)
+            del self._reqs[aid]
+            self._reqs[rid] = rec
+            self._finished.pop(rid, None)
         out: list[Effect] = []
         problem = self._bind_problem(rec, req, first)
         bound = PrefillRequest(rid, req.decoder_addr, (), req.remote_blocks,
@@ -255,6 +267,8 @@ class PrefillEndpoint(LifecycleEndpoint):
             self._announce(rec, local)
         rec.req = dataclasses.replace(bound, local_blocks=rec.local)
         rec.deadline = now + self.config.request_timeout_s
+        if aid != rid:
+            out.append(CancelTimer(("deadline", aid)))  # the ahead wait, under the old id
         self._fire(rec, "bind", now, f"{len(req.remote_blocks)} blocks to "
                    f"{', '.join(bound.targets) or 'no decoder'} (D holds {first})")
         if problem:
@@ -263,7 +277,7 @@ class PrefillEndpoint(LifecycleEndpoint):
             return out
         rec.targets = [_Target(a) for a in bound.targets]
         if not rec.targets:
-            out.append(CancelTimer(("deadline", rid)))  # the ahead wait's
+            out.append(CancelTimer(("deadline", rid)))  # the ahead wait's (now D's id)
             self.counters["no_target"] += 1
             self._fire(rec, "no_target", now)
             self._maybe_release(rec, out)

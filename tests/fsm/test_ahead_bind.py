@@ -160,3 +160,30 @@ def test_bound_to_no_decoder_ends_at_once_and_its_wait_is_disarmed() -> None:
     pair.absorb(0, p.bind(PrefillRequest("r", (), (), ()), 3, pair.now))
     assert p.state_of("r") == "DONE" and [f.ok for f in pair.finished] == [True]
     assert not [k for k in pair.timers if k[0] == 0] and not pair.queue
+
+
+def test_admitted_under_its_own_id_bound_under_ds() -> None:
+    """P admits the request before D has named it (D's sub-transfer id): the bind renames it,
+    and every message and report from then on carries D's id."""
+    pair = make()
+    p = pair.ps[0]
+    pair.absorb(0, p.add_ahead("t-ahead", (1, 2, 3), True, "", pair.now))
+    for layer in range(L):
+        pair.absorb(0, p.layer_computed(layer, ["t-ahead"], pair.now))
+    pair.absorb(0, p.bind(bound((10, 11, 12)), 0, pair.now, ahead_id="t-ahead"))
+    assert p.state_of("r") == "AWAIT_DECODER_META" and p.state_of("t-ahead") is None
+    assert (0, ("deadline", "t-ahead")) not in pair.timers
+    pair.deliver_all()
+    pair.complete_writes()
+    pair.deliver_all()
+    assert p.state_of("r") == "DONE" and pair.recv == [RecvDone("r")]
+    assert [f.req_id for f in pair.finished] == ["r"]
+
+
+def test_a_late_bind_under_the_ahead_id_is_refused() -> None:
+    pair = make()
+    p = pair.ps[0]
+    pair.absorb(0, p.add_ahead("t-ahead", (1, 2, 3), True, "", pair.now))
+    pair.advance(WAIT + 0.1)
+    assert p.bind(bound((10, 11, 12)), 0, pair.now, ahead_id="t-ahead") == []
+    assert p.state_of("r") is None and p.counters["late_binds"] == 1
