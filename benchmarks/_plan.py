@@ -14,15 +14,18 @@ from typing import Any
 from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 
 OUTPUT_TOKENS = 32
-SETUPS = ("single", "lw", "lw-ahead", "lw-progressive", "lw-last", "peer")
+SETUPS = ("single", "lw", "lw-ahead", "lw-compute", "lw-progressive", "lw-last", "peer")
 LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
-          "lw-ahead": "lw P/D auto, admit-ahead", "lw-progressive": "lw P/D progressive",
+          "lw-ahead": "lw P/D auto, admit-ahead", "lw-compute": "lw P/D auto, compute-ahead",
+          "lw-progressive": "lw P/D progressive",
           "lw-last": "lw P/D last-chunk",
           "peer": "Mooncake P/D"}
-PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-progressive": "progressive",
+PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto",
+              "lw-progressive": "progressive",
               "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
-PROXY_ARGS = {"lw-ahead": ["--start-mode", "admit-ahead"]}
+PROXY_ARGS = {"lw-ahead": ["--start-mode", "admit-ahead"],
+              "lw-compute": ["--start-mode", "compute-ahead"]}
 """``lw proxy`` arguments per lw set-up (the others: its defaults, D first)."""
 AUTO_FACTORS = (0.5, 1.0, 2.0)
 TAIL_PHASE = "transfer tail (last layer computed -> written)"

@@ -176,6 +176,11 @@ def start_lw_ahead(model: Path, logs: Path, timeout: float, place: Placement) ->
     return _start_lw("lw-ahead", model, logs, timeout, place)
 
 
+def start_lw_compute(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """lw P/D, ``push_mode`` auto, the proxy in ``--start-mode compute-ahead``."""
+    return _start_lw("lw-compute", model, logs, timeout, place)
+
+
 def start_lw_progressive(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
     """lw P/D, ``push_mode`` progressive (every chunk from the first)."""
     return _start_lw("lw-progressive", model, logs, timeout, place)
@@ -227,6 +232,7 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
 
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
     "single": start_single, "lw": start_lw, "lw-ahead": start_lw_ahead,
+    "lw-compute": start_lw_compute,
     "lw-progressive": start_lw_progressive,
     "lw-last": start_lw_last, "peer": start_peer}
 

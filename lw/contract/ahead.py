@@ -12,9 +12,11 @@ the three messages it adds to the contract, and their checks.
   (D's prompt differs, D did not call in time, the request ended): P leaves the request waiting
   for the proxy to cancel it, and the proxy starts the prefill in today's order if one is due.
 
-P computes nothing before D's blocks exist: what moves ahead is P's admission (HTTP, the
-engine's queue), never its compute, so D-first's backpressure and every proof about the
-lifecycle hold unchanged.
+With ``--start-mode admit-ahead`` P computes nothing before D's blocks exist: what moves
+ahead is P's admission (HTTP, the engine's queue), never its compute. With ``compute-ahead``
+the params say ``lw_ahead_compute``: P computes at once into its own blocks and its core
+(``PrefillEndpoint.add_ahead``) sends nothing until the fetched params bind it (``bind``);
+a ``fallback`` answer drops what it computed (docs/protocol.md, "Computing ahead").
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class AheadParams(msgspec.Struct, forbid_unknown_fields=True):
     lw_contract: int
     lw_sig: Sig
     do_remote_prefill: bool = False
+    lw_ahead_compute: bool = False  # compute now, write once bound (compute-ahead)
 
 
 class AheadFetch(msgspec.Struct, forbid_unknown_fields=True):
@@ -86,16 +89,21 @@ def ahead_url(metaserver_url: str) -> str:
     return metaserver_url.rsplit("/", 1)[0] + "/ahead"
 
 
-def ahead_params(url: str, transfer_id: str, grant: str) -> dict[str, Any]:
-    """The (unsigned) params the proxy gives P for an ahead admission."""
-    return {"do_remote_decode": True, "transfer_id": transfer_id, URL_FIELD: url,
-            "lw_ahead_grant": grant}
+def ahead_params(url: str, transfer_id: str, grant: str, compute: bool = False
+                 ) -> dict[str, Any]:
+    """The (unsigned) params the proxy gives P for an ahead admission (``compute``: P computes
+    at once, compute-ahead)."""
+    out = {"do_remote_decode": True, "transfer_id": transfer_id, URL_FIELD: url,
+           "lw_ahead_grant": grant}
+    if compute:
+        out["lw_ahead_compute"] = True
+    return out
 
 
-def sign_ahead_params(key: bytes | None, url: str, transfer_id: str, grant: str
-                      ) -> dict[str, Any]:
+def sign_ahead_params(key: bytes | None, url: str, transfer_id: str, grant: str,
+                      compute: bool = False) -> dict[str, Any]:
     """:func:`ahead_params` signed for :data:`AHEAD_ROLE`."""
-    return sign_params(key, AHEAD_ROLE, ahead_params(url, transfer_id, grant))
+    return sign_params(key, AHEAD_ROLE, ahead_params(url, transfer_id, grant, compute))
 
 
 def decode_ahead_params(key: bytes | None, params: Any) -> AheadParams:

@@ -2,6 +2,8 @@
 together with its request to D; P admits it and keeps it waiting, holding no blocks, until it
 fetches D's params here (lw.contract.ahead), which the proxy hands over once D's metaserver call
 arrives. P's admission (HTTP, its engine's queue) then overlaps D's instead of following it.
+With ``compute-ahead`` P also computes at once, into its own blocks, and writes once the
+fetched params bind it (its POST may end before D's call: P holds the KV until then).
 
 Decided here: whether a request goes ahead (one sub-transfer, a free slot on its P), and whether
 D's call binds the waiting P (P still waiting, the same prompt digest, in time) or falls back to
@@ -21,7 +23,7 @@ from lw.proxy.state import AheadPrefill, ProxyState, SubPrefill, Transfer, ahead
 
 __all__ = ["START_MODES", "bind", "build_ahead_body", "fetch", "start"]
 
-START_MODES = ("d-first", "admit-ahead")
+START_MODES = ("d-first", "admit-ahead", "compute-ahead")
 
 # Client fields P's one token must not carry: each changes nothing in the prompt's tokens, and
 # some are refused with max_tokens 1 (min_tokens) or cost P work for a token nobody reads.
@@ -31,12 +33,13 @@ _DROPPED = ("stream", "stream_options", "max_tokens", "max_completion_tokens", "
             "guided_grammar", "kv_transfer_params", "vllm_xargs", "stop", "stop_token_ids")
 
 
-def build_ahead_body(tr: Transfer, url: str, grant: str, key: bytes | None) -> dict[str, Any]:
+def build_ahead_body(tr: Transfer, url: str, grant: str, key: bytes | None,
+                     compute: bool = False) -> dict[str, Any]:
     """The body P gets ahead: the client's request (P tokenizes it as D does), one token, not
-    streamed, and the signed ahead params."""
+    streamed, and the signed ahead params (``compute``: P computes at once)."""
     out = {k: v for k, v in tr.body.items() if k not in _DROPPED}
     out.update(max_tokens=1, n=1, stream=False)
-    out["kv_transfer_params"] = sign_ahead_params(key, url, tr.request_id, grant)
+    out["kv_transfer_params"] = sign_ahead_params(key, url, tr.request_id, grant, compute)
     return out
 
 
@@ -49,9 +52,10 @@ def start(state: ProxyState, tr: Transfer) -> None:
     if backend.ahead_waiting >= state.ahead_limit:
         state.counters["ahead_skipped_full"] += 1
         return
-    a = AheadPrefill(backend)
+    a = AheadPrefill(backend, compute=state.start_mode == "compute-ahead")
     a.answer = asyncio.get_running_loop().create_future()
-    body = build_ahead_body(tr, ahead_url(state.metaserver_url), a.grant, state.verifier.key)
+    body = build_ahead_body(tr, ahead_url(state.metaserver_url), a.grant, state.verifier.key,
+                            a.compute)
     headers = {**tr.headers, "X-Request-Id": tr.request_id}
     backend.ahead_waiting += 1
     a.task = asyncio.ensure_future(_post_bounded(state, backend.url + tr.api, body, headers))
@@ -64,8 +68,9 @@ def start(state: ProxyState, tr: Transfer) -> None:
 def _ended_unbound(state: ProxyState, tr: Transfer, a: AheadPrefill,
                    task: asyncio.Task[tuple[int, bytes]]) -> None:
     """P's ahead POST ended before D's call bound it: P failed, refused the params (a P
-    without admit-ahead, or of another release), or computed it without waiting."""
-    if a.state != "waiting":
+    without admit-ahead, or of another release), or computed it without waiting. A P computing
+    ahead ends it with its token and holds the KV for the bind: that is no fallback."""
+    if a.state != "waiting" or a.usable():
         return
     a.release("fallback")
     a.resolve(ahead_fallback("P's ahead request ended"))
@@ -88,7 +93,7 @@ def bind(state: ProxyState, tr: Transfer, msg: dict[str, Any], body: dict[str, A
     """D's first call for ``tr``'s sub-transfer: the ahead prefill becomes it (None: there is
     none waiting; start it D first). ``body`` is the D-first prefill body the call makes."""
     a = tr.ahead
-    if a is None or a.state != "waiting" or a.task is None or a.task.done():
+    if a is None or a.state != "waiting" or not a.usable():
         return None
     a.release("bound")
     sub = SubPrefill(msg["sub_transfer_id"], a.backend, budget=msg.get("retry_prefill", 0),
@@ -110,14 +115,13 @@ async def _run_bound(state: ProxyState, tr: Transfer, sub: SubPrefill, a: AheadP
         a.resolve(ahead_fallback("the request ended"))
         a.task.cancel()
         raise
-    if a.digest == digest and not a.task.done() and a.answer is not None \
-            and not a.answer.done():
+    if a.digest == digest and a.usable() and a.answer is not None and not a.answer.done():
         a.resolve({"status": "go", "kv_transfer_params": sub.body["kv_transfer_params"]})
         state.counters["ahead_bound"] += 1
         await run_prefill(state, tr, sub, sub.body, post=a.task, api=tr.api)
         return
     why = ("P did not ask for D's params in time" if a.digest is None else
-           "P's ahead request ended" if a.task.done() else
+           "P's ahead request ended" if not a.usable() else
            "P tokenized another prompt than D" if a.digest != digest else
            "P's fetch had been answered (its wait ran out before D's call)")
     a.resolve(ahead_fallback(why))

@@ -256,7 +256,7 @@ def build_apps(
         state.timeline.mark(tr.request_id, "received")
         state.transfers[tr.request_id] = tr
         # admit-ahead: P admits it while D does (lw.proxy.ahead)
-        ahead = (lambda t: start_ahead(state, t)) if state.start_mode == "admit-ahead" else None
+        ahead = (lambda t: start_ahead(state, t)) if state.start_mode != "d-first" else None
         return Exchange(state, tr, ahead)
 
     @app.post(COMPLETIONS)
@@ -411,14 +411,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="d-first: a request's prefill is sent to P once D has allocated its "
                          "blocks; admit-ahead: it is sent to P together with the request to D, "
                          "and P admits it but computes nothing until D's params reach it "
-                         "(lw.proxy.ahead; P's admission overlaps D's)")
+                         "(lw.proxy.ahead; P's admission overlaps D's); compute-ahead: the "
+                         "same, but P computes at once into its own blocks and writes once "
+                         "D's params bind it (docs/protocol.md, 'Computing ahead')")
     ap.add_argument("--ahead-limit", type=int, default=4, metavar="N",
-                    help="admit-ahead: prefills one prefill server holds waiting for D's "
+                    help="admit-/compute-ahead: prefills one prefill server holds waiting for D's "
                          "params; a request beyond it starts D first")
     ap.add_argument("--ahead-wait", type=float, default=2.0, metavar="S",
-                    help="admit-ahead: how long a prefill sent ahead waits for D's call before "
-                         "it is cancelled and started D first (below the prefill engines' "
-                         "metaserver_timeout_s)")
+                    help="admit-/compute-ahead: how long a prefill sent ahead waits for D's "
+                         "call before it is cancelled and started D first (below the prefill "
+                         "engines' metaserver_timeout_s)")
     ap.add_argument("--max-body-mb", type=float, default=8.0, metavar="MB",
                     help="largest client body on the public port (413 above it)")
     ap.add_argument("--max-concurrent-requests", type=int, default=4096, metavar="N",

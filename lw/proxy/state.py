@@ -282,12 +282,24 @@ class AheadPrefill:
     digest: str | None = None  # of the prompt P tokenized (its fetch names it)
     fetched: asyncio.Event = field(default_factory=asyncio.Event)
     answer: asyncio.Future[dict[str, Any]] | None = None  # what P's fetch is answered
+    compute: bool = False  # compute-ahead: P computes at once; its POST may end before the bind
 
     def release(self, state: str) -> None:
         """Leave "waiting" (its slot on P is free again) for ``state``."""
         if self.state == "waiting":
             self.backend.ahead_waiting -= 1
         self.state = state
+
+    def usable(self) -> bool:
+        """Whether P's ahead request can still be bound: its POST is on (admit-ahead) or, when P
+        computes ahead, also when it ended with HTTP 200 (P holds the KV until bound)."""
+        t = self.task
+        if t is None:
+            return False
+        if not t.done():
+            return True
+        return (self.compute and not t.cancelled() and t.exception() is None
+                and t.result()[0] == 200)
 
     def cancel(self, why: str) -> None:
         """The request ended or moved before D's call bound it: P's fetch is told, its POST
@@ -417,8 +429,9 @@ class ProxyState:
         ahead_limit: int = 4,
     ) -> None:
         self.limits = limits or Limits()
-        if start_mode not in ("d-first", "admit-ahead") or ahead_limit < 1:
-            raise ValueError(f"start_mode {start_mode!r} (d-first or admit-ahead) and "
+        if start_mode not in ("d-first", "admit-ahead", "compute-ahead") or ahead_limit < 1:
+            raise ValueError(f"start_mode {start_mode!r} (d-first, admit-ahead or "
+                             f"compute-ahead) and "
                              f"ahead_limit {ahead_limit} (>= 1)")
         # admit-ahead: a request's prefill goes to P with its D request, at most ahead_limit
         # per prefill server waiting for D's params (lw.proxy.ahead)

@@ -78,7 +78,7 @@ log = logging.getLogger("lw.runtime")
 _REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's connection
 _REQUESTS = (MetaRequest, DoneSending, FailedSending, Abort)  # questions: correlated
 _CALLS = frozenset({"add_request", "add_chunk", "abort", "peer_lost", "prefill_routed",
-                    "data_fenced"})
+                    "data_fenced", "add_ahead", "bind"})
 
 # inbox item kinds
 _LAYER = 0

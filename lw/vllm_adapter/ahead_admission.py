@@ -33,6 +33,7 @@ class _Ahead:
 
     transfer_id: str
     gave_up: float | None = None  # when its params were found not to be coming
+    compute: bool = False  # computed meanwhile (compute-ahead): the engine does not wait on it
 
 
 class AheadAdmissions:
@@ -47,7 +48,7 @@ class AheadAdmissions:
     def admit(self, request: Any, ap: AheadParams) -> None:
         """Start fetching ``request``'s params (it has prompt token ids)."""
         rid = request.request_id
-        self._waiting[rid] = _Ahead(ap.transfer_id)
+        self._waiting[rid] = _Ahead(ap.transfer_id, compute=ap.lw_ahead_compute)
         self._changed()
         if self._fetcher is None:
             self._fetcher = AheadFetcher(self.cfg)
@@ -108,9 +109,10 @@ class AheadAdmissions:
     def _changed(self) -> None:
         """Switch threads often while a request waits for its params (AHEAD_SWITCH_S), at the
         interpreter's own pace otherwise."""
-        if self._waiting and self._switch_was is None:
+        idle = any(not a.compute for a in self._waiting.values())
+        if idle and self._switch_was is None:
             self._switch_was = sys.getswitchinterval()
             sys.setswitchinterval(AHEAD_SWITCH_S)
-        elif not self._waiting and self._switch_was is not None:
+        elif not idle and self._switch_was is not None:
             sys.setswitchinterval(self._switch_was)
             self._switch_was = None

@@ -17,7 +17,7 @@ from lw.vllm_adapter.config import ConfigError
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "Reprefill",
+__all__ = ["BindSpec", "LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "Reprefill",
            "Route", "SendSpec", "kv_geometry", "log"]
 
 log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
@@ -40,6 +40,26 @@ class SendSpec:
     trace: tuple[tuple[str, str], ...] = ()
     epoch: int = 0  # D's claim epoch of this prefill attempt (``lw_epoch``; > 0: a re-prefill)
     prompt: str = ""  # the digest of D's prompt (``lw_prompt_digest``), named in the claim
+    # computed ahead (compute-ahead): no decoder known yet; a first push adds it to the core
+    # ahead (``add_ahead``, ``prompt`` being P's own digest) and a BindSpec binds it later
+    ahead: bool = False
+
+
+@dataclass(frozen=True)
+class BindSpec:
+    """P: D's params for a request computed ahead: the core renames it from ``ahead_id`` to
+    ``transfer_id`` (D's sub-transfer) and writes its computed layers into D's blocks."""
+
+    ahead_id: str
+    transfer_id: str
+    req_id: str
+    decoder_host: str
+    decoder_port: int
+    remote_blocks: tuple[int, ...]  # D's blocks, for the prompt's blocks from first_block on
+    first_block: int  # D's own prefix hit, in blocks (computed by P, never written)
+    decoder_tp: int = 1
+    epoch: int = 0
+    prompt: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,6 +102,7 @@ class LwConnectorMetadata(KVConnectorMetadata):
     """What the scheduler side tells every worker for one step."""
 
     sends: list[SendSpec] = field(default_factory=list)
+    binds: list[BindSpec] = field(default_factory=list)  # P: before this step's sends
     recvs: list[RecvSpec] = field(default_factory=list)
     aborts: list[tuple[str, str, str]] = field(default_factory=list)  # (transfer, req, reason)
     # D: where the proxy sent a prefill attempt, for the core's prefill_routed

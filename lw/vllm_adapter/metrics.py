@@ -47,6 +47,12 @@ COUNTERS: dict[str, str] = {
     "refused_params": "Requests whose kv_transfer_params were refused (malformed, of another "
                       "contract version, or not signed by the cluster's proxy): served as plain "
                       "requests, nothing of the params acted on",
+    "ahead_admitted": "P: requests the proxy sent ahead of D's params (admit-ahead), held "
+                      "unscheduled until they came",
+    "ahead_computed": "P: requests computed ahead of D's params (compute-ahead)",
+    "ahead_bound": "P: requests computed ahead that D's params bound",
+    "ahead_fallbacks": "P: requests sent ahead whose params did not come or did not fit (the "
+                       "proxy starts them D first; one computed ahead drops its KV)",
     "protocol_errors": "Messages or events the core refused (counted and dropped, never raised)",
     "checksum_mismatches": "D: requests failed because a sender's KV checksums did not match "
                            "the bytes in our blocks (kv_checksum)",

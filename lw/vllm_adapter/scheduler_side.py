@@ -39,6 +39,7 @@ from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
 from lw.transport.ratelog import RateLimitedLog
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.ahead_admission import AheadAdmissions
+from lw.vllm_adapter.ahead_compute import AheadComputes
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
     LwConnectorMetadata,
@@ -115,6 +116,7 @@ class SchedulerSide:
         self._d: dict[str, _DReq] = {}  # vLLM req id -> receiving (D)
         self._d_seen: set[str] = set()  # D requests already handled (never load twice)
         self._ahead = AheadAdmissions(cfg)  # P: requests waiting for D's params
+        self._computes = AheadComputes()  # P: requests computed ahead, not bound yet
         self._tails: dict[str, int] = {}  # D: req -> cached blocks, tail to compute locally
         tail = cfg.local_tail_tokens
         self.local_tail_tokens = self.block_size if tail < 0 else tail
@@ -124,7 +126,8 @@ class SchedulerSide:
         self._lock = threading.Lock()
         self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0,
                         "early_chunk_blocks": 0, "preempted_pushes": 0, "prefill_retries": 0,
-                        "refused_params": 0, "ahead_admitted": 0, "ahead_fallbacks": 0}
+                        "refused_params": 0, "ahead_admitted": 0, "ahead_fallbacks": 0,
+                        "ahead_computed": 0, "ahead_bound": 0}
         self._compute_s_per_token: float | None = None  # from the workers (LwWorkerMeta)
         self._compute_s_per_pair = 0.0
         self._wire_s_per_block: dict[str, float] = {}  # D host -> seconds per block
@@ -208,14 +211,23 @@ class SchedulerSide:
             self._bad_params.add(rid)
             return False
         self._ahead.admit(request, ap)
-        with self._lock:
-            self._counts["ahead_admitted"] += 1
+        if ap.lw_ahead_compute:  # scheduled at once, pushed ahead from its first chunk
+            self._computes.admit(self, request, ap.transfer_id)
+            self._count("ahead_computed")
+            return True
+        self._count("ahead_admitted")
         return True
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
 
     def _ahead_ready(self, request: Request) -> int | None:
         """P: 0 when a request may be scheduled (admitted ahead and D's params are here, or an
         ordinary one); None while it waits for them (vLLM asks again next step)."""
         rid = request.request_id
+        if rid in self._computes:
+            return 0  # computed at once; its params bind it later (AheadComputes.poll)
         verdict, val = self._ahead.verdict(rid)
         if verdict in ("plain", "wait"):
             return 0 if verdict == "plain" else None
@@ -290,10 +302,14 @@ class SchedulerSide:
         trace = trace_headers_of(req) if push.first and self._traced else ()
         self._meta.sends.append(SendSpec(tr.transfer_id, rid, tr.host, tr.port, push.local,
                                          tr.remote_blocks, tr.decoder_tp, push.first,
-                                         push.final, trace, tr.epoch, tr.prompt))
+                                         push.final, trace, tr.epoch, tr.prompt,
+                                         ahead=not tr.host))
 
     def _starts_now(self, tr: _PReq, req: Any, computed: int) -> bool:
-        """Whether a request not pushed yet starts its push with a chunk that is not its last."""
+        """Whether a request not pushed yet starts its push with a chunk that is not its last
+        (computed ahead: at once, its decoder and link being unknown)."""
+        if not tr.host:
+            return True
         est = PushEstimate(self._compute_s_per_token, self._wire_s_per_block.get(tr.host),
                            self._compute_s_per_pair)
         return push_starts_now(blocks_to_send=len(tr.remote_blocks),
@@ -441,6 +457,7 @@ class SchedulerSide:
     def build_meta(self, so: SchedulerOutput) -> LwConnectorMetadata:
         """Collect this step's metadata and reset."""
         if self.cfg.is_producer:
+            self._computes.poll(self)  # binds go before this step's chunks
             for rid in getattr(so, "preempted_req_ids", None) or ():
                 self._preempted(rid)
             for rid, n in so.num_scheduled_tokens.items():
@@ -486,7 +503,9 @@ class SchedulerSide:
         rid = request.request_id
         self._bad_params.discard(rid)
         if self.cfg.is_producer:
-            self._ahead.forget(rid)
+            normal = request.status.name in _NORMAL_FINISH
+            if not self._computes.ended(rid, normal):  # a request computed ahead waits on
+                self._ahead.forget(rid)
             tr = self._p.pop(rid, None)
             if tr is None or not tr.push.started:
                 return False
@@ -510,6 +529,7 @@ class SchedulerSide:
         """Requests released by the workers."""
         for rid in out.finished_sending or ():
             self._pushed.pop(rid, None)
+            self._computes.released(rid)
         for rid in out.finished_recving or ():
             self._d.pop(rid, None)
         wm = getattr(out, "kv_connector_worker_meta", None)

@@ -21,7 +21,13 @@ from lw.fsm.status import failure_kind
 from lw.fsm.timeline import drain
 from lw.transport.osthread import name_os_thread
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
-from lw.vllm_adapter.connector_meta import LwConnectorMetadata, LwWorkerMeta, Reprefill, log
+from lw.vllm_adapter.connector_meta import (
+    BindSpec,
+    LwConnectorMetadata,
+    LwWorkerMeta,
+    Reprefill,
+    log,
+)
 from lw.vllm_adapter.metrics import BY_REASON, LwKVConnectorStats
 from lw.vllm_adapter.placement import parse_cpus, transport_threads
 from lw.vllm_adapter.push_rates import PushRates
@@ -285,7 +291,7 @@ class WorkerSide:
         if exc is None:
             return
         log.error("lw: %s(%s) refused by the core: %r", method, tid, exc)
-        if method == "add_request":
+        if method in ("add_request", "add_ahead"):
             self._give_back(rid, tid, f"core refused the request: {exc}")
 
     def _give_back(self, rid: str, tid: str, reason: str) -> None:
@@ -327,6 +333,8 @@ class WorkerSide:
             senders = expected_senders(self.fmt, self.cfg.peer_tp_size or self.cfg.tp_size)
             self._call("add_request", r.transfer_id, r.block_ids, senders, rid=r.req_id,
                        tid=r.transfer_id, prompt=r.prompt)
+        for b in meta.binds:  # before this step's chunks, which already carry D's id
+            self._bind(b)
         for s in meta.sends:
             if not s.first:  # a further chunk of a request the core holds (or released)
                 if self._rid.get(s.transfer_id) != s.req_id:
@@ -351,9 +359,13 @@ class WorkerSide:
                 self.tracer.begin(s.transfer_id, s.trace, {
                     "lw.request_id": s.req_id, "lw.peer": f"{s.decoder_host}:{s.decoder_port}",
                     "lw.decode_tp": s.decoder_tp})
-            # D's TP rank j listens on its rank-0 port + j; which ranks we feed follows the heads.
-            addrs = tuple(f"tcp://{s.decoder_host}:{s.decoder_port + j}"
-                          for j in targets_of(self.fmt, s.decoder_tp))
+            if s.ahead:  # computed before D's params are known: nothing is sent until bound
+                self._call("add_ahead", s.transfer_id, s.local_blocks, s.final, s.prompt,
+                           rid=s.req_id, tid=s.transfer_id)
+                if s.local_blocks:
+                    self._step_sends.append(s.transfer_id)
+                continue
+            addrs = self._addrs(s.decoder_host, s.decoder_port, s.decoder_tp)
             self._call("add_request", PrefillRequest(s.transfer_id, addrs, s.local_blocks,
                                                      s.remote_blocks, 1, s.final, s.epoch,
                                                      s.prompt),
@@ -369,6 +381,47 @@ class WorkerSide:
             if self._rid.get(r.transfer_id) == r.req_id:
                 self._call("prefill_routed", r.transfer_id, r.engine_id, r.addr, r.epoch,
                            rid=r.req_id, tid=r.transfer_id)
+
+    def _addrs(self, host: str, port: int, decoder_tp: int) -> tuple[str, ...]:
+        """The side channels of the D TP ranks this P rank writes into: D's rank j listens on
+        its rank-0 port + j, and which ranks we feed follows the heads."""
+        return tuple(f"tcp://{host}:{port + j}" for j in targets_of(self.fmt, decoder_tp))
+
+    def _bind(self, b: BindSpec) -> None:
+        """D's params for a request computed ahead: the core takes it under D's id. Both ids
+        map to the request until the core's answer: a refused bind (the request was dropped
+        meanwhile) reports under the old one, an accepted one under the new."""
+        from lw.fsm import PrefillRequest
+
+        if self._rid.get(b.ahead_id) != b.req_id:
+            log.error("lw: request %s (transfer %s) bound after it ended here", b.req_id,
+                      b.transfer_id)
+            return
+        with self._lock:
+            self._rid[b.transfer_id] = b.req_id
+        req = PrefillRequest(b.transfer_id, self._addrs(b.decoder_host, b.decoder_port,
+                                                        b.decoder_tp),
+                             (), b.remote_blocks, 1, True, b.epoch, b.prompt)
+        assert self.loop is not None
+        fut = self.loop.call("bind", req, b.first_block, ahead_id=b.ahead_id)
+        fut.add_done_callback(lambda f: self._bound(f, b))
+
+    def _bound(self, fut: Any, b: BindSpec) -> None:
+        """The core's answer to a bind (on its loop thread, before any report of the new id)."""
+        exc = fut.exception()
+        refused = exc is not None or not fut.result()  # a refused bind has no effect
+        with self._lock:
+            old, new = (b.transfer_id, b.ahead_id) if refused else (b.ahead_id, b.transfer_id)
+            if self._rid.get(old) == b.req_id:
+                del self._rid[old]
+            if not refused:
+                self._held[new] = self._held.pop(old, 0)
+                if old in self._t0:
+                    self._t0[new] = self._t0.pop(old)
+        if refused:
+            log.error("lw: request %s computed ahead: bind to transfer %s refused (%s); the "
+                      "decode engine fails it at its prefill deadline", b.req_id,
+                      b.transfer_id, exc or "dropped before D's params came")
 
     def layer_done(self, layer_name: str, kv_layer: Any) -> None:
         """Forward hook: enqueue "layer computed" for this step's pushes, and time a prefill

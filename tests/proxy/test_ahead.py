@@ -60,12 +60,29 @@ def ahead_prefill(world: World) -> FastAPI:
         call = {"transfer_id": ap.transfer_id, "grant": ap.lw_ahead_grant,
                 "prompt_digest": prompt_digest([ord(ch) for ch in text])}
         content, headers = signed_call(KEY, call)
-        async with httpx.AsyncClient(timeout=10) as client:
-            r = await client.post(ap.lw_ahead_url, content=content, headers=headers)
-        answer = r.json()
-        with world.lock:
-            world.meta_replies.setdefault("fetch:" + ap.transfer_id, []).append(
-                (r.status_code, answer))
+
+        async def fetch() -> dict[str, Any]:
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(ap.lw_ahead_url, content=content, headers=headers)
+            with world.lock:
+                world.meta_replies.setdefault("fetch:" + ap.transfer_id, []).append(
+                    (r.status_code, r.json()))
+            return r.json()
+
+        if ap.lw_ahead_compute:  # computed at once: the answer ends before D's params come
+            async def bind_later() -> None:
+                answer = await fetch()
+                if answer["status"] != "go":
+                    world.record("p_ahead_dropped", "p0", ap.transfer_id)
+                    return
+                pp = decode_params_for_prefiller(KEY, answer["kv_transfer_params"])
+                world.record("p_ahead_go", "p0", pp.transfer_id)
+                with world.lock:
+                    world.prefill_done.add(pp.transfer_id)
+
+            world.tasks.append(asyncio.ensure_future(bind_later()))
+            return JSONResponse({"choices": [{"index": 0, "text": "x"}]})
+        answer = await fetch()
         if answer["status"] != "go":
             await _poll_until(request, lambda: False, 30)  # the proxy cancels it
             world.record("p_ahead_cancelled", "p0", ap.transfer_id)
@@ -83,11 +100,13 @@ def ahead_prefill(world: World) -> FastAPI:
 
 
 @contextlib.contextmanager
-def ahead_cluster(wait_s: float = 1.0, **kw: Any) -> Iterator[Cluster]:
+def ahead_cluster(wait_s: float = 1.0, mode: str = "admit-ahead", **kw: Any
+                  ) -> Iterator[Cluster]:
     world = World(key=KEY)
+    world.tasks = []  # the fake P's background fetches (compute-ahead)
     p = ServerThread(ahead_prefill(world)).start()
     try:
-        with cluster(prefill_urls=[p.url], start_mode="admit-ahead",
+        with cluster(prefill_urls=[p.url], start_mode=mode,
                      limits=Limits(ahead_wait_s=wait_s), **kw) as c:
             c.world.__dict__.update(world.__dict__)  # the fakes share one world
             yield c
@@ -182,3 +201,29 @@ def test_a_fetch_without_the_transfer_s_grant_learns_nothing() -> None:
             assert r.status_code == 403 and r.json()["status"] == "fallback", r.text
             assert "kv_transfer_params" not in r.json()
             assert fut.result().status_code == 200
+
+
+def test_compute_ahead_binds_a_prefill_whose_answer_ended_first() -> None:
+    """compute-ahead: P answers its POST once computed, before D's call; that is no fallback:
+    D's call binds it, P's fetch gets D's params (P then writes what it holds)."""
+    with ahead_cluster(mode="compute-ahead") as c:
+        r = post(c, completion("hello there"))
+        assert r.status_code == 200, r.text
+        m = c.metrics()
+        assert (m["ahead_started"], m["ahead_bound"], m["ahead_fallbacks"]) == (1, 1, 0)
+        w = c.world
+        (tid,) = w.tids("p_ahead")
+        assert decode_ahead_params(KEY, w.bodies[("p_ahead", tid)]["kv_transfer_params"]
+                                   ).lw_ahead_compute
+        (sub,) = w.tids("p_ahead_go")
+        assert sub.startswith(tid + "@") and not w.tids("p_request")
+
+
+def test_compute_ahead_for_another_prompt_drops_p_work_and_starts_d_first() -> None:
+    with ahead_cluster(mode="compute-ahead") as c:
+        r = post(c, completion("pother prompt"))
+        assert r.status_code == 200, r.text
+        w = c.world
+        wait_for(lambda: bool(w.tids("p_ahead_dropped")))
+        assert len(w.tids("p_request")) == 1 and not w.tids("p_ahead_go")
+        assert c.metrics()["ahead_fallbacks"] == 1

@@ -160,3 +160,75 @@ def test_ahead_params_that_are_not_the_proxy_s_are_refused(model_dir: str, bad: 
     so = d.step()  # computed as a plain request: nothing fetched, nothing pushed
     assert so.num_scheduled_tokens == {"r1": 40} and not d.meta.sends
     assert any(st.get("refused_params") for st in d.stats)
+
+
+# --------------------------------------------------------------------------- compute-ahead
+def computing(tid: str = "t1") -> dict[str, Any]:
+    return sign_ahead_params(None, URL, tid, "g" * 32, compute=True)
+
+
+def test_a_request_computed_ahead_is_scheduled_at_once_and_bound_later(model_dir: str) -> None:
+    """compute-ahead: scheduled in its first step, added to the workers' core ahead (no
+    decoder), its blocks held after it finished while the engine keeps stepping; the fetched
+    params come as a bind (D's id, blocks and prefix hit), then the push ends as usual."""
+    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
+    d = Driver(s)
+    before = sys.getswitchinterval()
+    s.add_request(make_request("r1", 40, params=computing()))
+    f = FakeFetcher.last
+    assert f is not None and len(f.fetches) == 1
+    so = d.step()
+    assert so.num_scheduled_tokens == {"r1": 40}
+    assert sys.getswitchinterval() == before  # the engine is busy computing: nothing to spin
+    (spec,) = d.meta.sends
+    assert spec.ahead and spec.first and spec.final and spec.transfer_id == "t1"
+    assert spec.prompt == prompt_digest(list(range(10, 50))) and len(spec.local_blocks) == 3
+    assert d.finished["r1"] is not None  # its one token: P's POST ends before the bind
+    assert free_blocks(s) < BASELINE  # ... and its blocks stay held for the bind
+    assert s.connector.has_pending_push_work()
+    d.step()
+    assert not d.meta.binds
+    f.answers["r1"] = ("go", decoder_params(tid="t1@r1", n=40, first=1))
+    d.step()
+    (b,) = d.meta.binds
+    assert (b.ahead_id, b.transfer_id, b.req_id) == ("t1", "t1@r1", "r1")
+    assert b.remote_blocks == (40, 41) and b.first_block == 1
+    d.step(KVConnectorOutput(finished_sending={"r1"}))
+    assert free_blocks(s) == BASELINE and not s.connector.has_pending_push_work()
+    assert any(st.get("ahead_computed") for st in d.stats)
+
+
+def test_params_that_come_before_the_first_step_make_a_d_first_prefill(model_dir: str) -> None:
+    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
+    d = Driver(s)
+    s.add_request(make_request("r1", 40, params=computing()))
+    assert FakeFetcher.last is not None
+    FakeFetcher.last.answers["r1"] = ("go", decoder_params(tid="t1@r1", n=40))
+    d.step()
+    (spec,) = d.meta.sends
+    assert not spec.ahead and spec.transfer_id == "t1@r1" and spec.remote_blocks == (40, 41, 42)
+    assert not d.meta.binds
+
+
+@pytest.mark.parametrize("answer", [
+    ("fallback", "no decode engine's call within 2 s"),
+    ("go", "another prompt"),
+])
+def test_a_request_computed_ahead_whose_params_do_not_come_is_aborted(
+        model_dir: str, answer: tuple[str, Any]) -> None:
+    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
+    d = Driver(s)
+    s.add_request(make_request("r1", 40, params=computing()))
+    f = FakeFetcher.last
+    assert f is not None
+    d.step()
+    status, val = answer
+    if val == "another prompt":
+        val = decoder_params(tid="t1@r1", n=40, start=11)
+    f.answers["r1"] = (status, val)
+    d.step()
+    assert not d.meta.binds
+    ((tid, rid, why),) = d.meta.aborts  # the core drops what it computed, frees the blocks
+    assert (tid, rid) == ("t1", "r1") and "not bound" in why
+    d.step(KVConnectorOutput(finished_sending={"r1"}))
+    assert free_blocks(s) == BASELINE

@@ -825,17 +825,19 @@ def test_sidecar_prefills_on_the_prefill_server_the_header_names(
         side.stop()
 
 
-def test_admit_ahead_equals_single_engine_and_binds_every_prefill(
-        cluster: LocalCluster, tmp_path: Any) -> None:
-    """A second proxy in ``--start-mode admit-ahead`` in front of the same engines: each
-    request's prefill reaches P with its request to D; P admits it, computes nothing until it
-    fetched D's params, and the outputs (completions sequential and concurrent, a chat
+@pytest.mark.parametrize("mode", ["admit-ahead", "compute-ahead"])
+def test_ahead_start_modes_equal_single_engine_and_bind_every_prefill(
+        cluster: LocalCluster, tmp_path: Any, mode: str) -> None:
+    """A second proxy in ``--start-mode admit-ahead`` (or ``compute-ahead``) in front of the
+    same engines: each request's prefill reaches P with its request to D; P admits it and
+    computes nothing until it fetched D's params (compute-ahead: computes at once, writes once
+    the params bind it), and the outputs (completions sequential and concurrent, a chat
     completion) equal the single engine's, every prefill bound ahead, none started twice; a
     chat request P tokenizes differently would fall back (tests/proxy/test_ahead.py)."""
     port = free_port()
     control = next(p for p in iter(free_port, None) if p != port)
     argv = [sys.executable, "-m", "lw.proxy.server", "--prefill", cluster.url("prefill"),
-            "--decode", cluster.url("decode"), "--start-mode", "admit-ahead", "--host",
+            "--decode", cluster.url("decode"), "--start-mode", mode, "--host",
             "127.0.0.1", "--port", str(port), "--control-host", "127.0.0.1", "--control-port",
             str(control), "--timeout", "120", "--log-level", "warning"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", LW_CLUSTER_KEY=cluster.cluster_key)

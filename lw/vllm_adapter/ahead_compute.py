@@ -1,0 +1,107 @@
+"""P: requests computed ahead of D's params (the proxy's compute-ahead): scheduled at once, their
+first push adds them to the core ahead (``SendSpec.ahead``: no decoder yet), and once the fetch
+brings D's params a :class:`~lw.vllm_adapter.connector_meta.BindSpec` binds them; a fallback
+aborts them (the core drops what was computed and frees the blocks). What the core decides
+(writes wait for the bind; dropped at ``ahead_wait_s``; a later bind refused) is in
+:mod:`lw.fsm.prefill`; this only carries the fetch's answer to it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lw.contract.params import ContractError, decode_params_for_prefiller, prompt_digest
+from lw.contract.transfer_ids import is_sub_transfer_of
+from lw.vllm_adapter.connector_meta import BindSpec, log
+
+if TYPE_CHECKING:
+    from lw.vllm_adapter.scheduler_side import SchedulerSide
+
+__all__ = ["AheadComputes"]
+
+
+class AheadComputes:
+    """P: the requests being computed ahead whose params have not been answered yet."""
+
+    def __init__(self) -> None:
+        # vLLM request id -> (the request, the id it is pushed under until bound)
+        self._requests: dict[str, tuple[Any, str]] = {}
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._requests
+
+    def admit(self, side: SchedulerSide, request: Any, transfer_id: str) -> None:
+        """Track ``request`` (its fetch started): pushed ahead from its first chunk, under the
+        proxy's transfer id until D's sub-transfer id is known."""
+        from lw.fsm.block_choice import PushCursor
+        from lw.vllm_adapter.scheduler_side import _PReq
+
+        rid = request.request_id
+        self._requests[rid] = (request, transfer_id)
+        side._p[rid] = _PReq(request, transfer_id, "", 0, (), PushCursor(0),
+                             prompt=prompt_digest(request.prompt_token_ids or ()))
+
+    def ended(self, rid: str, normally: bool) -> bool:
+        """vLLM finished ``rid``: whether its fetch goes on (it finished its prefill normally and
+        waits for its bind; else it is forgotten)."""
+        if rid not in self._requests:
+            return False
+        if normally:
+            return True
+        del self._requests[rid]
+        return False
+
+    def released(self, rid: str) -> None:
+        """The core released ``rid`` before its params were answered (dropped at
+        ``ahead_wait_s``): a bind would come too late."""
+        if self._requests.pop(rid, None) is not None:
+            log.error("lw: request %s computed ahead was dropped before D's params came; a "
+                      "decode engine bound to it fails it at its prefill deadline", rid)
+
+    def poll(self, side: SchedulerSide) -> None:
+        """Carry every answered fetch to the workers (this step's metadata): a bind, a D-first
+        prefill for a request not pushed yet, or an abort when the params will not come."""
+        for rid, (request, ahead_id) in list(self._requests.items()):
+            verdict, val = side._ahead.verdict(rid)
+            if verdict == "wait":
+                continue
+            if verdict == "plain":  # not fetched any more (never: computing ones are not held)
+                verdict, val = "fallback", "its fetch was forgotten"
+            del self._requests[rid]
+            side._ahead.forget(rid)
+            tr = side._p.get(rid)  # None once vLLM finished computing it
+            started = rid in side._pushed
+            if verdict == "go":
+                try:
+                    pp = decode_params_for_prefiller(side._key, val)
+                    if not is_sub_transfer_of(pp.transfer_id, ahead_id):
+                        raise ContractError("kv_transfer_params.transfer_id", "not a "
+                                            "sub-transfer of the transfer computed ahead")
+                    new = side._parse_decoder_params(request, pp)
+                except (ContractError, ValueError) as exc:
+                    verdict, val = "fallback", f"D's params refused: {exc}"
+            if verdict == "go":
+                side._count("ahead_bound")
+                if not started:  # not pushed yet: an ordinary D-first prefill from here on
+                    if tr is not None:
+                        side._p[rid] = new
+                    else:
+                        log.error("lw: request %s ended before its push started; D's params "
+                                  "came after it (transfer %s): nothing is sent", rid, ahead_id)
+                    continue
+                side._meta.binds.append(BindSpec(
+                    ahead_id, new.transfer_id, rid, new.host, new.port, new.remote_blocks,
+                    new.push.first_block, new.decoder_tp, new.epoch, new.prompt))
+                side._pushed[rid] = new.transfer_id
+                if tr is not None:  # still computing: its later chunks go to the bound request
+                    tr.transfer_id, tr.host, tr.port = new.transfer_id, new.host, new.port
+                    tr.remote_blocks, tr.decoder_tp = new.remote_blocks, new.decoder_tp
+                    tr.epoch, tr.prompt = new.epoch, new.prompt
+                continue
+            side._count("ahead_fallbacks")
+            log.warning("lw: request %s computed ahead (transfer %s) not bound: %s", rid,
+                        ahead_id, val)
+            if started:
+                side._meta.aborts.append((ahead_id, rid, f"computed ahead, not bound: {val}"))
+            elif tr is not None:
+                del side._p[rid]  # computed as a plain request, nothing pushed
