@@ -846,7 +846,10 @@ def test_ahead_start_modes_equal_single_engine_and_bind_every_prefill(
     ahead.start()
     try:
         wait_ready([ahead], 60)
-        prompts = [make_prompt(n, seed=1300 + i) for i, n in enumerate((12, 90, 700, 40))]
+        # fresh prompts per mode: D's prefix cache holds the other mode's (D would compute them
+        # itself, and the prefill computed ahead is dropped: a fallback, not what is tested)
+        base = 1300 if mode == "admit-ahead" else 1400
+        prompts = [make_prompt(n, seed=base + i) for i, n in enumerate((12, 90, 700, 40))]
         for i, prompt in enumerate(prompts[:2]):
             got = complete(ahead.url, prompt, MAX_TOKENS, stream=i % 2 == 1, logprobs=TOP_K)
             assert not got.error, f"{got.error}\n{ahead.tail()}"
@@ -859,7 +862,7 @@ def test_ahead_start_modes_equal_single_engine_and_bind_every_prefill(
             assert not g.error and (v := compare(w, g)).same, (g.error, v)
         body = {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": MAX_TOKENS,
                 "ignore_eos": True,
-                "messages": [{"role": "user", "content": make_prompt(150, seed=1310)}]}
+                "messages": [{"role": "user", "content": make_prompt(150, seed=base + 10)}]}
         texts = []
         for url in (cluster.url("reference"), ahead.url):
             r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
