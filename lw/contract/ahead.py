@@ -38,12 +38,16 @@ from lw.contract.params import (
     sign_params,
 )
 
-__all__ = ["AHEAD_ROLE", "AheadAnswer", "AheadFetch", "AheadParams", "ahead_answer",
+__all__ = ["AHEAD_ROLE", "HELD_KEY", "AheadAnswer", "AheadFetch", "AheadParams", "ahead_answer",
            "ahead_fetch", "ahead_params", "ahead_url", "decode_ahead_params", "is_ahead_request",
            "sign_ahead_params"]
 
 AHEAD_ROLE = "prefill-ahead"
 """The role the proxy signs :class:`AheadParams` for."""
+HELD_KEY = "lw_ahead_held"
+"""P -> proxy, in a finished prefill's ``kv_transfer_params``: it was computed ahead and P holds
+its KV for the bind (a P that did not compute it ahead, e.g. of another release, says nothing,
+and the proxy starts that prefill D first)."""
 URL_FIELD = "lw_ahead_url"
 Grant = Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
 

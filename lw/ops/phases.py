@@ -55,10 +55,14 @@ class Milestones:
 def milestones(snap: Snapshot, proxy: ProxyEvents | None = None) -> dict[str, Milestones]:
     """Per sub-transfer id: its milestones from every worker's timeline and the proxy."""
     out: dict[str, Milestones] = {}
+    renamed: dict[str, str] = {}  # a prefill computed ahead: its id before the bind -> D's
     for r in snap.replies:
         shift = r.wall - r.now
         for e in r.timeline:
             t = e.t + shift
+            if e.event == "renamed":
+                renamed[e.req_ids[0]] = str(e.detail)
+                continue
             if e.event == "layer_computed":
                 for rid in e.req_ids:
                     m = out.setdefault(rid, Milestones())
@@ -77,6 +81,12 @@ def milestones(snap: Snapshot, proxy: ProxyEvents | None = None) -> dict[str, Mi
                 m.latest("all_done", t)
             elif e.event == "ack" and e.dst == "DONE":
                 m.latest("done_acked", t)
+    for old, new in renamed.items():  # its ahead part's milestones are the request's
+        before = out.pop(old, None)
+        if before is not None:
+            m = out.setdefault(new, Milestones())
+            for name, t in before.times.items():
+                m.times.setdefault(name, t)
     for key, events in (proxy or {}).items():
         # proxy events of a whole transfer apply to each of its sub-transfers
         subs = [rid for rid in out if rid == key or rid.startswith(key + "@")] or [key]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import ipaddress
+import json
 import logging
 import random
 import re
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from lw.contract.ahead import HELD_KEY
 from lw.contract.auth import CallVerifier
 from lw.contract.params import decoder_params, prefill_params, sign_params
 from lw.contract.worker_addrs import KnownWorkers
@@ -292,14 +294,20 @@ class AheadPrefill:
 
     def usable(self) -> bool:
         """Whether P's ahead request can still be bound: its POST is on (admit-ahead) or, when P
-        computes ahead, also when it ended with HTTP 200 (P holds the KV until bound)."""
+        computes ahead, also when it ended with HTTP 200 saying P holds the KV for the bind."""
         t = self.task
         if t is None:
             return False
         if not t.done():
             return True
-        return (self.compute and not t.cancelled() and t.exception() is None
-                and t.result()[0] == 200)
+        if not self.compute or t.cancelled() or t.exception() is not None:
+            return False
+        code, content = t.result()
+        try:  # P says it holds the KV (a P that computed it plainly does not)
+            params = json.loads(content).get("kv_transfer_params")
+        except (ValueError, AttributeError, RecursionError):
+            return False
+        return code == 200 and isinstance(params, dict) and params.get(HELD_KEY) is True
 
     def cancel(self, why: str) -> None:
         """The request ended or moved before D's call bound it: P's fetch is told, its POST

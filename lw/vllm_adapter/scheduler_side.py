@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lw.contract.ahead import ahead_url, decode_ahead_params, is_ahead_request
+from lw.contract.ahead import HELD_KEY, ahead_url, decode_ahead_params, is_ahead_request
 from lw.contract.params import (
     CONTRACT_VERSION,
     ContractError,
@@ -492,11 +492,15 @@ class SchedulerSide:
         this engine's workers, which ``lw status --proxy`` then asks."""
         if not self.cfg.is_producer or request.request_id not in self._p:
             return None
+        rid = request.request_id
         first = self.cfg.port(tp_rank=0)
         # The engine id lets the proxy tell a decode engine which P its next prefills go to
         # (the core watches that P before it claims) and map the engines D avoids to servers.
-        return {PREFILL_WORKERS_KEY: worker_addrs(self.cfg.host, first, self.cfg.tp_size),
-                PREFILL_ENGINE_KEY: self.cfg.engine_id}
+        out = {PREFILL_WORKERS_KEY: worker_addrs(self.cfg.host, first, self.cfg.tp_size),
+               PREFILL_ENGINE_KEY: self.cfg.engine_id}
+        if rid in self._computes and rid in self._pushed:  # computed ahead, KV held to bind
+            out[HELD_KEY] = True
+        return out
 
     def request_finished(self, request: Request) -> bool:
         """Whether the blocks must outlive the request (P: pushed); queue aborts for workers."""

@@ -209,6 +209,13 @@ class LifecycleTracer:
         while len(self._open) > MAX_OPEN:
             self._open.popitem(last=False)
 
+    def rename(self, old: str, new: str) -> None:
+        """A request computed ahead is bound under D's id: its span follows it (the events of
+        its ahead part, under the old id, are not in it)."""
+        opened = self._open.pop(old, None)
+        if opened is not None:
+            self._open[new] = opened
+
     def finish_all(self, ended: Iterable[tuple[str, bool, str, Mapping[str, Any]]],
                    entries: Iterable[tuple]) -> None:
         """:meth:`finish` for several requests that ended, reading the timeline once."""

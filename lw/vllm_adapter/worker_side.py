@@ -8,7 +8,6 @@ D core's ``Reprefill`` goes to the scheduler side in the worker metadata (it ask
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +18,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from lw.fsm.kvmap import describe, expected_senders, targets_of
 from lw.fsm.status import failure_kind
 from lw.fsm.timeline import drain
-from lw.transport.osthread import name_os_thread
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
 from lw.vllm_adapter.connector_meta import (
     BindSpec,
@@ -31,56 +29,18 @@ from lw.vllm_adapter.connector_meta import (
 from lw.vllm_adapter.metrics import BY_REASON, LwKVConnectorStats
 from lw.vllm_adapter.placement import parse_cpus, transport_threads
 from lw.vllm_adapter.push_rates import PushRates
+from lw.vllm_adapter.ready_gate import ReadyGate
 from lw.vllm_adapter.tracing import LifecycleTracer, tracing_endpoint
 
 if TYPE_CHECKING:
     from lw.transport.runtime import WorkerLoop
 
-__all__ = ["ReadyGate", "WorkerSide"]
+__all__ = ["WorkerSide"]
 
 
 def _layer_order(name: str) -> tuple[tuple[int, ...], str]:
     """Sort key of a layer name: the integers in it (model.layers.<i>...), then the name."""
     return tuple(int(p) for p in name.split(".") if p.isdigit()), name
-
-
-class ReadyGate:
-    """cuda/npu: forwards a layer's event to the loop once its kernels have finished."""
-
-    def __init__(self, loop: WorkerLoop) -> None:
-        self._loop = loop
-        self._q: queue.SimpleQueue[
-            tuple[Any, tuple[int, ...], list[str], Callable[[], None] | None] | None] = (
-            queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._run, name="lw-ready-gate", daemon=True)
-        self._thread.start()
-
-    def put(self, wait: Any, planes: tuple[int, ...], tids: list[str],
-            then: Callable[[], None] | None = None) -> None:
-        """Queue (never blocks); ``then`` runs once the layer is ready (the forward's timing)."""
-        self._q.put((wait, planes, tids, then))
-
-    def close(self) -> None:
-        """Stop after the queued items."""
-        self._q.put(None)
-
-    def _run(self) -> None:
-        name_os_thread()
-        while (item := self._q.get()) is not None:
-            wait, planes, tids, then = item
-            try:
-                if wait is not None:
-                    wait()
-            except Exception as exc:  # noqa: BLE001 - the layer may be incomplete: never send it
-                log.error("lw: waiting for layer planes %s failed: %r; aborting %d pushes",
-                          planes, exc, len(tids))
-                for tid in tids:
-                    self._loop.call("abort", tid, f"device wait failed: {exc!r}")
-                continue
-            for i in planes:
-                self._loop.layer_computed(i, tids)
-            if then is not None:
-                then()
 
 
 _STAT_MAP = {  # our stats key -> WorkerLoop.stats() key (monotonic counters)
@@ -410,14 +370,17 @@ class WorkerSide:
         """The core's answer to a bind (on its loop thread, before any report of the new id)."""
         exc = fut.exception()
         refused = exc is not None or not fut.result()  # a refused bind has no effect
+        # the id the core reports the request under from now on, and the one to forget
+        keep, drop = (b.ahead_id, b.transfer_id) if refused else (b.transfer_id, b.ahead_id)
         with self._lock:
-            old, new = (b.transfer_id, b.ahead_id) if refused else (b.ahead_id, b.transfer_id)
-            if self._rid.get(old) == b.req_id:
-                del self._rid[old]
+            if self._rid.get(drop) == b.req_id:
+                del self._rid[drop]
             if not refused:
-                self._held[new] = self._held.pop(old, 0)
-                if old in self._t0:
-                    self._t0[new] = self._t0.pop(old)
+                self._held[keep] = self._held.pop(drop, 0)
+                if drop in self._t0:
+                    self._t0[keep] = self._t0.pop(drop)
+        if not refused and self.tracer is not None:
+            self.tracer.rename(drop, keep)
         if refused:
             log.error("lw: request %s computed ahead: bind to transfer %s refused (%s); the "
                       "decode engine fails it at its prefill deadline", b.req_id,

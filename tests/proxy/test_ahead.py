@@ -17,7 +17,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from lw.contract.ahead import decode_ahead_params, is_ahead_request
+from lw.contract.ahead import HELD_KEY, decode_ahead_params, is_ahead_request
 from lw.contract.auth import signed_call
 from lw.contract.params import decode_params_for_prefiller, prompt_digest
 from lw.proxy.limits import Limits
@@ -81,7 +81,8 @@ def ahead_prefill(world: World) -> FastAPI:
                     world.prefill_done.add(pp.transfer_id)
 
             world.tasks.append(asyncio.ensure_future(bind_later()))
-            return JSONResponse({"choices": [{"index": 0, "text": "x"}]})
+            held = {} if "pplain" in prompt else {"kv_transfer_params": {HELD_KEY: True}}
+            return JSONResponse({"choices": [{"index": 0, "text": "x"}], **held})
         answer = await fetch()
         if answer["status"] != "go":
             await _poll_until(request, lambda: False, 30)  # the proxy cancels it
@@ -227,3 +228,15 @@ def test_compute_ahead_for_another_prompt_drops_p_work_and_starts_d_first() -> N
         wait_for(lambda: bool(w.tids("p_ahead_dropped")))
         assert len(w.tids("p_request")) == 1 and not w.tids("p_ahead_go")
         assert c.metrics()["ahead_fallbacks"] == 1
+
+
+def test_compute_ahead_on_a_p_that_did_not_hold_the_kv_starts_d_first() -> None:
+    """A P that answers without saying it holds the KV (it computed the prompt plainly, e.g. a
+    P of another release) is not bound: D's call starts the prefill D first."""
+    with ahead_cluster(mode="compute-ahead") as c:
+        r = post(c, completion("pplain prompt"))
+        assert r.status_code == 200, r.text
+        w = c.world
+        assert len(w.tids("p_request")) == 1 and not w.tids("p_ahead_go")
+        m = c.metrics()
+        assert m["ahead_bound"] == 0 and m["ahead_unbound"] == 1

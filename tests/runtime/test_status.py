@@ -179,3 +179,24 @@ def test_cli_takes_the_workers_from_a_proxy(capsys: pytest.CaptureFixture[str]) 
         pair.stop()
     with pytest.raises(SystemExit):
         cli.main(["--proxy", url, "--workers", "h:1"])
+
+
+def test_a_prefill_computed_ahead_has_its_ahead_milestones_under_d_s_id() -> None:
+    """P admitted and computed it under the proxy's transfer id; the bind renamed it to D's
+    sub-transfer id: the phase table joins both parts."""
+    from lw.fsm.messages import PROTOCOL_VERSION, Sender, StatusReply, TimelineEntry
+    from lw.ops.client import Snapshot
+    from lw.ops.phases import milestones
+
+    def entry(t: float, rid: str, event: str, detail: str = "") -> TimelineEntry:
+        return TimelineEntry(t, [rid], event, "", "", detail)
+
+    timeline = [entry(1.0, "t1", "admitted"), TimelineEntry(1.1, ["t1"], "layer_computed", "",
+                                                            "", "0"),
+                entry(1.2, "t1", "renamed", "t1@r1"), entry(1.3, "t1@r1", "layer_sent")]
+    reply = StatusReply(PROTOCOL_VERSION, worker=Sender("P", 0, 1, "tcp://p:1"),
+                        role="prefill", now=10.0, wall=110.0, timeline=timeline)
+    ms = milestones(Snapshot([reply]))
+    assert set(ms) == {"t1@r1"}
+    assert ms["t1@r1"].times == {"admitted": 101.0, "first_computed": 101.1,
+                                 "last_computed": 101.1, "last_written": 101.3}

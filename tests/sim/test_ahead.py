@@ -5,18 +5,11 @@ and D's prefix hit is computed but never written."""
 from __future__ import annotations
 
 from lw.sim.explorer import drain, explore
-from lw.sim.world import Action, World, WorldConfig
+from lw.sim.world import World, WorldConfig
+
+from .test_chunks import _do
 
 AHEAD = "compute-ahead"
-
-
-def _do(w: World, kind: str, *args: object) -> Action:
-    """Apply the first enabled action of this kind (and these arguments)."""
-    for a in w.enabled():
-        if a[0] == kind and a[1:1 + len(args)] == args:
-            w.apply(a)
-            return a
-    raise AssertionError(f"no {kind}{args} enabled in {w.enabled()}")
 
 
 def _computed_ahead(w: World) -> None:

@@ -47,7 +47,6 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 import lw.vllm_adapter.connector as conn_mod  # noqa: E402
 import lw.vllm_adapter.scheduler_side as sched_mod  # noqa: E402
-import lw.vllm_adapter.worker_side as worker_mod  # noqa: E402
 from lw.contract.params import (  # noqa: E402
     CONTRACT_VERSION,
     prefill_params,
@@ -70,6 +69,7 @@ from lw.vllm_adapter.connector_meta import LwWorkerMeta  # noqa: E402
 from lw.vllm_adapter.device import merged_regions, planes_of, same_geometry  # noqa: E402
 from lw.vllm_adapter.metrics import LwKVConnectorStats  # noqa: E402
 from lw.vllm_adapter.push_rates import PushRates  # noqa: E402
+from lw.vllm_adapter.ready_gate import ReadyGate  # noqa: E402
 
 BS = 16  # block size
 NUM_BLOCKS = 64
@@ -1280,7 +1280,7 @@ def test_ready_gate_orders_layers_after_the_device_and_aborts_on_device_errors()
             self.events.append((method, args[0], None))
 
     loop = FakeLoop()
-    gate = worker_mod.ReadyGate(loop)  # type: ignore[arg-type]
+    gate = ReadyGate(loop)  # type: ignore[arg-type]
     waited: list[int] = []
 
     def bad() -> None:
