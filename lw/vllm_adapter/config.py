@@ -117,6 +117,11 @@ class LwConfig:
     request_timeout_s: float = _key(
         30.0, "P",
         "whole push of one request, from the step its prefill completes")
+    ahead_wait_s: float = _key(
+        5.0, "P",
+        "`lw proxy --start-mode compute-ahead`: a prefill computed ahead of D's params that they"
+        " have not bound by then is dropped and its blocks freed (a bind after that is refused)."
+        " Above the proxy's `--ahead-wait` (2 s), by the longest a P engine may stall")
     progress_timeout_s: float = _key(
         0.0, "P",
         "fail a push sooner when it made no progress for this long (no layer computed, no "

@@ -211,7 +211,10 @@ class SchedulerSide:
             self._bad_params.add(rid)
             return False
         self._ahead.admit(request, ap)
-        if ap.lw_ahead_compute:  # scheduled at once, pushed ahead from its first chunk
+        # Computed ahead: scheduled at once, pushed ahead from its first chunk. With P TP > 1
+        # each worker would decide its own bind, which the checker does not cover: such a P
+        # admits ahead only (it waits for the params, then computes).
+        if ap.lw_ahead_compute and self.cfg.tp_size == 1:
             self._computes.admit(self, request, ap.transfer_id)
             self._count("ahead_computed")
             return True
@@ -306,13 +309,16 @@ class SchedulerSide:
                                          ahead=not tr.host))
 
     def _starts_now(self, tr: _PReq, req: Any, computed: int) -> bool:
-        """Whether a request not pushed yet starts its push with a chunk that is not its last
-        (computed ahead: at once, its decoder and link being unknown)."""
-        if not tr.host:
-            return True
-        est = PushEstimate(self._compute_s_per_token, self._wire_s_per_block.get(tr.host),
-                           self._compute_s_per_pair)
-        return push_starts_now(blocks_to_send=len(tr.remote_blocks),
+        """Whether a request not pushed yet starts its push with a chunk that is not its last.
+        Computed ahead, its decoder is not known yet: judged by the slowest link measured to
+        any decode host, for every block of the prompt (none measured: at once)."""
+        if tr.host:
+            wire, blocks = self._wire_s_per_block.get(tr.host), len(tr.remote_blocks)
+        else:
+            wire = max(self._wire_s_per_block.values(), default=None)
+            blocks = -(-req.num_prompt_tokens // self.block_size)
+        est = PushEstimate(self._compute_s_per_token, wire, self._compute_s_per_pair)
+        return push_starts_now(blocks_to_send=blocks,
                                tokens_after_chunk=req.num_prompt_tokens - computed, est=est,
                                margin=self.cfg.push_start_margin, mode=self.cfg.push_mode,
                                tokens_computed=computed)

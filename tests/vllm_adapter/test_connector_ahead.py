@@ -232,3 +232,20 @@ def test_a_request_computed_ahead_whose_params_do_not_come_is_aborted(
     assert (tid, rid) == ("t1", "r1") and "not bound" in why
     d.step(KVConnectorOutput(finished_sending={"r1"}))
     assert free_blocks(s) == BASELINE
+
+
+def test_a_request_computed_ahead_starts_its_push_by_the_slowest_link_known(
+        model_dir: str) -> None:
+    """push_mode auto, D unknown: by the slowest link measured to any decode host (none
+    measured: at the first chunk; a fast one: later, as a D-first push to it would)."""
+    s = make_scheduler(model_dir, "kv_producer")
+    side = s.connector._sched
+    s.add_request(make_request("r1", 40, params=computing()))
+    tr = side._p["r1"]
+    req = s.requests["r1"]
+    assert side._starts_now(tr, req, 16)  # nothing measured: at once
+    side._compute_s_per_token = 0.001
+    side._wire_s_per_block = {"d1": 1e-6, "d2": 2e-6}
+    assert not side._starts_now(tr, req, 16)  # fast links: 24 tokens of compute cover it
+    side._wire_s_per_block["d3"] = 1.0
+    assert side._starts_now(tr, req, 16)  # one slow decode host: it might be that one

@@ -913,6 +913,7 @@ def _build(**over: Any) -> LwConfig:
     ({"extra": {"lease_s": True}}, "lease_s must be a float"),
     ({"extra": {"meta_attempts": 0}}, "meta_attempts must be >= 1"),
     ({"extra": {"prefill_timeout_s": -1}}, "prefill_timeout_s must be > 0"),
+    ({"role": "kv_producer", "extra": {"ahead_wait_s": 0}}, "ahead_wait_s must be > 0"),
     ({"extra": {"transfer_timeout_s": 1}}, "Mooncake's minimum"),
     ({"extra": {"data_plane": "nixl"}}, "data_plane"),
     ({"extra": {"local_tail_tokens": -2}}, "local_tail_tokens must be >= 0"),
@@ -939,6 +940,8 @@ def test_config_defaults_and_ports() -> None:
     cfg = _build(tp_size=2, dp_size=2, dp_rank=1, extra={"host": "10.0.0.1", "peer_tp_size": 2})
     assert cfg.port(tp_rank=1) == 14579 + 1 * 2 + 1
     assert cfg.prefill_config().request_timeout_s == 30.0
+    assert cfg.prefill_config().ahead_wait_s == 5.0
+    assert _build(extra={"ahead_wait_s": 8}).prefill_config().ahead_wait_s == 8.0
     assert cfg.decode_config().lease_s == 90.0
     assert "host" in LwConfig.extra_keys() and "role" not in LwConfig.extra_keys()
 
