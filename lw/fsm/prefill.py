@@ -27,7 +27,6 @@ go back; a bind that comes later is refused and writes nothing.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -68,7 +67,9 @@ from lw.fsm.messages import (
     RequestStatus,
     Sender,
 )
+from lw.fsm.prefill_ahead import AheadBinding
 from lw.fsm.prefill_layouts import Layouts
+from lw.fsm.prefill_replies import DecoderReplies
 from lw.fsm.prefill_request import PrefillConfig, PrefillRecord, PrefillRequest, _Target
 from lw.fsm.snapshot import ENDPOINT_RULES, KEYS, OMIT, RECORD_RULES, Rules, derive
 from lw.fsm.status import prefill_row, prefill_span
@@ -77,7 +78,7 @@ from lw.fsm.timeline import Timeline
 _FINAL = (DONE, FAILED)
 
 
-class PrefillEndpoint(LifecycleEndpoint):
+class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
     """Protocol logic of one P worker rank (events in, effects out; time is an argument).
 
     ``local`` describes this rank's own KV memory (per-layer block bytes and head format); with
@@ -195,116 +196,6 @@ class PrefillEndpoint(LifecycleEndpoint):
                             else rec.deadline))
         self._send_meta_requests(rec, now, out)
         return out
-
-    def add_ahead(self, req_id: str, local_blocks: tuple[int, ...], final: bool, prompt: str,
-                  now: float) -> list[Effect]:
-        """The scheduler computes a request before D's parameters reached P (computing ahead):
-        ``local_blocks`` are the P blocks its first chunk completes (possibly none), ``final``
-        whether that chunk is the prompt's last, ``prompt`` the digest of the prompt computed.
-        Nothing is sent until :meth:`bind`; unbound after ``ahead_wait_s`` it fails."""
-        if req_id in self._reqs:
-            raise ValueError(f"request {req_id!r} is already live on {self._who()}")
-        if final and not local_blocks:
-            raise ValueError(f"request {req_id!r}: a prompt computed in one chunk completes "
-                             "at least one block")
-        self._finished.pop(req_id, None)
-        req = PrefillRequest(req_id, (), local_blocks, (), final=final, prompt=prompt)
-        rec = PrefillRecord(req, AHEAD, now, now + self.config.ahead_wait_s)
-        if local_blocks:
-            self._announce(rec, local_blocks)
-        self._reqs[req_id] = rec
-        self.counters["requests"] += 1
-        self.counters["ahead"] += 1
-        self.timeline.record(now, req_id, "admitted", "", AHEAD,
-                             f"{len(local_blocks)} blocks computed ahead of D's parameters"
-                             + ("" if final else " (first chunk)"))
-        return [ArmTimer(("deadline", req_id), rec.deadline)]
-
-    def bind(self, req: PrefillRequest, first: int, now: float,
-             ahead_id: str = "") -> list[Effect]:
-        """D's parameters for a request computed ahead: its decoders and D's blocks
-        (``req.remote_blocks``: the prompt's blocks from ``first`` on, ``first`` being D's own
-        prefix hit in blocks), epoch and prompt digest. ``req.local_blocks`` and ``req.final``
-        are the endpoint's (what was announced). ``ahead_id``: the id it was admitted under
-        when that is not D's (P admits it before D names it); from here on it is ``req.req_id``.
-        A request already dropped is refused: the driver's caller (the proxy) starts that
-        prefill the D-first way instead."""
-        rid = req.req_id
-        aid = ahead_id or rid
-        rec = self._reqs.get(aid)
-        if rec is None:
-            if aid in self._finished:
-                self.counters["late_binds"] += 1
-                self.timeline.record(now, aid, "bind", self._finished[aid],
-                                     self._finished[aid], "refused: already released")
-                return []
-            raise ProtocolError("prefill", aid, "UNKNOWN", "bind",
-                                f"no such request on {self._who()}")
-        if rec.state == FAILED:
-            self.counters["late_binds"] += 1
-            self._fire(rec, "bind", now, "refused: already failed")
-            return []
-        if rec.state != AHEAD:
-            raise ProtocolError("prefill", aid, rec.state, "bind",
-                                "only a request computed ahead is bound")
-        if aid != rid:
-            if rid in self._reqs:
-                raise ValueError(f"request {rid!r} is already live on {self._who()}")
-            # D's id from now on: every message and effect of the request carries it
-            self.timeline.record(now, aid, "renamed", AHEAD, AHEAD, rid)
-            del self._reqs[aid]
-            self._reqs[rid] = rec
-            self._finished.pop(rid, None)
-        out: list[Effect] = []
-        problem = self._bind_problem(rec, req, first)
-        bound = PrefillRequest(rid, req.decoder_addr, (), req.remote_blocks,
-                               req.expected_senders, rec.final, req.epoch, req.prompt)
-        raw = [local for local, _remote in rec.chunks]
-        rec.req = bound
-        rec.local, rec.chunks, rec.limit, rec.announced = (), [], 0, 0
-        rec.skip = 0 if problem else first
-        for local in raw:
-            self._announce(rec, local)
-        rec.req = dataclasses.replace(bound, local_blocks=rec.local)
-        rec.deadline = now + self.config.request_timeout_s
-        if aid != rid:
-            out.append(CancelTimer(("deadline", aid)))  # the ahead wait, under the old id
-        self._fire(rec, "bind", now, f"{len(req.remote_blocks)} blocks to "
-                   f"{', '.join(bound.targets) or 'no decoder'} (D holds {first})")
-        if problem:
-            # no target is claimed: D hears nothing from us and the caller tells the proxy
-            self._fail(rec, f"bound to parameters that do not fit: {problem}", now, out)
-            return out
-        rec.targets = [_Target(a) for a in bound.targets]
-        if not rec.targets:
-            out.append(CancelTimer(("deadline", rid)))  # the ahead wait's (now D's id)
-            self.counters["no_target"] += 1
-            self._fire(rec, "no_target", now)
-            self._maybe_release(rec, out)
-            return out
-        t = self.config.progress_timeout_s
-        out.append(ArmTimer(("deadline", rid), min(rec.deadline, now + t) if t
-                            else rec.deadline))
-        self._send_meta_requests(rec, now, out)
-        return out
-
-    @staticmethod
-    def _bind_problem(rec: PrefillRecord, req: PrefillRequest, first: int) -> str:
-        """Why D's parameters cannot be those of the prompt computed ahead, or ""."""
-        if len(set(req.targets)) != len(req.targets):
-            return f"a decoder is named twice in {req.targets}"
-        if rec.req.prompt and req.prompt != rec.req.prompt:
-            return "D's blocks are for another prompt than the one computed"
-        if not req.targets:
-            return ""  # nothing goes from this rank (MLA: another P rank writes)
-        n, m = rec.announced, len(req.remote_blocks)
-        if first < 0 or m < 1:
-            return f"D holds {first} blocks and asks for {m}"
-        if rec.final and first + m != n:
-            return f"the prompt has {n} blocks; D holds {first} and asks for {m}"
-        if first + m < n:
-            return f"{n} blocks are computed already; D holds {first} and asks for {m}"
-        return ""
 
     def layer_computed(self, layer: int, req_ids: Iterable[str], now: float) -> list[Effect]:
         """The forward pass finished ``layer`` for these requests (hot path; never waits).
@@ -562,111 +453,6 @@ class PrefillEndpoint(LifecycleEndpoint):
             return ""
         return (f"no progress for {now - last:.1f}s (progress_timeout_s {t:g}s; nothing "
                 f"computed, answered or landing on its decoder)")
-
-    # ----------------------------------------------------------------------------- messages
-    def _on_meta_reply(self, msg: MetaReply, now: float, out: list[Effect]) -> None:
-        rec = self._reqs.get(msg.req_id)
-        # a reply to a claim of another prefill attempt (epoch) is not about ours
-        t = (rec.target(msg.responder.addr) if rec is not None and msg.epoch == rec.req.epoch
-             else None)
-        if rec is None or t is None:
-            self._stale(msg)
-            if msg.status == "accepted" and (rec is not None or self._finished.get(
-                    msg.req_id) == FAILED):
-                # D took us as a sender after we gave up (or never asked it): tell it now.
-                out.append(Send(msg.responder.addr, FailedSending(
-                    PROTOCOL_VERSION, msg.req_id, self.me, 1, "sender had already failed",
-                    msg.req_id in self._in_doubt, epoch=msg.epoch)))
-            return
-        if msg.status == "accepted" and rec.state == FAILED:
-            t.claimed = True  # D expects a word from us: FailedSending once drained
-        if msg.status == "refused":
-            if rec.state == AWAIT_DECODER_META:
-                self._fail(rec, f"decoder {t.addr} refused the request: {msg.reason}", now, out)
-            else:
-                self._fire(rec, "meta_unknown", now)  # late refusal of an earlier try: stale
-            return
-        if msg.status == "unknown":
-            self._fire(rec, "meta_unknown", now)
-            return
-        if rec.state != AWAIT_DECODER_META:
-            self._fire(rec, "meta_accepted", now)  # declared duplicate
-            return
-        if t.accepted:  # a duplicate from a target that accepted while others have not yet
-            self._fire(rec, "target_accepted", now)
-            return
-        t.claimed = True
-        layout = msg.layout or self.layouts.get(t.addr)
-        if layout is None or layout.incarnation != msg.responder.incarnation:
-            # D restarted since we cached its layout (or never sent one): ask again with it.
-            self._forget_layout(t.addr)
-            self._send_meta_request(rec, t, now, out)
-            return
-        segs, problem = self.layouts.check(t.addr, layout, rec.req.remote_blocks)
-        if segs is None:
-            self._fail(rec, problem, now, out)
-            return
-        self.layouts.keep(t.addr, layout)
-        t.segs = segs
-        t.layout = layout
-        t.accepted = True
-        rec.progress_at = now
-        if all(x.accepted for x in rec.targets):
-            out.append(CancelTimer(("meta", rec.req.req_id)))
-            self._fire(rec, "meta_accepted", now)
-            self._submit_ready(rec, out, now)
-        else:
-            self._fire(rec, "target_accepted", now)  # found by the model checker (finding 3)
-
-    def _on_ack(self, msg: Ack, now: float, out: list[Effect]) -> None:
-        rec = self._reqs.get(msg.req_id)
-        t = rec.target(msg.responder.addr) if rec is not None else None
-        if rec is None or t is None:
-            self._stale(msg)
-            return
-        if msg.of == "failed":
-            return  # D has our FailedSending; nothing waits on it
-        if rec.state == FAILED or rec.state == DONE:
-            self._fire(rec, "ack", now)
-            return
-        if not msg.accepted:
-            self._fail(rec, f"decoder {t.addr} had already failed the request", now, out)
-            return
-        if not rec.final or rec.sent < rec.limit:
-            raise ProtocolError("prefill", rec.req.req_id, rec.state, "ack",
-                                f"acknowledgement from {t.addr} before DONE was sent")
-        t.acked = True
-        if all(x.acked for x in rec.targets):
-            self._fire(rec, "ack", now)
-            self._cancel_timers(rec.req.req_id, out)
-            self._maybe_release(rec, out)
-
-    def _on_abort(self, msg: Abort, now: float, out: list[Effect]) -> None:
-        rid = msg.req_id
-        rec = self._reqs.get(rid)
-        if rec is None:
-            if rid not in self._finished:
-                # D gave up before the request reached us: make sure we never start it.
-                self._tombstones[rid] = now + self.config.tombstone_ttl_s
-                out.append(ArmTimer(("tomb", rid), now + self.config.tombstone_ttl_s))
-            out.append(Send(msg.responder.addr, AbortAck(PROTOCOL_VERSION, rid, self.me,
-                                                         known=rid in self._finished,
-                                                         in_doubt=rid in self._in_doubt,
-                                                         epoch=msg.epoch)))
-            return
-        if msg.epoch != rec.req.epoch:
-            # An abort of another prefill attempt of this request (D moved on to a new epoch,
-            # or this is an old D's word): it does not stop ours, and ours has no write of it.
-            self._stale(msg)
-            out.append(Send(msg.responder.addr, AbortAck(PROTOCOL_VERSION, rid, self.me,
-                                                         known=False, epoch=msg.epoch)))
-            return
-        rec.abort_acks.append(msg.responder.addr)
-        t = rec.target(msg.responder.addr)
-        if t is not None:
-            t.claimed = False  # D initiated: the AbortAck tells it we stopped
-        self._fail(rec, f"decoder aborted: {msg.reason}", now, out)
-        self._maybe_release(rec, out)
 
     # ----------------------------------------------------------------------------- helpers
     def _who(self) -> str:

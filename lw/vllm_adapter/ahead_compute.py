@@ -3,19 +3,17 @@ first push adds them to the core ahead (``SendSpec.ahead``: no decoder yet), and
 brings D's params a :class:`~lw.vllm_adapter.connector_meta.BindSpec` binds them; a fallback
 aborts them (the core drops what was computed and frees the blocks). What the core decides
 (writes wait for the bind; dropped at ``ahead_wait_s``; a later bind refused) is in
-:mod:`lw.fsm.prefill`; this only carries the fetch's answer to it.
+:mod:`lw.fsm.prefill_ahead`; this only carries the fetch's answer to it, through the
+scheduler side (``side``: lw.vllm_adapter.scheduler_side.SchedulerSide) it is a part of.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lw.contract.params import ContractError, decode_params_for_prefiller, prompt_digest
+from lw.contract.params import ContractError, decode_params_for_prefiller
 from lw.contract.transfer_ids import is_sub_transfer_of
 from lw.vllm_adapter.connector_meta import BindSpec, log
-
-if TYPE_CHECKING:
-    from lw.vllm_adapter.scheduler_side import SchedulerSide
 
 __all__ = ["AheadComputes"]
 
@@ -30,16 +28,10 @@ class AheadComputes:
     def __contains__(self, rid: str) -> bool:
         return rid in self._requests
 
-    def admit(self, side: SchedulerSide, request: Any, transfer_id: str) -> None:
-        """Track ``request`` (its fetch started): pushed ahead from its first chunk, under the
-        proxy's transfer id until D's sub-transfer id is known."""
-        from lw.fsm.block_choice import PushCursor
-        from lw.vllm_adapter.scheduler_side import _PReq
-
-        rid = request.request_id
-        self._requests[rid] = (request, transfer_id)
-        side._p[rid] = _PReq(request, transfer_id, "", 0, (), PushCursor(0),
-                             prompt=prompt_digest(request.prompt_token_ids or ()))
+    def admit(self, request: Any, transfer_id: str) -> None:
+        """Track ``request`` (its fetch started; the scheduler side pushes it ahead from its
+        first chunk, under the proxy's transfer id until D's sub-transfer id is known)."""
+        self._requests[request.request_id] = (request, transfer_id)
 
     def ended(self, rid: str, normally: bool) -> bool:
         """vLLM finished ``rid``: whether its fetch goes on (it finished its prefill normally and
@@ -58,7 +50,7 @@ class AheadComputes:
             log.error("lw: request %s computed ahead was dropped before D's params came; a "
                       "decode engine bound to it fails it at its prefill deadline", rid)
 
-    def poll(self, side: SchedulerSide) -> None:
+    def poll(self, side: Any) -> None:
         """Carry every answered fetch to the workers (this step's metadata): a bind, a D-first
         prefill for a request not pushed yet, or an abort when the params will not come."""
         for rid, (request, ahead_id) in list(self._requests.items()):

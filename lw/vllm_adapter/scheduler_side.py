@@ -215,7 +215,9 @@ class SchedulerSide:
         # each worker would decide its own bind, which the checker does not cover: such a P
         # admits ahead only (it waits for the params, then computes).
         if ap.lw_ahead_compute and self.cfg.tp_size == 1:
-            self._computes.admit(self, request, ap.transfer_id)
+            self._computes.admit(request, ap.transfer_id)
+            self._p[rid] = _PReq(request, ap.transfer_id, "", 0, (), PushCursor(0),
+                                 prompt=prompt_digest(request.prompt_token_ids or ()))
             self._count("ahead_computed")
             return True
         self._count("ahead_admitted")
