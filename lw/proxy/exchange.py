@@ -39,6 +39,7 @@ from lw.proxy.state import (
     build_decode_body,
     error_body,
     log,
+    prefill_answer_params,
 )
 
 __all__ = ["Exchange", "run_prefill"]
@@ -78,7 +79,7 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
             if 200 <= code < 300:
                 sub.state = "done"
                 backend.answered()
-                params = _prefill_params(content)
+                params = prefill_answer_params(content)
                 state.workers.learn("prefill", params.get(PREFILL_WORKERS_KEY))
                 backend.learn_engine(params.get(PREFILL_ENGINE_KEY),
                                      params.get(PREFILL_WORKERS_KEY))
@@ -143,15 +144,6 @@ async def _post_bounded(state: ProxyState, url: str, body: dict[str, Any],
                 raise AnswerTooLarge(f"answer larger than {limit} bytes")
             chunks.append(chunk)
         return resp.status_code, b"".join(chunks)
-
-
-def _prefill_params(content: bytes) -> dict[str, Any]:
-    """The ``kv_transfer_params`` of a prefill response ({} if none)."""
-    try:
-        params = json.loads(content).get("kv_transfer_params")
-    except (ValueError, AttributeError, RecursionError):
-        return {}
-    return params if isinstance(params, dict) else {}
 
 
 def _cancel_prefills(tr: Transfer) -> None:

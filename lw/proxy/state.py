@@ -41,6 +41,7 @@ __all__ = [
     "error_body",
     "error_type",
     "normalize_url",
+    "prefill_answer_params",
     "sub_transfer_allowance",
     "validate_request",
 ]
@@ -268,6 +269,15 @@ class Backend:
                 "errors": self.errors, "consecutive_failures": self.fails}
 
 
+def prefill_answer_params(content: bytes) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a prefill response ({} if none)."""
+    try:
+        params = json.loads(content).get("kv_transfer_params")
+    except (ValueError, AttributeError, RecursionError):
+        return {}
+    return params if isinstance(params, dict) else {}
+
+
 def ahead_fallback(why: str) -> dict[str, Any]:
     """The answer to P's ahead fetch that tells it D's params will not come."""
     return {"status": "fallback", "detail": why[:1000]}
@@ -303,11 +313,8 @@ class AheadPrefill:
         if not self.compute or t.cancelled() or t.exception() is not None:
             return False
         code, content = t.result()
-        try:  # P says it holds the KV (a P that computed it plainly does not)
-            params = json.loads(content).get("kv_transfer_params")
-        except (ValueError, AttributeError, RecursionError):
-            return False
-        return code == 200 and isinstance(params, dict) and params.get(HELD_KEY) is True
+        # P says it holds the KV (a P that computed it plainly does not)
+        return code == 200 and prefill_answer_params(content).get(HELD_KEY) is True
 
     def cancel(self, why: str) -> None:
         """The request ended or moved before D's call bound it: P's fetch is told, its POST

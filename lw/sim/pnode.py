@@ -5,7 +5,7 @@ frees between steps) and the lock-step forward pass whose layer hooks call the c
 from __future__ import annotations
 
 from lw.fsm import PrefillRequest, SendFinished, WriteLayer
-from lw.fsm.lifecycles import AWAIT_DECODER_META
+from lw.fsm.lifecycles import AWAIT_DECODER_META, FAILED
 from lw.sim.config import Action, _owner, d_addr
 from lw.sim.ports import Ports
 from lw.sim.properties import Violation
@@ -186,7 +186,7 @@ class PNode:
             ep = s.p[w]
             # (the blocks and final of a bind are the endpoint's own: what it was announced)
             self.ports.run(("p", w), ep.bind(self._request(q, w, (), True), q.hit, s.now))
-            if ep.state_of(q.rid) in (None, "FAILED"):
+            if ep.state_of(q.rid) in (None, FAILED):
                 q.refused = q.loads()  # a full hit needs nothing from P
         if q.refused:
             s.note(self._all_p(), f"{q.rid} was dropped before D's blocks came: bind refused")
