@@ -105,6 +105,9 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
         self._finished: OrderedDict[str, str] = OrderedDict()  # req_id -> final state
         self._in_doubt: set[str] = set()  # finished requests with a write whose bytes may land
         self._landed_at: dict[str, float] = {}  # D address -> when a write to it last landed
+        # a request computed ahead, bound and renamed while it lives: its ahead id -> D's id.
+        # A driver may bind it mid-step, after the forward queued layers under the ahead id.
+        self._aliases: dict[str, str] = {}
         self.timeline = Timeline(self.config.timeline_entries)
         self._ring = self.timeline.ring
         self._durations = self.timeline.durations
@@ -204,7 +207,8 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
         one request loses no effect of the others."""
         reqs = self._reqs
         table = self._table
-        recs = [rec for rid in req_ids if (rec := reqs.get(rid)) is not None]
+        recs = [rec for rid in req_ids if (rec := reqs.get(rid) or self._renamed(rid))
+                is not None]
         L = self.num_layers
         for rec in recs:
             c = rec.computed
@@ -233,6 +237,12 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
             if st != AWAIT_DECODER_META and st != AHEAD:
                 self._submit_ready(rec, out, now)
         return out
+
+    def _renamed(self, req_id: str) -> PrefillRecord | None:
+        """The live record of a request bound under another id than ``req_id``, its id
+        while it was computed ahead (a layer the forward reported before the bind reached it)."""
+        new = self._aliases.get(req_id)
+        return self._reqs.get(new) if new is not None else None
 
     def add_chunk(self, req_id: str, local_blocks: tuple[int, ...], final: bool,
                   now: float) -> list[Effect]:
@@ -581,6 +591,9 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
             out.append(Send(addr, AbortAck(PROTOCOL_VERSION, rid, self.me, known=True,
                                            in_doubt=rec.in_doubt, epoch=rec.req.epoch)))
         self._finished[rid] = rec.state
+        if self._aliases:
+            for aid in [a for a, r in self._aliases.items() if r == rid]:
+                del self._aliases[aid]
         if rec.in_doubt:
             self._in_doubt.add(rid)
         while len(self._finished) > self.config.finished_memory:
@@ -599,6 +612,8 @@ SNAPSHOT_RULES: Rules = {
                               "ends a tombstone)"),
         "_landed_at": (OMIT, "read only with progress_timeout_s on, which the checker's worlds "
                              "leave off"),
+        "_aliases": (OMIT, "a driver's delivery order (a layer queued before a mid-step "
+                           "bind); the worlds bind between events, so it is never read there"),
     },
     Layouts: {
         "num_layers": (OMIT, "fixed when made"),

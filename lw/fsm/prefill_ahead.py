@@ -77,6 +77,7 @@ class AheadBinding:
             self.timeline.record(now, aid, "renamed", AHEAD, AHEAD, rid)
             del self._reqs[aid]
             self._reqs[rid] = rec
+            self._aliases[aid] = rid
             self._finished.pop(rid, None)
         out: list[Effect] = []
         problem = self._bind_problem(rec, req, first)

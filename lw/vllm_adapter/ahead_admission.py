@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +46,10 @@ class AheadAdmissions:
         self._fetcher: AheadFetcher | None = None
         self._switch_was: float | None = None  # the switch interval before requests waited
 
-    def admit(self, request: Any, ap: AheadParams) -> None:
-        """Start fetching ``request``'s params (it has prompt token ids)."""
+    def admit(self, request: Any, ap: AheadParams,
+              then: Callable[[tuple[str, Any]], None] | None = None) -> None:
+        """Start fetching ``request``'s params (it has prompt token ids); ``then``: see
+        AheadFetcher.fetch."""
         rid = request.request_id
         self._waiting[rid] = _Ahead(ap.transfer_id, compute=ap.lw_ahead_compute)
         self._changed()
@@ -54,7 +57,7 @@ class AheadAdmissions:
             self._fetcher = AheadFetcher(self.cfg)
         self._fetcher.fetch(rid, ap.lw_ahead_url, {
             "transfer_id": ap.transfer_id, "grant": ap.lw_ahead_grant,
-            "prompt_digest": prompt_digest(request.prompt_token_ids)})
+            "prompt_digest": prompt_digest(request.prompt_token_ids)}, then)
 
     def transfer_of(self, rid: str) -> str:
         """The transfer a waiting request was admitted for."""

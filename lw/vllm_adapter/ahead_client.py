@@ -5,6 +5,7 @@ of its own, so that vLLM's scheduler only ever looks at an answer that is alread
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -13,6 +14,7 @@ from lw.contract.auth import signed_call
 from lw.contract.params import ContractError
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.config import LwConfig
+from lw.vllm_adapter.connector_meta import log
 
 __all__ = ["AheadFetcher", "MAX_FETCHES"]
 
@@ -33,11 +35,13 @@ class AheadFetcher:
         self._lock = threading.Lock()
         self._client: Any = None
 
-    def fetch(self, rid: str, url: str, body: dict[str, Any]) -> None:
-        """Start asking ``url`` for request ``rid``'s params (``body``: an AheadFetch)."""
+    def fetch(self, rid: str, url: str, body: dict[str, Any],
+              then: Callable[[tuple[str, Any]], None] | None = None) -> None:
+        """Start asking ``url`` for request ``rid``'s params (``body``: an AheadFetch);
+        ``then`` also gets the answer, on the fetch's thread, as soon as it came."""
         with self._lock:
             self._wanted.add(rid)
-        self._pool.submit(self._run, rid, url, body)
+        self._pool.submit(self._run, rid, url, body, then)
 
     def take(self, rid: str) -> tuple[str, Any] | None:
         """The answer for ``rid`` once there is one (then forgotten), else None."""
@@ -54,12 +58,19 @@ class AheadFetcher:
         """Stop taking fetches (those in flight end at their timeout)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _run(self, rid: str, url: str, body: dict[str, Any]) -> None:
+    def _run(self, rid: str, url: str, body: dict[str, Any],
+             then: Callable[[tuple[str, Any]], None] | None) -> None:
         answer = self._call(url, body)
         with self._lock:
-            if rid in self._wanted:
-                self._wanted.discard(rid)
-                self._answers[rid] = answer
+            if rid not in self._wanted:
+                return
+            self._wanted.discard(rid)
+            self._answers[rid] = answer
+        if then is not None:
+            try:
+                then(answer)
+            except Exception:  # noqa: BLE001 - the answer is kept for the scheduler's step
+                log.exception("lw: request %s: acting on its params as they came failed", rid)
 
     def _call(self, url: str, body: dict[str, Any]) -> tuple[str, Any]:
         import httpx

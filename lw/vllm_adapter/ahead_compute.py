@@ -13,6 +13,7 @@ from typing import Any
 
 from lw.contract.params import ContractError, decode_params_for_prefiller
 from lw.contract.transfer_ids import is_sub_transfer_of
+from lw.vllm_adapter import early_bind
 from lw.vllm_adapter.connector_meta import BindSpec, log
 
 __all__ = ["AheadComputes"]
@@ -50,6 +51,33 @@ class AheadComputes:
             log.error("lw: request %s computed ahead was dropped before D's params came; a "
                       "decode engine bound to it fails it at its prefill deadline", rid)
 
+    def early(self, side: Any, request: Any, ahead_id: str, answer: tuple[str, Any]) -> None:
+        """The fetch thread, as D's params came: bind the request in the worker now if it
+        shares this process and pushes it already (lw.vllm_adapter.early_bind). Decides
+        nothing: anything else (a fallback, params refused, a push not started) waits for
+        :meth:`poll`, on the scheduler's thread, which also sends the bind with the metadata."""
+        status, val = answer
+        rid = request.request_id
+        if status != "go" or side._pushed.get(rid) != ahead_id:
+            return
+        try:
+            new = self._decoded(side, request, ahead_id, val)
+        except (ContractError, ValueError):
+            return  # poll refuses them and says why
+        if early_bind.deliver(early_bind.engine_key(side.cfg.engine_id, side.cfg.dp_rank),
+                              _bind_spec(ahead_id, rid, new)):
+            side._count("ahead_bound_early")
+
+    @staticmethod
+    def _decoded(side: Any, request: Any, ahead_id: str, params: Any) -> Any:
+        """D's params for ``request`` as the scheduler side's request record (_PReq), or
+        ContractError / ValueError where they do not fit the transfer computed ahead."""
+        pp = decode_params_for_prefiller(side._key, params)
+        if not is_sub_transfer_of(pp.transfer_id, ahead_id):
+            raise ContractError("kv_transfer_params.transfer_id", "not a sub-transfer of the "
+                                "transfer computed ahead")
+        return side._parse_decoder_params(request, pp)
+
     def poll(self, side: Any) -> None:
         """Carry every answered fetch to the workers (this step's metadata): a bind, a D-first
         prefill for a request not pushed yet, or an abort when the params will not come."""
@@ -65,11 +93,7 @@ class AheadComputes:
             started = rid in side._pushed
             if verdict == "go":
                 try:
-                    pp = decode_params_for_prefiller(side._key, val)
-                    if not is_sub_transfer_of(pp.transfer_id, ahead_id):
-                        raise ContractError("kv_transfer_params.transfer_id", "not a "
-                                            "sub-transfer of the transfer computed ahead")
-                    new = side._parse_decoder_params(request, pp)
+                    new = self._decoded(side, request, ahead_id, val)
                 except (ContractError, ValueError) as exc:
                     verdict, val = "fallback", f"D's params refused: {exc}"
             if verdict == "go":
@@ -81,9 +105,8 @@ class AheadComputes:
                         log.error("lw: request %s ended before its push started; D's params "
                                   "came after it (transfer %s): nothing is sent", rid, ahead_id)
                     continue
-                side._meta.binds.append(BindSpec(
-                    ahead_id, new.transfer_id, rid, new.host, new.port, new.remote_blocks,
-                    new.push.first_block, new.decoder_tp, new.epoch, new.prompt))
+                # (bound already when the worker took early()'s: it ignores this one)
+                side._meta.binds.append(_bind_spec(ahead_id, rid, new))
                 side._pushed[rid] = new.transfer_id
                 if tr is not None:  # still computing: its later chunks go to the bound request
                     tr.transfer_id, tr.host, tr.port = new.transfer_id, new.host, new.port
@@ -97,3 +120,9 @@ class AheadComputes:
                 side._meta.aborts.append((ahead_id, rid, f"computed ahead, not bound: {val}"))
             elif tr is not None:
                 del side._p[rid]  # computed as a plain request, nothing pushed
+
+
+def _bind_spec(ahead_id: str, rid: str, new: Any) -> BindSpec:
+    """The bind of ``rid`` (computed under ``ahead_id``) to D's params ``new`` (a _PReq)."""
+    return BindSpec(ahead_id, new.transfer_id, rid, new.host, new.port, new.remote_blocks,
+                    new.push.first_block, new.decoder_tp, new.epoch, new.prompt)

@@ -127,7 +127,8 @@ class SchedulerSide:
         self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0,
                         "early_chunk_blocks": 0, "preempted_pushes": 0, "prefill_retries": 0,
                         "refused_params": 0, "ahead_admitted": 0, "ahead_fallbacks": 0,
-                        "ahead_computed": 0, "ahead_bound": 0}
+                        "ahead_computed": 0, "ahead_bound": 0,
+                        "ahead_bound_early": 0}
         self._compute_s_per_token: float | None = None  # from the workers (LwWorkerMeta)
         self._compute_s_per_pair = 0.0
         self._wire_s_per_block: dict[str, float] = {}  # D host -> seconds per block
@@ -210,11 +211,13 @@ class SchedulerSide:
                       "pushed", rid)
             self._bad_params.add(rid)
             return False
-        self._ahead.admit(request, ap)
         # Computed ahead: scheduled at once, pushed ahead from its first chunk. With P TP > 1
         # each worker would decide its own bind, which the checker does not cover: such a P
         # admits ahead only (it waits for the params, then computes).
-        if ap.lw_ahead_compute and self.cfg.tp_size == 1:
+        compute = ap.lw_ahead_compute and self.cfg.tp_size == 1
+        self._ahead.admit(request, ap, (lambda answer: self._computes.early(
+            self, request, ap.transfer_id, answer)) if compute else None)
+        if compute:
             self._computes.admit(request, ap.transfer_id)
             self._p[rid] = _PReq(request, ap.transfer_id, "", 0, (), PushCursor(0),
                                  prompt=prompt_digest(request.prompt_token_ids or ()))

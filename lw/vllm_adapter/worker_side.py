@@ -18,9 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from lw.fsm.kvmap import describe, expected_senders, targets_of
 from lw.fsm.status import failure_kind
 from lw.fsm.timeline import drain
+from lw.vllm_adapter import early_bind
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
 from lw.vllm_adapter.connector_meta import (
-    BindSpec,
     LwConnectorMetadata,
     LwWorkerMeta,
     Reprefill,
@@ -31,6 +31,7 @@ from lw.vllm_adapter.placement import parse_cpus, transport_threads
 from lw.vllm_adapter.push_rates import PushRates
 from lw.vllm_adapter.ready_gate import ReadyGate
 from lw.vllm_adapter.tracing import LifecycleTracer, tracing_endpoint
+from lw.vllm_adapter.worker_binds import AheadBinds
 
 if TYPE_CHECKING:
     from lw.transport.runtime import WorkerLoop
@@ -56,7 +57,7 @@ _STAT_MAP = {  # our stats key -> WorkerLoop.stats() key (monotonic counters)
 }
 
 
-class WorkerSide:
+class WorkerSide(AheadBinds):
     """Worker-role half: owns the WorkerLoop (endpoint, side channel, data plane, timers)."""
 
     def __init__(self, cfg: LwConfig, vllm_config: Any, kv_cache_config: Any) -> None:
@@ -87,6 +88,12 @@ class WorkerSide:
         self.rates: PushRates | None = None  # P: forward and wire rates (push_mode "auto")
         self._idle_wait_s = cfg.idle_wait_ms / 1000
         self._rid: dict[str, str] = {}  # transfer id -> vLLM request id (live in the core)
+        # P: a request computed ahead and bound here before the scheduler knew: its ahead id ->
+        # D's id, for the scheduler's metadata still naming it by the first (lw.vllm_adapter.
+        # early_bind); a step's metadata and a bind from the fetch thread take turns (RLock:
+        # the metadata's own binds run under it)
+        self._alias: dict[str, str] = {}
+        self._step_lock = threading.RLock()
         self._held: dict[str, int] = {}  # transfer id -> blocks held for it
         self._aborted: set[str] = set()  # transfer ids aborted by our scheduler (for logs)
         self._ours: set[str] = set()  # P: request ids pushed and not yet reported
@@ -183,6 +190,8 @@ class WorkerSide:
             self.loop.start()  # the loop starts the data plane's sender and fence threads
         if self.cfg.is_producer:
             self.rates = PushRates(self._block_bytes())
+            if self.cfg.tp_size == 1:  # computing ahead: binds from the fetch thread
+                early_bind.register(self._engine_key(), self)
         if self._trace_endpoint:
             try:
                 self.tracer = LifecycleTracer(self._trace_endpoint, "prefill" if
@@ -197,6 +206,9 @@ class WorkerSide:
                  len(self.planes), self.num_blocks, self.planes[0].block_len,
                  len(merged_regions(self.planes)), describe(self.fmt),
                  f"; {prepared}" if prepared else "")
+
+    def _engine_key(self) -> tuple[str, int]:
+        return early_bind.engine_key(self.cfg.engine_id, self.cfg.dp_rank)
 
     def _format(self, kv: Any) -> Any:
         """This rank's head format: which of the model's KV heads its blocks hold, and how."""
@@ -269,6 +281,10 @@ class WorkerSide:
 
     def bind(self, meta: LwConnectorMetadata) -> None:
         """New receives/pushes and aborts to the core, in order, before the forward pass."""
+        with self._step_lock:
+            self._take(meta)
+
+    def _take(self, meta: LwConnectorMetadata) -> None:
         from lw.fsm import PrefillRequest
 
         self._step_sends = []
@@ -295,16 +311,16 @@ class WorkerSide:
                        tid=r.transfer_id, prompt=r.prompt)
         for b in meta.binds:  # before this step's chunks, which already carry D's id
             self._bind(b)
+        alias = self._alias
         for s in meta.sends:
             if not s.first:  # a further chunk of a request the core holds (or released)
-                if self._rid.get(s.transfer_id) != s.req_id:
+                tid = alias.get(s.transfer_id, s.transfer_id) if alias else s.transfer_id
+                if self._rid.get(tid) != s.req_id:
                     continue  # released already (failed): nothing more is sent
                 with self._lock:
-                    self._held[s.transfer_id] = self._held.get(s.transfer_id, 0) + len(
-                        s.local_blocks)
-                self._call("add_chunk", s.transfer_id, s.local_blocks, s.final, rid=s.req_id,
-                           tid=s.transfer_id)
-                self._step_sends.append(s.transfer_id)
+                    self._held[tid] = self._held.get(tid, 0) + len(s.local_blocks)
+                self._call("add_chunk", tid, s.local_blocks, s.final, rid=s.req_id, tid=tid)
+                self._step_sends.append(tid)
                 continue
             if s.transfer_id in self._rid:
                 with self._lock:
@@ -333,58 +349,21 @@ class WorkerSide:
             if s.local_blocks:  # a first chunk that completes no block reports no layer
                 self._step_sends.append(s.transfer_id)
         for tid, rid, reason in meta.aborts:
+            tid = alias.get(tid, tid) if alias else tid
             if self._rid.get(tid) != rid:
                 continue  # finished already, or never taken (a transfer id used twice)
             self._aborted.add(tid)
             self._call("abort", tid, reason, rid=rid, tid=tid)
         for r in meta.routes:  # the core ignores a route of an epoch it has left
-            if self._rid.get(r.transfer_id) == r.req_id:
-                self._call("prefill_routed", r.transfer_id, r.engine_id, r.addr, r.epoch,
-                           rid=r.req_id, tid=r.transfer_id)
+            tid = alias.get(r.transfer_id, r.transfer_id) if alias else r.transfer_id
+            if self._rid.get(tid) == r.req_id:
+                self._call("prefill_routed", tid, r.engine_id, r.addr, r.epoch, rid=r.req_id,
+                           tid=tid)
 
     def _addrs(self, host: str, port: int, decoder_tp: int) -> tuple[str, ...]:
         """The side channels of the D TP ranks this P rank writes into: D's rank j listens on
         its rank-0 port + j, and which ranks we feed follows the heads."""
         return tuple(f"tcp://{host}:{port + j}" for j in targets_of(self.fmt, decoder_tp))
-
-    def _bind(self, b: BindSpec) -> None:
-        """D's params for a request computed ahead: the core takes it under D's id. Both ids
-        map to the request until the core's answer: a refused bind (the request was dropped
-        meanwhile) reports under the old one, an accepted one under the new."""
-        from lw.fsm import PrefillRequest
-
-        if self._rid.get(b.ahead_id) != b.req_id:
-            log.error("lw: request %s (transfer %s) bound after it ended here", b.req_id,
-                      b.transfer_id)
-            return
-        with self._lock:
-            self._rid[b.transfer_id] = b.req_id
-        req = PrefillRequest(b.transfer_id, self._addrs(b.decoder_host, b.decoder_port,
-                                                        b.decoder_tp),
-                             (), b.remote_blocks, 1, True, b.epoch, b.prompt)
-        assert self.loop is not None
-        fut = self.loop.call("bind", req, b.first_block, ahead_id=b.ahead_id)
-        fut.add_done_callback(lambda f: self._bound(f, b))
-
-    def _bound(self, fut: Any, b: BindSpec) -> None:
-        """The core's answer to a bind (on its loop thread, before any report of the new id)."""
-        exc = fut.exception()
-        refused = exc is not None or not fut.result()  # a refused bind has no effect
-        # the id the core reports the request under from now on, and the one to forget
-        keep, drop = (b.ahead_id, b.transfer_id) if refused else (b.transfer_id, b.ahead_id)
-        with self._lock:
-            if self._rid.get(drop) == b.req_id:
-                del self._rid[drop]
-            if not refused:
-                self._held[keep] = self._held.pop(drop, 0)
-                if drop in self._t0:
-                    self._t0[keep] = self._t0.pop(drop)
-        if not refused and self.tracer is not None:
-            self.tracer.rename(drop, keep)
-        if refused:
-            log.error("lw: request %s computed ahead: bind to transfer %s refused (%s); the "
-                      "decode engine fails it at its prefill deadline", b.req_id,
-                      b.transfer_id, exc or "dropped before D's params came")
 
     def layer_done(self, layer_name: str, kv_layer: Any) -> None:
         """Forward hook: enqueue "layer computed" for this step's pushes, and time a prefill
@@ -479,6 +458,8 @@ class WorkerSide:
                     continue
                 del self._rid[tid]
                 blocks = self._held.pop(tid, 0)
+            if self._alias:  # (not under _lock: bind_now takes the two the other way round)
+                self._unalias(tid)
             if self.tracer is not None and self.tracer.traced(tid):
                 ok = isinstance(e, (SendFinished, RecvDone)) and getattr(e, "ok", True)
                 ended.append((tid, ok, getattr(e, "reason", ""), {
@@ -592,5 +573,6 @@ class WorkerSide:
         """Stop the loop (closes side channel and data plane)."""
         if self._gate is not None:
             self._gate.close()
+        early_bind.unregister(self._engine_key(), self)
         if self.loop is not None:
             self.loop.stop()

@@ -187,3 +187,22 @@ def test_a_late_bind_under_the_ahead_id_is_refused() -> None:
     pair.advance(WAIT + 0.1)
     assert p.bind(bound((10, 11, 12)), 0, pair.now, ahead_id="t-ahead") == []
     assert p.state_of("r") is None and p.counters["late_binds"] == 1
+
+
+def test_a_layer_reported_under_the_ahead_id_after_the_bind_counts_for_d_s() -> None:
+    """A driver binds mid-step: the forward queued a layer under the ahead id that reaches the
+    core after the rename. It counts for the renamed request (else its write never comes and
+    the request fails at its deadline); once the request ended the old id means nothing."""
+    pair = make()
+    p = pair.ps[0]
+    pair.absorb(0, p.add_ahead("t-ahead", (1, 2, 3), True, "", pair.now))
+    pair.absorb(0, p.layer_computed(0, ["t-ahead"], pair.now))
+    pair.absorb(0, p.bind(bound((10, 11, 12)), 0, pair.now, ahead_id="t-ahead"))
+    pair.absorb(0, p.layer_computed(1, ["t-ahead"], pair.now))  # queued before the bind
+    pair.deliver_all()
+    assert [(w.layer, w.remote_blocks) for _, w in pair.writes] == [
+        (k, (10, 11, 12)) for k in range(L)]
+    pair.complete_writes()
+    pair.deliver_all()
+    assert p.state_of("r") == "DONE" and pair.recv == [RecvDone("r")]
+    assert p.layer_computed(0, ["t-ahead"], pair.now) == [] and not p._aliases

@@ -45,10 +45,12 @@ class FakeFetcher:
         self.fetches: list[tuple[str, str, dict[str, Any]]] = []
         self.answers: dict[str, tuple[str, Any]] = {}
         self.forgotten: list[str] = []
+        self.then: dict[str, Any] = {}  # rid -> what the fetch thread calls with its answer
         FakeFetcher.last = self
 
-    def fetch(self, rid: str, url: str, body: dict[str, Any]) -> None:
+    def fetch(self, rid: str, url: str, body: dict[str, Any], then: Any = None) -> None:
         self.fetches.append((rid, url, body))
+        self.then[rid] = then
 
     def take(self, rid: str) -> tuple[str, Any] | None:
         return self.answers.pop(rid, None)
@@ -81,6 +83,7 @@ def test_an_ahead_request_waits_without_blocks_until_d_params_come(model_dir: st
     ((rid, url, body),) = f.fetches
     assert (rid, url, body["transfer_id"]) == ("r1", URL, "t1")
     assert body["prompt_digest"] == prompt_digest(list(range(10, 50)))
+    assert f.then["r1"] is None  # admit-ahead: nothing is computed, nothing to bind early
     for _ in range(3):
         so = d.step()
         assert not so.num_scheduled_tokens and free_blocks(s) == BASELINE
@@ -189,8 +192,9 @@ def test_a_request_computed_ahead_is_scheduled_at_once_and_bound_later(model_dir
     d.step()
     assert not d.meta.binds
     f.answers["r1"] = ("go", decoder_params(tid="t1@r1", n=40, first=1))
+    f.then["r1"](f.answers["r1"])  # the fetch thread: no worker in this test takes it early
     d.step()
-    (b,) = d.meta.binds
+    (b,) = d.meta.binds  # the step carries it whatever happened early
     assert (b.ahead_id, b.transfer_id, b.req_id) == ("t1", "t1@r1", "r1")
     assert b.remote_blocks == (40, 41) and b.first_block == 1
     d.step(KVConnectorOutput(finished_sending={"r1"}))

@@ -1,0 +1,91 @@
+"""P's worker, computing ahead: D's params bind a request the core holds under the proxy's
+transfer id (``BindSpec``), from the step's metadata or, sooner, from the scheduler's fetch
+thread (:mod:`lw.vllm_adapter.early_bind`). A part of
+:class:`lw.vllm_adapter.worker_side.WorkerSide`, split from it as a concern of its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lw.vllm_adapter.connector_meta import BindSpec, log
+
+__all__ = ["AheadBinds"]
+
+
+class AheadBinds:
+    """The methods WorkerSide takes from here (they use its ``_rid``, ``_held``, ``_t0``,
+    ``_alias``, ``_step_sends``, locks, loop and tracer)."""
+
+    _alias: dict[str, str]
+    _rid: dict[str, str]
+    _held: dict[str, int]
+    _t0: dict[str, float]
+    _step_sends: list[str]
+    _lock: Any
+    _step_lock: Any
+    loop: Any
+    tracer: Any
+
+    def bind_now(self, b: BindSpec) -> bool:
+        """D's params for a request computed ahead, from the scheduler's fetch thread as soon
+        as they came (lw.vllm_adapter.early_bind): bound now, mid-step, if this worker holds
+        it; False when not (yet): the next step's metadata brings the same bind."""
+        with self._step_lock:
+            if b.ahead_id in self._alias or self._rid.get(b.ahead_id) != b.req_id:
+                return False
+            self._bind(b)
+            # this step's later layers go under D's id; those already queued reach the core
+            # after the bind, which knows them by the old one too
+            self._step_sends = [b.transfer_id if t == b.ahead_id else t
+                                for t in self._step_sends]
+            return True
+
+    def _bind(self, b: BindSpec) -> None:
+        """D's params for a request computed ahead: the core takes it under D's id. Both ids
+        map to the request until the core's answer: a refused bind (the request was dropped
+        meanwhile) reports under the old one, an accepted one under the new."""
+        from lw.fsm import PrefillRequest
+
+        if self._alias.get(b.ahead_id) == b.transfer_id:
+            return  # bound mid-step already (bind_now): this is the step's copy
+        if self._rid.get(b.ahead_id) != b.req_id:
+            log.error("lw: request %s (transfer %s) bound after it ended here", b.req_id,
+                      b.transfer_id)
+            return
+        self._alias[b.ahead_id] = b.transfer_id
+        with self._lock:
+            self._rid[b.transfer_id] = b.req_id
+        req = PrefillRequest(b.transfer_id, self._addrs(b.decoder_host, b.decoder_port,
+                                                        b.decoder_tp),
+                             (), b.remote_blocks, 1, True, b.epoch, b.prompt)
+        assert self.loop is not None
+        fut = self.loop.call("bind", req, b.first_block, ahead_id=b.ahead_id)
+        fut.add_done_callback(lambda f: self._bound(f, b))
+
+    def _bound(self, fut: Any, b: BindSpec) -> None:
+        """The core's answer to a bind (on its loop thread, before any report of the new id)."""
+        exc = fut.exception()
+        refused = exc is not None or not fut.result()  # a refused bind has no effect
+        # the id the core reports the request under from now on, and the one to forget
+        keep, drop = (b.ahead_id, b.transfer_id) if refused else (b.transfer_id, b.ahead_id)
+        with self._lock:
+            if self._rid.get(drop) == b.req_id:
+                del self._rid[drop]
+            if refused:
+                self._alias.pop(b.ahead_id, None)
+            else:  # (chunks the metadata named by the ahead id are counted under D's already)
+                self._held[keep] = self._held.get(keep, 0) + self._held.pop(drop, 0)
+                if drop in self._t0:
+                    self._t0.setdefault(keep, self._t0.pop(drop))
+        if not refused and self.tracer is not None:
+            self.tracer.rename(drop, keep)
+        if refused:
+            log.error("lw: request %s computed ahead: bind to transfer %s refused (%s); the "
+                      "decode engine fails it at its prefill deadline", b.req_id,
+                      b.transfer_id, exc or "dropped before D's params came")
+
+    def _unalias(self, tid: str) -> None:
+        """``tid`` ended here: forget the ahead id it was bound from."""
+        with self._step_lock:
+            for aid in [a for a, t in self._alias.items() if t == tid]:
+                del self._alias[aid]
