@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,8 @@ class _Ahead:
     transfer_id: str
     gave_up: float | None = None  # when its params were found not to be coming
     compute: bool = False  # computed meanwhile (compute-ahead): the engine does not wait on it
+    fetch: bool = True  # fetched here (else by the worker: its answer comes by ``answered``)
+    answer: tuple[str, Any] | None = None  # the worker's answer, until the scheduler's step
 
 
 class AheadAdmissions:
@@ -46,18 +47,19 @@ class AheadAdmissions:
         self._fetcher: AheadFetcher | None = None
         self._switch_was: float | None = None  # the switch interval before requests waited
 
-    def admit(self, request: Any, ap: AheadParams,
-              then: Callable[[tuple[str, Any]], None] | None = None) -> None:
-        """Start fetching ``request``'s params (it has prompt token ids); ``then``: see
-        AheadFetcher.fetch."""
+    def admit(self, request: Any, ap: AheadParams, fetch: bool = True) -> None:
+        """Start fetching ``request``'s params (it has prompt token ids); ``fetch`` False: the
+        worker fetches them and :meth:`answered` brings its answer."""
         rid = request.request_id
-        self._waiting[rid] = _Ahead(ap.transfer_id, compute=ap.lw_ahead_compute)
+        self._waiting[rid] = _Ahead(ap.transfer_id, compute=ap.lw_ahead_compute, fetch=fetch)
         self._changed()
+        if not fetch:
+            return
         if self._fetcher is None:
             self._fetcher = AheadFetcher(self.cfg)
         self._fetcher.fetch(rid, ap.lw_ahead_url, {
             "transfer_id": ap.transfer_id, "grant": ap.lw_ahead_grant,
-            "prompt_digest": prompt_digest(request.prompt_token_ids)}, then)
+            "prompt_digest": prompt_digest(request.prompt_token_ids)})
 
     def transfer_of(self, rid: str) -> str:
         """The transfer a waiting request was admitted for."""
@@ -79,11 +81,21 @@ class AheadAdmissions:
                       "within %g s of its fallback; computed, nothing pushed", rid,
                       a.transfer_id, AHEAD_HOLD_S)
             return "plain", None
-        got = self._fetcher.take(rid) if self._fetcher is not None else ("error", "no fetcher")
+        if not a.fetch:
+            got, a.answer = a.answer, None
+        else:
+            got = self._fetcher.take(rid) if self._fetcher is not None else ("error",
+                                                                             "no fetcher")
         if got is None:
             return "wait", None
         status, val = got
         return ("go", val) if status == "go" else ("fallback", str(val))
+
+    def answered(self, rid: str, status: str, val: Any) -> None:
+        """The worker's fetch of ``rid``'s params answered (a request it fetches itself)."""
+        a = self._waiting.get(rid)
+        if a is not None and not a.fetch:
+            a.answer = (status, val)
 
     def bound(self, rid: str) -> None:
         """Its params were taken: it is scheduled as a D-first prefill from now on."""

@@ -38,7 +38,7 @@ class AheadFetcher:
     def fetch(self, rid: str, url: str, body: dict[str, Any],
               then: Callable[[tuple[str, Any]], None] | None = None) -> None:
         """Start asking ``url`` for request ``rid``'s params (``body``: an AheadFetch);
-        ``then`` also gets the answer, on the fetch's thread, as soon as it came."""
+        ``then`` gets the answer instead of :meth:`take`, on the fetch's thread, as it came."""
         with self._lock:
             self._wanted.add(rid)
         self._pool.submit(self._run, rid, url, body, then)
@@ -65,12 +65,13 @@ class AheadFetcher:
             if rid not in self._wanted:
                 return
             self._wanted.discard(rid)
-            self._answers[rid] = answer
-        if then is not None:
-            try:
-                then(answer)
-            except Exception:  # noqa: BLE001 - the answer is kept for the scheduler's step
-                log.exception("lw: request %s: acting on its params as they came failed", rid)
+            if then is None:
+                self._answers[rid] = answer
+                return
+        try:
+            then(answer)
+        except Exception:  # noqa: BLE001 - a bug of ours; the request fails at its deadline
+            log.exception("lw: request %s: acting on its params as they came failed", rid)
 
     def _call(self, url: str, body: dict[str, Any]) -> tuple[str, Any]:
         import httpx

@@ -1,10 +1,13 @@
 """P: requests computed ahead of D's params (the proxy's compute-ahead): scheduled at once, their
-first push adds them to the core ahead (``SendSpec.ahead``: no decoder yet), and once the fetch
-brings D's params a :class:`~lw.vllm_adapter.connector_meta.BindSpec` binds them; a fallback
-aborts them (the core drops what was computed and frees the blocks). What the core decides
-(writes wait for the bind; dropped at ``ahead_wait_s``; a later bind refused) is in
-:mod:`lw.fsm.prefill_ahead`; this only carries the fetch's answer to it, through the
-scheduler side (``side``: lw.vllm_adapter.scheduler_side.SchedulerSide) it is a part of.
+first push adds them to the core ahead (``SendSpec.ahead``: no decoder yet). P's worker fetches
+D's params (``FetchSpec``) and binds the request as they come, mid-step
+(lw.vllm_adapter.worker_binds); its answer reaches this side with the worker's metadata, which
+sends the same bind as a :class:`~lw.vllm_adapter.connector_meta.BindSpec` (the one a worker
+that has not bound it takes) and updates the request's later chunks; a fallback aborts them
+(the core drops what was computed and frees the blocks). What the core decides (writes wait for
+the bind; dropped at ``ahead_wait_s``; a later bind refused) is in :mod:`lw.fsm.prefill_ahead`;
+this only carries the answer to it, through the scheduler side (``side``:
+lw.vllm_adapter.scheduler_side.SchedulerSide) it is a part of.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from typing import Any
 
 from lw.contract.params import ContractError, decode_params_for_prefiller
 from lw.contract.transfer_ids import is_sub_transfer_of
-from lw.vllm_adapter import early_bind
 from lw.vllm_adapter.connector_meta import BindSpec, log
 
 __all__ = ["AheadComputes"]
@@ -50,23 +52,6 @@ class AheadComputes:
         if self._requests.pop(rid, None) is not None:
             log.error("lw: request %s computed ahead was dropped before D's params came; a "
                       "decode engine bound to it fails it at its prefill deadline", rid)
-
-    def early(self, side: Any, request: Any, ahead_id: str, answer: tuple[str, Any]) -> None:
-        """The fetch thread, as D's params came: bind the request in the worker now if it
-        shares this process and pushes it already (lw.vllm_adapter.early_bind). Decides
-        nothing: anything else (a fallback, params refused, a push not started) waits for
-        :meth:`poll`, on the scheduler's thread, which also sends the bind with the metadata."""
-        status, val = answer
-        rid = request.request_id
-        if status != "go" or side._pushed.get(rid) != ahead_id:
-            return
-        try:
-            new = self._decoded(side, request, ahead_id, val)
-        except (ContractError, ValueError):
-            return  # poll refuses them and says why
-        if early_bind.deliver(early_bind.engine_key(side.cfg.engine_id, side.cfg.dp_rank),
-                              _bind_spec(ahead_id, rid, new)):
-            side._count("ahead_bound_early")
 
     @staticmethod
     def _decoded(side: Any, request: Any, ahead_id: str, params: Any) -> Any:
@@ -105,7 +90,7 @@ class AheadComputes:
                         log.error("lw: request %s ended before its push started; D's params "
                                   "came after it (transfer %s): nothing is sent", rid, ahead_id)
                     continue
-                # (bound already when the worker took early()'s: it ignores this one)
+                # (the worker bound it as the params came, mid-step: it ignores this copy)
                 side._meta.binds.append(_bind_spec(ahead_id, rid, new))
                 side._pushed[rid] = new.transfer_id
                 if tr is not None:  # still computing: its later chunks go to the bound request

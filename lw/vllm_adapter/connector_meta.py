@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -17,7 +17,7 @@ from lw.vllm_adapter.config import ConfigError
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["BindSpec", "LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "Reprefill",
+__all__ = ["BindSpec", "FetchSpec", "LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "Reprefill",
            "Route", "SendSpec", "kv_geometry", "log"]
 
 log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
@@ -63,6 +63,21 @@ class BindSpec:
 
 
 @dataclass(frozen=True)
+class FetchSpec:
+    """P: a request computed ahead: the worker asks the proxy for D's params itself, so that
+    they bind it mid-step (the scheduler hears the answer in the worker's metadata)."""
+
+    req_id: str
+    ahead_id: str  # the proxy's transfer id, the request's id in the core until bound
+    url: str
+    grant: str
+    prompt: str  # digest of the prompt computed
+    num_prompt_tokens: int
+    geometry: str  # this engine's KV geometry (D's must be the same)
+    block_size: int
+
+
+@dataclass(frozen=True)
 class RecvSpec:
     """D: blocks were allocated for this request; its prefill is being requested."""
 
@@ -103,6 +118,7 @@ class LwConnectorMetadata(KVConnectorMetadata):
 
     sends: list[SendSpec] = field(default_factory=list)
     binds: list[BindSpec] = field(default_factory=list)  # P: before this step's sends
+    fetches: list[FetchSpec] = field(default_factory=list)  # P: params to fetch (compute-ahead)
     recvs: list[RecvSpec] = field(default_factory=list)
     aborts: list[tuple[str, str, str]] = field(default_factory=list)  # (transfer, req, reason)
     # D: where the proxy sent a prefill attempt, for the core's prefill_routed
@@ -123,9 +139,12 @@ class LwWorkerMeta(KVConnectorWorkerMetadata):
     compute_s_per_pair: float = 0.0
     # D: re-prefills the core asked for since the last step (prefill failover, TP 1 only)
     reprefills: list[Reprefill] = field(default_factory=list)
+    # P: the answers of the workers' fetches (FetchSpec): (vLLM request id, "go" / "fallback" /
+    # "error", D's params or why); "go" only for params the worker found to fit
+    ahead_answers: list[tuple[str, str, Any]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """The slowest of two workers' figures; every worker's re-prefills."""
+        """The slowest of two workers' figures; every worker's re-prefills and answers."""
         if not isinstance(other, LwWorkerMeta):
             return self
         c = [x for x in (self.compute_s_per_token, other.compute_s_per_token) if x is not None]
@@ -134,7 +153,8 @@ class LwWorkerMeta(KVConnectorWorkerMetadata):
             wire[host] = max(s, wire.get(host, s))
         return LwWorkerMeta(max(c) if c else None, wire,
                             max(self.compute_s_per_pair, other.compute_s_per_pair),
-                            self.reprefills + other.reprefills)
+                            self.reprefills + other.reprefills,
+                            self.ahead_answers + other.ahead_answers)
 
 
 def kv_geometry(kv_cache_config: KVCacheConfig) -> str:

@@ -51,8 +51,8 @@ COUNTERS: dict[str, str] = {
                       "unscheduled until they came",
     "ahead_computed": "P: requests computed ahead of D's params (compute-ahead)",
     "ahead_bound": "P: requests computed ahead that D's params bound",
-    "ahead_bound_early": "P: of those, bound mid-step from the fetch's thread (the worker in "
-                         "the scheduler's process), not with the next step's metadata",
+    "ahead_bound_early": "P: of those, bound by the worker as its fetch brought the params "
+                         "(mid-step), not with the scheduler's next metadata",
     "ahead_fallbacks": "P: requests sent ahead whose params did not come or did not fit (the "
                        "proxy starts them D first; one computed ahead drops its KV)",
     "protocol_errors": "Messages or events the core refused (counted and dropped, never raised)",

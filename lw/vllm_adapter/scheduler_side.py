@@ -42,6 +42,7 @@ from lw.vllm_adapter.ahead_admission import AheadAdmissions
 from lw.vllm_adapter.ahead_compute import AheadComputes
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
+    FetchSpec,
     LwConnectorMetadata,
     LwWorkerMeta,
     RecvSpec,
@@ -52,6 +53,7 @@ from lw.vllm_adapter.connector_meta import (
 )
 from lw.vllm_adapter.metaserver_client import MetaserverPoster
 from lw.vllm_adapter.metrics import LwKVConnectorStats
+from lw.vllm_adapter.params_fit import check_fit
 from lw.vllm_adapter.tracing import trace_headers_of, tracing_endpoint
 
 if TYPE_CHECKING:
@@ -127,8 +129,7 @@ class SchedulerSide:
         self._counts = {"metaserver_failures": 0, "prefix_hit_blocks": 0, "local_tails": 0,
                         "early_chunk_blocks": 0, "preempted_pushes": 0, "prefill_retries": 0,
                         "refused_params": 0, "ahead_admitted": 0, "ahead_fallbacks": 0,
-                        "ahead_computed": 0, "ahead_bound": 0,
-                        "ahead_bound_early": 0}
+                        "ahead_computed": 0, "ahead_bound": 0}
         self._compute_s_per_token: float | None = None  # from the workers (LwWorkerMeta)
         self._compute_s_per_pair = 0.0
         self._wire_s_per_block: dict[str, float] = {}  # D host -> seconds per block
@@ -215,12 +216,15 @@ class SchedulerSide:
         # each worker would decide its own bind, which the checker does not cover: such a P
         # admits ahead only (it waits for the params, then computes).
         compute = ap.lw_ahead_compute and self.cfg.tp_size == 1
-        self._ahead.admit(request, ap, (lambda answer: self._computes.early(
-            self, request, ap.transfer_id, answer)) if compute else None)
-        if compute:
+        self._ahead.admit(request, ap, fetch=not compute)
+        if compute:  # the worker fetches: the params then bind it mid-step, as they come
+            digest = prompt_digest(request.prompt_token_ids)
+            self._meta.fetches.append(FetchSpec(
+                rid, ap.transfer_id, ap.lw_ahead_url, ap.lw_ahead_grant, digest,
+                request.num_prompt_tokens, self.geometry, self.block_size))
             self._computes.admit(request, ap.transfer_id)
             self._p[rid] = _PReq(request, ap.transfer_id, "", 0, (), PushCursor(0),
-                                 prompt=prompt_digest(request.prompt_token_ids or ()))
+                                 prompt=digest)
             self._count("ahead_computed")
             return True
         self._count("ahead_admitted")
@@ -260,26 +264,11 @@ class SchedulerSide:
     def _parse_decoder_params(self, request: Request, pp: PrefillParams) -> _PReq:
         """What the proxy's signed params (already of their declared type) ask of this engine,
         or ValueError where they do not fit it (TP, geometry, the prompt)."""
-        if pp.lw_params_version != CONTRACT_VERSION:
-            raise ValueError(f"kv_transfer_params lw_params_version={pp.lw_params_version!r}, "
-                             f"this prefill engine speaks {CONTRACT_VERSION} (is the decode "
-                             "engine running lw's connector of this release?)")
-        if self.cfg.peer_tp_size and pp.remote_tp_size != self.cfg.peer_tp_size:
-            raise ValueError(f"decode TP {pp.remote_tp_size} but this prefill engine was "
-                             f"configured for decode TP {self.cfg.peer_tp_size} "
-                             "(kv_connector_extra_config.peer_tp_size)")
-        if pp.lw_geometry != self.geometry:
-            raise ValueError(f"KV geometry differs: decode has {pp.lw_geometry!r}, prefill has "
-                             f"{self.geometry!r}")
-        need = received_blocks(request.num_prompt_tokens, 0, self.block_size).stop
+        check_fit(pp, peer_tp_size=self.cfg.peer_tp_size, geometry=self.geometry,
+                  num_prompt_tokens=request.num_prompt_tokens,
+                  prompt=prompt_digest(request.prompt_token_ids or ()),
+                  block_size=self.block_size)
         first, blocks = pp.remote_first_block, pp.remote_block_ids
-        if first + len(blocks) != need:
-            raise ValueError(f"{first}+{len(blocks)} remote blocks for a prompt of "
-                             f"{request.num_prompt_tokens} tokens ({need} blocks)")
-        if prompt_digest(request.prompt_token_ids or ()) != pp.lw_prompt_digest:
-            # D's blocks are for another prompt: writing this one's KV there is wrong KV
-            raise ValueError("the prompt differs from the one the decode engine allocated its "
-                             "blocks for (lw_prompt_digest)")
         return _PReq(request, pp.transfer_id, pp.remote_host, pp.remote_port, tuple(blocks),
                      PushCursor(first), pp.remote_tp_size, pp.lw_epoch, pp.lw_prompt_digest)
 
@@ -552,6 +541,8 @@ class SchedulerSide:
             self._take_rates(wm)
             for rp in wm.reprefills:
                 self._reprefill(rp)
+            for rid, status, val in wm.ahead_answers:
+                self._ahead.answered(rid, status, val)
 
     def _take_rates(self, wm: LwWorkerMeta) -> None:
         """The workers' latest rates (push_mode auto decides on them)."""

@@ -1,22 +1,34 @@
-"""P's worker, computing ahead: D's params bind a request the core holds under the proxy's
-transfer id (``BindSpec``), from the step's metadata or, sooner, from the scheduler's fetch
-thread (:mod:`lw.vllm_adapter.early_bind`). A part of
+"""P's worker, computing ahead: it fetches D's params for a request the core holds under the
+proxy's transfer id (``FetchSpec``) and binds it as they come, mid-step, instead of a step later
+with the scheduler's metadata (measured: a multi-chunk prompt's writes started a chunk late);
+the scheduler hears the answer in the worker's metadata and sends the same bind (``BindSpec``),
+which a worker that bound already ignores. A part of
 :class:`lw.vllm_adapter.worker_side.WorkerSide`, split from it as a concern of its own."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lw.vllm_adapter.connector_meta import BindSpec, log
+from lw.contract.params import ContractError, decode_params_for_prefiller
+from lw.contract.transfer_ids import is_sub_transfer_of
+from lw.transport.sidechannel import parse_cluster_key
+from lw.vllm_adapter.ahead_client import AheadFetcher
+from lw.vllm_adapter.connector_meta import BindSpec, FetchSpec, log
+from lw.vllm_adapter.params_fit import check_fit
 
 __all__ = ["AheadBinds"]
 
 
 class AheadBinds:
     """The methods WorkerSide takes from here (they use its ``_rid``, ``_held``, ``_t0``,
-    ``_alias``, ``_step_sends``, locks, loop and tracer)."""
+    ``_alias``, ``_step_sends``, ``_ahead_answers``, locks, config, loop and tracer)."""
 
     _alias: dict[str, str]
+    _ahead_answers: list[tuple[str, str, Any]]
+    _fetcher: AheadFetcher | None
+    _extra: dict[str, float]
+    _dirty: bool
+    cfg: Any
     _rid: dict[str, str]
     _held: dict[str, int]
     _t0: dict[str, float]
@@ -26,10 +38,50 @@ class AheadBinds:
     loop: Any
     tracer: Any
 
+    def fetch(self, f: FetchSpec) -> None:
+        """Ask the proxy for D's params of a request computed ahead, on a fetch thread."""
+        if self._fetcher is None:
+            self._fetcher = AheadFetcher(self.cfg)
+        self._fetcher.fetch(f.req_id, f.url, {"transfer_id": f.ahead_id, "grant": f.grant,
+                                              "prompt_digest": f.prompt},
+                            lambda answer: self._fetched(f, answer))
+
+    def _fetched(self, f: FetchSpec, answer: tuple[str, Any]) -> None:
+        """The fetch thread: params that fit bind the request now; the answer, or why the
+        params were refused, goes to the scheduler with the worker's metadata."""
+        status, val = answer
+        if status == "go":
+            try:
+                spec = self._bind_spec(f, val)
+            except (ContractError, ValueError) as exc:
+                status, val = "fallback", f"D's params refused: {exc}"
+            else:
+                if self.bind_now(spec):
+                    with self._lock:
+                        self._extra["ahead_bound_early"] += 1
+                    self._dirty = True
+        with self._lock:
+            self._ahead_answers.append((f.req_id, status, val))
+
+    def _bind_spec(self, f: FetchSpec, params: Any) -> BindSpec:
+        """D's params as a bind of ``f``'s request, or ContractError / ValueError where they
+        are not the proxy's for this transfer or do not fit (the scheduler's own check)."""
+        pp = decode_params_for_prefiller(parse_cluster_key(self.cfg.cluster_key or None), params)
+        if not is_sub_transfer_of(pp.transfer_id, f.ahead_id):
+            raise ContractError("kv_transfer_params.transfer_id", "not a sub-transfer of the "
+                                "transfer computed ahead")
+        check_fit(pp, peer_tp_size=self.cfg.peer_tp_size, geometry=f.geometry,
+                  num_prompt_tokens=f.num_prompt_tokens, prompt=f.prompt,
+                  block_size=f.block_size)
+        return BindSpec(f.ahead_id, pp.transfer_id, f.req_id, pp.remote_host, pp.remote_port,
+                        tuple(pp.remote_block_ids), pp.remote_first_block, pp.remote_tp_size,
+                        pp.lw_epoch, pp.lw_prompt_digest)
+
     def bind_now(self, b: BindSpec) -> bool:
-        """D's params for a request computed ahead, from the scheduler's fetch thread as soon
-        as they came (lw.vllm_adapter.early_bind): bound now, mid-step, if this worker holds
-        it; False when not (yet): the next step's metadata brings the same bind."""
+        """D's params for a request computed ahead, on the fetch thread as they came: bound
+        now, mid-step, if this worker holds it; False when not (yet): the scheduler's next
+        metadata brings the same bind, or makes it a D-first prefill if its push had not
+        started."""
         with self._step_lock:
             if b.ahead_id in self._alias or self._rid.get(b.ahead_id) != b.req_id:
                 return False

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from lw.fsm.kvmap import describe, expected_senders, targets_of
 from lw.fsm.status import failure_kind
 from lw.fsm.timeline import drain
-from lw.vllm_adapter import early_bind
+from lw.vllm_adapter.ahead_client import AheadFetcher
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
 from lw.vllm_adapter.connector_meta import (
     LwConnectorMetadata,
@@ -89,11 +89,13 @@ class WorkerSide(AheadBinds):
         self._idle_wait_s = cfg.idle_wait_ms / 1000
         self._rid: dict[str, str] = {}  # transfer id -> vLLM request id (live in the core)
         # P: a request computed ahead and bound here before the scheduler knew: its ahead id ->
-        # D's id, for the scheduler's metadata still naming it by the first (lw.vllm_adapter.
-        # early_bind); a step's metadata and a bind from the fetch thread take turns (RLock:
-        # the metadata's own binds run under it)
+        # D's id, for the scheduler's metadata still naming it by the first (worker_binds); a
+        # step's metadata and a bind from the fetch thread take turns (RLock: the metadata's
+        # own binds run under it)
         self._alias: dict[str, str] = {}
         self._step_lock = threading.RLock()
+        self._fetcher: AheadFetcher | None = None  # P: D's params of requests computed ahead
+        self._ahead_answers: list[tuple[str, str, Any]] = []  # for the scheduler's next step
         self._held: dict[str, int] = {}  # transfer id -> blocks held for it
         self._aborted: set[str] = set()  # transfer ids aborted by our scheduler (for logs)
         self._ours: set[str] = set()  # P: request ids pushed and not yet reported
@@ -107,7 +109,8 @@ class WorkerSide(AheadBinds):
         self._t0: dict[str, float] = {}  # P: transfer id -> first layer hook time
         self._lock = threading.Lock()  # guards the pending sets (Future callbacks)
         self._last: dict[str, float] = {}
-        self._extra = dict.fromkeys(("transfer_seconds", "quarantines"), 0.0)
+        self._extra = dict.fromkeys(("transfer_seconds", "quarantines", "ahead_bound_early"),
+                                    0.0)
         self._last_stats_t = 0.0
         self._dirty = False
         self._reported_gauges: tuple[int, int] = (0, 0)
@@ -190,8 +193,6 @@ class WorkerSide(AheadBinds):
             self.loop.start()  # the loop starts the data plane's sender and fence threads
         if self.cfg.is_producer:
             self.rates = PushRates(self._block_bytes())
-            if self.cfg.tp_size == 1:  # computing ahead: binds from the fetch thread
-                early_bind.register(self._engine_key(), self)
         if self._trace_endpoint:
             try:
                 self.tracer = LifecycleTracer(self._trace_endpoint, "prefill" if
@@ -206,9 +207,6 @@ class WorkerSide(AheadBinds):
                  len(self.planes), self.num_blocks, self.planes[0].block_len,
                  len(merged_regions(self.planes)), describe(self.fmt),
                  f"; {prepared}" if prepared else "")
-
-    def _engine_key(self) -> tuple[str, int]:
-        return early_bind.engine_key(self.cfg.engine_id, self.cfg.dp_rank)
 
     def _format(self, kv: Any) -> Any:
         """This rank's head format: which of the model's KV heads its blocks hold, and how."""
@@ -309,6 +307,8 @@ class WorkerSide(AheadBinds):
             senders = expected_senders(self.fmt, self.cfg.peer_tp_size or self.cfg.tp_size)
             self._call("add_request", r.transfer_id, r.block_ids, senders, rid=r.req_id,
                        tid=r.transfer_id, prompt=r.prompt)
+        for f in meta.fetches:
+            self.fetch(f)
         for b in meta.binds:  # before this step's chunks, which already carry D's id
             self._bind(b)
         alias = self._alias
@@ -544,9 +544,8 @@ class WorkerSide(AheadBinds):
         data["transfer_failures"] = fails - self._last.get("transfer_failures", 0.0)
         self._last["transfer_failures"] = fails
         with self._lock:
-            data["transfer_seconds"] = self._extra["transfer_seconds"]
-            data["quarantines"] = self._extra["quarantines"]
-            self._extra["transfer_seconds"] = self._extra["quarantines"] = 0.0
+            data.update(self._extra)
+            self._extra = dict.fromkeys(self._extra, 0.0)
             failed_by, self._failed_by = self._failed_by, {}
         data_s: dict[str, Any] = dict(data)
         data_s[BY_REASON] = failed_by
@@ -559,20 +558,28 @@ class WorkerSide(AheadBinds):
         return LwKVConnectorStats(data=data_s)
 
     def worker_meta(self) -> LwWorkerMeta | None:
-        """P: the forward and wire rates for the scheduler's push_mode "auto"; D: the
-        re-prefills the core asked for since the last step."""
+        """P: the forward and wire rates for the scheduler's push_mode "auto" and the answers
+        of its fetches (computing ahead); D: the re-prefills the core asked for since the last
+        step."""
         if self.loop is None:
             return None
         if self.rates is None:
             with self._lock:
                 out, self._reprefills = self._reprefills, []
             return LwWorkerMeta(reprefills=out) if out else None
-        return self.rates.meta(self.loop.writes.link.goodput)
+        wm = self.rates.meta(self.loop.writes.link.goodput)
+        if self._ahead_answers:
+            with self._lock:
+                answers, self._ahead_answers = self._ahead_answers, []
+            wm = wm or LwWorkerMeta()
+            wm.ahead_answers = answers
+        return wm
 
     def close(self) -> None:
         """Stop the loop (closes side channel and data plane)."""
         if self._gate is not None:
             self._gate.close()
-        early_bind.unregister(self._engine_key(), self)
+        if self._fetcher is not None:
+            self._fetcher.close()
         if self.loop is not None:
             self.loop.stop()

@@ -21,6 +21,7 @@ from lw.contract.ahead import sign_ahead_params  # noqa: E402
 from lw.contract.params import prompt_digest, sign_params  # noqa: E402
 from lw.transport.sidechannel import parse_cluster_key  # noqa: E402
 from lw.vllm_adapter.config import LwConfig  # noqa: E402
+from lw.vllm_adapter.connector_meta import LwWorkerMeta  # noqa: E402
 from tests.vllm_adapter.test_connector_scheduler import (  # noqa: E402
     BASELINE,
     Driver,
@@ -45,12 +46,10 @@ class FakeFetcher:
         self.fetches: list[tuple[str, str, dict[str, Any]]] = []
         self.answers: dict[str, tuple[str, Any]] = {}
         self.forgotten: list[str] = []
-        self.then: dict[str, Any] = {}  # rid -> what the fetch thread calls with its answer
         FakeFetcher.last = self
 
-    def fetch(self, rid: str, url: str, body: dict[str, Any], then: Any = None) -> None:
+    def fetch(self, rid: str, url: str, body: dict[str, Any]) -> None:
         self.fetches.append((rid, url, body))
-        self.then[rid] = then
 
     def take(self, rid: str) -> tuple[str, Any] | None:
         return self.answers.pop(rid, None)
@@ -83,7 +82,6 @@ def test_an_ahead_request_waits_without_blocks_until_d_params_come(model_dir: st
     ((rid, url, body),) = f.fetches
     assert (rid, url, body["transfer_id"]) == ("r1", URL, "t1")
     assert body["prompt_digest"] == prompt_digest(list(range(10, 50)))
-    assert f.then["r1"] is None  # admit-ahead: nothing is computed, nothing to bind early
     for _ in range(3):
         so = d.step()
         assert not so.num_scheduled_tokens and free_blocks(s) == BASELINE
@@ -170,6 +168,13 @@ def computing(tid: str = "t1") -> dict[str, Any]:
     return sign_ahead_params(None, URL, tid, "g" * 32, compute=True)
 
 
+def answered(rid: str, status: str, val: Any) -> KVConnectorOutput:
+    """A step whose worker's fetch of ``rid``'s params answered (compute-ahead: P's worker
+    fetches them and binds as they come; the scheduler hears it in the worker's metadata)."""
+    return KVConnectorOutput(kv_connector_worker_meta=LwWorkerMeta(
+        ahead_answers=[(rid, status, val)]))
+
+
 def test_a_request_computed_ahead_is_scheduled_at_once_and_bound_later(model_dir: str) -> None:
     """compute-ahead: scheduled in its first step, added to the workers' core ahead (no
     decoder), its blocks held after it finished while the engine keeps stepping; the fetched
@@ -178,23 +183,23 @@ def test_a_request_computed_ahead_is_scheduled_at_once_and_bound_later(model_dir
     d = Driver(s)
     before = sys.getswitchinterval()
     s.add_request(make_request("r1", 40, params=computing()))
-    f = FakeFetcher.last
-    assert f is not None and len(f.fetches) == 1
+    assert FakeFetcher.last is None  # not fetched here: by the worker
     so = d.step()
     assert so.num_scheduled_tokens == {"r1": 40}
     assert sys.getswitchinterval() == before  # the engine is busy computing: nothing to spin
+    (fetch,) = d.meta.fetches  # the worker asks for the params, and binds as they come
+    assert (fetch.req_id, fetch.ahead_id, fetch.url, fetch.grant) == ("r1", "t1", URL, "g" * 32)
+    assert fetch.prompt == prompt_digest(list(range(10, 50))) and fetch.num_prompt_tokens == 40
     (spec,) = d.meta.sends
     assert spec.ahead and spec.first and spec.final and spec.transfer_id == "t1"
     assert spec.prompt == prompt_digest(list(range(10, 50))) and len(spec.local_blocks) == 3
     assert d.finished["r1"] is not None  # its one token: P's POST ends before the bind
     assert free_blocks(s) < BASELINE  # ... and its blocks stay held for the bind
     assert s.connector.has_pending_push_work()
-    d.step()
+    d.step(answered("r1", "go", decoder_params(tid="t1@r1", n=40, first=1)))
     assert not d.meta.binds
-    f.answers["r1"] = ("go", decoder_params(tid="t1@r1", n=40, first=1))
-    f.then["r1"](f.answers["r1"])  # the fetch thread: no worker in this test takes it early
     d.step()
-    (b,) = d.meta.binds  # the step carries it whatever happened early
+    (b,) = d.meta.binds  # the step carries it (a worker that bound it already ignores it)
     assert (b.ahead_id, b.transfer_id, b.req_id) == ("t1", "t1@r1", "r1")
     assert b.remote_blocks == (40, 41) and b.first_block == 1
     d.step(KVConnectorOutput(finished_sending={"r1"}))
@@ -202,16 +207,20 @@ def test_a_request_computed_ahead_is_scheduled_at_once_and_bound_later(model_dir
     assert any(st.get("ahead_computed") for st in d.stats)
 
 
-def test_params_that_come_before_the_first_step_make_a_d_first_prefill(model_dir: str) -> None:
+def test_params_that_come_before_its_push_started_make_a_d_first_prefill(
+        model_dir: str) -> None:
+    """last_chunk: the first of two chunks pushes nothing; params that came meanwhile make the
+    push that starts with the last chunk an ordinary D-first one (no bind)."""
     s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
     d = Driver(s)
-    s.add_request(make_request("r1", 40, params=computing()))
-    assert FakeFetcher.last is not None
-    FakeFetcher.last.answers["r1"] = ("go", decoder_params(tid="t1@r1", n=40))
+    s.add_request(make_request("r1", 100, params=computing()))
+    d.step(answered("r1", "go", decoder_params(tid="t1@r1", n=100)))
+    assert d.meta.fetches and not d.meta.sends
     d.step()
     (spec,) = d.meta.sends
-    assert not spec.ahead and spec.transfer_id == "t1@r1" and spec.remote_blocks == (40, 41, 42)
-    assert not d.meta.binds
+    assert not spec.ahead and spec.transfer_id == "t1@r1"
+    assert spec.remote_blocks == tuple(range(40, 47))
+    assert not d.meta.binds and not d.meta.aborts
 
 
 @pytest.mark.parametrize("answer", [
@@ -223,13 +232,11 @@ def test_a_request_computed_ahead_whose_params_do_not_come_is_aborted(
     s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
     d = Driver(s)
     s.add_request(make_request("r1", 40, params=computing()))
-    f = FakeFetcher.last
-    assert f is not None
     d.step()
     status, val = answer
     if val == "another prompt":
         val = decoder_params(tid="t1@r1", n=40, start=11)
-    f.answers["r1"] = (status, val)
+    d.step(answered("r1", status, val))
     d.step()
     assert not d.meta.binds
     ((tid, rid, why),) = d.meta.aborts  # the core drops what it computed, frees the blocks

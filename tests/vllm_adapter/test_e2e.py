@@ -844,6 +844,7 @@ def test_ahead_start_modes_equal_single_engine_and_bind_every_prefill(
     ahead = Server("ahead-proxy", argv, env, f"http://127.0.0.1:{port}",
                    tmp_path / "ahead-proxy.log")
     ahead.start()
+    p_before = metrics(cluster.url("prefill"))
     try:
         wait_ready([ahead], 60)
         # fresh prompts per mode: D's prefix cache holds the other mode's (D would compute them
@@ -874,6 +875,13 @@ def test_ahead_start_modes_equal_single_engine_and_bind_every_prefill(
         assert (m["ahead_started"], m["ahead_bound"], m["prefills"]) == (n, n, n), m
         assert m["ahead_fallbacks"] == m["ahead_unbound"] == m["prefill_failures"] == 0, m
         assert not any((h := wait_idle(cluster)).values()), h
+        if mode == "compute-ahead":  # P's worker (its own process) bound as the params came
+            key = "lw_ahead_bound_early_total"
+            deadline = time.monotonic() + 60  # connector stats: on vLLM's logging interval
+            while (early := metrics(cluster.url("prefill")).get(key, 0.0)
+                   - p_before.get(key, 0.0)) < 1 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert 1 <= early <= n, early
     finally:
         ahead.stop()
 

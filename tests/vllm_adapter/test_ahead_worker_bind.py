@@ -1,7 +1,8 @@
-"""P's worker binds a request computed ahead mid-step, from the scheduler's fetch thread
-(lw.vllm_adapter.early_bind), through vLLM's real Scheduler and lw's real worker connectors in
-one process (the in-process data plane): D's blocks then hold exactly what P computed, every
-block comes back, and the step's metadata copy of the bind changes nothing."""
+"""P's worker fetches D's params for a request computed ahead and binds it mid-step, as they
+come (lw.vllm_adapter.worker_binds), through vLLM's real Scheduler and lw's real worker
+connectors in one process (the in-process data plane): D's blocks then hold exactly what P
+computed, every block comes back, the scheduler learns the answer from the worker's metadata,
+and its copy of the bind changes nothing. The fetch thread is played by the test."""
 
 from __future__ import annotations
 
@@ -12,13 +13,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import lw.vllm_adapter.ahead_admission as ahead_mod  # noqa: E402
+import lw.vllm_adapter.worker_binds as binds_mod  # noqa: E402
 from lw.contract.ahead import sign_ahead_params  # noqa: E402
-from lw.vllm_adapter import early_bind  # noqa: E402
 from lw.vllm_adapter.config import LwConfig  # noqa: E402
-from lw.vllm_adapter.connector_meta import BindSpec  # noqa: E402
 
 from .test_connector_scheduler import (  # noqa: E402
+    BASELINE,
     LAYERS,
     PROGRESSIVE,
     Cluster,
@@ -26,6 +26,7 @@ from .test_connector_scheduler import (  # noqa: E402
     as_proxy,
     cluster_factory,  # noqa: F401  (fixture)
     fake_poster,  # noqa: F401  (autouse fixture: no metaserver thread)
+    free_blocks,
     make_request,
     model_dir,  # noqa: F401  (fixture)
 )
@@ -34,31 +35,24 @@ URL = "http://127.0.0.1:9/v1/ahead"
 
 
 class HeldFetcher:
-    """The fetch thread, played by the test: it answers when the test says, ``then`` first
-    (as the real fetcher does on its thread), the answer kept for the scheduler's step."""
+    """The worker's fetch thread, played by the test: it answers when the test says."""
 
     last: HeldFetcher | None = None
 
     def __init__(self, cfg: LwConfig) -> None:
         self.then: dict[str, Callable[[tuple[str, Any]], None] | None] = {}
-        self.answers: dict[str, tuple[str, Any]] = {}
+        self.bodies: dict[str, dict[str, Any]] = {}
         HeldFetcher.last = self
 
     def fetch(self, rid: str, url: str, body: dict[str, Any],
               then: Callable[[tuple[str, Any]], None] | None = None) -> None:
         self.then[rid] = then
+        self.bodies[rid] = body
 
     def answer(self, rid: str, answer: tuple[str, Any]) -> None:
-        self.answers[rid] = answer
-        then = self.then[rid]
-        assert then is not None, "a request computed ahead is bound as its params come"
+        then = self.then.pop(rid)
+        assert then is not None, "the worker acts on its fetch's answer as it comes"
         then(answer)
-
-    def take(self, rid: str) -> tuple[str, Any] | None:
-        return self.answers.pop(rid, None)
-
-    def forget(self, rid: str) -> None:
-        self.answers.pop(rid, None)
 
     def close(self) -> None:
         pass
@@ -66,7 +60,7 @@ class HeldFetcher:
 
 @pytest.fixture(autouse=True)
 def held_fetcher(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(ahead_mod, "AheadFetcher", HeldFetcher)
+    monkeypatch.setattr(binds_mod, "AheadFetcher", HeldFetcher)
     HeldFetcher.last = None
     yield
 
@@ -74,12 +68,15 @@ def held_fetcher(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def _computing_cluster(make: Callable[..., Cluster], n: int) -> tuple[Cluster, list[int], Any]:
     """P computes ``n`` tokens ahead (its first chunk done), D allocated and posted its call."""
     c = make(p_extra=PROGRESSIVE)
+    c.p.worker_meta = True  # the worker's answers reach the scheduler
     c.relay_enabled = False  # the proxy binds P's ahead request instead of a D-first prefill
     toks = list(range(3000, 3000 + n))
     c.prompts["r1"] = toks
     c.p.sched.add_request(make_request("p-r1", n, tokens=toks, params=sign_ahead_params(
         None, URL, "t1", "g" * 32, compute=True)))
     c.p.step()  # chunk 1 computed, under the proxy's transfer id, nothing sent
+    f = HeldFetcher.last
+    assert f is not None and f.bodies["p-r1"]["transfer_id"] == "t1"  # the worker asked
     c.add("r1", toks, tid="t1")
     c.run_until(lambda: bool(FakePoster.instances and FakePoster.instances[0].posts))
     (_rid, tid, _url, msg) = FakePoster.instances[0].posts[0]
@@ -111,17 +108,43 @@ def test_params_that_come_mid_step_bind_the_worker_before_the_step_ends(
     assert not worker._alias and not worker._rid  # the ahead id forgotten with the request
 
 
-def test_params_before_this_worker_holds_the_request_wait_for_the_step(
+def test_params_before_the_push_started_make_a_d_first_prefill(
         cluster_factory: Callable[..., Cluster]) -> None:  # noqa: F811
-    """A worker that does not hold the request (not pushed yet, another engine's) is not
-    bound early: the step's metadata binds it."""
-    c, _toks, answer = _computing_cluster(cluster_factory, 150)
-    worker = c.p.worker._worker
-    assert worker is not None
-    spec = BindSpec("t-other", "t-other@r9", "p-r9", "127.0.0.1", 1, (1,), 0)
-    assert not early_bind.deliver(early_bind.engine_key(worker.cfg.engine_id, 0), spec)
-    assert HeldFetcher.last is not None
-    HeldFetcher.last.answers["p-r1"] = answer  # the step finds it; nothing binds early
+    """The worker does not hold the request yet (its push starts at a later chunk): it binds
+    nothing; the scheduler, told by the worker's metadata, pushes it D first from there."""
+    c = cluster_factory(p_extra={"push_mode": "last_chunk"})
+    c.p.worker_meta = True
+    c.relay_enabled = False
+    toks = list(range(4000, 4150))
+    c.prompts["r1"] = toks
+    c.p.sched.add_request(make_request("p-r1", 150, tokens=toks, params=sign_ahead_params(
+        None, URL, "t1", "g" * 32, compute=True)))
+    c.p.step()  # chunk 1 computed; last_chunk: nothing pushed yet
+    c.add("r1", toks, tid="t1")
+    c.run_until(lambda: bool(FakePoster.instances and FakePoster.instances[0].posts))
+    (_rid, tid, _url, msg) = FakePoster.instances[0].posts[0]
+    f = HeldFetcher.last
+    assert f is not None
+    f.answer("p-r1", ("go", as_proxy(msg["kv_transfer_params"], tid)))
     c.run_until(lambda: len(c.d.finished) == 1 and c.idle())
     assert c.verified == {"r1": True}
     assert c.p.total("ahead_bound_early") == 0 and c.p.total("ahead_bound") == 1
+
+
+@pytest.mark.parametrize("answer", ["another prompt", "fallback"])
+def test_params_that_do_not_fit_or_do_not_come_bind_nothing_and_free_the_blocks(
+        cluster_factory: Callable[..., Cluster], answer: str) -> None:  # noqa: F811
+    c, _toks, (_go, params) = _computing_cluster(cluster_factory, 150)
+    f = HeldFetcher.last
+    assert f is not None
+    if answer == "another prompt":
+        params = {**params, "lw_prompt_digest": "0" * 64}  # D allocated for another prompt
+        f.answer("p-r1", ("go", params))
+    else:
+        f.answer("p-r1", ("fallback", "no decode engine's call within 2 s"))
+    worker = c.p.worker._worker
+    assert worker is not None and not worker._alias
+    for _ in range(20):
+        c.p.step()
+    assert c.p.total("ahead_bound") == 0 and c.p.total("ahead_bound_early") == 0
+    assert free_blocks(c.p.sched) == BASELINE and not worker._rid
