@@ -45,12 +45,18 @@ def build_ahead_body(tr: Transfer, url: str, grant: str, key: bytes | None,
 
 def start(state: ProxyState, tr: Transfer) -> None:
     """Send ``tr``'s prefill to P now, if it can go ahead: one sub-transfer (D makes one call
-    whose prompt P can match), a prefill server of lw's, and a free ahead slot on it."""
+    whose prompt P can match), a prefill server of lw's, a free ahead slot on it, and a D not
+    backlogged (fewer than ``ahead_d_backlog`` requests it has not allocated for)."""
     if tr.local or tr.allowance != 1:
         return
     backend = tr.prefill_target or state.pick(state.prefills)
     if backend.ahead_waiting >= state.ahead_limit:
         state.counters["ahead_skipped_full"] += 1
+        return
+    backlog = sum(1 for t in state.transfers.values()
+                  if t is not tr and t.decode is tr.decode and t.unallocated())
+    if backlog >= state.ahead_d_backlog:
+        state.counters["ahead_skipped_d_backlog"] += 1
         return
     a = AheadPrefill(backend, compute=state.start_mode == "compute-ahead")
     a.answer = asyncio.get_running_loop().create_future()

@@ -349,6 +349,7 @@ class Exchange(Response):
             content_type = resp.headers.get("content-type", "application/json")
             if not tr.stream:
                 data = await resp.aread()
+                tr.answering = True
                 state.timeline.mark(tr.request_id, "first_token")
                 await self._start(send, 200, content_type)
                 self.relayed = True
@@ -445,6 +446,7 @@ class Exchange(Response):
         if not data:
             return
         if not self.relayed:
+            self.tr.answering = True
             self.state.timeline.mark(self.tr.request_id, "first_token")
         self.relayed = True
         await send({"type": "http.response.body", "body": data, "more_body": True})

@@ -373,6 +373,12 @@ class Transfer:
     # The side channels of the D workers that asked for this transfer's prefills (its
     # metaserver calls name them): whom the proxy asks if D fails the request.
     decode_workers: dict[str, None] = field(default_factory=dict)
+    answering: bool = False  # D's answer began (its first token): it allocated, if it had to
+
+    def unallocated(self) -> bool:
+        """Whether D has shown no sign yet of having allocated for it: no metaserver call,
+        no token (D, short of free blocks, keeps such requests queued)."""
+        return not (self.local or self.prefills or self.answering)
 
 
 class PrefillTargets(Protocol):
@@ -442,16 +448,21 @@ class ProxyState:
         limits: Limits | None = None,
         start_mode: str = "d-first",
         ahead_limit: int = 4,
+        ahead_d_backlog: int = 4,
     ) -> None:
         self.limits = limits or Limits()
-        if start_mode not in ("d-first", "admit-ahead", "compute-ahead") or ahead_limit < 1:
+        if (start_mode not in ("d-first", "admit-ahead", "compute-ahead") or ahead_limit < 1
+                or ahead_d_backlog < 1):
             raise ValueError(f"start_mode {start_mode!r} (d-first, admit-ahead or "
-                             f"compute-ahead) and "
-                             f"ahead_limit {ahead_limit} (>= 1)")
+                             f"compute-ahead), ahead_limit {ahead_limit} and ahead_d_backlog "
+                             f"{ahead_d_backlog} (>= 1)")
         # admit-ahead: a request's prefill goes to P with its D request, at most ahead_limit
         # per prefill server waiting for D's params (lw.proxy.ahead)
         self.start_mode = start_mode
         self.ahead_limit = ahead_limit
+        # ... and none while the request's D has this many requests it has not allocated for
+        # (D-first's backpressure: a D short of free blocks must not have P compute for it)
+        self.ahead_d_backlog = ahead_d_backlog
         self.refusals = RateLimitedLog(log)  # one line per kind and 5 s, whatever the flood
         self.health_cache: tuple[float, dict[str, Any]] | None = None  # (when, report)
         self.health_task: asyncio.Future[dict[str, Any]] | None = None  # the probe running
@@ -512,6 +523,7 @@ class ProxyState:
             "ahead_expired": 0,
             "ahead_unbound": 0,
             "ahead_skipped_full": 0,
+            "ahead_skipped_d_backlog": 0,
             "ahead_fetches_refused": 0,
         }
 

@@ -240,3 +240,23 @@ def test_compute_ahead_on_a_p_that_did_not_hold_the_kv_starts_d_first() -> None:
         assert len(w.tids("p_request")) == 1 and not w.tids("p_ahead_go")
         m = c.metrics()
         assert m["ahead_bound"] == 0 and m["ahead_unbound"] == 1
+
+
+def test_none_goes_ahead_while_its_d_has_requests_it_has_not_allocated_for() -> None:
+    """D-first's backpressure kept: a D short of free blocks queues requests (no metaserver
+    call, no token); while it holds ``ahead_d_backlog`` of them, no prefill goes to P ahead."""
+    with ThreadPoolExecutor(1) as pool, ahead_cluster(
+            wait_s=0.3, mode="compute-ahead", ahead_d_backlog=1) as c:
+        pool.submit(post, c, completion("dhang queued on D"))  # D never allocates it
+        wait_for(lambda: bool(c.world.tids("d_request")))
+        r = post(c, completion("hello there"))
+        assert r.status_code == 200, r.text
+        m = c.metrics()
+        assert (m["ahead_started"], m["ahead_skipped_d_backlog"]) == (1, 1), m
+        assert len(c.world.tids("p_request")) == 1  # the second one: D first
+
+
+def test_an_ahead_bound_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="ahead_d_backlog 0"):
+        with ahead_cluster(mode="compute-ahead", ahead_d_backlog=0):
+            pass
