@@ -74,7 +74,7 @@ def prefill_declaration(num_layers: int) -> Declaration:
             # One target D worker accepted (or accepted again) while another has not yet.
             rows("target_accepted", [AWAIT_DECODER_META], STAY, "other targets pending"),
             # D does not know the request yet: ask again on the next retry tick.
-            rows("meta_unknown", [AWAIT_DECODER_META], STAY, "retry later"),
+            rows("meta_unknown", [AWAIT_DECODER_META], STAY, "retry soon, backing off"),
             rows("meta_unknown", [META_READY, *sent, CHUNK_SENT, DONE, FAILED], STAY,
                  "stale reply"),
             # The scheduler computes another chunk of the prompt (progressive push): its

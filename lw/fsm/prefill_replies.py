@@ -42,6 +42,13 @@ class DecoderReplies:
             return
         if msg.status == "unknown":
             self._fire(rec, "meta_unknown", now)
+            if rec.state == AWAIT_DECODER_META:
+                # D's worker has not registered it yet (it takes its step's metadata after
+                # D's scheduler asked for the prefill; a claim computed ahead comes that soon):
+                # ask again soon, backing off to meta_retry_s, not after the whole of it
+                retry = self.config.unknown_retry_s * 2 ** max(rec.meta_tries - 1, 0)
+                out.append(ArmTimer(("meta", rec.req.req_id),
+                                    now + min(retry, self.config.meta_retry_s)))
             return
         if rec.state != AWAIT_DECODER_META:
             self._fire(rec, "meta_accepted", now)  # declared duplicate

@@ -206,3 +206,26 @@ def test_a_layer_reported_under_the_ahead_id_after_the_bind_counts_for_d_s() -> 
     pair.deliver_all()
     assert p.state_of("r") == "DONE" and pair.recv == [RecvDone("r")]
     assert p.layer_computed(0, ["t-ahead"], pair.now) == [] and not p._aliases
+
+
+def test_a_claim_d_does_not_know_yet_is_asked_again_soon_backing_off() -> None:
+    """A bind that comes as soon as D's call (computing ahead) can claim before D's worker
+    registered the request: D answers "unknown", and P asks again after unknown_retry_s
+    (doubling per try up to meta_retry_s), not after the whole meta_retry_s."""
+    cfg = PrefillConfig(ahead_wait_s=WAIT)
+    pair = Pair([PrefillEndpoint(p_sender(0), L, cfg)], DecodeEndpoint(d_sender(), d_layout(L)))
+    p = pair.ps[0]
+    pair.absorb(0, p.add_ahead("r", (1, 2, 3), True, "", pair.now))
+    compute(pair)
+    pair.absorb(0, p.bind(bound((10, 11, 12)), 0, pair.now))
+    pair.deliver_all()  # D has not registered "r": unknown
+    assert pair.timers[(0, ("meta", "r"))] == pytest.approx(cfg.unknown_retry_s)
+    pair.advance(cfg.unknown_retry_s)  # asked again: still unknown, the next wait doubles
+    assert pair.timers[(0, ("meta", "r"))] == pytest.approx(3 * cfg.unknown_retry_s)
+    pair.absorb("d", pair.d.add_request("r", (10, 11, 12), 1, pair.now))  # registered now
+    pair.advance(3 * cfg.unknown_retry_s)
+    assert [(w.layer, w.remote_blocks) for _, w in pair.writes] == [
+        (k, (10, 11, 12)) for k in range(L)]
+    pair.complete_writes()
+    pair.deliver_all()
+    assert p.state_of("r") == "DONE" and pair.recv == [RecvDone("r")]
