@@ -7,6 +7,7 @@ which a worker that bound already ignores. A part of
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from lw.contract.params import ContractError, decode_params_for_prefiller
@@ -18,12 +19,17 @@ from lw.vllm_adapter.params_fit import check_fit
 
 __all__ = ["AheadBinds"]
 
+BOUND_MEMORY = 4096
+"""Ahead ids bound mid-step remembered, so that the scheduler's copy of a bind is recognised
+even once the request ended (a 128-token prompt's transfer often ends before the copy comes)."""
+
 
 class AheadBinds:
     """The methods WorkerSide takes from here (they use its ``_rid``, ``_held``, ``_t0``,
     ``_alias``, ``_step_sends``, ``_ahead_answers``, locks, config, loop and tracer)."""
 
     _alias: dict[str, str]
+    _bound_early: OrderedDict[str, None]
     _ahead_answers: list[tuple[str, str, Any]]
     _fetcher: AheadFetcher | None
     _extra: dict[str, float]
@@ -86,6 +92,9 @@ class AheadBinds:
             if b.ahead_id in self._alias or self._rid.get(b.ahead_id) != b.req_id:
                 return False
             self._bind(b)
+            self._bound_early[b.ahead_id] = None
+            while len(self._bound_early) > BOUND_MEMORY:
+                self._bound_early.popitem(last=False)
             # this step's later layers go under D's id; those already queued reach the core
             # after the bind, which knows them by the old one too
             self._step_sends = [b.transfer_id if t == b.ahead_id else t
@@ -98,8 +107,8 @@ class AheadBinds:
         meanwhile) reports under the old one, an accepted one under the new."""
         from lw.fsm import PrefillRequest
 
-        if self._alias.get(b.ahead_id) == b.transfer_id:
-            return  # bound mid-step already (bind_now): this is the step's copy
+        if b.ahead_id in self._bound_early:
+            return  # bound mid-step already (bind_now): this is the scheduler's copy
         if self._rid.get(b.ahead_id) != b.req_id:
             log.error("lw: request %s (transfer %s) bound after it ended here", b.req_id,
                       b.transfer_id)

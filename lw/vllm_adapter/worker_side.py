@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,7 @@ class WorkerSide(AheadBinds):
         # step's metadata and a bind from the fetch thread take turns (RLock: the metadata's
         # own binds run under it)
         self._alias: dict[str, str] = {}
+        self._bound_early: OrderedDict[str, None] = OrderedDict()  # (worker_binds)
         self._step_lock = threading.RLock()
         self._fetcher: AheadFetcher | None = None  # P: D's params of requests computed ahead
         self._ahead_answers: list[tuple[str, str, Any]] = []  # for the scheduler's next step
