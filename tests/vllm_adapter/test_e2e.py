@@ -843,8 +843,8 @@ def test_ahead_start_modes_equal_single_engine_and_bind_every_prefill(
     env = dict(os.environ, PYTHONUNBUFFERED="1", LW_CLUSTER_KEY=cluster.cluster_key)
     ahead = Server("ahead-proxy", argv, env, f"http://127.0.0.1:{port}",
                    tmp_path / "ahead-proxy.log")
-    ahead.start()
     p_before = metrics(cluster.url("prefill"))
+    ahead.start()
     try:
         wait_ready([ahead], 60)
         # fresh prompts per mode: D's prefix cache holds the other mode's (D would compute them
