@@ -122,6 +122,14 @@ class LwConfig:
         "`lw proxy --start-mode compute-ahead`: a prefill computed ahead of D's params that they"
         " have not bound by then is dropped and its blocks freed (a bind after that is refused)."
         " Above the proxy's `--ahead-wait` (2 s), by the longest a P engine may stall")
+    ahead_compute_max_tokens: int = _key(
+        0, "P",
+        "`lw proxy --start-mode compute-ahead`: compute ahead only prompts of at most this many "
+        "tokens; a longer one is admitted ahead (computed once D's params came). What computing "
+        "ahead gains is D's admission, a few ms whatever the prompt; measured, prompts of "
+        "several chunks lost more than that (docs/benchmarks.md). 0: one engine step's token "
+        "budget (`max_num_batched_tokens`)",
+        shown="0 (one step)")
     progress_timeout_s: float = _key(
         0.0, "P",
         "fail a push sooner when it made no progress for this long (no layer computed, no "
@@ -395,6 +403,9 @@ class LwConfig:
         if values["push_mode"] not in PUSH_MODES:
             raise ConfigError(f"kv_connector_extra_config.push_mode={values['push_mode']!r}: "
                               f"expected one of {', '.join(PUSH_MODES)}")
+        if values["ahead_compute_max_tokens"] < 0:
+            raise ConfigError("kv_connector_extra_config.ahead_compute_max_tokens must be >= 0 "
+                              f"(0: one engine step), got {values['ahead_compute_max_tokens']}")
         if values["local_tail_tokens"] < -1:
             raise ConfigError("kv_connector_extra_config.local_tail_tokens must be >= 0 "
                               f"(or -1: one block), got {values['local_tail_tokens']}")

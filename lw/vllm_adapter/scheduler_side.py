@@ -113,6 +113,9 @@ class SchedulerSide:
         self.block_ids = block_ids  # a request's block ids, from vLLM's KV cache manager
         self.geometry = geometry
         self.block_size = int(vllm_config.cache_config.block_size)
+        # the longest prompt computed ahead of D's params (longer ones are admitted ahead)
+        self._ahead_max_tokens = cfg.ahead_compute_max_tokens or int(
+            vllm_config.scheduler_config.max_num_batched_tokens)
         self._p: dict[str, _PReq] = {}  # vLLM req id -> tracked (P)
         self._pushed: dict[str, str] = {}  # vLLM req id -> transfer id, until finished sending
         self._d: dict[str, _DReq] = {}  # vLLM req id -> receiving (D)
@@ -214,8 +217,10 @@ class SchedulerSide:
             return False
         # Computed ahead: scheduled at once, pushed ahead from its first chunk. With P TP > 1
         # each worker would decide its own bind, which the checker does not cover: such a P
-        # admits ahead only (it waits for the params, then computes).
-        compute = ap.lw_ahead_compute and self.cfg.tp_size == 1
+        # admits ahead only (it waits for the params, then computes); so does a prompt longer
+        # than ahead_compute_max_tokens.
+        compute = (ap.lw_ahead_compute and self.cfg.tp_size == 1
+                   and request.num_prompt_tokens <= self._ahead_max_tokens)
         self._ahead.admit(request, ap, fetch=not compute)
         if compute:  # the worker fetches: the params then bind it mid-step, as they come
             digest = prompt_digest(request.prompt_token_ids)

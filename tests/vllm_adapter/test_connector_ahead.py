@@ -211,7 +211,8 @@ def test_params_that_come_before_its_push_started_make_a_d_first_prefill(
         model_dir: str) -> None:
     """last_chunk: the first of two chunks pushes nothing; params that came meanwhile make the
     push that starts with the last chunk an ordinary D-first one (no bind)."""
-    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
+    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk",
+                                                         "ahead_compute_max_tokens": 1000})
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=computing()))
     d.step(answered("r1", "go", decoder_params(tid="t1@r1", n=100)))
@@ -221,6 +222,18 @@ def test_params_that_come_before_its_push_started_make_a_d_first_prefill(
     assert not spec.ahead and spec.transfer_id == "t1@r1"
     assert spec.remote_blocks == tuple(range(40, 47))
     assert not d.meta.binds and not d.meta.aborts
+
+
+def test_a_prompt_longer_than_one_step_is_admitted_ahead_not_computed(model_dir: str) -> None:
+    """ahead_compute_max_tokens (default: one step's budget, 64 tokens here): a longer prompt
+    waits for D's params as an admit-ahead one, fetched by the scheduler side."""
+    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
+    d = Driver(s)
+    s.add_request(make_request("r1", 100, params=computing()))
+    assert FakeFetcher.last is not None and len(FakeFetcher.last.fetches) == 1
+    so = d.step()
+    assert not so.num_scheduled_tokens and not d.meta.fetches
+    assert any(st.get("ahead_admitted") for st in d.stats)
 
 
 @pytest.mark.parametrize("answer", [

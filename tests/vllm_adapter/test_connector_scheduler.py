@@ -917,6 +917,7 @@ def _build(**over: Any) -> LwConfig:
     ({"extra": {"transfer_timeout_s": 1}}, "Mooncake's minimum"),
     ({"extra": {"data_plane": "nixl"}}, "data_plane"),
     ({"extra": {"local_tail_tokens": -2}}, "local_tail_tokens must be >= 0"),
+    ({"extra": {"ahead_compute_max_tokens": -1}}, "ahead_compute_max_tokens must be >= 0"),
     ({"extra": {"stuck_fraction": 1.5}}, "stuck_fraction must be in (0, 1]"),
     ({"extra": {"push_start_margin": 0}}, "push_start_margin must be in (0, 10]"),
     ({"extra": {"push_mode": "eager"}}, "push_mode='eager': expected one of auto, progressive"),
