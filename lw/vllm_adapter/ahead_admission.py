@@ -33,8 +33,9 @@ class _Ahead:
 
     transfer_id: str
     gave_up: float | None = None  # when its params were found not to be coming
-    compute: bool = False  # computed meanwhile (compute-ahead): the engine does not wait on it
-    fetch: bool = True  # fetched here (else by the worker: its answer comes by ``answered``)
+    # computed meanwhile (compute-ahead): the engine does not wait on it, and the worker
+    # fetches its params (the answer comes by ``answered``)
+    compute: bool = False
     answer: tuple[str, Any] | None = None  # the worker's answer, until the scheduler's step
 
 
@@ -47,13 +48,13 @@ class AheadAdmissions:
         self._fetcher: AheadFetcher | None = None
         self._switch_was: float | None = None  # the switch interval before requests waited
 
-    def admit(self, request: Any, ap: AheadParams, fetch: bool = True) -> None:
-        """Start fetching ``request``'s params (it has prompt token ids); ``fetch`` False: the
-        worker fetches them and :meth:`answered` brings its answer."""
+    def admit(self, request: Any, ap: AheadParams, compute: bool = False) -> None:
+        """Start fetching ``request``'s params (it has prompt token ids); ``compute``: it is
+        computed meanwhile, and the worker fetches them (:meth:`answered` brings its answer)."""
         rid = request.request_id
-        self._waiting[rid] = _Ahead(ap.transfer_id, compute=ap.lw_ahead_compute, fetch=fetch)
+        self._waiting[rid] = _Ahead(ap.transfer_id, compute=compute)
         self._changed()
-        if not fetch:
+        if compute:
             return
         if self._fetcher is None:
             self._fetcher = AheadFetcher(self.cfg)
@@ -81,7 +82,7 @@ class AheadAdmissions:
                       "within %g s of its fallback; computed, nothing pushed", rid,
                       a.transfer_id, AHEAD_HOLD_S)
             return "plain", None
-        if not a.fetch:
+        if a.compute:
             got, a.answer = a.answer, None
         else:
             got = self._fetcher.take(rid) if self._fetcher is not None else ("error",
@@ -94,7 +95,7 @@ class AheadAdmissions:
     def answered(self, rid: str, status: str, val: Any) -> None:
         """The worker's fetch of ``rid``'s params answered (a request it fetches itself)."""
         a = self._waiting.get(rid)
-        if a is not None and not a.fetch:
+        if a is not None and a.compute:
             a.answer = (status, val)
 
     def bound(self, rid: str) -> None:

@@ -221,7 +221,7 @@ class SchedulerSide:
         # than ahead_compute_max_tokens.
         compute = (ap.lw_ahead_compute and self.cfg.tp_size == 1
                    and request.num_prompt_tokens <= self._ahead_max_tokens)
-        self._ahead.admit(request, ap, fetch=not compute)
+        self._ahead.admit(request, ap, compute)
         if compute:  # the worker fetches: the params then bind it mid-step, as they come
             digest = prompt_digest(request.prompt_token_ids)
             self._meta.fetches.append(FetchSpec(

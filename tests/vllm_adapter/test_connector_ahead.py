@@ -226,14 +226,19 @@ def test_params_that_come_before_its_push_started_make_a_d_first_prefill(
 
 def test_a_prompt_longer_than_one_step_is_admitted_ahead_not_computed(model_dir: str) -> None:
     """ahead_compute_max_tokens (default: one step's budget, 64 tokens here): a longer prompt
-    waits for D's params as an admit-ahead one, fetched by the scheduler side."""
+    waits for D's params as an admit-ahead one, fetched by the scheduler side (the engine
+    idles meanwhile: threads switch often, as for any request admitted ahead)."""
     s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=computing()))
     assert FakeFetcher.last is not None and len(FakeFetcher.last.fetches) == 1
     so = d.step()
     assert not so.num_scheduled_tokens and not d.meta.fetches
+    assert sys.getswitchinterval() == pytest.approx(ahead_mod.AHEAD_SWITCH_S)
     assert any(st.get("ahead_admitted") for st in d.stats)
+    s.finish_requests("r1", RequestStatus.FINISHED_ABORTED)  # (restores the interval)
+    d.step()
+    assert sys.getswitchinterval() != ahead_mod.AHEAD_SWITCH_S
 
 
 @pytest.mark.parametrize("answer", [
