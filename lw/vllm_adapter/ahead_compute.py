@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lw.contract.params import ContractError, decode_params_for_prefiller
-from lw.contract.transfer_ids import is_sub_transfer_of
+from lw.contract.params import ContractError
 from lw.vllm_adapter.connector_meta import BindSpec, log
+from lw.vllm_adapter.params_fit import decode_fetched
 
 __all__ = ["AheadComputes"]
 
@@ -53,16 +53,6 @@ class AheadComputes:
             log.error("lw: request %s computed ahead was dropped before D's params came; a "
                       "decode engine bound to it fails it at its prefill deadline", rid)
 
-    @staticmethod
-    def _decoded(side: Any, request: Any, ahead_id: str, params: Any) -> Any:
-        """D's params for ``request`` as the scheduler side's request record (_PReq), or
-        ContractError / ValueError where they do not fit the transfer computed ahead."""
-        pp = decode_params_for_prefiller(side._key, params)
-        if not is_sub_transfer_of(pp.transfer_id, ahead_id):
-            raise ContractError("kv_transfer_params.transfer_id", "not a sub-transfer of the "
-                                "transfer computed ahead")
-        return side._parse_decoder_params(request, pp)
-
     def poll(self, side: Any) -> None:
         """Carry every answered fetch to the workers (this step's metadata): a bind, a D-first
         prefill for a request not pushed yet, or an abort when the params will not come."""
@@ -78,7 +68,8 @@ class AheadComputes:
             started = rid in side._pushed
             if verdict == "go":
                 try:
-                    new = self._decoded(side, request, ahead_id, val)
+                    new = side._parse_decoder_params(
+                        request, decode_fetched(side._key, val, ahead_id))
                 except (ContractError, ValueError) as exc:
                     verdict, val = "fallback", f"D's params refused: {exc}"
             if verdict == "go":

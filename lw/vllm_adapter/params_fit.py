@@ -1,14 +1,34 @@
 """P: whether the proxy's signed params for a prefill (already of their declared type) fit this
 engine and prompt: contract version, D's TP, KV geometry, D's blocks for the prompt's length,
-the prompt's digest. One check for the scheduler side (every prefill) and P's worker (the
-params it fetched for a request computed ahead), so that the two never disagree."""
+the prompt's digest; and the params fetched for a request sent ahead, decoded and checked to be
+for that transfer. One check for the scheduler side (every prefill) and P's worker (the params
+it fetched for a request computed ahead), so that the two never disagree."""
 
 from __future__ import annotations
 
-from lw.contract.params import CONTRACT_VERSION, PrefillParams
+from typing import Any
+
+from lw.contract.params import (
+    CONTRACT_VERSION,
+    ContractError,
+    PrefillParams,
+    decode_params_for_prefiller,
+)
+from lw.contract.transfer_ids import is_sub_transfer_of
 from lw.fsm.prefill_request import received_blocks
 
-__all__ = ["check_fit"]
+__all__ = ["check_fit", "decode_fetched"]
+
+
+def decode_fetched(key: bytes | None, params: Any, ahead_id: str) -> PrefillParams:
+    """The params P fetched for a request sent ahead under the proxy's ``ahead_id``, decoded
+    (signed by the proxy, of the declared type) and for a sub-transfer of it; ContractError
+    otherwise."""
+    pp = decode_params_for_prefiller(key, params)
+    if not is_sub_transfer_of(pp.transfer_id, ahead_id):
+        raise ContractError("kv_transfer_params.transfer_id", "not a sub-transfer of the "
+                            "transfer sent ahead")
+    return pp
 
 
 def check_fit(pp: PrefillParams, *, peer_tp_size: int, geometry: str, num_prompt_tokens: int,

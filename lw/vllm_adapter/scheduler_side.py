@@ -31,7 +31,7 @@ from lw.contract.params import (
     is_remote_prefill_request,
     prompt_digest,
 )
-from lw.contract.transfer_ids import is_sub_transfer_of, sub_transfer_id
+from lw.contract.transfer_ids import sub_transfer_id
 from lw.contract.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY, worker_addrs
 from lw.fsm.block_choice import PushCursor, blocks_to_receive
 from lw.fsm.prefill_request import received_blocks
@@ -53,7 +53,7 @@ from lw.vllm_adapter.connector_meta import (
 )
 from lw.vllm_adapter.metaserver_client import MetaserverPoster
 from lw.vllm_adapter.metrics import LwKVConnectorStats
-from lw.vllm_adapter.params_fit import check_fit
+from lw.vllm_adapter.params_fit import check_fit, decode_fetched
 from lw.vllm_adapter.tracing import trace_headers_of, tracing_endpoint
 
 if TYPE_CHECKING:
@@ -250,10 +250,7 @@ class SchedulerSide:
             return 0 if verdict == "plain" else None
         if verdict == "go":
             try:
-                pp = decode_params_for_prefiller(self._key, val)
-                if not is_sub_transfer_of(pp.transfer_id, self._ahead.transfer_of(rid)):
-                    raise ContractError("kv_transfer_params.transfer_id", "not a sub-transfer "
-                                        "of the transfer admitted ahead")
+                pp = decode_fetched(self._key, val, self._ahead.transfer_of(rid))
                 self._p[rid] = self._parse_decoder_params(request, pp)
             except (ContractError, ValueError) as exc:
                 val = f"D's params refused: {exc}"

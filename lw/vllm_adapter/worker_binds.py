@@ -10,12 +10,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from lw.contract.params import ContractError, decode_params_for_prefiller
-from lw.contract.transfer_ids import is_sub_transfer_of
+from lw.contract.params import ContractError
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.ahead_client import AheadFetcher
 from lw.vllm_adapter.connector_meta import BindSpec, FetchSpec, log
-from lw.vllm_adapter.params_fit import check_fit
+from lw.vllm_adapter.params_fit import check_fit, decode_fetched
 
 __all__ = ["AheadBinds"]
 
@@ -72,10 +71,7 @@ class AheadBinds:
     def _bind_spec(self, f: FetchSpec, params: Any) -> BindSpec:
         """D's params as a bind of ``f``'s request, or ContractError / ValueError where they
         are not the proxy's for this transfer or do not fit (the scheduler's own check)."""
-        pp = decode_params_for_prefiller(parse_cluster_key(self.cfg.cluster_key or None), params)
-        if not is_sub_transfer_of(pp.transfer_id, f.ahead_id):
-            raise ContractError("kv_transfer_params.transfer_id", "not a sub-transfer of the "
-                                "transfer computed ahead")
+        pp = decode_fetched(parse_cluster_key(self.cfg.cluster_key or None), params, f.ahead_id)
         check_fit(pp, peer_tp_size=self.cfg.peer_tp_size, geometry=f.geometry,
                   num_prompt_tokens=f.num_prompt_tokens, prompt=f.prompt,
                   block_size=f.block_size)

@@ -17,6 +17,7 @@ import lw.vllm_adapter.worker_binds as binds_mod  # noqa: E402
 from lw.contract.ahead import sign_ahead_params  # noqa: E402
 from lw.vllm_adapter.config import LwConfig  # noqa: E402
 
+from .test_connector_ahead import FakeFetcher  # noqa: E402
 from .test_connector_scheduler import (  # noqa: E402
     BASELINE,
     LAYERS,
@@ -35,18 +36,21 @@ URL = "http://127.0.0.1:9/v1/ahead"
 ANY_LENGTH = {"ahead_compute_max_tokens": 100_000}  # prompts of several chunks computed ahead
 
 
-class HeldFetcher:
-    """The worker's fetch thread, played by the test: it answers when the test says."""
+class HeldFetcher(FakeFetcher):
+    """The worker's fetch thread, played by the test (the scheduler side's fake, which also
+    keeps what the worker calls with the answer): it answers when the test says."""
 
     last: HeldFetcher | None = None
 
     def __init__(self, cfg: LwConfig) -> None:
+        super().__init__(cfg)
         self.then: dict[str, Callable[[tuple[str, Any]], None] | None] = {}
         self.bodies: dict[str, dict[str, Any]] = {}
         HeldFetcher.last = self
 
     def fetch(self, rid: str, url: str, body: dict[str, Any],
               then: Callable[[tuple[str, Any]], None] | None = None) -> None:
+        super().fetch(rid, url, body)
         self.then[rid] = then
         self.bodies[rid] = body
 
@@ -54,9 +58,6 @@ class HeldFetcher:
         then = self.then.pop(rid)
         assert then is not None, "the worker acts on its fetch's answer as it comes"
         then(answer)
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture(autouse=True)
