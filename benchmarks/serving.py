@@ -62,6 +62,7 @@ from benchmarks._plan import (  # noqa: E402
     GOODPUT_TOLERANCE,
     LABELS,
     OUTPUT_TOKENS,
+    P_EXTRA,
     PROXY_ARGS,
     PUSH_MODES,
     SETUPS,
@@ -160,7 +161,8 @@ def _start_lw(setup: str, model: Path, logs: Path, timeout: float,
               place: Placement) -> Running:
     """lw P/D as ``lw demo`` starts it (without the reference engine), with ``push_mode``."""
     extra = {"push_mode": PUSH_MODES[setup]} if push_mode_supported() else {}
-    cluster = place.cluster(model, logs, p_extra=dict(extra), d_extra=dict(extra),
+    cluster = place.cluster(model, logs, p_extra=dict(extra, **P_EXTRA.get(setup, {})),
+                            d_extra=dict(extra),
                             proxy_args=list(PROXY_ARGS.get(setup, ())))
     cluster.start(timeout=timeout)  # stops what it started if it fails
     return Running(setup, dict(cluster.servers), cluster.url("proxy"), cluster)
@@ -179,6 +181,11 @@ def start_lw_ahead(model: Path, logs: Path, timeout: float, place: Placement) ->
 def start_lw_compute(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
     """lw P/D, ``push_mode`` auto, the proxy in ``--start-mode compute-ahead``."""
     return _start_lw("lw-compute", model, logs, timeout, place)
+
+
+def start_lw_compute_all(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """lw P/D as ``lw-compute``, computing ahead a prompt of any length (``P_EXTRA``)."""
+    return _start_lw("lw-compute-all", model, logs, timeout, place)
 
 
 def start_lw_progressive(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
@@ -232,7 +239,7 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
 
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
     "single": start_single, "lw": start_lw, "lw-ahead": start_lw_ahead,
-    "lw-compute": start_lw_compute,
+    "lw-compute": start_lw_compute, "lw-compute-all": start_lw_compute_all,
     "lw-progressive": start_lw_progressive,
     "lw-last": start_lw_last, "peer": start_peer}
 
