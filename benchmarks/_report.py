@@ -54,6 +54,8 @@ COMPARISONS = (("vs_peer", "lw", "peer"), ("ahead_vs_peer", "lw-ahead", "peer"),
                ("compute_vs_d_first", "lw-compute", "lw"),
                ("compute_all_vs_peer", "lw-compute-all", "peer"),
                ("compute_all_vs_d_first", "lw-compute-all", "lw"),
+               ("compute_early_vs_d_first", "lw-compute-early", "lw"),
+               ("compute_early_vs_compute_all", "lw-compute-early", "lw-compute-all"),
                ("progressive_vs_peer", "lw-progressive", "peer"),
                ("last_chunk_vs_peer", "lw-last", "peer"), ("vs_last_chunk", "lw", "lw-last"),
                ("progressive_vs_last_chunk", "lw-progressive", "lw-last"))

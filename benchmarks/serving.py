@@ -188,6 +188,11 @@ def start_lw_compute_all(model: Path, logs: Path, timeout: float, place: Placeme
     return _start_lw("lw-compute-all", model, logs, timeout, place)
 
 
+def start_lw_compute_early(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """lw P/D as ``lw-compute-all``, ``auto``'s push started earlier (``P_EXTRA``)."""
+    return _start_lw("lw-compute-early", model, logs, timeout, place)
+
+
 def start_lw_progressive(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
     """lw P/D, ``push_mode`` progressive (every chunk from the first)."""
     return _start_lw("lw-progressive", model, logs, timeout, place)
@@ -240,6 +245,7 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
     "single": start_single, "lw": start_lw, "lw-ahead": start_lw_ahead,
     "lw-compute": start_lw_compute, "lw-compute-all": start_lw_compute_all,
+    "lw-compute-early": start_lw_compute_early,
     "lw-progressive": start_lw_progressive,
     "lw-last": start_lw_last, "peer": start_peer}
 
