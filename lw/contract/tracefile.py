@@ -24,10 +24,15 @@ by P; ``chunks``: the pushes P's core was told of (its first ``add_request`` and
 ``add_chunk``); ``chunk_blocks`` (optional): the blocks each of those completes, in order; they
 sum to ``blocks - prefix_hit`` and only the first may be 0 (default: the checker's split, see
 lw.sim.config.WorldConfig.chunk_sizes). Readers without this field ignore it: version stays 1.
+
+A request P computed ahead of D's params (``lw proxy --start-mode compute-ahead``) is recorded
+on P under the id P admitted it with until its bind, then under D's id: P's ``renamed`` entry
+(``req``: the first id, ``detail``: D's) joins the two (:func:`joined`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +77,31 @@ class WorkerTrace:
     def name(self) -> str:
         """Readable name: engine, TP rank and incarnation."""
         return f"{self.engine}/{self.rank}#{self.incarnation}"
+
+
+def renames(workers: list[WorkerTrace]) -> dict[str, str]:
+    """Requests computed ahead: the id P admitted each under -> D's id it was bound to."""
+    return {e.reqs[0]: e.detail for w in workers if w.role == "prefill" for e in w.entries
+            if e.event == "renamed" and e.reqs and e.detail}
+
+
+def joined(workers: list[WorkerTrace]) -> list[WorkerTrace]:
+    """``workers`` with each request computed ahead under D's id alone: P's entries under the id
+    it was admitted with read as D's id, the ``renamed`` entries left out (the request is one
+    lifecycle; the checked world names it once). Workers without a rename come back as they are."""
+    names = renames(workers)
+    if not names:
+        return workers
+    out: list[WorkerTrace] = []
+    for w in workers:
+        if w.role != "prefill":
+            out.append(w)
+            continue
+        entries = [dataclasses.replace(e, reqs=tuple(names.get(r, r) for r in e.reqs))
+                   if any(r in names for r in e.reqs) else e
+                   for e in w.entries if e.event != "renamed"]
+        out.append(dataclasses.replace(w, entries=entries))
+    return out
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,14 @@ This is the one place a vLLM run's requests are mapped to the checker's world of
   records nothing of the chunks after its release, so any split of them explains the same events.
   A request prefilled again on another P engine (``retry_prefill``) has its first attempt's
   chunks: the world splits every attempt alike (an attempt chunked otherwise is rejected there).
+- A prompt P computed ahead of D's params (``lw proxy --start-mode compute-ahead``) is admitted
+  under the proxy's id ("admitted K blocks computed ahead of D's parameters") and renamed to the
+  transfer id at its bind: its entries are joined under the latter (tracefile.joined), and its
+  blocks in all are D's allocation.
 - Its layers are the KV cache's planes, which P reports computed one by one: one per model layer
   on vLLM-CPU (lw.lab.vllm_demo.block_layer_bytes).
 
-The events themselves need no renaming: the runtime records the endpoints' own timelines, which
+Otherwise the events need no renaming: the runtime records the endpoints' own timelines, which
 the world's endpoints record too.
 """
 
@@ -45,6 +49,8 @@ from lw.ops.client import MAX_TIMELINE, query
 __all__ = ["model_kv", "request_shapes", "validate_trace", "write_cluster_trace"]
 
 _ADMITTED = re.compile(r"^(\d+) blocks to .*?(?: \(first chunk; (\d+) in all\))?$")
+# computed ahead of D's params: how many blocks in all is D's to say (its allocation)
+_AHEAD = re.compile(r"^(\d+) blocks computed ahead of D's parameters")
 _ALLOCATED = re.compile(r"^(\d+) blocks,")
 
 
@@ -55,7 +61,8 @@ def request_shapes(workers: list[WorkerTrace]) -> tuple[dict[str, RequestShape],
     # P: (when admitted, engine, blocks per announced chunk, blocks in all) of its first attempt
     chunks: dict[str, tuple[float, str, list[int], int]] = {}
     problems: list[str] = []
-    for w in workers:
+    ahead: set[str] = set()  # computed ahead: the blocks in all are D's
+    for w in tracefile.joined(workers):
         mine: dict[str, tuple[float, str, list[int], int]] = {}
         for e in w.entries:
             rid = e.reqs[0]
@@ -68,6 +75,9 @@ def request_shapes(workers: list[WorkerTrace]) -> tuple[dict[str, RequestShape],
                 if m is not None:
                     first = int(m.group(1))
                     mine[rid] = (e.t, w.engine, [first], int(m.group(2) or first))
+                elif (m := _AHEAD.match(e.detail)) is not None:
+                    ahead.add(rid)
+                    mine[rid] = (e.t, w.engine, [int(m.group(1))], 0)
             elif w.role == "prefill" and e.event == "chunk_scheduled" and rid in mine:
                 mine[rid][2].append(int(e.detail))
         for rid, got in mine.items():
@@ -81,6 +91,8 @@ def request_shapes(workers: list[WorkerTrace]) -> tuple[dict[str, RequestShape],
     out: dict[str, RequestShape] = {}
     for rid in dict.fromkeys([*sent, *chunks]):
         _t, _eng, sizes, total = chunks.get(rid, (0.0, "", [], sent.get(rid, 0)))
+        if rid in ahead:
+            total = sent.get(rid, sum(sizes))
         blocks = sent.get(rid, total)
         if rid in sent and rid in chunks and total != blocks:
             problems.append(f"{rid}: P was told of {total} blocks to write, D allocated {blocks}")

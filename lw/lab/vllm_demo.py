@@ -234,6 +234,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--decode-dp", type=int, default=1, help="decode data-parallel size")
     ap.add_argument("--model-kind", choices=("llama", "mla"), default="llama",
                     help="tiny random Llama, or DeepSeek-V2-style MLA (latent KV)")
+    ap.add_argument("--start-mode", choices=("d-first", "admit-ahead", "compute-ahead"),
+                    default="d-first",
+                    help="the proxy's start mode (lw proxy --start-mode; default d-first): "
+                         "compute-ahead has P compute each prompt before D's params came")
     ap.add_argument("--validate", action="store_true",
                     help="validate the run's trace (every worker's timeline) against the "
                          "checked model (lw validate)")
@@ -261,7 +265,8 @@ def _run(args: argparse.Namespace) -> int:
     failover = ({"retry_prefill": 1, "retry_prefill_avoid": "none"} if args.decode_tp == 1
                 else {})
     print(f"lw demo: {n} {kind}, vLLM on CPU, tiny random {args.model_kind} model, {shape}, "
-          f"Mooncake over TCP{', prefill failover 1 retry' if failover else ''}")
+          f"Mooncake over TCP{', prefill failover 1 retry' if failover else ''}, "
+          f"start mode {args.start_mode}")
     model = make_tiny_model(args.workdir / f"tiny-{args.model_kind}", kind=args.model_kind)
     print(f"model      {model}")
     if args.shared_prefix:
@@ -277,7 +282,8 @@ def _run(args: argparse.Namespace) -> int:
     push = {"push_mode": "progressive"} if args.long_prompts else {}
     cluster = LocalCluster(model=model, workdir=args.workdir / "logs", p_tp=args.prefill_tp,
                            d_tp=args.decode_tp, p_dp=args.prefill_dp, d_dp=args.decode_dp,
-                           p_extra={**checksum, **push}, d_extra={**checksum, **failover})
+                           p_extra={**checksum, **push}, d_extra={**checksum, **failover},
+                           proxy_args=["--start-mode", args.start_mode])
     t0 = time.monotonic()
     print("starting   reference engine, prefill and decode servers (vllm serve), proxy ...",
           flush=True)

@@ -13,19 +13,21 @@ states or time, or whose fault budget binds, says ``undecided``, never a verdict
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lw.contract.tracefile import Entry, Trace, WorkerTrace
+from lw.contract.tracefile import Entry, Trace, WorkerTrace, joined
 from lw.fsm.timeline import Timeline
 from lw.sim.explorer import fingerprint
 from lw.sim.properties import Violation
 from lw.sim.validate_world import (  # noqa: F401  (re-exported: the validation world's API)
     ValidationConfig,
     ValidationWorld,
+    computed_ahead,
     failover_run,
     world_config,
 )
@@ -408,6 +410,12 @@ def _validate_once(trace: Trace, rid: str, max_states: int, deadline: float,
         return v
     if proj.total == 0:
         return v
+    if (computed_ahead(trace, rid) and int(trace.decode.get("retry_prefill", 0) or 0)
+            and any(o.entry.dst == "FAILED" for obs in proj.obs.values() for o in obs)):
+        v.outcome = "undecided"
+        v.why = ("computed ahead and failed in a run with prefill failover: the world's "
+                 "compute-ahead design has no failover")
+        return v
     # With no D event recorded, the request's D may have died (no timeline) and a restart the
     # trace does not show answered it "unknown"; with events, each recorded incarnation of its
     # D engine is one (and each that died before them, ``d_before``).
@@ -451,7 +459,9 @@ def _first_unexplained(v: RequestVerdict, proj: _Projection, s: _Search) -> None
 
 def validate(trace: Trace, max_states: int = 200_000, seconds: float = 30.0,
              only: list[str] | None = None) -> list[RequestVerdict]:
-    """Validate every request of ``trace`` (or those in ``only``)."""
+    """Validate every request of ``trace`` (or those in ``only``); a request computed ahead
+    under another id first is validated once, under D's (tracefile.joined)."""
+    trace = dataclasses.replace(trace, workers=joined(trace.workers))
     return [validate_request(trace, rid, max_states, seconds)
             for rid in (only or request_ids(trace))]
 

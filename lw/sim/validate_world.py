@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from lw.contract.tracefile import Trace
 from lw.fsm import DecodeConfig, PrefillConfig
+from lw.fsm.lifecycles import AHEAD
 from lw.fsm.settings import core_config
 from lw.sim.clock import Clock
 from lw.sim.config import EPSILON, Action, WorldConfig, d_addr, p_addr
@@ -102,6 +103,11 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
                  if e.event == "fresh" and rid in e.reqs) if fresh else 0
     late = any(e.event == "meta_unknown" and rid in e.reqs for w in trace.workers
                if w.role == "prefill" for e in w.entries)
+    if computed_ahead(trace, rid):
+        # the world's compute-ahead design has no prefill failover (lw check's neither): a
+        # request computed ahead that failed nowhere is explained without it (validate.py
+        # leaves one that failed somewhere undecided)
+        retry, fresh, grants = 0, False, 0
     return ValidationConfig(
         dp=max(p_engines, 2) if retry else 1, tp=s["prefill_tp"], d_dp=1, d_tp=s["decode_tp"],
         requests=1, layers=s["layers"],
@@ -121,7 +127,16 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
         kv_checksum=bool(p.get("kv_checksum", False)), retry_prefill=retry,
         retry_prefill_avoid=str(d.get("retry_prefill_avoid", "lost")), retry_fresh_blocks=fresh,
         # runs recorded before issue 40's fence freed blocks at the lease's end
-        fence_data=bool(d.get("fence_data", False)), late_register=late)
+        fence_data=bool(d.get("fence_data", False)), late_register=late,
+        design="compute-ahead" if computed_ahead(trace, rid) else "d-first",
+        ahead_wait_s=float(p.get("ahead_wait_s", 5.0)))
+
+
+def computed_ahead(trace: Trace, rid: str) -> bool:
+    """Whether P admitted request ``rid`` ahead of D's params (its first P event: admitted into
+    AHEAD; a trace joined under D's ids, tracefile.joined)."""
+    return any(e.event == "admitted" and e.dst == AHEAD and rid in e.reqs
+               for w in trace.workers if w.role == "prefill" for e in w.entries)
 
 
 class ValidationState(WorldState):
