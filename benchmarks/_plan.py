@@ -14,31 +14,26 @@ from typing import Any
 from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 
 OUTPUT_TOKENS = 32
-SETUPS = ("single", "lw", "lw-ahead", "lw-compute", "lw-compute-all", "lw-compute-early",
-          "lw-progressive", "lw-last", "peer")
+SETUPS = ("single", "lw", "lw-ahead", "lw-compute", "lw-compute-step", "lw-progressive",
+          "lw-last", "peer")
 LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
           "lw-ahead": "lw P/D auto, admit-ahead", "lw-compute": "lw P/D auto, compute-ahead",
-          "lw-compute-all": "lw P/D auto, compute-ahead of every prompt length",
-          "lw-compute-early": "lw P/D auto (margin 1.25), compute-ahead of every prompt length",
+          "lw-compute-step": "lw P/D auto, compute-ahead of one-step prompts",
           "lw-progressive": "lw P/D progressive",
           "lw-last": "lw P/D last-chunk",
           "peer": "Mooncake P/D"}
-PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto", "lw-compute-all": "auto",
-              "lw-compute-early": "auto",
+PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto", "lw-compute-step": "auto",
               "lw-progressive": "progressive",
               "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
 PROXY_ARGS = {"lw-ahead": ["--start-mode", "admit-ahead"],
               "lw-compute": ["--start-mode", "compute-ahead"],
-              "lw-compute-all": ["--start-mode", "compute-ahead"],
-              "lw-compute-early": ["--start-mode", "compute-ahead"]}
+              "lw-compute-step": ["--start-mode", "compute-ahead"]}
 """``lw proxy`` arguments per lw set-up (the others: its defaults, D first)."""
-P_EXTRA = {"lw-compute-all": {"ahead_compute_max_tokens": 1 << 20},
-           "lw-compute-early": {"ahead_compute_max_tokens": 1 << 20, "push_start_margin": 1.25}}
-"""P's extra ``kv_connector_extra_config`` per lw set-up, beyond ``push_mode``: ``lw-compute-all``
-computes a prompt of any length ahead (the default computes ahead one engine step's prompt);
-``lw-compute-early`` also starts ``auto``'s push earlier, as for a host whose writes cost the
-forward little (P's side threads on another core)."""
+P_EXTRA = {"lw-compute-step": {"ahead_compute_max_tokens": 256}}
+"""P's extra ``kv_connector_extra_config`` per lw set-up, beyond ``push_mode``:
+``lw-compute-step`` computes ahead only a prompt of one engine step (the engines' 256-token
+budget) and admits a longer one ahead, as for a host whose push shares the forward's core."""
 AUTO_FACTORS = (0.5, 1.0, 2.0)
 TAIL_PHASE = "transfer tail (last layer computed -> written)"
 GOODPUT_TOLERANCE = 0.01

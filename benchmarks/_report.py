@@ -52,10 +52,8 @@ def ratios(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> list[f
 COMPARISONS = (("vs_peer", "lw", "peer"), ("ahead_vs_peer", "lw-ahead", "peer"),
                ("ahead_vs_d_first", "lw-ahead", "lw"), ("compute_vs_peer", "lw-compute", "peer"),
                ("compute_vs_d_first", "lw-compute", "lw"),
-               ("compute_all_vs_peer", "lw-compute-all", "peer"),
-               ("compute_all_vs_d_first", "lw-compute-all", "lw"),
-               ("compute_early_vs_d_first", "lw-compute-early", "lw"),
-               ("compute_early_vs_compute_all", "lw-compute-early", "lw-compute-all"),
+               ("compute_step_vs_d_first", "lw-compute-step", "lw"),
+               ("compute_vs_compute_step", "lw-compute", "lw-compute-step"),
                ("progressive_vs_peer", "lw-progressive", "peer"),
                ("last_chunk_vs_peer", "lw-last", "peer"), ("vs_last_chunk", "lw", "lw-last"),
                ("progressive_vs_last_chunk", "lw-progressive", "lw-last"))

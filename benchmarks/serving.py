@@ -183,14 +183,9 @@ def start_lw_compute(model: Path, logs: Path, timeout: float, place: Placement) 
     return _start_lw("lw-compute", model, logs, timeout, place)
 
 
-def start_lw_compute_all(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
-    """lw P/D as ``lw-compute``, computing ahead a prompt of any length (``P_EXTRA``)."""
-    return _start_lw("lw-compute-all", model, logs, timeout, place)
-
-
-def start_lw_compute_early(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
-    """lw P/D as ``lw-compute-all``, ``auto``'s push started earlier (``P_EXTRA``)."""
-    return _start_lw("lw-compute-early", model, logs, timeout, place)
+def start_lw_compute_step(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """lw P/D as ``lw-compute``, computing ahead only one-step prompts (``P_EXTRA``)."""
+    return _start_lw("lw-compute-step", model, logs, timeout, place)
 
 
 def start_lw_progressive(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
@@ -244,8 +239,7 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
 
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
     "single": start_single, "lw": start_lw, "lw-ahead": start_lw_ahead,
-    "lw-compute": start_lw_compute, "lw-compute-all": start_lw_compute_all,
-    "lw-compute-early": start_lw_compute_early,
+    "lw-compute": start_lw_compute, "lw-compute-step": start_lw_compute_step,
     "lw-progressive": start_lw_progressive,
     "lw-last": start_lw_last, "peer": start_peer}
 

@@ -125,11 +125,12 @@ class LwConfig:
     ahead_compute_max_tokens: int = _key(
         0, "P",
         "`lw proxy --start-mode compute-ahead`: compute ahead only prompts of at most this many "
-        "tokens; a longer one is admitted ahead (computed once D's params came). What computing "
-        "ahead gains is D's admission, a few ms whatever the prompt; measured, prompts of "
-        "several chunks lost more than that (docs/benchmarks.md). 0: one engine step's token "
-        "budget (`max_num_batched_tokens`)",
-        shown="0 (one step)")
+        "tokens; a longer one is admitted ahead (computed once D's params came). 0: any length."
+        " Measured (docs/benchmarks.md): with P's transfer threads off the forward's core, "
+        "prompts of several chunks gain as one-chunk ones do; with every thread on the "
+        "forward's core they lost 1-5 % on fast links, and one step's token budget "
+        "(`max_num_batched_tokens`) is the cap for such a host",
+        shown="0 (any length)")
     progress_timeout_s: float = _key(
         0.0, "P",
         "fail a push sooner when it made no progress for this long (no layer computed, no "
@@ -405,7 +406,7 @@ class LwConfig:
                               f"expected one of {', '.join(PUSH_MODES)}")
         if values["ahead_compute_max_tokens"] < 0:
             raise ConfigError("kv_connector_extra_config.ahead_compute_max_tokens must be >= 0 "
-                              f"(0: one engine step), got {values['ahead_compute_max_tokens']}")
+                              f"(0: any length), got {values['ahead_compute_max_tokens']}")
         if values["local_tail_tokens"] < -1:
             raise ConfigError("kv_connector_extra_config.local_tail_tokens must be >= 0 "
                               f"(or -1: one block), got {values['local_tail_tokens']}")

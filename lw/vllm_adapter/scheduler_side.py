@@ -114,8 +114,7 @@ class SchedulerSide:
         self.geometry = geometry
         self.block_size = int(vllm_config.cache_config.block_size)
         # the longest prompt computed ahead of D's params (longer ones are admitted ahead)
-        self._ahead_max_tokens = cfg.ahead_compute_max_tokens or int(
-            vllm_config.scheduler_config.max_num_batched_tokens)
+        self._ahead_max_tokens = cfg.ahead_compute_max_tokens or None
         self._p: dict[str, _PReq] = {}  # vLLM req id -> tracked (P)
         self._pushed: dict[str, str] = {}  # vLLM req id -> transfer id, until finished sending
         self._d: dict[str, _DReq] = {}  # vLLM req id -> receiving (D)
@@ -220,7 +219,8 @@ class SchedulerSide:
         # admits ahead only (it waits for the params, then computes); so does a prompt longer
         # than ahead_compute_max_tokens.
         compute = (ap.lw_ahead_compute and self.cfg.tp_size == 1
-                   and request.num_prompt_tokens <= self._ahead_max_tokens)
+                   and (self._ahead_max_tokens is None
+                        or request.num_prompt_tokens <= self._ahead_max_tokens))
         self._ahead.admit(request, ap, compute)
         if compute:  # the worker fetches: the params then bind it mid-step, as they come
             digest = prompt_digest(request.prompt_token_ids)

@@ -33,7 +33,6 @@ from .test_connector_scheduler import (  # noqa: E402
 )
 
 URL = "http://127.0.0.1:9/v1/ahead"
-ANY_LENGTH = {"ahead_compute_max_tokens": 100_000}  # prompts of several chunks computed ahead
 
 
 class HeldFetcher(FakeFetcher):
@@ -69,7 +68,7 @@ def held_fetcher(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _computing_cluster(make: Callable[..., Cluster], n: int) -> tuple[Cluster, list[int], Any]:
     """P computes ``n`` tokens ahead (its first chunk done), D allocated and posted its call."""
-    c = make(p_extra={**PROGRESSIVE, **ANY_LENGTH})
+    c = make(p_extra=PROGRESSIVE)
     c.p.worker_meta = True  # the worker's answers reach the scheduler
     c.relay_enabled = False  # the proxy binds P's ahead request instead of a D-first prefill
     toks = list(range(3000, 3000 + n))
@@ -114,7 +113,7 @@ def test_params_before_the_push_started_make_a_d_first_prefill(
         cluster_factory: Callable[..., Cluster]) -> None:  # noqa: F811
     """The worker does not hold the request yet (its push starts at a later chunk): it binds
     nothing; the scheduler, told by the worker's metadata, pushes it D first from there."""
-    c = cluster_factory(p_extra={"push_mode": "last_chunk", **ANY_LENGTH})
+    c = cluster_factory(p_extra={"push_mode": "last_chunk"})
     c.p.worker_meta = True
     c.relay_enabled = False
     toks = list(range(4000, 4150))

@@ -211,8 +211,7 @@ def test_params_that_come_before_its_push_started_make_a_d_first_prefill(
         model_dir: str) -> None:
     """last_chunk: the first of two chunks pushes nothing; params that came meanwhile make the
     push that starts with the last chunk an ordinary D-first one (no bind)."""
-    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk",
-                                                         "ahead_compute_max_tokens": 1000})
+    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=computing()))
     d.step(answered("r1", "go", decoder_params(tid="t1@r1", n=100)))
@@ -224,11 +223,12 @@ def test_params_that_come_before_its_push_started_make_a_d_first_prefill(
     assert not d.meta.binds and not d.meta.aborts
 
 
-def test_a_prompt_longer_than_one_step_is_admitted_ahead_not_computed(model_dir: str) -> None:
-    """ahead_compute_max_tokens (default: one step's budget, 64 tokens here): a longer prompt
-    waits for D's params as an admit-ahead one, fetched by the scheduler side (the engine
-    idles meanwhile: threads switch often, as for any request admitted ahead)."""
-    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk"})
+def test_a_prompt_longer_than_the_cap_is_admitted_ahead_not_computed(model_dir: str) -> None:
+    """ahead_compute_max_tokens (here one step's budget, 64 tokens): a longer prompt waits for
+    D's params as an admit-ahead one, fetched by the scheduler side (the engine idles
+    meanwhile: threads switch often, as for any request admitted ahead)."""
+    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk",
+                                                         "ahead_compute_max_tokens": 64})
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=computing()))
     assert FakeFetcher.last is not None and len(FakeFetcher.last.fetches) == 1
