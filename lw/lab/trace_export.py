@@ -155,13 +155,14 @@ def write_cluster_trace(cluster: Any, path: str, source: str = "lw demo --engine
     return len(workers), sorted(snap.silent), problems
 
 
-def validate_trace(path: str, seconds: float = 60.0) -> tuple[bool, str, list[str]]:
-    """Validate the trace at ``path``: (valid, the one-line verdict, a line per request that is
-    not valid, naming its first unexplained event)."""
+def validate_trace(path: str, seconds: float = 60.0, only: list[str] | None = None
+                   ) -> tuple[bool, str, list[str]]:
+    """Validate the trace at ``path`` (or its requests ``only``): (valid, the one-line verdict,
+    a line per request that is not valid, naming its first unexplained event)."""
     from lw.sim.validate import summary, verdict_line
     from lw.sim.validate_cli import one_line, run
 
-    verdicts = run(path, max_states=200_000, seconds=seconds)
+    verdicts = run(path, max_states=200_000, seconds=seconds, only=only)
     n = summary(verdicts)
     return (not n["rejected"] and not n["undecided"], one_line(verdicts),
             [verdict_line(v) for v in verdicts if v.outcome != "valid"])

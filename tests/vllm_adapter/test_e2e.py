@@ -45,6 +45,7 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
+from lw.contract import tracefile  # noqa: E402
 from lw.contract.auth import signed_call  # noqa: E402
 from lw.contract.params import (  # noqa: E402
     CONTRACT_VERSION,
@@ -56,6 +57,7 @@ from lw.lab.local_cluster import Server, free_port, wait_ready  # noqa: E402
 from lw.lab.oracle import DRIFT, TOP_K, Verdict  # noqa: E402
 from lw.lab.oracle import compare as _compare  # noqa: E402
 from lw.lab.tiny_model import make_tiny_model  # noqa: E402
+from lw.lab.trace_export import validate_trace, write_cluster_trace  # noqa: E402
 from lw.lab.vllm_demo import (  # noqa: E402
     MODEL_NAME,
     LocalCluster,
@@ -76,7 +78,7 @@ LENGTHS = {"one_block": 12, "many_blocks": 90, "chunked": 700}  # words ~ tokens
 MAX_TOKENS = 16
 VICTIM_TOKENS = 300  # an answer long enough to keep a victim's transfer live (forged calls)
 # Short deadlines so that failure paths finish within the test; lease > P timeout + transfer.
-P_EXTRA = {"request_timeout_s": 10, "meta_attempts": 10}
+P_EXTRA = {"request_timeout_s": 10, "meta_attempts": 10, "transfer_timeout_s": 5}
 D_EXTRA = {"prefill_timeout_s": 15, "lease_s": 20, "peer_request_timeout_s": 10,
            "transfer_timeout_s": 5}
 
@@ -882,6 +884,21 @@ def test_ahead_start_modes_equal_single_engine_and_bind_every_prefill(
                    - p_before.get(key, 0.0)) < 1 and time.monotonic() < deadline:
                 time.sleep(0.5)
             assert 1 <= early <= n, early
+            # ... and each request computed ahead (renamed at its bind) is a behaviour of the
+            # checked model's compute-ahead design (lw validate)
+            path = str(tmp_path / "run.jsonl")
+            answered, silent, _ = write_cluster_trace(cluster, path, source="test_e2e ahead")
+            assert not silent, silent
+            workers = tracefile.load(path).workers
+            # (P's timeline ring keeps its newest entries: on this shared cluster the first
+            # request's may be gone; the validator needs a request's whole history)
+            admitted = {e.reqs[0] for w in workers if w.role == "prefill" for e in w.entries
+                        if e.event == "admitted" and e.dst == "AHEAD"}
+            ahead_ids = sorted(new for old, new in tracefile.renames(workers).items()
+                               if old in admitted)
+            assert len(ahead_ids) >= 3, ahead_ids  # the newest: the concurrent two, the chat
+            ok, line, bad = validate_trace(path, only=ahead_ids)
+            assert ok, line + "\n" + "\n".join(bad)
     finally:
         ahead.stop()
 
