@@ -6,7 +6,9 @@ the three messages it adds to the contract, and their checks.
   are known; fetch them from ``lw_ahead_url`` with ``lw_ahead_grant``. Signed by the proxy for
   the role "prefill-ahead" (never valid as a prefill's or a decode's signature).
 - P -> proxy (:class:`AheadFetch`, a signed control call, lw.contract.auth): the digest of the
-  prompt P tokenized for this request; the proxy answers once D has allocated its blocks.
+  prompt P tokenized for this request; the proxy answers once D has allocated its blocks. The
+  same call with ``refused`` says P's core refused the bind (compute-ahead: it had dropped the
+  request): the proxy then starts that prefill D first.
 - proxy -> P (:class:`AheadAnswer`): ``go`` with the :class:`~lw.contract.params.PrefillParams`
   a D-first prefill would carry (signed for "prefill", checked again by P), or ``fallback``
   (D's prompt differs, D did not call in time, the request ended): P leaves the request waiting
@@ -66,11 +68,15 @@ class AheadParams(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class AheadFetch(msgspec.Struct, forbid_unknown_fields=True):
-    """P -> proxy: D's params for ``transfer_id``, for the prompt whose digest P computed."""
+    """P -> proxy: D's params for ``transfer_id``, for the prompt whose digest P computed; or,
+    with ``refused``, that P refused the bind of the params it was handed (it had dropped the
+    request first, past ``ahead_wait_s``): D was claimed by no one, the proxy starts the
+    prefill D first."""
 
     transfer_id: Id
     grant: Grant
     prompt_digest: Digest
+    refused: Annotated[str, msgspec.Meta(max_length=1000)] = ""
 
 
 class AheadAnswer(msgspec.Struct, forbid_unknown_fields=True):

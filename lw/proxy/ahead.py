@@ -104,6 +104,7 @@ def bind(state: ProxyState, tr: Transfer, msg: dict[str, Any], body: dict[str, A
     a.release("bound")
     sub = SubPrefill(msg["sub_transfer_id"], a.backend, budget=msg.get("retry_prefill", 0),
                      body=body)
+    a.sub = sub
     sub.task = state.spawn(_run_bound(state, tr, sub, a, msg["kv_transfer_params"]
                                       ["lw_prompt_digest"]))
     return sub
@@ -140,13 +141,16 @@ async def _run_bound(state: ProxyState, tr: Transfer, sub: SubPrefill, a: AheadP
 
 async def fetch(state: ProxyState, call: AheadFetch) -> tuple[int, dict[str, Any]]:
     """P's fetch of D's params: (status, answer), once D's call bound the request, or a
-    fallback when it does not within ``limits.ahead_wait_s`` (the ahead request is cancelled)."""
+    fallback when it does not within ``limits.ahead_wait_s`` (the ahead request is cancelled).
+    A call that says P refused the bind restarts the prefill D first (:func:`_refused`)."""
     tr = state.transfers.get(call.transfer_id)
     a = tr.ahead if tr is not None else None
     if tr is None or a is None or a.answer is None:
         return 404, ahead_fallback("unknown transfer (ended, or not sent ahead)")
     if not hmac.compare_digest(call.grant.encode(), a.grant.encode()):
         return 403, ahead_fallback("not this transfer's ahead grant")
+    if call.refused:
+        return _refused(state, tr, a, call.refused)
     a.digest = call.prompt_digest
     a.fetched.set()
     try:
@@ -159,3 +163,22 @@ async def fetch(state: ProxyState, call: AheadFetch) -> tuple[int, dict[str, Any
         a.resolve(ahead_fallback(why))  # (bound meanwhile: _run_bound sees it answered)
         return 200, a.answer.result()
 
+
+
+def _refused(state: ProxyState, tr: Transfer, a: AheadPrefill, why: str
+             ) -> tuple[int, dict[str, Any]]:
+    """P's core refused the bind of the params it was handed: it had dropped the request (past
+    its ``ahead_wait_s``) and claimed no decoder, so D's blocks are untouched and the prefill
+    starts again D first on the same server, once (the checker's compute-ahead world does the
+    same; without this D waited for its prefill deadline)."""
+    sub = a.sub
+    if a.state != "bound" or sub is None or a.answer is None or not a.answer.done():
+        return 409, ahead_fallback("no params were handed for this transfer")
+    if a.restarted:
+        return 200, ahead_fallback("started D first already")
+    a.restarted = True
+    state.counters["ahead_refused_binds"] += 1
+    log.warning("request %s: P %s refused the bind of its ahead prefill (%s); started D first",
+                tr.request_id, a.backend.url, why[:200])
+    sub.task = state.spawn(run_prefill(state, tr, sub, sub.body))
+    return 200, ahead_fallback("started D first")

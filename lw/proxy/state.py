@@ -295,6 +295,8 @@ class AheadPrefill:
     fetched: asyncio.Event = field(default_factory=asyncio.Event)
     answer: asyncio.Future[dict[str, Any]] | None = None  # what P's fetch is answered
     compute: bool = False  # compute-ahead: P computes at once; its POST may end before the bind
+    sub: SubPrefill | None = None  # what D's call bound it to (a refused bind restarts it)
+    restarted: bool = False  # P refused the bind and the prefill was started D first
 
     def release(self, state: str) -> None:
         """Leave "waiting" (its slot on P is free again) for ``state``."""
@@ -525,6 +527,7 @@ class ProxyState:
             "ahead_skipped_full": 0,
             "ahead_skipped_d_backlog": 0,
             "ahead_fetches_refused": 0,
+            "ahead_refused_binds": 0,
         }
 
     def label(self, url: str | None) -> str | None:

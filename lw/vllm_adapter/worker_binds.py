@@ -29,6 +29,8 @@ class AheadBinds:
 
     _alias: dict[str, str]
     _bound_early: OrderedDict[str, None]
+    _fetches: OrderedDict[str, FetchSpec]
+    _dropped: set[str]
     _ahead_answers: list[tuple[str, str, Any]]
     _fetcher: AheadFetcher | None
     _extra: dict[str, float]
@@ -47,6 +49,10 @@ class AheadBinds:
         """Ask the proxy for D's params of a request computed ahead, on a fetch thread."""
         if self._fetcher is None:
             self._fetcher = AheadFetcher(self.cfg)
+        with self._lock:  # (kept until bound: a refused bind is reported with it)
+            self._fetches[f.ahead_id] = f
+            while len(self._fetches) > BOUND_MEMORY:
+                self._fetches.popitem(last=False)
         self._fetcher.fetch(f.req_id, f.url, {"transfer_id": f.ahead_id, "grant": f.grant,
                                               "prompt_digest": f.prompt},
                             lambda answer: self._fetched(f, answer))
@@ -65,8 +71,13 @@ class AheadBinds:
                     with self._lock:
                         self._extra["ahead_bound_early"] += 1
                     self._dirty = True
+                elif f.ahead_id in self._dropped:  # ended here before its params came
+                    self._report_refused(f.ahead_id, "P had dropped it before D's params came")
         with self._lock:
             self._ahead_answers.append((f.req_id, status, val))
+            if status != "go":  # no bind comes: nothing to report
+                self._fetches.pop(f.ahead_id, None)
+                self._dropped.discard(f.ahead_id)
 
     def _bind_spec(self, f: FetchSpec, params: Any) -> BindSpec:
         """D's params as a bind of ``f``'s request, or ContractError / ValueError where they
@@ -108,6 +119,8 @@ class AheadBinds:
         if self._rid.get(b.ahead_id) != b.req_id:
             log.error("lw: request %s (transfer %s) bound after it ended here", b.req_id,
                       b.transfer_id)
+            if b.ahead_id in self._dropped:  # never bound: dropped at its ahead deadline
+                self._report_refused(b.ahead_id, "P had dropped it before D's params came")
             return
         self._alias[b.ahead_id] = b.transfer_id
         with self._lock:
@@ -122,7 +135,8 @@ class AheadBinds:
     def _bound(self, fut: Any, b: BindSpec) -> None:
         """The core's answer to a bind (on its loop thread, before any report of the new id)."""
         exc = fut.exception()
-        refused = exc is not None or not fut.result()  # a refused bind has no effect
+        dropped = exc is None and not fut.result()  # the core refused: it had dropped it
+        refused = exc is not None or dropped
         # the id the core reports the request under from now on, and the one to forget
         keep, drop = (b.ahead_id, b.transfer_id) if refused else (b.transfer_id, b.ahead_id)
         with self._lock:
@@ -136,10 +150,30 @@ class AheadBinds:
                     self._t0.setdefault(keep, self._t0.pop(drop))
         if not refused and self.tracer is not None:
             self.tracer.rename(drop, keep)
-        if refused:
-            log.error("lw: request %s computed ahead: bind to transfer %s refused (%s); the "
-                      "decode engine fails it at its prefill deadline", b.req_id,
-                      b.transfer_id, exc or "dropped before D's params came")
+        if dropped:
+            log.error("lw: request %s computed ahead: bind to transfer %s refused (dropped "
+                      "before D's params came); the proxy starts it D first", b.req_id,
+                      b.transfer_id)
+            self._report_refused(b.ahead_id, "P had dropped it before D's params came")
+        elif refused:  # a bug of ours: no decoder was claimed, D fails it at its deadline
+            log.error("lw: request %s computed ahead: bind to transfer %s failed: %s",
+                      b.req_id, b.transfer_id, exc)
+        else:
+            with self._lock:
+                self._fetches.pop(b.ahead_id, None)
+
+    def _report_refused(self, ahead_id: str, why: str) -> None:
+        """Tell the proxy the core refused the bind of the params it handed: no decoder was
+        claimed, so it starts the prefill D first (else D waits for its prefill deadline)."""
+        with self._lock:
+            f = self._fetches.pop(ahead_id, None)
+            self._dropped.discard(ahead_id)
+        if f is None or self._fetcher is None:
+            return  # (fetched by the scheduler side: P TP > 1 or a long prompt, admitted ahead)
+        self._fetcher.fetch(f"refused:{ahead_id}", f.url, {
+            "transfer_id": ahead_id, "grant": f.grant, "prompt_digest": f.prompt,
+            "refused": why[:1000]}, lambda answer: log.warning(
+                "lw: transfer %s: the proxy answered P's refused bind: %s", ahead_id, answer))
 
     def _unalias(self, tid: str) -> None:
         """``tid`` ended here: forget the ahead id it was bound from."""

@@ -2,7 +2,8 @@
 D's params from the control plane, and anything but a timely, matching fetch falls back to the
 D-first order. The fake D is test_proxy's; the fake P here acts as lw's P does with ahead params.
 Prompt keywords steer it: ``pother`` (P tokenized another prompt), ``pnofetch`` (P never asks for
-D's params), ``local`` (D computes the prompt itself)."""
+D's params), ``local`` (D computes the prompt itself), ``prefused`` (compute-ahead: P's core
+refuses the bind, having dropped the request)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,16 @@ def ahead_prefill(world: World) -> FastAPI:
                     world.record("p_ahead_dropped", "p0", ap.transfer_id)
                     return
                 pp = decode_params_for_prefiller(KEY, answer["kv_transfer_params"])
+                if "prefused" in prompt:  # P's core had dropped it: the bind is refused
+                    for _ in range(2):  # (told twice: the proxy restarts it once)
+                        refused = dict(call, refused="P had dropped it")
+                        rc, rh = signed_call(KEY, refused)
+                        async with httpx.AsyncClient(timeout=10) as client:
+                            r = await client.post(ap.lw_ahead_url, content=rc, headers=rh)
+                        with world.lock:
+                            world.meta_replies.setdefault("refused:" + ap.transfer_id, []
+                                                          ).append((r.status_code, r.json()))
+                    return
                 world.record("p_ahead_go", "p0", pp.transfer_id)
                 with world.lock:
                     world.prefill_done.add(pp.transfer_id)
@@ -240,6 +251,47 @@ def test_compute_ahead_on_a_p_that_did_not_hold_the_kv_starts_d_first() -> None:
         assert len(w.tids("p_request")) == 1 and not w.tids("p_ahead_go")
         m = c.metrics()
         assert m["ahead_bound"] == 0 and m["ahead_unbound"] == 1
+
+
+def test_a_bind_p_refused_starts_the_prefill_d_first_once() -> None:
+    """compute-ahead: P's core had dropped the request when D's params came and refused the
+    bind (no decoder claimed): told so, the proxy starts the prefill D first on the same P,
+    once, and the client's request completes."""
+    with ahead_cluster(mode="compute-ahead") as c:
+        r = post(c, completion("prefused prompt"))
+        assert r.status_code == 200, r.text
+        w = c.world
+        (tid,) = w.tids("p_ahead")
+        (sub,) = w.tids("p_request")  # the D-first prefill, on the same P
+        assert sub.startswith(tid + "@") and not w.tids("p_ahead_go")
+        wait_for(lambda: len(w.meta_replies.get("refused:" + tid, [])) == 2)
+        first, again = w.meta_replies["refused:" + tid]
+        assert first == (200, {"status": "fallback", "detail": "started D first"}), first
+        # (or the request had ended by then: an unknown transfer)
+        assert again in ((200, {"status": "fallback", "detail": "started D first already"}),
+                         (404, {"status": "fallback",
+                                "detail": "unknown transfer (ended, or not sent ahead)"})), again
+        m = c.metrics()
+        assert (m["ahead_bound"], m["ahead_refused_binds"], m["prefills"]) == (1, 1, 1), m
+
+
+def test_a_refused_bind_before_any_params_were_handed_is_refused() -> None:
+    """A refusal for a transfer whose params were never handed (D has not called) changes
+    nothing: 409; one without the transfer's grant: 403."""
+    with ahead_cluster(mode="compute-ahead", wait_s=3.0) as c, ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(post, c, completion("pnofetch prompt"))
+        wait_for(lambda: bool(c.world.tids("p_ahead")))
+        (tid,) = c.world.tids("p_ahead")
+        ap = decode_ahead_params(KEY, c.world.bodies[("p_ahead", tid)]["kv_transfer_params"])
+        for grant, code in ((ap.lw_ahead_grant, 409), ("x" * 32, 403)):
+            call = {"transfer_id": tid, "grant": grant, "prompt_digest": "0" * 32,
+                    "refused": "P had dropped it"}
+            content, headers = signed_call(KEY, call)
+            r = httpx.post(c.control + "/v1/ahead", content=content, headers=headers,
+                           timeout=5)
+            assert r.status_code == code and r.json()["status"] == "fallback", r.text
+        assert c.metrics()["ahead_refused_binds"] == 0
+        assert fut.result().status_code == 200
 
 
 def test_none_goes_ahead_while_its_d_has_requests_it_has_not_allocated_for() -> None:

@@ -6,6 +6,7 @@ and its copy of the bind changes nothing. The fetch thread is played by the test
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -149,3 +150,38 @@ def test_params_that_do_not_fit_or_do_not_come_bind_nothing_and_free_the_blocks(
         c.p.step()
     assert c.p.total("ahead_bound") == 0 and c.p.total("ahead_bound_early") == 0
     assert free_blocks(c.p.sched) == BASELINE and not worker._rid
+
+
+def test_params_after_p_dropped_the_request_are_reported_refused(
+        cluster_factory: Callable[..., Cluster]) -> None:  # noqa: F811
+    """P dropped the request at its ahead deadline (its worker stalled) before D's params came:
+    the worker binds nothing and tells the proxy the bind was refused, with the transfer's
+    grant, so that the proxy starts it D first (D was claimed by no one)."""
+    c = cluster_factory(p_extra={**PROGRESSIVE, "ahead_wait_s": 0.2})
+    c.p.worker_meta = True
+    c.relay_enabled = False
+    toks = list(range(5000, 5150))
+    c.p.sched.add_request(make_request("p-r1", 150, tokens=toks, params=sign_ahead_params(
+        None, URL, "t1", "g" * 32, compute=True)))
+    c.p.step()  # chunk 1 computed under the proxy's id, ahead
+    worker = c.p.worker._worker
+    assert worker is not None
+    for _ in range(500):  # its ahead deadline passes: the core drops it, the blocks come back
+        if not worker._rid and not c.p.sched.requests:
+            break
+        c.p.step()
+        time.sleep(0.002)
+    assert not worker._rid and free_blocks(c.p.sched) == BASELINE
+    f = HeldFetcher.last
+    assert f is not None
+    c.prompts["r1"] = toks
+    c.add("r1", toks, tid="t1")
+    c.run_until(lambda: bool(FakePoster.instances and FakePoster.instances[0].posts))
+    (_rid, tid, _url, msg) = FakePoster.instances[0].posts[0]
+    f.answer("p-r1", ("go", as_proxy(msg["kv_transfer_params"], tid)))
+    body = f.bodies.get("refused:t1")
+    assert body is not None, f.bodies
+    assert (body["transfer_id"], body["grant"]) == ("t1", "g" * 32)
+    assert "dropped" in body["refused"], body
+    assert c.p.total("ahead_bound_early") == 0 and not worker._alias
+    assert not worker._fetches and not worker._dropped  # reported once, then forgotten
