@@ -14,21 +14,23 @@ from typing import Any
 from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 
 OUTPUT_TOKENS = 32
-SETUPS = ("single", "lw", "lw-ahead", "lw-compute", "lw-compute-step", "lw-progressive",
-          "lw-last", "peer")
+SETUPS = ("single", "lw", "lw-ahead", "lw-compute", "lw-compute-step", "lw-compute-b1",
+          "lw-progressive", "lw-last", "peer")
 LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
           "lw-ahead": "lw P/D auto, admit-ahead", "lw-compute": "lw P/D auto, compute-ahead",
           "lw-compute-step": "lw P/D auto, compute-ahead of one-step prompts",
+          "lw-compute-b1": "lw P/D auto, compute-ahead while D has no backlog",
           "lw-progressive": "lw P/D progressive",
           "lw-last": "lw P/D last-chunk",
           "peer": "Mooncake P/D"}
-PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto", "lw-compute-step": "auto",
+PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto", "lw-compute-step": "auto", "lw-compute-b1": "auto",
               "lw-progressive": "progressive",
               "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
 PROXY_ARGS = {"lw-ahead": ["--start-mode", "admit-ahead"],
               "lw-compute": ["--start-mode", "compute-ahead"],
-              "lw-compute-step": ["--start-mode", "compute-ahead"]}
+              "lw-compute-step": ["--start-mode", "compute-ahead"],
+              "lw-compute-b1": ["--start-mode", "compute-ahead", "--ahead-d-backlog", "1"]}
 """``lw proxy`` arguments per lw set-up (the others: its defaults, D first)."""
 P_EXTRA = {"lw-compute-step": {"ahead_compute_max_tokens": 256}}
 """P's extra ``kv_connector_extra_config`` per lw set-up, beyond ``push_mode``:

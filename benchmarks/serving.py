@@ -188,6 +188,12 @@ def start_lw_compute_step(model: Path, logs: Path, timeout: float, place: Placem
     return _start_lw("lw-compute-step", model, logs, timeout, place)
 
 
+def start_lw_compute_b1(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """lw P/D as ``lw-compute``, nothing ahead while D has a request it has not allocated for
+    (``--ahead-d-backlog 1``)."""
+    return _start_lw("lw-compute-b1", model, logs, timeout, place)
+
+
 def start_lw_progressive(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
     """lw P/D, ``push_mode`` progressive (every chunk from the first)."""
     return _start_lw("lw-progressive", model, logs, timeout, place)
@@ -240,6 +246,7 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
     "single": start_single, "lw": start_lw, "lw-ahead": start_lw_ahead,
     "lw-compute": start_lw_compute, "lw-compute-step": start_lw_compute_step,
+    "lw-compute-b1": start_lw_compute_b1,
     "lw-progressive": start_lw_progressive,
     "lw-last": start_lw_last, "peer": start_peer}
 
