@@ -23,7 +23,8 @@ LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
           "lw-progressive": "lw P/D progressive",
           "lw-last": "lw P/D last-chunk",
           "peer": "Mooncake P/D"}
-PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto", "lw-compute-step": "auto", "lw-compute-b1": "auto",
+PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto", "lw-compute-step": "auto",
+              "lw-compute-b1": "auto",
               "lw-progressive": "progressive",
               "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""

@@ -143,9 +143,11 @@ class WorldConfig:
         bad = set(self.fault_kinds) - set(FAULT_KINDS)
         if bad:
             raise ValueError(f"unknown fault kinds {sorted(bad)}; known: {', '.join(FAULT_KINDS)}")
-        if self.retry_prefill and (self.d_tp != 1 or not DESIGNS[self.design].d_first):
-            raise ValueError("retry_prefill needs D TP 1 and a D-first design (each D worker "
-                             "decides its own retries; the world routes one prefill per request)")
+        d = DESIGNS[self.design]
+        if self.retry_prefill and (self.d_tp != 1 or not (d.d_first or d.ahead)):
+            raise ValueError("retry_prefill needs D TP 1 and lw's D-first or compute-ahead "
+                             "design (each D worker decides its own retries; the world routes "
+                             "one prefill per request)")
         if DESIGNS[self.design].ahead and self.tp != 1:
             raise ValueError("a design that computes ahead needs P TP 1 (each P worker decides "
                              "its own bind; the world binds one per request)")

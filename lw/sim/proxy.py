@@ -84,6 +84,11 @@ class Proxy:
             self.p_node.p_bind(q)  # a full hit binds it to no decoder: P ends, sending nothing
             if not q.refused and q.loads():
                 self.route(q)
+        elif s.design.ahead and q.ahead == "ahead" and q.loads():
+            # its P rank died before D's blocks came: the proxy saw P's ahead request fail and
+            # starts the prefill D first on a live rank, as for a refused bind
+            if s.first_live_rank() is not None:
+                self._restart(q, "its P rank died before the bind")
         elif not s.design.d_first and q.p_stage == "scheduled" and not q.p_added:
             self.p_node.p_add(q)
 
@@ -120,14 +125,17 @@ class Proxy:
     def do_fallback(self, r: int) -> None:
         """The proxy starts request ``r`` again, D first: P dropped its attempt computed ahead
         before D's blocks came (nothing of it was written: it never claimed D)."""
+        self._restart(self.s.reqs[r], "P refused the bind")
+
+    def _restart(self, q: Req, why: str) -> None:
+        """Start ``q`` again, D first, its attempt computed ahead given up (never written)."""
         s = self.s
-        q = s.reqs[r]
         q.p_stage, q.p_blocks, q.p_added, q.p_freed, q.t_padd = "none", None, False, False, None
         q.chunk, q.accepted, q.landed = 0, frozenset(), frozenset()
         q.send_reports, q.send_ok = (0,) * s.tp, (False,) * s.tp
         q.ahead, q.refused = "", False
-        s.note("Proxy", f"{q.rid}: P refused the bind; started again, D first")
-        self.do_start(r)
+        s.note("Proxy", f"{q.rid}: {why}; started again, D first")
+        self.do_start(q.idx)
 
     def route(self, q: Req) -> None:
         """The proxy sends ``q``'s current attempt to its rank: D watches that P from now."""
