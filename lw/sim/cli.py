@@ -118,6 +118,12 @@ STRONG: tuple[dict[str, Any], ...] = (
      "fault_kinds": ("write",), "delays": False, "unordered_writes": True},
     {"design": AHEAD_DESIGN, "dp": 1, "requests": 1, "layers": 1, **_CHUNKED,
      "prefix_hits": (1,), "faults": True, "fault_kinds": ()},
+    # ... and with prefill failover: a P rank dies before or after the bind (before: the proxy
+    # saw P's ahead request fail and starts it D first; after: D prefills it again elsewhere),
+    # among failed writes, lost and duplicated messages and aborts.
+    {"design": AHEAD_DESIGN, "dp": 2, "requests": 2, "layers": 1, "faults": True,
+     "fault_kinds": ("rank-crash", "write", "drop", "dup", "abort"), "delays": False,
+     "retry_prefill": 1},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",

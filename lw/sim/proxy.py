@@ -84,11 +84,16 @@ class Proxy:
             self.p_node.p_bind(q)  # a full hit binds it to no decoder: P ends, sending nothing
             if not q.refused and q.loads():
                 self.route(q)
-        elif s.design.ahead and q.ahead == "ahead" and q.loads():
-            # its P rank died before D's blocks came: the proxy saw P's ahead request fail and
-            # starts the prefill D first on a live rank, as for a refused bind
+        elif s.design.ahead and q.ahead != "bound" and not s.rank_alive(q.p_rank) and q.loads():
+            # its P rank died before D's blocks came (queued, or computing ahead): the proxy saw
+            # P's ahead request fail and starts the prefill D first on a live rank, as for a
+            # refused bind
             if s.first_live_rank() is not None:
                 self._restart(q, "its P rank died before the bind")
+        elif s.design.ahead and q.p_stage == "queued" and q.loads():
+            # P has not scheduled it yet: D's call is answered with the attempt's P (it watches
+            # it from now), and P's scheduler adds it with D's blocks (lw/sim/pnode.py)
+            self.route(q)
         elif not s.design.d_first and q.p_stage == "scheduled" and not q.p_added:
             self.p_node.p_add(q)
 

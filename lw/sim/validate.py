@@ -27,7 +27,6 @@ from lw.sim.properties import Violation
 from lw.sim.validate_world import (  # noqa: F401  (re-exported: the validation world's API)
     ValidationConfig,
     ValidationWorld,
-    computed_ahead,
     failover_run,
     world_config,
 )
@@ -409,12 +408,6 @@ def _validate_once(trace: Trace, rid: str, max_states: int, deadline: float,
         v.outcome, v.why = "undecided", proj.problem
         return v
     if proj.total == 0:
-        return v
-    if (computed_ahead(trace, rid) and int(trace.decode.get("retry_prefill", 0) or 0)
-            and any(o.entry.dst == "FAILED" for obs in proj.obs.values() for o in obs)):
-        v.outcome = "undecided"
-        v.why = ("computed ahead and failed in a run with prefill failover: the world's "
-                 "compute-ahead design has no failover")
         return v
     # With no D event recorded, the request's D may have died (no timeline) and a restart the
     # trace does not show answered it "unknown"; with events, each recorded incarnation of its

@@ -103,11 +103,6 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
                  if e.event == "fresh" and rid in e.reqs) if fresh else 0
     late = any(e.event == "meta_unknown" and rid in e.reqs for w in trace.workers
                if w.role == "prefill" for e in w.entries)
-    if computed_ahead(trace, rid):
-        # the world's compute-ahead design has no prefill failover (lw check's neither): a
-        # request computed ahead that failed nowhere is explained without it (validate.py
-        # leaves one that failed somewhere undecided)
-        retry, fresh, grants = 0, False, 0
     return ValidationConfig(
         dp=max(p_engines, 2) if retry else 1, tp=s["prefill_tp"], d_dp=1, d_tp=s["decode_tp"],
         requests=1, layers=s["layers"],

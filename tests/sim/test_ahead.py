@@ -72,3 +72,42 @@ def test_computing_ahead_holds_with_lost_and_duplicated_messages() -> None:
                               fault_kinds=("drop", "dup"), delays=False),
                   max_seconds=60, check_cycles=True)
     assert res.counterexample is None and res.complete
+
+
+def test_a_request_queued_on_a_p_rank_that_dies_before_d_allocates_is_started_d_first() -> None:
+    """Prefill failover, computing ahead: r0 went to P rank 0 with D, rank 0 dies before it
+    scheduled r0 (nothing computed); D's allocation then sees P's ahead request failed and the
+    proxy starts r0 D first on the live rank, which prefills it (before: D waited for its
+    prefill deadline, although a rank lived and the retry budget was left)."""
+    w = World(WorldConfig(design=AHEAD, dp=2, requests=1, layers=1, faults=True,
+                          fault_kinds=("rank-crash",), delays=False, retry_prefill=1))
+    _do(w, "arrive")
+    q = w.reqs[0]
+    assert q.p_stage == "queued" and q.p_rank == 0
+    _do(w, "crash_rank", 0)
+    _do(w, "alloc", 0)
+    assert q.p_rank == 1 and q.p_stage == "queued" and q.ahead == ""
+    drain(w)
+    assert q.d_stage == "done" and q.send_ok == (True,)
+
+
+def test_a_d_called_before_p_scheduled_watches_that_p() -> None:
+    """D allocates while P has r0 queued, not scheduled: D's call is answered with the P of
+    the attempt, so D notices that rank's death and prefills again elsewhere (the runtime's
+    metaserver answer names the attempt's P in every case)."""
+    w = World(WorldConfig(design=AHEAD, dp=2, requests=1, layers=1, faults=True,
+                          fault_kinds=("rank-crash",), delays=False, retry_prefill=1))
+    _do(w, "arrive")
+    _do(w, "alloc", 0)  # routed now; P adds it with D's blocks when it schedules it
+    _do(w, "crash_rank", 0)
+    drain(w)
+    q = w.reqs[0]
+    assert q.d_stage == "done" and q.p_rank == 1 and q.epoch == 1
+
+
+def test_computing_ahead_holds_under_prefill_failover() -> None:
+    res = explore(WorldConfig(design=AHEAD, dp=2, requests=2, layers=1, faults=True,
+                              fault_kinds=("rank-crash", "write"), delays=False,
+                              retry_prefill=1),
+                  max_seconds=60, check_cycles=True)
+    assert res.counterexample is None and res.complete
