@@ -164,7 +164,6 @@ async def fetch(state: ProxyState, call: AheadFetch) -> tuple[int, dict[str, Any
         return 200, a.answer.result()
 
 
-
 def _refused(state: ProxyState, tr: Transfer, a: AheadPrefill, why: str
              ) -> tuple[int, dict[str, Any]]:
     """P's core refused the bind of the params it was handed: it had dropped the request (past

@@ -103,6 +103,7 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
                  if e.event == "fresh" and rid in e.reqs) if fresh else 0
     late = any(e.event == "meta_unknown" and rid in e.reqs for w in trace.workers
                if w.role == "prefill" for e in w.entries)
+    design = "compute-ahead" if computed_ahead(trace, rid) else "d-first"
     return ValidationConfig(
         dp=max(p_engines, 2) if retry else 1, tp=s["prefill_tp"], d_dp=1, d_tp=s["decode_tp"],
         requests=1, layers=s["layers"],
@@ -123,7 +124,7 @@ def world_config(trace: Trace, max_faults: int, d_restarts: int,
         retry_prefill_avoid=str(d.get("retry_prefill_avoid", "lost")), retry_fresh_blocks=fresh,
         # runs recorded before issue 40's fence freed blocks at the lease's end
         fence_data=bool(d.get("fence_data", False)), late_register=late,
-        design="compute-ahead" if computed_ahead(trace, rid) else "d-first",
+        design=design,
         ahead_wait_s=float(p.get("ahead_wait_s", 5.0)))
 
 
