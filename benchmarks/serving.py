@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -168,42 +169,6 @@ def _start_lw(setup: str, model: Path, logs: Path, timeout: float,
     return Running(setup, dict(cluster.servers), cluster.url("proxy"), cluster)
 
 
-def start_lw(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
-    """lw P/D, ``push_mode`` auto (the default)."""
-    return _start_lw("lw", model, logs, timeout, place)
-
-
-def start_lw_ahead(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
-    """lw P/D, ``push_mode`` auto, the proxy in ``--start-mode admit-ahead``."""
-    return _start_lw("lw-ahead", model, logs, timeout, place)
-
-
-def start_lw_compute(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
-    """lw P/D, ``push_mode`` auto, the proxy in ``--start-mode compute-ahead``."""
-    return _start_lw("lw-compute", model, logs, timeout, place)
-
-
-def start_lw_compute_step(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
-    """lw P/D as ``lw-compute``, computing ahead only one-step prompts (``P_EXTRA``)."""
-    return _start_lw("lw-compute-step", model, logs, timeout, place)
-
-
-def start_lw_compute_b1(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
-    """lw P/D as ``lw-compute``, nothing ahead while D has a request it has not allocated for
-    (``--ahead-d-backlog 1``)."""
-    return _start_lw("lw-compute-b1", model, logs, timeout, place)
-
-
-def start_lw_progressive(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
-    """lw P/D, ``push_mode`` progressive (every chunk from the first)."""
-    return _start_lw("lw-progressive", model, logs, timeout, place)
-
-
-def start_lw_last(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
-    """lw P/D, ``push_mode`` last_chunk."""
-    return _start_lw("lw-last", model, logs, timeout, place)
-
-
 def mooncake_kv_config(role: str, engine_id: str) -> dict[str, Any]:
     """``--kv-transfer-config`` for vLLM's in-tree MooncakeConnector over TCP."""
     return {"kv_connector": "MooncakeConnector", "kv_role": role, "engine_id": engine_id,
@@ -244,11 +209,9 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
 
 
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
-    "single": start_single, "lw": start_lw, "lw-ahead": start_lw_ahead,
-    "lw-compute": start_lw_compute, "lw-compute-step": start_lw_compute_step,
-    "lw-compute-b1": start_lw_compute_b1,
-    "lw-progressive": start_lw_progressive,
-    "lw-last": start_lw_last, "peer": start_peer}
+    "single": start_single, "peer": start_peer,
+    # every lw set-up starts alike, with its own push_mode, proxy args and P extras (_plan.py)
+    **{setup: functools.partial(_start_lw, setup) for setup in PUSH_MODES}}
 
 
 def warm_up(run: Running, n: int = 2) -> None:
