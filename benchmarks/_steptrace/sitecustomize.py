@@ -1,0 +1,122 @@
+"""Start-up shim of ``benchmarks/d_step_trace.py`` (never used by lw itself): with
+``LW_STEPTRACE`` set to a file, every Python process started with this folder on PYTHONPATH
+appends a line per milestone of D's path from a request's last DONE to its first token.
+
+Line: ``<monotonic s> <pid> <event> <id>``. The clock is the host's (CLOCK_MONOTONIC), so lines
+of the proxy, the engine cores and the workers compare. Events: ``report_<Report>`` (the
+worker loop queued a core report: D's RecvDone is its last DONE), ``w_results``/``w_recv``
+(a worker step's end, where vLLM collects the reports, and each request it reports received),
+``w_bind`` (a worker step's start, its connector metadata bound, before the forward),
+``s_new``/``s_update_recv``/``s_sched`` (the scheduler took a new request, learnt a receive
+finished, scheduled a request), ``p_received``/``p_d_sent``/``p_first_token`` (the proxy read
+the client's request; its POST to D left; its first bytes of D's answer went to the client).
+The modules are wrapped as they are imported (a finder on ``sys.meta_path``), so a process that
+never imports one pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+_PATH = os.environ.get("LW_STEPTRACE")
+
+
+def log(event: str, ident: str = "") -> None:
+    """Append one milestone (a line written whole with O_APPEND: processes do not interleave)."""
+    if _PATH:
+        line = f"{time.monotonic():.6f} {os.getpid()} {event} {ident}\n".encode()
+        fd = os.open(_PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+def _wrap(cls: type, name: str, before: Callable[..., None] | None = None,
+          after: Callable[..., None] | None = None) -> None:
+    original = getattr(cls, name)
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before(self, *args, **kwargs)
+        out = original(self, *args, **kwargs)
+        if after is not None:
+            after(self, out, *args, **kwargs)
+        return out
+
+    wrapper.__doc__ = original.__doc__
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(cls, name, wrapper)
+
+
+def _connector(m: ModuleType) -> None:
+    c = m.LwConnector
+
+    def results(self: Any, out: Any, *a: Any, **k: Any) -> None:
+        log("w_results")
+        for rid in out.finished_recving or ():
+            log("w_recv", rid)
+
+    def update(self: Any, out: Any, *a: Any, **k: Any) -> None:
+        for rid in out.finished_recving or ():
+            log("s_update_recv", rid)
+
+    _wrap(c, "get_transfer_results", after=results)
+    _wrap(c, "bind_connector_metadata", after=lambda self, out, *a, **k: log("w_bind"))
+    _wrap(c, "update_connector_output", before=lambda self, o: update(self, o))
+    _wrap(c, "on_new_request", before=lambda self, r: log("s_new", r.request_id))
+    _wrap(c, "build_connector_meta", before=lambda self, so: [
+        log("s_sched", rid) for rid in (getattr(so, "num_scheduled_tokens", None) or {})])
+
+
+def _runtime(m: ModuleType) -> None:
+    _wrap(m.WorkerLoop, "_report",
+          after=lambda self, out, e: log("report_" + type(e).__name__, e.req_id))
+
+
+def _proxy_timeline(m: ModuleType) -> None:
+    def mark(self: Any, transfer_id: str, event: str, t: float | None = None) -> None:
+        if event in ("received", "d_sent", "first_token"):
+            log("p_" + event, transfer_id)
+
+    _wrap(m.ProxyTimeline, "mark", before=mark)
+
+
+PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "lw.vllm_adapter.connector": _connector,
+    "lw.transport.runtime": _runtime,
+    "lw.proxy.timeline": _proxy_timeline,
+}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: runs a patch right after the module it is for has executed."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        patch = PATCHES.get(fullname)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def patched_exec(module: ModuleType) -> None:
+            exec_module(module)
+            patch(module)
+
+        loader.exec_module = patched_exec  # type: ignore[method-assign]
+        return spec
+
+
+if _PATH:
+    sys.meta_path.insert(0, _Finder())

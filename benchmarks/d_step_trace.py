@@ -1,0 +1,196 @@
+"""Where D's "every DONE -> first token" goes: lw's part (the report, the proxy's relay) and
+vLLM's (its engine's next step, the output path), from time stamps in every process.
+
+Starts lw P/D as ``lw demo`` does (P on core 0, D on core 1, loopback, lw's proxy) with
+``benchmarks/_steptrace`` on PYTHONPATH, sends ``--requests`` prompts one at a time (greedy,
+streamed, 4 output tokens each; the first two unmeasured), and prints per step of D's path the
+median and min-max over the requests, next to D's decode step (TPOT) measured on the same
+streams. The steps after "D's last DONE" are D's: the worker loop reports it, the engine's
+worker returns it at its step's end, the scheduler learns it and schedules the request, the
+worker binds the next step and runs its forward, the output reaches lw's proxy and the client.
+
+``PYTHONPATH=$PWD HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/d_step_trace.py [--requests 14]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SHIM = ROOT / "benchmarks" / "_steptrace"
+
+# (label, from milestone, to milestone, whose time it is)
+STEPS: tuple[tuple[str, str, str, str], ...] = (
+    ("client sent -> lw's proxy read the request", "sent", "p_received", "lw"),
+    ("read -> the proxy's POST to D left", "p_received", "p_d_sent", "lw"),
+    ("proxy's POST -> D's scheduler has it", "p_d_sent", "s_new", "vLLM"),
+    ("D's scheduler has it -> D's last DONE", "s_new", "done", "P/D"),
+    ("last DONE -> D's worker reports it", "done", "w_recv", "lw"),
+    ("report -> D's scheduler learns it", "w_recv", "s_update", "vLLM"),
+    ("learns it -> schedules the request", "s_update", "s_sched", "vLLM"),
+    ("scheduled -> D's worker step starts", "s_sched", "w_bind", "vLLM"),
+    ("step start -> its end (the forward)", "w_bind", "w_end", "vLLM"),
+    ("step end -> first bytes at lw's proxy", "w_end", "p_first", "vLLM"),
+    ("lw's proxy -> first token at the client", "p_first", "tok0", "lw"),
+)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of the step trace."""
+
+    t: float
+    pid: int
+    name: str
+    ident: str
+
+
+def read_events(lines: Iterable[str]) -> list[Event]:
+    """Parse step-trace lines (``<t> <pid> <event> [<id>]``), sorted by time."""
+    out = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        out.append(Event(float(parts[0]), int(parts[1]), parts[2],
+                         parts[3] if len(parts) > 3 else ""))
+    return sorted(out, key=lambda e: e.t)
+
+
+def milestones(events: Sequence[Event]) -> list[dict[str, float]]:
+    """Per request (the driver's ``sent`` events; requests run one at a time), the time of each
+    milestone of ``STEPS``: each is the first of its kind after the one before it, on D's
+    processes (D's worker: the one that reported a RecvDone; its scheduler: the one that
+    learnt a receive finished)."""
+    d_worker = {e.pid for e in events if e.name == "report_RecvDone"}
+    d_sched = {e.pid for e in events if e.name == "s_update_recv"}
+    sent = [e for e in events if e.name == "sent"]
+    rows = []
+    for i, s in enumerate(sent):
+        end = sent[i + 1].t if i + 1 < len(sent) else float("inf")
+        window = [e for e in events if s.t <= e.t < end]
+
+        def first(name: str, after: float | None, pids: set[int] | None = None,
+                  window: list[Event] = window) -> float | None:
+            if after is None:
+                return None
+            return next((e.t for e in window if e.name == name and e.t >= after
+                         and (pids is None or e.pid in pids)), None)
+
+        m: dict[str, float | None] = {"sent": s.t}
+        m["p_received"] = first("p_received", s.t)
+        m["p_d_sent"] = first("p_d_sent", s.t)
+        m["s_new"] = first("s_new", s.t, d_sched)
+        m["done"] = first("report_RecvDone", s.t, d_worker)
+        # the report is queued before its line is written: the worker may log first
+        m["w_recv"] = first("w_recv", None if m["done"] is None else m["done"] - 0.005,
+                            d_worker)
+        m["s_update"] = first("s_update_recv", m["w_recv"], d_sched)
+        m["s_sched"] = first("s_sched", m["s_update"], d_sched)
+        m["w_bind"] = first("w_bind", m["s_sched"], d_worker)
+        m["w_end"] = first("w_results", m["w_bind"], d_worker)
+        m["p_first"] = first("p_first_token", m["w_end"])
+        for k in range(4):
+            m[f"tok{k}"] = first(f"tok{k}", s.t)
+        if all(v is not None for v in m.values()):
+            rows.append({k: v for k, v in m.items() if v is not None})
+    return rows
+
+
+def _stats(xs: list[float]) -> str:
+    return f"{statistics.median(xs):7.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def report(rows: list[dict[str, float]]) -> str:
+    """The table: per step, the median (min-max) in ms; then D's TPOT and the sums."""
+    if not rows:
+        return "no complete request in the trace"
+    lines = [f"{len(rows)} requests; ms, median (min-max)",
+             f"  {'step':<44} {'whose':<5} {'ms':>7}"]
+    for label, a, b, whose in STEPS:
+        xs = [(r[b] - r[a]) * 1e3 for r in rows]
+        lines.append(f"  {label:<44} {whose:<5} {_stats(xs)}")
+    tpot = [(r["tok3"] - r["tok1"]) * 1e3 / 2 for r in rows]
+    after = [(r["tok0"] - r["done"]) * 1e3 for r in rows]
+    lw_part = [((r["w_recv"] - r["done"]) + (r["tok0"] - r["p_first"])) * 1e3 for r in rows]
+    lines += [f"  {'D: last DONE -> first token at the client':<50} {_stats(after)}",
+              f"  {'   of which lw (report + relay)':<50} {_stats(lw_part)}",
+              f"  {'D: decode step (TPOT, tokens 1-3)':<50} {_stats(tpot)}"]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from benchmarks._plan import Shape, make_prompts
+    from lw.lab.demo_client import MODEL_NAME
+    from lw.lab.local_cluster import LocalCluster
+    from lw.lab.tiny_model import make_tiny_model
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="lw-steptrace-"))
+    work.mkdir(parents=True, exist_ok=True)
+    trace = work / "steptrace.log"
+    trace.unlink(missing_ok=True)
+    os.environ["LW_STEPTRACE"] = str(trace)  # the cluster's processes inherit both
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(SHIM), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    model = make_tiny_model(work / "tiny-32l", num_layers=32)
+    proxy_args = [] if args.start_mode == "d-first" else ["--start-mode", args.start_mode]
+    cluster = LocalCluster(model=model, workdir=work / "logs", reference=False,
+                           proxy_args=proxy_args)
+    prompts = make_prompts(model, Shape(args.tokens, 1, args.requests + 2), "steptrace")
+
+    def mark(name: str, i: int) -> None:
+        with open(trace, "a") as f:
+            f.write(f"{time.monotonic():.6f} {os.getpid()} {name} {i}\n")
+
+    cluster.start(timeout=300)
+    try:
+        with httpx.Client(timeout=120) as client:
+            for i, prompt in enumerate(prompts):
+                body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,
+                        "temperature": 0.0, "ignore_eos": True, "stream": True}
+                k = 0
+                mark("sent", i)
+                with client.stream("POST", cluster.url("proxy") + "/v1/completions",
+                                   json=body) as r:
+                    for line in r.iter_lines():
+                        data = line[5:].strip() if line.startswith("data:") else "[DONE]"
+                        if data == "[DONE]":
+                            continue
+                        if any(c.get("text") for c in json.loads(data).get("choices", ())):
+                            mark(f"tok{k}", i)
+                            k += 1
+                time.sleep(0.2)  # D idle again: each request meets the same engine state
+    finally:
+        cluster.stop()
+    rows = milestones(read_events(trace.read_text().splitlines()))[2:]  # 2 warm-ups
+    print(f"lw P/D, {args.tokens}-token prompts, start mode {args.start_mode}; trace {trace}")
+    print(report(rows))
+    return 0 if rows else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=14, help="measured requests")
+    ap.add_argument("--tokens", type=int, default=1024, help="prompt length")
+    ap.add_argument("--start-mode", default="d-first",
+                    choices=("d-first", "admit-ahead", "compute-ahead"))
+    ap.add_argument("--workdir", type=Path, default=None)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""benchmarks/d_step_trace.py: the milestones it reads from a step trace, and its shim's
+wrapping of lw's modules in a process started with it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.d_step_trace import SHIM, STEPS, milestones, read_events, report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+D_SCHED, D_WORKER, P_WORKER, PROXY, CLIENT = 10, 20, 30, 40, 50
+
+
+def _request(t0: float, i: int, recv_logged_first: bool = False) -> list[str]:
+    """One request's lines, times in ms after ``t0``; P's worker also ends steps and reports."""
+    ms = [
+        (0.0, CLIENT, "sent", str(i)), (2.0, PROXY, "p_received", "x"),
+        (3.0, PROXY, "p_d_sent", "x"), (10.0, D_SCHED, "s_new", "r"),
+        (20.0, P_WORKER, "w_results", ""), (300.0, P_WORKER, "report_SendFinished", "t"),
+        (300.5, D_WORKER, "w_results", ""),  # an idle step of D's before the DONE
+        (301.0 if recv_logged_first else 300.2, D_WORKER, "report_RecvDone", "t"),
+        (300.9, D_WORKER, "w_results", ""), (300.9, D_WORKER, "w_recv", "r"),
+        (301.5, D_SCHED, "s_update_recv", "r"), (303.0, D_SCHED, "s_sched", "r"),
+        (305.0, D_WORKER, "w_bind", ""), (325.0, D_WORKER, "w_results", ""),
+        (330.0, PROXY, "p_first_token", "x"), (331.0, CLIENT, "tok0", str(i)),
+        (351.0, CLIENT, "tok1", str(i)), (371.0, CLIENT, "tok2", str(i)),
+        (393.0, CLIENT, "tok3", str(i))]
+    return [f"{t0 + t / 1e3:.6f} {pid} {name} {ident}" for t, pid, name, ident in ms]
+
+
+def test_milestones_follow_d_processes_and_order() -> None:
+    lines = _request(100.0, 0) + _request(101.0, 1, recv_logged_first=True)
+    rows = milestones(read_events(reversed(lines)))  # sorted by time whatever the order
+    assert len(rows) == 2
+    for r, done in zip(rows, (300.2, 301.0), strict=True):
+        steps = {label: round((r[b] - r[a]) * 1e3, 3) for label, a, b, _ in STEPS}
+        assert steps["client sent -> lw's proxy read the request"] == 2.0
+        assert steps["D's scheduler has it -> D's last DONE"] == done - 10.0
+        # the report's line may follow the worker's: still this request's report
+        assert steps["last DONE -> D's worker reports it"] == round(300.9 - done, 3)
+        assert steps["scheduled -> D's worker step starts"] == 2.0
+        assert steps["step start -> its end (the forward)"] == 20.0  # not P's step end
+        assert steps["lw's proxy -> first token at the client"] == 1.0
+    text = report(rows)
+    assert "D: decode step (TPOT, tokens 1-3)" in text and "21.00" in text
+    assert "2 requests" in text
+
+
+def test_an_incomplete_request_is_left_out() -> None:
+    lines = [x for x in _request(100.0, 0) if " p_first_token " not in x]
+    assert milestones(read_events(lines)) == []
+    assert report([]) == "no complete request in the trace"
+
+
+def test_the_shim_wraps_lw_modules_as_they_are_imported(tmp_path: Path) -> None:
+    pytest.importorskip("zmq")  # lw.transport.runtime's side channel
+    trace = tmp_path / "trace"
+    code = (
+        "from lw.proxy.timeline import ProxyTimeline\n"
+        "t = ProxyTimeline()\n"
+        "t.mark('x', 'received'); t.mark('x', 'p_sent'); t.mark('x', 'first_token')\n"
+        "from lw.transport.runtime import WorkerLoop\n"
+        "print(hasattr(WorkerLoop._report, '__wrapped__'))\n")
+    env = dict(os.environ, LW_STEPTRACE=str(trace),
+               PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    events = [line.split()[2:] for line in trace.read_text().splitlines()]
+    assert events == [["p_received", "x"], ["p_first_token", "x"]]
+    assert out.stdout.strip() == "True"
+    # without LW_STEPTRACE the shim installs nothing
+    env.pop("LW_STEPTRACE")
+    trace.unlink()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert not trace.exists()
+    assert out.stdout.strip() == "False"
