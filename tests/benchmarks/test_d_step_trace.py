@@ -40,7 +40,7 @@ def test_milestones_follow_d_processes_and_order() -> None:
     assert len(rows) == 2
     for r, done in zip(rows, (300.2, 301.0), strict=True):
         steps = {label: round((r[b] - r[a]) * 1e3, 3) for label, a, b, _ in STEPS}
-        assert steps["client sent -> lw's proxy read the request"] == 2.0
+        assert steps["lw's proxy read the request -> POST to D left"] == 1.0
         assert steps["D's scheduler has it -> D's last DONE"] == done - 10.0
         # the report's line may follow the worker's: still this request's report
         assert steps["last DONE -> D's worker reports it"] == round(300.9 - done, 3)
