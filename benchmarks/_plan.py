@@ -15,18 +15,17 @@ from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 
 OUTPUT_TOKENS = 32
 SETUPS = ("single", "lw", "lw-ahead", "lw-compute", "lw-compute-step", "lw-compute-b1",
-          "lw-batch5", "lw-drain", "lw-progressive", "lw-last", "peer")
+          "lw-batch5", "lw-progressive", "lw-last", "peer")
 LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
           "lw-ahead": "lw P/D auto, admit-ahead", "lw-compute": "lw P/D auto, compute-ahead",
           "lw-compute-step": "lw P/D auto, compute-ahead of one-step prompts",
           "lw-compute-b1": "lw P/D auto, compute-ahead while D has no backlog",
           "lw-batch5": "lw P/D auto, layers batched for 5 ms",
-          "lw-drain": "lw P/D auto, a drained link wakes the push",
           "lw-progressive": "lw P/D progressive",
           "lw-last": "lw P/D last-chunk",
           "peer": "Mooncake P/D"}
 PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto", "lw-compute-step": "auto",
-              "lw-compute-b1": "auto", "lw-batch5": "auto", "lw-drain": "auto",
+              "lw-compute-b1": "auto", "lw-batch5": "auto",
               "lw-progressive": "progressive",
               "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
@@ -36,14 +35,13 @@ PROXY_ARGS = {"lw-ahead": ["--start-mode", "admit-ahead"],
               "lw-compute-b1": ["--start-mode", "compute-ahead", "--ahead-d-backlog", "1"]}
 """``lw proxy`` arguments per lw set-up (the others: its defaults, D first)."""
 P_EXTRA = {"lw-compute-step": {"ahead_compute_max_tokens": 256},
-           "lw-batch5": {"layer_batch_ms": 5}, "lw-drain": {"wake_on_drain": True}}
+           "lw-batch5": {"layer_batch_ms": 5}}
 """P's extra ``kv_connector_extra_config`` per lw set-up, beyond ``push_mode``:
 ``lw-compute-step`` computes ahead only a prompt of one engine step (the engines' 256-token
 budget) and admits a longer one ahead, as for a host whose push shares the forward's core;
 ``lw-batch5`` wakes P's loop for computed layers every 5 ms instead of 15 (a link-bound push's
 writes go out sooner, at more wake-ups of a thread that shares the interpreter with the
-forward); ``lw-drain`` keeps the 15 ms batch and also wakes the loop when a link-bound push's
-writes have all landed (``wake_on_drain``)."""
+forward)."""
 AUTO_FACTORS = (0.5, 1.0, 2.0)
 TAIL_PHASE = "transfer tail (last layer computed -> written)"
 GOODPUT_TOLERANCE = 0.01

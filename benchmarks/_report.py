@@ -55,7 +55,7 @@ COMPARISONS = (("vs_peer", "lw", "peer"), ("ahead_vs_peer", "lw-ahead", "peer"),
                ("compute_step_vs_d_first", "lw-compute-step", "lw"),
                ("compute_vs_compute_step", "lw-compute", "lw-compute-step"),
                ("compute_b1_vs_d_first", "lw-compute-b1", "lw"),
-               ("batch5_vs_d_first", "lw-batch5", "lw"), ("drain_vs_d_first", "lw-drain", "lw"),
+               ("batch5_vs_d_first", "lw-batch5", "lw"),
                ("progressive_vs_peer", "lw-progressive", "peer"),
                ("last_chunk_vs_peer", "lw-last", "peer"), ("vs_last_chunk", "lw", "lw-last"),
                ("progressive_vs_last_chunk", "lw-progressive", "lw-last"))

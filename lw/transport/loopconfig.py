@@ -23,10 +23,6 @@ class LoopConfig:
     # A layer event wakes the loop only if the last one to wake it is this old (or it is the
     # forward's last layer): the layers between go out with it as one transfer. 0 = every layer.
     layer_batch_s: float = 0.0
-    # With layer_batch_s: a layer event also wakes the loop when the link to the decoders
-    # drained after a busy period of at least half a batch (a link-bound push): its writes
-    # then go out when the link can take them, not when the batch timer says.
-    wake_on_drain: bool = False
     # While layer events come faster than 2 * hot_poll_s, the loop polls every hot_poll_s for
     # hot_window_s after each, and hooks skip their wake-up write. 0 = never poll.
     hot_poll_s: float = 0.001
@@ -58,9 +54,6 @@ class LoopConfig:
                     or not math.isfinite(value) or value < 0):
                 raise ValueError(f"LoopConfig.{key} must be >= 0 and finite{note}, "
                                  f"got {value!r}")
-        if not isinstance(self.wake_on_drain, bool):
-            raise ValueError(f"LoopConfig.wake_on_drain must be a bool, got "
-                             f"{self.wake_on_drain!r}")
         for key in ("heartbeat_misses", "max_inbox", "tail_samples"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

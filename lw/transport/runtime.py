@@ -190,8 +190,6 @@ class WorkerLoop:
         self.counters: dict[str, int | float] = dict.fromkeys(_COUNTERS, 0)
         self.counters["layer_event_s"] = 0.0
         self.writes = WritePath(self.memory, self.counters)
-        if config.wake_on_drain and config.layer_batch_s:
-            self.writes.drain_after_s = config.layer_batch_s / 2
         self._stopping = False
         self._finished = False
         self._thread: threading.Thread | None = None
@@ -227,7 +225,7 @@ class WorkerLoop:
         if self._wake_pending:
             return
         if self._layer_batch_s and layer != self._num_layers - 1:
-            if t - self._batch_woken < self._layer_batch_s and not self.writes.drained:
+            if t - self._batch_woken < self._layer_batch_s:
                 return  # goes out with a later layer (the last one at the latest)
             self._batch_woken = t
         self._wake()
@@ -399,7 +397,6 @@ class WorkerLoop:
             if kind == _LAYER:
                 _, layer, ids, t = item
                 started = time.perf_counter()
-                self.writes.drained = False  # this turn writes what the link drained for
                 self.counters["layer_events"] += 1
                 if self._hot_window_s:
                     # Polling pays only while layer events come closer than the poll interval

@@ -38,12 +38,6 @@ class WritePath:
         self._submitted_at: dict[int, tuple[float, str, str]] = {}
         self.latencies: deque[float] = deque(maxlen=4096)
         self._sessions: dict[str, str] = {}  # D side-channel addr -> transfer-engine session
-        # A busy period (some write in flight) that lasted at least drain_after_s and ended
-        # sets ``drained`` (read by the forward's hook: the link can take more now); a submit or
-        # the loop's next layer turn clears it. 0: never set.
-        self.drain_after_s = 0.0
-        self.drained = False
-        self._busy_since: float | None = None
         self._hinted: set[str] = set()  # sessions whose memory regions the plane was told
 
     def submit(self, writes: list[WriteLayer], dp: Any | None, now: float) -> list[Failure]:
@@ -81,8 +75,6 @@ class WritePath:
             xfer = tuple(pairs)
             try:
                 mono = time.monotonic()
-                if not self._submitted_at:
-                    self._busy_since = mono
                 self._submitted_at[id(xfer)] = (mono, host, target)
                 # the plane's clock is its own: hand it the time left, not the instant
                 dp.submit(xfer, session, entries, not_after[session] - now)
@@ -92,8 +84,6 @@ class WritePath:
             except Exception as exc:
                 self._submitted_at.pop(id(xfer), None)
                 failed.extend((r, k, f"data plane refused the transfer: {exc}") for r, k in pairs)
-        if batches:
-            self.drained = False
         for host, (mono, n) in batches.items():
             self.link.submitted(host, mono, n)  # (completions are polled on the same thread)
         counters["write_setup_failures"] += len(failed)
@@ -131,9 +121,6 @@ class WritePath:
         if sub is None:
             return ""
         mono = time.monotonic()
-        if not self._submitted_at and self._busy_since is not None:
-            self.drained = (0 < self.drain_after_s <= mono - self._busy_since)
-            self._busy_since = None
         self.link.completed(sub[1], c.nbytes if c.ok else 0, mono)
         if not c.ok:
             return ""

@@ -231,12 +231,6 @@ class LwConfig:
         "spell still starts at once, so a push begins with its first layer; the last layer's tail"
         " grows by at most one batch. Layers less than 2 ms apart (a GPU forward) are drained by "
         "the loop's 1 ms poll anyway, so there the setting changes nothing. 0 = every layer")
-    wake_on_drain: bool = _key(
-        False, "P",
-        "with `layer_batch_ms`: a computed layer also starts lw's writes when the link to the "
-        "decoders drained after a busy period of at least half a batch (a link-bound push), so "
-        "the link is handed the next layers as soon as it can take them rather than at the next "
-        "batch; a fast link (whose writes end within half a batch) keeps the batching as it is")
     timeline_entries: int = _key(
         32768, "both",
         "lifecycle events each worker remembers for `lw status` histories and traces (0 = none; "

@@ -142,50 +142,6 @@ def test_layer_batch_wakes_the_loop_for_the_first_and_last_layer_only() -> None:
         pair.stop()
 
 
-@pytest.mark.parametrize("wake_on_drain", [False, True])
-def test_a_link_that_drained_after_a_long_write_wakes_the_loop_within_the_batch(
-        wake_on_drain: bool) -> None:
-    # layer 0 wakes the loop (after a quiet spell) and its write is held in flight for longer
-    # than half a batch; once it lands, layer 1 (still within the batch) wakes the loop only
-    # with wake_on_drain. A short write (the fake plane's usual) never counts as a drain.
-    pair = make_pair(layer_batch_s=3.0, hot_poll_s=0.0, wake_on_drain=wake_on_drain,
-                     timeout_s=30.0)
-    try:
-        local, remote = (1, 2), (3, 4)
-        pair.start("r1", local, remote)
-        wait_for(lambda: pair.p.run(lambda lp: lp.endpoint.state_of("r1")).result(5)
-                 == "META_READY")
-        woke: list[int] = []
-        real_wake = pair.p._wake
-
-        def counting_wake() -> None:
-            if threading.current_thread() is threading.main_thread():
-                woke.append(1)
-            real_wake()
-
-        pair.p._wake = counting_wake  # type: ignore[method-assign]
-        pair.p_dp.freeze(pair.d_dp.session)
-        t0 = time.monotonic()
-        pair.compute("r1", local, range(0, 1))
-        wait_for(lambda: pair.p.stats()["loop.transfers_submitted"] >= 1)
-        time.sleep(1.6)  # in flight for more than half the batch (1.5 s)
-        pair.p_dp.unfreeze(pair.d_dp.session)
-        wait_for(lambda: pair.p.writes.drained or not pair.p.writes._submitted_at)
-        assert pair.p.writes.drained is wake_on_drain
-        wait_for(lambda: not pair.p._wake_pending)
-        pair.compute("r1", local, range(1, 2))
-        assert time.monotonic() - t0 < 3.0, "too slow a machine for this test's batch"
-        assert len(woke) == (2 if wake_on_drain else 1)
-        if wake_on_drain:  # the turn it woke for took layer 1: no drain is left to wake for
-            wait_for(lambda: pair.p.stats()["loop.transfers_submitted"] >= 2)
-        pair.compute("r1", local, range(2, L))
-        pair.wait_reports(1, 1)
-        assert pair.p_reports == [SendFinished("r1", True, "")]
-        assert pair.verify("r1", remote)
-    finally:
-        pair.stop()
-
-
 def test_layer_batch_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="layer_batch_s"):
         make_pair(layer_batch_s=-1.0)
