@@ -31,13 +31,20 @@ if str(ROOT) not in sys.path:
 
 SHIM = ROOT / "benchmarks" / "_steptrace"
 
-# (label, from milestone, to milestone, whose time it is)
+# (label, from milestone, to milestone, whose time it is). The first rows are the request's
+# way to P: D first, P's POST follows D's allocation and metaserver call; computing ahead it
+# leaves with D's, and those rows overlap (printed so).
 STEPS: tuple[tuple[str, str, str, str], ...] = (
     # (from "sent" to "p_received" is left out: it is mostly this driver's own client stack,
     # which vllm bench serve's does not share; the phase tables of serving.py start there too)
     ("lw's proxy read the request -> POST to D left", "p_received", "p_d_sent", "lw"),
     ("proxy's POST -> D's scheduler has it", "p_d_sent", "s_new", "vLLM"),
-    ("D's scheduler has it -> D's last DONE", "s_new", "done", "P/D"),
+    ("D's scheduler has it -> D allocated", "s_new", "d_alloc", "vLLM"),
+    ("D allocated -> its metaserver call at the proxy", "d_alloc", "meta", "lw"),
+    ("metaserver call -> the proxy's POST to P left", "meta", "p_post", "lw"),
+    ("proxy's POST to P -> P's scheduler has it", "p_post", "p_new", "vLLM"),
+    ("P's scheduler has it -> P's first step starts", "p_new", "p_step", "vLLM"),
+    ("P's first step starts -> D's last DONE", "p_step", "done", "P/D"),
     ("last DONE -> D's worker reports it", "done", "w_recv", "lw"),
     ("report -> D's scheduler learns it", "w_recv", "s_update", "vLLM"),
     ("learns it -> schedules the request", "s_update", "s_sched", "vLLM"),
@@ -46,6 +53,9 @@ STEPS: tuple[tuple[str, str, str, str], ...] = (
     ("step end -> first bytes at lw's proxy", "w_end", "p_first", "vLLM"),
     ("lw's proxy -> first token at the client", "p_first", "tok0", "lw"),
 )
+REQUIRED = ("sent", "p_received", "p_d_sent", "s_new", "done", "w_recv", "s_update", "s_sched",
+            "w_bind", "w_end", "p_first", "tok0", "tok1", "tok2", "tok3")
+"""Milestones every measured request has (D's path); P's may be missing (P TP > 1, say)."""
 
 
 @dataclass(frozen=True)
@@ -72,11 +82,14 @@ def read_events(lines: Iterable[str]) -> list[Event]:
 
 def milestones(events: Sequence[Event]) -> list[dict[str, float]]:
     """Per request (the driver's ``sent`` events; requests run one at a time), the time of each
-    milestone of ``STEPS``: each is the first of its kind after the one before it, on D's
-    processes (D's worker: the one that reported a RecvDone; its scheduler: the one that
-    learnt a receive finished)."""
+    milestone of ``STEPS``: each is the first of its kind after the one before it, on the
+    process it belongs to (D's worker: the one that reported a RecvDone; its scheduler: the one
+    that learnt a receive finished; P's: those that reported a SendFinished, or took a new
+    request, and are not D's). A request without one of ``REQUIRED`` is left out."""
     d_worker = {e.pid for e in events if e.name == "report_RecvDone"}
     d_sched = {e.pid for e in events if e.name == "s_update_recv"}
+    p_worker = {e.pid for e in events if e.name == "report_SendFinished"} - d_worker
+    p_sched = {e.pid for e in events if e.name == "s_new"} - d_sched
     sent = [e for e in events if e.name == "sent"]
     rows = []
     for i, s in enumerate(sent):
@@ -94,6 +107,12 @@ def milestones(events: Sequence[Event]) -> list[dict[str, float]]:
         m["p_received"] = first("p_received", s.t)
         m["p_d_sent"] = first("p_d_sent", s.t)
         m["s_new"] = first("s_new", s.t, d_sched)
+        m["d_alloc"] = first("s_alloc", m["s_new"], d_sched)
+        m["meta"] = first("p_meta_posted", m["d_alloc"])
+        posts = [t for t in (first("p_p_sent", s.t), first("p_p_ahead_sent", s.t)) if t]
+        m["p_post"] = min(posts) if posts else None
+        m["p_new"] = first("s_new", m["p_post"], p_sched)
+        m["p_step"] = first("w_bind", m["p_new"], p_worker)
         m["done"] = first("report_RecvDone", s.t, d_worker)
         # the report is queued before its line is written: the worker may log first
         m["w_recv"] = first("w_recv", None if m["done"] is None else m["done"] - 0.005,
@@ -105,7 +124,7 @@ def milestones(events: Sequence[Event]) -> list[dict[str, float]]:
         m["p_first"] = first("p_first_token", m["w_end"])
         for k in range(4):
             m[f"tok{k}"] = first(f"tok{k}", s.t)
-        if all(v is not None for v in m.values()):
+        if all(m.get(k) is not None for k in REQUIRED):
             rows.append({k: v for k, v in m.items() if v is not None})
     return rows
 
@@ -119,10 +138,12 @@ def report(rows: list[dict[str, float]]) -> str:
     if not rows:
         return "no complete request in the trace"
     lines = [f"{len(rows)} requests; ms, median (min-max)",
-             f"  {'step':<46} {'whose':<5} {'ms':>7}"]
+             f"  {'step':<48} {'whose':<5} {'ms':>7}"]
     for label, a, b, whose in STEPS:
-        xs = [(r[b] - r[a]) * 1e3 for r in rows]
-        lines.append(f"  {label:<46} {whose:<5} {_stats(xs)}")
+        xs = [(r[b] - r[a]) * 1e3 for r in rows if a in r and b in r]
+        shown = ("-" if not xs else "overlapped (negative)" if statistics.median(xs) < 0
+                 else _stats(xs) + ("" if len(xs) == len(rows) else f" [{len(xs)}]"))
+        lines.append(f"  {label:<48} {whose:<5} {shown}")
     tpot = [(r["tok3"] - r["tok1"]) * 1e3 / 2 for r in rows]
     after = [(r["tok0"] - r["done"]) * 1e3 for r in rows]
     lw_part = [((r["w_recv"] - r["done"]) + (r["tok0"] - r["p_first"])) * 1e3 for r in rows]

@@ -7,9 +7,11 @@ of the proxy, the engine cores and the workers compare. Events: ``report_<Report
 worker loop queued a core report: D's RecvDone is its last DONE), ``w_results``/``w_recv``
 (a worker step's end, where vLLM collects the reports, and each request it reports received),
 ``w_bind`` (a worker step's start, its connector metadata bound, before the forward),
-``s_new``/``s_update_recv``/``s_sched`` (the scheduler took a new request, learnt a receive
-finished, scheduled a request), ``p_received``/``p_d_sent``/``p_first_token`` (the proxy read
-the client's request; its POST to D left; its first bytes of D's answer went to the client).
+``s_new``/``s_alloc``/``s_update_recv``/``s_sched`` (the scheduler took a new request,
+allocated its blocks, learnt a receive finished, scheduled a request), and the proxy's
+``p_received``/``p_d_sent``/``p_meta_posted``/``p_p_sent``/``p_p_ahead_sent``/``p_first_token``
+(it read the client's request; its POST to D left; D's metaserver call came; its POST to P left,
+D first or ahead; its first bytes of D's answer went to the client).
 The modules are wrapped as they are imported (a finder on ``sys.meta_path``), so a process that
 never imports one pays nothing for it.
 """
@@ -72,6 +74,8 @@ def _connector(m: ModuleType) -> None:
     _wrap(c, "bind_connector_metadata", after=lambda self, out, *a, **k: log("w_bind"))
     _wrap(c, "update_connector_output", before=lambda self, o: update(self, o))
     _wrap(c, "on_new_request", before=lambda self, r: log("s_new", r.request_id))
+    _wrap(c, "update_state_after_alloc",
+          after=lambda self, out, r, *a, **k: log("s_alloc", r.request_id))
     _wrap(c, "build_connector_meta", before=lambda self, so: [
         log("s_sched", rid) for rid in (getattr(so, "num_scheduled_tokens", None) or {})])
 
@@ -83,7 +87,8 @@ def _runtime(m: ModuleType) -> None:
 
 def _proxy_timeline(m: ModuleType) -> None:
     def mark(self: Any, transfer_id: str, event: str, t: float | None = None) -> None:
-        if event in ("received", "d_sent", "first_token"):
+        if event in ("received", "d_sent", "meta_posted", "p_sent", "p_ahead_sent",
+                     "first_token"):
             log("p_" + event, transfer_id)
 
     _wrap(m.ProxyTimeline, "mark", before=mark)

@@ -14,7 +14,7 @@ from benchmarks.d_step_trace import SHIM, STEPS, milestones, read_events, report
 
 ROOT = Path(__file__).resolve().parents[2]
 
-D_SCHED, D_WORKER, P_WORKER, PROXY, CLIENT = 10, 20, 30, 40, 50
+D_SCHED, D_WORKER, P_WORKER, PROXY, CLIENT, P_SCHED = 10, 20, 30, 40, 50, 60
 
 
 def _request(t0: float, i: int, recv_logged_first: bool = False) -> list[str]:
@@ -22,7 +22,11 @@ def _request(t0: float, i: int, recv_logged_first: bool = False) -> list[str]:
     ms = [
         (0.0, CLIENT, "sent", str(i)), (2.0, PROXY, "p_received", "x"),
         (3.0, PROXY, "p_d_sent", "x"), (10.0, D_SCHED, "s_new", "r"),
-        (20.0, P_WORKER, "w_results", ""), (300.0, P_WORKER, "report_SendFinished", "t"),
+        (12.0, D_SCHED, "s_alloc", "r"), (13.0, PROXY, "p_meta_posted", "x@0"),
+        (14.0, PROXY, "p_p_sent", "x@0"), (18.0, P_SCHED, "s_new", "p"),
+        (19.0, D_WORKER, "w_bind", ""),  # D's idle step: not P's
+        (20.0, P_WORKER, "w_bind", ""), (20.0, P_WORKER, "w_results", ""),
+        (300.0, P_WORKER, "report_SendFinished", "t"),
         (300.5, D_WORKER, "w_results", ""),  # an idle step of D's before the DONE
         (301.0 if recv_logged_first else 300.2, D_WORKER, "report_RecvDone", "t"),
         (300.9, D_WORKER, "w_results", ""), (300.9, D_WORKER, "w_recv", "r"),
@@ -41,7 +45,10 @@ def test_milestones_follow_d_processes_and_order() -> None:
     for r, done in zip(rows, (300.2, 301.0), strict=True):
         steps = {label: round((r[b] - r[a]) * 1e3, 3) for label, a, b, _ in STEPS}
         assert steps["lw's proxy read the request -> POST to D left"] == 1.0
-        assert steps["D's scheduler has it -> D's last DONE"] == done - 10.0
+        assert steps["D allocated -> its metaserver call at the proxy"] == 1.0
+        assert steps["proxy's POST to P -> P's scheduler has it"] == 4.0
+        assert steps["P's scheduler has it -> P's first step starts"] == 2.0  # P's, not D's
+        assert steps["P's first step starts -> D's last DONE"] == round(done - 20.0, 3)
         # the report's line may follow the worker's: still this request's report
         assert steps["last DONE -> D's worker reports it"] == round(300.9 - done, 3)
         assert steps["scheduled -> D's worker step starts"] == 2.0
@@ -49,7 +56,22 @@ def test_milestones_follow_d_processes_and_order() -> None:
         assert steps["lw's proxy -> first token at the client"] == 1.0
     text = report(rows)
     assert "D: decode step (TPOT, tokens 1-3)" in text and "21.00" in text
-    assert "2 requests" in text
+    assert "2 requests" in text and "overlapped" not in text
+
+
+def test_computing_ahead_p_rows_overlap_and_p_is_optional() -> None:
+    # P's POST leaves with D's (2.5 ms), before D allocated and called the metaserver
+    ahead = [x.replace("100.014000", "100.002500").replace(" p_p_sent ", " p_p_ahead_sent ")
+             for x in _request(100.0, 0)]
+    [row] = milestones(read_events(ahead))
+    assert round((row["p_post"] - row["sent"]) * 1e3, 3) == 2.5
+    text = report([row])
+    assert "metaserver call -> the proxy's POST to P left" in text
+    assert "overlapped (negative)" in text
+    no_p = [x for x in _request(100.0, 0) if f" {P_SCHED} " not in x]
+    [row] = milestones(read_events(no_p))  # D's path alone still counts
+    assert "p_new" not in row and "P's scheduler has it -> P's first step starts" in report(
+        [row])
 
 
 def test_an_incomplete_request_is_left_out() -> None:
@@ -72,7 +94,7 @@ def test_the_shim_wraps_lw_modules_as_they_are_imported(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=True)
     events = [line.split()[2:] for line in trace.read_text().splitlines()]
-    assert events == [["p_received", "x"], ["p_first_token", "x"]]
+    assert events == [["p_received", "x"], ["p_p_sent", "x"], ["p_first_token", "x"]]
     assert out.stdout.strip() == "True"
     # without LW_STEPTRACE the shim installs nothing
     env.pop("LW_STEPTRACE")
