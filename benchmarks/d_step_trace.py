@@ -40,7 +40,8 @@ STEPS: tuple[tuple[str, str, str, str], ...] = (
     ("lw's proxy read the request -> POST to D left", "p_received", "p_d_sent", "lw"),
     ("proxy's POST -> D's scheduler has it", "p_d_sent", "s_new", "vLLM"),
     ("D's scheduler has it -> D allocated", "s_new", "d_alloc", "vLLM"),
-    ("D allocated -> its metaserver call at the proxy", "d_alloc", "meta", "lw"),
+    ("D allocated -> its metaserver thread calls", "d_alloc", "d_call", "lw"),
+    ("the call (signed, HTTP) -> the proxy checked it", "d_call", "meta", "lw"),
     ("metaserver call -> the proxy's POST to P left", "meta", "p_post", "lw"),
     ("proxy's POST to P -> P's scheduler has it", "p_post", "p_new", "vLLM"),
     ("P's scheduler has it -> P's first step starts", "p_new", "p_step", "vLLM"),
@@ -108,6 +109,7 @@ def milestones(events: Sequence[Event]) -> list[dict[str, float]]:
         m["p_d_sent"] = first("p_d_sent", s.t)
         m["s_new"] = first("s_new", s.t, d_sched)
         m["d_alloc"] = first("s_alloc", m["s_new"], d_sched)
+        m["d_call"] = first("d_meta_call", m["d_alloc"], d_sched)
         m["meta"] = first("p_meta_posted", m["d_alloc"])
         posts = [t for t in (first("p_p_sent", s.t), first("p_p_ahead_sent", s.t)) if t]
         m["p_post"] = min(posts) if posts else None

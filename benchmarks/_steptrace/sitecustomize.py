@@ -8,7 +8,8 @@ worker loop queued a core report: D's RecvDone is its last DONE), ``w_results``/
 (a worker step's end, where vLLM collects the reports, and each request it reports received),
 ``w_bind`` (a worker step's start, its connector metadata bound, before the forward),
 ``s_new``/``s_alloc``/``s_update_recv``/``s_sched`` (the scheduler took a new request,
-allocated its blocks, learnt a receive finished, scheduled a request), and the proxy's
+allocated its blocks, learnt a receive finished, scheduled a request), ``d_meta_call`` (D's
+metaserver thread starts a call: it has the GIL and the queued request), and the proxy's
 ``p_received``/``p_d_sent``/``p_meta_posted``/``p_p_sent``/``p_p_ahead_sent``/``p_first_token``
 (it read the client's request; its POST to D left; D's metaserver call came; its POST to P left,
 D first or ahead; its first bytes of D's answer went to the client).
@@ -80,6 +81,10 @@ def _connector(m: ModuleType) -> None:
         log("s_sched", rid) for rid in (getattr(so, "num_scheduled_tokens", None) or {})])
 
 
+def _metaserver_client(m: ModuleType) -> None:
+    _wrap(m.MetaserverPoster, "_call", before=lambda self, *a, **k: log("d_meta_call"))
+
+
 def _runtime(m: ModuleType) -> None:
     _wrap(m.WorkerLoop, "_report",
           after=lambda self, out, e: log("report_" + type(e).__name__, e.req_id))
@@ -97,6 +102,7 @@ def _proxy_timeline(m: ModuleType) -> None:
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "lw.vllm_adapter.connector": _connector,
     "lw.transport.runtime": _runtime,
+    "lw.vllm_adapter.metaserver_client": _metaserver_client,
     "lw.proxy.timeline": _proxy_timeline,
 }
 

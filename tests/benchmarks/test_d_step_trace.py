@@ -22,7 +22,8 @@ def _request(t0: float, i: int, recv_logged_first: bool = False) -> list[str]:
     ms = [
         (0.0, CLIENT, "sent", str(i)), (2.0, PROXY, "p_received", "x"),
         (3.0, PROXY, "p_d_sent", "x"), (10.0, D_SCHED, "s_new", "r"),
-        (12.0, D_SCHED, "s_alloc", "r"), (13.0, PROXY, "p_meta_posted", "x@0"),
+        (12.0, D_SCHED, "s_alloc", "r"), (12.5, D_SCHED, "d_meta_call", ""),
+        (13.0, PROXY, "p_meta_posted", "x@0"),
         (14.0, PROXY, "p_p_sent", "x@0"), (18.0, P_SCHED, "s_new", "p"),
         (19.0, D_WORKER, "w_bind", ""),  # D's idle step: not P's
         (20.0, P_WORKER, "w_bind", ""), (20.0, P_WORKER, "w_results", ""),
@@ -45,7 +46,8 @@ def test_milestones_follow_d_processes_and_order() -> None:
     for r, done in zip(rows, (300.2, 301.0), strict=True):
         steps = {label: round((r[b] - r[a]) * 1e3, 3) for label, a, b, _ in STEPS}
         assert steps["lw's proxy read the request -> POST to D left"] == 1.0
-        assert steps["D allocated -> its metaserver call at the proxy"] == 1.0
+        assert steps["D allocated -> its metaserver thread calls"] == 0.5
+        assert steps["the call (signed, HTTP) -> the proxy checked it"] == 0.5
         assert steps["proxy's POST to P -> P's scheduler has it"] == 4.0
         assert steps["P's scheduler has it -> P's first step starts"] == 2.0  # P's, not D's
         assert steps["P's first step starts -> D's last DONE"] == round(done - 20.0, 3)
