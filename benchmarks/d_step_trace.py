@@ -1,13 +1,13 @@
-"""Where D's "every DONE -> first token" goes: lw's part (the report, the proxy's relay) and
-vLLM's (its engine's next step, the output path), from time stamps in every process.
+"""Whose each millisecond of a request's path is, lw's or vLLM's, from time stamps in every
+process: the proxy's POSTs, D's admission and metaserver call, P's admission and first step,
+and D's way from its last DONE to the first token (the report, vLLM's next step, the output
+path, the proxy's relay).
 
 Starts lw P/D as ``lw demo`` does (P on core 0, D on core 1, loopback, lw's proxy) with
 ``benchmarks/_steptrace`` on PYTHONPATH, sends ``--requests`` prompts one at a time (greedy,
-streamed, 4 output tokens each; the first two unmeasured), and prints per step of D's path the
-median and min-max over the requests, next to D's decode step (TPOT) measured on the same
-streams. The steps after "D's last DONE" are D's: the worker loop reports it, the engine's
-worker returns it at its step's end, the scheduler learns it and schedules the request, the
-worker binds the next step and runs its forward, the output reaches lw's proxy and the client.
+streamed, 4 output tokens each; the first two unmeasured), and prints per step the median and
+min-max over the requests, next to D's decode step (TPOT) measured on the same streams.
+docs/benchmarks.md ("Whose each millisecond ...") holds the figures.
 
 ``PYTHONPATH=$PWD HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/d_step_trace.py [--requests 14]``
 """

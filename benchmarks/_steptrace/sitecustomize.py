@@ -1,6 +1,6 @@
 """Start-up shim of ``benchmarks/d_step_trace.py`` (never used by lw itself): with
 ``LW_STEPTRACE`` set to a file, every Python process started with this folder on PYTHONPATH
-appends a line per milestone of D's path from a request's last DONE to its first token.
+appends a line per milestone of a request's path through the proxy, D and P.
 
 Line: ``<monotonic s> <pid> <event> <id>``. The clock is the host's (CLOCK_MONOTONIC), so lines
 of the proxy, the engine cores and the workers compare. Events: ``report_<Report>`` (the
