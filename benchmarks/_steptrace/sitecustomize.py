@@ -67,18 +67,21 @@ def _connector(m: ModuleType) -> None:
         for rid in out.finished_recving or ():
             log("w_recv", rid)
 
-    def update(self: Any, out: Any, *a: Any, **k: Any) -> None:
-        for rid in out.finished_recving or ():
+    def update(self: Any, connector_output: Any) -> None:
+        for rid in connector_output.finished_recving or ():
             log("s_update_recv", rid)
+
+    def scheduled(self: Any, scheduler_output: Any) -> None:
+        for rid in getattr(scheduler_output, "num_scheduled_tokens", None) or {}:
+            log("s_sched", rid)
 
     _wrap(c, "get_transfer_results", after=results)
     _wrap(c, "bind_connector_metadata", after=lambda self, out, *a, **k: log("w_bind"))
-    _wrap(c, "update_connector_output", before=lambda self, o: update(self, o))
+    _wrap(c, "update_connector_output", before=update)
     _wrap(c, "on_new_request", before=lambda self, r: log("s_new", r.request_id))
     _wrap(c, "update_state_after_alloc",
           after=lambda self, out, r, *a, **k: log("s_alloc", r.request_id))
-    _wrap(c, "build_connector_meta", before=lambda self, so: [
-        log("s_sched", rid) for rid in (getattr(so, "num_scheduled_tokens", None) or {})])
+    _wrap(c, "build_connector_meta", before=scheduled)
 
 
 def _metaserver_client(m: ModuleType) -> None:

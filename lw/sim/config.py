@@ -148,7 +148,7 @@ class WorldConfig:
             raise ValueError("retry_prefill needs D TP 1 and lw's D-first or compute-ahead "
                              "design (each D worker decides its own retries; the world routes "
                              "one prefill per request)")
-        if DESIGNS[self.design].ahead and self.tp != 1:
+        if d.ahead and self.tp != 1:
             raise ValueError("a design that computes ahead needs P TP 1 (each P worker decides "
                              "its own bind; the world binds one per request)")
         if self.heads < 0:
