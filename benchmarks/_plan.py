@@ -14,11 +14,9 @@ from typing import Any
 from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 
 OUTPUT_TOKENS = 32
-SETUPS = ("single", "lw", "lw-tok", "lw-ahead", "lw-compute", "lw-compute-tok",
-          "lw-compute-step", "lw-compute-b1", "lw-batch5", "lw-progressive", "lw-last", "peer")
+SETUPS = ("single", "lw", "lw-ahead", "lw-compute", "lw-compute-step", "lw-compute-b1",
+          "lw-batch5", "lw-progressive", "lw-last", "peer")
 LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
-          "lw-tok": "lw P/D auto, prompts tokenized by the proxy",
-          "lw-compute-tok": "lw P/D auto, compute-ahead, prompts tokenized by the proxy",
           "lw-ahead": "lw P/D auto, admit-ahead", "lw-compute": "lw P/D auto, compute-ahead",
           "lw-compute-step": "lw P/D auto, compute-ahead of one-step prompts",
           "lw-compute-b1": "lw P/D auto, compute-ahead while D has no backlog",
@@ -26,8 +24,7 @@ LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
           "lw-progressive": "lw P/D progressive",
           "lw-last": "lw P/D last-chunk",
           "peer": "Mooncake P/D"}
-PUSH_MODES = {"lw": "auto", "lw-tok": "auto", "lw-ahead": "auto", "lw-compute": "auto",
-              "lw-compute-tok": "auto", "lw-compute-step": "auto",
+PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto", "lw-compute-step": "auto",
               "lw-compute-b1": "auto", "lw-batch5": "auto",
               "lw-progressive": "progressive",
               "lw-last": "last_chunk"}
@@ -35,12 +32,8 @@ PUSH_MODES = {"lw": "auto", "lw-tok": "auto", "lw-ahead": "auto", "lw-compute": 
 PROXY_ARGS = {"lw-ahead": ["--start-mode", "admit-ahead"],
               "lw-compute": ["--start-mode", "compute-ahead"],
               "lw-compute-step": ["--start-mode", "compute-ahead"],
-              "lw-compute-tok": ["--start-mode", "compute-ahead"],
               "lw-compute-b1": ["--start-mode", "compute-ahead", "--ahead-d-backlog", "1"]}
 """``lw proxy`` arguments per lw set-up (the others: its defaults, D first)."""
-PROXY_TOKENIZES = ("lw-tok", "lw-compute-tok")
-"""lw set-ups whose proxy tokenizes completions prompts (``lw proxy --tokenizer``, the model's
-directory): both engines are handed token ids."""
 P_EXTRA = {"lw-compute-step": {"ahead_compute_max_tokens": 256},
            "lw-batch5": {"layer_batch_ms": 5}}
 """P's extra ``kv_connector_extra_config`` per lw set-up, beyond ``push_mode``:

@@ -172,8 +172,6 @@ def run(args: argparse.Namespace) -> int:
         [str(SHIM), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     model = make_tiny_model(work / "tiny-32l", num_layers=32)
     proxy_args = [] if args.start_mode == "d-first" else ["--start-mode", args.start_mode]
-    if args.proxy_tokenizes:
-        proxy_args += ["--tokenizer", str(model)]
     cluster = LocalCluster(model=model, workdir=work / "logs", reference=False,
                            proxy_args=proxy_args)
     prompts = make_prompts(model, Shape(args.tokens, 1, args.requests + 2), "steptrace")
@@ -203,8 +201,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         cluster.stop()
     rows = milestones(read_events(trace.read_text().splitlines()))[2:]  # 2 warm-ups
-    print(f"lw P/D, {args.tokens}-token prompts, start mode {args.start_mode}"
-          f"{', prompts tokenized by the proxy' if args.proxy_tokenizes else ''}; trace {trace}")
+    print(f"lw P/D, {args.tokens}-token prompts, start mode {args.start_mode}; trace {trace}")
     print(report(rows))
     return 0 if rows else 1
 
@@ -215,8 +212,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=1024, help="prompt length")
     ap.add_argument("--start-mode", default="d-first",
                     choices=("d-first", "admit-ahead", "compute-ahead"))
-    ap.add_argument("--proxy-tokenizes", action="store_true",
-                    help="lw proxy --tokenizer: both engines are handed token ids")
     ap.add_argument("--workdir", type=Path, default=None)
     return run(ap.parse_args(argv))
 

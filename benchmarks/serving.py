@@ -65,7 +65,6 @@ from benchmarks._plan import (  # noqa: E402
     OUTPUT_TOKENS,
     P_EXTRA,
     PROXY_ARGS,
-    PROXY_TOKENIZES,
     PUSH_MODES,
     SETUPS,
     Bench,
@@ -165,9 +164,7 @@ def _start_lw(setup: str, model: Path, logs: Path, timeout: float,
     extra = {"push_mode": PUSH_MODES[setup]} if push_mode_supported() else {}
     cluster = place.cluster(model, logs, p_extra=dict(extra, **P_EXTRA.get(setup, {})),
                             d_extra=dict(extra),
-                            proxy_args=[*PROXY_ARGS.get(setup, ()),
-                                        *(("--tokenizer", str(model))
-                                          if setup in PROXY_TOKENIZES else ())])
+                            proxy_args=list(PROXY_ARGS.get(setup, ())))
     cluster.start(timeout=timeout)  # stops what it started if it fails
     return Running(setup, dict(cluster.servers), cluster.url("proxy"), cluster)
 

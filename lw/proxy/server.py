@@ -89,7 +89,6 @@ from lw.proxy.state import (
     sub_transfer_allowance,
     validate_request,
 )
-from lw.proxy.tokens import ProxyTokenizer, load_encoder
 from lw.transport.sidechannel import parse_cluster_key
 
 __all__ = [
@@ -157,22 +156,6 @@ async def _served_model(state: ProxyState) -> str | None:
     return state.default_model
 
 
-def _tokenized(state: ProxyState, api: str, body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` with its prompt as token ids where the proxy's tokenizer is trusted; else as it
-    is, and while the tokenizer is being checked, a check of this prompt starts beside it."""
-    tok = state.tokenizer
-    assert tok is not None
-    completions = api == COMPLETIONS
-    out = tok.apply(completions, body)
-    if out is not None:
-        return out
-    text = tok.wants_check(completions, body)
-    if text is not None:
-        state.spawn(tok.check(state.client, state.pick(state.decodes).url, body["model"], text,
-                              state.short_timeout))
-    return body
-
-
 @dataclass(frozen=True)
 class ProxyApps:
     """The proxy's two apps over one shared state: serve ``public`` to clients and ``control``
@@ -200,7 +183,6 @@ def build_apps(
     start_mode: str = "d-first",
     ahead_limit: int = 4,
     ahead_d_backlog: int = 4,
-    tokenizer: ProxyTokenizer | None = None,
 ) -> ProxyApps:
     """Build the proxy for these servers (base URLs such as ``http://10.0.0.1:8100``).
 
@@ -210,8 +192,7 @@ def build_apps(
     call, ``connect_timeout_s`` every connect. ``sidecar``: run as llm-d's decode-side routing
     sidecar (lw.proxy.sidecar) in front of the one decode server. ``decode_failovers``:
     other decode servers a request may move to when its D fails before a byte of its answer
-    reached the client. ``tokenizer``: completions prompts go to both engines as token ids once
-    it agrees with a decode server's (lw.proxy.tokens).
+    reached the client.
     """
     if cluster_key is None and not insecure_trusted_network:
         raise ValueError("no cluster key: the metaserver would start a prefill for anyone who "
@@ -224,7 +205,7 @@ def build_apps(
                        verifier=CallVerifier(cluster_key, signature_window_s), sidecar=sidecar,
                        decode_failovers=decode_failovers, limits=limits,
                        start_mode=start_mode, ahead_limit=ahead_limit,
-                       ahead_d_backlog=ahead_d_backlog, tokenizer=tokenizer)
+                       ahead_d_backlog=ahead_d_backlog)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -252,8 +233,6 @@ def build_apps(
             if model is None:
                 return await _relay_unroutable(state, request, api, body, "no model named")
             body["model"] = model
-        if state.tokenizer is not None:
-            body = _tokenized(state, api, body)
         target: Backend | None = None
         if state.sidecar is not None:
             try:
@@ -453,11 +432,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="largest client body on the public port (413 above it)")
     ap.add_argument("--max-concurrent-requests", type=int, default=4096, metavar="N",
                     help="client requests in flight; more are answered 503 at once")
-    ap.add_argument("--tokenizer", default=None, metavar="PATH",
-                    help="the served model's tokenizer (its directory or Hugging Face name, as "
-                         "given to vllm serve): completions prompts are tokenized here once and "
-                         "both engines are handed token ids, after it agreed with a decode "
-                         "server's /tokenize on the first prompts (lw.proxy.tokens)")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     sidecar = _sidecar_from_args(ap, args)
@@ -484,12 +458,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--cluster-key / LW_CLUSTER_KEY: {exc}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tokenizer = None
-    if args.tokenizer is not None:
-        try:
-            tokenizer = ProxyTokenizer(args.tokenizer, load_encoder(args.tokenizer))
-        except ValueError as exc:
-            ap.error(str(exc))
     try:
         apps = build_apps(args.prefill, args.decode, metaserver_url=metaserver_url,
                           cluster_key=key, insecure_trusted_network=args.insecure_trusted_network,
@@ -497,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           connect_timeout_s=args.connect_timeout, sidecar=sidecar,
                           decode_failovers=args.decode_failovers,
                           start_mode=args.start_mode, ahead_limit=args.ahead_limit,
-                          ahead_d_backlog=args.ahead_d_backlog, tokenizer=tokenizer,
+                          ahead_d_backlog=args.ahead_d_backlog,
                           limits=Limits(max_body_bytes=int(args.max_body_mb * (1 << 20)),
                                         max_concurrent_requests=args.max_concurrent_requests,
                                         ahead_wait_s=args.ahead_wait))

@@ -25,7 +25,6 @@ from lw.contract.params import decoder_params, prefill_params, sign_params
 from lw.contract.worker_addrs import KnownWorkers
 from lw.proxy.limits import Limits
 from lw.proxy.timeline import ProxyTimeline
-from lw.proxy.tokens import ProxyTokenizer
 from lw.transport.ratelog import RateLimitedLog
 
 __all__ = [
@@ -452,11 +451,8 @@ class ProxyState:
         start_mode: str = "d-first",
         ahead_limit: int = 4,
         ahead_d_backlog: int = 4,
-        tokenizer: ProxyTokenizer | None = None,
     ) -> None:
         self.limits = limits or Limits()
-        # --tokenizer: completions prompts go to both engines as token ids (lw.proxy.tokens)
-        self.tokenizer = tokenizer
         if (start_mode not in ("d-first", "admit-ahead", "compute-ahead") or ahead_limit < 1
                 or ahead_d_backlog < 1):
             raise ValueError(f"start_mode {start_mode!r} (d-first, admit-ahead or "
@@ -585,7 +581,6 @@ class ProxyState:
                  if b.url not in {p.url for p in self.prefills}] if self.sidecar else []),
             "decode": [b.snapshot() for b in self.decodes],
             "kv_transfer_failures": dict(self.transfer_failures),
-            **(self.tokenizer.metrics() if self.tokenizer is not None else {}),
         }
 
     async def aclose(self) -> None:
