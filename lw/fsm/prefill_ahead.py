@@ -112,6 +112,13 @@ class AheadBinding:
         self._send_meta_requests(rec, now, out)
         return out
 
+    def refuses_bind(self: Any, ahead_id: str) -> bool:
+        """Whether :meth:`bind` under ``ahead_id`` would be refused now: the request admitted
+        under that id ended here, or failed, before a bind (a bind renames it to D's id). P's
+        worker asks it for a request it no longer holds before telling the proxy so."""
+        rec = self._reqs.get(ahead_id)
+        return rec.state == FAILED if rec is not None else ahead_id in self._finished
+
     @staticmethod
     def _bind_problem(rec: PrefillRecord, req: PrefillRequest, first: int) -> str:
         """Why D's parameters cannot be those of the prompt computed ahead, or ""."""

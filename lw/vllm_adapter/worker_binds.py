@@ -30,7 +30,6 @@ class AheadBinds:
     _alias: dict[str, str]
     _bound_early: OrderedDict[str, None]
     _fetches: OrderedDict[str, FetchSpec]
-    _dropped: set[str]
     _ahead_answers: list[tuple[str, str, Any]]
     _fetcher: AheadFetcher | None
     _extra: dict[str, float]
@@ -71,13 +70,12 @@ class AheadBinds:
                     with self._lock:
                         self._extra["ahead_bound_early"] += 1
                     self._dirty = True
-                elif f.ahead_id in self._dropped:  # ended here before its params came
-                    self._report_refused(f.ahead_id, "P had dropped it before D's params came")
+                else:  # not held here: ended before its params came, or bound already
+                    self._refuse_if_dropped(f.ahead_id)
         with self._lock:
             self._ahead_answers.append((f.req_id, status, val))
             if status != "go":  # no bind comes: nothing to report
                 self._fetches.pop(f.ahead_id, None)
-                self._dropped.discard(f.ahead_id)
 
     def _bind_spec(self, f: FetchSpec, params: Any) -> BindSpec:
         """D's params as a bind of ``f``'s request, or ContractError / ValueError where they
@@ -119,8 +117,7 @@ class AheadBinds:
         if self._rid.get(b.ahead_id) != b.req_id:
             log.error("lw: request %s (transfer %s) bound after it ended here", b.req_id,
                       b.transfer_id)
-            if b.ahead_id in self._dropped:  # never bound: dropped at its ahead deadline
-                self._report_refused(b.ahead_id, "P had dropped it before D's params came")
+            self._refuse_if_dropped(b.ahead_id)
             return
         self._alias[b.ahead_id] = b.transfer_id
         with self._lock:
@@ -162,12 +159,20 @@ class AheadBinds:
             with self._lock:
                 self._fetches.pop(b.ahead_id, None)
 
+    def _refuse_if_dropped(self, ahead_id: str) -> None:
+        """Report the bind refused if P's core would refuse it (the request ended there before
+        D's params came: its ahead wait ran out); the core decides, on its loop thread."""
+        assert self.loop is not None
+        asked = self.loop.run(lambda loop: loop.endpoint.refuses_bind(ahead_id))
+        asked.add_done_callback(lambda fut: fut.exception() is None and fut.result() and
+                                self._report_refused(ahead_id, "P had dropped it before D's "
+                                                     "params came"))
+
     def _report_refused(self, ahead_id: str, why: str) -> None:
         """Tell the proxy the core refused the bind of the params it handed: no decoder was
         claimed, so it starts the prefill D first (else D waits for its prefill deadline)."""
         with self._lock:
-            f = self._fetches.pop(ahead_id, None)
-            self._dropped.discard(ahead_id)
+            f = self._fetches.pop(ahead_id, None)  # (so a second report finds none)
         if f is None or self._fetcher is None:
             return  # (fetched by the scheduler side: P TP > 1 or a long prompt, admitted ahead)
         self._fetcher.fetch(f"refused:{ahead_id}", f.url, {

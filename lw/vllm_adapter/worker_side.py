@@ -97,7 +97,6 @@ class WorkerSide(AheadBinds):
         self._alias: dict[str, str] = {}
         self._bound_early: OrderedDict[str, None] = OrderedDict()  # (worker_binds)
         self._fetches: OrderedDict[str, FetchSpec] = OrderedDict()  # ahead id -> until bound
-        self._dropped: set[str] = set()  # of those, ended here unbound (a bind is refused)
         self._step_lock = threading.RLock()
         self._fetcher: AheadFetcher | None = None  # P: D's params of requests computed ahead
         self._ahead_answers: list[tuple[str, str, Any]] = []  # for the scheduler's next step
@@ -463,8 +462,6 @@ class WorkerSide(AheadBinds):
                     continue
                 del self._rid[tid]
                 blocks = self._held.pop(tid, 0)
-                if tid in self._fetches:  # computed ahead, never bound: dropped
-                    self._dropped.add(tid)
             if self._alias:  # (not under _lock: bind_now takes the two the other way round)
                 self._unalias(tid)
             if self.tracer is not None and self.tracer.traced(tid):

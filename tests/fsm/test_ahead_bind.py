@@ -189,6 +189,31 @@ def test_a_late_bind_under_the_ahead_id_is_refused() -> None:
     assert p.state_of("r") is None and p.counters["late_binds"] == 1
 
 
+def test_refuses_bind_only_for_an_ahead_id_that_ended_or_failed_before_a_bind() -> None:
+    """What P's worker asks before telling the proxy a bind was refused, and what bind() then
+    does: an ahead id that ended here unbound is refused; one still live, bound (renamed) or
+    never seen is not."""
+    pair = make()
+    p = pair.ps[0]
+    assert not p.refuses_bind("t-ahead")  # never seen
+    pair.absorb(0, p.add_ahead("t-ahead", (1, 2, 3), True, "", pair.now))
+    assert not p.refuses_bind("t-ahead")  # live, waiting for D's params
+    pair.absorb(0, p.add_ahead("t-bound", (4, 5, 6), True, "", pair.now))
+    pair.absorb(0, p.bind(bound((10, 11, 12)), 0, pair.now, ahead_id="t-bound"))
+    assert not p.refuses_bind("t-bound")  # bound: renamed to D's id
+    compute(pair)
+    pair.deliver_all()
+    pair.complete_writes()
+    pair.deliver_all()
+    assert p.state_of("r") == "DONE"
+    assert not p.refuses_bind("t-bound")  # ended bound, under D's id
+    pair.advance(WAIT + 0.1)
+    assert p.state_of("t-ahead") == "FAILED"  # dropped at its ahead wait
+    assert p.refuses_bind("t-ahead")
+    assert p.bind(PrefillRequest("r2", D_ADDR, (), (10, 11, 12), 1), 0, pair.now,
+                  ahead_id="t-ahead") == []  # as bind() does
+
+
 def test_a_layer_reported_under_the_ahead_id_after_the_bind_counts_for_d_s() -> None:
     """A driver binds mid-step: the forward queued a layer under the ahead id that reaches the
     core after the rename. It counts for the renamed request (else its write never comes and
