@@ -183,6 +183,7 @@ def build_apps(
     start_mode: str = "d-first",
     ahead_limit: int = 4,
     ahead_d_backlog: int = 4,
+    ahead_p_busy: int = 1,
 ) -> ProxyApps:
     """Build the proxy for these servers (base URLs such as ``http://10.0.0.1:8100``).
 
@@ -205,7 +206,7 @@ def build_apps(
                        verifier=CallVerifier(cluster_key, signature_window_s), sidecar=sidecar,
                        decode_failovers=decode_failovers, limits=limits,
                        start_mode=start_mode, ahead_limit=ahead_limit,
-                       ahead_d_backlog=ahead_d_backlog)
+                       ahead_d_backlog=ahead_d_backlog, ahead_p_busy=ahead_p_busy)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -424,6 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "requests it has not allocated for (no metaserver call, no token yet): "
                          "a decode server short of free blocks queues them, and P must not "
                          "compute for it (D-first's backpressure)")
+    ap.add_argument("--ahead-p-busy", type=int, default=1, metavar="N",
+                    help="admit-/compute-ahead: none goes ahead while its prefill server has N "
+                         "prefills queued or computing (there it would only wait, ahead of "
+                         "requests that came first and went D first)")
     ap.add_argument("--ahead-wait", type=float, default=2.0, metavar="S",
                     help="admit-/compute-ahead: how long a prefill sent ahead waits for D's "
                          "call before it is cancelled and started D first (below the prefill "
@@ -465,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           connect_timeout_s=args.connect_timeout, sidecar=sidecar,
                           decode_failovers=args.decode_failovers,
                           start_mode=args.start_mode, ahead_limit=args.ahead_limit,
-                          ahead_d_backlog=args.ahead_d_backlog,
+                          ahead_d_backlog=args.ahead_d_backlog, ahead_p_busy=args.ahead_p_busy,
                           limits=Limits(max_body_bytes=int(args.max_body_mb * (1 << 20)),
                                         max_concurrent_requests=args.max_concurrent_requests,
                                         ahead_wait_s=args.ahead_wait))

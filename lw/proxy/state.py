@@ -451,13 +451,14 @@ class ProxyState:
         start_mode: str = "d-first",
         ahead_limit: int = 4,
         ahead_d_backlog: int = 4,
+        ahead_p_busy: int = 1,
     ) -> None:
         self.limits = limits or Limits()
         if (start_mode not in ("d-first", "admit-ahead", "compute-ahead") or ahead_limit < 1
-                or ahead_d_backlog < 1):
+                or ahead_d_backlog < 1 or ahead_p_busy < 1):
             raise ValueError(f"start_mode {start_mode!r} (d-first, admit-ahead or "
-                             f"compute-ahead), ahead_limit {ahead_limit} and ahead_d_backlog "
-                             f"{ahead_d_backlog} (>= 1)")
+                             f"compute-ahead), ahead_limit {ahead_limit}, ahead_d_backlog "
+                             f"{ahead_d_backlog} and ahead_p_busy {ahead_p_busy} (>= 1)")
         # admit-ahead: a request's prefill goes to P with its D request, at most ahead_limit
         # per prefill server waiting for D's params (lw.proxy.ahead)
         self.start_mode = start_mode
@@ -465,6 +466,9 @@ class ProxyState:
         # ... and none while the request's D has this many requests it has not allocated for
         # (D-first's backpressure: a D short of free blocks must not have P compute for it)
         self.ahead_d_backlog = ahead_d_backlog
+        # ... and none while its P has this many prefills queued or computing: it would only
+        # wait in P's queue, ahead of requests that came before it and went D first
+        self.ahead_p_busy = ahead_p_busy
         self.refusals = RateLimitedLog(log)  # one line per kind and 5 s, whatever the flood
         self.health_cache: tuple[float, dict[str, Any]] | None = None  # (when, report)
         self.health_task: asyncio.Future[dict[str, Any]] | None = None  # the probe running
@@ -526,6 +530,7 @@ class ProxyState:
             "ahead_unbound": 0,
             "ahead_skipped_full": 0,
             "ahead_skipped_d_backlog": 0,
+            "ahead_skipped_p_busy": 0,
             "ahead_fetches_refused": 0,
             "ahead_refused_binds": 0,
         }

@@ -841,7 +841,10 @@ def test_ahead_start_modes_equal_single_engine_and_bind_every_prefill(
     argv = [sys.executable, "-m", "lw.proxy.server", "--prefill", cluster.url("prefill"),
             "--decode", cluster.url("decode"), "--start-mode", mode, "--host",
             "127.0.0.1", "--port", str(port), "--control-host", "127.0.0.1", "--control-port",
-            str(control), "--timeout", "120", "--log-level", "warning"]
+            str(control), "--timeout", "120", "--log-level", "warning",
+            # the two concurrent prompts both go ahead (by default the second, finding P busy
+            # with the first, would start D first: tests/proxy/test_ahead.py)
+            "--ahead-p-busy", "2"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", LW_CLUSTER_KEY=cluster.cluster_key)
     ahead = Server("ahead-proxy", argv, env, f"http://127.0.0.1:{port}",
                    tmp_path / "ahead-proxy.log")
