@@ -14,25 +14,27 @@ from typing import Any
 from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 
 OUTPUT_TOKENS = 32
-SETUPS = ("single", "lw", "lw-ahead", "lw-compute", "lw-compute-step", "lw-compute-b1",
-          "lw-batch5", "lw-progressive", "lw-last", "peer")
+SETUPS = ("single", "lw", "lw-ahead", "lw-compute", "lw-compute-busy", "lw-compute-step",
+          "lw-compute-b1", "lw-batch5", "lw-progressive", "lw-last", "peer")
 LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
           "lw-ahead": "lw P/D auto, admit-ahead", "lw-compute": "lw P/D auto, compute-ahead",
           "lw-compute-step": "lw P/D auto, compute-ahead of one-step prompts",
           "lw-compute-b1": "lw P/D auto, compute-ahead while D has no backlog",
+          "lw-compute-busy": "lw P/D auto, compute-ahead onto a busy P too",
           "lw-batch5": "lw P/D auto, layers batched for 5 ms",
           "lw-progressive": "lw P/D progressive",
           "lw-last": "lw P/D last-chunk",
           "peer": "Mooncake P/D"}
 PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto", "lw-compute-step": "auto",
-              "lw-compute-b1": "auto", "lw-batch5": "auto",
+              "lw-compute-b1": "auto", "lw-compute-busy": "auto", "lw-batch5": "auto",
               "lw-progressive": "progressive",
               "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
 PROXY_ARGS = {"lw-ahead": ["--start-mode", "admit-ahead"],
               "lw-compute": ["--start-mode", "compute-ahead"],
               "lw-compute-step": ["--start-mode", "compute-ahead"],
-              "lw-compute-b1": ["--start-mode", "compute-ahead", "--ahead-d-backlog", "1"]}
+              "lw-compute-b1": ["--start-mode", "compute-ahead", "--ahead-d-backlog", "1"],
+              "lw-compute-busy": ["--start-mode", "compute-ahead", "--ahead-p-busy", "64"]}
 """``lw proxy`` arguments per lw set-up (the others: its defaults, D first)."""
 P_EXTRA = {"lw-compute-step": {"ahead_compute_max_tokens": 256},
            "lw-batch5": {"layer_batch_ms": 5}}
