@@ -162,11 +162,13 @@ class AheadBinds:
     def _refuse_if_dropped(self, ahead_id: str) -> None:
         """Report the bind refused if P's core would refuse it (the request ended there before
         D's params came: its ahead wait ran out); the core decides, on its loop thread."""
+        def answered(fut: Any) -> None:
+            if not fut.cancelled() and fut.exception() is None and fut.result():
+                self._report_refused(ahead_id, "P had dropped it before D's params came")
+
         assert self.loop is not None
-        asked = self.loop.run(lambda loop: loop.endpoint.refuses_bind(ahead_id))
-        asked.add_done_callback(lambda fut: fut.exception() is None and fut.result() and
-                                self._report_refused(ahead_id, "P had dropped it before D's "
-                                                     "params came"))
+        self.loop.run(lambda loop: loop.endpoint.refuses_bind(ahead_id)).add_done_callback(
+            answered)
 
     def _report_refused(self, ahead_id: str, why: str) -> None:
         """Tell the proxy the core refused the bind of the params it handed: no decoder was
