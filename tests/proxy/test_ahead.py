@@ -294,46 +294,39 @@ def test_a_refused_bind_before_any_params_were_handed_is_refused() -> None:
         assert fut.result().status_code == 200
 
 
+def _second_one_goes_d_first(first_seen: str, **bounds: Any) -> dict[str, Any]:
+    """A request D never allocates (so its prefill, when ahead, stays on P unbound), then one
+    more: the proxy's counters, once the second was served D first."""
+    with ThreadPoolExecutor(1) as pool, ahead_cluster(
+            wait_s=0.3, mode="compute-ahead", **bounds) as c:
+        pool.submit(post, c, completion("dhang queued on D"))
+        wait_for(lambda: bool(c.world.tids(first_seen)))
+        r = post(c, completion("hello there"))
+        assert r.status_code == 200, r.text
+        assert len(c.world.tids("p_request")) == 1  # the second one: D first
+        return c.metrics()
+
+
 def test_none_goes_ahead_while_its_d_has_requests_it_has_not_allocated_for() -> None:
     """D-first's backpressure kept: a D short of free blocks queues requests (no metaserver
     call, no token); while it holds ``ahead_d_backlog`` of them, no prefill goes to P ahead."""
-    with ThreadPoolExecutor(1) as pool, ahead_cluster(
-            wait_s=0.3, mode="compute-ahead", ahead_d_backlog=1, ahead_p_busy=2) as c:
-        pool.submit(post, c, completion("dhang queued on D"))  # D never allocates it
-        wait_for(lambda: bool(c.world.tids("d_request")))
-        r = post(c, completion("hello there"))
-        assert r.status_code == 200, r.text
-        m = c.metrics()
-        assert (m["ahead_started"], m["ahead_skipped_d_backlog"]) == (1, 1), m
-        assert len(c.world.tids("p_request")) == 1  # the second one: D first
+    m = _second_one_goes_d_first("d_request", ahead_d_backlog=1, ahead_p_busy=2)
+    assert (m["ahead_started"], m["ahead_skipped_d_backlog"]) == (1, 1), m
 
 
 def test_none_goes_ahead_while_its_p_is_busy() -> None:
     """A request that would only wait in P's queue goes D first: going ahead it would gain
     nothing and be computed before requests that came first (``ahead_p_busy``)."""
-    with ThreadPoolExecutor(1) as pool, ahead_cluster(wait_s=0.3, mode="compute-ahead") as c:
-        pool.submit(post, c, completion("dhang queued on D"))  # ahead on P, never bound
-        wait_for(lambda: bool(c.world.tids("p_ahead")))
-        r = post(c, completion("hello there"))
-        assert r.status_code == 200, r.text
-        m = c.metrics()
-        assert (m["ahead_started"], m["ahead_skipped_p_busy"]) == (1, 1), m
-        assert m["ahead_skipped_d_backlog"] == 0
-        assert len(c.world.tids("p_request")) == 1  # the second one: D first
+    m = _second_one_goes_d_first("p_ahead")
+    assert (m["ahead_started"], m["ahead_skipped_p_busy"]) == (1, 1), m
+    assert m["ahead_skipped_d_backlog"] == 0
 
 
 def test_none_goes_ahead_beyond_the_ahead_limit_of_its_p() -> None:
     """At most ``ahead_limit`` prefills wait on one P for D's params; one more starts D first."""
-    with ThreadPoolExecutor(1) as pool, ahead_cluster(
-            wait_s=0.3, mode="compute-ahead", ahead_limit=1, ahead_p_busy=4) as c:
-        pool.submit(post, c, completion("dhang queued on D"))  # ahead on P, never bound
-        wait_for(lambda: bool(c.world.tids("p_ahead")))
-        r = post(c, completion("hello there"))
-        assert r.status_code == 200, r.text
-        m = c.metrics()
-        assert (m["ahead_started"], m["ahead_skipped_full"]) == (1, 1), m
-        assert m["ahead_skipped_p_busy"] == m["ahead_skipped_d_backlog"] == 0
-        assert len(c.world.tids("p_request")) == 1
+    m = _second_one_goes_d_first("p_ahead", ahead_limit=1, ahead_p_busy=4)
+    assert (m["ahead_started"], m["ahead_skipped_full"]) == (1, 1), m
+    assert m["ahead_skipped_p_busy"] == m["ahead_skipped_d_backlog"] == 0
 
 
 @pytest.mark.parametrize("bound", ["ahead_limit", "ahead_d_backlog", "ahead_p_busy"])
