@@ -54,7 +54,7 @@ def start(state: ProxyState, tr: Transfer) -> None:
     if backend.ahead_waiting >= state.ahead_limit:
         state.counters["ahead_skipped_full"] += 1
         return
-    if backend.in_flight + backend.ahead_waiting >= state.ahead_p_busy:
+    if backend.load >= state.ahead_p_busy:
         # P is busy: going ahead gains nothing (it would wait in P's queue) and would put it
         # before requests that came first and went D first (measured: a higher TTFT p50 at
         # concurrency 16)

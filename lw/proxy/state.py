@@ -229,6 +229,11 @@ class Backend:
     workers: dict[str, None] = field(default_factory=dict)
     ahead_waiting: int = 0  # prefills sent here ahead of D's params, not bound yet
 
+    @property
+    def load(self) -> int:
+        """Requests this server holds: in flight, and (a prefill server) waiting ahead."""
+        return self.in_flight + self.ahead_waiting
+
     def learn_workers(self, addrs: list[str]) -> None:
         """Remember side channels of this server's workers (well formed: decode_workers)."""
         for a in addrs:
@@ -567,7 +572,7 @@ class ProxyState:
         start = self._rr[role] % len(live)
         self._rr[role] += 1
         rotated = live[start:] + live[:start]
-        return min(rotated, key=lambda b: b.in_flight + b.ahead_waiting)
+        return min(rotated, key=lambda b: b.load)
 
     def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         """Run ``coro`` as a background task kept referenced until it ends."""
