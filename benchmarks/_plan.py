@@ -16,8 +16,9 @@ from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 OUTPUT_TOKENS = 32
 SETUPS = ("single", "lw", "lw-ahead", "lw-compute", "lw-compute-busy", "lw-compute-step",
           "lw-compute-b1", "lw-batch5", "lw-progressive", "lw-last", "peer")
-LABELS = {"single": "single vLLM", "lw": "lw P/D auto (default)",
-          "lw-ahead": "lw P/D auto, admit-ahead", "lw-compute": "lw P/D auto, compute-ahead",
+LABELS = {"single": "single vLLM", "lw": "lw P/D auto, d-first",
+          "lw-ahead": "lw P/D auto, admit-ahead",
+          "lw-compute": "lw P/D auto, compute-ahead (default)",
           "lw-compute-step": "lw P/D auto, compute-ahead of one-step prompts",
           "lw-compute-b1": "lw P/D auto, compute-ahead while D has no backlog",
           "lw-compute-busy": "lw P/D auto, compute-ahead onto a busy P too",
@@ -30,12 +31,16 @@ PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto", "lw-comput
               "lw-progressive": "progressive",
               "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
-PROXY_ARGS = {"lw-ahead": ["--start-mode", "admit-ahead"],
+PROXY_ARGS = {"lw": ["--start-mode", "d-first"], "lw-batch5": ["--start-mode", "d-first"],
+              "lw-progressive": ["--start-mode", "d-first"], "lw-last": ["--start-mode", "d-first"],
+              "lw-ahead": ["--start-mode", "admit-ahead"],
               "lw-compute": ["--start-mode", "compute-ahead"],
               "lw-compute-step": ["--start-mode", "compute-ahead"],
               "lw-compute-b1": ["--start-mode", "compute-ahead", "--ahead-d-backlog", "1"],
               "lw-compute-busy": ["--start-mode", "compute-ahead", "--ahead-p-busy", "64"]}
-"""``lw proxy`` arguments per lw set-up (the others: its defaults, D first)."""
+"""``lw proxy`` arguments per lw set-up: each names its start mode, so a set-up measures the
+same thing whatever the default (``lw`` is D first, as in every figure before compute-ahead
+became the default; ``lw-compute`` is the default)."""
 P_EXTRA = {"lw-compute-step": {"ahead_compute_max_tokens": 256},
            "lw-batch5": {"layer_batch_ms": 5}}
 """P's extra ``kv_connector_extra_config`` per lw set-up, beyond ``push_mode``:

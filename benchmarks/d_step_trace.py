@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(SHIM), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     model = make_tiny_model(work / "tiny-32l", num_layers=32)
-    proxy_args = [] if args.start_mode == "d-first" else ["--start-mode", args.start_mode]
+    proxy_args = ["--start-mode", args.start_mode]
     cluster = LocalCluster(model=model, workdir=work / "logs", reference=False,
                            proxy_args=proxy_args)
     prompts = make_prompts(model, Shape(args.tokens, 1, args.requests + 2), "steptrace")

@@ -63,6 +63,7 @@ from lw.lab.local_cluster import (
     wait_ready,
 )
 from lw.lab.oracle import DRIFT, TOP_K, compare
+from lw.proxy.state import DEFAULT_START_MODE, START_MODES
 from lw.vllm_adapter.config import LwConfig
 
 _LEASE_S = float(next(f.default for f in fields(LwConfig) if f.name == "lease_s"))
@@ -234,10 +235,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--decode-dp", type=int, default=1, help="decode data-parallel size")
     ap.add_argument("--model-kind", choices=("llama", "mla"), default="llama",
                     help="tiny random Llama, or DeepSeek-V2-style MLA (latent KV)")
-    ap.add_argument("--start-mode", choices=("d-first", "admit-ahead", "compute-ahead"),
-                    default="d-first",
-                    help="the proxy's start mode (lw proxy --start-mode; default d-first): "
-                         "compute-ahead has P compute each prompt before D's params came")
+    ap.add_argument("--start-mode", choices=START_MODES, default=DEFAULT_START_MODE,
+                    help=f"the proxy's start mode (lw proxy --start-mode; default "
+                         f"{DEFAULT_START_MODE}): compute-ahead has P compute a prompt before "
+                         f"D's params came, d-first once D allocated")
     ap.add_argument("--validate", action="store_true",
                     help="validate the run's trace (every worker's timeline) against the "
                          "checked model (lw validate)")

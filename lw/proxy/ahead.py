@@ -19,11 +19,20 @@ from typing import Any
 
 from lw.contract.ahead import AheadFetch, ahead_url, sign_ahead_params
 from lw.proxy.exchange import _post_bounded, run_prefill
-from lw.proxy.state import AheadPrefill, ProxyState, SubPrefill, Transfer, ahead_fallback, log
+from lw.proxy.state import (
+    AHEAD_MISSES,
+    AHEAD_OFF_S,
+    START_MODES,
+    AheadPrefill,
+    Backend,
+    ProxyState,
+    SubPrefill,
+    Transfer,
+    ahead_fallback,
+    log,
+)
 
 __all__ = ["START_MODES", "bind", "build_ahead_body", "fetch", "start"]
-
-START_MODES = ("d-first", "admit-ahead", "compute-ahead")
 
 # Client fields P's one token must not carry: each changes nothing in the prompt's tokens, and
 # some are refused with max_tokens 1 (min_tokens) or cost P work for a token nobody reads.
@@ -51,6 +60,9 @@ def start(state: ProxyState, tr: Transfer) -> None:
     if tr.local or tr.allowance != 1:
         return
     backend = tr.prefill_target or state.pick(state.prefills)
+    if not backend.ahead_on(asyncio.get_running_loop().time()):
+        state.counters["ahead_skipped_p_off"] += 1
+        return
     if backend.ahead_waiting >= state.ahead_limit:
         state.counters["ahead_skipped_full"] += 1
         return
@@ -99,6 +111,19 @@ def _ended_unbound(state: ProxyState, tr: Transfer, a: AheadPrefill,
     state.counters["ahead_unbound"] += 1
     log.warning("request %s: ahead prefill on %s %s; D's call will start it D first",
                 tr.request_id, a.backend.url, why)
+    _missed(state, a.backend, why)
+
+
+def _missed(state: ProxyState, backend: Backend, why: str) -> None:
+    """An ahead prefill on ``backend`` was not usable for a reason of P's: after AHEAD_MISSES
+    in a row its prefills start D first for a while (a P that cannot reach the control port,
+    or of a release without compute-ahead, would otherwise cost every request the same)."""
+    if backend.ahead_missed(asyncio.get_running_loop().time()):
+        state.counters["ahead_switched_off"] += 1
+        log.warning("prefill server %s: %d ahead prefills in a row not usable (the last: %s); "
+                    "its prefills start D first for %g s. Check that it reaches the proxy's "
+                    "control port (%s) and runs this release of lw", backend.url, AHEAD_MISSES,
+                    why, AHEAD_OFF_S, state.metaserver_url)
 
 
 def bind(state: ProxyState, tr: Transfer, msg: dict[str, Any], body: dict[str, Any]
@@ -123,8 +148,7 @@ async def _run_bound(state: ProxyState, tr: Transfer, sub: SubPrefill, a: AheadP
     start the prefill D first on the same server (the one D was told of)."""
     assert a.task is not None
     try:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(a.fetched.wait(), state.limits.ahead_wait_s)
+        await _fetched(a, state.limits.ahead_wait_s)
     except asyncio.CancelledError:  # the request ended meanwhile: P must not wait on
         a.resolve(ahead_fallback("the request ended"))
         a.task.cancel()
@@ -132,8 +156,10 @@ async def _run_bound(state: ProxyState, tr: Transfer, sub: SubPrefill, a: AheadP
     if a.digest == digest and a.usable() and a.answer is not None and not a.answer.done():
         a.resolve({"status": "go", "kv_transfer_params": sub.body["kv_transfer_params"]})
         state.counters["ahead_bound"] += 1
+        a.backend.ahead_used()
         await run_prefill(state, tr, sub, sub.body, post=a.task, api=tr.api)
         return
+    p_fault = a.digest is None or not a.usable() or a.digest != digest
     why = ("P did not ask for D's params in time" if a.digest is None else
            "P's ahead request ended" if not a.usable() else
            "P tokenized another prompt than D" if a.digest != digest else
@@ -143,7 +169,29 @@ async def _run_bound(state: ProxyState, tr: Transfer, sub: SubPrefill, a: AheadP
     state.counters["ahead_fallbacks"] += 1
     log.warning("request %s: ahead prefill on %s not used (%s); started D first",
                 tr.request_id, a.backend.url, why)
+    if p_fault:  # (a D too late for P's wait is no fault of P's)
+        _missed(state, a.backend, why)
     await run_prefill(state, tr, sub, sub.body)
+
+
+async def _fetched(a: AheadPrefill, wait_s: float) -> None:
+    """Wait until P fetched D's params, its ahead POST ended unusable (P failed, or computed the
+    prompt plainly: no fetch will come, and D need not wait for one), or ``wait_s`` passed."""
+    assert a.task is not None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    if not a.task.done():
+        waiter = asyncio.ensure_future(a.fetched.wait())
+        try:
+            await asyncio.wait((waiter, a.task), timeout=wait_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if a.fetched.is_set() or not a.usable():
+            return
+    # P's POST ended holding the KV (compute-ahead): its fetch is still to come
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(a.fetched.wait(), max(0.0, deadline - loop.time()))
 
 
 async def fetch(state: ProxyState, call: AheadFetch) -> tuple[int, dict[str, Any]]:

@@ -1,5 +1,7 @@
 """The D-first proxy (``lw proxy``): routes OpenAI requests to a decode server first, then runs
-the prefill when the decode server asks for it through the proxy's *metaserver* endpoint.
+the prefill when the decode server asks for it through the proxy's *metaserver* endpoint. By
+default (``--start-mode compute-ahead``, lw.proxy.ahead) the prefill server starts computing the
+prompt at the same time, and its writes wait for what D's call hands it.
 
 Two planes on two ports. The **public** port serves only what a vLLM server serves a client:
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /health``.
@@ -65,7 +67,6 @@ from fastapi.responses import JSONResponse, Response
 
 from lw.contract.auth import CallVerifier
 from lw.contract.client import MAX_JSON_DEPTH, TRACE_HEADERS, json_depth_exceeds
-from lw.proxy.ahead import START_MODES
 from lw.proxy.ahead import start as start_ahead
 from lw.proxy.control import build_control_app, cached_health
 from lw.proxy.exchange import Exchange
@@ -76,6 +77,8 @@ from lw.proxy.sidecar import BadTarget, Sidecar, parse_allow
 from lw.proxy.state import (
     CHAT,
     COMPLETIONS,
+    DEFAULT_START_MODE,
+    START_MODES,
     Backend,
     BadRequest,
     ProxyState,
@@ -180,7 +183,7 @@ def build_apps(
     sidecar: Sidecar | None = None,
     decode_failovers: int = 2,
     limits: Limits | None = None,
-    start_mode: str = "d-first",
+    start_mode: str | None = None,
     ahead_limit: int = 4,
     ahead_d_backlog: int = 4,
     ahead_p_busy: int = 1,
@@ -193,8 +196,11 @@ def build_apps(
     call, ``connect_timeout_s`` every connect. ``sidecar``: run as llm-d's decode-side routing
     sidecar (lw.proxy.sidecar) in front of the one decode server. ``decode_failovers``:
     other decode servers a request may move to when its D fails before a byte of its answer
-    reached the client.
+    reached the client. ``start_mode``: None is DEFAULT_START_MODE, d-first for a sidecar.
     """
+    if start_mode is None:
+        # a sidecar's metaserver is its decode pod's, which prefill pods need not reach
+        start_mode = "d-first" if sidecar is not None else DEFAULT_START_MODE
     if cluster_key is None and not insecure_trusted_network:
         raise ValueError("no cluster key: the metaserver would start a prefill for anyone who "
                          "can reach it. Give the decode servers' cluster key (--cluster-key or "
@@ -264,12 +270,12 @@ def build_apps(
 
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
-        """OpenAI completions, routed D first."""
+        """OpenAI completions, routed D first (P computing ahead: the start mode)."""
         return await handle(request, COMPLETIONS)
 
     @app.post(CHAT)
     async def chat_completions(request: Request) -> Response:
-        """OpenAI chat completions, routed D first."""
+        """OpenAI chat completions, routed as completions are."""
         return await handle(request, CHAT)
 
     @app.get("/health")
@@ -410,13 +416,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a request whose decode server fails (refused, dropped, 5xx) before a "
                          "byte of its answer reached the client moves to another one, at most "
                          "N times (0: never)")
-    ap.add_argument("--start-mode", choices=START_MODES, default="d-first",
+    ap.add_argument("--start-mode", choices=START_MODES, default=None,
                     help="d-first: a request's prefill is sent to P once D has allocated its "
                          "blocks; admit-ahead: it is sent to P together with the request to D, "
                          "and P admits it but computes nothing until D's params reach it "
                          "(lw.proxy.ahead; P's admission overlaps D's); compute-ahead: the "
                          "same, but P computes at once into its own blocks and writes once "
-                         "D's params bind it (docs/protocol.md, 'Computing ahead')")
+                         "D's params bind it (docs/protocol.md, 'Computing ahead'). Default: "
+                         f"{DEFAULT_START_MODE} (the prefill servers must reach the control "
+                         "port), with --sidecar d-first")
     ap.add_argument("--ahead-limit", type=int, default=4, metavar="N",
                     help="admit-/compute-ahead: prefills one prefill server holds waiting for D's "
                          "params; a request beyond it starts D first")

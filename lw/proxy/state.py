@@ -206,6 +206,16 @@ MAX_WORKERS = 64
 """Worker side channels remembered per decode server and per transfer (DP x TP ranks)."""
 
 BACKOFF_S = (1.0, 30.0)
+START_MODES = ("d-first", "admit-ahead", "compute-ahead")
+# Measured at or below d-first's TTFT p50 on every shape, concurrency 1 to 16 (docs/benchmarks.md,
+# "Compute-ahead"); the bounds below keep D-first's backpressure and a busy P's order
+DEFAULT_START_MODE = "compute-ahead"
+# A prefill server whose ahead prefills were this many times in a row not usable for a reason
+# of its own (it never fetched D's params, refused or dropped the ahead request, or tokenized
+# another prompt) gets none for AHEAD_OFF_S: each such miss cost a request up to the proxy's
+# ahead wait, or P a prefill computed for nothing.
+AHEAD_MISSES = 3
+AHEAD_OFF_S = 60.0
 """A server that failed is avoided for 1 s, doubling per consecutive failure up to 30 s (each
 ±20 %, so that proxies do not come back in step): no retry storm on a dead server."""
 
@@ -228,6 +238,8 @@ class Backend:
     # proxy asks why a request failed (lw.proxy.explain).
     workers: dict[str, None] = field(default_factory=dict)
     ahead_waiting: int = 0  # prefills sent here ahead of D's params, not bound yet
+    ahead_misses: int = 0  # ahead prefills in a row not usable for a reason of this server's
+    ahead_off_until: float = 0.0  # (loop time) none goes ahead here until then
 
     @property
     def load(self) -> int:
@@ -267,6 +279,24 @@ class Backend:
     def up(self, now: float) -> bool:
         """Not being avoided after a failure."""
         return self.down_until <= now
+
+    def ahead_missed(self, now: float) -> bool:
+        """An ahead prefill here was not usable for a reason of this server's; True when that
+        made AHEAD_MISSES in a row, and none goes ahead here for AHEAD_OFF_S."""
+        self.ahead_misses += 1
+        if self.ahead_misses < AHEAD_MISSES:
+            return False
+        self.ahead_misses = 0
+        self.ahead_off_until = now + AHEAD_OFF_S
+        return True
+
+    def ahead_used(self) -> None:
+        """An ahead prefill here was bound: the misses in a row start again."""
+        self.ahead_misses = 0
+
+    def ahead_on(self, now: float) -> bool:
+        """Whether a prefill may go ahead here (not switched off after misses in a row)."""
+        return self.ahead_off_until <= now
 
     def snapshot(self) -> dict[str, Any]:
         """Counters as JSON."""
@@ -453,13 +483,13 @@ class ProxyState:
         sidecar: PrefillTargets | None = None,
         decode_failovers: int = 2,
         limits: Limits | None = None,
-        start_mode: str = "d-first",
+        start_mode: str = DEFAULT_START_MODE,
         ahead_limit: int = 4,
         ahead_d_backlog: int = 4,
         ahead_p_busy: int = 1,
     ) -> None:
         self.limits = limits or Limits()
-        if (start_mode not in ("d-first", "admit-ahead", "compute-ahead") or ahead_limit < 1
+        if (start_mode not in START_MODES or ahead_limit < 1
                 or ahead_d_backlog < 1 or ahead_p_busy < 1):
             raise ValueError(f"start_mode {start_mode!r} (d-first, admit-ahead or "
                              f"compute-ahead), ahead_limit {ahead_limit}, ahead_d_backlog "
@@ -536,6 +566,8 @@ class ProxyState:
             "ahead_skipped_full": 0,
             "ahead_skipped_d_backlog": 0,
             "ahead_skipped_p_busy": 0,
+            "ahead_skipped_p_off": 0,
+            "ahead_switched_off": 0,
             "ahead_fetches_refused": 0,
             "ahead_refused_binds": 0,
         }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,6 +23,9 @@ from lw.contract.ahead import HELD_KEY, decode_ahead_params, is_ahead_request
 from lw.contract.auth import signed_call
 from lw.contract.params import decode_params_for_prefiller, prompt_digest
 from lw.proxy.limits import Limits
+from lw.proxy.server import build_apps
+from lw.proxy.sidecar import Sidecar
+from lw.proxy.state import DEFAULT_START_MODE
 from tests.proxy.test_proxy import (
     KEY,
     Cluster,
@@ -70,6 +74,9 @@ def ahead_prefill(world: World) -> FastAPI:
                     (r.status_code, r.json()))
             return r.json()
 
+        if "pplain" in prompt:  # a P of a release without compute-ahead: computed plainly
+            await asyncio.sleep(0.3)  # (after D's call bound it: D's fake calls at once)
+            return JSONResponse({"choices": [{"index": 0, "text": "x"}]})
         if ap.lw_ahead_compute:  # computed at once: the answer ends before D's params come
             async def bind_later() -> None:
                 answer = await fetch()
@@ -92,8 +99,8 @@ def ahead_prefill(world: World) -> FastAPI:
                     world.prefill_done.add(pp.transfer_id)
 
             world.tasks.append(asyncio.ensure_future(bind_later()))
-            held = {} if "pplain" in prompt else {"kv_transfer_params": {HELD_KEY: True}}
-            return JSONResponse({"choices": [{"index": 0, "text": "x"}], **held})
+            return JSONResponse({"choices": [{"index": 0, "text": "x"}],
+                                 "kv_transfer_params": {HELD_KEY: True}})
         answer = await fetch()
         if answer["status"] != "go":
             await _poll_until(request, lambda: False, 30)  # the proxy cancels it
@@ -243,14 +250,17 @@ def test_compute_ahead_for_another_prompt_drops_p_work_and_starts_d_first() -> N
 
 def test_compute_ahead_on_a_p_that_did_not_hold_the_kv_starts_d_first() -> None:
     """A P that answers without saying it holds the KV (it computed the prompt plainly, e.g. a
-    P of another release) is not bound: D's call starts the prefill D first."""
-    with ahead_cluster(mode="compute-ahead") as c:
+    P of another release, and fetches nothing) is not bound: D's call starts the prefill D
+    first as soon as P's answer ends, without waiting out the proxy's ahead wait (5 s here)."""
+    with ahead_cluster(wait_s=5.0, mode="compute-ahead") as c:
+        t0 = time.monotonic()
         r = post(c, completion("pplain prompt"))
         assert r.status_code == 200, r.text
+        assert time.monotonic() - t0 < 3.0
         w = c.world
         assert len(w.tids("p_request")) == 1 and not w.tids("p_ahead_go")
         m = c.metrics()
-        assert m["ahead_bound"] == 0 and m["ahead_unbound"] == 1
+        assert m["ahead_bound"] == 0 and m["ahead_unbound"] + m["ahead_fallbacks"] == 1, m
 
 
 def test_a_bind_p_refused_starts_the_prefill_d_first_once() -> None:
@@ -334,3 +344,45 @@ def test_an_ahead_bound_below_one_is_refused(bound: str) -> None:
     with pytest.raises(ValueError, match=f"{bound} 0"):
         with ahead_cluster(mode="compute-ahead", **{bound: 0}):
             pass
+
+
+def _post_to_idle_p(c: Cluster, prompt: str) -> None:
+    """One request, once P has nothing in flight (D may answer before the proxy read P's
+    answer to the last one: a busy P would make this one start D first)."""
+    wait_for(lambda: c.metrics()["prefill"][0]["in_flight"] == 0)
+    r = post(c, completion(prompt))
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("prompt", ["pplain prompt", "pnofetch please", "pother prompt"])
+def test_a_p_whose_ahead_prefills_keep_missing_gets_none_for_a_while(prompt: str) -> None:
+    """A P of another release (it computes plainly), one that cannot reach the control port
+    (it never fetches) or one tokenizing otherwise: after three misses in a row its prefills
+    start D first, with no wait and no prefill computed for nothing."""
+    with ahead_cluster(wait_s=0.3, mode="compute-ahead") as c:
+        for _ in range(4):
+            _post_to_idle_p(c, prompt)
+        m = c.metrics()
+        assert (m["ahead_started"], m["ahead_switched_off"], m["ahead_skipped_p_off"]) == (
+            3, 1, 1), m
+        assert len(c.world.tids("p_ahead")) == 3 and len(c.world.tids("p_request")) == 4
+
+
+def test_a_bound_ahead_prefill_starts_the_misses_again() -> None:
+    with ahead_cluster(wait_s=0.3, mode="compute-ahead") as c:
+        for prompt in ("pplain one", "pplain two", "hello there", "pplain three", "pplain four"):
+            _post_to_idle_p(c, prompt)
+        m = c.metrics()
+        assert (m["ahead_started"], m["ahead_bound"], m["ahead_switched_off"]) == (5, 1, 0), m
+
+
+def test_the_default_start_mode_computes_ahead_and_a_sidecar_goes_d_first() -> None:
+    """Measured the faster one, compute-ahead is the default; a sidecar's metaserver sits on
+    its decode pod, which prefill pods need not reach, so there D first stays the default."""
+    kw: dict[str, Any] = dict(metaserver_url="http://c/v1/metaserver", cluster_key=KEY)
+    assert DEFAULT_START_MODE == "compute-ahead"
+    assert build_apps(["http://p"], ["http://d"], **kw).state.start_mode == "compute-ahead"
+    sidecar = Sidecar([], allow_any=True)
+    assert build_apps([], ["http://d"], sidecar=sidecar, **kw).state.start_mode == "d-first"
+    assert build_apps([], ["http://d"], sidecar=sidecar, start_mode="compute-ahead",
+                      **kw).state.start_mode == "compute-ahead"

@@ -391,6 +391,8 @@ def cluster(n_prefill: int = 1, n_decode: int = 1, *, prefill_urls: list[str] | 
             decode_urls = [s.url for s in ds]
         decode_urls = [closed_port_url() for _ in range(dead_decodes)] + decode_urls
         proxy_kwargs.setdefault("timeout_s", 10.0)
+        # the fakes here are D-first P and D servers (tests/proxy/test_ahead.py's P goes ahead)
+        proxy_kwargs.setdefault("start_mode", "d-first")
         proxy_kwargs.setdefault("cluster_key", KEY)
         world.key = proxy_kwargs["cluster_key"]
         control = ServerThread(None)

@@ -161,7 +161,8 @@ def proxy(seen: Seen, prefills: list[str]) -> Iterator[Proxy]:
         servers.append(ServerThread(fake_d(seen)).start())
         control = ServerThread(None)
         apps = build_apps(urls, [servers[-1].url], timeout_s=10.0, cluster_key=KEY,
-                          metaserver_url=control.url + "/v1/metaserver")
+                          metaserver_url=control.url + "/v1/metaserver",
+                          start_mode="d-first")  # (D-first fakes)
         servers.append(ServerThread(apps.public, also=(control, apps.control)).start())
         yield Proxy(servers[-1].url, control.url, urls)
     finally:
@@ -328,7 +329,7 @@ def test_the_connectors_poster_and_the_proxy_agree_on_the_failover_calls() -> No
     control = ServerThread(None)
     urls = [servers[0].url, closed_port_url()]  # picked in this order: p1, then the dead one
     apps = build_apps(urls, [servers[1].url], timeout_s=10.0, cluster_key=KEY,
-                      metaserver_url=control.url + "/v1/metaserver")
+                      metaserver_url=control.url + "/v1/metaserver", start_mode="d-first")
     servers.append(ServerThread(apps.public, also=(control, apps.control)).start())
     results: list[httpx.Response] = []
     try:

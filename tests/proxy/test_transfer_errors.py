@@ -206,7 +206,8 @@ def setup(sidecar: bool = False, **limits: Any) -> Iterator[Setup]:
         if sidecar:
             kw["sidecar"] = Sidecar([parse_allow(p[1].removeprefix("http://"))])
         apps = build_apps(p[:1], [d.url], metaserver_url=control.url + "/v1/metaserver",
-                          cluster_key=KEY, timeout_s=10.0, decode_failovers=0, **kw)
+                          cluster_key=KEY, timeout_s=10.0, decode_failovers=0,
+                          start_mode="d-first", **kw)
         proxy = ServerThread(apps.public, also=(control, apps.control)).start()
         servers.append(proxy)
         yield Setup(proxy.url, control.url, world, worker, p)

@@ -827,15 +827,17 @@ def test_sidecar_prefills_on_the_prefill_server_the_header_names(
         side.stop()
 
 
-@pytest.mark.parametrize("mode", ["admit-ahead", "compute-ahead"])
-def test_ahead_start_modes_equal_single_engine_and_bind_every_prefill(
+@pytest.mark.parametrize("mode", ["admit-ahead", "compute-ahead", "d-first"])
+def test_start_modes_equal_single_engine_and_bind_every_prefill(
         cluster: LocalCluster, tmp_path: Any, mode: str) -> None:
     """A second proxy in ``--start-mode admit-ahead`` (or ``compute-ahead``) in front of the
     same engines: each request's prefill reaches P with its request to D; P admits it and
     computes nothing until it fetched D's params (compute-ahead: computes at once, writes once
     the params bind it), and the outputs (completions sequential and concurrent, a chat
     completion) equal the single engine's, every prefill bound ahead, none started twice; a
-    chat request P tokenizes differently would fall back (tests/proxy/test_ahead.py)."""
+    chat request P tokenizes differently would fall back (tests/proxy/test_ahead.py). In
+    ``d-first`` (no longer the default the cluster's proxy runs) none goes ahead: each prefill
+    is started once D allocated, with the same outputs."""
     port = free_port()
     control = next(p for p in iter(free_port, None) if p != port)
     argv = [sys.executable, "-m", "lw.proxy.server", "--prefill", cluster.url("prefill"),
@@ -854,7 +856,7 @@ def test_ahead_start_modes_equal_single_engine_and_bind_every_prefill(
         wait_ready([ahead], 60)
         # fresh prompts per mode: D's prefix cache holds the other mode's (D would compute them
         # itself, and the prefill computed ahead is dropped: a fallback, not what is tested)
-        base = 1300 if mode == "admit-ahead" else 1400
+        base = {"admit-ahead": 1300, "compute-ahead": 1400, "d-first": 1500}[mode]
         prompts = [make_prompt(n, seed=base + i) for i, n in enumerate((12, 90, 700, 40))]
         for i, prompt in enumerate(prompts[:2]):
             got = complete(ahead.url, prompt, MAX_TOKENS, stream=i % 2 == 1, logprobs=TOP_K)
@@ -877,7 +879,8 @@ def test_ahead_start_modes_equal_single_engine_and_bind_every_prefill(
         assert texts[0] == texts[1] and texts[0]
         m = httpx.get(f"http://127.0.0.1:{control}/metrics-json", timeout=10).json()
         n = len(prompts) + 1
-        assert (m["ahead_started"], m["ahead_bound"], m["prefills"]) == (n, n, n), m
+        went = 0 if mode == "d-first" else n
+        assert (m["ahead_started"], m["ahead_bound"], m["prefills"]) == (went, went, n), m
         assert m["ahead_fallbacks"] == m["ahead_unbound"] == m["prefill_failures"] == 0, m
         assert not any((h := wait_idle(cluster)).values()), h
         if mode == "compute-ahead":  # P's worker (its own process) bound as the params came
