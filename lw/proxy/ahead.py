@@ -22,6 +22,7 @@ from lw.proxy.exchange import _post_bounded, run_prefill
 from lw.proxy.state import (
     AHEAD_MISSES,
     AHEAD_OFF_S,
+    PREFILL_KEPT,
     START_MODES,
     AheadPrefill,
     Backend,
@@ -34,19 +35,23 @@ from lw.proxy.state import (
 
 __all__ = ["START_MODES", "bind", "build_ahead_body", "fetch", "start"]
 
-# Client fields P's one token must not carry: each changes nothing in the prompt's tokens, and
-# some are refused with max_tokens 1 (min_tokens) or cost P work for a token nobody reads.
-_DROPPED = ("stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens", "n",
-            "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "response_format",
-            "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-            "guided_grammar", "kv_transfer_params", "vllm_xargs", "stop", "stop_token_ids")
+# What P gets of the client's request: only the fields that decide the prompt's tokens (P must
+# tokenize it as D does; a field missed here makes P's digest differ, and the proxy falls back
+# to D first) and PREFILL_KEPT, as a D-first prefill has. Sampling, output and structured-output
+# fields change nothing in the tokens, and none of the client's other fields reach P's engine.
+AHEAD_KEPT = ("model", "prompt", "messages", "add_special_tokens", "truncate_prompt_tokens",
+              "truncation_side", "chat_template", "chat_template_kwargs",
+              "add_generation_prompt", "continue_final_message", "documents",
+              "reasoning_effort", "tools", "tool_choice", "media_io_kwargs",
+              "mm_processor_kwargs", *PREFILL_KEPT)
 
 
 def build_ahead_body(tr: Transfer, url: str, grant: str, key: bytes | None,
                      compute: bool = False) -> dict[str, Any]:
-    """The body P gets ahead: the client's request (P tokenizes it as D does), one token, not
-    streamed, and the signed ahead params (``compute``: P computes at once)."""
-    out = {k: v for k, v in tr.body.items() if k not in _DROPPED}
+    """The body P gets ahead: the client's prompt and what decides its tokens (AHEAD_KEPT: P
+    tokenizes it as D does), one token, not streamed, and the signed ahead params
+    (``compute``: P computes at once)."""
+    out = {k: v for k, v in tr.body.items() if k in AHEAD_KEPT}
     out.update(max_tokens=1, n=1, stream=False)
     out["kv_transfer_params"] = sign_ahead_params(key, url, tr.request_id, grant, compute)
     return out
@@ -111,7 +116,16 @@ def _ended_unbound(state: ProxyState, tr: Transfer, a: AheadPrefill,
     state.counters["ahead_unbound"] += 1
     log.warning("request %s: ahead prefill on %s %s; D's call will start it D first",
                 tr.request_id, a.backend.url, why)
-    _missed(state, a.backend, why)
+    if not _refused_request(task):
+        _missed(state, a.backend, why)
+
+
+def _refused_request(task: asyncio.Task[tuple[int, bytes]]) -> bool:
+    """P's ahead POST ended 4xx: a refusal of this request, not a fault of P's (a client
+    sending such requests must not switch going ahead off for everyone)."""
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return False
+    return 400 <= task.result()[0] < 500
 
 
 def _missed(state: ProxyState, backend: Backend, why: str) -> None:
@@ -159,7 +173,8 @@ async def _run_bound(state: ProxyState, tr: Transfer, sub: SubPrefill, a: AheadP
         a.backend.ahead_used()
         await run_prefill(state, tr, sub, sub.body, post=a.task, api=tr.api)
         return
-    p_fault = a.digest is None or not a.usable() or a.digest != digest
+    p_fault = (a.digest is None or not a.usable() or a.digest != digest
+               ) and not _refused_request(a.task)
     why = ("P did not ask for D's params in time" if a.digest is None else
            "P's ahead request ended" if not a.usable() else
            "P tokenized another prompt than D" if a.digest != digest else

@@ -3,7 +3,8 @@ D's params from the control plane, and anything but a timely, matching fetch fal
 D-first order. The fake D is test_proxy's; the fake P here acts as lw's P does with ahead params.
 Prompt keywords steer it: ``pother`` (P tokenized another prompt), ``pnofetch`` (P never asks for
 D's params), ``local`` (D computes the prompt itself), ``prefused`` (compute-ahead: P's core
-refuses the bind, having dropped the request)."""
+refuses the bind, having dropped the request), ``pplain`` (P of a release without compute-ahead:
+it computes plainly and fetches nothing), ``pbad`` (P refuses the request, 400)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ def ahead_prefill(world: World) -> FastAPI:
                     (r.status_code, r.json()))
             return r.json()
 
+        if "pbad" in prompt:  # P refuses this request (its own validation)
+            return JSONResponse({"error": {"message": "bad", "code": 400}}, status_code=400)
         if "pplain" in prompt:  # a P of a release without compute-ahead: computed plainly
             await asyncio.sleep(0.3)  # (after D's call bound it: D's fake calls at once)
             return JSONResponse({"choices": [{"index": 0, "text": "x"}]})
@@ -138,8 +141,12 @@ def post(c: Cluster, body: dict[str, Any]) -> httpx.Response:
 
 
 def test_ahead_prefill_is_bound_to_d_call_and_sent_once() -> None:
+    """... and P gets only what decides the prompt's tokens (and cache_salt, priority), as a
+    D-first prefill does: none of the client's sampling, output or unknown fields."""
     with ahead_cluster() as c:
-        r = post(c, completion("hello there"))
+        r = post(c, completion("hello there", temperature=0.7, seed=3, logit_bias={"5": 9},
+                               user="u", x_unknown={"a": 1}, stop=["z"], cache_salt="s",
+                               add_special_tokens=False))
         assert r.status_code == 200, r.text
         m = c.metrics()
         assert (m["ahead_started"], m["ahead_bound"], m["ahead_fallbacks"]) == (1, 1, 0)
@@ -151,6 +158,8 @@ def test_ahead_prefill_is_bound_to_d_call_and_sent_once() -> None:
         body = w.bodies[("p_ahead", tid)]
         assert (body["max_tokens"], body["n"], body["stream"]) == (1, 1, False)
         assert body["prompt"] == "hello there"
+        assert set(body) == {"model", "prompt", "max_tokens", "n", "stream", "cache_salt",
+                             "add_special_tokens", "kv_transfer_params"}, body
 
 
 def test_another_prompt_on_p_falls_back_to_d_first() -> None:
@@ -386,3 +395,13 @@ def test_the_default_start_mode_computes_ahead_and_a_sidecar_goes_d_first() -> N
     assert build_apps([], ["http://d"], sidecar=sidecar, **kw).state.start_mode == "d-first"
     assert build_apps([], ["http://d"], sidecar=sidecar, start_mode="compute-ahead",
                       **kw).state.start_mode == "compute-ahead"
+
+
+def test_requests_p_refuses_do_not_switch_going_ahead_off() -> None:
+    """A 4xx from P is that request's (a client could send such requests on purpose): however
+    many in a row, P's prefills keep going ahead."""
+    with ahead_cluster(wait_s=0.3, mode="compute-ahead") as c:
+        for _ in range(4):
+            _post_to_idle_p(c, "pbad prompt")
+        m = c.metrics()
+        assert (m["ahead_started"], m["ahead_switched_off"]) == (4, 0), m
