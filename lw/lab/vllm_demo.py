@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from lw.lab.demo_client import (
     MODEL_NAME,
@@ -194,8 +195,8 @@ def ttft_summary(single: Sequence[float | None], pd: Sequence[float | None],
     if r:
         lines.append(f"  single engine {_spread(r)} client to first streamed token, one engine")
     if d:
-        lines.append(f"  P/D           {_spread(d)} the same plus the proxy hop, D-first round "
-                     "trip to P, KV transfer")
+        lines.append(f"  P/D           {_spread(d)} the same plus the proxy hop, D's and P's "
+                     "admissions, KV transfer")
     if not r or not d:
         none = " nor ".join(name for name, xs in (("the single engine", r), ("P/D", d)) if not xs)
         lines.append(f"TTFT       no comparison: no first token from {none}")
@@ -335,6 +336,8 @@ def _run(args: argparse.Namespace) -> int:
                 [cluster.url("prefill"), cluster.url("decode")],
                 timeout=_LEASE_S + 10.0 if failed_any else 10.0)
             after_p, after_d = _settled_metrics(cluster, before, before_d, n)
+            starts = _start_line(httpx.get(cluster.control_url + "/metrics-json",
+                                           timeout=10).json())
         except (OSError, httpx.HTTPError) as exc:  # a server died after the requests
             return _server_gone(cluster, pd, exc)
         trace = _write_trace(cluster, args) if args.validate or args.timelines_out else None
@@ -344,6 +347,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.shared_prefix:
         checks.append(functools.partial(_report_prefix, model, token_ids, before, after_p,
                                         before_d, after_d))
+    print(starts)
     status = _report(prompts, ref, pd, leaked, before, after_p, after_d, checks,
                      DRIFT[args.model_kind], before_d=before_d, warmups=len(warm),
                      warmup_failed=warm_failed)
@@ -351,6 +355,17 @@ def _run(args: argparse.Namespace) -> int:
         # after the servers stopped: the search has the CPU to itself
         status = max(status, _validate(trace))
     return status
+
+
+def _start_line(m: dict[str, Any]) -> str:
+    """How the proxy started the run's prefills (warm-ups included): ahead of D's params and
+    bound, or D first (and why not ahead), from its /metrics-json counters."""
+    skipped = {k.removeprefix("ahead_skipped_"): int(v) for k, v in m.items()
+               if k.startswith("ahead_skipped_") and v}
+    why = ", ".join(f"{k} {v}" for k, v in skipped.items())
+    return (f"starts     {m.get('prefills', 0)} prefills: {m.get('ahead_bound', 0)} sent "
+            f"ahead and bound, {m.get('ahead_fallbacks', 0) + m.get('ahead_unbound', 0)} "
+            f"fallbacks to D first" + (f"; not sent ahead: {why}" if why else ""))
 
 
 def _server_gone(cluster: LocalCluster, pd: Sequence[Result], exc: BaseException) -> int:

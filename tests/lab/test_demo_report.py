@@ -14,6 +14,7 @@ from lw.lab.vllm_demo import (
     PROMPT_LENGTHS,
     _report,
     _report_warmup,
+    _start_line,
     predict_prefix_hits,
     shared_prefix_prompts,
     ttft_summary,
@@ -129,3 +130,13 @@ def test_a_server_that_dies_after_the_requests_is_named_not_a_traceback(
     assert str(tmp_path / "decode.log") in err
     assert out.strip() == ("summary done=1 failed=1 leaked_blocks=unknown mismatched=unknown "
                            "server_died=1")
+
+
+def test_the_start_line_says_how_the_proxy_started_the_prefills() -> None:
+    """From the proxy's counters: bound ahead, fallen back, and why others went D first."""
+    m = {"prefills": 9, "ahead_bound": 6, "ahead_fallbacks": 1, "ahead_unbound": 0,
+         "ahead_skipped_p_busy": 2, "ahead_skipped_full": 0, "requests": 9}
+    assert _start_line(m) == ("starts     9 prefills: 6 sent ahead and bound, 1 fallbacks to "
+                              "D first; not sent ahead: p_busy 2")
+    assert _start_line({"prefills": 3}) == ("starts     3 prefills: 0 sent ahead and bound, 0 "
+                                            "fallbacks to D first")
