@@ -281,6 +281,19 @@ def test_the_cases_cover_the_brief_and_send_nothing_when_built(tmp_path: Path) -
     by = {c.key: c for c in built}
     assert by["4"].target == "decode" and by["5"].target == "prefill"
     assert by["12a"].expect == (401,) and by["8"].expect == (413,)
+    # the default start mode's edges: P's fetch of D's params, and ahead params sent to P
+    assert by["12e"].expect == by["12f"].expect == (401,) and by["13c"].expect == (401, 413)
+    assert by["7c"].target == "prefill"
+
+
+def test_forged_ahead_params_aim_p_s_fetch_at_the_canary_and_are_not_signed() -> None:
+    from lw.contract.ahead import decode_ahead_params
+    from lw.contract.params import ContractError
+
+    params = cases.forged_ahead_params("http://127.0.0.1:9")
+    assert params["lw_ahead_url"] == "http://127.0.0.1:9/v1/ahead" and params["lw_ahead_compute"]
+    with pytest.raises(ContractError):
+        decode_ahead_params(b"k" * 32, params)
 
 
 def test_the_sidecar_cases_expect_the_brief(tmp_path: Path) -> None:

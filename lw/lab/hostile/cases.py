@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from lw.contract.ahead import ahead_params
 from lw.contract.params import decoder_params, prefill_params
 from lw.lab.hostile.client import post, post_stream
 from lw.lab.hostile.probes import Context, health_probes
@@ -75,6 +76,17 @@ def forged_prefill_params(token_ids: Sequence[int], host: str, port: int,
           "remote_dp_rank": 0, "remote_tp_size": 1, "lw_geometry": "guessed",
           "lw_params_version": 3, "lw_prompt_digest": _digest(token_ids)}
     return {**prefill_params(kv, "evil-7@x"), "lw_contract": 3, "lw_sig": "0" * 64}
+
+
+def forged_ahead_params(canary_url: str) -> dict[str, Any]:
+    """Params shaped as the proxy's to a prefill computed ahead (the default start mode), P's
+    fetch of D's params aimed at the canary, with a made-up signature: P must not call it."""
+    return {**ahead_params(f"{canary_url}/v1/ahead", "evil-7c", "g" * 32, compute=True),
+            "lw_contract": 3, "lw_sig": "0" * 64}
+
+
+AHEAD_FETCH = {"transfer_id": "evil-12e", "grant": "g" * 32, "prompt_digest": "0" * 64}
+"""A fetch of D's params (what P sends the control port's ``/v1/ahead``) for a made-up transfer."""
 
 
 def metaserver_body(canary_url: str) -> dict[str, Any]:
@@ -198,6 +210,7 @@ def build_cases(ctx: Context) -> list[Case]:
     m, canary = ctx.model, ctx.canary.url
     comp = "/v1/completions"
     meta = ctx.control + "/v1/metaserver"
+    ahead = ctx.control + "/v1/ahead"
     x_str = {"model": m, "prompt": "hello there friend", "max_tokens": 4,
              "vllm_xargs": {"kv_transfer_params": "x"}}
     fresh = f"{time.time():.3f}"
@@ -221,11 +234,15 @@ def build_cases(ctx: Context) -> list[Case]:
         hdrs = dict(bogus, **{"x-lw-timestamp": f"{time.time():.3f}"})
         return post(meta, metaserver_body(canary), hdrs, c.timeout)
 
-    def big_meta(declare: bool) -> Callable[[Context], Answer]:
+    def big_meta(declare: bool, url: str = meta) -> Callable[[Context], Answer]:
         def send(c: Context) -> Answer:
             hdrs = dict(bogus, **{"x-lw-timestamp": f"{time.time():.3f}"})
-            return post_stream(meta, 50 * MB, declare=declare, headers=hdrs)
+            return post_stream(url, 50 * MB, declare=declare, headers=hdrs)
         return send
+
+    def fetch_now(c: Context) -> Answer:  # a fetch of D's params with a made-up MAC
+        hdrs = dict(bogus, **{"x-lw-timestamp": f"{time.time():.3f}"})
+        return post(ahead, AHEAD_FETCH, hdrs, c.timeout)
 
     return [
         Case("1", "SSRF kv_transfer_params", "public", "kv_transfer_params.metaserver=canary",
@@ -270,6 +287,12 @@ def build_cases(ctx: Context) -> list[Case]:
         Case("7b", "forged prefill params -> canary", "prefill",
              "do_remote_decode, canary host:port, unsigned",
              forged_p(lambda c: ("127.0.0.1", c.canary.port)), (200, 400)),
+        Case("7c", "forged ahead params -> canary", "prefill",
+             "lw_ahead_url=canary, compute, made-up signature",
+             lambda c: post(c.prefill + comp, {"model": m, "prompt": "hello there friend",
+                                               "max_tokens": 1, "kv_transfer_params":
+                                               forged_ahead_params(canary)}, timeout=c.timeout),
+             (200, 400)),
         Case("8", "200 MB body, Content-Length", "public", "CL 200 MB, streamed 1 MB chunks",
              lambda c: post_stream(c.public + comp, 200 * MB, declare=True), (413,)),
         Case("9", "200 MB body, chunked", "public", "no CL, chunked, 1 MB chunks",
@@ -301,6 +324,12 @@ def build_cases(ctx: Context) -> list[Case]:
              big_meta(True), (401, 413)),
         Case("13b", "50 MB metaserver call, chunked", "control", "no CL, bogus well-formed sig",
              big_meta(False), (401, 413)),
+        Case("12e", "ahead fetch, unsigned", "control", "POST /v1/ahead, no x-lw-* headers",
+             lambda c: post(ahead, AHEAD_FETCH, timeout=c.timeout), (401,)),
+        Case("12f", "ahead fetch, made-up MAC", "control", "well-formed headers, wrong MAC",
+             fetch_now, (401,)),
+        Case("13c", "50 MB ahead fetch, CL", "control", "CL 50 MB, bogus well-formed sig",
+             big_meta(True, ahead), (401, 413)),
         *sidecar_cases(ctx),
         Case("14", "/health flood", "public", "200 x GET /health, 16 at a time",
              health_flood, (200,)),
