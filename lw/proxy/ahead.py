@@ -18,14 +18,12 @@ import hmac
 from typing import Any
 
 from lw.contract.ahead import AheadFetch, ahead_url, sign_ahead_params
+from lw.proxy.backend import AHEAD_MISSES, AHEAD_OFF_S, Backend
 from lw.proxy.exchange import _post_bounded, run_prefill
 from lw.proxy.state import (
-    AHEAD_MISSES,
-    AHEAD_OFF_S,
     PREFILL_KEPT,
     START_MODES,
     AheadPrefill,
-    Backend,
     ProxyState,
     SubPrefill,
     Transfer,

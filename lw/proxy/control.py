@@ -28,12 +28,11 @@ from lw.contract.transfer_ids import is_sub_transfer_of
 from lw.contract.worker_addrs import decode_workers
 from lw.proxy.ahead import bind as bind_ahead
 from lw.proxy.ahead import fetch as fetch_ahead
+from lw.proxy.backend import MAX_WORKERS, Backend
 from lw.proxy.exchange import run_prefill
 from lw.proxy.failover import failover_problem, reprefill, route_fields
 from lw.proxy.limits import BodyTooLarge, BodyTooSlow, read_body
 from lw.proxy.state import (
-    MAX_WORKERS,
-    Backend,
     ProxyState,
     SubPrefill,
     Transfer,

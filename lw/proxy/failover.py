@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from lw.contract.params import prefill_params, sign_params
+from lw.proxy.backend import Backend
 from lw.proxy.exchange import run_prefill
-from lw.proxy.state import Backend, ProxyState, SubPrefill, Transfer, log
+from lw.proxy.state import ProxyState, SubPrefill, Transfer, log
 
 __all__ = ["MAX_RETRY", "failover_problem", "reprefill", "route_fields"]
 

@@ -68,6 +68,7 @@ from fastapi.responses import JSONResponse, Response
 from lw.contract.auth import CallVerifier
 from lw.contract.client import MAX_JSON_DEPTH, TRACE_HEADERS, json_depth_exceeds
 from lw.proxy.ahead import start as start_ahead
+from lw.proxy.backend import Backend
 from lw.proxy.control import build_control_app, cached_health
 from lw.proxy.exchange import Exchange
 from lw.proxy.intake import client_bytes, parse_json, refuse, screen
@@ -79,7 +80,6 @@ from lw.proxy.state import (
     COMPLETIONS,
     DEFAULT_START_MODE,
     START_MODES,
-    Backend,
     BadRequest,
     ProxyState,
     Transfer,

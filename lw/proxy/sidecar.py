@@ -27,7 +27,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from lw.proxy.state import Backend, normalize_url
+from lw.proxy.backend import Backend
+from lw.proxy.state import normalize_url
 
 __all__ = [
     "PREFILLER_HEADERS",

@@ -32,7 +32,7 @@ def test_an_unreachable_decode_server_is_replaced_then_avoided(
         stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # a backoff longer than the test, so that "avoided" does not depend on how fast the
     # machine serves the next three requests (test_backoff_* below times the backoff itself)
-    monkeypatch.setattr("lw.proxy.state.BACKOFF_S", (120.0, 120.0))
+    monkeypatch.setattr("lw.proxy.backend.BACKOFF_S", (120.0, 120.0))
     with cluster(dead_decodes=1) as c:
         r = _post(c.url, "hello", stream=stream)
         assert r.status_code == 200, r.text
@@ -104,7 +104,7 @@ def test_a_prefill_server_that_failed_is_avoided_by_the_next_requests(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """No prefill failover (the request whose P failed ends with its error), but new requests
     are routed to the P that answers."""
-    monkeypatch.setattr("lw.proxy.state.BACKOFF_S", (120.0, 120.0))  # see above
+    monkeypatch.setattr("lw.proxy.backend.BACKOFF_S", (120.0, 120.0))  # see above
     with cluster(n_prefill=2) as c:
         r = _post(c.url, "fail here")  # the fake P fails it: 502 naming that P
         assert r.status_code == 502
@@ -117,7 +117,7 @@ def test_a_prefill_server_that_failed_is_avoided_by_the_next_requests(
 
 
 def test_backoff_grows_is_jittered_and_bounded() -> None:
-    from lw.proxy.state import BACKOFF_S, Backend
+    from lw.proxy.backend import BACKOFF_S, Backend
 
     b = Backend("http://d", "decode")
     waits = []

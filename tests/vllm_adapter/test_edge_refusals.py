@@ -27,6 +27,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lw.proxy.backend import Backend
 from lw.proxy.sidecar import (
     MAX_TARGETS,
     AllowEntry,
@@ -34,7 +35,6 @@ from lw.proxy.sidecar import (
     Sidecar,
     parse_allow,
 )
-from lw.proxy.state import Backend
 
 HEADER = "x-prefiller-host-port"
 ADMIT = 200  # the outcome of a header the allowlist admits
