@@ -230,6 +230,13 @@ def build_cases(ctx: Context) -> list[Case]:
                                                ids, host, port)}, timeout=c.timeout)
         return send
 
+    def with_params(server: Callable[[Context], str], params: dict[str, Any], max_tokens: int
+                    ) -> Callable[[Context], Answer]:
+        """A completion sent straight to an engine, with forged transfer params."""
+        body = {"model": m, "prompt": "hello there friend", "max_tokens": max_tokens,
+                "kv_transfer_params": params}
+        return lambda c: post(server(c) + comp, body, timeout=c.timeout)
+
     def signed_now(c: Context) -> Answer:  # a fresh timestamp when sent, a made-up MAC
         hdrs = dict(bogus, **{"x-lw-timestamp": f"{time.time():.3f}"})
         return post(meta, metaserver_body(canary), hdrs, c.timeout)
@@ -266,10 +273,7 @@ def build_cases(ctx: Context) -> list[Case]:
              (200, 400)),
         Case("6b", "forged D params, zero signature", "decode",
              "all DecodeParams fields, lw_sig=0*64",
-             lambda c: post(c.decode + comp, {"model": m, "prompt": "hello there friend",
-                                              "max_tokens": 4, "kv_transfer_params":
-                                              forged_decode_params(canary)}, timeout=c.timeout),
-             (200, 400)),
+             with_params(lambda c: c.decode, forged_decode_params(canary), 4), (200, 400)),
         Case("6d", "SSRF, field name JSON-escaped", "decode",
              'kv_transfer_param\\u0073={ssrf}',
              lambda c: post(c.decode + comp, escaped_name_body(m, canary), timeout=c.timeout),
@@ -289,10 +293,7 @@ def build_cases(ctx: Context) -> list[Case]:
              forged_p(lambda c: ("127.0.0.1", c.canary.port)), (200, 400)),
         Case("7c", "forged ahead params -> canary", "prefill",
              "lw_ahead_url=canary, compute, made-up signature",
-             lambda c: post(c.prefill + comp, {"model": m, "prompt": "hello there friend",
-                                               "max_tokens": 1, "kv_transfer_params":
-                                               forged_ahead_params(canary)}, timeout=c.timeout),
-             (200, 400)),
+             with_params(lambda c: c.prefill, forged_ahead_params(canary), 1), (200, 400)),
         Case("8", "200 MB body, Content-Length", "public", "CL 200 MB, streamed 1 MB chunks",
              lambda c: post_stream(c.public + comp, 200 * MB, declare=True), (413,)),
         Case("9", "200 MB body, chunked", "public", "no CL, chunked, 1 MB chunks",
