@@ -18,7 +18,7 @@ import hmac
 from typing import Any
 
 from lw.contract.ahead import AheadFetch, ahead_url, sign_ahead_params
-from lw.proxy.backend import AHEAD_MISSES, AHEAD_OFF_S, Backend
+from lw.proxy.backend import AHEAD_MISSES, Backend
 from lw.proxy.exchange import _post_bounded, run_prefill
 from lw.proxy.state import (
     PREFILL_KEPT,
@@ -128,14 +128,16 @@ def _refused_request(task: asyncio.Task[tuple[int, bytes]]) -> bool:
 
 def _missed(state: ProxyState, backend: Backend, why: str) -> None:
     """An ahead prefill on ``backend`` was not usable for a reason of P's: after AHEAD_MISSES
-    in a row its prefills start D first for a while (a P that cannot reach the control port,
-    or of a release without compute-ahead, would otherwise cost every request the same)."""
-    if backend.ahead_missed(asyncio.get_running_loop().time()):
+    in a row its prefills start D first for a while, longer each time (a P that cannot reach
+    the control port, or of a release without compute-ahead, would otherwise cost every
+    request the same)."""
+    off = backend.ahead_missed(asyncio.get_running_loop().time())
+    if off:
         state.counters["ahead_switched_off"] += 1
         log.warning("prefill server %s: %d ahead prefills in a row not usable (the last: %s); "
                     "its prefills start D first for %g s. Check that it reaches the proxy's "
                     "control port (%s) and runs this release of lw", backend.url, AHEAD_MISSES,
-                    why, AHEAD_OFF_S, state.metaserver_url)
+                    why, off, state.metaserver_url)
 
 
 def bind(state: ProxyState, tr: Transfer, msg: dict[str, Any], body: dict[str, Any]

@@ -18,10 +18,12 @@ BACKOFF_S = (1.0, 30.0)
 
 # A prefill server whose ahead prefills were this many times in a row not usable for a reason
 # of its own (it never fetched D's params, refused or dropped the ahead request, or tokenized
-# another prompt) gets none for AHEAD_OFF_S: each such miss cost a request up to the proxy's
-# ahead wait, or P a prefill computed for nothing.
+# another prompt) gets none for AHEAD_OFF_S, doubled each time it is switched off again before
+# one was bound, up to AHEAD_OFF_MAX_S: each such miss cost a request up to the proxy's ahead
+# wait, or P a prefill computed for nothing.
 AHEAD_MISSES = 3
 AHEAD_OFF_S = 60.0
+AHEAD_OFF_MAX_S = 3600.0
 
 
 @dataclass(eq=False)
@@ -44,6 +46,7 @@ class Backend:
     ahead_waiting: int = 0  # prefills sent here ahead of D's params, not bound yet
     ahead_misses: int = 0  # ahead prefills in a row not usable for a reason of this server's
     ahead_off_until: float = 0.0  # (loop time) none goes ahead here until then
+    ahead_offs: int = 0  # times switched off since an ahead prefill here was last bound
 
     @property
     def load(self) -> int:
@@ -84,19 +87,24 @@ class Backend:
         """Not being avoided after a failure."""
         return self.down_until <= now
 
-    def ahead_missed(self, now: float) -> bool:
-        """An ahead prefill here was not usable for a reason of this server's; True when that
-        made AHEAD_MISSES in a row, and none goes ahead here for AHEAD_OFF_S."""
+    def ahead_missed(self, now: float) -> float:
+        """An ahead prefill here was not usable for a reason of this server's. When that made
+        AHEAD_MISSES in a row, none goes ahead here for a while: the seconds (AHEAD_OFF_S,
+        doubled per switch-off since the last bound one, up to AHEAD_OFF_MAX_S); else 0."""
         self.ahead_misses += 1
         if self.ahead_misses < AHEAD_MISSES:
-            return False
+            return 0.0
         self.ahead_misses = 0
-        self.ahead_off_until = now + AHEAD_OFF_S
-        return True
+        off = min(AHEAD_OFF_MAX_S, AHEAD_OFF_S * 2 ** min(self.ahead_offs, 16))
+        self.ahead_offs += 1
+        self.ahead_off_until = now + off
+        return off
 
     def ahead_used(self) -> None:
-        """An ahead prefill here was bound: the misses in a row start again."""
+        """An ahead prefill here was bound: the misses in a row and the switch-offs start
+        again."""
         self.ahead_misses = 0
+        self.ahead_offs = 0
 
     def ahead_on(self, now: float) -> bool:
         """Whether a prefill may go ahead here (not switched off after misses in a row)."""

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from lw.contract.ahead import HELD_KEY, decode_ahead_params, is_ahead_request
 from lw.contract.auth import signed_call
 from lw.contract.params import decode_params_for_prefiller, prompt_digest
+from lw.proxy.backend import AHEAD_MISSES, AHEAD_OFF_MAX_S, AHEAD_OFF_S, Backend
 from lw.proxy.limits import Limits
 from lw.proxy.server import build_apps
 from lw.proxy.sidecar import Sidecar
@@ -405,3 +406,24 @@ def test_requests_p_refuses_do_not_switch_going_ahead_off() -> None:
             _post_to_idle_p(c, "pbad prompt")
         m = c.metrics()
         assert (m["ahead_started"], m["ahead_switched_off"]) == (4, 0), m
+
+
+def test_a_p_switched_off_again_before_a_bind_waits_twice_as_long() -> None:
+    """A P that never takes part (its control port unreachable, say) would cost AHEAD_MISSES
+    requests a wait every AHEAD_OFF_S: each switch-off without a bound prefill between doubles
+    the next one, up to AHEAD_OFF_MAX_S; a bound prefill starts it over."""
+    b = Backend("http://p", "prefill")
+    offs = []
+    now = 0.0
+    for _ in range(8):
+        assert [b.ahead_missed(now) for _ in range(AHEAD_MISSES)][:-1] == [0.0] * (
+            AHEAD_MISSES - 1)
+        offs.append(b.ahead_off_until - now)
+        assert not b.ahead_on(now) and b.ahead_on(b.ahead_off_until)
+        now = b.ahead_off_until
+    assert offs[:3] == [AHEAD_OFF_S, 2 * AHEAD_OFF_S, 4 * AHEAD_OFF_S]
+    assert max(offs) == AHEAD_OFF_MAX_S
+    b.ahead_used()
+    for _ in range(AHEAD_MISSES):
+        off = b.ahead_missed(now)
+    assert off == AHEAD_OFF_S
