@@ -18,7 +18,7 @@ import hmac
 from typing import Any
 
 from lw.contract.ahead import AheadFetch, ahead_url, sign_ahead_params
-from lw.proxy.backend import AHEAD_MISSES, Backend
+from lw.proxy.backend import AHEAD_MISSES
 from lw.proxy.exchange import _post_bounded, run_prefill
 from lw.proxy.state import (
     PREFILL_KEPT,
@@ -114,8 +114,7 @@ def _ended_unbound(state: ProxyState, tr: Transfer, a: AheadPrefill,
     state.counters["ahead_unbound"] += 1
     log.warning("request %s: ahead prefill on %s %s; D's call will start it D first",
                 tr.request_id, a.backend.url, why)
-    if not _refused_request(task):
-        _missed(state, a.backend, why)
+    _missed(state, a, why)
 
 
 def _refused_request(task: asyncio.Task[tuple[int, bytes]]) -> bool:
@@ -126,11 +125,14 @@ def _refused_request(task: asyncio.Task[tuple[int, bytes]]) -> bool:
     return 400 <= task.result()[0] < 500
 
 
-def _missed(state: ProxyState, backend: Backend, why: str) -> None:
-    """An ahead prefill on ``backend`` was not usable for a reason of P's: after AHEAD_MISSES
-    in a row its prefills start D first for a while, longer each time (a P that cannot reach
-    the control port, or of a release without compute-ahead, would otherwise cost every
-    request the same)."""
+def _missed(state: ProxyState, a: AheadPrefill, why: str) -> None:
+    """``a`` was not usable for a reason of P's (unless P refused the request, 4xx): after
+    AHEAD_MISSES in a row its P's prefills start D first for a while, longer each time (a P
+    that cannot reach the control port, or of a release without compute-ahead, would
+    otherwise cost every request the same)."""
+    if a.task is not None and _refused_request(a.task):
+        return
+    backend = a.backend
     off = backend.ahead_missed(asyncio.get_running_loop().time())
     if off:
         state.counters["ahead_switched_off"] += 1
@@ -173,8 +175,7 @@ async def _run_bound(state: ProxyState, tr: Transfer, sub: SubPrefill, a: AheadP
         a.backend.ahead_used()
         await run_prefill(state, tr, sub, sub.body, post=a.task, api=tr.api)
         return
-    p_fault = (a.digest is None or not a.usable() or a.digest != digest
-               ) and not _refused_request(a.task)
+    late_d = a.digest == digest and a.usable()  # P fetched in time; D came after its wait
     why = ("P did not ask for D's params in time" if a.digest is None else
            "P's ahead request ended" if not a.usable() else
            "P tokenized another prompt than D" if a.digest != digest else
@@ -184,8 +185,8 @@ async def _run_bound(state: ProxyState, tr: Transfer, sub: SubPrefill, a: AheadP
     state.counters["ahead_fallbacks"] += 1
     log.warning("request %s: ahead prefill on %s not used (%s); started D first",
                 tr.request_id, a.backend.url, why)
-    if p_fault:  # (a D too late for P's wait is no fault of P's)
-        _missed(state, a.backend, why)
+    if not late_d:  # (a D too late for P's wait is no fault of P's)
+        _missed(state, a, why)
     await run_prefill(state, tr, sub, sub.body)
 
 
