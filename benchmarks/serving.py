@@ -560,8 +560,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "transfer threads have cores of their own")
     ap.add_argument("--peer-on-forward-core", action="store_true",
                     help="with --p-threads other-core, leave the peer's threads on its "
-                         "forward's core: moved to D's core its Mooncake transfers stall on "
-                         "this kind of machine (docs/benchmarks.md)")
+                         "forward's core: moved to D's core, its sender thread busy-waits "
+                         "there inside batch_transfer_sync_write and its transfers make no "
+                         "progress for 30 s on this kind of machine (docs/benchmarks.md)")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="models, datasets, results, logs (default: a temporary folder, kept)")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="server start, s")
