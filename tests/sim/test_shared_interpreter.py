@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 import lw.fsm.interpreter as interpreter
-import lw.lab.synthetic.workers
+import lw.lab.synthetic.decoder
+import lw.lab.synthetic.prefill_rank
 import lw.sim.ports
 import lw.transport.runtime
 from lw.fsm.effects import KeptSums, SumPlan, Sums
@@ -22,7 +23,8 @@ from lw.sim.world import WorldConfig
 def test_every_driver_uses_the_one_interpreter() -> None:
     assert lw.sim.ports.perform is interpreter.perform
     assert lw.transport.runtime.perform is interpreter.perform
-    assert lw.lab.synthetic.workers.WorkerLoop is lw.transport.runtime.WorkerLoop
+    assert lw.lab.synthetic.prefill_rank.WorkerLoop is lw.transport.runtime.WorkerLoop
+    assert lw.lab.synthetic.decoder.WorkerLoop is lw.transport.runtime.WorkerLoop
 
 
 # Planted defects, written against lw.fsm.interpreter's own globals (their code replaces

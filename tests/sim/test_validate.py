@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from lw.lab.synthetic import ClusterConfig, run_cluster
-from lw.lab.synthetic import workers as synthetic_workers
+from lw.lab.synthetic import ClusterConfig, prefill_rank, run_cluster
 from lw.sim import validate_cli
 
 from ..runtime.conftest import needs_mooncake
@@ -92,13 +91,13 @@ def test_search_budget_gives_undecided_not_a_verdict(
 def test_write_complete_before_bytes_land_is_rejected(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    real = synthetic_workers._data_plane
+    real = prefill_rank.data_plane_for
 
     def planted(cfg: ClusterConfig, name: str, host: str = "127.0.0.1") -> Any:
         dp = real(cfg, name, host)
         return EarlyPlane(dp) if name.startswith("p") else dp
 
-    monkeypatch.setattr(synthetic_workers, "_data_plane", planted)
+    monkeypatch.setattr(prefill_rank, "data_plane_for", planted)
     path = _run(tmp_path, kv_checksum=True)
     assert validate_cli.main([path]) == 1
     out = capsys.readouterr().out

@@ -34,19 +34,15 @@ from lw.lab.synthetic.config import (
     PARTITION_FAULTS,
     ClusterConfig,
 )
+from lw.lab.synthetic.decoder import decode_main
 from lw.lab.synthetic.faults import FaultInjector
 from lw.lab.synthetic.netem import Link
 from lw.lab.synthetic.netns import Partition
 from lw.lab.synthetic.observe import status_table, write_timelines, write_trace
+from lw.lab.synthetic.prefill_rank import prefill_main
 from lw.lab.synthetic.result import ClusterResult, short_reason
 from lw.lab.synthetic.router import Lost, Router
-from lw.lab.synthetic.workers import (
-    BarrierAction,
-    decode_main,
-    ghost_steps,
-    p_engine,
-    prefill_main,
-)
+from lw.lab.synthetic.workers import BarrierAction, ghost_steps, p_engine
 
 ProgressFn = Callable[["ClusterResult"], None]
 CORRUPT_DETAILS = 5  # corrupt requests whose wrong block is described in the result
