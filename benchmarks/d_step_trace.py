@@ -51,7 +51,10 @@ STEPS: tuple[tuple[str, str, str, str], ...] = (
     ("learns it -> schedules the request", "s_update", "s_sched", "vLLM"),
     ("scheduled -> D's worker step starts", "s_sched", "w_bind", "vLLM"),
     ("step start -> its end (the forward)", "w_bind", "w_end", "vLLM"),
-    ("step end -> first bytes at lw's proxy", "w_end", "p_first", "vLLM"),
+    ("step end -> D's engine core has the output", "w_end", "e_out", "vLLM"),
+    ("-> D's API server processed it", "e_out", "a_out", "vLLM"),
+    ("-> D's API server sent the first bytes", "a_out", "a_send", "vLLM"),
+    ("-> lw's proxy relays them", "a_send", "p_first", "lw"),
     ("lw's proxy -> first token at the client", "p_first", "tok0", "lw"),
 )
 REQUIRED = ("sent", "p_received", "p_d_sent", "s_new", "done", "w_recv", "s_update", "s_sched",
@@ -123,7 +126,18 @@ def milestones(events: Sequence[Event]) -> list[dict[str, float]]:
         m["s_sched"] = first("s_sched", m["s_update"], d_sched)
         m["w_bind"] = first("w_bind", m["s_sched"], d_worker)
         m["w_end"] = first("w_results", m["w_bind"], d_worker)
+        m["e_out"] = first("e_out", m["w_end"], d_sched)
+        m["a_out"] = first("a_out", m["e_out"])
+        m["a_send"] = first("a_send", m["a_out"])
         m["p_first"] = first("p_first_token", m["w_end"])
+        # the proxy's main thread: time waiting for a CPU from P's answer to the relay
+        marks = (("p_sched_p_done", first("p_p_done", s.t)),
+                 ("p_sched_first_token", m["p_first"]))
+        waits = [next((int(e.ident.split("/")[1]) for e in window if e.name == name
+                       and e.ident and abs(e.t - t) < 0.001), None) if t is not None else None
+                 for name, t in marks]
+        if None not in waits:
+            m["proxy_wait"] = (waits[1] - waits[0]) / 1e9
         for k in range(4):
             m[f"tok{k}"] = first(f"tok{k}", s.t)
         if all(m.get(k) is not None for k in REQUIRED):
@@ -148,9 +162,15 @@ def report(rows: list[dict[str, float]]) -> str:
         lines.append(f"  {label:<48} {whose:<5} {shown}")
     tpot = [(r["tok3"] - r["tok1"]) * 1e3 / 2 for r in rows]
     after = [(r["tok0"] - r["done"]) * 1e3 for r in rows]
-    lw_part = [((r["w_recv"] - r["done"]) + (r["tok0"] - r["p_first"])) * 1e3 for r in rows]
+    lw_part = [((r["w_recv"] - r["done"]) + (r["tok0"] - r.get("a_send", r["p_first"]))) * 1e3
+               for r in rows]
+    waits = [r["proxy_wait"] * 1e3 for r in rows if "proxy_wait" in r]
+    if waits:
+        lines.append(f"  {'lw proxy waited for a CPU, its P answer -> relay':<50} "
+                     f"{_stats(waits)}; over 10 ms in {sum(w > 10 for w in waits)}"
+                     f" of {len(waits)}")
     lines += [f"  {'D: last DONE -> first token at the client':<50} {_stats(after)}",
-              f"  {'   of which lw (report + relay)':<50} {_stats(lw_part)}",
+              f"  {'   of which lw (report, proxy, relay)':<50} {_stats(lw_part)}",
               f"  {'D: decode step (TPOT, tokens 1-3)':<50} {_stats(tpot)}"]
     return "\n".join(lines)
 

@@ -42,6 +42,17 @@ def log(event: str, ident: str = "") -> None:
             os.close(fd)
 
 
+def _schedstat() -> str:
+    """This thread's CPU time and time waiting for a CPU (ns, ``/proc/thread-self/schedstat``),
+    as ``cpu/wait``: where a process's time went between two milestones."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            cpu, wait, _ = f.read().split()
+        return f"{cpu}/{wait}"
+    except OSError:
+        return ""
+
+
 def _wrap(cls: type, name: str, before: Callable[..., None] | None = None,
           after: Callable[..., None] | None = None) -> None:
     original = getattr(cls, name)
@@ -95,14 +106,56 @@ def _runtime(m: ModuleType) -> None:
 
 def _proxy_timeline(m: ModuleType) -> None:
     def mark(self: Any, transfer_id: str, event: str, t: float | None = None) -> None:
-        if event in ("received", "d_sent", "meta_posted", "p_sent", "p_ahead_sent",
-                     "first_token"):
+        if event in ("received", "d_sent", "meta_posted", "p_sent", "p_ahead_sent", "p_done",
+                     "first_token", "end"):
             log("p_" + event, transfer_id)
+            log("p_sched_" + event, _schedstat())
 
     _wrap(m.ProxyTimeline, "mark", before=mark)
 
 
+def _new_tokens(outputs: Any) -> list[str]:
+    """Ids of the requests with new tokens in a list of vLLM ``EngineCoreOutput``."""
+    return [o.request_id for o in outputs or () if getattr(o, "new_token_ids", None)]
+
+
+def _engine_core(m: ModuleType) -> None:
+    def stepped(self: Any, out: Any, *a: Any, **k: Any) -> None:
+        for eco in (out[0] or {}).values() if out else ():
+            for rid in _new_tokens(eco.outputs):
+                log("e_out", rid)
+
+    for name in ("step", "step_with_batch_queue"):
+        if hasattr(m.EngineCore, name):
+            _wrap(m.EngineCore, name, after=stepped)
+
+
+def _output_processor(m: ModuleType) -> None:
+    def processing(self: Any, outputs: Any, *a: Any, **k: Any) -> None:
+        for rid in _new_tokens(outputs):
+            log("a_out", rid)
+
+    _wrap(m.OutputProcessor, "process_outputs", before=processing)
+
+
+def _admission(m: ModuleType) -> None:
+    original = m.TransferParamsGuard.__call__
+
+    async def guarded(self: Any, scope: Any, receive: Any, send: Any) -> None:
+        async def sending(message: Any) -> None:
+            if message.get("type") == "http.response.body" and message.get("body"):
+                log("a_send")
+            await send(message)
+
+        await original(self, scope, receive, sending)
+
+    m.TransferParamsGuard.__call__ = guarded
+
+
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "lw.vllm_adapter.admission": _admission,
+    "vllm.v1.engine.core": _engine_core,
+    "vllm.v1.engine.output_processor": _output_processor,
     "lw.vllm_adapter.connector": _connector,
     "lw.transport.runtime": _runtime,
     "lw.vllm_adapter.metaserver_client": _metaserver_client,
