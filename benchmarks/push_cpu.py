@@ -168,6 +168,24 @@ def _measure(name: str, place: Placement, model: Path, logs: Path,
             "ttft_p50_ms": statistics.median(ttfts) * 1e3}
 
 
+def ratio_lines(results: dict[str, list[dict[str, float] | None]], names: Sequence[str],
+                base: str) -> list[str]:
+    """Each configuration's side-thread CPU and P prefill against ``base``'s, per repeat: the
+    median and spread of the ratios (none where the base has nothing to divide by: ``single``
+    has no side threads)."""
+    lines = []
+    for name in names:
+        if name == base:
+            continue
+        for key in ("side_cpu_ms", "p_prefill_ms"):
+            ratios = [a[key] / b[key] for a, b in zip(results[name], results[base], strict=True)
+                      if a is not None and b is not None and b[key] > 0]
+            if ratios:
+                lines.append(f"{key}_ratio_vs_{base}: {statistics.median(ratios):.2f}  ({name}; "
+                             f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} repeat(s))")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=2)
@@ -233,15 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"| {name} | {span('side_cpu_ms')} | {span('p_prefill_ms')} | "
               f"{span('ttft_p50_ms')} | {len(results[name]) - len(ok)} |")
-    for name in names:
-        if name == base:
-            continue
-        for key in ("side_cpu_ms", "p_prefill_ms"):
-            ratios = [a[key] / b[key] for a, b in zip(results[name], results[base], strict=True)
-                      if a is not None and b is not None]
-            if ratios:
-                print(f"{key}_ratio_vs_{base}: {statistics.median(ratios):.2f}  ({name}; "
-                      f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} repeat(s))")
+    for line in ratio_lines(results, names, base):
+        print(line)
     print(f"total time {time.monotonic() - t_all:.0f}s; {failed} start(s) failed; logs in "
           f"{work}")
     return 1 if failed else 0

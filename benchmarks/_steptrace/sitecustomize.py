@@ -109,7 +109,8 @@ def _proxy_timeline(m: ModuleType) -> None:
         if event in ("received", "d_sent", "meta_posted", "p_sent", "p_ahead_sent", "p_done",
                      "first_token", "end"):
             log("p_" + event, transfer_id)
-            log("p_sched_" + event, _schedstat())
+            if event in ("p_done", "first_token"):  # between them: did the proxy wait?
+                log("p_sched_" + event, _schedstat())
 
     _wrap(m.ProxyTimeline, "mark", before=mark)
 

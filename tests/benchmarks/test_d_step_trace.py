@@ -14,7 +14,7 @@ from benchmarks.d_step_trace import SHIM, STEPS, milestones, read_events, report
 
 ROOT = Path(__file__).resolve().parents[2]
 
-D_SCHED, D_WORKER, P_WORKER, PROXY, CLIENT, P_SCHED = 10, 20, 30, 40, 50, 60
+D_SCHED, D_WORKER, P_WORKER, PROXY, CLIENT, P_SCHED, D_API = 10, 20, 30, 40, 50, 60, 70
 
 
 def _request(t0: float, i: int, recv_logged_first: bool = False) -> list[str]:
@@ -28,12 +28,17 @@ def _request(t0: float, i: int, recv_logged_first: bool = False) -> list[str]:
         (19.0, D_WORKER, "w_bind", ""),  # D's idle step: not P's
         (20.0, P_WORKER, "w_bind", ""), (20.0, P_WORKER, "w_results", ""),
         (300.0, P_WORKER, "report_SendFinished", "t"),
+        (300.1, PROXY, "p_p_done", "x@0"), (300.1, PROXY, "p_sched_p_done", "5000000/1000000"),
         (300.5, D_WORKER, "w_results", ""),  # an idle step of D's before the DONE
         (301.0 if recv_logged_first else 300.2, D_WORKER, "report_RecvDone", "t"),
         (300.9, D_WORKER, "w_results", ""), (300.9, D_WORKER, "w_recv", "r"),
         (301.5, D_SCHED, "s_update_recv", "r"), (303.0, D_SCHED, "s_sched", "r"),
         (305.0, D_WORKER, "w_bind", ""), (325.0, D_WORKER, "w_results", ""),
-        (330.0, PROXY, "p_first_token", "x"), (331.0, CLIENT, "tok0", str(i)),
+        (326.0, D_SCHED, "e_out", "r"), (326.5, D_API, "a_out", "r"),
+        (327.0, D_API, "a_send", ""),
+        (330.0, PROXY, "p_first_token", "x"),
+        (330.0, PROXY, "p_sched_first_token", "6000000/13000000"),
+        (331.0, CLIENT, "tok0", str(i)),
         (351.0, CLIENT, "tok1", str(i)), (371.0, CLIENT, "tok2", str(i)),
         (393.0, CLIENT, "tok3", str(i))]
     return [f"{t0 + t / 1e3:.6f} {pid} {name} {ident}" for t, pid, name, ident in ms]
@@ -55,8 +60,13 @@ def test_milestones_follow_d_processes_and_order() -> None:
         assert steps["last DONE -> D's worker reports it"] == round(300.9 - done, 3)
         assert steps["scheduled -> D's worker step starts"] == 2.0
         assert steps["step start -> its end (the forward)"] == 20.0  # not P's step end
+        assert steps["step end -> D's engine core has the output"] == 1.0
+        assert steps["-> D's API server sent the first bytes"] == 0.5
+        assert steps["-> lw's proxy relays them"] == 3.0
         assert steps["lw's proxy -> first token at the client"] == 1.0
+        assert round(r["proxy_wait"] * 1e3, 3) == 12.0  # 13 ms waited at the relay, 1 before
     text = report(rows)
+    assert "over 10 ms in 2 of 2" in text
     assert "D: decode step (TPOT, tokens 1-3)" in text and "21.00" in text
     assert "2 requests" in text and "overlapped" not in text
 
@@ -96,7 +106,10 @@ def test_the_shim_wraps_lw_modules_as_they_are_imported(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=True)
     events = [line.split()[2:] for line in trace.read_text().splitlines()]
-    assert events == [["p_received", "x"], ["p_p_sent", "x"], ["p_first_token", "x"]]
+    assert events[:3] == [["p_received", "x"], ["p_p_sent", "x"], ["p_first_token", "x"]]
+    # at the relay, the proxy's thread's CPU time and time waiting for a CPU (ns)
+    assert events[3][0] == "p_sched_first_token"
+    assert all(n.isdigit() for n in events[3][1].split("/")) and len(events) == 4
     assert out.stdout.strip() == "True"
     # without LW_STEPTRACE the shim installs nothing
     env.pop("LW_STEPTRACE")

@@ -1,4 +1,5 @@
-"""benchmarks/push_cpu.py's CPU accounting: a busy side thread is counted, the main one not."""
+"""benchmarks/push_cpu.py's CPU accounting (a busy side thread is counted, the main one not) and
+its ratios against the first configuration."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 import threading
 import time
 
-from benchmarks.push_cpu import side_thread_ticks
+from benchmarks.push_cpu import ratio_lines, side_thread_ticks
 
 
 def _spin(seconds: float) -> None:
@@ -40,3 +41,13 @@ def test_side_threads_are_counted_and_the_main_thread_is_not() -> None:
         stop.set()
         busy.join()
     assert main_only < 0.1 * hz
+
+
+def test_ratios_against_a_single_server_skip_its_zero_side_cpu() -> None:
+    single = {"side_cpu_ms": 0.0, "p_prefill_ms": 550.0}
+    results = {"single": [single, single, None],
+               "auto": [{"side_cpu_ms": 24.0, "p_prefill_ms": 556.0},
+                        {"side_cpu_ms": 25.0, "p_prefill_ms": 561.0}, None]}
+    lines = ratio_lines(results, ["single", "auto"], "single")
+    # no CPU ratio (nothing to divide by), the prefill's over the two repeats both ran
+    assert lines == ["p_prefill_ms_ratio_vs_single: 1.02  (auto; 1.01-1.02 over 2 repeat(s))"]
