@@ -128,7 +128,9 @@ def milestones(events: Sequence[Event]) -> list[dict[str, float]]:
         m["w_end"] = first("w_results", m["w_bind"], d_worker)
         m["e_out"] = first("e_out", m["w_end"], d_sched)
         m["a_out"] = first("a_out", m["e_out"])
-        m["a_send"] = first("a_send", m["a_out"])
+        # the send carries no request id: the first of the API server that processed it
+        d_api = {e.pid for e in window if e.name == "a_out" and e.t == m["a_out"]}
+        m["a_send"] = first("a_send", m["a_out"], d_api)
         m["p_first"] = first("p_first_token", m["w_end"])
         # the proxy's main thread: time waiting for a CPU from P's answer to the relay
         marks = (("p_sched_p_done", first("p_p_done", s.t)),

@@ -9,10 +9,14 @@ worker loop queued a core report: D's RecvDone is its last DONE), ``w_results``/
 ``w_bind`` (a worker step's start, its connector metadata bound, before the forward),
 ``s_new``/``s_alloc``/``s_update_recv``/``s_sched`` (the scheduler took a new request,
 allocated its blocks, learnt a receive finished, scheduled a request), ``d_meta_call`` (D's
-metaserver thread starts a call: it has the GIL and the queued request), and the proxy's
-``p_received``/``p_d_sent``/``p_meta_posted``/``p_p_sent``/``p_p_ahead_sent``/``p_first_token``
-(it read the client's request; its POST to D left; D's metaserver call came; its POST to P left,
-D first or ahead; its first bytes of D's answer went to the client).
+metaserver thread starts a call: it has the GIL and the queued request), ``e_out`` / ``a_out``
+(an engine core's step returned a request's new tokens; an API server began processing them),
+``a_send`` (an lw engine's API server sent response body bytes), and the proxy's
+``p_received``/``p_d_sent``/``p_meta_posted``/``p_p_sent``/``p_p_ahead_sent``/``p_p_done``/
+``p_first_token``/``p_end`` (it read the client's request; its POST to D left; D's metaserver
+call came; its POST to P left, D first or ahead; P answered; its first bytes of D's answer went
+to the client; the answer ended), with ``p_sched_p_done``/``p_sched_first_token`` after the two
+it times: the calling thread's CPU time and time waiting for a CPU, ``<ns>/<ns>``.
 The modules are wrapped as they are imported (a finder on ``sys.meta_path``), so a process that
 never imports one pays nothing for it.
 """
