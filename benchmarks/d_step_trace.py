@@ -133,18 +133,24 @@ def milestones(events: Sequence[Event]) -> list[dict[str, float]]:
         m["a_send"] = first("a_send", m["a_out"], d_api)
         m["p_first"] = first("p_first_token", m["w_end"])
         # the proxy's main thread: time waiting for a CPU from P's answer to the relay
-        marks = (("p_sched_p_done", first("p_p_done", s.t)),
-                 ("p_sched_first_token", m["p_first"]))
-        waits = [next((int(e.ident.split("/")[1]) for e in window if e.name == name
-                       and e.ident and abs(e.t - t) < 0.001), None) if t is not None else None
-                 for name, t in marks]
-        if None not in waits:
-            m["proxy_wait"] = (waits[1] - waits[0]) / 1e9
+        before = _waited(window, "p_sched_p_done", first("p_p_done", s.t))
+        after = _waited(window, "p_sched_first_token", m["p_first"])
+        if before is not None and after is not None:
+            m["proxy_wait"] = (after - before) / 1e9
         for k in range(4):
             m[f"tok{k}"] = first(f"tok{k}", s.t)
         if all(m.get(k) is not None for k in REQUIRED):
             rows.append({k: v for k, v in m.items() if v is not None})
     return rows
+
+
+def _waited(window: Sequence[Event], name: str, t: float | None) -> int | None:
+    """The time waited for a CPU (ns) in the schedstat line ``name`` logged with the milestone
+    at ``t``; None without one."""
+    if t is None:
+        return None
+    return next((int(e.ident.split("/")[1]) for e in window
+                 if e.name == name and e.ident and abs(e.t - t) < 0.001), None)
 
 
 def _stats(xs: list[float]) -> str:

@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 import time
-import traceback
 from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
@@ -35,6 +34,7 @@ from lw.lab.synthetic.workers import (
     faults_for,
     layer_layouts,
     merged_stats,
+    run_reporting,
     setup_process,
 )
 from lw.transport.runtime import WorkerLoop
@@ -51,14 +51,8 @@ def decode_main(cfg: ClusterConfig, cmd: Connection, out: Connection, ports: lis
         setup_process(name, cfg)
         if cfg.d_netns:  # before any socket: the decoder lives behind the partitionable link
             netns.enter(cfg.d_netns)
-    outbox = Outbox(out)
-    try:
-        _decode(cfg, cmd, outbox, ports, incarnation, generation, slot)
-    except BaseException:
-        outbox.put(("error", name, traceback.format_exc()))
-        raise
-    finally:
-        outbox.close()
+    run_reporting(name, out,
+                  lambda outbox: _decode(cfg, cmd, outbox, ports, incarnation, generation, slot))
 
 
 class BlockPool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import traceback
 from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
@@ -26,6 +25,7 @@ from lw.lab.synthetic.workers import (
     layer_layouts,
     merged_stats,
     p_engine,
+    run_reporting,
     setup_process,
 )
 from lw.transport.runtime import WorkerLoop
@@ -39,14 +39,8 @@ def prefill_main(cfg: ClusterConfig, rank: int, cmd: Connection, out: Connection
     name = f"prefill-dp{rank}"
     if as_process:
         setup_process(name, cfg)
-    outbox = Outbox(out)
-    try:
-        _prefill(cfg, rank, cmd, outbox, barrier, flags, incarnation)
-    except BaseException:
-        outbox.put(("error", name, traceback.format_exc()))
-        raise
-    finally:
-        outbox.close()
+    run_reporting(name, out,
+                  lambda outbox: _prefill(cfg, rank, cmd, outbox, barrier, flags, incarnation))
 
 
 def _prefill_tp(cfg: ClusterConfig, rank: int, t: int, incarnation: int,

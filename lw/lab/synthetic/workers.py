@@ -18,6 +18,8 @@ import queue
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -156,6 +158,19 @@ def merged_stats(tps: list[TPWorker]) -> dict[str, Any]:
             else:
                 out[k] = out.get(k, 0) + v
     return out
+
+
+def run_reporting(name: str, out: Connection, body: Callable[[Outbox], None]) -> None:
+    """Run an engine's ``body`` with an outbox to the coordinator: a crash is reported there as
+    an ``error`` event (with its traceback), then raised; the outbox is flushed and closed."""
+    outbox = Outbox(out)
+    try:
+        body(outbox)
+    except BaseException:
+        outbox.put(("error", name, traceback.format_exc()))
+        raise
+    finally:
+        outbox.close()
 
 
 class Outbox:
