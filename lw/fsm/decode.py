@@ -31,7 +31,7 @@ from lw.fsm.effects import (
     TimerKey,
 )
 from lw.fsm.endpoint import LifecycleEndpoint
-from lw.fsm.kvmap import block_segments, pair_problem
+from lw.fsm.kvmap import block_segments, describe, expected_senders, pair_problem
 from lw.fsm.lifecycles import (
     DONE,
     FAILED,
@@ -326,15 +326,35 @@ class DecodeEndpoint(Failover, LifecycleEndpoint):
         if rec.ranks is None:
             if len(rec.claimers) >= rec.expected:
                 return f"request already has its {rec.expected} expected senders"
+            if len(rec.claimers) + 1 == rec.expected:
+                return self._uncovered(rec, msg)
             return ""
         rank = msg.fmt.tp_rank
         if rank not in rec.ranks:
             return (f"P TP rank {rank} (of {msg.fmt.tp_size}) is not a sender of this D worker, "
                     f"which expects P TP ranks {sorted(rec.ranks)} (does it know the prefill "
                     "TP size?)")
+        want = expected_senders(self.layout.fmt, msg.fmt.tp_size)
+        if want != rec.ranks:
+            # D waits for one DONE per rank it counted; counted for another P TP size, it
+            # would report the request loaded with some of its heads never written.
+            return (f"a prefill of TP {msg.fmt.tp_size} writes this D worker's heads from P "
+                    f"TP ranks {sorted(want)}, but it waits for ranks {sorted(rec.ranks)} only: "
+                    "its prefill TP size (peer_tp_size) is not the prefill's")
         if rank in rec.by_rank:
             return f"P TP rank {rank} was already claimed by sender {rec.by_rank[rank]}"
         return ""
+
+    def _uncovered(self, rec: DecodeRecord, msg: MetaRequest) -> str:
+        """Why the last of ``expected`` senders would leave some of D's heads unwritten."""
+        fmts = [*rec.formats.values(), msg.fmt]
+        d = self.layout.fmt
+        missing = [h for h in range(d.head_lo, d.head_hi)
+                   if not any(f.head_lo <= h < f.head_hi for f in fmts)]
+        if not missing:
+            return ""
+        return (f"with this sender the request's {rec.expected} senders would leave KV heads "
+                f"{missing[0]}..{missing[-1]} of {describe(d)} unwritten")
 
     def sum_plan(self, req_id: str, sender: SenderKey) -> SumPlan | None:
         """Where ``sender`` wrote for a live request (None if it did not claim it)."""

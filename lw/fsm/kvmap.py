@@ -17,7 +17,7 @@ senders of different D ranks over the P ranks.
 
 from __future__ import annotations
 
-from lw.fsm.messages import KVFormat
+from lw.fsm.messages import KVFormat, heads_of, tp_problem
 
 __all__ = [
     "LayoutMismatch",
@@ -40,35 +40,6 @@ class LayoutMismatch(ValueError):
     """Two KV layouts cannot exchange blocks; the message names both."""
 
 
-def tp_problem(tp: int, total_heads: int, mla: bool = False) -> str:
-    """"" if ``tp`` ranks can share ``total_heads`` KV heads as vLLM does, else why not."""
-    if tp < 1 or total_heads < 1:
-        return f"tp={tp} and total_heads={total_heads} must be >= 1"
-    if mla:
-        return ""
-    if total_heads >= tp and total_heads % tp:
-        return f"{total_heads} KV heads do not split evenly over TP {tp}"
-    if total_heads < tp and tp % total_heads:
-        return f"TP {tp} is not a multiple of the {total_heads} KV heads it replicates"
-    return ""
-
-
-def heads_of(tp_rank: int, tp: int, total_heads: int, mla: bool = False) -> tuple[int, int]:
-    """Global KV heads [lo, hi) held by one TP rank."""
-    problem = tp_problem(tp, total_heads, mla)
-    if problem:
-        raise ValueError(problem)
-    if not 0 <= tp_rank < tp:
-        raise ValueError(f"tp_rank {tp_rank} outside TP {tp}")
-    if mla:
-        return 0, 1
-    if total_heads >= tp:
-        per = total_heads // tp
-        return tp_rank * per, (tp_rank + 1) * per
-    h = tp_rank * total_heads // tp
-    return h, h + 1
-
-
 def make_format(*, tp_rank: int, tp_size: int, total_heads: int, block_tokens: int,
                 dtype: str, order: str = "HND", mla: bool = False) -> KVFormat:
     """The format of one TP rank's KV cache."""
@@ -80,10 +51,20 @@ def make_format(*, tp_rank: int, tp_size: int, total_heads: int, block_tokens: i
                     tp_size=tp_size, mla=mla)
 
 
+def _holders(head: int, tp: int, total_heads: int, mla: bool) -> range:
+    """The TP ranks (of ``tp``) that hold ``head``: consecutive, as :func:`heads_of` splits."""
+    if mla:
+        return range(tp)
+    if total_heads >= tp:
+        r = head // (total_heads // tp)
+        return range(r, r + 1)
+    # replicated: rank r holds head r * H // tp, so head h is held by r in [h*tp/H, (h+1)*tp/H)
+    return range(-(-head * tp // total_heads), -(-(head + 1) * tp // total_heads))
+
+
 def _writer(head: int, d_rank: int, p_tp: int, total_heads: int, mla: bool) -> int:
     """The one P rank that writes ``head`` into D rank ``d_rank``."""
-    cands = [i for i in range(p_tp)
-             if (lh := heads_of(i, p_tp, total_heads, mla))[0] <= head < lh[1]]
+    cands = _holders(head, p_tp, total_heads, mla)
     return cands[d_rank % len(cands)]
 
 

@@ -13,6 +13,8 @@ import msgspec
 
 MAX_TIMELINE = 100_000  # timeline entries one StatusQuery may ask for
 MAX_TEXT = 1024  # longest reason or other free text a message carries (senders cut theirs)
+MAX_KV_HEADS = 4096  # KV heads of a model (real ones have at most a few hundred)
+MAX_TP = 4096  # ranks of one tensor-parallel group
 # 2: KVFormat in layouts and claims (heterogeneous TP, MLA); 3: a claim names the D blocks;
 # 4: claims, DONEs, failures, aborts and their acks carry the claim epoch (prefill failover);
 # 5: a claim names the digest of the prompt its sender computed (D refuses another prompt's)
@@ -33,6 +35,37 @@ _BlockId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 _Epoch = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 _Prompt = Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{32})?$")]
 """The digest of a prompt's token ids (lw.contract.params.prompt_digest); "" when unbound."""
+_Heads = Annotated[int, msgspec.Meta(ge=1, le=MAX_KV_HEADS)]
+_TP = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
+
+
+def tp_problem(tp: int, total_heads: int, mla: bool = False) -> str:
+    """"" if ``tp`` ranks can share ``total_heads`` KV heads as vLLM does, else why not."""
+    if tp < 1 or total_heads < 1:
+        return f"tp={tp} and total_heads={total_heads} must be >= 1"
+    if mla:
+        return ""
+    if total_heads >= tp and total_heads % tp:
+        return f"{total_heads} KV heads do not split evenly over TP {tp}"
+    if total_heads < tp and tp % total_heads:
+        return f"TP {tp} is not a multiple of the {total_heads} KV heads it replicates"
+    return ""
+
+
+def heads_of(tp_rank: int, tp: int, total_heads: int, mla: bool = False) -> tuple[int, int]:
+    """Global KV heads [lo, hi) held by one TP rank (vLLM's split; raises ValueError)."""
+    problem = tp_problem(tp, total_heads, mla)
+    if problem:
+        raise ValueError(problem)
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"tp_rank {tp_rank} outside TP {tp}")
+    if mla:
+        return 0, 1
+    if total_heads >= tp:
+        per = total_heads // tp
+        return tp_rank * per, (tp_rank + 1) * per
+    h = tp_rank * total_heads // tp
+    return h, h + 1
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=True):
@@ -58,6 +91,13 @@ class LayerLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_len: _Len  # bytes to copy per block (<= block_stride)
     num_blocks: _NBlocks
 
+    def __post_init__(self) -> None:
+        # A block longer than its stride overlaps the next block: a write into block b would
+        # land in block b + 1, which may belong to another request.
+        if self.block_len > self.block_stride:
+            raise ValueError(f"block_len {self.block_len} exceeds block_stride "
+                             f"{self.block_stride}: blocks would overlap")
+
 
 class KVFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How a worker's blocks hold the model's KV heads: what head-sliced writes are computed from.
@@ -67,12 +107,23 @@ class KVFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: _Text = "bytes"
     block_tokens: _Count = 1  # tokens per block
     order: Literal["HND", "NHD"] = "HND"  # inside a block: heads outermost, or tokens outermost
-    total_heads: _Count = 1  # KV heads of the model (1 for MLA's latent vector)
+    total_heads: _Heads = 1  # KV heads of the model (1 for MLA's latent vector)
     head_lo: _Rank = 0  # this worker holds global heads [head_lo, head_hi)
     head_hi: _Count = 1
     tp_rank: _Rank = 0
-    tp_size: _Count = 1
+    tp_size: _TP = 1
     mla: bool = False  # latent KV, identical on every TP rank
+
+    def __post_init__(self) -> None:
+        # Every head mapping is computed from (tp_rank, tp_size, total_heads, mla); heads that
+        # disagree with them would make P and D compute different byte runs for one block.
+        if self.mla and self.total_heads != 1:
+            raise ValueError(f"an MLA format has one latent head, not {self.total_heads}")
+        lo, hi = heads_of(self.tp_rank, self.tp_size, self.total_heads, self.mla)
+        if (self.head_lo, self.head_hi) != (lo, hi):
+            raise ValueError(
+                f"heads {self.head_lo}..{self.head_hi - 1} are not what TP rank {self.tp_rank} "
+                f"of {self.tp_size} holds of {self.total_heads} ({lo}..{hi - 1})")
 
 
 class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

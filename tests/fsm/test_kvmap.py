@@ -104,8 +104,8 @@ def test_mla_with_more_prefill_ranks_leaves_some_idle() -> None:
 ])
 def test_unmappable_pairs_are_refused_naming_both(change: dict, needle: str) -> None:
     p = _fmt(0, 1, 4, False)
-    d = _fmt(0, 1, 4, False)
-    d = type(d)(**{**{f: getattr(d, f) for f in d.__struct_fields__}, **change})
+    d = make_format(**{"tp_rank": 0, "tp_size": 1, "total_heads": 4, "block_tokens": 16,
+                       "dtype": "bf16", **change})
     why = pair_problem(p, d)
     assert needle in why and "prefill [TP 0/1" in why and "decode [TP 0/1" in why
     with pytest.raises(LayoutMismatch, match=needle):

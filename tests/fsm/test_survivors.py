@@ -18,7 +18,7 @@ from lw.fsm import (
     Send,
     SumPlan,
 )
-from lw.fsm.kvmap import make_format
+from lw.fsm.kvmap import expected_senders, make_format
 from lw.fsm.status import status_line
 from lw.transport.wire import (
     PROTOCOL_VERSION,
@@ -173,8 +173,21 @@ def test_rows_are_stuck_strictly_past_the_fraction_of_their_own_deadline() -> No
     assert pair.d.stuck(10.0) == [] and [r.state for r in pair.d.stuck(10.5)] == ["FAILED"]
 
 
+def _tp2_into_tp1() -> Pair:
+    """Two P ranks of TP 2 (one KV head each) and a D of TP 1 that waits for both."""
+    def layout(engine: str, rank: int, tp: int, block_len: int) -> KVLayout:
+        fmt = make_format(tp_rank=rank, tp_size=tp, total_heads=2, block_tokens=16,
+                          dtype="bf16")
+        layers = [LayerLayout(0x1000_0000 + i * 0x100_0000, block_len, block_len, 64)
+                  for i in range(L)]
+        return KVLayout(engine, 1, "127.0.0.1:15000", layers, fmt)
+
+    ps = [PrefillEndpoint(p_sender(r), L, local=layout("P", r, 2, 2048)) for r in range(2)]
+    return Pair(ps, DecodeEndpoint(d_sender(), layout("D", 0, 1, 4096)))
+
+
 def test_d_rows_say_which_senders_are_awaited() -> None:
-    pair = make_pair(n_ranks=2)
+    pair = _tp2_into_tp1()
     pair.absorb("d", pair.d.add_request("any", (5, 6, 7), 2, pair.now))
     pair.absorb("d", pair.d.add_request("tp", (5, 6, 7), {0, 1}, pair.now))
     rows = {r.req_id: r for r in pair.d.status(pair.now)}
@@ -227,7 +240,7 @@ def test_d_checksums_cover_the_bytes_each_head_sliced_sender_wrote(
                            dtype="bf16")
 
     d = _sliced_d(fmt(d_rank, d_tp), d_block)
-    d.add_request("r", (3, 4), 1, 0.0)
+    d.add_request("r", (3, 4), expected_senders(fmt(d_rank, d_tp), p_tp), 0.0)
     claim = MetaRequest(PROTOCOL_VERSION, "r", p_sender(p_rank), False, (3, 4),
                         fmt(p_rank, p_tp))
     (reply,) = [e.msg for e in d.on_message(decode(encode(claim)), 0.0) if isinstance(e, Send)]
