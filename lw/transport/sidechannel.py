@@ -36,12 +36,9 @@ A SideChannel is not thread-safe: one thread (a :class:`lw.transport.runtime.Wor
 from __future__ import annotations
 
 import errno
-import hmac
 import logging
 import math
-import os
 import random
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -50,6 +47,13 @@ from typing import Any
 
 import zmq
 
+from lw.transport.frames import (
+    MAX_ADDR_BYTES,
+    MAX_FRAMES,
+    FrameSeal,
+    Refusal,
+    parse_cluster_key,
+)
 from lw.transport.links import Links
 from lw.transport.wire import MAX_MESSAGE_BYTES, Message, WireError, decode, encode
 from lw.transport.zmqsock import HOST_TIMEOUT_S, tune_socket
@@ -69,11 +73,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAX_FRAMES = 3
-"""Frames in one message (header, payload, MAC; the ROUTER's routing id aside). A message with
-more is dropped and counted as ``too_many_frames``; at most this many of its frames are copied
-out of ZMQ, the rest are discarded a bounded number per poll."""
-
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + 4096
 """ZMQ_MAXMSGSIZE, which libzmq applies per frame: a peer sending a longer frame is disconnected
 before the frame is allocated. Between the wire limit and this the frame is received and counted
@@ -90,20 +89,10 @@ PRE_AUTH_BYTES_PER_CONNECTION = (RECV_HWM + 2) * MAX_FRAMES * MAX_FRAME_BYTES
 ZMQ: the number of connections (only the process's file limit) and the frames of one message
 (see the module docstring)."""
 
-MAX_ADDR_BYTES = 1024
-"""Longest destination address a message may name (and this module will connect to)."""
-
 WARN_INTERVAL_S = 10.0
 """At most one warning about refused frames per this many seconds per channel, with the counts
 since the last one: a flood of bad frames must not flood the log."""
 
-_MAGIC = b"LW"
-_FRAME_VERSION = 2  # 2: the header names its destination, which the MAC covers
-_FLAG_MAC = 0x01
-# magic, frame version, flags, epoch, msg_id, reply_to, timestamp (ns since the epoch), dest length;
-# the destination's bytes follow
-_HEADER = struct.Struct("!2sBBIQQQH")
-_MAC_LEN = 32
 # Frames of an over-long message discarded per drain (about 1 us each): the loop thread goes on
 # serving its timers and other sockets while a flood is thrown away.
 _DISCARD_BUDGET = 16384
@@ -111,32 +100,6 @@ _SCHEMES = ("tcp://", "ipc://", "inproc://")
 # Counters of inbound refusals: each one is rate-limited into a warning.
 _REFUSALS = ("oversize", "malformed", "too_many_frames", "unauthenticated", "forged",
              "misdirected", "stale_frames", "replay_floor", "replayed", "wire_errors")
-
-
-def _header(flags: int, epoch: int, msg_id: int, reply_to: int, ts_ns: int, dest: bytes) -> bytes:
-    """The header frame of a message to ``dest`` (tests build hostile frames with it)."""
-    return _HEADER.pack(_MAGIC, _FRAME_VERSION, flags, epoch, msg_id, reply_to, ts_ns,
-                        len(dest)) + dest
-
-
-def _mac(key: bytes, header: bytes, payload: bytes) -> bytes:
-    """The MAC of one message: it covers the header, and so the destination named in it."""
-    return hmac.digest(key, header + payload, "sha256")
-
-
-def parse_cluster_key(value: str | bytes | None) -> bytes | None:
-    """A cluster key from config: bytes as is, ``hex:...`` decoded, other text UTF-8 encoded."""
-    if value is None or value == "" or value == b"":
-        return None
-    if isinstance(value, bytes):
-        key = value
-    elif value.startswith("hex:"):
-        key = bytes.fromhex(value[4:])
-    else:
-        key = value.encode()
-    if len(key) < 16:
-        raise ValueError(f"cluster key must be at least 16 bytes, got {len(key)}")
-    return key
 
 
 @dataclass(frozen=True)
@@ -232,21 +195,14 @@ class SideChannel:
             raise ValueError("cluster_key must be at least 16 bytes")
         if max_peers < 1:
             raise ValueError("max_peers must be >= 1")
-        self._key = cluster_key
         self._max_peers = max_peers
-        self._window_ns = None if replay_window_s is None else int(replay_window_s * 1e9)
-        self._replay_cap = replay_cache_size
         self._hwm = hwm
         self._recv_hwm = recv_hwm
         self._host_timeout_s = host_timeout_s
         self._faults = faults if faults is not None and faults.active else None
         self._rng = random.Random(faults.seed if faults is not None else None)
         self._burst = burst
-        self._epoch = int.from_bytes(os.urandom(4), "big")
-        self._next_id = 0
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
-        self._seen: dict[bytes, int] = {}  # mac -> expiry (ns), insertion ordered
-        self._floor_ns = 0  # frames stamped at or before this are refused (see _remember)
         self._excess: dict[zmq.Socket, int] = {}  # socket -> frames dropped of an over-long msg
         self._warn_interval_s = warn_interval_s
         self._warn_at = 0.0  # monotonic time before which refusals are only tallied
@@ -272,7 +228,7 @@ class SideChannel:
         if host in ("0.0.0.0", "*", "::"):
             raise ValueError(f"binding {bind_host} needs an advertise_host peers can reach")
         self.addr = f"tcp://{host}:{self.port}"
-        self._addr_b = self.addr.encode()  # what a MAC must have been made for to be accepted
+        self._seal = FrameSeal(cluster_key, self.addr, replay_window_s, replay_cache_size)
         self._dealers: OrderedDict[str, zmq.Socket] = OrderedDict()  # LRU by dest
         # each DEALER's connection state, for telling a slow peer from a dead one
         self.links = Links(answer_s=1.0)
@@ -349,13 +305,7 @@ class SideChannel:
     # ----------------------------------------------------------------------------- sending
     def _frame(self, payload: bytes, reply_to: int, dest: bytes) -> tuple[int, list[bytes]]:
         """A new message id and the frames of ``payload`` for the worker at ``dest``."""
-        self._next_id += 1
-        msg_id = self._next_id
-        flags = _FLAG_MAC if self._key is not None else 0
-        header = _header(flags, self._epoch, msg_id, reply_to, time.time_ns(), dest)
-        if self._key is None:
-            return msg_id, [header, payload]
-        return msg_id, [header, payload, _mac(self._key, header, payload)]
+        return self._seal.seal(payload, reply_to, dest)
 
     def _dest(self, dest: str) -> bytes | None:
         """``dest`` as the bytes a MAC is bound to, or None (counted) when it cannot be one."""
@@ -568,69 +518,20 @@ class SideChannel:
 
     def _accept(self, frames: list[bytes], route: bytes | None, peer: str | None
                 ) -> Inbound | None:
-        """Check one frame set (size, framing, MAC, destination, freshness, replay, wire);
-        count and drop what fails."""
-        n = len(frames)
-        if n > MAX_FRAMES:  # only an inproc or test caller gets here: _recv stops them first
-            self._refuse("too_many_frames", f"a message of {n} frames (at most {MAX_FRAMES})")
+        """Check one frame set (framing and authentication, then the wire); count and drop
+        what fails."""
+        opened = self._seal.open(frames)
+        if isinstance(opened, Refusal):
+            self._refuse(opened.counter, opened.why)
             return None
-        if n < 2:
-            self._refuse("malformed", f"a message of {n} frame(s)")
-            return None
-        header, payload = frames[0], frames[1]
-        if len(payload) > MAX_MESSAGE_BYTES:
-            self._refuse("oversize", f"a payload of {len(payload)} bytes")
-            return None
-        if len(header) < _HEADER.size:
-            self._refuse("malformed", f"a header of {len(header)} bytes")
-            return None
-        magic, version, flags, _epoch, msg_id, reply_to, ts_ns, dest_len = _HEADER.unpack_from(
-            header)
-        if magic != _MAGIC:
-            self._refuse("malformed", "not an lw frame")
-            return None
-        if version != _FRAME_VERSION:
-            self._refuse("malformed", f"frame version {version} (this side speaks "
-                                      f"{_FRAME_VERSION}: another lw version?)")
-            return None
-        if len(header) != _HEADER.size + dest_len or (n == 3) != bool(flags & _FLAG_MAC):
-            self._refuse("malformed", "inconsistent header")
-            return None
-        key = self._key
-        if key is not None:
-            if n != 3:
-                self._refuse("unauthenticated", "no MAC (a peer without the cluster key?)")
-                return None
-            mac = frames[2]
-            if len(mac) != _MAC_LEN or not hmac.compare_digest(mac, _mac(key, header, payload)):
-                self._refuse("forged", "a wrong MAC (another cluster key?)")
-                return None
-            dest = header[_HEADER.size:]
-            if dest != self._addr_b:
-                # Signed by a key holder, but for another worker: a replay aimed at us, or a
-                # peer that knows us by another name (hostname vs IP) than we advertise.
-                self._refuse("misdirected", f"signed for {dest[:100]!r}, this is {self.addr}")
-                return None
-            if self._window_ns is not None:
-                now_ns = time.time_ns()
-                if abs(now_ns - ts_ns) > self._window_ns:
-                    self._refuse("stale_frames", f"a timestamp {(now_ns - ts_ns) / 1e9:.1f}s old "
-                                                 "(clocks out of sync?)")
-                    return None
-                if ts_ns <= self._floor_ns:
-                    self._refuse("replay_floor", "a timestamp the full replay cache forgot")
-                    return None
-                if mac in self._seen:
-                    self._refuse("replayed", "a replay")
-                    return None
-                self._remember(mac, ts_ns + self._window_ns, now_ns)
         try:
-            msg = decode(payload)
+            msg = decode(opened.payload)
         except WireError as exc:
             self._refuse("wire_errors", repr(str(exc)[:200]))  # repr: no newlines in the log
             return None
         self.counters["received"] += 1
         rtt = None
+        reply_to = opened.reply_to
         if reply_to:
             sent = self._pending.pop(reply_to, None)
             if sent is not None:
@@ -638,23 +539,7 @@ class SideChannel:
                 rtt = time.monotonic() - sent[1]
             else:
                 self.counters["replies_unmatched"] += 1
-        return Inbound(msg, msg_id, reply_to, route, peer, rtt)
-
-    def _remember(self, mac: bytes, expiry_ns: int, now_ns: int) -> None:
-        """Record an accepted MAC until its frame leaves the replay window."""
-        seen = self._seen
-        # Insertion order is roughly expiry order: prune expired entries from the front.
-        while seen:
-            first = next(iter(seen))
-            first_expiry = seen[first]
-            if first_expiry > now_ns and len(seen) < self._replay_cap:
-                break
-            if first_expiry > now_ns:
-                # Full: forgetting a live entry would let its frame replay, so from now on
-                # refuse every frame stamped no later than it (honest ones too, unless newer).
-                self._floor_ns = max(self._floor_ns, first_expiry - (self._window_ns or 0))
-            del seen[first]
-        seen[mac] = expiry_ns
+        return Inbound(msg, opened.msg_id, reply_to, route, peer, rtt)
 
     # ----------------------------------------------------------------------------- misc
     def stats(self) -> dict[str, int]:
@@ -667,7 +552,7 @@ class SideChannel:
     @property
     def keyed(self) -> bool:
         """True when this channel signs and requires a cluster key."""
-        return self._key is not None
+        return self._seal.key is not None
 
     def close(self) -> None:
         """Close every socket and the context (drops queued frames)."""

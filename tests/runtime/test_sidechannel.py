@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import zmq
 
+from lw.transport.frames import frame_mac as _mac
+from lw.transport.frames import header_frame as _header
 from lw.transport.sidechannel import (
     MAX_FRAME_BYTES,
     MAX_FRAMES,
@@ -19,8 +21,6 @@ from lw.transport.sidechannel import (
     FaultInjection,
     Inbound,
     SideChannel,
-    _header,
-    _mac,
     parse_cluster_key,
 )
 from lw.transport.wire import (

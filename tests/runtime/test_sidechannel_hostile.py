@@ -14,14 +14,14 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lw.transport.frames import frame_mac as _mac
+from lw.transport.frames import header_frame as _header
 from lw.transport.sidechannel import (
     _REFUSALS,
     MAX_FRAME_BYTES,
     MAX_FRAMES,
     Inbound,
     SideChannel,
-    _header,
-    _mac,
 )
 from lw.transport.wire import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, MetaRequest, Sender, encode
 
