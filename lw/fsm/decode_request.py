@@ -4,6 +4,7 @@ record of one request's decode lifecycle (read by the endpoint, lw.fsm.decode, a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,8 +54,10 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         for name in ("prefill_timeout_s", "lease_s", "fence_retry_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"DecodeConfig.{name} must be > 0, got {getattr(self, name)}")
+            # finite too: an infinite deadline passes "> 0" and overflows a timestamp later
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"DecodeConfig.{name} must be > 0 and finite, got "
+                                 f"{getattr(self, name)}")
         if self.finished_memory < 1:
             raise ValueError("DecodeConfig.finished_memory must be >= 1")
         if not 0 <= self.retry_prefill <= 64:

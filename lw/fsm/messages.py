@@ -15,6 +15,7 @@ MAX_TIMELINE = 100_000  # timeline entries one StatusQuery may ask for
 MAX_TEXT = 1024  # longest reason or other free text a message carries (senders cut theirs)
 MAX_KV_HEADS = 4096  # KV heads of a model (real ones have at most a few hundred)
 MAX_TP = 4096  # ranks of one tensor-parallel group
+MAX_CHECKSUMS = 1 << 17  # KV checksums one DONE carries (one per layer and block)
 # 2: KVFormat in layouts and claims (heterogeneous TP, MLA); 3: a claim names the D blocks;
 # 4: claims, DONEs, failures, aborts and their acks carry the claim epoch (prefill failover);
 # 5: a claim names the digest of the prompt its sender computed (D refuses another prompt's)
@@ -181,7 +182,7 @@ class DoneSending(_Msg, tag="done"):
     sender: Sender
     expected_senders: _Count
     num_layers: _Count
-    checksums: Annotated[list[_Crc], msgspec.Meta(max_length=1 << 17)] = msgspec.field(
+    checksums: Annotated[list[_Crc], msgspec.Meta(max_length=MAX_CHECKSUMS)] = msgspec.field(
         default_factory=list)
     # How many of D's blocks this sender wrote, every layer of each (progressive push writes
     # them chunk by chunk); D refuses a DONE that does not cover all of its blocks.

@@ -70,8 +70,14 @@ from lw.fsm.messages import (
 from lw.fsm.prefill_ahead import AheadBinding
 from lw.fsm.prefill_layouts import Layouts
 from lw.fsm.prefill_replies import DecoderReplies
-from lw.fsm.prefill_request import PrefillConfig, PrefillRecord, PrefillRequest, _Target
-from lw.fsm.snapshot import ENDPOINT_RULES, KEYS, OMIT, RECORD_RULES, Rules, derive
+from lw.fsm.prefill_request import (
+    PrefillConfig,
+    PrefillRecord,
+    PrefillRequest,
+    _Target,
+    checksum_problem,
+)
+from lw.fsm.snapshot import ENDPOINT_RULES, OMIT, RECORD_RULES, UNORDERED, Rules, derive
 from lw.fsm.status import prefill_row, prefill_span
 from lw.fsm.timeline import Timeline
 
@@ -101,7 +107,8 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
         self._table = self.declaration.compile()
         self._reqs: dict[str, PrefillRecord] = {}
         self.layouts = Layouts(num_layers, local)  # per D worker address
-        self._tombstones: dict[str, float] = {}  # req_id -> expiry (aborted by D before we saw it)
+        # req_id -> the claim epochs D aborted before the request reached us (_bury)
+        self._tombstones: dict[str, tuple[int, ...]] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()  # req_id -> final state
         self._in_doubt: set[str] = set()  # finished requests with a write whose bytes may land
         self._landed_at: dict[str, float] = {}  # D address -> when a write to it last landed
@@ -122,6 +129,7 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
             "bad_chunks": 0,
             "ahead": 0,
             "late_binds": 0,
+            "tombstones_forgotten": 0,
         }
 
     # ----------------------------------------------------------------------------- inspection
@@ -183,10 +191,13 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
                              + ("" if req.final else
                                 f" (first chunk; {len(req.remote_blocks)} in all)"))
         out: list[Effect] = []
-        if req.req_id in self._tombstones:
-            del self._tombstones[req.req_id]
-            out.append(CancelTimer(("tomb", req.req_id)))
-            self._fail(rec, "decoder aborted the request before it reached this worker", now, out)
+        if self._tombstones and self._unbury(req.req_id, req.epoch, out):
+            self._fail(rec, f"decoder aborted the request (claim epoch {req.epoch}) before it "
+                            "reached this worker", now, out)
+            return out
+        problem = self._checksum_problem(req)
+        if problem:  # refused before any claim or write: its DONE could never be taken
+            self._fail(rec, problem, now, out)
             return out
         if not rec.targets:
             # This rank holds no KV that any D rank takes from it (MLA: another rank sends).
@@ -237,6 +248,18 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
             if st != AWAIT_DECODER_META and st != AHEAD:
                 self._submit_ready(rec, out, now)
         return out
+
+    def _checksum_problem(self, req: PrefillRequest) -> str:
+        """Why the DONE of a request sent to D's blocks ``req.remote_blocks`` could not carry
+        its KV checksums (kv_checksum; one per layer and block), or ""."""
+        if not self.config.kv_checksum or not req.targets:
+            return ""
+        return checksum_problem(self.num_layers, len(req.remote_blocks))
+
+    def _bind_problem(self, rec: PrefillRecord, req: PrefillRequest, first: int) -> str:
+        """Why D's parameters cannot bind a request computed ahead (AheadBinding's reasons),
+        or its DONE could not carry its checksums, or ""."""
+        return AheadBinding._bind_problem(rec, req, first) or self._checksum_problem(req)
 
     def _renamed(self, req_id: str) -> PrefillRecord | None:
         """The live record of a request bound under another id than ``req_id``, its id
@@ -608,8 +631,8 @@ SNAPSHOT_RULES: Rules = {
         "num_layers": (OMIT, "fixed when made"),
         "local": (OMIT, "fixed when made (own layout)"),
         "fmt": (OMIT, "fixed when made (own head format)"),
-        "_tombstones": (KEYS, "the values are expiry times no decision reads (the tomb timer "
-                              "ends a tombstone)"),
+        "_tombstones": (UNORDERED, "its order only decides which tombstone is forgotten past "
+                                   "tombstone_memory (65,536) request ids"),
         "_landed_at": (OMIT, "read only with progress_timeout_s on, which the checker's worlds "
                              "leave off"),
         "_aliases": (OMIT, "a driver's delivery order (a layer queued before a mid-step "

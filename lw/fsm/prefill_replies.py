@@ -12,6 +12,10 @@ from lw.fsm.messages import PROTOCOL_VERSION, Abort, AbortAck, Ack, FailedSendin
 
 __all__ = ["DecoderReplies"]
 
+# Aborted epochs a tombstone keeps per request (its newest): D aborts each lost epoch's claimers,
+# and a few lost epochs of one request is already rare.
+TOMB_EPOCHS = 8
+
 
 class DecoderReplies:
     """D's answers to P's claims, DONEs and its aborts: the methods PrefillEndpoint takes from
@@ -107,9 +111,8 @@ class DecoderReplies:
         rec = self._reqs.get(rid)
         if rec is None:
             if rid not in self._finished:
-                # D gave up before the request reached us: make sure we never start it.
-                self._tombstones[rid] = now + self.config.tombstone_ttl_s
-                out.append(ArmTimer(("tomb", rid), now + self.config.tombstone_ttl_s))
+                # D gave up this epoch before it reached us: make sure we never start it.
+                self._bury(rid, msg.epoch, now, out)
             out.append(Send(msg.responder.addr, AbortAck(PROTOCOL_VERSION, rid, self.me,
                                                          known=rid in self._finished,
                                                          in_doubt=rid in self._in_doubt,
@@ -128,3 +131,39 @@ class DecoderReplies:
             t.claimed = False  # D initiated: the AbortAck tells it we stopped
         self._fail(rec, f"decoder aborted: {msg.reason}", now, out)
         self._maybe_release(rec, out)
+
+    def _bury(self: Any, rid: str, epoch: int, now: float, out: list[Effect]) -> None:
+        """Remember that D aborted claim epoch ``epoch`` of a request not seen here, so that
+        this epoch's prefill, if it comes within ``tombstone_ttl_s``, fails unstarted (an Abort
+        names one epoch: D's re-prefill of the request under a later one is served).
+
+        Bounded: ``tombstone_memory`` request ids, each with its newest TOMB_EPOCHS epochs; past
+        that the oldest are forgotten and counted (``tombstones_forgotten``). Forgetting one
+        costs a claim D refuses: D aborts an epoch only as it fails it or moves on to the next,
+        and then answers that epoch's MetaRequest "refused" (or "unknown" once it forgot the
+        request) and never authorises its write; P holds the blocks until that answer (or,
+        for "unknown", until meta_attempts run out)."""
+        kept = tuple(sorted({*self._tombstones.pop(rid, ()), epoch}))
+        if len(kept) > TOMB_EPOCHS:
+            self.counters["tombstones_forgotten"] += len(kept) - TOMB_EPOCHS
+            kept = kept[-TOMB_EPOCHS:]
+        self._tombstones[rid] = kept  # (re)inserted last: the first entry is the oldest
+        out.append(ArmTimer(("tomb", rid), now + self.config.tombstone_ttl_s))
+        while len(self._tombstones) > self.config.tombstone_memory:
+            old = next(iter(self._tombstones))
+            self.counters["tombstones_forgotten"] += len(self._tombstones.pop(old))
+            out.append(CancelTimer(("tomb", old)))
+
+    def _unbury(self: Any, rid: str, epoch: int, out: list[Effect]) -> bool:
+        """Whether D aborted this epoch of the request before it came here (the tombstone,
+        which stops one prefill, is then spent)."""
+        kept = self._tombstones.get(rid, ())
+        if epoch not in kept:
+            return False
+        left = tuple(e for e in kept if e != epoch)
+        if left:
+            self._tombstones[rid] = left
+        else:
+            del self._tombstones[rid]
+            out.append(CancelTimer(("tomb", rid)))
+        return True

@@ -6,10 +6,11 @@ Split from :mod:`lw.fsm.prefill` (the endpoint's logic) so that each file holds 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lw.fsm.kvmap import Segment
-from lw.fsm.messages import KVLayout
+from lw.fsm.messages import MAX_CHECKSUMS, KVLayout
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, check_observability
 
 
@@ -38,6 +39,16 @@ def received_blocks(prompt_tokens: int, cached_tokens: int, block_size: int) -> 
     return range(cached_tokens // block_size, -(-prompt_tokens // block_size))
 
 
+def checksum_problem(num_layers: int, blocks: int) -> str:
+    """Why one DONE cannot carry the KV checksums of ``blocks`` blocks of ``num_layers``
+    layers (``kv_checksum``: one per layer and block), or ""."""
+    n = num_layers * blocks
+    if n <= MAX_CHECKSUMS:
+        return ""
+    return (f"kv_checksum needs {n:,} checksums ({num_layers} layers x {blocks:,} blocks), "
+            f"over the {MAX_CHECKSUMS:,} a DONE carries")
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     """Deadlines and retry budgets of a P worker (seconds)."""
@@ -64,6 +75,9 @@ class PrefillConfig:
     # a stuck one ends early. 0: off (the cap alone).
     progress_timeout_s: float = 0.0
     tombstone_ttl_s: float = 300.0  # remember D's aborts for requests we have not seen yet
+    # ... for at most this many request ids (each with its newest aborted epochs): past it the
+    # oldest is forgotten (counted as tombstones_forgotten), so Aborts cannot grow P's memory
+    tombstone_memory: int = 65536
     finished_memory: int = 4096  # finished requests remembered to recognise late duplicates
     timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
     stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
@@ -72,13 +86,15 @@ class PrefillConfig:
     def __post_init__(self) -> None:
         for name in ("meta_retry_s", "ack_retry_s", "request_timeout_s", "tombstone_ttl_s",
                      "ahead_wait_s", "unknown_retry_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"PrefillConfig.{name} must be > 0, got {getattr(self, name)}")
+            # finite too: an infinite deadline passes "> 0" and overflows a timestamp later
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"PrefillConfig.{name} must be > 0 and finite, got "
+                                 f"{getattr(self, name)}")
         p = self.progress_timeout_s
         if not (p == 0 or 0 < p < self.request_timeout_s):
             raise ValueError(f"PrefillConfig.progress_timeout_s must be 0 (off) or between 0 "
                              f"and request_timeout_s={self.request_timeout_s} (the cap), got {p}")
-        for name in ("meta_attempts", "ack_attempts", "finished_memory"):
+        for name in ("meta_attempts", "ack_attempts", "finished_memory", "tombstone_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PrefillConfig.{name} must be >= 1, got {getattr(self, name)}")
         check_observability(self)
