@@ -15,6 +15,11 @@ Format ``lw-trace`` version 1, one JSON object per line:
 
 A worker that did not answer (dead, frozen) has no line: its events are unobserved.
 
+A key the reader does not know (in the header, ``shape``, a per-request shape, or ``prefill`` /
+``decode`` when the reader is given their declarations) is refused: a typo must not pass as a
+default silently. So a writer that adds a field raises the version (a reader names the version
+it reads); ``chunk_blocks`` below, added before this rule, kept version 1.
+
 Per-request shapes: runs whose requests differ in size (a vLLM run's prompts) give each its own
 in the header, ``"requests": {REQ: {"blocks": INT, "chunks": INT, "prefix_hit": INT,
 "chunk_blocks": [INT, ...]}, ...}``, which replaces ``blocks_per_request`` and ``chunks`` for
@@ -23,7 +28,7 @@ that request (a request without an entry has the run's). ``blocks``: the request
 by P; ``chunks``: the pushes P's core was told of (its first ``add_request`` and each
 ``add_chunk``); ``chunk_blocks`` (optional): the blocks each of those completes, in order; they
 sum to ``blocks - prefix_hit`` and only the first may be 0 (default: the checker's split, see
-lw.sim.config.WorldConfig.chunk_sizes). Readers without this field ignore it: version stays 1.
+lw.sim.config.WorldConfig.chunk_sizes).
 
 A request P computed ahead of D's params (``lw proxy --start-mode compute-ahead``) is recorded
 on P under the id P admitted it with until its bind, then under D's id: P's ``renamed`` entry
@@ -34,6 +39,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +51,15 @@ FAULT_KINDS = ("drop", "dup", "write", "crash", "abort", "corrupt", "suspect")
 SHAPE_FIELDS: dict[str, type] = {"layers": int, "prefill_tp": int, "decode_tp": int,
                                  "blocks_per_request": int, "chunks": int, "mla": bool,
                                  "kv_heads": int}
+# the least value of each count of the shape (kv_heads 0: the world's default for the TP sizes)
+SHAPE_LOW = {"layers": 1, "prefill_tp": 1, "decode_tp": 1, "blocks_per_request": 1,
+             "chunks": 1, "kv_heads": 0}
+HEADER_KEYS = frozenset({"format", "version", "source", "shape", "prefill", "decode", "faults",
+                         "requests"})
+REQUEST_KEYS = frozenset({"blocks", "chunks", "prefix_hit", "chunk_blocks"})
+# A header section's declaration (a dataclass: PrefillConfig, DecodeConfig) and the fields the
+# reader needs there; the others may be absent (older runs) and take their defaults.
+SettingsSpec = tuple[type, tuple[str, ...]]
 
 
 class TraceFormatError(ValueError):
@@ -191,6 +208,42 @@ def _field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], where:
     return v
 
 
+def _unknown(obj: dict[str, Any], known: frozenset[str] | set[str], where: str) -> None:
+    """Refuse keys outside ``known`` (a typo would otherwise read as the default)."""
+    extra = sorted(str(k) for k in obj.keys() - known)
+    if extra:
+        raise TraceFormatError(f"{where}: unknown field(s) {', '.join(map(repr, extra))}; known: "
+                               f"{', '.join(sorted(known))}")
+
+
+def _number(obj: dict[str, Any], name: str, where: str) -> float:
+    """A finite number field (JSON lets NaN and Infinity through)."""
+    v = float(_field(obj, name, (int, float), where))
+    if not math.isfinite(v):
+        raise TraceFormatError(f"{where}: field {name!r} must be a finite number, got {v}")
+    return v
+
+
+def _settings(section: dict[str, Any], spec: SettingsSpec, where: str) -> None:
+    """Check a ``prefill`` / ``decode`` section against its declaration: known fields of the
+    declared types, the needed ones present, and the values the declaration accepts."""
+    kind, needed = spec
+    hints = typing.get_type_hints(kind)
+    _unknown(section, {f.name for f in dataclasses.fields(kind)}, where)
+    for name in needed:
+        _field(section, name, object, where)
+    for name in section:
+        want = hints[name]
+        if want is float:
+            _number(section, name, where)
+        elif want in (int, bool, str):
+            _field(section, name, want, where)
+    try:
+        kind(**section)  # its own checks: ranges, and fields that bound each other
+    except (TypeError, ValueError) as exc:
+        raise TraceFormatError(f"{where}: {exc}") from exc
+
+
 def _count(obj: dict[str, Any], name: str, where: str, low: int, default: int | None = None
            ) -> int:
     """An integer field >= ``low`` (``default`` when absent, if given)."""
@@ -214,6 +267,7 @@ def _request_shapes(head: dict[str, Any], where: str) -> dict[str, RequestShape]
         if not isinstance(obj, dict):
             raise TraceFormatError(f"{at}: expected an object with 'blocks' and 'chunks', got "
                                    f"{obj!r}")
+        _unknown(obj, REQUEST_KEYS, at)
         blocks = _count(obj, "blocks", at, 1)
         chunks = _count(obj, "chunks", at, 1)
         hit = _count(obj, "prefix_hit", at, 0, default=0)
@@ -246,8 +300,9 @@ def _request_shapes(head: dict[str, Any], where: str) -> dict[str, RequestShape]
     return out
 
 
-def load(path: str) -> Trace:
-    """Read an ``lw-trace`` file; TraceFormatError (file, line, field) when it is malformed."""
+def load(path: str, settings: Mapping[str, SettingsSpec] | None = None) -> Trace:
+    """Read an ``lw-trace`` file; TraceFormatError (file, line, field) when it is malformed.
+    ``settings``: the declarations the ``prefill`` and ``decode`` sections are checked against."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -267,6 +322,8 @@ def load(path: str) -> Trace:
         if not isinstance(obj, dict):
             raise TraceFormatError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}")
         objs.append((i, obj))
+    if not objs:  # blank lines only
+        raise TraceFormatError(f"{path}:1: no {FORMAT} header (the file holds blank lines only)")
     line, head = objs[0]
     where = f"{path}:{line}"
     if head.get("format") != FORMAT:
@@ -276,9 +333,20 @@ def load(path: str) -> Trace:
     if version != VERSION:
         raise TraceFormatError(f"{where}: field 'version' is {version}; this lw reads version "
                                f"{VERSION}")
+    _unknown(head, HEADER_KEYS, where)
     shape = _field(head, "shape", dict, where)
+    _unknown(shape, {*SHAPE_FIELDS, "transfer_timeout_s"}, f"{where}: shape")
     for name, kind in SHAPE_FIELDS.items():
         _field(shape, name, kind, f"{where}: shape")
+        if name in SHAPE_LOW and shape[name] < SHAPE_LOW[name]:
+            raise TraceFormatError(f"{where}: shape: field {name!r} must be >= {SHAPE_LOW[name]}"
+                                   f", got {shape[name]}")
+    if "transfer_timeout_s" in shape and not _number(shape, "transfer_timeout_s",
+                                                     f"{where}: shape") > 0:
+        raise TraceFormatError(f"{where}: shape: field 'transfer_timeout_s' must be > 0, got "
+                               f"{shape['transfer_timeout_s']}")
+    for name, spec in (settings or {}).items():
+        _settings(_field(head, name, dict, where), spec, f"{where}: {name}")
     faults = head.get("faults", list(FAULT_KINDS))
     if not isinstance(faults, list) or not set(faults) <= set(FAULT_KINDS):
         raise TraceFormatError(f"{where}: field 'faults' must be a list of {', '.join(FAULT_KINDS)}"
@@ -297,9 +365,9 @@ def load(path: str) -> Trace:
             if role not in ("prefill", "decode"):
                 raise TraceFormatError(f"{where}: field 'role' must be prefill or decode, got "
                                        f"{role!r}")
-            trace.workers.append(WorkerTrace(
-                _field(obj, "engine", str, where), role, _field(obj, "rank", int, where),
-                _field(obj, "incarnation", int, where), bool(obj.get("truncated", False))))
+            rank, inc = _count(obj, "rank", where, 0), _count(obj, "incarnation", where, 0)
+            trace.workers.append(WorkerTrace(_field(obj, "engine", str, where), role, rank, inc,
+                                             bool(obj.get("truncated", False))))
             continue
         n = _field(obj, "w", int, where)
         if not 0 <= n < len(trace.workers):
@@ -311,7 +379,7 @@ def load(path: str) -> Trace:
                                    f"list of them, got {req!r}")
         detail = obj.get("detail", "")
         trace.workers[n].entries.append(Entry(
-            float(_field(obj, "t", (int, float), where)), reqs, _field(obj, "event", str, where),
+            _number(obj, "t", where), reqs, _field(obj, "event", str, where),
             _field(obj, "src", str, where), _field(obj, "dst", str, where),
             detail if isinstance(detail, str) else str(detail), line))
     return trace

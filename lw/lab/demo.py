@@ -108,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         from lw.lab import vllm_demo  # written by the adapter's owner
 
         return int(vllm_demo.main(_without_engine(args_list)) or 0)
-    args = _parser().parse_args(args_list)
+    ap = _parser()
+    args = ap.parse_args(args_list)
+    if args.trace_out:  # written after the whole run: a bad folder must not waste it
+        folder = os.path.dirname(os.path.abspath(args.trace_out))
+        if not os.path.isdir(folder):
+            ap.error(f"--trace-out {args.trace_out}: no such directory {folder}")
     # each row: a fault, how many decoders it runs with, and D's prefill retry budget
     rows: list[tuple[str, int, int]]
     if args.fault_table or args.fault == "all":

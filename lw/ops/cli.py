@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 
 from lw.ops.client import MAX_TIMELINE, Snapshot, expand_addrs, query, workers_from_proxy
 from lw.ops.render import chrome_trace, history, mermaid_timeline, table, to_json
+from lw.transport.sidechannel import parse_cluster_key
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,12 +83,37 @@ def _from_proxy(args: argparse.Namespace) -> list[str]:
     return workers_from_proxy(args.proxy, args.timeout)
 
 
+def _positive(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad flags up front (exit 2) rather than with a traceback mid-query."""
+    if not _positive(args.timeout):
+        ap.error(f"--timeout needs a positive number of seconds, got {args.timeout}")
+    if args.watch is not None and not _positive(args.watch):
+        ap.error(f"--watch needs a positive interval, got {args.watch}")
+    source = "--cluster-key"
+    if args.cluster_key is None:
+        source = "LW_CLUSTER_KEY"
+        args.cluster_key = os.environ.get("LW_CLUSTER_KEY") or None
+    try:
+        args.cluster_key = parse_cluster_key(args.cluster_key)
+    except ValueError as exc:  # bad hex, or too short: the user's typo, not a crash
+        ap.error(f"{source}: {exc}")
+    if args.trace_out:
+        folder = os.path.dirname(os.path.abspath(args.trace_out))
+        if not os.path.isdir(folder):  # found out only after the query otherwise
+            ap.error(f"--trace-out {args.trace_out}: no such directory {folder}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``lw status``."""
     ap = _parser()
     args = ap.parse_args(argv)
     if args.proxy and args.workers:
         ap.error("give --workers or --proxy, not both")
+    _check_args(ap, args)
     specs = args.workers or [os.environ.get("LW_STATUS_WORKERS", "")]
     try:
         addrs = expand_addrs(specs) if not args.proxy else _from_proxy(args)
@@ -98,10 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     if not addrs:
         ap.error("no workers given: pass --workers HOST:PORT[-LAST],... or set "
                  "LW_STATUS_WORKERS")
-    if args.cluster_key is None:
-        args.cluster_key = os.environ.get("LW_CLUSTER_KEY") or None
-    if args.watch is not None and args.watch <= 0:
-        ap.error("--watch needs a positive interval")
     try:
         while True:
             if args.proxy and args.watch is not None:  # workers seen since the last round
@@ -111,8 +134,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"lw status: {exc} (keeping the last list)", file=sys.stderr)
             snap = snapshot(args, addrs)
             if args.trace_out:
-                with open(args.trace_out, "w", encoding="utf-8") as f:
-                    json.dump(chrome_trace(snap), f)
+                try:
+                    with open(args.trace_out, "w", encoding="utf-8") as f:
+                        json.dump(chrome_trace(snap), f)
+                except OSError as exc:  # e.g. not writable: say so, not a traceback
+                    print(f"lw status: --trace-out {args.trace_out}: {exc}", file=sys.stderr)
+                    return 1
                 print(f"wrote {args.trace_out}: timelines of {len(snap.replies)} worker(s)",
                       file=sys.stderr)
             out = render(args, snap)

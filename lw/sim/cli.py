@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 import time
@@ -454,7 +455,14 @@ def default_gallery_dir() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `lw check`: exit 0 when every property holds, 1 on a violation."""
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    # a budget of nothing searches nothing and would read as "all properties hold" (or, for
+    # random walks, as a vacuity violation): refuse it as a bad argument
+    if args.seconds is not None and not (math.isfinite(args.seconds) and args.seconds > 0):
+        ap.error(f"--seconds needs a positive number of seconds, got {args.seconds}")
+    if args.max_states is not None and args.max_states < 1:
+        ap.error(f"--max-states needs a positive number of states, got {args.max_states}")
     if args.list_designs:
         for line in list_designs():
             print(line)
@@ -466,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
                 and not explicit_bounds(args)):
             return run_strong(args)
         cfg = config_from(args)
+        # the cores' settings check themselves (e.g. --retry-prefill's range) when built: build
+        # them here, so that a bad flag is exit 2 and not a traceback read as a violation
+        cfg.prefill_config()
+        cfg.decode_config()
     except ValueError as exc:
         print(f"lw check: {exc}", file=sys.stderr)
         return 2

@@ -20,7 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lw.contract.tracefile import Entry, Trace, WorkerTrace, joined
+from lw.contract.tracefile import Entry, Trace, WorkerTrace, joined, load, renames
+from lw.fsm.decode_request import DecodeConfig
+from lw.fsm.prefill_request import PrefillConfig
 from lw.fsm.timeline import Timeline
 from lw.sim.explorer import fingerprint
 from lw.sim.properties import Violation
@@ -37,6 +39,16 @@ from lw.sim.world import World
 # before it only repeated the same states. A rejection stands only where the budget did not bind.
 BUDGETS = (16,)
 MAX_BUDGET = BUDGETS[-1]
+# The header's core settings, checked against the cores' declarations; the fields named here are
+# the ones world_config reads without a default, so a trace must give them.
+SETTINGS = {"prefill": (PrefillConfig, ("meta_retry_s", "meta_attempts", "ack_retry_s",
+                                        "ack_attempts", "request_timeout_s")),
+            "decode": (DecodeConfig, ("prefill_timeout_s", "lease_s"))}
+
+
+def load_trace(path: str) -> Trace:
+    """Read the ``lw-trace`` at ``path``, its core settings checked (TraceFormatError)."""
+    return load(path, SETTINGS)
 
 
 @dataclass(frozen=True)
@@ -454,9 +466,15 @@ def validate(trace: Trace, max_states: int = 200_000, seconds: float = 30.0,
              only: list[str] | None = None) -> list[RequestVerdict]:
     """Validate every request of ``trace`` (or those in ``only``); a request computed ahead
     under another id first is validated once, under D's (tracefile.joined)."""
+    names = renames(trace.workers)
     trace = dataclasses.replace(trace, workers=joined(trace.workers))
-    return [validate_request(trace, rid, max_states, seconds)
-            for rid in (only or request_ids(trace))]
+    known = request_ids(trace)
+    ids = [names.get(rid, rid) for rid in only] if only else known
+    missing = [rid for rid in ids if rid not in known]
+    if missing:  # else it would read "valid (0 events)": nothing recorded is nothing refuted
+        raise ValueError(f"no request {', '.join(map(repr, missing))} in the trace (it records "
+                         f"{len(known)} request(s))")
+    return [validate_request(trace, rid, max_states, seconds) for rid in ids]
 
 
 def verdict_line(v: RequestVerdict) -> str:

@@ -9,10 +9,11 @@ decide within its budget is reported ``undecided`` and does not change the exit 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
-from lw.contract.tracefile import TraceFormatError, load
-from lw.sim.validate import RequestVerdict, summary, validate, verdict_line
+from lw.contract.tracefile import TraceFormatError
+from lw.sim.validate import RequestVerdict, load_trace, summary, validate, verdict_line
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,8 +33,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(path: str, max_states: int = 200_000, seconds: float = 20.0,
         only: list[str] | None = None) -> list[RequestVerdict]:
-    """Validate the trace at ``path``; TraceFormatError on malformed input."""
-    return validate(load(path), max_states, seconds, only)
+    """Validate the trace at ``path``; TraceFormatError on malformed input, ValueError on a
+    shape the world cannot take or a request the trace does not record."""
+    return validate(load_trace(path), max_states, seconds, only)
 
 
 def one_line(verdicts: list[RequestVerdict]) -> str:
@@ -50,11 +52,19 @@ def one_line(verdicts: list[RequestVerdict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lw validate``."""
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.max_states < 1:
+        ap.error(f"--max-states needs a positive number of states, got {args.max_states}")
+    if not (math.isfinite(args.seconds) and args.seconds > 0):
+        ap.error(f"--seconds needs a positive number of seconds, got {args.seconds}")
     try:
         verdicts = run(args.trace, args.max_states, args.seconds, args.request)
     except TraceFormatError as exc:
         print(f"lw validate: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # input the world cannot take: bad input (2), not a rejection (1)
+        print(f"lw validate: {args.trace}: {exc}", file=sys.stderr)
         return 2
     if args.verbose:
         for v in verdicts:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lw.fsm import DecodeConfig, PrefillConfig, check_lease
@@ -175,8 +176,11 @@ class ClusterConfig:
                              "--decoders 1")
         if self.decode_tokens < 0:
             self.decode_tokens = 8 if self.decoders > 1 else 0
-        if self.token_ms < 0:
-            raise ValueError(f"token_ms must be >= 0, got {self.token_ms}")
+        # NaN passes every comparison: each time must be a finite number, not merely ">= 0"
+        for name, flag in (("token_ms", "--token-ms"), ("layer_ms", "--layer-ms")):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} ({flag}) must be a finite number >= 0, got {v}")
         if self.retry_prefill and self.decode_tp != 1:
             raise ValueError("retry_prefill needs --decode-tp 1 (each D TP worker would decide "
                              "its own re-prefills)")
@@ -198,6 +202,11 @@ class ClusterConfig:
             raise ValueError("blocks_per_request exceeds a block pool")
         if self.prefill_tp < 1 or self.decode_tp < 1:
             raise ValueError("prefill_tp and decode_tp must be >= 1")
+        if self.kv_heads < 0:  # 0 means the default below; a negative count is a mistake
+            raise ValueError(f"kv_heads (--kv-heads) must be >= 0 (0: the larger TP size), got "
+                             f"{self.kv_heads}")
+        if self.block_bytes <= 0:  # else found only when a worker sizes its cache
+            raise ValueError(f"block_bytes (--block-kib) must be > 0, got {self.block_bytes}")
         if self.mla:
             self.kv_heads = 1
         elif self.kv_heads < 1:

@@ -1,0 +1,36 @@
+"""``lw demo --engine synthetic`` refuses bad numbers and an unwritable ``--trace-out`` before it
+starts a worker, with exit 2 and the flag named."""
+
+from __future__ import annotations
+
+import pytest
+
+from lw.lab import demo
+from lw.lab.synthetic import ClusterConfig
+
+BASE = ["--engine", "synthetic", "--requests", "2", "--data-plane", "inprocess", "--quiet"]
+
+
+@pytest.mark.parametrize("flag, value", [("--layer-ms", "-1"), ("--layer-ms", "nan"),
+                                         ("--token-ms", "nan"), ("--kv-heads", "-2"),
+                                         ("--block-kib", "0"), ("--block-kib", "-4")])
+def test_a_bad_number_is_refused_naming_its_flag(flag: str, value: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main([*BASE, flag, value]) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_trace_out_into_a_missing_directory_is_refused_before_the_run(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main([*BASE, "--trace-out", "/nonexistent/x.json"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--trace-out" in err and "/nonexistent" in err
+
+
+def test_the_config_refuses_them_for_every_caller() -> None:
+    """Callers other than the demo (tests, benchmarks) get the same checks."""
+    for bad in (dict(layer_ms=float("nan")), dict(kv_heads=-1), dict(block_bytes=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ClusterConfig(data_plane="inprocess", **bad)  # type: ignore[arg-type]
