@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from lw.fsm.messages import MAX_TIMELINE, PROTOCOL_VERSION, StatusQuery, StatusReply
 from lw.transport.sidechannel import SideChannel, parse_cluster_key
+from lw.transport.statusreply import REFUSED, RETRY_IN
 
 __all__ = ["MAX_TIMELINE", "Snapshot", "expand_addrs", "query", "workers_from_proxy"]
 
@@ -77,7 +78,14 @@ def query(addrs: list[str], cluster_key: str | bytes | None = None, *, req_id: s
             inbound, _ = side.poll(max(1, int(left * 1000)))
             for ib in inbound:
                 addr = pending.pop(ib.reply_to, None)
-                if addr is not None and isinstance(ib.msg, StatusReply):
+                if addr is None or not isinstance(ib.msg, StatusReply):
+                    continue
+                if ib.msg.counters.get(REFUSED):
+                    # the worker's budget for status answers is spent: it said so, and when
+                    retry = ib.msg.counters.get(RETRY_IN, 0.0)
+                    snap.silent[addr] = (f"refused: its budget for status answers is spent (a "
+                                         f"flood of status queries?); ask again in {retry:.1f}s")
+                else:
                     snap.replies.append(ib.msg)
         for addr in pending.values():
             why = f"no answer within {timeout_s:g}s (frozen, dead, not an lw worker"

@@ -40,6 +40,17 @@ class LoopConfig:
     # D (fence_data): the longest a data-plane fence waits for the transport to close what it
     # cut; past it the fence has not held, and the core asks again later
     fence_timeout_s: float = 5.0
+    # lw status answers may take this share of the loop thread's time on average and
+    # status_burst_s of it at once (a full timeline costs tens of ms); a query over that budget
+    # gets a short refusal. 0 burst: every query refused.
+    status_share: float = 0.05
+    status_burst_s: float = 0.25
+    # answers (or refusals) one connection gets; its further queries are dropped, so an asker
+    # that never reads holds at most this many replies (1 MiB each) in the send queue. lw
+    # status asks once per connection.
+    status_per_route: int = 4
+    # at most one warning per this of the messages and events the core refused, with counts
+    warn_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -47,14 +58,19 @@ class LoopConfig:
         for key, note in (("layer_batch_s", " (0: every layer)"), ("hot_poll_s", " (0: off)"),
                           ("hot_window_s", ""), ("heartbeat_s", " (0: off)"),
                           ("heartbeat_cap_s", ""), ("heartbeat_factor", ""),
-                          ("stuck_check_s", " (0: off)"), ("fence_timeout_s", "")):
+                          ("stuck_check_s", " (0: off)"), ("fence_timeout_s", ""),
+                          ("status_share", ""), ("status_burst_s", " (0: status off)"),
+                          ("warn_interval_s", "")):
             value = getattr(self, key)
             # NaN and infinity compare in surprising ways with the loop's deadlines
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
                     or not math.isfinite(value) or value < 0):
                 raise ValueError(f"LoopConfig.{key} must be >= 0 and finite{note}, "
                                  f"got {value!r}")
-        for key in ("heartbeat_misses", "max_inbox", "tail_samples"):
+        if self.status_share > 1:
+            raise ValueError(f"LoopConfig.status_share must be at most 1 (a share of the loop's "
+                             f"time), got {self.status_share!r}")
+        for key in ("heartbeat_misses", "max_inbox", "tail_samples", "status_per_route"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LoopConfig.{key} must be >= 1 (an integer), got {value!r}")

@@ -13,8 +13,9 @@ The core's effects are performed by the one interpreter every driver uses
 (answers travel back on the connection the question came in on), ``WriteLayer`` becomes one
 data-plane transfer per destination session (:class:`~lw.transport.writepath.WritePath`),
 timers go to :class:`~lw.transport.timers.Timers`, reports to the engine. A message from the
-network that the core refuses (``ProtocolError``) is counted and dropped; no message can stop the
-loop.
+network that the core refuses (``ProtocolError``) is counted, dropped and warned about (at most
+one line per interval: :mod:`lw.transport.corelog`); no message can stop the loop. ``lw status``
+queries are answered after the rest of a turn, within a budget (:mod:`lw.transport.statusdesk`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import Message
 from lw.fsm.silence import Silence
 from lw.fsm.status import status_line
+from lw.transport import statusdesk
+from lw.transport.corelog import RefusalLog
 from lw.transport.kvmemory import Entry, KVMemory
 from lw.transport.linkmeter import host_of
 from lw.transport.loopconfig import LoopConfig
@@ -91,7 +94,8 @@ _DEFAULT_CONFIG = LoopConfig()
 _COUNTERS = ("turns", "layer_events", "calls", "messages", "protocol_errors", "core_errors",
     "effect_errors", "call_errors", "timers_fired", "transfers_submitted", "transfers_ok",
     "transfers_failed", "layer_writes", "write_setup_failures", "bytes_ok", "connects",
-    "inbox_overflow", "reports", "status_queries", "stuck_requests", "checksums_verified",
+    "inbox_overflow", "reports", "status_queries", "status_refused", "status_dropped",
+    "stuck_requests", "checksums_verified",
     "heartbeats_sent", "peers_lost", "self_stalls", "fences")
 """The loop's monotonic counters (``stats()`` prefixes them ``loop.``)."""
 
@@ -190,6 +194,9 @@ class WorkerLoop:
         self.counters: dict[str, int | float] = dict.fromkeys(_COUNTERS, 0)
         self.counters["layer_event_s"] = 0.0
         self.writes = WritePath(self.memory, self.counters)
+        self.status_gate = statusdesk.StatusGate(config.status_share, config.status_burst_s,
+                                                 config.status_per_route)
+        self._refusals = RefusalLog(log, config.name, config.warn_interval_s)
         self._stopping = False
         self._finished = False
         self._thread: threading.Thread | None = None
@@ -327,16 +334,7 @@ class WorkerLoop:
             while not self._stopping:
                 self.counters["turns"] += 1
                 inbound, ready = self.side.poll(self._timeout_ms(), fds)
-                if self._pipe.fd in ready:
-                    self._pipe.drain()
-                # Clear before draining: a hook that appends after the drain writes the pipe again.
-                self._wake_pending = False
-                self._drain_inbox()
-                for item in inbound:
-                    self._on_inbound(item)
-                if dp_fd in ready:
-                    self._on_completions()
-                self._fire_timers()
+                self._turn(inbound, ready, dp_fd)
         except BaseException as exc:  # infrastructure failure (zmq); events never get here
             self.crashed = exc
             log.exception("%s crashed", self._name)
@@ -344,6 +342,20 @@ class WorkerLoop:
             self._finished = True
             self._fail_inbox()
             self._close_owned()
+
+    def _turn(self, inbound: list[Inbound], ready: set[int], dp_fd: int = -1) -> None:
+        """One turn's work on what a poll returned; status queries last, after the protocol."""
+        if self._pipe.fd in ready:
+            self._pipe.drain()
+        # Clear before draining: a hook that appends after the drain writes the pipe again.
+        self._wake_pending = False
+        self._drain_inbox()
+        queries = self._on_network(inbound)
+        if dp_fd in ready:
+            self._on_completions()
+        self._fire_timers()
+        if queries:  # diagnostics last: the protocol's messages and timers go first
+            statusdesk.answer(self, queries)
 
     def _close_owned(self) -> None:
         try:
@@ -448,15 +460,22 @@ class WorkerLoop:
         self._execute(effects, None)
         self.counters["layer_event_s"] += time.perf_counter() - started
 
-    def _core_error(self, what: str, exc: Exception) -> None:
+    def _core_error(self, what: str, exc: Exception, ib: Inbound | None = None) -> None:
         if isinstance(exc, ProtocolError):
             self.counters["protocol_errors"] += 1
-            log.debug("%s: %s refused: %s", self._name, what, exc)
+            self._refusals.note(what, exc.req_id, ib, str(exc), self._clock())
         else:
             self.counters["core_errors"] += 1
             log.error("%s: %s raised %r", self._name, what, exc, exc_info=exc)
 
     # ------------------------------------------------------------ network events
+    def _on_network(self, inbound: list[Inbound]) -> list[Inbound]:
+        """Handle a turn's messages; its status queries are returned, to be answered last."""
+        for ib in inbound:
+            if not isinstance(ib.msg, StatusQuery):
+                self._on_inbound(ib)
+        return [ib for ib in inbound if isinstance(ib.msg, StatusQuery)]
+
     def _on_inbound(self, ib: Inbound) -> None:
         msg = ib.msg
         self.counters["messages"] += 1
@@ -474,16 +493,13 @@ class WorkerLoop:
             return
         if isinstance(msg, HeartbeatAck):
             return
-        if isinstance(msg, StatusQuery):
-            self._answer_status(ib, msg, now)
-            return
         if isinstance(msg, StatusReply):
             self.counters["protocol_errors"] += 1  # only ``lw status`` asks for these
             return
         try:
             effects = self.endpoint.on_message(msg, now)
         except Exception as exc:  # a message must never stop the loop
-            self._core_error(type(msg).__name__, exc)
+            self._core_error(type(msg).__name__, exc, ib)
             return
         if self.is_prefill and isinstance(msg, MetaReply) and msg.status == "accepted":
             self._warm_up(msg)
@@ -541,6 +557,7 @@ class WorkerLoop:
                 self._core_error(f"timer {key}", exc)
                 continue
             self._execute(effects, None)
+        self._refusals.tick(now)
         if self.liveness.due(now):
             self._heartbeat(now)
         if self._stuck_check_s > 0 and now >= self._next_stuck_check:
@@ -616,15 +633,6 @@ class WorkerLoop:
         trimmed to fit one side-channel message. Loop thread only."""
         return status_reply(self.endpoint, self._role, self.counters, self._clock(), req_id,
                             timeline)
-
-    def _answer_status(self, ib: Inbound, q: StatusQuery, now: float) -> None:
-        self.counters["status_queries"] += 1
-        try:
-            reply = self.status_reply(q.req_id, q.timeline)
-        except Exception as exc:
-            self._core_error("status", exc)
-            return
-        self.side.reply(ib, q.asker, reply)
 
     # ------------------------------------------------------------ effects
     def _execute(self, effects: list[Effect], ib: Inbound | None) -> None:

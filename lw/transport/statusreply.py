@@ -15,7 +15,12 @@ from lw.transport.wire import (
     encode,
 )
 
-__all__ = ["of_transfer", "status_reply"]
+__all__ = ["REFUSED", "RETRY_IN", "of_transfer", "refusal_reply", "status_reply"]
+
+# Counters of a refused query's short answer (see refusal_reply): ``lw status`` tells a
+# refusal from a worker with nothing live by the first.
+REFUSED = "status.refused"
+RETRY_IN = "status.retry_in_s"
 
 
 def of_transfer(ring: Any, req_id: str) -> list:
@@ -72,3 +77,10 @@ def status_reply(endpoint: Any, role: str, loop_counters: dict[str, int | float]
             entries = entries[len(entries) // 2:]  # keep the newest
         else:
             rows = rows[: len(rows) // 2]
+
+
+def refusal_reply(me: Any, role: str, now: float, retry_in_s: float) -> StatusReply:
+    """The short answer to a query the worker's status budget refused: no rows or entries,
+    ``truncated``, and counters saying it was refused and when to ask again."""
+    return StatusReply(PROTOCOL_VERSION, me, role, now, time.time(), [], [],
+                       {REFUSED: 1.0, RETRY_IN: round(retry_in_s, 3)}, True)
