@@ -57,8 +57,11 @@ class CallVerifier:
 
     def __init__(self, key: bytes | None, window_s: float = 30.0,
                  max_nonces: int = 200_000) -> None:
-        if window_s <= 0:
-            raise ValueError(f"signature window must be > 0 s, got {window_s}")
+        if not 0 < window_s < float("inf"):
+            # nan compares false with every timestamp and inf accepts any: either one would
+            # switch the staleness check off
+            raise ValueError(f"signature window (window_s) must be > 0 s and finite, got "
+                             f"{window_s}")
         self.key = key
         self.window_s = window_s
         self.max_nonces = max_nonces

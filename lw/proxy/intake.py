@@ -5,18 +5,19 @@ logged at a limited rate."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from lw.contract.client import screen_client_body
 from lw.contract.params import ContractError
-from lw.proxy.limits import BodyTooLarge, BodyTooSlow, read_body
+from lw.proxy.limits import BodyAbandoned, BodyTooLarge, BodyTooSlow, read_body
 from lw.proxy.state import ProxyState, error_body
 
-__all__ = ["client_bytes", "parse_json", "refuse", "screen"]
-
+__all__ = ["BadJson", "abandoned", "client_bytes", "decode_json", "encode_json", "parse_json",
+           "refuse", "screen"]
 
 def refuse(state: ProxyState, status: int, message: str, *, counter: str,
            param: str | None = None) -> JSONResponse:
@@ -29,24 +30,98 @@ def refuse(state: ProxyState, status: int, message: str, *, counter: str,
                         status_code=status, headers={"connection": "close"})
 
 
-async def client_bytes(state: ProxyState, request: Request) -> bytes | JSONResponse:
-    """The body, within ``limits.max_body_bytes`` and ``limits.body_read_s`` (413 / 408)."""
+def abandoned(state: ProxyState) -> Response:
+    """The answer to a client that left mid-body: counted, not logged (nobody reads it)."""
+    state.counters["bodies_abandoned"] += 1
+    return Response(status_code=400, headers={"connection": "close"})
+
+
+async def client_bytes(state: ProxyState, request: Request) -> bytes | Response:
+    """The body, within ``limits.max_body_bytes`` and ``limits.body_read_s`` (413 / 408), read
+    while fewer than ``limits.body_reads`` others are (503)."""
+    now = state.load
+    if now.reads >= state.limits.body_reads:
+        # each body being read may grow to max_body_bytes: bound what clients can make us hold
+        return refuse(state, 503, f"the proxy is reading {state.limits.body_reads} request "
+                      "bodies; try again", counter="bodies_refused_busy")
+    now.reads += 1
     try:
         return await read_body(request, state.limits.max_body_bytes, state.limits.body_read_s)
     except BodyTooLarge as exc:
         return refuse(state, 413, str(exc), counter="bodies_too_large")
     except BodyTooSlow as exc:
         return refuse(state, 408, str(exc), counter="bodies_too_slow")
+    except BodyAbandoned:
+        return abandoned(state)
+    finally:
+        now.reads -= 1
+
+
+class BadJson(ValueError):
+    """A body the proxy does not relay as JSON; ``path`` names the place (None: the whole)."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def decode_json(raw: bytes) -> Any:
+    """``raw`` as JSON (UTF-8/16/32, BOM or not, as vLLM reads it) that can be encoded again:
+    BadJson for what is not JSON, a number out of float range, NaN/Infinity, a lone surrogate."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadJson(f"request body is not valid JSON: {str(exc)[:200]}") from None
+    try:
+        encode_json(value)
+    except (ValueError, RecursionError):
+        path, why = _unencodable(value)
+        path = path[:200]  # a key may be long: the message names it, it does not carry it
+        raise BadJson(f"request body is not valid JSON at {path or 'its top level'}: {why}",
+                      path or None) from None
+    return value
+
+
+def encode_json(value: Any) -> bytes:
+    """``value`` as UTF-8 JSON; ValueError for what JSON cannot carry (see decode_json)."""
+    return json.dumps(value, allow_nan=False, ensure_ascii=False).encode()
+
+
+def _unencodable(value: Any) -> tuple[str, str]:
+    """Where in ``value`` the first thing JSON cannot carry is, and what it is."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:  # a loop, not recursion: the value may nest as deep as the parser allowed
+        path, v = todo.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return path, (f"{v!r} is not a finite number (NaN, Infinity and numbers beyond "
+                          "1.8e308 are not allowed)")
+        if isinstance(v, str) and _lone_surrogate(v):
+            return path, "a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+        if isinstance(v, dict):
+            for k, item in reversed(list(v.items())):
+                if _lone_surrogate(k):
+                    return path, "a key holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+                todo.append((f"{path}.{k}" if path else k, item))
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(v))))
+    return "", "it nests too deep to encode"
+
+
+def _lone_surrogate(s: str) -> bool:
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def parse_json(state: ProxyState, raw: bytes) -> Any:
-    """The parsed body, or a 400: what the proxy cannot parse it never relays (a parser more
-    lenient than the proxy's must not see it)."""
+    """The parsed body, or a 400: what the proxy cannot parse (or encode again) it never
+    relays (a parser more lenient than the proxy's must not see it)."""
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        return refuse(state, 400, f"request body is not valid JSON: {str(exc)[:200]}",
-                      counter="bad_requests")
+        return decode_json(raw)
+    except BadJson as exc:
+        return refuse(state, 400, str(exc), counter="bad_requests", param=exc.path)
 
 
 def screen(state: ProxyState, body: dict[str, Any]) -> dict[str, Any] | JSONResponse:

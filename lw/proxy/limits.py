@@ -10,9 +10,23 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-__all__ = ["BodyTooLarge", "BodyTooSlow", "Limits", "read_body"]
+__all__ = ["BodyAbandoned", "BodyTooLarge", "BodyTooSlow", "Limits", "read_body"]
+
+BODY_READ_BUDGET = 1 << 30
+"""What the public port's bodies being read may hold together by default (``max_body_reads``
+is this over ``max_body_bytes``)."""
+
+
+@dataclass
+class PublicLoad:
+    """What the public port holds now beyond its transfers."""
+
+    reads: int = 0
+    """Client bodies being read (bounded by ``Limits.body_reads``)."""
+    relays: int = 0
+    """Requests relayed to a decode server outside a transfer (counted as requests in flight)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,10 @@ class Limits:
     body_read_s: float = 60.0
     """A body must arrive whole within this (a client dripping one holds a connection and up
     to the size bound; 408 after it)."""
+    max_body_reads: int | None = None
+    """Client bodies read at once on the public port (503 beyond it): with the size bound, what
+    clients dripping bodies can make the proxy hold. None: ``BODY_READ_BUDGET`` (1 GiB) over
+    ``max_body_bytes``, at most ``max_concurrent_requests`` (128 by default)."""
     max_connections: int = 8192
     """Open connections per port (uvicorn's limit_concurrency: 503 beyond it)."""
     why_timeout_s: float = 0.5
@@ -62,11 +80,29 @@ class Limits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_total_s <= 0 or self.health_cache_s < 0 or self.body_read_s <= 0:
             raise ValueError("prefill_total_s and body_read_s must be > 0, health_cache_s >= 0")
+        if self.max_body_reads is not None and self.max_body_reads < 1:
+            raise ValueError(f"max_body_reads must be >= 1, got {self.max_body_reads}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.why_timeout_s < 0 or self.why_in_flight < 0 or self.why_per_s < 0:
             raise ValueError("why_timeout_s, why_in_flight and why_per_s must be >= 0 (0: the "
                              "proxy never asks why a request failed)")
+
+
+    @property
+    def body_reads(self) -> int:
+        """``max_body_reads``, or its default derived from the other bounds."""
+        if self.max_body_reads is not None:
+            return self.max_body_reads
+        return max(1, min(self.max_concurrent_requests, BODY_READ_BUDGET // self.max_body_bytes))
+
+
+class BodyAbandoned(ValueError):
+    """The client went away before its whole body arrived (nobody is left to answer)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"the client disconnected after {size} bytes of its body")
+        self.size = size
 
 
 class BodyTooSlow(ValueError):
@@ -88,7 +124,8 @@ class BodyTooLarge(ValueError):
 async def read_body(request: Request, limit: int, within_s: float = 60.0) -> bytes:
     """The request's body, read only up to ``limit`` bytes and ``within_s`` seconds: a
     ``Content-Length`` above the limit is refused before a byte is read, a longer stream as soon
-    as it passes the limit, a slower one at the deadline (BodyTooSlow)."""
+    as it passes the limit, a slower one at the deadline (BodyTooSlow); a client that leaves
+    first raises BodyAbandoned."""
     try:
         async with asyncio.timeout(within_s):
             return await _read_body(request, limit)
@@ -107,9 +144,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise BodyTooLarge(limit, n)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # a client's own choice, not a fault: callers count it (uvicorn would log a traceback)
+        raise BodyAbandoned(size) from None
     return b"".join(chunks)

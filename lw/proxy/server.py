@@ -71,15 +71,16 @@ from lw.proxy.ahead import start as start_ahead
 from lw.proxy.backend import Backend
 from lw.proxy.control import build_control_app, cached_health
 from lw.proxy.exchange import Exchange
-from lw.proxy.intake import client_bytes, parse_json, refuse, screen
-from lw.proxy.limits import Limits
-from lw.proxy.passthrough import passthrough_handler
+from lw.proxy.intake import abandoned, client_bytes, parse_json, refuse, screen
+from lw.proxy.limits import BodyAbandoned, Limits
+from lw.proxy.passthrough import passthrough_handler, relay_unroutable
 from lw.proxy.sidecar import BadTarget, Sidecar, parse_allow
 from lw.proxy.state import (
     CHAT,
     COMPLETIONS,
     DEFAULT_START_MODE,
     START_MODES,
+    BadField,
     BadRequest,
     ProxyState,
     Transfer,
@@ -107,35 +108,15 @@ __all__ = [
 log = logging.getLogger("lw.proxy")
 
 
-async def _relay_unroutable(state: ProxyState, request: Request, api: str,
-                            body: dict[str, Any], why: str) -> Response:
-    """A JSON object the proxy cannot route D first (its transfer fields already dropped) goes to
-    a decode server re-encoded, so the client gets vLLM's own answer (its error status, type and
-    message: clients parse them); D serves it alone if vLLM accepts it, with no P/D."""
-    decode = state.pick(state.decodes)
-    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-    try:
-        r = await state.client.post(decode.url + api, json=body, headers=headers)
-    except httpx.HTTPError as exc:
-        state.counters["errors"] += 1
-        log.warning("request refused (%s), and decode server %s did not answer: %s", why,
-                    decode.url, _describe(exc))
-        return JSONResponse(error_body(f"request refused ({why}), and the decode server did "
-                                       "not answer", 502, stage="decode"), status_code=502)
-    state.counters["bad_requests" if r.status_code >= 400 else "relayed_unroutable"] += 1
-    return Response(r.content, status_code=r.status_code,
-                    media_type=r.headers.get("content-type", "application/json"))
-
-
-async def client_body(state: ProxyState, request: Request) -> dict[str, Any] | JSONResponse:
+async def client_body(state: ProxyState, request: Request) -> dict[str, Any] | Response:
     """The client's body as a JSON object without transfer fields, or the refusal to send:
     413 over the size bound, 408 too slow, 400 not JSON / too deep / not an object / a transfer
     field of a wrong type (``param`` names it). The raw bytes never go anywhere."""
     raw = await client_bytes(state, request)
-    if isinstance(raw, JSONResponse):
+    if isinstance(raw, Response):
         return raw
     parsed = parse_json(state, raw)
-    if isinstance(parsed, JSONResponse):
+    if isinstance(parsed, Response):
         return parsed
     if json_depth_exceeds(parsed):
         return refuse(state, 400, f"request body nests deeper than {MAX_JSON_DEPTH} levels",
@@ -222,8 +203,13 @@ def build_apps(
     app = FastAPI(title="lw D-first proxy", lifespan=lifespan)
     app.state.proxy = state
 
+    async def body_abandoned(request: Request, exc: Exception) -> Response:
+        """A client gone mid-body (either port): counted, no traceback (lw.proxy.limits)."""
+        return abandoned(state)
+
     async def handle(request: Request, api: str) -> Response:
-        if len(state.transfers) >= state.limits.max_concurrent_requests:
+        # relays of requests not routable D first are requests in flight too
+        if len(state.transfers) + state.load.relays >= state.limits.max_concurrent_requests:
             return refuse(state, 503, f"the proxy is serving "
                            f"{state.limits.max_concurrent_requests} requests; try again",
                            counter="overloaded")
@@ -232,13 +218,15 @@ def build_apps(
             return got
         try:
             body = validate_request(api, got)
+        except BadField as exc:  # a type vLLM would coerce: the proxy does not guess
+            return refuse(state, 400, str(exc), counter="bad_requests", param=exc.field)
         except BadRequest as exc:
-            return await _relay_unroutable(state, request, api, got, str(exc))
+            return relay_unroutable(state, request, api, got, str(exc))
         body = dict(body)
         if "model" not in body:
             model = await _served_model(state)
             if model is None:
-                return await _relay_unroutable(state, request, api, body, "no model named")
+                return relay_unroutable(state, request, api, body, "no model named")
             body["model"] = model
         target: Backend | None = None
         if state.sidecar is not None:
@@ -312,18 +300,69 @@ def build_apps(
         app.add_api_route("/{path:path}", passthrough_handler(state),
                           methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"],
                           include_in_schema=False)
-    return ProxyApps(app, build_control_app(state), state)
+    control = build_control_app(state)
+    for each in (app, control):
+        each.add_exception_handler(BodyAbandoned, body_abandoned)
+    return ProxyApps(app, control, state)
 
 
 async def _serve(apps: ProxyApps, public: socket.socket, control: socket.socket,
-                 log_level: str) -> None:
-    """Serve both apps until either stops (Ctrl-C stops both)."""
+                 log_level: str, head_timeout_s: float = 5.0,
+                 max_head_bytes: int = 64 << 10) -> None:
+    """Serve both apps until either stops (Ctrl-C stops both). A connection whose request head
+    is not complete ``head_timeout_s`` after it opened (or after its last answer) is closed;
+    a head over ``max_head_bytes`` is answered 400."""
+    import h11
     import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    # connections per port bounded (503 beyond); idle keep-alive connections close after 5 s
+    class HeadDeadline(H11Protocol):
+        """uvicorn's h11 protocol with a deadline on each request head. uvicorn has no such
+        option: it arms its keep-alive timer only after a response, and its first byte of data
+        cancels it, so a silent or dripping client held a connection (of max_connections) for
+        ever."""
+
+        head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            self.arm_head_timer()
+
+        def arm_head_timer(self) -> None:
+            self.cancel_head_timer()
+            self.head_timer = self.loop.call_later(head_timeout_s, self.head_too_late)
+
+        def cancel_head_timer(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def head_too_late(self) -> None:
+            self.head_timer = None
+            # IDLE: no complete request head since the connection opened or its last answer
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # a head came (or the connection ended)
+                self.cancel_head_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self.arm_head_timer()  # the next request's head gets the same deadline
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.cancel_head_timer()
+            super().connection_lost(exc)
+
+    # connections per port bounded (503 beyond); idle keep-alive connections close after 5 s;
+    # h11 rather than httptools: h11 bounds a request head (httptools buffers any size)
     servers = [uvicorn.Server(uvicorn.Config(
         app, log_level=log_level, lifespan=lifespan, timeout_keep_alive=5,
-        limit_concurrency=apps.state.limits.max_connections))
+        limit_concurrency=apps.state.limits.max_connections, http=HeadDeadline,
+        h11_max_incomplete_event_size=max_head_bytes))
         for app, lifespan in ((apps.public, "on"), (apps.control, "off"))]
     tasks = [asyncio.ensure_future(s.serve(sockets=[sock]))
              for s, sock in zip(servers, (public, control), strict=True)]
@@ -373,6 +412,31 @@ def _sidecar_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace
 def main(argv: Sequence[str] | None = None) -> int:
     """``lw proxy``: parse ``--prefill``/``--decode`` URLs (repeatable), the public and control
     addresses and the cluster key; serve both planes."""
+    import math
+
+    import msgspec
+
+    from lw.contract.params import Url
+    from lw.proxy.state import server_url
+
+    def port(text: str) -> int:
+        """A TCP port for argparse (0: any free one)."""
+        value = int(text)
+        if not 0 <= value <= 65535:
+            raise ValueError
+        return value
+
+    def seconds(text: str) -> float:
+        """A positive, finite number for argparse (nan and inf would disable the bound)."""
+        value = float(text)
+        if not 0 < value < math.inf:
+            raise ValueError
+        return value
+
+    # argparse names the flag and the value when a type raises ValueError; the __name__ says
+    # what was expected
+    port.__name__ = "port (0..65535)"
+    seconds.__name__ = "positive finite number"
     ap = argparse.ArgumentParser(prog="lw proxy", description="D-first proxy for lw.")
     ap.add_argument("--prefill", action="append", default=[], metavar="URL",
                     help="prefill server base URL (repeatable; with --sidecar optional: the "
@@ -390,11 +454,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="with --sidecar: accept any prefill server a header names (only "
                          "where nothing but the scheduler reaches the public port)")
     ap.add_argument("--host", default="127.0.0.1", help="public (OpenAI API) address")
-    ap.add_argument("--port", type=int, default=8000, help="public (OpenAI API) port")
+    ap.add_argument("--port", type=port, default=8000, help="public (OpenAI API) port")
     ap.add_argument("--control-host", default="127.0.0.1",
                     help="control-plane address (metaserver, introspection): one the decode "
                          "servers reach and clients do not")
-    ap.add_argument("--control-port", type=int, default=None,
+    ap.add_argument("--control-port", type=port, default=None,
                     help="control-plane port (default: --port + 1)")
     ap.add_argument("--metaserver-url", default=None,
                     help="URL decode servers call back (default "
@@ -406,12 +470,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--insecure-trusted-network", action="store_true",
                     help="run without a cluster key: unsigned metaserver calls are accepted "
                          "(only where nothing but the cluster reaches the control port)")
-    ap.add_argument("--signature-window", type=float, default=30.0, metavar="S",
+    ap.add_argument("--signature-window", type=seconds, default=30.0, metavar="S",
                     help="accepted clock difference of a signed call, seconds (replays are "
                          "refused within it)")
-    ap.add_argument("--timeout", type=float, default=300.0,
+    ap.add_argument("--timeout", type=seconds, default=300.0,
                     help="read/write timeout of every outgoing call, seconds")
-    ap.add_argument("--connect-timeout", type=float, default=5.0)
+    ap.add_argument("--connect-timeout", type=seconds, default=5.0,
+                    help="connect timeout of every outgoing call, seconds")
     ap.add_argument("--decode-failovers", type=int, default=2, metavar="N",
                     help="a request whose decode server fails (refused, dropped, 5xx) before a "
                          "byte of its answer reached the client moves to another one, at most "
@@ -437,16 +502,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="admit-/compute-ahead: none goes ahead while its prefill server has N "
                          "prefills queued or computing (there it would only wait, ahead of "
                          "requests that came first and went D first)")
-    ap.add_argument("--ahead-wait", type=float, default=2.0, metavar="S",
+    ap.add_argument("--ahead-wait", type=seconds, default=2.0, metavar="S",
                     help="admit-/compute-ahead: how long a prefill sent ahead waits for D's "
                          "call before it is cancelled and started D first (below the prefill "
                          "engines' metaserver_timeout_s)")
-    ap.add_argument("--max-body-mb", type=float, default=8.0, metavar="MB",
+    ap.add_argument("--max-body-mb", type=seconds, default=8.0, metavar="MB",
                     help="largest client body on the public port (413 above it)")
     ap.add_argument("--max-concurrent-requests", type=int, default=4096, metavar="N",
                     help="client requests in flight; more are answered 503 at once")
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--log-level", default="info", type=str.lower,
+                    choices=("critical", "error", "warning", "info", "debug"))
     args = ap.parse_args(argv)
+    for flag, urls in (("--prefill", args.prefill), ("--decode", args.decode)):
+        for url in urls:
+            try:
+                server_url(url)
+            except ValueError as exc:
+                ap.error(f"{flag}: {exc}")
+    both = ({server_url(u) for u in args.prefill} & {server_url(u) for u in args.decode})
+    if both:
+        ap.error(f"{', '.join(sorted(both))} is given as --prefill and as --decode: an engine "
+                 "is a prefill (kv_producer) or a decode (kv_consumer) server, not both")
+    if args.max_body_mb * (1 << 20) < 1:
+        ap.error(f"--max-body-mb {args.max_body_mb} is under one byte")
     sidecar = _sidecar_from_args(ap, args)
     if args.decode_failovers < 0:
         ap.error(f"--decode-failovers must be >= 0, got {args.decode_failovers}")
@@ -454,6 +532,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("at least one --prefill server is needed (or --sidecar, where each request "
                  "names its prefill server)")
     control_port = args.port + 1 if args.control_port is None else args.control_port
+    if control_port > 65535:
+        ap.error(f"--port {args.port} leaves no default control port ({control_port}): give "
+                 "--control-port")
     if (args.control_host, control_port) == (args.host, args.port):
         ap.error("the control plane needs its own address or port (--control-host/"
                  "--control-port): it must not be reachable on the public port")
@@ -463,6 +544,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("with a wildcard --control-host, give --metaserver-url (an address D can "
                      "reach)")
         metaserver_url = f"http://{_url_host(args.control_host)}:{control_port}/v1/metaserver"
+    try:
+        # D refuses, on every request, a metaserver URL outside the contract's pattern
+        msgspec.convert(metaserver_url, Url)
+        server_url(metaserver_url)
+    except (msgspec.ValidationError, ValueError) as exc:
+        given = ("--metaserver-url" if args.metaserver_url is not None
+                 else "the metaserver URL made of --control-host and the control port")
+        ap.error(f"{given} {metaserver_url!r}: not an http(s) URL D accepts "
+                 f"(lw.contract.params.Url: no user part, query or fragment): {exc}")
     raw_key = args.cluster_key if args.cluster_key is not None else os.environ.get(
         "LW_CLUSTER_KEY") or None
     try:

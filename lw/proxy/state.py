@@ -23,7 +23,7 @@ from lw.contract.auth import CallVerifier
 from lw.contract.params import decoder_params, prefill_params, sign_params
 from lw.contract.worker_addrs import KnownWorkers
 from lw.proxy.backend import Backend
-from lw.proxy.limits import Limits
+from lw.proxy.limits import Limits, PublicLoad
 from lw.proxy.timeline import ProxyTimeline
 from lw.transport.ratelog import RateLimitedLog
 
@@ -80,6 +80,37 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def server_url(url: str) -> str:
+    """:func:`normalize_url` of a configured server, checked: http(s), a host, a port in
+    1..65535, no query or fragment; raises ValueError saying what is wrong."""
+    # Checked once at start: httpx.InvalidURL is no httpx.HTTPError, so a URL httpx cannot
+    # use would otherwise fail every request with a 500. (normalize_url itself stays lenient:
+    # lw.proxy.sidecar turns what it returns into a 400 for a header's value.)
+    from urllib.parse import urlsplit
+
+    base = normalize_url(url)
+    if not base.isascii() or not base.isprintable() or " " in base:
+        raise ValueError(f"{url!r}: only printable ASCII without spaces")
+    try:
+        parts = urlsplit(base)
+        port = parts.port
+    except ValueError as exc:  # "Invalid IPv6 URL", "Port out of range 0-65535", letters
+        raise ValueError(f"{url!r} is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r}: scheme {parts.scheme!r} (expected http or https)")
+    if not parts.hostname:
+        raise ValueError(f"{url!r}: no host")
+    if port == 0:
+        raise ValueError(f"{url!r}: port 0 (expected 1..65535)")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{url!r}: a base URL has no query or fragment")
+    try:
+        httpx.URL(base)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"{url!r} is not a URL: {exc}") from None
+    return base
+
+
 def validate_request(api: str, body: Any) -> dict[str, Any]:
     """Check that the proxy can route a client body for ``api`` (D first); return it or raise
     ``BadRequest`` saying why. ``model`` may be absent (vLLM then serves its only model)."""
@@ -88,6 +119,16 @@ def validate_request(api: str, body: Any) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise BadRequest("'model' must be a non-empty string")
+    stream = body.get("stream", False)
+    if stream is None:
+        raise BadRequest("'stream' is null")  # vLLM reads it as false: D serves it alone
+    if not isinstance(stream, bool):
+        # vLLM reads 1 or "true" as true: refused, not guessed
+        raise BadField("stream", f"'stream' must be true or false, got {_shown(stream)}")
+    n = body.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+        # vLLM reads "2" or 2.0 as 2 requests: the allowance of sub-transfers must count the same
+        raise BadField("n", f"'n' must be an integer, got {_shown(n)}")
     if api == COMPLETIONS:
         prompt = body.get("prompt")
         if prompt is None or prompt == "" or prompt == []:
@@ -98,9 +139,24 @@ def validate_request(api: str, body: Any) -> dict[str, Any]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' is required for /v1/chat/completions (non-empty list)")
-    if not isinstance(body.get("stream", False), bool):
-        raise BadRequest("'stream' must be a boolean")
     return body
+
+
+class BadField(BadRequest):
+    """A field of a type vLLM would coerce (``"stream": 1``, ``"n": "2"``): refused (400,
+    ``param`` naming it), not relayed."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _shown(value: Any) -> str:
+    """A client's value for an error message: its JSON, cut short, and its JSON type."""
+    kind = {str: "string", float: "number", int: "number", bool: "boolean", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
+    text = json.dumps(value, ensure_ascii=True)
+    return f"{text[:40]}{'...' if len(text) > 40 else ''} (a {kind})"
 
 
 def build_decode_body(body: dict[str, Any], request_id: str, metaserver: str,
@@ -391,6 +447,11 @@ class ProxyState:
         ahead_p_busy: int = 1,
     ) -> None:
         self.limits = limits or Limits()
+        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s),
+                            ("health_timeout_s", health_timeout_s)):
+            # nan and inf pass "> 0" checks and make every outgoing call wait for ever or fail
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be > 0 seconds and finite, got {value}")
         if (start_mode not in START_MODES or ahead_limit < 1
                 or ahead_d_backlog < 1 or ahead_p_busy < 1):
             raise ValueError(f"start_mode {start_mode!r} (d-first, admit-ahead or "
@@ -410,8 +471,13 @@ class ProxyState:
         self.health_cache: tuple[float, dict[str, Any]] | None = None  # (when, report)
         self.health_task: asyncio.Future[dict[str, Any]] | None = None  # the probe running
         self.control_reads = 0  # metaserver bodies being read (limits.max_control_reads)
-        self.prefills = [Backend(normalize_url(u), "prefill") for u in prefill_urls]
-        self.decodes = [Backend(normalize_url(u), "decode") for u in decode_urls]
+        self.prefills = [Backend(server_url(u), "prefill") for u in prefill_urls]
+        self.decodes = [Backend(server_url(u), "decode") for u in decode_urls]
+        both = {b.url for b in self.prefills} & {b.url for b in self.decodes}
+        if both:
+            # one engine is a producer or a consumer (kv_role), never both
+            raise ValueError(f"{', '.join(sorted(both))} given as both a prefill and a decode "
+                             "server")
         # as llm-d's routing sidecar: one local D; the prefill server comes with each request
         self.sidecar = sidecar
         # other decode servers a request may move to when its D fails before a token was sent
@@ -432,6 +498,7 @@ class ProxyState:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
         self.transfers: dict[str, Transfer] = {}
+        self.load = PublicLoad()  # bodies being read, relays outside a transfer
         self.timeline = ProxyTimeline()
         self.workers = KnownWorkers()  # side channels seen in traffic (lw status --proxy)
         self.tasks: set[asyncio.Task[None]] = set()
@@ -456,6 +523,8 @@ class ProxyState:
             "client_transfer_params_refused": 0,
             "bodies_too_large": 0,
             "bodies_too_slow": 0,
+            "bodies_refused_busy": 0,
+            "bodies_abandoned": 0,
             "prefiller_refused": 0,
             "overloaded": 0,
             "decode_errors_explained": 0,

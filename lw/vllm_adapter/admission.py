@@ -5,8 +5,9 @@ engine, where the connector could only serve it as a plain request.
 Mounted with ``vllm serve ... --middleware lw.vllm_adapter.admission.TransferParamsGuard``. It
 reads the cluster key from ``LW_CLUSTER_KEY`` (as the connector can); with none it checks shapes
 only. The connector checks again (lw.vllm_adapter.scheduler_side): this is for the client's
-answer, not the only line. A body without the text ``kv_transfer_params`` (or a JSON escape that
-could spell it) is passed on unparsed: ordinary requests pay a byte search.
+answer, not the only line. A UTF-8 body without the text ``kv_transfer_params`` (or a JSON escape
+that could spell it) is passed on unparsed: ordinary requests pay a byte search. Others
+(UTF-16/32, which vLLM's json.loads reads too) are always parsed.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class TransferParamsGuard:
             chunks.append(chunk)
             more = msg.get("more_body", False)
         raw = b"".join(chunks)
-        if FIELD.encode() in raw or b"\\u" in raw:
+        if FIELD.encode() in raw or b"\\u" in raw or _not_utf8_json(raw):
             try:
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError, RecursionError):
@@ -113,6 +114,12 @@ class TransferParamsGuard:
                 await _answer(send, 400, _error(400, str(problem), problem.field))
                 return
         await self.app(scope, _replay(raw, receive), send)
+
+
+def _not_utf8_json(raw: bytes) -> bool:
+    """Whether json.loads would decode ``raw`` as UTF-16/32 (its BOM, or a NUL in the first two
+    bytes: json.detect_encoding), where the byte search for the field's name sees nothing."""
+    return b"\x00" in raw[:2] or raw.startswith((b"\xff\xfe", b"\xfe\xff"))
 
 
 def _replay(raw: bytes, receive: Receive, first: Message | None = None) -> Receive:

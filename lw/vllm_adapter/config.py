@@ -14,7 +14,9 @@ Ports: the side channel of worker (dp_rank, tp_rank) listens on
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -33,6 +35,13 @@ __all__ = ["ConfigError", "LwConfig", "ModelHeads", "model_heads", "side_channel
 
 PRODUCER = "kv_producer"
 CONSUMER = "kv_consumer"
+# Transports Mooncake's TransferEngine.initialize knows (its installTransport; mooncake's docs).
+# Anything else is refused at start: Mooncake falls back to TCP without a word, and D would
+# then run without the data fence it keys on "tcp".
+MOONCAKE_PROTOCOLS = ("tcp", "rdma", "efa", "barex", "nvlink", "nvlink_intra", "hip", "ascend",
+                      "hccl", "ubshmem", "cxl", "nvmeof")
+_WILDCARDS = ("0.0.0.0", "*", "::")
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
 log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
 _warned_unkeyed: set[tuple[str, str]] = set()
@@ -89,7 +98,8 @@ class LwConfig:
     # it is not the field's value).
     host: str = _key(
         "", "both",
-        "address peers use for this server's side channel and transfer engine",
+        "address peers use for this server's side channel and transfer engine: an IPv4 "
+        "address or host name, not a wildcard (listen on every interface with `bind_host`)",
         shown="`VLLM_HOST_IP`, else vLLM's guess of the host address")
     bind_host: str = _key(
         "", "both",
@@ -99,7 +109,10 @@ class LwConfig:
     peer_tp_size: int = _key(
         0, "both",
         "tensor-parallel size of the other side (D counts its senders with it; P checks D's "
-        "posted TP against it); refused at start only if it cannot shard the model's KV heads",
+        "posted TP against it); refused at start only if it cannot shard the model's KV heads."
+        " A D whose count does not match the prefill's TP refuses its claims (\"its prefill TP "
+        "size (peer_tp_size) is not the prefill's\") rather than finish a request with heads "
+        "nobody wrote",
         shown="= own TP")
     cluster_key: str = _key(
         "", "both",
@@ -166,7 +179,9 @@ class LwConfig:
         "Mooncake's `MC_TRANSFER_TIMEOUT` (whole seconds, ≥ 5)")
     mooncake_protocol: str = _key(
         "tcp", "both",
-        "`protocol` of `TransferEngine.initialize`")
+        "`protocol` of `TransferEngine.initialize`, one of Mooncake's transports (`tcp`, "
+        "`rdma`, `efa`, `barex`, `nvlink`, `nvlink_intra`, `hip`, `ascend`, `hccl`, `ubshmem`, "
+        "`cxl`, `nvmeof`; any case); anything else is refused at start")
     mooncake_device: str = _key(
         "", "both",
         "`device_name` of `TransferEngine.initialize`")
@@ -301,8 +316,8 @@ class LwConfig:
     def decode_config(self) -> DecodeConfig:
         """The core's D settings (those this config names as the core does); a lease's end
         fences the data plane where it can (Mooncake over TCP; not RDMA, not in-process)."""
-        fence = (self.data_plane == "mooncake" and self.mooncake_protocol == "tcp"
-                 and not self.mooncake_device)
+        fence = (self.data_plane == "mooncake"
+                 and self.mooncake_protocol.strip().lower() == "tcp" and not self.mooncake_device)
         return core_config(DecodeConfig, vars(self), fence_data=fence)
 
     def loop_config(self, name: str) -> LoopConfig:
@@ -391,6 +406,17 @@ class LwConfig:
         if values["transfer_timeout_s"] < 5:
             raise ConfigError("kv_connector_extra_config.transfer_timeout_s must be >= 5 "
                               f"(Mooncake's minimum), got {values['transfer_timeout_s']}")
+        if not values["transfer_timeout_s"].is_integer():
+            # MC_TRANSFER_TIMEOUT is whole seconds: Mooncake would round 5.5 up to 6, past the
+            # value the lease check below was given.
+            raise ConfigError("kv_connector_extra_config.transfer_timeout_s must be whole "
+                              f"seconds (Mooncake's MC_TRANSFER_TIMEOUT), got "
+                              f"{values['transfer_timeout_s']}")
+        values["mooncake_protocol"] = values["mooncake_protocol"].strip().lower()
+        if values["mooncake_protocol"] not in MOONCAKE_PROTOCOLS:
+            raise ConfigError(f"kv_connector_extra_config.mooncake_protocol="
+                              f"{extra.get('mooncake_protocol')!r}: expected one of Mooncake's "
+                              f"transports {', '.join(MOONCAKE_PROTOCOLS)}")
         try:
             parse_cpus(values["transport_cpus"])
         except ValueError as exc:
@@ -438,28 +464,38 @@ class LwConfig:
                 raise ConfigError(f"kv_connector_extra_config.peer_tp_size="
                                   f"{values['peer_tp_size']}: the {side} engine cannot shard "
                                   f"this model's KV that way ({why})")
-        if not 1 <= kv_port or kv_port + dp_size * tp_size > 65535:
+        if not 1 <= kv_port or kv_port + dp_size * tp_size - 1 > 65535:
             raise ConfigError(f"kv_port={kv_port}: the side-channel ports kv_port .. kv_port + "
                               f"dp_size*tp_size-1 = {kv_port + dp_size * tp_size - 1} must be "
                               "valid TCP ports")
         if not 0 <= dp_rank < max(dp_size, 1):
             raise ConfigError(f"data parallel rank {dp_rank} outside data_parallel_size "
                               f"{dp_size}")
+        key_from = "kv_connector_extra_config.cluster_key"
         if not values["cluster_key"]:
             # The environment keeps the key off `ps` (the kv_transfer_config is on the command
             # line); `lw status` and `lw proxy` read the same variable.
             values["cluster_key"] = os.environ.get("LW_CLUSTER_KEY", "")
+            key_from = ("environment variable LW_CLUSTER_KEY (read as "
+                        "kv_connector_extra_config.cluster_key is unset)")
         if values["cluster_key"]:
             try:
                 parse_cluster_key(values["cluster_key"])
             except ValueError as exc:
-                raise ConfigError(f"kv_connector_extra_config.cluster_key: {exc}") from None
+                raise ConfigError(f"{key_from}: {exc}") from None
         for url in filter(None, (u.strip() for u in values["allowed_metaservers"].split(","))):
             if not re.fullmatch(r"https?://[^\s@/?#]+(/[^\s?#]*)?", url):
                 raise ConfigError(f"kv_connector_extra_config.allowed_metaservers: {url!r} is "
                                   "not an http(s) URL without user part, query or fragment")
+        if values["bind_host"]:
+            _check_host(values["bind_host"], "kv_connector_extra_config.bind_host",
+                        wildcard_ok=True)
+        host_from = "kv_connector_extra_config.host"
         if not values["host"]:
+            host_from = ("environment variable VLLM_HOST_IP" if os.environ.get("VLLM_HOST_IP")
+                         else "the address vLLM guessed for this host")
             values["host"] = _default_host()
+        _check_host(values["host"], host_from, wildcard_ok=False)
         cfg = cls(role=role, engine_id=engine_id, kv_port=kv_port, tp_size=tp_size,
                   dp_size=dp_size, dp_rank=dp_rank, load_failure_policy=load_failure_policy,
                   **values)
@@ -541,10 +577,38 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
-        return float(value)
-    except (TypeError, ValueError):
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"kv_connector_extra_config.{key} must be a {want.__name__}, "
                           f"got {value!r}") from None
+    if not math.isfinite(number):
+        # "inf" or "1e400" would pass every "> 0" check and then overflow a deadline per request
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a finite number, "
+                          f"got {value!r}")
+    return number
+
+
+def _check_host(host: str, source: str, wildcard_ok: bool) -> None:
+    """Refuse a host the side channel and Mooncake cannot use (``source`` names where it came
+    from): not an IPv4 address or DNS name, or a wildcard where peers need an address."""
+    if host in _WILDCARDS:
+        if wildcard_ok:
+            return
+        raise ConfigError(
+            f"{source}={host!r} is a wildcard, which peers cannot reach: set "
+            "kv_connector_extra_config.host (or VLLM_HOST_IP) to this node's address on the "
+            "transfer network, and bind_host to the wildcard to listen on every interface")
+    labels = host.split(".")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None and ip.version == 6:
+        raise ConfigError(f"{source}={host!r}: IPv6 addresses are not supported (lw's side "
+                          "channel binds IPv4); use an IPv4 address or a host name")
+    if ip is None and (len(host) > 253 or all(p.isdigit() for p in labels)
+                       or not all(_HOST_LABEL.fullmatch(p) for p in labels)):
+        raise ConfigError(f"{source}={host!r} is not an IPv4 address or a host name")
 
 
 def _default_host() -> str:

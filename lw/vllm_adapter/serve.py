@@ -16,6 +16,8 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
+from lw.vllm_adapter.placement import parse_cpus
+
 __all__ = ["install_version_shim", "main"]
 
 _original_version: Callable[[str], str] | None = None
@@ -55,18 +57,39 @@ def install_version_shim() -> bool:
 
 def pin_from_env() -> None:
     """Bind this process (and every process and thread it starts later) to the cores in
-    ``LW_CPU_AFFINITY`` ("0" or "0,1"): vLLM binds only its workers, and an engine's API server
-    and EngineCore left free to float land on the other engine's core (measured: D's EngineCore,
-    stepping ~1000 times a second while a request waits for KV, tripled P's prefill time)."""
-    cores = os.environ.get("LW_CPU_AFFINITY", "").strip()
-    if cores:
-        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    ``LW_CPU_AFFINITY`` (as ``transport_cpus``: "0,2-3", "all" or "inherit"): vLLM binds only
+    its workers, and an engine's API server and EngineCore left free to float land on the other
+    engine's core (measured: D's EngineCore, stepping ~1000 times a second while a request waits
+    for KV, tripled P's prefill time). ValueError naming the variable when it is unusable."""
+    spec = os.environ.get("LW_CPU_AFFINITY", "").strip()
+    if not spec:
+        return
+    try:
+        cores = parse_cpus(spec)
+    except ValueError as exc:
+        raise ValueError(f"LW_CPU_AFFINITY: {exc}") from None
+    if cores is None:  # "inherit": keep the affinity this process was started with
+        return
+    # sched_setaffinity keeps the CPUs it can and drops the rest without a word: refuse instead
+    online = parse_cpus("all") or frozenset()
+    missing = cores - online
+    try:
+        if missing:
+            raise OSError
+        os.sched_setaffinity(0, cores)
+    except OSError:
+        raise ValueError(f"LW_CPU_AFFINITY={spec!r}: CPU(s) {sorted(missing or cores)} are not "
+                         f"usable here (online: {sorted(online)}, this process may "
+                         f"use {sorted(os.sched_getaffinity(0))})") from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run vLLM's CLI as ``vllm serve <argv...>`` (default: ``sys.argv[1:]``) with the shim."""
     args = list(sys.argv[1:] if argv is None else argv)
-    pin_from_env()
+    try:
+        pin_from_env()
+    except ValueError as exc:
+        sys.exit(f"lw.vllm_adapter.serve: {exc}")  # a message, not a traceback
     install_version_shim()
     from vllm.entrypoints.cli.main import main as vllm_cli_main
 
