@@ -13,6 +13,7 @@ that could spell it) is passed on unparsed: ordinary requests pay a byte search.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -28,6 +29,8 @@ from lw.contract.params import (
 from lw.transport.sidechannel import parse_cluster_key
 
 __all__ = ["MAX_BODY_BYTES", "TransferParamsGuard", "transfer_params_problem"]
+
+log = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -76,7 +79,17 @@ class TransferParamsGuard:
 
     def __init__(self, app: App) -> None:
         self.app = app
-        self.key = parse_cluster_key(os.environ.get("LW_CLUSTER_KEY") or None)
+        try:
+            self.key = parse_cluster_key(os.environ.get("LW_CLUSTER_KEY") or None)
+        except ValueError as exc:
+            raise ValueError(f"TransferParamsGuard: environment variable LW_CLUSTER_KEY: {exc}"
+                             ) from None
+        if self.key is None:
+            # The connector may hold the key in kv_connector_extra_config, which a middleware
+            # cannot read: forged parameters then pass here and are refused only there.
+            log.warning("TransferParamsGuard: LW_CLUSTER_KEY is not set, so it checks the shape "
+                        "of transfer parameters only, not the proxy's signature (the connector "
+                        "still does); set LW_CLUSTER_KEY to refuse forged ones here")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST":

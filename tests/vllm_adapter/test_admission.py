@@ -88,6 +88,23 @@ def test_without_a_key_shapes_are_still_checked(monkeypatch: pytest.MonkeyPatch)
     assert r.status_code == 400 and seen == []
 
 
+def test_without_a_key_the_guard_says_it_checks_shapes_only(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    c, _ = client(monkeypatch, key=None)
+    with caplog.at_level("WARNING", logger="lw.vllm_adapter.admission"):
+        c.post("/v1/completions", json={"prompt": "p"})  # the middleware is built on first use
+    assert "LW_CLUSTER_KEY is not set" in caplog.text and "shape" in caplog.text
+
+
+@pytest.mark.parametrize("bad", ["short", "hex:zz"])
+def test_a_bad_key_in_the_environment_is_named(monkeypatch: pytest.MonkeyPatch,
+                                               bad: str) -> None:
+    c, _ = client(monkeypatch, key=bad)
+    with pytest.raises(ValueError, match="TransferParamsGuard: environment variable "
+                                         "LW_CLUSTER_KEY"):
+        c.post("/v1/completions", json={"prompt": "p"})
+
+
 def test_not_json_is_left_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard has no opinion on what is not JSON: vLLM answers it (here: the fake)."""
     c, seen = client(monkeypatch)
