@@ -135,11 +135,26 @@ def validate_request(api: str, body: Any) -> dict[str, Any]:
             raise BadRequest("'prompt' is required for /v1/completions")
         if not isinstance(prompt, str | list):
             raise BadRequest("'prompt' must be a string or a list")
+        if isinstance(prompt, list) and not _one_prompt_kind(prompt):
+            # vLLM reads [1.0, 2.0] as one prompt of token ids: the allowance of sub-transfers
+            # (one per prompt) must count what vLLM will, so only its exact shapes pass
+            raise BadField("prompt", "'prompt' must be a list of token ids (integers), of "
+                           f"strings or of token-id lists, got {_shown(prompt)}")
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' is required for /v1/chat/completions (non-empty list)")
     return body
+
+
+def _one_prompt_kind(prompt: list[Any]) -> bool:
+    """Whether ``prompt`` is one of the shapes vLLM reads without coercion: token ids, strings,
+    or lists of token ids."""
+    def token(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    return (all(map(token, prompt)) or all(isinstance(x, str) for x in prompt)
+            or all(isinstance(x, list) and all(map(token, x)) for x in prompt))
 
 
 class BadField(BadRequest):

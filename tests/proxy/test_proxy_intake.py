@@ -172,6 +172,21 @@ def test_a_field_vllm_would_coerce_is_a_400_naming_it(field: str, value: Any) ->
         assert c.metrics()["bad_requests"] == 2
 
 
+@pytest.mark.parametrize("prompt", [[1.0, 2.0], [1, "a"], [[1, 2], "a"], [True, 2], [[1.5]],
+                                    [{"t": 1}]])
+def test_a_prompt_list_vllm_would_coerce_or_refuse_is_a_400(prompt: list) -> None:
+    """[1.0, 2.0] is one prompt of token ids to vLLM and two to a count of list items: the
+    allowance of sub-transfers would not be vLLM's count."""
+    with pytest.raises(BadField) as exc:
+        validate_request("/v1/completions", completion(prompt))
+    assert exc.value.field == "prompt" and "token ids" in str(exc.value)
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3], ["a", "b"], [[1, 2], [3]], "hi"])
+def test_the_prompt_shapes_vllm_reads_as_they_are_pass(prompt: Any) -> None:
+    assert validate_request("/v1/completions", completion(prompt))["prompt"] == prompt
+
+
 # -- 3. the relay of what the proxy cannot route D first --------------------------------------
 
 UNROUTABLE = {"model": "tiny", "prompt_embeds": "AAAA", "stream": True}  # no prompt
