@@ -256,11 +256,6 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
             return ""
         return checksum_problem(self.num_layers, len(req.remote_blocks))
 
-    def _bind_problem(self, rec: PrefillRecord, req: PrefillRequest, first: int) -> str:
-        """Why D's parameters cannot bind a request computed ahead (AheadBinding's reasons),
-        or its DONE could not carry its checksums, or ""."""
-        return AheadBinding._bind_problem(rec, req, first) or self._checksum_problem(req)
-
     def _renamed(self, req_id: str) -> PrefillRecord | None:
         """The live record of a request bound under another id than ``req_id``, its id
         while it was computed ahead (a layer the forward reported before the bind reached it)."""

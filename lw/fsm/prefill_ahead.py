@@ -119,9 +119,9 @@ class AheadBinding:
         rec = self._reqs.get(ahead_id)
         return rec.state == FAILED if rec is not None else ahead_id in self._finished
 
-    @staticmethod
-    def _bind_problem(rec: PrefillRecord, req: PrefillRequest, first: int) -> str:
-        """Why D's parameters cannot be those of the prompt computed ahead, or ""."""
+    def _bind_problem(self: Any, rec: PrefillRecord, req: PrefillRequest, first: int) -> str:
+        """Why D's parameters cannot be those of the prompt computed ahead (or its DONE could
+        not carry its KV checksums), or ""."""
         if len(set(req.targets)) != len(req.targets):
             return f"a decoder is named twice in {req.targets}"
         if rec.req.prompt and req.prompt != rec.req.prompt:
@@ -135,4 +135,4 @@ class AheadBinding:
             return f"the prompt has {n} blocks; D holds {first} and asks for {m}"
         if first + m < n:
             return f"{n} blocks are computed already; D holds {first} and asks for {m}"
-        return ""
+        return self._checksum_problem(req)

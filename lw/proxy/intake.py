@@ -11,13 +11,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from lw.contract.client import screen_client_body
+from lw.contract.client import MAX_JSON_DEPTH, json_depth_exceeds, screen_client_body
 from lw.contract.params import ContractError
 from lw.proxy.limits import BodyAbandoned, BodyTooLarge, BodyTooSlow, read_body
 from lw.proxy.state import ProxyState, error_body
 
 __all__ = ["BadJson", "abandoned", "client_bytes", "decode_json", "encode_json", "parse_json",
-           "refuse", "screen"]
+           "refuse", "screen", "too_deep"]
 
 def refuse(state: ProxyState, status: int, message: str, *, counter: str,
            param: str | None = None) -> JSONResponse:
@@ -122,6 +122,14 @@ def parse_json(state: ProxyState, raw: bytes) -> Any:
         return decode_json(raw)
     except BadJson as exc:
         return refuse(state, 400, str(exc), counter="bad_requests", param=exc.path)
+
+
+def too_deep(state: ProxyState, parsed: Any) -> JSONResponse | None:
+    """The 400 for a parsed body nested deeper than MAX_JSON_DEPTH, or None."""
+    if json_depth_exceeds(parsed):
+        return refuse(state, 400, f"request body nests deeper than {MAX_JSON_DEPTH} levels",
+                      counter="bad_requests")
+    return None
 
 
 def screen(state: ProxyState, body: dict[str, Any]) -> dict[str, Any] | JSONResponse:

@@ -14,8 +14,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.types import Receive, Scope, Send
 
-from lw.contract.client import MAX_JSON_DEPTH, json_depth_exceeds
-from lw.proxy.intake import BadJson, client_bytes, decode_json, encode_json, refuse, screen
+from lw.proxy.intake import (
+    BadJson,
+    client_bytes,
+    decode_json,
+    encode_json,
+    refuse,
+    screen,
+    too_deep,
+)
 from lw.proxy.state import ProxyState, _describe, error_body
 
 __all__ = ["Relay", "passthrough_handler", "relay_unroutable", "screened_body"]
@@ -49,9 +56,9 @@ async def screened_body(state: ProxyState, request: Request) -> bytes | Response
             return refuse(state, 400, str(exc), counter="bad_requests", param=exc.path)
         # not JSON: vLLM reads it as a form or bytes, where no transfer field is an object
         return raw
-    if json_depth_exceeds(parsed):
-        return refuse(state, 400, f"request body nests deeper than {MAX_JSON_DEPTH} levels",
-                      counter="bad_requests")
+    deep = too_deep(state, parsed)
+    if deep is not None:
+        return deep
     if isinstance(parsed, dict):
         body = screen(state, parsed)
         if isinstance(body, Response):

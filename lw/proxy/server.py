@@ -66,12 +66,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from lw.contract.auth import CallVerifier
-from lw.contract.client import MAX_JSON_DEPTH, TRACE_HEADERS, json_depth_exceeds
+from lw.contract.client import TRACE_HEADERS
 from lw.proxy.ahead import start as start_ahead
 from lw.proxy.backend import Backend
 from lw.proxy.control import build_control_app, cached_health
 from lw.proxy.exchange import Exchange
-from lw.proxy.intake import abandoned, client_bytes, parse_json, refuse, screen
+from lw.proxy.intake import abandoned, client_bytes, parse_json, refuse, screen, too_deep
 from lw.proxy.limits import BodyAbandoned, Limits
 from lw.proxy.passthrough import passthrough_handler, relay_unroutable
 from lw.proxy.sidecar import BadTarget, Sidecar, parse_allow
@@ -118,9 +118,9 @@ async def client_body(state: ProxyState, request: Request) -> dict[str, Any] | R
     parsed = parse_json(state, raw)
     if isinstance(parsed, Response):
         return parsed
-    if json_depth_exceeds(parsed):
-        return refuse(state, 400, f"request body nests deeper than {MAX_JSON_DEPTH} levels",
-                      counter="bad_requests")
+    deep = too_deep(state, parsed)
+    if deep is not None:
+        return deep
     if not isinstance(parsed, dict):
         return refuse(state, 400, "request body must be a JSON object", counter="bad_requests")
     return screen(state, parsed)
