@@ -264,6 +264,14 @@ class LwConfig:
         "`lw_checksum_mismatches_total`. Set it on P and D alike. One DONE carries at most "
         "131,072 checksums (layers × blocks of a request per D worker, e.g. 61 layers × 2,148 "
         "blocks): longer requests fail with checksums on")
+    first_token_from_p: bool = _key(
+        True, "both",
+        "D streams the token P sampled as the request's first token as soon as it arrives (before "
+        "the KV lands) and continues from it without recomputing the last prompt token; needs "
+        "lw's scheduler (and, on vLLM's V1 model runner, lw's worker) classes, which `python -m "
+        "lw.vllm_adapter.serve` adds. Requests it cannot seed exactly (logprobs, structured output,"
+        " other sampling parameters on P) take vLLM's own path, counted by reason. false = always"
+        " vLLM's own path")
     retry_prefill: int = _key(
         0, "D",
         "prefill failover: how many times a request whose P was lost (heartbeats, a failure "

@@ -17,7 +17,7 @@ from lw.vllm_adapter.config import ConfigError
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["BindSpec", "FetchSpec", "LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "Reprefill",
+__all__ = ["BindSpec", "FetchSpec", "FirstTokenIn", "FirstTokenSpec", "LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "Reprefill",
            "Route", "SendSpec", "kv_geometry", "log"]
 
 log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
@@ -112,6 +112,31 @@ class Reprefill:
     reason: str
 
 
+@dataclass(frozen=True)
+class FirstTokenSpec:
+    """P: the token this engine sampled as ``req_id``'s first (its scheduler saw it finish);
+    P's worker of TP rank 0 sends it to D under the claim's transfer and epoch. ``spec``: the
+    digest of the sampling spec it was drawn with (lw.contract.sampling)."""
+
+    transfer_id: str  # as in the request's SendSpec (the ahead id until a compute-ahead bind)
+    req_id: str
+    token: int
+    spec: str
+
+
+@dataclass(frozen=True)
+class FirstTokenIn:
+    """D: P's first token for ``req_id`` reached this worker and its core took it (the request
+    is live under the claim epoch the token was sampled for). The scheduler decides whether
+    the request uses it (lw.vllm_adapter.first_token)."""
+
+    transfer_id: str
+    req_id: str
+    token: int
+    spec: str
+    epoch: int
+
+
 @dataclass
 class LwConnectorMetadata(KVConnectorMetadata):
     """What the scheduler side tells every worker for one step."""
@@ -126,6 +151,10 @@ class LwConnectorMetadata(KVConnectorMetadata):
     idle: bool = False  # the engine computes nothing in this step (it only polls transfers)
     step_tokens: int = 0  # tokens the step computes (the workers time their forward per token)
     step_pairs: int = 0  # (token, earlier token) pairs those tokens attend (and per pair)
+    first_tokens: list[FirstTokenSpec] = field(default_factory=list)  # P: to send to D
+    # D, vLLM's V1 model runner: (request, token) whose first output token came from P, to seed
+    # in the runner's state as the step schedules position L (lw.vllm_adapter.lw_worker)
+    seeds: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -142,6 +171,8 @@ class LwWorkerMeta(KVConnectorWorkerMetadata):
     # P: the answers of the workers' fetches (FetchSpec): (vLLM request id, "go" / "fallback" /
     # "error", D's params or why); "go" only for params the worker found to fit
     ahead_answers: list[tuple[str, str, Any]] = field(default_factory=list)
+    # D: first tokens the workers' cores took since the last step
+    first_tokens: list[FirstTokenIn] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """The slowest of two workers' figures; every worker's re-prefills and answers."""
@@ -154,7 +185,8 @@ class LwWorkerMeta(KVConnectorWorkerMetadata):
         return LwWorkerMeta(max(c) if c else None, wire,
                             max(self.compute_s_per_pair, other.compute_s_per_pair),
                             self.reprefills + other.reprefills,
-                            self.ahead_answers + other.ahead_answers)
+                            self.ahead_answers + other.ahead_answers,
+                            self.first_tokens + other.first_tokens)
 
 
 def kv_geometry(kv_cache_config: KVCacheConfig) -> str:
