@@ -18,6 +18,7 @@ import hmac
 from typing import Any
 
 from lw.contract.ahead import AheadFetch, ahead_url, sign_ahead_params
+from lw.contract.sampling import p_sampling_fields
 from lw.proxy.backend import AHEAD_MISSES
 from lw.proxy.exchange import _post_bounded, run_prefill
 from lw.proxy.state import (
@@ -35,8 +36,9 @@ __all__ = ["START_MODES", "bind", "build_ahead_body", "fetch", "start"]
 
 # What P gets of the client's request: only the fields that decide the prompt's tokens (P must
 # tokenize it as D does; a field missed here makes P's digest differ, and the proxy falls back
-# to D first) and PREFILL_KEPT, as a D-first prefill has. Sampling, output and structured-output
-# fields change nothing in the tokens, and none of the client's other fields reach P's engine.
+# to D first), PREFILL_KEPT, and the sampling fields that decide token 1 (P samples it for D:
+# lw.contract.sampling), as a D-first prefill has. Output and structured-output fields change
+# nothing in either, and none of the client's other fields reach P's engine.
 AHEAD_KEPT = ("model", "prompt", "messages", "add_special_tokens", "truncate_prompt_tokens",
               "truncation_side", "chat_template", "chat_template_kwargs",
               "add_generation_prompt", "continue_final_message", "documents",
@@ -50,6 +52,7 @@ def build_ahead_body(tr: Transfer, url: str, grant: str, key: bytes | None,
     tokenizes it as D does), one token, not streamed, and the signed ahead params
     (``compute``: P computes at once)."""
     out = {k: v for k, v in tr.body.items() if k in AHEAD_KEPT}
+    out.update(p_sampling_fields(tr.body))
     out.update(max_tokens=1, n=1, stream=False)
     out["kv_transfer_params"] = sign_ahead_params(key, url, tr.request_id, grant, compute)
     return out

@@ -21,6 +21,7 @@ import httpx
 from lw.contract.ahead import HELD_KEY
 from lw.contract.auth import CallVerifier
 from lw.contract.params import decoder_params, prefill_params, sign_params
+from lw.contract.sampling import p_sampling_fields
 from lw.contract.worker_addrs import KnownWorkers
 from lw.proxy.backend import Backend
 from lw.proxy.limits import Limits, PublicLoad
@@ -208,10 +209,12 @@ def build_prefill_body(
     body: dict[str, Any], decode_params: Mapping[str, Any], transfer_id: str,
     prompt_token_ids: list[int], epoch: int = 0, key: bytes | None = None,
 ) -> dict[str, Any]:
-    """The body P gets (``/v1/completions``): D's token ids, one token, not streamed, D's params
+    """The body P gets (``/v1/completions``): D's token ids, the client's sampling fields (P
+    samples token 1 for D), one token, not streamed, D's params
     (with a re-prefill's claim epoch ``lw_epoch``; absent for the first attempt), signed with
     the cluster ``key``."""
     out: dict[str, Any] = {"model": body["model"], "prompt": list(prompt_token_ids),
+                           **copy.deepcopy(p_sampling_fields(body)),
                            "max_tokens": 1, "n": 1, "stream": False}
     for k in PREFILL_KEPT:
         if k in body:

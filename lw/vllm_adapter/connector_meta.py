@@ -17,8 +17,8 @@ from lw.vllm_adapter.config import ConfigError
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["BindSpec", "FetchSpec", "FirstTokenIn", "FirstTokenSpec", "LwConnectorMetadata", "LwWorkerMeta", "RecvSpec", "Reprefill",
-           "Route", "SendSpec", "kv_geometry", "log"]
+__all__ = ["BindSpec", "FetchSpec", "FirstTokenIn", "FirstTokenSpec", "LwConnectorMetadata",
+           "LwWorkerMeta", "RecvSpec", "Reprefill", "Route", "SendSpec", "kv_geometry", "log"]
 
 log = logging.getLogger("vllm.lw.connector")  # under "vllm": shown with vLLM's log settings
 

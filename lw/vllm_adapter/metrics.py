@@ -21,8 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from lw.fsm.status import FAILURE_KINDS
+from lw.vllm_adapter.first_token import FALLBACK_REASONS
 
-__all__ = ["BY_REASON", "COUNTERS", "GAUGES", "HISTOGRAMS", "LwKVConnectorStats",
+__all__ = ["BY_REASON", "COUNTERS", "FALLBACKS", "GAUGES", "HISTOGRAMS", "LwKVConnectorStats",
            "LwPromMetrics"]
 
 COUNTERS: dict[str, str] = {
@@ -60,6 +61,14 @@ COUNTERS: dict[str, str] = {
                            "the bytes in our blocks (kv_checksum)",
     "stuck_requests": "Requests that stayed in one state longer than stuck_fraction of their "
                       "deadline (each logged once, as lw status prints it)",
+    "first_token_from_p": "D: requests whose first output token was the one P sampled "
+                          "(streamed before their KV landed; D computed no prompt token)",
+    "last_token_recomputed": "D: remote-prefill requests whose last prompt token D computed "
+                             "itself to sample token 1 (vLLM's own path)",
+    "ended_at_first_token": "D: requests that ended at P's token (max_tokens 1, EOS, a stop id) "
+                            "while their KV was still arriving (the transfer is stopped)",
+    "first_token_discarded": "D: P's tokens not used because the request already held one (a "
+                             "re-prefill's) or had computed its own",
 }
 GAUGES: dict[str, str] = {
     "live_requests": "Requests lw holds blocks for (P: sending; D: receiving or quarantined), "
@@ -83,6 +92,11 @@ BY_REASON = "failed_by_reason"
 outside lw.fsm.status.FAILURE_KINDS counts as "other" (the label set stays bounded)."""
 
 
+FALLBACKS = "first_token_fallbacks"
+"""Stats key of D's requests that took vLLM's path instead of P's token, per reason ({reason:
+count}, deltas, summed; lw.vllm_adapter.first_token.FALLBACK_REASONS)."""
+
+
 class LwKVConnectorStats(KVConnectorStats):
     """Counters (deltas, summed) and gauges (maximum over workers and steps)."""
 
@@ -96,6 +110,7 @@ class LwKVConnectorStats(KVConnectorStats):
         for key in HISTOGRAMS:
             self.data[key] = []
         self.data[BY_REASON] = {}
+        self.data[FALLBACKS] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Add another worker's (or interval's) figures to ours."""
@@ -111,6 +126,11 @@ class LwKVConnectorStats(KVConnectorStats):
                 for kind, n in value.items():
                     kind = kind if kind in FAILURE_KINDS else "other"
                     mine[kind] = mine.get(kind, 0) + n
+                self.data[key] = mine
+            elif key == FALLBACKS and isinstance(value, dict):
+                mine = dict(self.data.get(key) or {})
+                for reason, n in value.items():
+                    mine[reason] = mine.get(reason, 0) + n
                 self.data[key] = mine
         return self
 
@@ -137,7 +157,8 @@ class LwKVConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         """True when nothing happened and nothing is held."""
-        return not any(self.data.get(k) for k in (*COUNTERS, *GAUGES, *HISTOGRAMS, BY_REASON))
+        return not any(self.data.get(k)
+                       for k in (*COUNTERS, *GAUGES, *HISTOGRAMS, BY_REASON, FALLBACKS))
 
 
 class LwPromMetrics(KVConnectorPromMetrics):
@@ -170,6 +191,13 @@ class LwPromMetrics(KVConnectorPromMetrics):
         self._by_reason = {(idx, kind): by_reason.labels(*values, kind)
                            for idx, values in self.per_engine_labelvalues.items()
                            for kind in FAILURE_KINDS}
+        fallbacks = self._counter_cls(
+            name="lw_first_token_fallbacks", labelnames=[*labelnames, "reason"],
+            documentation="D: remote-prefill requests that did not take P's first token, by "
+                          "reason (" + ", ".join(FALLBACK_REASONS) + ")")
+        self._fallbacks = {(idx, r): fallbacks.labels(*values, r)
+                           for idx, values in self.per_engine_labelvalues.items()
+                           for r in FALLBACK_REASONS}
         for key, (doc, buckets) in HISTOGRAMS.items():
             extra = ["state"] if key == "time_in_state" else []
             name = "lw_time_in_state_seconds" if key == "time_in_state" else f"lw_{key}"
@@ -191,6 +219,10 @@ class LwPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].set(transfer_stats_data[key])
         for kind, n in (transfer_stats_data.get(BY_REASON) or {}).items():
             counter = self._by_reason.get((engine_idx, kind if kind in FAILURE_KINDS else "other"))
+            if counter is not None and n > 0:
+                counter.inc(n)
+        for reason, n in (transfer_stats_data.get(FALLBACKS) or {}).items():
+            counter = self._fallbacks.get((engine_idx, reason))
             if counter is not None and n > 0:
                 counter.inc(n)
         values = self.per_engine_labelvalues.get(engine_idx)

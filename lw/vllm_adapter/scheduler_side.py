@@ -31,6 +31,7 @@ from lw.contract.params import (
     is_remote_prefill_request,
     prompt_digest,
 )
+from lw.contract.sampling import spec_digest
 from lw.contract.transfer_ids import sub_transfer_id
 from lw.contract.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY, worker_addrs
 from lw.fsm.block_choice import PushCursor, blocks_to_receive
@@ -43,6 +44,8 @@ from lw.vllm_adapter.ahead_compute import AheadComputes
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
     FetchSpec,
+    FirstTokenIn,
+    FirstTokenSpec,
     LwConnectorMetadata,
     LwWorkerMeta,
     RecvSpec,
@@ -51,8 +54,9 @@ from lw.vllm_adapter.connector_meta import (
     SendSpec,
     log,
 )
+from lw.vllm_adapter.first_token import FirstTokenCounts
 from lw.vllm_adapter.metaserver_client import MetaserverPoster
-from lw.vllm_adapter.metrics import LwKVConnectorStats
+from lw.vllm_adapter.metrics import FALLBACKS, LwKVConnectorStats
 from lw.vllm_adapter.params_fit import check_fit, decode_fetched
 from lw.vllm_adapter.tracing import trace_headers_of, tracing_endpoint
 
@@ -141,6 +145,8 @@ class SchedulerSide:
         self._metaservers = frozenset(filter(None, (
             u.strip() for u in cfg.allowed_metaservers.split(","))))
         self._traced = tracing_endpoint(vllm_config) is not None  # hand trace context on
+        self._first_in: list[FirstTokenIn] = []  # D: P's first tokens, for lw's scheduler
+        self.first_counts = FirstTokenCounts()
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
 
@@ -518,6 +524,12 @@ class SchedulerSide:
             if request.status.name not in _NORMAL_FINISH:
                 self._meta.aborts.append((tr.transfer_id, rid,
                                           f"request {request.status.name}"))
+            elif self.cfg.first_token_from_p and request.output_token_ids:
+                # P's sampled token goes to D with the next step's metadata (the engine steps
+                # on while the push holds the blocks: has_pending_push_work)
+                self._meta.first_tokens.append(FirstTokenSpec(
+                    tr.transfer_id, rid, int(request.output_token_ids[0]),
+                    spec_digest(request.sampling_params)))
             return True
         self._d_seen.discard(rid)
         self._tails.pop(rid, None)
@@ -545,6 +557,22 @@ class SchedulerSide:
                 self._reprefill(rp)
             for rid, status, val in wm.ahead_answers:
                 self._ahead.answered(rid, status, val)
+            for ft in wm.first_tokens:
+                dr = self._d.get(ft.req_id)
+                if dr is not None and not dr.aborted and dr.transfer_id == ft.transfer_id:
+                    self._first_in.append(ft)
+
+    def take_first_tokens(self) -> list[FirstTokenIn]:
+        """D: P's first tokens that reached live receives since the last call (lw's
+        scheduler decides whether each request continues from its token)."""
+        out, self._first_in = self._first_in, []
+        return out
+
+    def receiving(self, rid: str) -> str | None:
+        """D: the transfer id under which ``rid`` receives its KV from P (None: it does not,
+        or its receive was aborted)."""
+        dr = self._d.get(rid)
+        return None if dr is None or dr.aborted else dr.transfer_id
 
     def _take_rates(self, wm: LwWorkerMeta) -> None:
         """The workers' latest rates (push_mode auto decides on them)."""
@@ -580,11 +608,14 @@ class SchedulerSide:
 
     def stats(self) -> LwKVConnectorStats | None:
         """Scheduler-side counters (metaserver failures, prefix hits) since the last call."""
+        counts, fallbacks = self.first_counts.take()
         with self._lock:
-            if not any(self._counts.values()):
+            if not any(self._counts.values()) and not counts and not fallbacks:
                 return None
             out = LwKVConnectorStats()
             out.data.update(self._counts)
+            out.data.update(counts)
+            out.data[FALLBACKS] = fallbacks
             self._counts = dict.fromkeys(self._counts, 0)
             return out
 

@@ -457,8 +457,9 @@ def test_build_prefill_body_token_ids_one_token_no_stream_merged_params() -> Non
     out = build_prefill_body(body, {**d_params([5, 6, 7]), "do_remote_prefill": True}, "tid@1",
                              [5, 6, 7], key=KEY)
     out["kv_transfer_params"] = unsigned(out["kv_transfer_params"], "prefill")
+    # the sampling fields that decide token 1 go to P (min_tokens capped at P's one token)
     assert out == {"model": "m", "prompt": [5, 6, 7], "max_tokens": 1, "n": 1, "stream": False,
-                   "cache_salt": "s",
+                   "cache_salt": "s", "temperature": 1, "min_tokens": 1,
                    "kv_transfer_params": {**d_params([5, 6, 7]), "do_remote_decode": True,
                                           "do_remote_prefill": False, "transfer_id": "tid@1"}}
     assert body["max_tokens"] == 50 and body["stream"] is True  # input untouched
