@@ -14,9 +14,11 @@ from typing import Any
 from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 
 OUTPUT_TOKENS = 32
-SETUPS = ("single", "lw", "lw-ahead", "lw-compute", "lw-compute-busy", "lw-compute-step",
-          "lw-compute-b1", "lw-batch5", "lw-progressive", "lw-last", "peer")
-LABELS = {"single": "single vLLM", "lw": "lw P/D auto, d-first",
+SETUPS = ("single", "single-proxy", "lw", "lw-off", "lw-ahead", "lw-compute", "lw-compute-busy",
+          "lw-compute-step", "lw-compute-b1", "lw-batch5", "lw-progressive", "lw-last", "peer")
+LABELS = {"single": "single vLLM", "single-proxy": "single vLLM behind lw proxy",
+          "lw": "lw P/D auto, d-first",
+          "lw-off": "lw P/D auto, d-first, first token from D",
           "lw-ahead": "lw P/D auto, admit-ahead",
           "lw-compute": "lw P/D auto, compute-ahead (default)",
           "lw-compute-step": "lw P/D auto, compute-ahead of one-step prompts",
@@ -26,12 +28,13 @@ LABELS = {"single": "single vLLM", "lw": "lw P/D auto, d-first",
           "lw-progressive": "lw P/D progressive",
           "lw-last": "lw P/D last-chunk",
           "peer": "Mooncake P/D"}
-PUSH_MODES = {"lw": "auto", "lw-ahead": "auto", "lw-compute": "auto", "lw-compute-step": "auto",
-              "lw-compute-b1": "auto", "lw-compute-busy": "auto", "lw-batch5": "auto",
-              "lw-progressive": "progressive",
+PUSH_MODES = {"lw": "auto", "lw-off": "auto", "lw-ahead": "auto", "lw-compute": "auto",
+              "lw-compute-step": "auto", "lw-compute-b1": "auto", "lw-compute-busy": "auto",
+              "lw-batch5": "auto", "lw-progressive": "progressive",
               "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
-PROXY_ARGS = {"lw": ["--start-mode", "d-first"], "lw-batch5": ["--start-mode", "d-first"],
+PROXY_ARGS = {"lw": ["--start-mode", "d-first"], "lw-off": ["--start-mode", "d-first"],
+              "lw-batch5": ["--start-mode", "d-first"],
               "lw-progressive": ["--start-mode", "d-first"], "lw-last": ["--start-mode", "d-first"],
               "lw-ahead": ["--start-mode", "admit-ahead"],
               "lw-compute": ["--start-mode", "compute-ahead"],
@@ -49,6 +52,13 @@ budget) and admits a longer one ahead, as for a host whose push shares the forwa
 ``lw-batch5`` wakes P's loop for computed layers every 5 ms instead of 15 (a link-bound push's
 writes go out sooner, at more wake-ups of a thread that shares the interpreter with the
 forward)."""
+BOTH_EXTRA = {"lw-off": {"first_token_from_p": False}}
+"""P's and D's extra ``kv_connector_extra_config`` per lw set-up (keys of side "both"):
+``lw-off`` is ``lw`` with D sampling the first token itself after the KV landed, as before
+issue 59, on the same engines, model, prompts and link."""
+NO_LINK = ("single", "single-proxy")
+"""Set-ups without P/D: measured once per repeat on the first link row's prompts (they cross
+no link) and reported on every row."""
 AUTO_FACTORS = (0.5, 1.0, 2.0)
 TAIL_PHASE = "transfer tail (last layer computed -> written)"
 GOODPUT_TOLERANCE = 0.01

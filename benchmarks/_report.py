@@ -8,8 +8,10 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks._first_token import hop_summary
 from benchmarks._plan import (
     LABELS,
+    NO_LINK,
     OUTPUT_TOKENS,
     PUSH_MODES,
     SETUPS,
@@ -49,7 +51,8 @@ def ratios(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> list[f
     return out
 
 
-COMPARISONS = (("vs_peer", "lw", "peer"), ("ahead_vs_peer", "lw-ahead", "peer"),
+COMPARISONS = (("vs_peer", "lw", "peer"), ("first_token_from_p_vs_off", "lw", "lw-off"),
+               ("ahead_vs_peer", "lw-ahead", "peer"),
                ("ahead_vs_d_first", "lw-ahead", "lw"), ("compute_vs_peer", "lw-compute", "peer"),
                ("compute_vs_d_first", "lw-compute", "lw"),
                ("compute_step_vs_d_first", "lw-compute-step", "lw"),
@@ -83,24 +86,26 @@ def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> No
             where += f" ({cap}{good}{ach_s})"
     print(f"\n### {bench.model_name}, input {shape.input_len} / concurrency {shape.concurrency} "
           f"({shape.prompts} prompts, {OUTPUT_TOKENS} output tokens){where}")
-    print("| setup | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | req/s | out tok/s | failed | runs |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| setup | TTFT p50 ms | TTFT p99 ms | token 2 p50 ms | E2E p50 ms | TPOT p50 ms | req/s "
+          "| out tok/s | failed | runs |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     runs_of: dict[str, list[dict[str, Any]]] = {}
     for s in SETUPS:
-        runs = bench.results.get((shape.key, "-" if s == "single" else row.key, s))
+        runs = bench.results.get((shape.key, "-" if s in NO_LINK else row.key, s))
         if runs is None:
             continue
         ok = runs_of[s] = _ok(runs)
-        name = LABELS[s] + (" (no link)" if s == "single" and row.veth else "")
+        name = LABELS[s] + (" (no link)" if s in NO_LINK and row.veth else "")
         if not ok:
             why = runs[0].get("error", "not run")
-            print(f"| {name} | - | - | - | - | - | {why} | 0 |")
+            print(f"| {name} | - | - | - | - | - | - | - | {why} | 0 |")
             continue
         ttft = [r["median_ttft_ms"] for r in ok]
         ttft_s = _f(statistics.median(ttft)) + (f" ({_spread(ttft, '.0f')})"
                                                 if len(ttft) > 1 else "")
         failed = sum(int(r.get("failed", 0)) for r in ok) + len(runs) - len(ok)
         print(f"| {name} | {ttft_s} | {_f(_med(ok, 'p99_ttft_ms'))} | "
+              f"{_f(_med(ok, 'median_token2_ms'))} | {_f(_med(ok, 'median_e2el_ms'))} | "
               f"{_f(_med(ok, 'median_tpot_ms'), '.1f')} | "
               f"{_f(_med(ok, 'request_throughput'), '.2f')} | "
               f"{_f(_med(ok, 'output_throughput'), '.1f')} | {failed} | {len(ok)} |")
@@ -108,6 +113,7 @@ def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> No
         if a not in runs_of or b not in runs_of:
             continue
         for metric, key in (("ttft_p50_ratio", "median_ttft_ms"),
+                            ("token2_p50_ratio", "median_token2_ms"),
                             ("throughput_ratio", "output_throughput")):
             xs = ratios(runs_of[a], runs_of[b], key)
             if not xs:
@@ -116,6 +122,7 @@ def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> No
             spread = f"; {_spread(xs, '.2f')} over {len(xs)} repeats" if len(xs) > 1 else ""
             print(f"{metric}_{suffix}: {statistics.median(xs):.2f}  ({label}{spread})")
     print_limits(bench, shape, row, runs_of, label)
+    print_first_token(bench, shape, runs_of, label)
     tails = []
     for s in PUSH_MODES:
         xs = [r["lw_phases_ms"][TAIL_PHASE] for r in runs_of.get(s, [])
@@ -180,3 +187,50 @@ def print_limits(bench: Bench, shape: Shape, row: LinkRow,
         spread = f"; {_spread(xs, '.0f')} over {len(xs)} repeats" if len(xs) > 1 else ""
         print(f"ttft_p50_minus_limit_ms_{s.replace('-', '_')}: {statistics.median(xs):+.0f}  "
               f"({label}{spread})")
+
+
+def _med_spread(xs: Sequence[float], fmt: str) -> str:
+    """Median, with the min-max spread when there is more than one value; ``-`` for none."""
+    if not xs:
+        return "-"
+    return format(statistics.median(xs), fmt) + (f" ({_spread(xs, fmt)})" if len(xs) > 1
+                                                  else "")
+
+
+def print_first_token(bench: Bench, shape: Shape, runs_of: dict[str, list[dict[str, Any]]],
+                      label: str) -> None:
+    """Where a user looks (issue 59), per set-up against the single server of the same repeat:
+    TTFT and time to token 2 over the single server's (medians of per-repeat ratios), P's
+    prefill time beside the single server's, the "P sampled -> D received" hop (p50 / max over
+    every request of every run), and the proxy's hop (``single-proxy`` minus ``single``)."""
+    single = runs_of.get("single")
+    others = [s for s in runs_of if s != "single" and runs_of[s]]
+    if not single or not others:
+        return
+    pre = [t * 1e3 for (_r, n), t in sorted(bench.prefills.items()) if n == shape.input_len]
+    print(f"\nfirst token vs the single server ({label}; ratios: medians of per-repeat ratios, "
+          "min-max over repeats; P prefill: the proxy's POST to P -> P's last layer computed, "
+          "median per run; single prefill: its calibration, TTFT p50 at max_tokens 1)")
+    print("| setup | TTFT / single | token 2 / single | E2E / single | P prefill ms | "
+          "single prefill ms | P sampled -> D received p50 / max ms |")
+    print("|---|---|---|---|---|---|---|")
+    for s in others:
+        runs = runs_of[s]
+        cells = [_med_spread(ratios(runs, single, key), ".2f")
+                 for key in ("median_ttft_ms", "median_token2_ms", "median_e2el_ms")]
+        lw = s in PUSH_MODES
+        p_pre = [float(r["p_prefill_ms"]) for r in runs if r.get("p_prefill_ms") is not None]
+        hops = [h for r in runs for h in r.get("first_token_hop_ms") or ()]
+        print(f"| {LABELS[s]} | {' | '.join(cells)} | {_med_spread(p_pre, '.0f') if lw else '-'}"
+              f" | {_med_spread(pre, '.0f') if lw else '-'} | "
+              f"{hop_summary(hops) if lw else '-'} |")
+    if "single-proxy" in runs_of:
+        by_rep = {r.get("rep"): r for r in single}
+        hop = [float(r["median_ttft_ms"]) - float(by_rep[r.get("rep")]["median_ttft_ms"])
+               for r in runs_of["single-proxy"] if r.get("rep") in by_rep]
+        if hop:
+            spread = f"; {_spread(hop, '+.1f')} over {len(hop)} repeats" if len(hop) > 1 else ""
+            print(f"proxy_hop_ms: {statistics.median(hop):+.1f}  ({label}; TTFT p50 of the single "
+                  f"server behind lw proxy minus the single server's, same repeat{spread})")
+        else:
+            print(f"proxy_hop_ms: n/a  ({label}; no repeat with both single set-ups)")

@@ -11,8 +11,17 @@ other-core``: then every thread of P's worker but the forward's on D's core, lw'
 alike). Against each it runs ``vllm bench serve`` on the same prompts of fresh random words (a
 ShareGPT-format file: vLLM's ``random`` dataset makes token-id runs; ``--num-warmups 0``: a
 warm-up re-sends the first measured prompt, which then hits the prefix cache), 32 output tokens,
-and prints one table per model and shape plus ``ttft_p50_ratio_vs_peer`` and
-``throughput_ratio_vs_peer`` (lw / MooncakeConnector).
+and prints one table per model and shape (TTFT, time to token 2 = TTFT + the first inter-token
+latency, end-to-end latency, from ``--save-detailed``'s per-request lists) plus
+``ttft_p50_ratio_vs_peer`` and ``throughput_ratio_vs_peer`` (lw / MooncakeConnector).
+
+Where a user looks (issue 59): ``lw-off`` is ``lw`` with ``first_token_from_p`` false (D samples
+the first token itself after the KV landed); ``single-proxy`` is the single server behind
+``lw proxy --sidecar`` with no prefill server, whose TTFT minus the single server's is the
+proxy's hop. A second table per shape gives each set-up's TTFT and time to token 2 over the
+single server's (same repeat), P's prefill time beside the single server's and, from the
+``first_token`` events of lw's timelines, "P sampled -> D received" (p50 / max; n/a where the
+workers record no such event).
 
 ``--link`` puts every P/D set-up's D in its own network namespace behind a veth pair
 (``benchmarks/_link.py``) whose P -> D direction is capped with tbf; P, the proxies and the
@@ -40,11 +49,8 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,11 +63,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._client import after_lw_run, prefill_time, run_bench  # noqa: E402
+from benchmarks._first_token import add_token2  # noqa: E402
 from benchmarks._link import Link, missing_requirements  # noqa: E402
 from benchmarks._pin import P_THREADS, pin  # noqa: E402
 from benchmarks._plan import (  # noqa: E402
+    BOTH_EXTRA,
     GOODPUT_TOLERANCE,
     LABELS,
+    NO_LINK,
     OUTPUT_TOKENS,
     P_EXTRA,
     PROXY_ARGS,
@@ -78,7 +88,6 @@ from benchmarks._plan import (  # noqa: E402
 )
 from benchmarks._report import print_table  # noqa: E402
 from lw.lab.vllm_demo import (  # noqa: E402
-    MODEL_NAME,
     LocalCluster,
     Server,
     complete,
@@ -90,11 +99,17 @@ from lw.lab.vllm_demo import (  # noqa: E402
 PEER_DIR = Path(__file__).resolve().parent / "_peer"
 
 
-def push_mode_supported() -> bool:
-    """Whether lw's connector knows ``push_mode`` yet (an unknown key fails the engine)."""
+def lw_config_keys() -> set[str]:
+    """The ``kv_connector_extra_config`` keys lw's connector knows in this checkout (an
+    unknown key fails the engine)."""
     from lw.vllm_adapter.config import LwConfig
 
-    return any(f.name == "push_mode" for f in fields(LwConfig))
+    return {f.name for f in fields(LwConfig)}
+
+
+def push_mode_supported() -> bool:
+    """Whether lw's connector knows ``push_mode`` yet."""
+    return "push_mode" in lw_config_keys()
 
 
 # ------------------------------------------------------------------------------------ setups
@@ -160,13 +175,43 @@ def start_single(model: Path, logs: Path, timeout: float, place: Placement) -> R
 
 def _start_lw(setup: str, model: Path, logs: Path, timeout: float,
               place: Placement) -> Running:
-    """lw P/D as ``lw demo`` starts it (without the reference engine), with ``push_mode``."""
-    extra = {"push_mode": PUSH_MODES[setup]} if push_mode_supported() else {}
+    """lw P/D as ``lw demo`` starts it (without the reference engine), with ``push_mode``
+    and the set-up's extras (those this checkout's connector knows)."""
+    known = lw_config_keys()
+    extra = {"push_mode": PUSH_MODES[setup]} if "push_mode" in known else {}
+    extra |= {k: v for k, v in BOTH_EXTRA.get(setup, {}).items() if k in known}
     cluster = place.cluster(model, logs, p_extra=dict(extra, **P_EXTRA.get(setup, {})),
                             d_extra=dict(extra),
                             proxy_args=list(PROXY_ARGS.get(setup, ())))
     cluster.start(timeout=timeout)  # stops what it started if it fails
     return Running(setup, dict(cluster.servers), cluster.url("proxy"), cluster)
+
+
+def start_single_proxy(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """The single server behind ``lw proxy --sidecar`` with no prefill server: the proxy relays
+    each request to it, which computes the prompt itself (lw.proxy.sidecar), so the proxy's
+    hop is this set-up's TTFT minus the single server's. The allowlist entry is a documentation
+    address no request names: the sidecar's flags need one."""
+    run = start_single(model, logs, timeout, place)
+    run.name = "single-proxy"
+    port = free_port()
+    control = next(p for p in iter(free_port, None) if p != port)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LW_CLUSTER_KEY="hex:" + os.urandom(32).hex())
+    proxy = Server("proxy", [sys.executable, "-m", "lw.proxy.server", "--sidecar",
+                             "--decode", run.url, "--allow-prefiller", "192.0.2.1:9",
+                             "--host", "127.0.0.1", "--port", str(port),
+                             "--control-host", "127.0.0.1", "--control-port", str(control),
+                             "--timeout", "120", "--log-level", "warning"],
+                   env, f"http://127.0.0.1:{port}", logs / "proxy.log")
+    try:
+        run.servers["proxy"] = proxy
+        proxy.start()
+        wait_ready([proxy], 90.0)
+    except BaseException:
+        run.stop()
+        raise
+    run.url = proxy.url
+    return run
 
 
 def mooncake_kv_config(role: str, engine_id: str) -> dict[str, Any]:
@@ -209,7 +254,7 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
 
 
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
-    "single": start_single, "peer": start_peer,
+    "single": start_single, "single-proxy": start_single_proxy, "peer": start_peer,
     # every lw set-up starts alike, with its own push_mode, proxy args and P extras (_plan.py)
     **{setup: functools.partial(_start_lw, setup) for setup in PUSH_MODES}}
 
@@ -221,94 +266,6 @@ def warm_up(run: Running, n: int = 2) -> None:
         if r.error:
             tails = "\n".join(f"--- {k}\n{s.tail(15)}" for k, s in run.servers.items())
             raise RuntimeError(f"{run.name} warm-up failed: {r.error}\n{tails}")
-
-
-def after_lw_run(run: Running, label: str, result: dict[str, Any], since: float) -> None:
-    """After each lw P/D run: where each request's time went, from lw's lifecycle events on P
-    and D (``lw status`` timelines) and the proxy's milestones, as mean per phase."""
-    if run.cluster is None:
-        return
-    import httpx
-
-    from lw.ops.client import MAX_TIMELINE, query
-    from lw.ops.phases import format_phases, milestones, phase_means
-
-    snap = query(run.cluster.status_workers(), run.cluster.cluster_key, timeline=MAX_TIMELINE,
-                 timeout_s=10)
-    try:
-        proxy = httpx.get(run.cluster.control_url + "/lw/timeline", timeout=10).json()
-    except httpx.HTTPError as exc:
-        print(f"  (no proxy timeline: {exc})")
-        proxy = {}
-    ms = milestones(snap, proxy)
-    done = {k: m for k, m in ms.items() if "first_token" in m.times and "all_done" in m.times
-            and m.times.get("received", 0.0) >= since}  # this run's requests only
-    print(format_phases(phase_means(done), f"lw phases, {label}: mean over "
-                        f"{len(done)} request(s) ({len(snap.silent)} worker(s) silent)"),
-          flush=True)
-    result["lw_phases_ms"] = {name: round(mean * 1e3, 1) for name, mean, n in
-                              phase_means(done) if n}
-
-
-def prefill_time(url: str, model: Path, input_len: int, n: int = 5, seed: int = 0) -> float:
-    """The server's prefill time for ``input_len``-token prompts: TTFT p50 (s) with
-    ``max_tokens`` 1 (the whole response) over ``n`` fresh prompts, sent one at a time after
-    one not counted (the first prompt of a length is slower)."""
-    prompts = make_prompts(model, Shape(input_len, 1, n + 1), f"calibrate-{seed}")
-    ttfts = []
-    for p in prompts:
-        # not streamed: a random model's one token can be empty text (no streamed chunk)
-        r = complete(url, p, max_tokens=1, stream=False, timeout=300.0)
-        if r.error:
-            raise RuntimeError(f"prefill-time request failed: {r.error}")
-        ttfts.append(r.total_s)
-    return statistics.median(ttfts[1:])
-
-
-# ------------------------------------------------------------------------------------ client
-def run_bench(url: str, model: Path, dataset: Path, shape: Shape, out: Path,
-              timeout: float) -> dict[str, Any]:
-    """Run ``vllm bench serve`` against ``url``; its saved JSON result (RuntimeError if none)."""
-    argv = ["bench", "serve", "--backend", "vllm", "--base-url", url,
-            "--endpoint", "/v1/completions", "--model", MODEL_NAME, "--tokenizer", str(model),
-            "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
-            "--disable-shuffle", "--sharegpt-output-len", str(OUTPUT_TOKENS), "--ignore-eos",
-            "--num-prompts", str(shape.prompts), "--max-concurrency", str(shape.concurrency),
-            "--request-rate", "inf", "--temperature", "0", "--num-warmups", "0",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
-            "--disable-tqdm"]
-    # vllm bench serve's ShareGPT loader drops prompts over 1,024 tokens (and prompt + output
-    # over 2,048) without a flag to change it; our prompts are exactly shape.input_len long.
-    code = ("import sys\nfrom lw.vllm_adapter.serve import install_version_shim\n"
-            "install_version_shim()\n"
-            "import vllm.benchmarks.datasets.datasets as ds\n"
-            "_valid = ds.is_valid_sequence\n"
-            "ds.is_valid_sequence = lambda p, o, **kw: _valid(\n"
-            "    p, o, **{**kw, 'max_prompt_len': 1 << 20, 'max_total_len': 1 << 20})\n"
-            "from vllm.entrypoints.cli.main import main\n"
-            "sys.argv = ['vllm', *sys.argv[1:]]\nmain()\n")
-    log = out.with_suffix(".log")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=f,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired as exc:
-            os.killpg(proc.pid, 9)
-            proc.wait(5)
-            raise RuntimeError(f"vllm bench serve timed out after {timeout:.0f}s; log {log}"
-                               ) from exc
-        except BaseException:  # Ctrl-C, SIGTERM: the client is in its own session
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
-            raise
-    if rc != 0 or not out.exists():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        raise RuntimeError(f"vllm bench serve exited {rc}:\n{tail}")
-    return json.loads(out.read_text())
-
 
 
 def warm_row(bench: Bench, run: Running, rep: int, row: LinkRow, shape: Shape) -> None:
@@ -331,7 +288,7 @@ def measure(bench: Bench, run: Running, setup: str, rep: int, row: LinkRow, shap
     """One ``vllm bench serve`` run (after the row's warm-ups); stored under (shape, row,
     setup)."""
     label = f"{bench.model_name} {LABELS[setup]} {shape.key} {row.key} rep {rep}"
-    key = (shape.key, "-" if setup == "single" else row.key, setup)
+    key = (shape.key, "-" if setup in NO_LINK else row.key, setup)
     try:
         warm_row(bench, run, rep, row, shape)
     except RuntimeError as exc:
@@ -350,13 +307,16 @@ def measure(bench: Bench, run: Running, setup: str, rep: int, row: LinkRow, shap
         bench.results.setdefault(key, []).append({"error": "bench failed", "rep": rep})
         return
     res["rep"] = rep
+    add_token2(res)
     bench.results.setdefault(key, []).append(res)
     bench.failures += bool(res.get("failed"))
-    print(f"[{label}] TTFT p50 {res['median_ttft_ms']:.0f} ms, "
+    t2 = res["median_token2_ms"]
+    print(f"[{label}] TTFT p50 {res['median_ttft_ms']:.0f} ms, token 2 p50 "
+          f"{'-' if t2 is None else format(t2, '.0f')} ms, "
           f"{res['output_throughput']:.1f} tok/s, failed {res.get('failed', 0)} "
           f"({time.monotonic() - t1:.0f}s)", flush=True)
-    if setup in PUSH_MODES:
-        after_lw_run(run, f"{shape.key} {row.key}", res, wall1)
+    if setup in PUSH_MODES and run.cluster is not None:
+        after_lw_run(run.cluster, f"{shape.key} {row.key}", res, wall1)
 
 
 def set_link(link: Link, bench: Bench, row: LinkRow, shape: Shape) -> None:
@@ -409,7 +369,8 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
     t0 = time.monotonic()
     name = f"{bench.model_name} {LABELS[setup]} rep {rep} ({group})"
     print(f"[{name}] starting ...", flush=True)
-    with placed(group, engine_args) as place:
+    # a set-up without P/D crosses no link: no veth to make for it
+    with placed("none" if setup in NO_LINK else group, engine_args) as place:
         try:
             run = STARTERS[setup](bench.model, logs, args.start_timeout, place)
         except RuntimeError as exc:
@@ -417,7 +378,7 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
             bench.failures += 1
             for sh in bench.plan:
                 for row in (r for r in rows if sh.runs_on(r)):
-                    key = (sh.key, "-" if setup == "single" else row.key, setup)
+                    key = (sh.key, "-" if setup in NO_LINK else row.key, setup)
                     bench.results.setdefault(key, []).append({"error": "did not start"})
             return
         try:
@@ -519,6 +480,10 @@ def run_model(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ..
         for setup in order:
             for group in groups:
                 rows = [r for r in bench.rows if (r.kind == "none") == (group == "none")]
+                if setup in NO_LINK:  # once per repeat, on the single server's prompts
+                    if bench.rows[0] not in rows:
+                        continue
+                    rows = [bench.rows[0]]
                 if rep % 2:
                     rows.reverse()  # what ran first in one repeat runs last in the next
                 run_setup(bench, setup, rep, group, rows, args, engine_args)
@@ -613,6 +578,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_all = time.monotonic()
     pm = "" if push_mode_supported() else (
         " (lw's config has no push_mode yet: both lw set-ups run its one mode)")
+    if "lw-off" in args.setups and "first_token_from_p" not in lw_config_keys():
+        pm += " (lw's config has no first_token_from_p: lw-off runs as lw)"
     warm = args.row_warmups if args.row_warmups is not None else 2 if link_mode else 0
     print(f"serving benchmark: setups {', '.join(args.setups)}{pm}; link rows "
           f"{', '.join(r.key for r in args.link)}; repeats {args.repeats}; {warm} unmeasured "
