@@ -72,6 +72,11 @@ class LwConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(self.cfg, vllm_config, kv_cache_config)
 
     # ---------------------------------------------------------------------- scheduler side
+    @property
+    def scheduler_side(self) -> SchedulerSide | None:
+        """The scheduler-role half (None in a worker): lw's scheduler classes read it."""
+        return self._sched
+
     def _block_ids(self, rid: str) -> list[int]:
         """A request's block ids (one KV cache group), from the manager vLLM bound to us."""
         manager = self._kv_cache_manager

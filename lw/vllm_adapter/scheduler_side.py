@@ -149,6 +149,16 @@ class SchedulerSide:
         self.first_counts = FirstTokenCounts()
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
+        # what lw's scheduler class (lw_scheduler) makes of P's first tokens; an engine started
+        # without it (plain `vllm serve`) takes vLLM's path and says so once
+        self.first_token_mode = "off: vLLM's scheduler class (not lw's)"
+        sched_cls = getattr(vllm_config.scheduler_config, "scheduler_cls", None)
+        if not cfg.is_producer and cfg.first_token_from_p and (
+                not isinstance(sched_cls, str) or not sched_cls.startswith("lw.")):
+            log.warning("lw: this decode engine runs %s, not lw's scheduler class: D recomputes "
+                        "the last prompt token and samples token 1 itself (start it with "
+                        "python -m lw.vllm_adapter.serve, or --scheduler-cls "
+                        "lw.vllm_adapter.lw_scheduler.LwScheduler)", sched_cls or "vLLM's own")
 
     # ------------------------------------------------------------------------------- P side
     def _refused(self, request: Request, exc: ContractError, what: str) -> None:
@@ -544,23 +554,27 @@ class SchedulerSide:
         return False
 
     def update_output(self, out: KVConnectorOutput) -> None:
-        """Requests released by the workers."""
+        """Requests released by the workers; D: P's first tokens they took."""
+        wm = getattr(out, "kv_connector_worker_meta", None)
+        # before the receives that finished: a token and the KV may land in one step
+        for ft in wm.first_tokens if isinstance(wm, LwWorkerMeta) else ():
+            dr = self._d.get(ft.req_id)
+            if dr is not None and not dr.aborted and dr.transfer_id == ft.transfer_id:
+                self._first_in.append(ft)
+            elif dr is None and ft.req_id in self._d_seen:  # its KV landed steps before
+                self.first_counts.count("first_token_discarded")
+                self.first_counts.fallback("late")
         for rid in out.finished_sending or ():
             self._pushed.pop(rid, None)
             self._computes.released(rid)
         for rid in out.finished_recving or ():
             self._d.pop(rid, None)
-        wm = getattr(out, "kv_connector_worker_meta", None)
         if isinstance(wm, LwWorkerMeta):
             self._take_rates(wm)
             for rp in wm.reprefills:
                 self._reprefill(rp)
             for rid, status, val in wm.ahead_answers:
                 self._ahead.answered(rid, status, val)
-            for ft in wm.first_tokens:
-                dr = self._d.get(ft.req_id)
-                if dr is not None and not dr.aborted and dr.transfer_id == ft.transfer_id:
-                    self._first_in.append(ft)
 
     def take_first_tokens(self) -> list[FirstTokenIn]:
         """D: P's first tokens that reached live receives since the last call (lw's

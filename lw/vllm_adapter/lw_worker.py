@@ -1,0 +1,76 @@
+"""lw's CPU worker: vLLM's V1 model runner, told the first token P sampled for a request
+that continues from it (lw.vllm_adapter.lw_scheduler).
+
+``--worker-cls lw.vllm_adapter.lw_worker.LwCPUWorker`` (``python -m lw.vllm_adapter.serve`` adds
+it on CPU). The V1 runner builds a new request's state from its prompt alone; a request whose
+first token came from P is scheduled at position L with that token as input, so the runner
+must hold it as the request's first output token (the input of the step, and what penalties
+and min_tokens count), and a seeded request's generator must stand where a single server's
+stands after drawing token 1: one draw further.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+__all__ = ["LwCPUModelRunner", "LwCPUWorker", "advance_generator", "seed_first_tokens"]
+
+
+def advance_generator(gen: torch.Generator, *, fp64_gumbel: bool, vocab_size: int) -> None:
+    """Draw from ``gen`` what vLLM's CPU sampler draws for one token of a seeded request
+    (``TopKTopPSampler.forward_cpu``: one int64 for its fused Gumbel argmax; with fp64 Gumbel
+    noise, one exponential row over the vocabulary)."""
+    if fp64_gumbel:
+        torch.empty(vocab_size, dtype=torch.float64).exponential_(generator=gen)
+    else:
+        torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long)
+
+
+def seed_first_tokens(runner: Any, seeds: list[tuple[str, int]]) -> None:
+    """Make each (request, token) of ``seeds``, a request the runner has just added with no
+    output, hold ``token`` as its first output token at position L (its prompt length)."""
+    batch = runner.input_batch
+    sampler = runner.sampler
+    for rid, token in seeds:
+        state = runner.requests.get(rid)
+        idx = batch.req_id_to_index.get(rid)
+        if state is None or idx is None or state.output_token_ids:
+            raise RuntimeError(f"lw: request {rid}: P's first token cannot be seeded (the "
+                               f"runner holds {'no' if state is None else 'another'} state for "
+                               f"it); the scheduler and the runner disagree")
+        pos = state.num_prompt_tokens
+        state.output_token_ids.append(token)  # the list the batch's output_token_ids shares
+        batch.token_ids_cpu[idx, pos] = token
+        batch.is_token_ids[idx, pos] = True
+        batch.num_tokens_no_spec[idx] = pos + 1
+        if state.generator is not None:
+            advance_generator(state.generator, fp64_gumbel=bool(sampler.use_fp64_gumbel),
+                              vocab_size=batch.vocab_size)
+
+
+class LwCPUModelRunner(CPUModelRunner):
+    """vLLM's CPU model runner (V1) that seeds P's first tokens (see the module)."""
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> Any:
+        out = super()._update_states(scheduler_output)
+        seeds = getattr(scheduler_output.kv_connector_metadata, "seeds", None)
+        if seeds:
+            seed_first_tokens(self, seeds)
+        return out
+
+
+class LwCPUWorker(CPUWorker):
+    """vLLM's CPU worker with :class:`LwCPUModelRunner` (V2 runners need nothing: they get the
+    request's token ids, P's token included, and key sampling noise by position)."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        if not self.use_v2_model_runner:
+            self.model_runner = LwCPUModelRunner(self.vllm_config, torch.device("cpu"))
