@@ -49,6 +49,9 @@ class Result:
 
     text: str = ""
     ttft_s: float | None = None
+    # when the second generated token arrived (streamed only): a chunk's logprobs tokens count
+    # each, a chunk without them one (vLLM streams one token per chunk by default)
+    token2_s: float | None = None
     total_s: float = 0.0
     error: str = ""
     finish_reason: str | None = None
@@ -94,6 +97,7 @@ def complete(base_url: str, prompt: str | list[int], max_tokens: int = 16, strea
                 if r.status_code != 200:
                     res.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}"
                     return res
+                tokens = 0
                 for line in r.iter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -105,6 +109,10 @@ def complete(base_url: str, prompt: str | list[int], max_tokens: int = 16, strea
                         res.error = json.dumps(event["error"])[:300]
                         break
                     for choice in event.get("choices", ()):
+                        lp = choice.get("logprobs") or {}
+                        tokens += len(lp.get("tokens") or ()) or 1
+                        if tokens >= 2 and res.token2_s is None:
+                            res.token2_s = time.perf_counter() - t0
                         if choice.get("text"):
                             if res.ttft_s is None:
                                 res.ttft_s = time.perf_counter() - t0

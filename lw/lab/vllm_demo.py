@@ -201,15 +201,45 @@ def ttft_summary(single: Sequence[float | None], pd: Sequence[float | None],
         none = " nor ".join(name for name, xs in (("the single engine", r), ("P/D", d)) if not xs)
         lines.append(f"TTFT       no comparison: no first token from {none}")
         return lines
-    med_r, med_d = statistics.median(r), statistics.median(d)
+    lines.append("TTFT       " + _compare(r, d))
+    return lines
+
+
+def _compare(single: Sequence[float], pd: Sequence[float]) -> str:
+    """How P/D's median compares with the single engine's, in the numbers' direction."""
+    med_r, med_d = statistics.median(single), statistics.median(pd)
     diff = round((med_d - med_r) * 1000)
-    ratio = f" (x{med_d / med_r:.2f})" if med_r > 0 else ""
     if diff == 0:
-        lines.append("TTFT       P/D's median equals the single engine's (to the ms)")
-    else:
-        where = "above" if diff > 0 else "below"
-        lines.append(f"TTFT       P/D's median is {abs(diff)} ms {where} the single engine's"
-                     f"{ratio}")
+        return "P/D's median equals the single engine's (to the ms)"
+    ratio = f" (x{med_d / med_r:.2f})" if med_r > 0 else ""
+    where = "above" if diff > 0 else "below"
+    return f"P/D's median is {abs(diff)} ms {where} the single engine's{ratio}"
+
+
+TOKEN2_NOTE = ("(these requests ask for logprobs, which lw's first_token_from_p leaves to "
+               "vLLM's own path: P/D's first token here is D's)")
+"""Why the demo's P/D figures are not the first-token-from-P path: the oracle's near ties need
+logprobs, and P's sampled token is used only where D would sample the same
+(lw.vllm_adapter.first_token's fallback "logprobs")."""
+
+
+def token2_summary(single: Sequence[float | None], pd: Sequence[float | None],
+                   note: str = TOKEN2_NOTE) -> list[str]:
+    """The time-to-token-2 lines (client to the second streamed token): each side's median
+    (min-max) over the requests that streamed two tokens, and how the medians compare. With
+    ``first_token_from_p`` P/D's first token leaves before the KV lands and its second after
+    D's first decode step: token 2 shows what the early first token did not hide."""
+    r = [x for x in single if x is not None]
+    d = [x for x in pd if x is not None]
+    lines = [f"token 2    median (min-max), client to the second streamed token, over the "
+             f"requests with one (single engine {len(r)} of {len(single)}, P/D {len(d)} of "
+             f"{len(pd)})" + (f" {note}" if note else "")]
+    if r:
+        lines.append(f"  single engine {_spread(r)}".rstrip())
+    if d:
+        lines.append(f"  P/D           {_spread(d)}".rstrip())
+    lines.append("token 2    " + (_compare(r, d) if r and d else "no comparison: no second "
+                                  "token from " + ("the single engine" if not r else "P/D")))
     return lines
 
 
@@ -512,8 +542,8 @@ def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Resu
     of the measured requests (metrics as deltas from ``before``/``before_d``); exit status."""
     before_d = before_d or {}
     print()
-    print(f"{'#':>2} {'words':>5} {'TTFT 1 eng':>10} {'TTFT P/D':>9}  {'single engine':<34} "
-          f"{'P/D':<34} same")
+    print(f"{'#':>2} {'words':>5} {'TTFT 1 eng':>10} {'TTFT P/D':>9} {'tok2 1 eng':>10} "
+          f"{'tok2 P/D':>9}  {'single engine':<34} {'P/D':<34} same")
     done = failed = mismatched = 0
     notes = []
     for i, (p, r, d) in enumerate(zip(prompts, ref, pd, strict=True)):
@@ -528,13 +558,16 @@ def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Resu
         right = d.error if d.error else d.text
         size = len(p.split()) if isinstance(p, str) else len(p)
         mark = "yes" if verdict.kind == "equal" else f"tie@{verdict.position}" if same else "NO"
-        print(f"{i:>2} {size:>5} {_ms(r.ttft_s):>7} ms {_ms(d.ttft_s):>6} ms  "
+        print(f"{i:>2} {size:>5} {_ms(r.ttft_s):>7} ms {_ms(d.ttft_s):>6} ms "
+              f"{_ms(r.token2_s):>7} ms {_ms(d.token2_s):>6} ms  "
               f"{_short(r.text if not r.error else r.error):<34} {_short(right):<34} {mark}")
         if verdict.kind != "equal":
             notes.append(f"{i:>2}: {verdict}")
     for note in notes:  # ties with the reference's margin there; why the others differ
         print(f"oracle     {note}")
     for line in ttft_summary([r.ttft_s for r in ref], [d.ttft_s for d in pd], warmups):
+        print(line)
+    for line in token2_summary([r.token2_s for r in ref], [d.token2_s for d in pd]):
         print(line)
 
     def delta(key: str, after: dict[str, float] = after_p,

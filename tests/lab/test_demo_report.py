@@ -140,3 +140,60 @@ def test_the_start_line_says_how_the_proxy_started_the_prefills() -> None:
                               "D first; not sent ahead: p_busy 2")
     assert _start_line({"prefills": 3}) == ("starts     3 prefills: 0 sent ahead and bound, 0 "
                                             "fallbacks to D first")
+
+
+def test_token2_lines_compare_medians_and_say_why_the_p_d_path_is_ds(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Time to token 2 beside the single engine's; a request without a second token is counted,
+    and the note says the demo's logprobs requests take vLLM's own first-token path."""
+    from lw.lab.vllm_demo import TOKEN2_NOTE, token2_summary
+
+    lines = token2_summary([0.060, 0.070, 0.080], [0.090, None, 0.110])
+    assert "(single engine 3 of 3, P/D 2 of 3)" in lines[0] and TOKEN2_NOTE in lines[0]
+    assert "70 ms (60-80)" in lines[1] and "100 ms (90-110)" in lines[2]
+    assert lines[-1] == "token 2    P/D's median is 30 ms above the single engine's (x1.43)"
+    assert token2_summary([0.05], [None], note="")[-1] == (
+        "token 2    no comparison: no second token from P/D")
+    ref = [_done(ttft=t) for t in SINGLE]
+    pd = [_done(ttft=t) for t in PD]
+    for r in (*ref, *pd):
+        r.token2_s = (r.ttft_s or 0.0) + 0.010
+    _report(["a b"] * 8, ref, pd, 0, {}, {}, {}, warmups=1)
+    out = capsys.readouterr().out.splitlines()
+    assert "tok2 1 eng  tok2 P/D" in next(line for line in out if line.startswith(" #"))
+    assert "     62 ms     78 ms" in out[2]  # request 0: 52 + 10 and 68 + 10
+    assert "token 2    P/D's median is 26 ms above the single engine's (x1.43)" in out
+
+
+def test_complete_times_the_second_token_by_logprobs_tokens_or_chunks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's logprobs tokens count each (two in one chunk: token 2 came with token 1),
+    a chunk without logprobs counts one."""
+    import json
+
+    import httpx
+
+    from lw.lab import demo_client
+
+    def sse(chunks: list[dict[str, object]]) -> bytes:
+        events = [f"data: {json.dumps({'choices': [c]})}\n\n" for c in chunks]
+        return ("".join(events) + "data: [DONE]\n\n").encode()
+
+    bodies = {
+        "two": sse([{"text": "a b", "logprobs": {"tokens": ["token_id:1", "token_id:2"]}},
+                    {"text": " c", "finish_reason": "length"}]),
+        "plain": sse([{"text": "a"}]),
+    }
+    real = httpx.Client
+
+    for name, want_token2 in (("two", True), ("plain", False)):
+        transport = httpx.MockTransport(
+            lambda req, body=bodies[name]: httpx.Response(200, content=body))
+        monkeypatch.setattr(httpx, "Client",
+                            lambda *a, transport=transport, **kw: real(*a, transport=transport,
+                                                                       **kw))
+        res = demo_client.complete("http://demo.invalid", "p", max_tokens=3)
+        assert res.error == "" and res.ttft_s is not None
+        assert (res.token2_s is not None) is want_token2
+        if want_token2:
+            assert res.token2_s == pytest.approx(res.ttft_s, abs=0.05)
