@@ -18,8 +18,9 @@ MAX_TP = 4096  # ranks of one tensor-parallel group
 MAX_CHECKSUMS = 1 << 17  # KV checksums one DONE carries (one per layer and block)
 # 2: KVFormat in layouts and claims (heterogeneous TP, MLA); 3: a claim names the D blocks;
 # 4: claims, DONEs, failures, aborts and their acks carry the claim epoch (prefill failover);
-# 5: a claim names the digest of the prompt its sender computed (D refuses another prompt's)
-PROTOCOL_VERSION = 5
+# 5: a claim names the digest of the prompt its sender computed (D refuses another prompt's);
+# 6: P sends the first token it sampled (FirstToken)
+PROTOCOL_VERSION = 6
 
 # Bounds that make absurd values a decode error rather than a problem for the core.
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -37,6 +38,10 @@ _Epoch = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 _Prompt = Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{32})?$")]
 """The digest of a prompt's token ids (lw.contract.params.prompt_digest); "" when unbound."""
 _Heads = Annotated[int, msgspec.Meta(ge=1, le=MAX_KV_HEADS)]
+MAX_SPEC = 64  # longest sampling-spec digest a FirstToken carries
+_Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]  # a vocabulary index
+# opaque to lw, but it reaches logs and timelines: printable ASCII, no spaces
+_Spec = Annotated[str, msgspec.Meta(max_length=MAX_SPEC, pattern=r"^[!-~]*$")]
 _TP = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
 
 
@@ -229,6 +234,28 @@ class AbortAck(_Msg, tag="abort_ack"):
     epoch: _Epoch = 0
 
 
+class FirstToken(_Msg, tag="first_token"):
+    """P tells D the token it sampled as a request's first, bound to the claim it was computed
+    under (epoch, prompt) and to the sampling spec it was drawn with."""
+
+    req_id: _Id
+    sender: Sender
+    epoch: _Epoch  # the claim epoch whose prefill sampled it
+    token: _Token
+    prompt: _Prompt  # the prompt digest that claim names ("": not bound)
+    spec: _Spec  # digest of the sampling parameters it was drawn with (lw.contract.sampling)
+
+
+def first_token_problem(token: int, spec: str) -> str:
+    """Why a FirstToken could not carry ``token`` and ``spec`` (the wire would refuse it), or
+    "" (a sender checks before it builds one: a Struct made in Python is not validated)."""
+    if not 0 <= token < 1 << 31:
+        return f"token {token} is outside 0..2**31-1"
+    if len(spec) > MAX_SPEC or not all("!" <= c <= "~" for c in spec):
+        return f"spec {spec[:80]!r} is not up to {MAX_SPEC} printable ASCII characters"
+    return ""
+
+
 class Heartbeat(_Msg, tag="hb"):
     """Liveness probe to a worker we share live requests with (answered by its loop thread)."""
 
@@ -290,5 +317,5 @@ class StatusReply(_Msg, tag="status_rep"):
 
 
 Message = (MetaRequest | MetaReply | DoneSending | FailedSending | Ack | Abort | AbortAck
-           | StatusQuery | StatusReply | Heartbeat | HeartbeatAck)
+           | FirstToken | StatusQuery | StatusReply | Heartbeat | HeartbeatAck)
 
