@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
 from lw.fsm.decode_failover import Failover
+from lw.fsm.decode_first_token import FirstTokenIntake
 from lw.fsm.decode_ghosts import GHOST_RULES, Ghosts
 from lw.fsm.decode_request import DecodeConfig, DecodeRecord, SenderKey, ack, brief_blocks
 from lw.fsm.effects import (
@@ -48,6 +49,7 @@ from lw.fsm.messages import (
     AbortAck,
     DoneSending,
     FailedSending,
+    FirstToken,
     KVLayout,
     Message,
     MetaReply,
@@ -55,7 +57,7 @@ from lw.fsm.messages import (
     RequestStatus,
     Sender,
 )
-from lw.fsm.snapshot import ENDPOINT_RULES, OMIT, RECORD_RULES, Rules, derive
+from lw.fsm.snapshot import ENDPOINT_RULES, OMIT, RECORD_RULES, UNORDERED, Rules, derive
 from lw.fsm.status import decode_row, decode_span
 from lw.fsm.timeline import Timeline
 
@@ -63,7 +65,7 @@ _FINAL = (DONE, FAILED)
 _LIVE = (PREFILL_REQUESTED, RECEIVING)  # an epoch whose prefill is under way
 
 
-class DecodeEndpoint(Failover, LifecycleEndpoint):
+class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
     """Protocol logic of one D worker (events in, effects out; time is an argument)."""
 
     SIDE = "decode"
@@ -87,7 +89,8 @@ class DecodeEndpoint(Failover, LifecycleEndpoint):
             "peer_restarts", "requests", "done", "failed", "deadlines", "leases_expired",
             "stale_messages", "refused", "checksum_mismatches", "unknown_requests", "reprefills",
             "stale_epoch", "fresh_blocks", "fresh_refused", "ghosts_released", "fences",
-            "fence_failures", "stale_fences"), 0)
+            "fence_failures", "stale_fences", "first_tokens_taken", "first_tokens_refused"), 0)
+        self._done_claims: OrderedDict = OrderedDict()  # DONE, first token due (FirstTokenIntake)
         # retry_fresh_blocks: abandoned claim epochs whose blocks are quarantined; they outlive
         # their request if need be
         self._ghosts = Ghosts(me, self.config.lease_s, self.counters, self.timeline,
@@ -173,10 +176,13 @@ class DecodeEndpoint(Failover, LifecycleEndpoint):
             self._on_failed(msg, now, out)
         elif isinstance(msg, AbortAck):
             self._on_abort_ack(msg, now, out)
+        elif isinstance(msg, FirstToken):
+            self._on_first_token(msg, now, out)
         else:
             raise ProtocolError(
                 "decode", getattr(msg, "req_id", "?"), "-", type(msg).__name__,
-                "a D worker only accepts MetaRequest, DoneSending, FailedSending and AbortAck",
+                "a D worker only accepts MetaRequest, DoneSending, FailedSending, AbortAck and "
+                "FirstToken",
             )
         return out
 
@@ -505,6 +511,7 @@ class DecodeEndpoint(Failover, LifecycleEndpoint):
             out.append(CancelTimer(("deadline", rec.req_id)))
             out.append(RecvDone(rec.req_id))
             self.counters["done"] += 1
+            self._keep_done_claim(rec)  # P's first token may still come
             self._forget(rec)
 
     def _on_failed(self, msg: FailedSending, now: float, out: list[Effect]) -> None:
@@ -619,6 +626,8 @@ SNAPSHOT_RULES: Rules = {
     DecodeEndpoint: {
         **ENDPOINT_RULES,
         "layout": (OMIT, "fixed when made (own layout)"),
+        "_done_claims": (UNORDERED, "its order only decides which claim is forgotten past "
+                                    "finished_memory (4096) requests"),
     },
     DecodeRecord: RECORD_RULES,
     **GHOST_RULES,

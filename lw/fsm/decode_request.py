@@ -51,6 +51,8 @@ class DecodeConfig:
     # data plane that cannot fence (then a late byte can land in a reused block).
     fence_data: bool = False
     fence_retry_s: float = 2.0  # a fence that failed is tried again this much later
+    # Take the first token P sampled (FirstToken) for the scheduler, bound to the claim
+    first_token_from_p: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_timeout_s", "lease_s", "fence_retry_s"):
@@ -97,7 +99,8 @@ class DecodeRecord:
 
     __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
                  "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums", "asked",
-                 "epoch", "retries", "avoid", "route", "asking", "prompt", "fencing")
+                 "epoch", "retries", "avoid", "route", "asking", "prompt", "fencing",
+                 "token_epoch")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
                  ranks: frozenset[int] | None, now: float, deadline: float,
@@ -131,6 +134,7 @@ class DecodeRecord:
         # interpreter call, like ``asked``)
         self.asking = False
         self.fencing = False  # fence_data: its lease ended, the FenceData awaits its answer
+        self.token_epoch = -1  # the claim epoch whose first token from P was taken (-1: none)
 
 
 class Ghost:

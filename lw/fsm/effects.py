@@ -108,6 +108,17 @@ class RecvFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class FirstTokenTaken:
+    """D: P's first token for the request, taken under claim ``epoch`` (sent by a sender D
+    accepted for it, for the request's prompt); the scheduler decides whether to use it."""
+
+    req_id: str
+    token: int
+    spec: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
 class Quarantine:
     """D: the request failed but writes may still land; its blocks must stay untouched."""
 
@@ -237,7 +248,7 @@ class Sums:
 
 Effect = (
     Send | WriteLayer | ArmTimer | CancelTimer | SendFinished | RecvDone | RecvFailed | Quarantine
-    | Reprefill | ReleaseBlocks | SumBlocks | KeptSums | FreshBlocks | FenceData
+    | Reprefill | ReleaseBlocks | SumBlocks | KeptSums | FreshBlocks | FenceData | FirstTokenTaken
 )
 
 

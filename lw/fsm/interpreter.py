@@ -22,6 +22,7 @@ from lw.fsm.effects import (
     CancelTimer,
     Effect,
     FenceData,
+    FirstTokenTaken,
     FreshBlocks,
     Granted,
     KeptSums,
@@ -40,10 +41,12 @@ from lw.fsm.effects import (
 )
 from lw.fsm.messages import KVLayout, Message
 
-Report = SendFinished | RecvDone | RecvFailed | Quarantine | Reprefill | ReleaseBlocks
+Report = (SendFinished | RecvDone | RecvFailed | Quarantine | Reprefill | ReleaseBlocks
+          | FirstTokenTaken)
 """Effects that tell the driver's owner (vLLM's scheduler, the world's bookkeeping) an outcome."""
 
-_REPORTS = (SendFinished, RecvDone, RecvFailed, Quarantine, Reprefill, ReleaseBlocks)
+_REPORTS = (SendFinished, RecvDone, RecvFailed, Quarantine, Reprefill, ReleaseBlocks,
+            FirstTokenTaken)
 
 Answer = Sums | Granted
 """The answers to the core's questions, handed back to it by :meth:`EffectPorts.answer`."""

@@ -101,6 +101,11 @@ def prefill_declaration(num_layers: int) -> Declaration:
             # D acknowledged DONE.
             rows("ack", [last], DONE),
             rows("ack", [DONE, FAILED], STAY, "duplicate or late acknowledgement"),
+            # The scheduler hands over the token it sampled as the request's first: it goes to
+            # D once D accepted the claim (META_READY on), never for a failed request.
+            rows("first_token", [AHEAD, AWAIT_DECODER_META], STAY, "held until D accepts"),
+            rows("first_token", [META_READY, *sent, CHUNK_SENT, DONE], STAY, "sent to D"),
+            rows("first_token", [FAILED], STAY, "dropped: the request failed"),
             # Failure: transfer error, D refused or aborted, deadline, local abort, peer lost.
             rows("fail", live, FAILED),
             rows("fail", [DONE, FAILED], STAY, "already final"),
@@ -147,6 +152,10 @@ def decode_declaration() -> Declaration:
             rows("sender_stopped", [FENCING], STAY, "the old epoch quietens"),
             # Nothing of the old epoch can land any more: a new epoch into the same blocks.
             rows("retry", [*live, FENCING], PREFILL_REQUESTED),
+            # P's first token for the current epoch, from a sender accepted for it: reported
+            # (once per epoch); it never moves the KV lifecycle. A given-up epoch takes none.
+            rows("first_token", [RECEIVING, DONE], STAY, "taken"),
+            rows("first_token", [PREFILL_REQUESTED, FENCING, FAILED], STAY, "refused"),
             # A message of another epoch: never counts for the current one (refused or dropped).
             rows("stale_epoch", every, STAY, "another epoch's claim, DONE or failure"),
         ),

@@ -68,6 +68,7 @@ from lw.fsm.messages import (
     Sender,
 )
 from lw.fsm.prefill_ahead import AheadBinding
+from lw.fsm.prefill_first_token import FirstTokens
 from lw.fsm.prefill_layouts import Layouts
 from lw.fsm.prefill_replies import DecoderReplies
 from lw.fsm.prefill_request import (
@@ -84,7 +85,7 @@ from lw.fsm.timeline import Timeline
 _FINAL = (DONE, FAILED)
 
 
-class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
+class PrefillEndpoint(AheadBinding, DecoderReplies, FirstTokens, LifecycleEndpoint):
     """Protocol logic of one P worker rank (events in, effects out; time is an argument).
 
     ``local`` describes this rank's own KV memory (per-layer block bytes and head format); with
@@ -115,6 +116,8 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
         # a request computed ahead, bound and renamed while it lives: its ahead id -> D's id.
         # A driver may bind it mid-step, after the forward queued layers under the ahead id.
         self._aliases: dict[str, str] = {}
+        self._done_claims: OrderedDict = OrderedDict()  # released DONE, token due (FirstTokens)
+        self._done_alias: dict[str, str] = {}
         self.timeline = Timeline(self.config.timeline_entries)
         self._ring = self.timeline.ring
         self._durations = self.timeline.durations
@@ -130,6 +133,8 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
             "ahead": 0,
             "late_binds": 0,
             "tombstones_forgotten": 0,
+            "first_tokens_sent": 0,
+            "first_tokens_refused": 0,
         }
 
     # ----------------------------------------------------------------------------- inspection
@@ -609,9 +614,11 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, LifecycleEndpoint):
             out.append(Send(addr, AbortAck(PROTOCOL_VERSION, rid, self.me, known=True,
                                            in_doubt=rec.in_doubt, epoch=rec.req.epoch)))
         self._finished[rid] = rec.state
-        if self._aliases:
-            for aid in [a for a, r in self._aliases.items() if r == rid]:
-                del self._aliases[aid]
+        aliases = [a for a, r in self._aliases.items() if r == rid] if self._aliases else []
+        for aid in aliases:
+            del self._aliases[aid]
+        if ok:
+            self._keep_done_claim(rec, aliases)
         if rec.in_doubt:
             self._in_doubt.add(rid)
         while len(self._finished) > self.config.finished_memory:
@@ -632,6 +639,10 @@ SNAPSHOT_RULES: Rules = {
                              "leave off"),
         "_aliases": (OMIT, "a driver's delivery order (a layer queued before a mid-step "
                            "bind); the worlds bind between events, so it is never read there"),
+        "_done_claims": (UNORDERED, "its order only decides which claim is forgotten past "
+                                    "finished_memory (4096) requests"),
+        "_done_alias": (OMIT, "an index of the ahead ids _done_claims holds (a pure function "
+                              "of it)"),
     },
     Layouts: {
         "num_layers": (OMIT, "fixed when made"),

@@ -79,6 +79,7 @@ class DecoderReplies:
         if all(x.accepted for x in rec.targets):
             out.append(CancelTimer(("meta", rec.req.req_id)))
             self._fire(rec, "meta_accepted", now)
+            self._send_first(rec, now, out)  # a first token held for the claim goes now
             self._submit_ready(rec, out, now)
         else:
             self._fire(rec, "target_accepted", now)  # found by the model checker (finding 3)

@@ -82,6 +82,8 @@ class PrefillConfig:
     timeline_entries: int = DEFAULT_TIMELINE_ENTRIES  # lifecycle events remembered; 0 = none
     stuck_fraction: float = 0.5  # a request this far into its deadline in one state is "stuck"
     kv_checksum: bool = False  # writes are summed (CRC-32C) and DONE carries the sums
+    # TP rank 0 sends D the token P's scheduler sampled as a request's first (first_token)
+    first_token_from_p: bool = False
 
     def __post_init__(self) -> None:
         for name in ("meta_retry_s", "ack_retry_s", "request_timeout_s", "tombstone_ttl_s",
@@ -173,6 +175,8 @@ class PrefillRecord:
         "final",
         "skip",
         "announced",
+        "first",
+        "first_sent",
     )
 
     @property
@@ -209,6 +213,8 @@ class PrefillRecord:
         self.reason = ""
         self.abort_acks: list[str] = []  # D addresses waiting for our AbortAck
         self.in_doubt = False  # a write failed in a way that may still deliver bytes later
+        self.first: tuple[int, str] | None = None  # the first token P sampled, and its spec
+        self.first_sent = False  # ... went to D (at most once per record)
 
     def target(self, addr: str) -> _Target | None:
         for t in self.targets:

@@ -1,0 +1,131 @@
+"""P's endpoint, first token: the token P's scheduler sampled as a request's first goes to D as a
+:class:`~lw.fsm.messages.FirstToken`, bound to the claim it was computed under (D's id, epoch,
+prompt). A part of :class:`lw.fsm.prefill.PrefillEndpoint`, split from it as a concern of its own.
+
+Only TP rank 0 of a P engine sends it (every rank's scheduler sees the same token), to the first
+D worker it writes into. A token that comes before D accepted the claim (computed ahead, or the
+claim unanswered) is held on the request's record and sent as the claim is accepted; it never
+waits for anything else and nothing waits for it. The scheduler hears of the sampled token after
+the request finished, often after D acknowledged its DONE: the claim of a request released DONE
+is remembered (``finished_memory`` of them) so that its token still goes. A failed request's
+token is never sent.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from lw.fsm.effects import Effect, Send
+from lw.fsm.lifecycles import AHEAD, AWAIT_DECODER_META, DONE, FAILED
+from lw.fsm.messages import PROTOCOL_VERSION, FirstToken, first_token_problem
+from lw.fsm.prefill_request import PrefillRecord
+
+__all__ = ["FirstTokens"]
+
+DoneClaim = tuple[str, int, str, tuple[str, ...]]
+"""What a request released DONE leaves for its token: (D worker address, claim epoch, prompt
+digest, the ids it was computed ahead under)."""
+
+
+class FirstTokens:
+    """The first token's methods PrefillEndpoint takes from here (they use its ``_reqs``,
+    ``_finished``, ``_renamed``, ``_fire``, ``fmt``, ``me``, ``config``, timeline, counters)."""
+
+    _done_claims: OrderedDict[str, DoneClaim]  # D's id -> its claim, token not sent yet
+    _done_alias: dict[str, str]  # ahead id -> D's id, of the requests in _done_claims
+
+    def first_token(self: Any, req_id: str, token: int, spec: str, now: float) -> list[Effect]:
+        """P's scheduler sampled ``token`` as the first of request ``req_id`` (D's id, or the
+        id it was computed ahead under) with the sampling spec digest ``spec``: send it to D
+        under the request's claim, now or once D accepted the claim; at most once per request.
+        Other TP ranks than 0 send nothing (rank 0's token is the engine's)."""
+        if self.fmt.tp_rank != 0:
+            return []
+        out: list[Effect] = []
+        rec = self._reqs.get(req_id) or self._renamed(req_id)
+        if rec is None:
+            self._first_of_released(req_id, token, spec, now, out)
+            return out
+        why = self._first_refusal(rec, token, spec)
+        if why:
+            self._refuse_first(rec.req.req_id, rec.state, why, now)
+            return out
+        rec.first = (token, spec)
+        if rec.state in (AHEAD, AWAIT_DECODER_META):
+            self._fire(rec, "first_token", now, f"token {token}: held until D accepts")
+            return out
+        self._send_first(rec, now, out)
+        return out
+
+    def _first_refusal(self: Any, rec: PrefillRecord, token: int, spec: str) -> str:
+        """Why a live request takes no (further) first token, or ""."""
+        if not self.config.first_token_from_p:
+            return "first_token_from_p is off on this worker"
+        bad = first_token_problem(token, spec)
+        if bad:
+            return bad
+        if rec.first is not None:
+            return "the request has its first token already"
+        if rec.state == FAILED:
+            return "the request failed"
+        if not rec.req.targets and rec.state != AHEAD:
+            return "this rank writes into no decoder"
+        return ""
+
+    def _send_first(self: Any, rec: PrefillRecord, now: float, out: list[Effect]) -> None:
+        """Send a live request's held token to its first target (D accepted the claim)."""
+        first = rec.first
+        if first is None or rec.first_sent or rec.state == FAILED or not rec.targets:
+            return
+        rec.first_sent = True
+        token, spec = first
+        req = rec.req
+        addr = rec.targets[0].addr
+        out.append(Send(addr, FirstToken(PROTOCOL_VERSION, req.req_id, self.me, req.epoch,
+                                         token, req.prompt, spec)))
+        self.counters["first_tokens_sent"] += 1
+        self._fire(rec, "first_token", now, f"token {token} to {addr} (epoch {req.epoch})")
+
+    def _first_of_released(self: Any, req_id: str, token: int, spec: str, now: float,
+                           out: list[Effect]) -> None:
+        """The token of a request no longer live here: sent if it ended DONE with its claim
+        remembered, else refused (failed, sent already, forgotten or never seen)."""
+        rid = self._done_alias.get(req_id, req_id)
+        claim = self._done_claims.get(rid)
+        fin = self._finished.get(rid, self._finished.get(req_id, "UNKNOWN"))
+        why = ("the request failed" if fin == FAILED else
+               "not held here (sent already, or forgotten)" if claim is None else
+               first_token_problem(token, spec))
+        if claim is None or why:
+            self._refuse_first(rid, fin, why, now)
+            return
+        self._forget_done_claim(rid)
+        addr, epoch, prompt, _aliases = claim
+        out.append(Send(addr, FirstToken(PROTOCOL_VERSION, rid, self.me, epoch, token, prompt,
+                                         spec)))
+        self.counters["first_tokens_sent"] += 1
+        self.timeline.record(now, rid, "first_token", DONE, DONE,
+                             f"token {token} to {addr} (epoch {epoch})")
+
+    def _refuse_first(self: Any, rid: str, state: str, why: str, now: float) -> None:
+        self.counters["first_tokens_refused"] += 1
+        self.timeline.record(now, rid, "first_token", state, state, f"refused: {why}")
+
+    def _keep_done_claim(self: Any, rec: PrefillRecord, aliases: list[str]) -> None:
+        """A request released DONE whose token has not gone: remember its claim for it."""
+        if (rec.first_sent or not rec.targets or self.fmt.tp_rank != 0
+                or not self.config.first_token_from_p):
+            return
+        rid = rec.req.req_id
+        self._done_claims[rid] = (rec.targets[0].addr, rec.req.epoch, rec.req.prompt,
+                                  tuple(aliases))
+        for aid in aliases:
+            self._done_alias[aid] = rid
+        while len(self._done_claims) > self.config.finished_memory:
+            self._forget_done_claim(next(iter(self._done_claims)))
+
+    def _forget_done_claim(self: Any, rid: str) -> None:
+        claim = self._done_claims.pop(rid, None)
+        for aid in claim[3] if claim is not None else ():
+            self._done_alias.pop(aid, None)
