@@ -81,7 +81,7 @@ log = logging.getLogger("lw.runtime")
 _REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's connection
 _REQUESTS = (MetaRequest, DoneSending, FailedSending, Abort)  # questions: correlated
 _CALLS = frozenset({"add_request", "add_chunk", "abort", "peer_lost", "prefill_routed",
-                    "data_fenced", "add_ahead", "bind"})
+                    "data_fenced", "add_ahead", "bind", "first_token"})
 
 # inbox item kinds
 _LAYER = 0
@@ -269,7 +269,7 @@ class WorkerLoop:
 
     def drain_reports(self) -> list[Effect]:
         """Reports since the last call: SendFinished, RecvDone, RecvFailed, Quarantine,
-        Reprefill, ReleaseBlocks."""
+        Reprefill, ReleaseBlocks, FirstTokenTaken."""
         return self.reports.drain()
 
     def stats(self) -> dict[str, Any]:

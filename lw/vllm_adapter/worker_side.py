@@ -23,6 +23,7 @@ from lw.vllm_adapter.ahead_client import AheadFetcher
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
 from lw.vllm_adapter.connector_meta import (
     FetchSpec,
+    FirstTokenIn,
     LwConnectorMetadata,
     LwWorkerMeta,
     Reprefill,
@@ -34,6 +35,7 @@ from lw.vllm_adapter.push_rates import PushRates
 from lw.vllm_adapter.ready_gate import ReadyGate
 from lw.vllm_adapter.tracing import LifecycleTracer, tracing_endpoint
 from lw.vllm_adapter.worker_binds import AheadBinds
+from lw.vllm_adapter.worker_first_tokens import FirstTokenRelay
 
 if TYPE_CHECKING:
     from lw.transport.runtime import WorkerLoop
@@ -59,7 +61,7 @@ _STAT_MAP = {  # our stats key -> WorkerLoop.stats() key (monotonic counters)
 }
 
 
-class WorkerSide(AheadBinds):
+class WorkerSide(AheadBinds, FirstTokenRelay):
     """Worker-role half: owns the WorkerLoop (endpoint, side channel, data plane, timers)."""
 
     def __init__(self, cfg: LwConfig, vllm_config: Any, kv_cache_config: Any) -> None:
@@ -110,6 +112,8 @@ class WorkerSide(AheadBinds):
         self._failed_by: dict[str, int] = {}  # D: failed receives by failure kind, since stats()
         self._load_errors: set[int] = set()
         self._reprefills: list[Reprefill] = []  # D: for the scheduler's next worker metadata
+        self._first_in: list[FirstTokenIn] = []  # D: P's first tokens, likewise
+        self._done_rid: OrderedDict[str, str] = OrderedDict()  # D: receives done (their token)
         self._t0: dict[str, float] = {}  # P: transfer id -> first layer hook time
         self._lock = threading.Lock()  # guards the pending sets (Future callbacks)
         self._last: dict[str, float] = {}
@@ -358,6 +362,8 @@ class WorkerSide(AheadBinds):
                 continue  # finished already, or never taken (a transfer id used twice)
             self._aborted.add(tid)
             self._call("abort", tid, reason, rid=rid, tid=tid)
+        if meta.first_tokens and self.cfg.is_producer:
+            self._send_first_tokens(meta)
         for r in meta.routes:  # the core ignores a route of an epoch it has left
             tid = alias.get(r.transfer_id, r.transfer_id) if alias else r.transfer_id
             if self._rid.get(tid) == r.req_id:
@@ -428,7 +434,14 @@ class WorkerSide(AheadBinds):
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Core reports -> vLLM: finished sending (once vLLM finished the request), finished /
         failed receiving, load-error blocks."""
-        from lw.fsm import Quarantine, RecvDone, RecvFailed, ReleaseBlocks, SendFinished
+        from lw.fsm import (
+            FirstTokenTaken,
+            Quarantine,
+            RecvDone,
+            RecvFailed,
+            ReleaseBlocks,
+            SendFinished,
+        )
         from lw.fsm import Reprefill as CoreReprefill
 
         loop = self.loop
@@ -444,6 +457,9 @@ class WorkerSide(AheadBinds):
         for e in loop.drain_reports():
             self._dirty = True
             tid = e.req_id
+            if isinstance(e, FirstTokenTaken):  # the KV's lifecycle goes on regardless
+                self._first_taken(e)
+                continue
             with self._lock:
                 rid = self._rid.get(tid)
                 if rid is None:
@@ -479,6 +495,7 @@ class WorkerSide(AheadBinds):
                                     e.reason)
                 elif isinstance(e, RecvDone):
                     self._pending_recving.add(rid)
+                    self._done_receiving(tid, rid)
                 elif isinstance(e, RecvFailed):
                     # Always reported as failed: vLLM ignores the failure of a request it already
                     # finished, and a request still waiting must never decode on partial KV.
@@ -563,14 +580,15 @@ class WorkerSide(AheadBinds):
 
     def worker_meta(self) -> LwWorkerMeta | None:
         """P: the forward and wire rates for the scheduler's push_mode "auto" and the answers
-        of its fetches (computing ahead); D: the re-prefills the core asked for since the last
-        step."""
+        of its fetches (computing ahead); D: the re-prefills the core asked for and P's first
+        tokens it took since the last step."""
         if self.loop is None:
             return None
         if self.rates is None:
             with self._lock:
                 out, self._reprefills = self._reprefills, []
-            return LwWorkerMeta(reprefills=out) if out else None
+                firsts = self._take_first_in()
+            return LwWorkerMeta(reprefills=out, first_tokens=firsts) if out or firsts else None
         wm = self.rates.meta(self.loop.writes.link.goodput)
         if self._ahead_answers:
             with self._lock:

@@ -1,0 +1,64 @@
+"""The worker's half of the first token: P's worker hands the token its scheduler sampled to the
+core (which sends it to D under the request's claim), D's worker hands the token its core took
+to its scheduler in the worker metadata. A part of
+:class:`lw.vllm_adapter.worker_side.WorkerSide`, split from it as a concern of its own; it
+decides nothing about a request (the core does)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from lw.fsm.effects import FirstTokenTaken
+from lw.vllm_adapter.connector_meta import FirstTokenIn, LwConnectorMetadata
+
+__all__ = ["DONE_MEMORY", "FirstTokenRelay"]
+
+DONE_MEMORY = 4096
+"""Transfer ids of receives reported done remembered with their vLLM request id: P's token
+often reaches D after the KV (P's scheduler hears of it after the prefill)."""
+
+
+class FirstTokenRelay:
+    """The methods WorkerSide takes from here (they use its ``_rid``, ``_alias``, ``_lock``,
+    ``_call`` and config)."""
+
+    _rid: dict[str, str]
+    _alias: dict[str, str]
+    _lock: Any
+    _done_rid: OrderedDict[str, str]  # D: transfer id -> vLLM request id, receives done
+    _first_in: list[FirstTokenIn]  # D: tokens taken since the last worker metadata
+
+    if TYPE_CHECKING:  # WorkerSide's, not overridden here
+        def _call(self, method: str, *args: Any, rid: str, tid: str, **kwargs: Any) -> None:
+            ...
+
+    def _send_first_tokens(self, meta: LwConnectorMetadata) -> None:
+        """P: each token the scheduler sampled goes to the core on the loop thread (enqueued,
+        never waited for: this runs as the forward's metadata is bound); the core sends it
+        (TP rank 0) or holds it until D accepts the claim. The scheduler may name a request
+        computed ahead by its ahead id after a mid-step bind renamed it."""
+        alias = self._alias
+        for ft in meta.first_tokens:
+            tid = alias.get(ft.transfer_id, ft.transfer_id) if alias else ft.transfer_id
+            self._call("first_token", tid, ft.token, ft.spec, rid=ft.req_id, tid=tid)
+
+    def _done_receiving(self, tid: str, rid: str) -> None:
+        """D: a receive reported done (its ``_rid`` entry goes): keep its vLLM request id for
+        the first token that may still come. Under ``_lock``."""
+        self._done_rid[tid] = rid
+        while len(self._done_rid) > DONE_MEMORY:
+            self._done_rid.popitem(last=False)
+
+    def _first_taken(self, e: FirstTokenTaken) -> None:
+        """D: the core took P's first token: for the scheduler's next worker metadata, under
+        the vLLM request id (a request the worker no longer knows: nobody waits for it)."""
+        with self._lock:
+            rid = self._rid.get(e.req_id) or self._done_rid.get(e.req_id)
+            if rid is not None:
+                self._first_in.append(FirstTokenIn(e.req_id, rid, e.token, e.spec, e.epoch))
+
+    def _take_first_in(self) -> list[FirstTokenIn]:
+        """D: the tokens taken since the last call. Under ``_lock``."""
+        out, self._first_in = self._first_in, []
+        return out

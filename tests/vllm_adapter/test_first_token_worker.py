@@ -1,0 +1,147 @@
+"""The workers' half of the first token, through lw's real worker connectors in one process (real
+WorkerLoops over loopback ZMQ, the in-process data plane; the test plays both schedulers with
+hand-made metadata): P's ``FirstTokenSpec`` reaches D's scheduler as a ``FirstTokenIn`` under D's
+vLLM request id, also once the KV landed and both sides released the request, and the timelines
+say where it went."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+import lw.vllm_adapter.connector as conn_mod  # noqa: E402
+from lw.lab.vllm_demo import free_port_range  # noqa: E402
+from lw.vllm_adapter.connector_meta import (  # noqa: E402
+    FirstTokenIn,
+    FirstTokenSpec,
+    LwConnectorMetadata,
+    RecvSpec,
+    SendSpec,
+)
+
+from .test_connector_scheduler import (  # noqa: E402
+    BS,
+    LAYERS,
+    NUM_BLOCKS,
+    fake_poster,  # noqa: F401  (autouse fixture: no metaserver thread)
+    kv_cache_config,
+    make_vllm_config,
+    model_dir,  # noqa: F401  (fixture)
+)
+
+
+class Worker:
+    """One engine's worker connector with its KV tensors, driven step by step by the test."""
+
+    def __init__(self, model: str, role: str, extra: dict[str, Any]) -> None:
+        vc = make_vllm_config(model, role, extra={"data_plane": "inprocess", **extra})
+        vc.kv_transfer_config.kv_port = free_port_range(2)
+        self.conn = conn_mod.LwConnector(vc, KVConnectorRole.WORKER, kv_cache_config())
+        self.kv = {n: torch.zeros(NUM_BLOCKS, 4, BS, 128, dtype=torch.bfloat16) for n in LAYERS}
+        self.conn.register_kv_caches(self.kv)
+        self.side = self.conn._worker
+        assert self.side is not None
+
+    def step(self, meta: LwConnectorMetadata, finished: frozenset[str] = frozenset(),
+             forward: bool = False) -> tuple[Any, Any]:
+        """One step: bind ``meta``, run the layer hooks if ``forward``, collect results."""
+        c = self.conn
+        c.bind_connector_metadata(meta)
+        if forward:
+            for name in LAYERS:
+                c.save_kv_layer(name, self.kv[name], None)
+        c.wait_for_save()
+        res = c.get_transfer_results(set(finished))
+        wm = c.build_connector_worker_meta()
+        c.clear_connector_metadata()
+        return res, wm
+
+    def timeline(self, rid: str) -> list[tuple[str, str, str]]:
+        loop = self.side.loop
+        return loop.run(lambda lp: [(e[2], e[3], str(e[5])) for e in
+                                    lp.endpoint.timeline.of(rid)]).result(5)
+
+    def close(self) -> None:
+        self.conn.shutdown()
+
+
+@pytest.fixture
+def workers(model_dir: str) -> Iterator[Callable[..., tuple[Worker, Worker]]]:  # noqa: F811
+    made: list[Worker] = []
+
+    def make(extra: dict[str, Any] | None = None) -> tuple[Worker, Worker]:
+        p = Worker(model_dir, "kv_producer", extra or {})
+        d = Worker(model_dir, "kv_consumer", extra or {})
+        made.extend((p, d))
+        return p, d
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def _until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _transfer(p: Worker, d: Worker) -> None:
+    """D allocates "t1" for its request "d-r1"; P pushes it as "p-r1"; both release it."""
+    d.step(LwConnectorMetadata(recvs=[RecvSpec("t1", "d-r1", (1, 2, 3))]))
+    cfg = d.side.cfg
+    p.step(LwConnectorMetadata(sends=[SendSpec("t1", "p-r1", cfg.host, cfg.port(0), (4, 5, 6),
+                                               (1, 2, 3))]), forward=True)
+    got: dict[str, set[str]] = {"sent": set(), "recv": set()}
+
+    def both_done() -> bool:
+        got["sent"] |= p.step(LwConnectorMetadata(), frozenset({"p-r1"}))[0].finished_sending \
+            or set()
+        got["recv"] |= d.step(LwConnectorMetadata())[0].finished_recving or set()
+        return got == {"sent": {"p-r1"}, "recv": {"d-r1"}}
+
+    _until(both_done)
+
+
+def test_p_token_reaches_d_scheduler_after_the_kv_landed(
+        workers: Callable[..., tuple[Worker, Worker]]) -> None:
+    p, d = workers()
+    _transfer(p, d)
+    p.step(LwConnectorMetadata(first_tokens=[FirstTokenSpec("t1", "p-r1", 42, "spec-a")]))
+    seen: list[FirstTokenIn] = []
+
+    def arrived() -> bool:
+        wm = d.step(LwConnectorMetadata())[1]
+        seen.extend(wm.first_tokens if wm is not None else ())
+        return bool(seen)
+
+    _until(arrived)
+    assert seen == [FirstTokenIn("t1", "d-r1", 42, "spec-a", 0)]
+    assert ("first_token", "DONE", "token 42 of epoch 0 from P kv_producer") in d.timeline("t1")
+    assert any(e[0] == "first_token" and e[2].startswith("token 42 to ")
+               for e in p.timeline("t1"))
+    # P's scheduler names it once: a repeat is refused by P's core, nothing more reaches D
+    p.step(LwConnectorMetadata(first_tokens=[FirstTokenSpec("t1", "p-r1", 42, "spec-a")]))
+    time.sleep(0.2)
+    wm = d.step(LwConnectorMetadata())[1]
+    assert wm is None or wm.first_tokens == []
+
+
+def test_with_first_tokens_off_nothing_reaches_d(
+        workers: Callable[..., tuple[Worker, Worker]]) -> None:
+    p, d = workers({"first_token_from_p": False})
+    _transfer(p, d)
+    p.step(LwConnectorMetadata(first_tokens=[FirstTokenSpec("t1", "p-r1", 42, "spec-a")]))
+    time.sleep(0.2)
+    wm = d.step(LwConnectorMetadata())[1]
+    assert wm is None or wm.first_tokens == []
+    assert p.side.loop.stats()["core.first_tokens_refused"] == 1
