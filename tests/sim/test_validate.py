@@ -349,3 +349,23 @@ def test_a_progress_deadline_postponed_by_other_requests_writes_is_valid(
     args = [str(path), "--request", "req-2", "--request", "req-9", "--strict", "--seconds", "120"]
     assert validate_cli.main(args) == 0, capsys.readouterr().out
     assert "valid: 2 requests, 2 valid" in capsys.readouterr().out
+
+
+def test_first_token_entries_leave_a_valid_run_valid(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The token moves no KV state: P's and D's first_token entries are not projected."""
+    lines = FAILOVER.read_text().splitlines()
+    out = []
+    for line in lines:
+        out.append(line)
+        e = json.loads(line)
+        if e.get("event") == "meta_accepted":
+            out.append(json.dumps({**e, "event": "first_token", "src": "META_READY",
+                                   "dst": "META_READY", "detail": "token 7 to tcp://d (epoch 0)"}))
+        elif e.get("event") == "all_done":
+            out.append(json.dumps({**e, "event": "first_token", "src": "DONE", "dst": "DONE",
+                                   "detail": "token 7 of epoch 0 from P x"}))
+    path = tmp_path / "tokens.jsonl"
+    path.write_text("\n".join(out) + "\n")
+    assert validate_cli.main([str(path)]) == 0
+    assert "valid: 4 requests, 4 valid, 0 rejected" in capsys.readouterr().out
