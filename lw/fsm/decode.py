@@ -149,6 +149,7 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
         if count < 1:
             raise ValueError(f"request {req_id!r}: expected_senders must be >= 1")
         self._finished.pop(req_id, None)
+        self._done_claims.pop(req_id, None)  # an older attempt's claim takes no token now
         deadline = now + self.config.prefill_timeout_s
         self._reqs[req_id] = DecodeRecord(req_id, tuple(block_ids), count, ranks, now, deadline,
                                           prompt)

@@ -186,6 +186,7 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, FirstTokens, LifecycleEndpoi
             raise ValueError(f"request {req.req_id!r}: a decoder is named twice in "
                              f"{req.targets}")
         self._finished.pop(req.req_id, None)
+        self._forget_done_claim(req.req_id)  # an older attempt's claim takes no token now
         rec = PrefillRecord(req, AWAIT_DECODER_META, now, now + self.config.request_timeout_s)
         if req.local_blocks or req.final:
             self._announce(rec, req.local_blocks)

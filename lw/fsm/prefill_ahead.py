@@ -31,6 +31,7 @@ class AheadBinding:
             raise ValueError(f"request {req_id!r}: a prompt computed in one chunk completes "
                              "at least one block")
         self._finished.pop(req_id, None)
+        self._forget_done_claim(req_id)
         req = PrefillRequest(req_id, (), local_blocks, (), final=final, prompt=prompt)
         rec = PrefillRecord(req, AHEAD, now, now + self.config.ahead_wait_s)
         if local_blocks:
@@ -79,6 +80,7 @@ class AheadBinding:
             self._reqs[rid] = rec
             self._aliases[aid] = rid
             self._finished.pop(rid, None)
+            self._forget_done_claim(rid)
         out: list[Effect] = []
         problem = self._bind_problem(rec, req, first)
         bound = PrefillRequest(rid, req.decoder_addr, (), req.remote_blocks,

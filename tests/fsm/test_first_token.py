@@ -263,3 +263,21 @@ def test_d_with_first_tokens_off_takes_none() -> None:
     d = claimed_d(cfg=DecodeConfig())
     assert d.on_message(token_msg(), 1.0) == []
     assert d.counters["first_tokens_refused"] == 1
+
+
+def test_a_request_admitted_again_forgets_its_older_attempts_claim() -> None:
+    """P: the same transfer id admitted again (a re-prefill routed back here) that fails: its
+    token is not sent under the earlier attempt's claim. D: likewise for an id allocated again."""
+    pr = pair()
+    start(pr, epoch=0)
+    run_to_done(pr)
+    p = pr.ps[0]
+    p.add_request(PrefillRequest("r1", D_ADDR, (1, 2, 3), (5, 6, 7), 1, epoch=1,
+                                 prompt=PROMPT), pr.now)
+    p.abort("r1", "client gone", pr.now)
+    assert p.state_of("r1") == "FAILED"
+    assert p.first_token("r1", 3, "s", pr.now) == []
+    d = pr.d
+    d.add_request("r1", (5, 6, 7), 1, pr.now, prompt=PROMPT)
+    d.abort("r1", "client gone", pr.now)
+    assert d.on_message(token_msg(epoch=0), pr.now) == []
