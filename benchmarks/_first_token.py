@@ -5,14 +5,22 @@ D received" hop from lw's timelines. Pure functions; no servers, no clients."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from lw.fsm.messages import StatusReply
 
 FIRST_TOKEN_EVENT = "first_token"
-"""The timeline event P records when it sends its sampled first token to D, and D when its core
-takes it (both under the request's transfer id)."""
+"""The timeline event P records about its sampled first token and D about taking it, both under
+the request's id (lw.fsm.prefill_first_token, lw.fsm.decode_first_token); its detail says which
+(held, sent, taken, refused)."""
+P_SENT = re.compile(r"^token -?\d+ to ")
+"""P's detail when it sent the token: ``token 17 to tcp://... (epoch 1)`` (not ``token 17: held
+until D accepts``, nor ``refused: ...``)."""
+D_TAKEN = re.compile(r"^token -?\d+ of epoch \d+ from P ")
+"""D's detail when its core took the token: ``token 17 of epoch 1 from P prefill`` (not ``...:
+the epoch was given up``, nor ``refused: ...``)."""
 
 DETAILED_KEYS = ("ttfts", "itls", "errors")
 """The per-request lists ``vllm bench serve --save-detailed`` adds that these figures read."""
@@ -54,8 +62,8 @@ def add_token2(res: dict[str, Any]) -> None:
 
 
 def first_token_hops(replies: Iterable[StatusReply], since: float = 0.0) -> list[float]:
-    """Per request, seconds from P's ``first_token`` event (its sampled token sent) to D's
-    (its core took it), on the wall clock, for requests P sent at or after ``since`` (wall
+    """Per request, seconds from P's ``first_token`` event that sent its sampled token to D's
+    that took it, on the wall clock, for requests P sent at or after ``since`` (wall
     time). A request P computed ahead is matched under D's id (P's ``renamed`` event); a
     sub-transfer id (``tid@n``) falls back to its transfer's. Empty when the workers record no
     such event (a checkout before the event existed, or ``first_token_from_p`` off)."""
@@ -69,7 +77,9 @@ def first_token_hops(replies: Iterable[StatusReply], since: float = 0.0) -> list
                 renamed[e.req_ids[0]] = str(e.detail)
             if e.event != FIRST_TOKEN_EVENT or not e.req_ids:
                 continue
-            side = sent if r.role == "prefill" else taken
+            side, done = (sent, P_SENT) if r.role == "prefill" else (taken, D_TAKEN)
+            if not done.match(str(e.detail)):
+                continue
             t = e.t + shift
             rid = e.req_ids[0]
             side[rid] = min(t, side.get(rid, t))  # several P ranks or D workers: the first

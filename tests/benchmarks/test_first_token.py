@@ -62,18 +62,23 @@ def _reply(role: str, now: float, wall: float,
 def test_hops_put_p_and_d_on_the_wall_clock_and_match_ids() -> None:
     """P's clock reads 500 s behind the wall, D's 100 s: the hop is wall time. A request P
     computed ahead is matched under D's id; a sub-transfer under its transfer's."""
+    sent, taken = "token 5 to tcp://10.0.0.2:5600 (epoch 1)", "token 5 of epoch 1 from P p0"
     p = _reply("prefill", 10.0, 510.0, [
-        (1.000, "t1", "first_token", ""),
-        (2.000, "ahead-7", "first_token", ""), (2.500, "ahead-7", "renamed", "t2"),
-        (3.000, "t3@1", "first_token", ""),
-        (4.000, "t4", "first_token", ""),  # D never took it: left out
-        (0.500, "t0", "first_token", ""),  # before ``since``: an earlier run's
+        (0.900, "t1", "first_token", "token 5: held until D accepts"),  # not sent yet
+        (1.000, "t1", "first_token", sent),
+        (2.000, "ahead-7", "first_token", sent), (2.500, "ahead-7", "renamed", "t2"),
+        (3.000, "t3@1", "first_token", sent),
+        (4.000, "t4", "first_token", sent),  # D never took it: left out
+        (4.100, "t5", "first_token", "refused: first_token_from_p is off on this worker"),
+        (0.500, "t0", "first_token", sent),  # before ``since``: an earlier run's
         (1.500, "t1", "layer_computed", ""),
     ])
     d = _reply("decode", 410.0, 510.0, [
-        (401.0025, "t1", "first_token", ""), (402.004, "t2", "first_token", ""),
-        (403.010, "t3", "first_token", ""), (400.6, "t0", "first_token", ""),
-        (409.000, "t1", "first_token", ""),  # a second take: the first one counts
+        (401.0025, "t1", "first_token", taken), (402.004, "t2", "first_token", taken),
+        (403.010, "t3", "first_token", taken), (400.6, "t0", "first_token", taken),
+        (404.050, "t4", "first_token", "token 5 of epoch 1: the epoch was given up"),
+        (404.200, "t5", "first_token", "refused: first_token_from_p is off on this worker"),
+        (409.000, "t1", "first_token", taken),  # a second take: the first one counts
     ])
     hops = first_token_hops([p, d], since=500.9)
     assert sorted(round(h * 1e3, 1) for h in hops) == [2.5, 4.0, 10.0]
