@@ -45,8 +45,9 @@ __all__ = [
     "sign_params",
 ]
 
-CONTRACT_VERSION = 3
-"""Version of everything here (``lw_contract`` / ``lw_params_version``). 3: the proxy signs the
+CONTRACT_VERSION = 4
+"""Version of everything here (``lw_contract`` / ``lw_params_version``). 4: D names the seed its
+request samples with (``lw_seed``: P samples token 1 for D); 3: the proxy signs the
 params it gives D and P, and D's params name the prompt's digest; 2: per-request transfer ids,
 P computes D's token ids; 1: the proxy's id and the client's body. P, D and the proxy of
 different versions refuse each other, naming both versions."""
@@ -108,6 +109,9 @@ class DecoderKV(msgspec.Struct, forbid_unknown_fields=True):
     lw_prompt_digest: Digest
     remote_first_block: Count = 0
     remote_dp_rank: Count = 0
+    # the seed D's request samples with (a child of n > 1 has its own, which the client's body
+    # P gets does not say): P samples token 1 with it, so that D may continue from P's token
+    lw_seed: Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
 
 
 class PrefillParams(DecoderKV, forbid_unknown_fields=True):
@@ -244,6 +248,8 @@ def prefill_params(kv: DecoderKV | Mapping[str, Any], transfer_id: str,
     out = msgspec.to_builtins(kv) if isinstance(kv, DecoderKV) else dict(kv)
     for k in (SIGNATURE_FIELD, VERSION_FIELD, "lw_epoch"):
         out.pop(k, None)
+    if out.get("lw_seed", 0) is None:
+        del out["lw_seed"]  # absent, as D posted it
     out.update(do_remote_decode=True, do_remote_prefill=False, transfer_id=transfer_id)
     if epoch:
         out["lw_epoch"] = epoch

@@ -287,6 +287,8 @@ class SchedulerSide:
                   prompt=prompt_digest(request.prompt_token_ids or ()),
                   block_size=self.block_size)
         first, blocks = pp.remote_first_block, pp.remote_block_ids
+        if pp.lw_seed is not None and request.sampling_params is not None:
+            request.sampling_params.seed = pp.lw_seed  # D's child of n > 1 has its own
         return _PReq(request, pp.transfer_id, pp.remote_host, pp.remote_port, tuple(blocks),
                      PushCursor(first), pp.remote_tp_size, pp.lw_epoch, pp.lw_prompt_digest)
 
@@ -445,6 +447,9 @@ class SchedulerSide:
             "lw_params_version": CONTRACT_VERSION,
             "lw_prompt_digest": digest,
         }
+        seed = getattr(request.sampling_params, "seed", None)
+        if seed is not None:
+            kv["lw_seed"] = seed
         body = {"transfer_id": params.transfer_id, "sub_transfer_id": tid,
                 "prompt_token_ids": list(request.prompt_token_ids or ()),
                 "kv_transfer_params": kv,

@@ -142,8 +142,9 @@ def post(c: Cluster, body: dict[str, Any]) -> httpx.Response:
 
 
 def test_ahead_prefill_is_bound_to_d_call_and_sent_once() -> None:
-    """... and P gets only what decides the prompt's tokens (and cache_salt, priority), as a
-    D-first prefill does: none of the client's sampling, output or unknown fields."""
+    """... and P gets only what decides the prompt's tokens (and cache_salt, priority) and
+    token 1 (the sampling fields: P samples it for D), as a D-first prefill does: none of the
+    client's output or unknown fields."""
     with ahead_cluster() as c:
         r = post(c, completion("hello there", temperature=0.7, seed=3, logit_bias={"5": 9},
                                user="u", x_unknown={"a": 1}, stop=["z"], cache_salt="s",
@@ -160,7 +161,9 @@ def test_ahead_prefill_is_bound_to_d_call_and_sent_once() -> None:
         assert (body["max_tokens"], body["n"], body["stream"]) == (1, 1, False)
         assert body["prompt"] == "hello there"
         assert set(body) == {"model", "prompt", "max_tokens", "n", "stream", "cache_salt",
-                             "add_special_tokens", "kv_transfer_params"}, body
+                             "add_special_tokens", "kv_transfer_params", "temperature", "seed",
+                             "logit_bias"}, body
+        assert (body["temperature"], body["seed"], body["logit_bias"]) == (0.7, 3, {"5": 9})
 
 
 def test_another_prompt_on_p_falls_back_to_d_first() -> None:

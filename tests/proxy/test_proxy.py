@@ -566,7 +566,8 @@ def test_stream_flow_passes_sse_through() -> None:
         assert raw.rstrip().endswith("data: [DONE]")
         p_body = c.world.bodies[("p", rid + "@0")]
         assert p_body["max_tokens"] == 1 and p_body["stream"] is False
-        assert "min_tokens" not in p_body and "stream_options" not in p_body
+        # P computes one token: min_tokens capped at it (for token 1 the stop ids are masked)
+        assert p_body["min_tokens"] == 1 and "stream_options" not in p_body
         d_body = c.world.bodies[("d", rid)]
         assert d_body["stream"] is True and d_body["min_tokens"] == 2
         assert c.world.has("d_done", tid=rid)

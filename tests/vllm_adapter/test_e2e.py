@@ -27,6 +27,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -301,6 +302,119 @@ def test_openai_client_n2_and_prompt_lists_like_single_engine(cluster: LocalClus
         if kw["temperature"] == 0.0:
             assert got == want, what
     assert not any((h := wait_idle(cluster)).values()), h
+
+
+def _answers(client: Any, api: str, stream: bool, **kw: Any) -> dict[int, tuple[Any, ...]]:
+    """index -> (token ids, text, finish_reason, stop_reason) of every choice, and -1 -> the
+    usage (non-streamed: the response's; streamed: the last chunk's), with the openai client."""
+    create = (client.chat.completions.create if api == "chat"
+              else client.completions.create)
+    extra = {**kw.pop("extra_body", {}), "return_token_ids": True}
+    out: dict[int, tuple[Any, ...]] = {}
+    if not stream:
+        r = create(stream=False, extra_body=extra, **kw)
+        for c in r.choices:
+            text = c.message.content if api == "chat" else c.text
+            out[c.index] = (list(getattr(c, "token_ids", None) or ()), text or "",
+                            c.finish_reason, getattr(c, "stop_reason", None))
+        out[-1] = (r.usage.prompt_tokens, r.usage.completion_tokens)
+        return out
+    acc: dict[int, list[Any]] = {}
+    usage = None
+    for chunk in create(stream=True, extra_body=extra,
+                        stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            a = acc.setdefault(c.index, [[], "", None, None])
+            a[0] += list(getattr(c, "token_ids", None) or ())
+            a[1] += (c.delta.content if api == "chat" else c.text) or ""
+            a[2] = c.finish_reason or a[2]
+            a[3] = getattr(c, "stop_reason", None) or a[3]
+        if chunk.usage is not None:
+            usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+    out = {i: tuple(a) for i, a in acc.items()}
+    out[-1] = usage
+    return out
+
+
+_FALLBACK = re.compile(r'^lw_first_token_fallbacks_total\{[^}]*reason="([a-z_]+)"[^}]*\}\s+(\S+)',
+                       re.MULTILINE)
+
+
+def _first_token_counts(url: str) -> dict[str, float]:
+    """D's first-token counters, fallbacks by reason as ``fallback:<reason>``."""
+    m = metrics(url)
+    out = {k: m.get(f"lw_{k}_total", 0.0) for k in (
+        "first_token_from_p", "last_token_recomputed", "ended_at_first_token")}
+    for reason, value in _FALLBACK.findall(httpx.get(url + "/metrics", timeout=10).text):
+        out[f"fallback:{reason}"] = out.get(f"fallback:{reason}", 0.0) + float(value)
+    return out
+
+
+def test_first_token_from_p_outputs_equal_single_engine(cluster: LocalCluster) -> None:
+    """D streams the token P sampled and continues from it: per choice the token ids, text,
+    finish and stop reasons, and the usage equal the single engine's, streamed and not, for
+    greedy and seeded sampling (n=2), a stop id equal to token 1, max_tokens 1 and min_tokens;
+    no eligible request recomputes its last prompt token; requests that read more than the
+    token (logprobs, a JSON schema) take vLLM's path, counted, with outputs equal too."""
+    openai = pytest.importorskip("openai")
+    clients = {name: openai.OpenAI(base_url=cluster.url(name) + "/v1", api_key="none",
+                                   max_retries=0, timeout=120)
+               for name in ("reference", "proxy")}
+    d_url = cluster.url("decode")
+    before = _first_token_counts(d_url)
+    short, longer = make_prompt(12, seed=401), make_prompt(90, seed=402)
+    # token 1 of the single engine, for a stop id equal to it
+    t1 = _answers(clients["reference"], "completions", False, model=MODEL_NAME,
+                  prompt=longer, max_tokens=1, temperature=0.0)[0][0][0]
+    greedy = {"model": MODEL_NAME, "max_tokens": 12, "temperature": 0.0}
+    seeded = {"model": MODEL_NAME, "max_tokens": 12, "temperature": 0.8, "seed": 7, "n": 2,
+              "extra_body": {"ignore_eos": True}}
+    eligible: list[tuple[str, bool, dict[str, Any]]] = []
+    for stream in (False, True):
+        eligible += [
+            ("completions", stream, {**greedy, "prompt": short}),
+            ("chat", stream, {**greedy, "messages": [{"role": "user", "content": longer}]}),
+            ("completions", stream, {**seeded, "prompt": longer}),
+            ("completions", stream, {**greedy, "prompt": longer,
+                                     "extra_body": {"stop_token_ids": [t1]}}),
+            ("completions", stream, {**greedy, "prompt": longer, "max_tokens": 1}),
+            ("completions", stream, {**greedy, "prompt": short,
+                                     "extra_body": {"min_tokens": 3}}),
+        ]
+    fallback = [
+        ("completions", False, {**greedy, "prompt": longer, "logprobs": 2}),
+        ("chat", False, {**greedy, "messages": [{"role": "user", "content": short}],
+                         "response_format": {"type": "json_schema", "json_schema": {
+                             "name": "w", "schema": {"type": "object", "properties": {
+                                 "w": {"type": "string"}}}}}}),
+    ]
+    from_p = 0  # choices that take P's token
+    for api, stream, kw in eligible + fallback:
+        want = _answers(clients["reference"], api, stream, **dict(kw))
+        got = _answers(clients["proxy"], api, stream, **dict(kw))
+        assert got == want, f"{api} stream={stream} {kw}"
+        from_p += (len(want) - 1) * ((api, stream, kw) in eligible)
+    stop_case = _answers(clients["proxy"], "completions", False,
+                         **{**greedy, "prompt": longer, "extra_body": {"stop_token_ids": [t1]}})
+    assert stop_case[0][2:] == ("stop", t1)
+    # unseeded random sampling stays random: P's draws, not one fixed token
+    firsts = {_answers(clients["proxy"], "completions", False, model=MODEL_NAME, prompt=short,
+                       max_tokens=1, temperature=1.0)[0][0][0] for _ in range(20)}
+    assert len(firsts) >= 2, firsts
+    assert not any((h := wait_idle(cluster)).values()), h
+    deadline = time.monotonic() + 60  # connector stats reach /metrics on vLLM's interval
+    while True:
+        after = _first_token_counts(d_url)
+        gained = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        if gained["first_token_from_p"] >= from_p + 1 + 20 and \
+                gained.get("fallback:logprobs", 0) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert gained["first_token_from_p"] == from_p + 1 + 20, gained
+    assert gained["last_token_recomputed"] == 2, gained  # the two fallbacks only
+    assert gained["ended_at_first_token"] >= 2 + 2 + 20, gained  # stop id, max_tokens 1
+    assert gained.get("fallback:logprobs") == 1, gained
+    assert gained.get("fallback:structured_output") == 1, gained
 
 
 def test_repeated_prompt_tail_computed_on_decode(cluster: LocalCluster) -> None:

@@ -376,3 +376,23 @@ def test_lws_runner_keeps_discarded_rows_off_their_generators() -> None:
     gens = {0: g0, 2: g2}
     held = hold_discarded_generators(gens, np.array([False, True, True]))
     assert held == {2: g2} and gens == {0: g0}
+
+
+def test_d_names_its_seed_and_p_samples_token_1_with_it(
+        model_dir: str, fake_poster: type[FakePoster]) -> None:
+    """A child of n > 1 has a seed of its own (the parent's + its index), which the client's
+    body P gets does not say: D's metaserver call names it and P's request takes it."""
+    s = lw_scheduler(model_dir)
+    d = Steps(s)
+    s.add_request(request("r1", temperature=0.8, seed=8))
+    s.add_request(request("r2"))  # no seed: none named
+    d.step()
+    posts = {rid: body for rid, _tid, _url, body in fake_poster.instances[0].posts}
+    assert posts["r1"]["kv_transfer_params"]["lw_seed"] == 8
+    assert "lw_seed" not in posts["r2"]["kv_transfer_params"]
+    p = lw_scheduler(model_dir, "kv_producer")
+    sp = SamplingParams(max_tokens=1, temperature=0.8, seed=7,
+                        extra_args={"kv_transfer_params": decoder_params(lw_seed=8)})
+    p.add_request(Request("r1", list(range(10, 110)), sp, None,
+                          block_hasher=get_request_block_hasher(BS, sha256)))
+    assert p.requests["r1"].sampling_params.seed == 8
