@@ -105,9 +105,9 @@ class _FirstTokenFromP:
                 self._lw_first_token(ft, outputs)
         return outputs
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """vLLM's step, with P's tokens for the V1 runner of requests scheduled in it."""
-        so = super().schedule()  # type: ignore[misc]
+        so = super().schedule(*args, **kwargs)  # type: ignore[misc]
         if self._lw_seeds:
             meta = so.kv_connector_metadata
             for new in so.scheduled_new_reqs:

@@ -355,7 +355,7 @@ def test_first_token_from_p_outputs_equal_single_engine(cluster: LocalCluster) -
     finish and stop reasons, and the usage equal the single engine's, streamed and not, for
     greedy and seeded sampling (n=2), a stop id equal to token 1, max_tokens 1 and min_tokens;
     no eligible request recomputes its last prompt token; requests that read more than the
-    token (logprobs, a JSON schema) take vLLM's path, counted, with outputs equal too."""
+    token (logprobs) take vLLM's path, counted, with outputs equal too."""
     openai = pytest.importorskip("openai")
     clients = {name: openai.OpenAI(base_url=cluster.url(name) + "/v1", api_key="none",
                                    max_retries=0, timeout=120)
@@ -383,11 +383,12 @@ def test_first_token_from_p_outputs_equal_single_engine(cluster: LocalCluster) -
         ]
     fallback = [
         ("completions", False, {**greedy, "prompt": longer, "logprobs": 2}),
-        ("chat", False, {**greedy, "messages": [{"role": "user", "content": short}],
-                         "response_format": {"type": "json_schema", "json_schema": {
-                             "name": "w", "schema": {"type": "object", "properties": {
-                                 "w": {"type": "string"}}}}}}),
+        ("chat", True, {**greedy, "messages": [{"role": "user", "content": short}],
+                        "logprobs": True, "top_logprobs": 2}),
     ]
+    # (structured output is not among them: on this tiny model's word-level tokenizer the
+    # single engine's own grammar backend rejects its tokens; lw's refusal of it is a unit
+    # test, tests/vllm_adapter/test_first_token_scheduler.py)
     from_p = 0  # choices that take P's token
     for api, stream, kw in eligible + fallback:
         want = _answers(clients["reference"], api, stream, **dict(kw))
@@ -407,14 +408,13 @@ def test_first_token_from_p_outputs_equal_single_engine(cluster: LocalCluster) -
         after = _first_token_counts(d_url)
         gained = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         if gained["first_token_from_p"] >= from_p + 1 + 20 and \
-                gained.get("fallback:logprobs", 0) >= 1 or time.monotonic() > deadline:
+                gained.get("fallback:logprobs", 0) >= 2 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert gained["first_token_from_p"] == from_p + 1 + 20, gained
     assert gained["last_token_recomputed"] == 2, gained  # the two fallbacks only
     assert gained["ended_at_first_token"] >= 2 + 2 + 20, gained  # stop id, max_tokens 1
-    assert gained.get("fallback:logprobs") == 1, gained
-    assert gained.get("fallback:structured_output") == 1, gained
+    assert gained.get("fallback:logprobs") == 2, gained
 
 
 def test_repeated_prompt_tail_computed_on_decode(cluster: LocalCluster) -> None:

