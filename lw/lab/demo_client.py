@@ -64,19 +64,30 @@ class Result:
             self.tokens += list(lp.get("tokens") or ())
             self.top_logprobs += list(lp.get("top_logprobs") or ())
 
+    def add_token_ids(self, ids: Sequence[int] | None) -> None:
+        """Append the ``token_ids`` of a choice (``return_token_ids``) when no logprobs named
+        them, in the logprobs' form ("token_id:<id>", as the output oracle compares)."""
+        if ids and not self.top_logprobs:
+            self.tokens += [f"token_id:{int(t)}" for t in ids]
+
 
 def complete(base_url: str, prompt: str | list[int], max_tokens: int = 16, stream: bool = True,
              timeout: float = 120.0, extra: dict[str, Any] | None = None,
-             logprobs: int | None = None, headers: dict[str, str] | None = None) -> Result:
+             logprobs: int | None = None, headers: dict[str, str] | None = None,
+             token_ids: bool = False) -> Result:
     """Greedy /v1/completions; TTFT is measured on the first streamed text. ``logprobs=k``:
     the result carries the tokens (as token ids) and each position's top-k logprobs;
-    ``headers`` go with the request (e.g. a routing sidecar's prefill target)."""
+    ``token_ids``: the tokens only (vLLM's ``return_token_ids``: a request that asks for no
+    logprobs takes P's first token under lw); ``headers`` go with the request (e.g. a routing
+    sidecar's prefill target)."""
     import httpx
 
     body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
                             "temperature": 0.0, "ignore_eos": True, "stream": stream}
     if logprobs is not None:
         body |= {"logprobs": logprobs, "return_tokens_as_token_ids": True}
+    elif token_ids:
+        body["return_token_ids"] = True
     body |= extra or {}
     res = Result()
     t0 = time.perf_counter()
@@ -91,6 +102,7 @@ def complete(base_url: str, prompt: str | list[int], max_tokens: int = 16, strea
                 choice = r.json()["choices"][0]
                 res.text, res.finish_reason = choice["text"], choice.get("finish_reason")
                 res.add_logprobs(choice.get("logprobs"))
+                res.add_token_ids(choice.get("token_ids"))
                 res.ttft_s = res.total_s
                 return res
             with client.stream("POST", base_url + "/v1/completions", json=body) as r:
@@ -110,7 +122,8 @@ def complete(base_url: str, prompt: str | list[int], max_tokens: int = 16, strea
                         break
                     for choice in event.get("choices", ()):
                         lp = choice.get("logprobs") or {}
-                        tokens += len(lp.get("tokens") or ()) or 1
+                        tokens += (len(lp.get("tokens") or ())
+                                   or len(choice.get("token_ids") or ()) or 1)
                         if tokens >= 2 and res.token2_s is None:
                             res.token2_s = time.perf_counter() - t0
                         if choice.get("text"):
@@ -118,6 +131,7 @@ def complete(base_url: str, prompt: str | list[int], max_tokens: int = 16, strea
                                 res.ttft_s = time.perf_counter() - t0
                             res.text += choice["text"]
                         res.add_logprobs(choice.get("logprobs"))
+                        res.add_token_ids(choice.get("token_ids"))
                         if choice.get("finish_reason"):
                             res.finish_reason = choice["finish_reason"]
     except (httpx.HTTPError, ValueError, KeyError) as exc:

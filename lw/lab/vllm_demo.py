@@ -216,15 +216,8 @@ def _compare(single: Sequence[float], pd: Sequence[float]) -> str:
     return f"P/D's median is {abs(diff)} ms {where} the single engine's{ratio}"
 
 
-TOKEN2_NOTE = ("(these requests ask for logprobs, which lw's first_token_from_p leaves to "
-               "vLLM's own path: P/D's first token here is D's)")
-"""Why the demo's P/D figures are not the first-token-from-P path: the oracle's near ties need
-logprobs, and P's sampled token is used only where D would sample the same
-(lw.vllm_adapter.first_token's fallback "logprobs")."""
-
-
 def token2_summary(single: Sequence[float | None], pd: Sequence[float | None],
-                   note: str = TOKEN2_NOTE) -> list[str]:
+                   note: str = "") -> list[str]:
     """The time-to-token-2 lines (client to the second streamed token): each side's median
     (min-max) over the requests that streamed two tokens, and how the medians compare. With
     ``first_token_from_p`` P/D's first token leaves before the KV lands and its second after
@@ -340,7 +333,7 @@ def _run(args: argparse.Namespace) -> int:
         pre_p, pre_d = metrics(cluster.url("prefill")), metrics(cluster.url("decode"))
         warm_ref = [complete(cluster.url("reference"), w, args.max_tokens, logprobs=TOP_K)
                     for w in warm]
-        warm_pd = [complete(cluster.url("proxy"), w, args.max_tokens, logprobs=TOP_K)
+        warm_pd = [complete(cluster.url("proxy"), w, args.max_tokens, token_ids=True)
                    for w in warm]
         warm_failed = _report_warmup(warm_ref, warm_pd)
         # the measured figures start once P's and D's metrics hold every warm-up
@@ -354,7 +347,9 @@ def _run(args: argparse.Namespace) -> int:
                      if args.shared_prefix else [])
         pd: list[Result] = []
         for i, p in enumerate(prompts):
-            pd.append(complete(cluster.url("proxy"), p, args.max_tokens, logprobs=TOP_K))
+            # no logprobs: they would take vLLM's own first-token path (lw.vllm_adapter.
+            # first_token), and the oracle needs only the reference's
+            pd.append(complete(cluster.url("proxy"), p, args.max_tokens, token_ids=True))
             _progress("P/D via proxy", i + 1, n)
         import httpx
 
@@ -588,6 +583,12 @@ def _report(prompts: Sequence[str | list[int]], ref: list[Result], pd: list[Resu
               f"{delta('lw_requests_done_total', after_d, before_d):.0f} failed="
               f"{delta('lw_requests_failed_total', after_d, before_d):.0f} deadlines="
               f"{delta('lw_deadlines_fired_total', after_d, before_d):.0f}")
+        print(f"first tok  D streamed P's token for "
+              f"{delta('lw_first_token_from_p_total', after_d, before_d):.0f} requests and "
+              f"recomputed the last prompt token for "
+              f"{delta('lw_last_token_recomputed_total', after_d, before_d):.0f} (fallbacks: "
+              f"{delta('lw_first_token_fallbacks_total', after_d, before_d):.0f}; "
+              f"lw_first_token_fallbacks_total on D's /metrics names each reason)")
     print(f"blocks     held after the run: {leaked} (prefill + decode, from vLLM's kv cache usage)")
     prefix_ok, extra = True, ""
     for check in checks:

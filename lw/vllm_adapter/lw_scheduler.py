@@ -13,6 +13,9 @@ What it does, on D, for a request waiting for its KV (WAITING_FOR_REMOTE_KVS):
   and streaming stay vLLM's), and vLLM's stop checks run on it. A request that ends there
   (max_tokens 1, EOS, a stop id) is finished the way a client abort is: its receive is stopped
   and its blocks are held until the workers report it finished receiving.
+- its KV lands before P's token (a short prompt on a fast link: P's DONE can leave before the
+  token its scheduler hears of a step later): the request waits for the token up to
+  FIRST_TOKEN_WAIT_S, far less than the decode step it saves, then takes vLLM's path.
 - its KV lands: the request holds prompt + 1 tokens with the prompt computed, so vLLM's
   promotion does not rewind to the last prompt token: the first step computes position L with
   token 1 as input and samples token 2. vLLM's V2 model runner gets token 1 with the request;
@@ -23,6 +26,7 @@ What it does, on D, for a request waiting for its KV (WAITING_FOR_REMOTE_KVS):
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -33,7 +37,7 @@ from vllm.v1.request import RequestStatus
 
 from lw.vllm_adapter.connector import LwConnector
 from lw.vllm_adapter.connector_meta import FirstTokenIn, LwConnectorMetadata
-from lw.vllm_adapter.first_token import token_problem
+from lw.vllm_adapter.first_token import ineligible, token_problem
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -45,6 +49,12 @@ if TYPE_CHECKING:
 __all__ = ["LW_WORKER_CLS", "LwAsyncScheduler", "LwScheduler", "LwSyncScheduler"]
 
 log = logging.getLogger("vllm.lw.scheduler")
+
+FIRST_TOKEN_WAIT_S = 0.05
+"""How long a request whose KV landed waits for P's token before D computes token 1 itself:
+P's token leaves its worker one engine step after P sampled it (milliseconds), and the wait
+saves a decode step; a P that never sends (not lw's scheduler, or the key off there) costs
+every request this much, counted in ``first_token_waits_expired``."""
 
 LW_WORKER_CLS = "lw.vllm_adapter.lw_worker.LwCPUWorker"
 """The worker class that seeds P's token into vLLM's V1 model runner (CPU)."""
@@ -83,6 +93,9 @@ class _FirstTokenFromP:
         self._lw_on = off is None
         self._lw_v1 = not getattr(vllm_config, "use_v2_model_runner", False)
         self._lw_seeds: dict[str, int] = {}  # V1 runner: request -> P's token, until scheduled
+        self._lw_waits: dict[str, float] = {}  # KV landed, P's token not yet: since when
+        self._lw_heard: set[str] = set()  # P's token came (taken or not): nothing to wait for
+        self._lw_taken: set[str] = set()  # requests whose first output token is P's
         if self._lw_side is not None and not self._lw_side.cfg.is_producer:
             if off is None:
                 log.info("lw: first token from P on: D streams P's sampled token as soon as it "
@@ -108,6 +121,10 @@ class _FirstTokenFromP:
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """vLLM's step, with P's tokens for the V1 runner of requests scheduled in it."""
         so = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        for rid in [r for r in self._lw_waits if r not in self.requests]:
+            del self._lw_waits[rid]  # ended while it waited
+        self._lw_heard &= self.requests.keys()
+        self._lw_taken &= self.requests.keys()
         if self._lw_seeds:
             meta = so.kv_connector_metadata
             for new in so.scheduled_new_reqs:
@@ -117,6 +134,23 @@ class _FirstTokenFromP:
             for rid in [r for r in self._lw_seeds if r not in self.requests]:
                 del self._lw_seeds[rid]  # ended before it was scheduled
         return so
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        """vLLM's "may this waiting request be scheduled": not yet while its KV landed and
+        P's token, which would spare D a step, may still come (FIRST_TOKEN_WAIT_S)."""
+        rid = request.request_id
+        if self._lw_on and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and \
+                request.num_output_tokens == 0 and rid in self.finished_recving_kv_req_ids \
+                and rid not in self.failed_recving_kv_req_ids and rid not in self._lw_heard and \
+                ineligible(request, spec_tokens=self.num_spec_tokens) is None:
+            now = time.monotonic()
+            since = self._lw_waits.setdefault(rid, now)
+            if now - since < FIRST_TOKEN_WAIT_S:
+                return False
+            assert self._lw_side is not None
+            self._lw_side.first_counts.count("first_token_waits_expired")
+        self._lw_waits.pop(rid, None)
+        return super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
 
     def _update_waiting_for_remote_kv(self, request: Request) -> None:
         """vLLM's promotion of a request whose KV landed; counts which path token 1 took."""
@@ -134,11 +168,12 @@ class _FirstTokenFromP:
         request = self.requests.get(ft.req_id)
         if request is None or request.is_finished():
             return
+        self._lw_heard.add(ft.req_id)
         if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS or \
                 request.num_output_tokens > 0:
             # D holds a token already (a re-prefill's P sampled again) or computes its own
             side.first_counts.count("first_token_discarded")
-            if request.num_output_tokens == 0:
+            if ft.req_id not in self._lw_taken:
                 side.first_counts.fallback("late")
             elif request.output_token_ids[0] != ft.token and \
                     request.sampling_params is not None and \
@@ -153,6 +188,7 @@ class _FirstTokenFromP:
             side.first_counts.fallback(why)
             return
         request.append_output_token_ids(ft.token)
+        self._lw_taken.add(ft.req_id)
         stopped = check_stop(request, self.max_model_len)
         side.first_counts.count("first_token_from_p")
         finish_reason = None

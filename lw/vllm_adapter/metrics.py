@@ -69,6 +69,9 @@ COUNTERS: dict[str, str] = {
                             "while their KV was still arriving (the transfer is stopped)",
     "first_token_discarded": "D: P's tokens not used because the request already held one (a "
                              "re-prefill's) or had computed its own",
+    "first_token_waits_expired": "D: requests whose KV landed and whose P token did not come "
+                                 "within the wait (then D computed token 1: does P run lw's "
+                                 "scheduler class with first_token_from_p?)",
 }
 GAUGES: dict[str, str] = {
     "live_requests": "Requests lw holds blocks for (P: sending; D: receiving or quarantined), "

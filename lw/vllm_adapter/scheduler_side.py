@@ -146,6 +146,7 @@ class SchedulerSide:
             u.strip() for u in cfg.allowed_metaservers.split(","))))
         self._traced = tracing_endpoint(vllm_config) is not None  # hand trace context on
         self._first_in: list[FirstTokenIn] = []  # D: P's first tokens, for lw's scheduler
+        self._received: dict[str, str] = {}  # D: req -> transfer, KV landed, request live
         self.first_counts = FirstTokenCounts()
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
@@ -547,6 +548,7 @@ class SchedulerSide:
                     spec_digest(request.sampling_params)))
             return True
         self._d_seen.discard(rid)
+        self._received.pop(rid, None)
         self._tails.pop(rid, None)
         dr = self._d.get(rid)
         if dr is not None and not dr.aborted:
@@ -564,16 +566,17 @@ class SchedulerSide:
         # before the receives that finished: a token and the KV may land in one step
         for ft in wm.first_tokens if isinstance(wm, LwWorkerMeta) else ():
             dr = self._d.get(ft.req_id)
-            if dr is not None and not dr.aborted and dr.transfer_id == ft.transfer_id:
+            live = dr.transfer_id if dr is not None and not dr.aborted else \
+                self._received.get(ft.req_id)  # its KV landed first: lw's scheduler decides
+            if live == ft.transfer_id:
                 self._first_in.append(ft)
-            elif dr is None and ft.req_id in self._d_seen:  # its KV landed steps before
-                self.first_counts.count("first_token_discarded")
-                self.first_counts.fallback("late")
         for rid in out.finished_sending or ():
             self._pushed.pop(rid, None)
             self._computes.released(rid)
         for rid in out.finished_recving or ():
-            self._d.pop(rid, None)
+            dr = self._d.pop(rid, None)
+            if dr is not None and not dr.aborted:
+                self._received[rid] = dr.transfer_id
         if isinstance(wm, LwWorkerMeta):
             self._take_rates(wm)
             for rp in wm.reprefills:

@@ -142,14 +142,13 @@ def test_the_start_line_says_how_the_proxy_started_the_prefills() -> None:
                                             "fallbacks to D first")
 
 
-def test_token2_lines_compare_medians_and_say_why_the_p_d_path_is_ds(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    """Time to token 2 beside the single engine's; a request without a second token is counted,
-    and the note says the demo's logprobs requests take vLLM's own first-token path."""
-    from lw.lab.vllm_demo import TOKEN2_NOTE, token2_summary
+def test_token2_lines_compare_medians(capsys: pytest.CaptureFixture[str]) -> None:
+    """Time to token 2 beside the single engine's; a request without a second token is
+    counted."""
+    from lw.lab.vllm_demo import token2_summary
 
     lines = token2_summary([0.060, 0.070, 0.080], [0.090, None, 0.110])
-    assert "(single engine 3 of 3, P/D 2 of 3)" in lines[0] and TOKEN2_NOTE in lines[0]
+    assert "(single engine 3 of 3, P/D 2 of 3)" in lines[0]
     assert "70 ms (60-80)" in lines[1] and "100 ms (90-110)" in lines[2]
     assert lines[-1] == "token 2    P/D's median is 30 ms above the single engine's (x1.43)"
     assert token2_summary([0.05], [None], note="")[-1] == (

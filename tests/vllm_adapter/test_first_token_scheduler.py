@@ -20,6 +20,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+import lw.vllm_adapter.lw_scheduler as lw_scheduler_mod  # noqa: E402
 from lw.contract.sampling import p_sampling_fields, spec_digest  # noqa: E402
 from lw.vllm_adapter.connector_meta import FirstTokenIn, LwWorkerMeta  # noqa: E402
 from lw.vllm_adapter.lw_scheduler import (  # noqa: E402
@@ -63,10 +64,11 @@ def lw_scheduler(model_dir: str, role: str = "kv_consumer", *, async_sched: bool
                        log_stats=True)
 
 
-def request(rid: str, n: int = 100, *, max_tokens: int = 4, **sp: Any) -> Request:
+def request(rid: str, n: int = 100, *, max_tokens: int = 4, start: int = 10,
+            **sp: Any) -> Request:
     params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sp},
                             extra_args={"kv_transfer_params": remote_prefill_params()})
-    return Request(rid, list(range(10, 10 + n)), params, None,
+    return Request(rid, list(range(start, start + n)), params, None,
                    block_hasher=get_request_block_hasher(BS, sha256))
 
 
@@ -235,7 +237,9 @@ def test_a_request_that_ends_at_p_token_stops_its_transfer_and_holds_its_blocks(
     assert d.count("ended_at_first_token") == 1
 
 
-def test_a_token_after_d_computed_its_own_is_discarded(model_dir: str) -> None:
+def test_a_token_after_d_computed_its_own_is_discarded(model_dir: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lw_scheduler_mod, "FIRST_TOKEN_WAIT_S", 0.0)
     s = lw_scheduler(model_dir)
     d = Steps(s)
     req = request("r1")
@@ -457,3 +461,32 @@ def test_what_reads_more_than_token_1_is_ineligible() -> None:
     assert ineligible(NS(sampling_params=None)) == "pooling"
     assert token_problem(req(), "") == "no_spec"
     assert token_problem(req(), spec_digest(SamplingParams())) is None
+
+
+def test_kv_before_the_token_waits_for_it_briefly(model_dir: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """P's DONE can overtake its token (the token leaves a step after P sampled it): D waits
+    for the token a little rather than computing token 1 itself, and not for ever."""
+    s = lw_scheduler(model_dir)
+    d = Steps(s)
+    req = request("r1")
+    s.add_request(req)
+    d.step()
+    d.step(KVConnectorOutput(finished_recving={"r1"}))
+    assert d.step().num_scheduled_tokens == {}  # waiting for P's token
+    d.step(token_from_p(req))
+    assert d.tokens["r1"] == [P_TOKEN]
+    so = d.step()
+    assert so.num_scheduled_tokens == {"r1": 1}
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 100
+    # a token that never comes: D computes token 1 itself once the wait is over
+    monkeypatch.setattr(lw_scheduler_mod, "FIRST_TOKEN_WAIT_S", 0.0)
+    req2 = request("r2", start=500)  # another prompt: no prefix hit on r1's blocks
+    s.add_request(req2)
+    d.step()
+    d.step(KVConnectorOutput(finished_recving={"r2"}))
+    so = d.step()
+    assert so.num_scheduled_tokens.get("r2") == 1
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 99
+    d.step()
+    assert d.count("first_token_waits_expired") == 1
