@@ -125,6 +125,16 @@ STRONG: tuple[dict[str, Any], ...] = (
     {"design": AHEAD_DESIGN, "dp": 2, "requests": 2, "layers": 1, "faults": True,
      "fault_kinds": ("rank-crash", "write", "drop", "dup", "abort"), "delays": False,
      "retry_prefill": 1},
+    # P's first token (issue 59), handed to P's workers at any moment after the prefill: among
+    # lost, duplicated tokens and failed writes, r1's sampled with other parameters than its
+    # client asked for; under prefill failover (a rank's crash, a bad transfer: a token of the
+    # epoch D gave up comes late); computed ahead (held until the bind).
+    {"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("drop", "dup", "write"),
+     "delays": False, "first_token_from_p": True, "first_token_other_spec": (1,)},
+    {"dp": 2, "requests": 1, "layers": 1, "faults": True,
+     "fault_kinds": ("rank-crash", "corrupt", "write"), "delays": False, "kv_checksum": True,
+     "retry_prefill": 1, "first_token_from_p": True},
+    {"design": AHEAD_DESIGN, "dp": 1, "requests": 2, "layers": 1, "first_token_from_p": True},
 )
 # Flags that set bounds: given any of them, `lw check` runs that one configuration.
 BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_heads", "d_blocks",
@@ -132,7 +142,7 @@ BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_head
                "max_faults", "retries", "no_atomic_layers", "no_p_loss_detection",
                "no_crash_zombies", "no_delays", "no_abstract_time", "d_restarts", "late_writes",
                "kv_checksum", "unordered_writes", "retry_prefill", "retry_fresh_blocks",
-               "no_fence_data")
+               "no_fence_data", "first_token")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -219,6 +229,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--unordered-writes", action="store_true", default=None,
                     help="the data plane may complete a P worker's writes in any order (lw's "
                          "reports each destination's writes in submission order)")
+    ap.add_argument("--first-token", action="store_true", default=None,
+                    help="first_token_from_p on both sides: P's sampled first token goes to D, "
+                         "whose scheduler streams it and decodes on from it")
     ap.add_argument("--trace-out", type=Path, default=None,
                     help="write the counterexample as Markdown with a Mermaid sequence diagram")
     ap.add_argument("--counterexamples", action="store_true",
@@ -279,6 +292,8 @@ def config_from(args: argparse.Namespace, base: dict[str, Any] | None = None) ->
         kw["retry_fresh_blocks"] = True
     if args.unordered_writes:
         kw["unordered_writes"] = True
+    if args.first_token:
+        kw["first_token_from_p"] = True
     if args.no_p_loss_detection:
         kw["p_loss_detection"] = False
     if "max_faults" not in kw:

@@ -126,6 +126,13 @@ class WorldConfig:
     heartbeat_floor_s: float = 1.5
     heartbeat_cap_s: float = 30.0
     stall_s: float = 15.0
+    # Both cores' first_token_from_p: P's scheduler hands each request's sampled first token to
+    # its workers (at any moment after the prefill's last step), TP rank 0 sends it to D, and
+    # D's scheduler streams it to the client and decodes on from it (lw.sim.tokens).
+    first_token_from_p: bool = False
+    # Requests whose P samples with other parameters than the client asked for (a proxy that
+    # did not pass them on): D's scheduler must not use that token.
+    first_token_other_spec: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.design not in DESIGNS:
@@ -164,6 +171,11 @@ class WorldConfig:
             if not 0 <= h <= self.blocks_per_request:
                 raise ValueError(f"a prefix hit must be 0..blocks_per_request="
                                  f"{self.blocks_per_request} blocks, got {h}")
+        if self.first_token_other_spec and not self.first_token_from_p:
+            raise ValueError("first_token_other_spec needs first_token_from_p")
+        if any(not 0 <= i < self.requests for i in self.first_token_other_spec):
+            raise ValueError(f"first_token_other_spec names requests outside 0.."
+                             f"{self.requests - 1}")
         for i in range(self.requests):
             n = self.blocks_per_request - self.hit(i)
             if 0 < n < self.chunks - 1:
@@ -250,6 +262,10 @@ class WorldConfig:
         if self.retry_prefill:
             faults += f", prefill failover (budget {self.retry_prefill}" + (
                 ", fresh blocks)" if self.retry_fresh_blocks else ")")
+        if self.first_token_from_p:
+            other = (f" (r{', r'.join(map(str, self.first_token_other_spec))} sampled with "
+                     "other parameters)") if self.first_token_other_spec else ""
+            faults += f", first token from P{other}"
         if self.misconfigured():
             faults += (f", D layout registers {self.d_blocks_registered()} block(s) x "
                        f"{self.d_layout_layers or self.layers} layer(s)")

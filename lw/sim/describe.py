@@ -83,6 +83,9 @@ class Describe:
                 how = "fails (peer restarted since) towards"
             return (f"{s.wname(a[1])}: write of {s.reqs[w[0]].rid} {s.what(w[0], w[1])} "
                     f"{how} D{w[4]} block(s) {list(w[3])}")
+        if kind == "sample":
+            return (f"P rank {a[3]}'s scheduler hands {s.reqs[a[1]].rid}'s first token "
+                    f"(epoch {a[2]}) to its workers")
         if kind == "decode":
             q = s.reqs[a[1]]
             blocks = list(q.d_blocks or ())

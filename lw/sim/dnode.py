@@ -1,16 +1,19 @@
 """D's engine in the checker world: its workers' reports (RecvDone, RecvFailed, Quarantine),
-which the scheduler aggregates per request, with the partial-kv property, and decoding (a part
-of :class:`lw.sim.world.World`)."""
+which the scheduler aggregates per request, with the partial-kv property, decoding, and the
+first token P sent (streamed to the client, decoded on from) (a part of
+:class:`lw.sim.world.World`)."""
 
 from __future__ import annotations
 
 from lw.fsm import Quarantine, RecvDone, RecvFailed, ReleaseBlocks
+from lw.fsm.effects import FirstTokenTaken
 from lw.sim.config import _owner
 from lw.sim.heads import held
 from lw.sim.kvbytes import KVBytes
 from lw.sim.properties import Violation
 from lw.sim.request import Req
 from lw.sim.state import WorldState
+from lw.sim.tokens import d_token, origin, show, spec_of
 
 
 class DNode:
@@ -26,8 +29,77 @@ class DNode:
     def do_decode(self, r: int) -> None:
         """D finishes decoding request ``r`` and frees its blocks."""
         q = self.s.reqs[r]
+        if self.s.cfg.first_token_from_p:
+            self._decode_on(q, "decodes")
         self.free_d(q, "decode finished")
         q.d_stage = "done"
+
+    # ------------------------------------------------------------------ the first token
+    def on_first_token(self, v: int, e: FirstTokenTaken) -> None:
+        """D worker ``v`` took P's first token of a request: the scheduler streams it to the
+        client if the request holds no token yet and it was sampled with the request's spec;
+        otherwise it is discarded (property first-token-bound judges both steps)."""
+        s = self.s
+        q = s.reqs[int(e.req_id[1:])]
+        o = origin(e.token)
+        if (o.idx, o.epoch, o.spec, o.by_d) != (q.idx, e.epoch, e.spec, False):
+            raise Violation("first-token-bound", f"D{v} took {show(e.token)} as {q.rid}'s, "
+                                                 f"sampled under epoch {e.epoch} with spec "
+                                                 f"{e.spec}")
+        if e.epoch != q.epoch:
+            raise Violation("first-token-bound",
+                            f"D{v} took {q.rid}'s first token of claim epoch {e.epoch} while "
+                            f"the request is under epoch {q.epoch}: a token of a prefill D "
+                            "gave up")
+        target: Req | None = q
+        if "token-by-slot" in s.quirks:  # the hand-off is keyed by the request's first slot
+            owner = s.d_pool[q.d_rank][q.d_blocks[0]] if q.d_blocks else None
+            target = None if owner is None else s.reqs[owner]
+        where = s.dpart(q.d_rank)
+        if target is None or target.client is not None or target.d_stage not in (
+                "allocated", "decoding"):
+            s.note(where, f"scheduler discards {q.rid}'s first {show(e.token)}"
+                          + ("" if target is None or target.client is None else
+                             f": {target.rid}'s client holds {show(target.client)}"))
+            return
+        if e.spec != spec_of(target.idx) and "token-spec-unchecked" not in s.quirks:
+            s.note(where, f"scheduler refuses {q.rid}'s first {show(e.token)}: the request "
+                          f"asked for spec {spec_of(target.idx)}")
+            return
+        target.client = e.token
+        s.flags.add("first-token")
+        s.note(where, f"{target.rid}'s client is streamed {show(e.token)}")
+        self._check_client(target)
+
+    def _check_client(self, q: Req) -> None:
+        """Property first-token-bound at the client: the token it was streamed was sampled
+        for its request, under the claim epoch D holds, with the spec the client asked for."""
+        assert q.client is not None
+        o = origin(q.client)
+        why = (f"drawn for r{o.idx}" if o.idx != q.idx else
+               f"drawn with spec {o.spec}, the client asked for {spec_of(q.idx)}"
+               if o.spec != spec_of(q.idx) else
+               f"drawn under claim epoch {o.epoch}, D holds {q.epoch}"
+               if not o.by_d and o.epoch != q.epoch else "")
+        if why:
+            raise Violation("first-token-bound", f"{q.rid}'s client is streamed "
+                                                 f"{show(q.client)} as its first token: {why}")
+
+    def _decode_on(self, q: Req, how: str) -> None:
+        """D decodes ``q`` on (or recomputes it after a failed transfer) from the first token
+        its client was streamed: P's, or one D samples itself if none came (property
+        first-token-continuation)."""
+        s = self.s
+        if q.client is None:  # D samples the first token itself and streams it
+            q.client = d_token(q.idx, q.epoch)
+            self._check_client(q)
+        own = "recompute-own-token" in s.quirks and how != "decodes"
+        q.base = d_token(q.idx, q.epoch) if own else q.client
+        s.note(s.dpart(q.d_rank), f"{q.rid}: D {how} on from {show(q.base)}")
+        if q.base != q.client:
+            raise Violation("first-token-continuation",
+                            f"D {how} {q.rid} on from {show(q.base)}, but its client was "
+                            f"streamed {show(q.client)}")
 
     def free_d(self, q: Req, why: str) -> None:
         """D's scheduler frees ``q``'s blocks."""
@@ -166,6 +238,10 @@ class DNode:
         if min(q.recv_reports) == 0:
             return
         if not all(q.recv_ok):
+            if s.cfg.first_token_from_p and q.client is not None:
+                # the client holds a first token: D recomputes from the prompt and that token
+                # (or ends the request with an error, which continues nothing)
+                self._decode_on(q, "recomputes after the failed transfer")
             self.free_d(q, "failed_recving")
             q.d_stage = "failed"
             q.quarantined = False

@@ -165,7 +165,7 @@ class Faults:
         s = self.s
         s.net.take(key)
         q = s.req_of(key[3])
-        if q is not None:
+        if q is not None and key[2] != "FirstToken":  # the token never moves a lifecycle
             q.losses += 1
         s.note(_who(key[1]), f"network drops {describe_key(key)}")
 

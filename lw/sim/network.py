@@ -14,13 +14,15 @@ from lw.fsm.messages import (
     Ack,
     DoneSending,
     FailedSending,
+    FirstToken,
     Message,
     MetaReply,
     MetaRequest,
 )
 
 MsgKey = tuple  # (dest, src, kind, req_id, extra)
-MESSAGE_TYPES = (MetaRequest, MetaReply, DoneSending, FailedSending, Ack, Abort, AbortAck)
+MESSAGE_TYPES = (MetaRequest, MetaReply, DoneSending, FailedSending, Ack, Abort, AbortAck,
+                 FirstToken)
 
 _SHORT = {
     MetaRequest: "MetaRequest",
@@ -30,6 +32,7 @@ _SHORT = {
     Ack: "Ack",
     Abort: "Abort",
     AbortAck: "AbortAck",
+    FirstToken: "FirstToken",
 }
 
 
@@ -49,6 +52,8 @@ def msg_key(src: str, dest: str, msg: Message) -> MsgKey:
         extra = (msg.known, msg.in_doubt)
     elif isinstance(msg, DoneSending):
         extra = (msg.num_layers, msg.expected_senders, msg.num_blocks)
+    elif isinstance(msg, FirstToken):  # D's scheduler tells tokens and specs apart
+        extra = (msg.token, msg.spec)
     else:  # FailedSending
         extra = (msg.expected_senders, msg.in_doubt)
     epoch = getattr(msg, "epoch", 0)  # D takes only its current claim epoch's (failover)
@@ -66,6 +71,9 @@ def describe_key(key: MsgKey) -> str:
         return f"AbortAck({rid}{', known' if extra[0] else ''}{', in doubt' if extra[1] else ''})"
     if kind == "FailedSending":
         return f"FailedSending({rid}{', in doubt' if extra[1] else ''})"
+    if kind == "FirstToken":
+        epoch = f", epoch {extra[2]}" if len(extra) > 2 else ""
+        return f"FirstToken({rid}, token {extra[0]}, spec {extra[1]}{epoch})"
     return f"{kind}({rid})"
 
 

@@ -11,6 +11,7 @@ from lw.sim.ports import Ports
 from lw.sim.properties import Violation
 from lw.sim.request import Req
 from lw.sim.state import WorldState
+from lw.sim.tokens import OTHER_SPEC, p_token, show, spec_of
 
 # Abstract time: the world may idle before these (P's engine busy or slow to start, schedule or
 # compute a layer; in the fine-grained model only before the first hook of a layer, so that both
@@ -276,9 +277,13 @@ class PNode:
         for i in range(s.cfg.dp):
             running = s.p_running[i]
             for r in s.p_batch[i]:
-                if s.reqs[r].more_chunks():
+                q = s.reqs[r]
+                if q.more_chunks():
                     running.append(r)
-                elif s.design.free_on_request_finished:
+                    continue
+                if s.cfg.first_token_from_p and q.p_added:  # the step sampled its first token
+                    q.token_due = (*q.token_due, (q.p_epoch, i))
+                if s.design.free_on_request_finished:
                     self._free_p(i, r, "request_finished said free now")
             s.p_batch[i] = []
             # vLLM frees a request's blocks only once it is finished: one that P's workers
@@ -308,6 +313,29 @@ class PNode:
         if q.p_stage == "finished":
             q.p_stage = "released"
         s.note(f"P{i}", f"scheduler frees block(s) {list(q.p_blocks or ())} of {q.rid} ({why})")
+
+    def sample_actions(self) -> list[Action]:
+        """P's scheduler may hand a sampled first token to its (live) workers now: any moment
+        after the prefill's last step, before or after its writes, DONE and release."""
+        s = self.s
+        return [("sample", q.idx, e, i) for q in s.reqs for e, i in sorted(set(q.token_due))
+                if s.rank_alive(i)]
+
+    def do_sample(self, r: int, epoch: int, i: int) -> None:
+        """P's scheduler hands request ``r``'s first token, sampled by its prefill under claim
+        ``epoch`` on DP rank ``i``, to every worker of that rank (only TP rank 0's core sends
+        it)."""
+        s = self.s
+        q = s.reqs[r]
+        due = list(q.token_due)
+        due.remove((epoch, i))  # (a prefill computed ahead, dropped and run again: twice)
+        q.token_due = tuple(due)
+        other = r in s.cfg.first_token_other_spec
+        token = p_token(r, epoch, other)
+        spec = OTHER_SPEC if other else spec_of(r)
+        for w in s.workers_of(i):
+            self.ports.run(("p", w), s.p[w].first_token(q.rid, token, spec, s.now))
+        s.note(f"P{i * s.tp}", f"scheduler samples {q.rid}'s first {show(token)}")
 
     def on_send_finished(self, i: int, e: SendFinished) -> None:
         """P worker ``i`` reports a request finished sending: its blocks are freed once every

@@ -13,7 +13,7 @@ import weakref
 from typing import Protocol
 
 from lw.fsm import Effect, Quarantine, RecvDone, RecvFailed, Reprefill, SendFinished, WriteLayer
-from lw.fsm.effects import FenceData, Granted, ReleaseBlocks, SumPlan, TimerKey
+from lw.fsm.effects import FenceData, FirstTokenTaken, Granted, ReleaseBlocks, SumPlan, TimerKey
 from lw.fsm.interpreter import Answer, Report, perform
 from lw.fsm.messages import KVLayout, Message, MetaRequest
 from lw.sim.config import Owner, _who, d_addr, p_addr
@@ -45,6 +45,9 @@ class RecvReports(Protocol):
 
     def fresh_blocks(self, v: int, req_id: str, count: int) -> tuple[int, ...] | None:
         """D worker ``v``'s scheduler allocates fresh blocks for a request, or refuses."""
+
+    def on_first_token(self, v: int, e: FirstTokenTaken) -> None:
+        """D worker ``v`` took P's first token of a request (its scheduler decides its use)."""
 
 
 class RetryReports(Protocol):
@@ -160,6 +163,8 @@ class _Port:
             ports.failover.on_reprefill(self.idx, e)
         elif isinstance(e, ReleaseBlocks):
             ports.d_node.on_release(self.idx, e)
+        elif isinstance(e, FirstTokenTaken):
+            ports.d_node.on_first_token(self.idx, e)
         else:
             ports.d_node.on_quarantine(self.idx, e)
 

@@ -55,6 +55,15 @@ PROPERTIES: tuple[Property, ...] = (
              "no request is reported finished (sending or receiving) twice"),
     Property("core-protocol-error", "all", "always",
              "the core never raises ProtocolError (an event its own table says is impossible)"),
+    Property("first-token-bound", "first token", "always",
+             "P's first token is used only for the request, claim epoch and sampling spec it "
+             "was drawn for: D's core takes it only under the request's current epoch, and "
+             "the client is streamed only a token of its own request, of the epoch D holds, "
+             "drawn with the spec it asked for (first_token_from_p)"),
+    Property("first-token-continuation", "first token", "always",
+             "every token after the first follows the one the client was streamed: D decodes "
+             "on, or recomputes after a failed transfer, from the client's first token "
+             "(first_token_from_p)"),
     Property("deadlock", "property 5", "eventually",
              "no reachable state is stuck: when no action is enabled every request is final "
              "on both sides (otherwise the cycle of waits is printed)"),

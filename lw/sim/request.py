@@ -10,7 +10,8 @@ class Req:
                  "p_blocks", "started", "p_added", "landed", "send_reports", "send_ok",
                  "recv_reports", "recv_ok", "accepted", "quarantined", "p_freed", "t_alloc",
                  "t_padd", "t_dfail", "d_inc", "touched", "losses", "sizes", "chunk", "forged",
-                 "epoch", "p_epoch", "retry", "p_crashes", "bad_transfers", "ahead", "refused")
+                 "epoch", "p_epoch", "retry", "p_crashes", "bad_transfers", "ahead", "refused",
+                 "token_due", "client", "base")
 
     def __init__(self, idx: int, p_rank: int, d_rank: int, tp: int, d_tp: int = 1,
                  hit: int = 0, sizes: tuple[int, ...] = (1,)) -> None:
@@ -62,6 +63,13 @@ class Req:
         # first, once P released the dropped attempt); "" otherwise.
         self.ahead = ""
         self.refused = False
+        # First token from P (WorldConfig.first_token_from_p): the prefills whose last step
+        # ended and whose sampled token P's scheduler has not handed to its workers yet, as
+        # (claim epoch, P DP rank); the first token the client was streamed (lw.sim.tokens),
+        # and the token D decodes on from (at its decode, or its recompute after a failure).
+        self.token_due: tuple[tuple[int, int], ...] = ()
+        self.client: int | None = None
+        self.base: int | None = None
 
     def key(self, now: float, progress_budget: int = 0) -> tuple:
         """Hashable content (times relative to ``now``). ``progress_budget``: P's retry budget
@@ -86,7 +94,7 @@ class Req:
                 self.recv_reports, self.recv_ok, tuple(sorted(self.accepted)), self.quarantined,
                 self.p_freed, t_alloc, t_padd, self.d_inc, self.forged, self.epoch,
                 self.p_epoch, self.retry, self.p_crashes, self.bad_transfers, self.ahead,
-                self.refused,
+                self.refused, self.token_due, self.client, self.base,
                 (self.touched, min(self.losses, progress_budget)) if progress_budget else None)
 
     def d_final(self) -> bool:

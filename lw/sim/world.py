@@ -52,7 +52,7 @@ from lw.sim.state import WorldState
 # Which part performs each kind of action (its method ``do_<kind>``).
 HANDLERS: dict[str, str] = {
     **dict.fromkeys(("arrive", "alloc", "start", "deliver", "fallback"), "proxy"),
-    **dict.fromkeys(("schedule", "layer", "hook", "barrier"), "p_node"),
+    **dict.fromkeys(("schedule", "layer", "hook", "barrier", "sample"), "p_node"),
     "complete": "data",
     "decode": "d_node",
     **dict.fromkeys(("drop", "dup", "fail_write", "crash_p", "crash_d", "restart_d", "p_lost",
@@ -296,6 +296,8 @@ class World:
         for q in s.reqs:
             if q.d_stage == "decoding":
                 acts.append(("decode", q.idx))
+        if cfg.first_token_from_p and s.p_alive:
+            acts += self.p_node.sample_actions()
         if not s.p_alive and cfg.p_loss_detection:
             acts += [("p_lost", v) for v in range(len(s.d))
                      if s.d_alive[v // s.d_tp] and not s.p_lost_seen[v]]
