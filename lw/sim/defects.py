@@ -23,12 +23,13 @@ from lw.fsm import (
 )
 from lw.fsm.decode_request import DecodeRecord
 from lw.fsm.effects import Granted, KeptSums, TimerKey
-from lw.fsm.lifecycles import AHEAD, DONE, FAILED
+from lw.fsm.lifecycles import AHEAD, DONE, FAILED, RECEIVING
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
     AbortAck,
     DoneSending,
     FailedSending,
+    FirstToken,
     KVLayout,
     Message,
     MetaReply,
@@ -417,3 +418,17 @@ class AheadNeverDropped(PrefillEndpoint):
                   now: float) -> list[Effect]:
         out = super().add_ahead(req_id, local_blocks, final, prompt, now)
         return [e for e in out if not isinstance(e, ArmTimer)]
+
+
+class StaleEpochToken(DecodeEndpoint):
+    """A first token matched by request id alone: P's token of a claim epoch D left (the
+    prefill it gave up) is taken for the request's current epoch, which has none yet."""
+
+    def _on_first_token(self, msg: FirstToken, now: float, out: list[Effect]) -> None:
+        rec = self._reqs.get(msg.req_id)
+        if (rec is not None and msg.epoch != rec.epoch and rec.state == RECEIVING
+                and rec.token_epoch != rec.epoch and self.config.first_token_from_p):
+            rec.token_epoch = rec.epoch
+            self._take_token(rec, msg, now, out)
+            return
+        super()._on_first_token(msg, now, out)

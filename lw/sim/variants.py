@@ -29,6 +29,12 @@ QUIRKS = {
                     "engine never polls)",
     "serial-handshake": "a P worker's first contact with a D (MetaRequest asking for its "
                         "layout) waits until its previous first contact was answered",
+    "token-by-slot": "D's scheduler hands P's first token to the request that holds the slot "
+                     "(first D block) of the token's request now",
+    "token-spec-unchecked": "D's scheduler streams P's first token whatever sampling spec it "
+                            "was drawn with",
+    "recompute-own-token": "after a failed transfer D recomputes from the prompt alone and "
+                           "decodes on from its own first token, not the client's",
 }
 
 # Bounds of the plain check (lw check --design d-first with explicit flags starts from these).
@@ -94,6 +100,9 @@ _FAILOVER = {"dp": 2, "requests": 1, "layers": 1, "faults": True, "fault_kinds":
 # answers D's abort, saying so; without late writes, ownership judges the old blocks meanwhile.
 _IN_DOUBT_GHOST = {**_FAILOVER, "d_blocks": 2, "fault_kinds": ("write",),
                    "retry_fresh_blocks": True}
+
+# First token from P (issue 59): one request, one layer, P's token on.
+_FIRST_TOKEN = {"dp": 1, "requests": 1, "layers": 1, "first_token_from_p": True}
 
 _DESIGNS: tuple[Design, ...] = (
     Design(
@@ -410,6 +419,52 @@ _DESIGNS: tuple[Design, ...] = (
         bounds={**_FAILOVER, "max_faults": 2},
         ruled_out="D retries at most retry_prefill times per request, then fails it as before "
                   "(quarantine, lease, kv_load_failure_policy)"),
+    Design(
+        name="token-slot-race", title="a first token handed on by slot",
+        ref="sglang #17259 (decode took another request's first token from a reused slot)",
+        summary="D's scheduler hands P's first token to the request holding the slot its "
+                "request had: a token that comes after its request decoded and freed its "
+                "block reaches the next request in that block, whose client streams another "
+                "request's token.",
+        quirks=frozenset({"token-by-slot"}), expected="first-token-bound",
+        bounds={**_FIRST_TOKEN, "requests": 2},
+        ruled_out="the token is bound to its request's claim (D's id, epoch, prompt) and "
+                  "handed to the scheduler by request id; a request that holds a first token "
+                  "already discards it"),
+    Design(
+        name="stale-epoch-token", title="a first token of a given-up epoch taken",
+        ref="plausible, no upstream report (lw issue 59)",
+        summary="Prefill failover with P's first token: D takes a token by request id alone, "
+                "so the token of the epoch whose transfer went bad, sent late by its live P, "
+                "is taken for the next epoch.",
+        decode=defects.StaleEpochToken, expected="first-token-bound",
+        bounds={**_FAILOVER, "fault_kinds": ("corrupt", "write"), "kv_checksum": True,
+                "first_token_from_p": True},
+        ruled_out="D takes a token only under the request's current claim epoch, from a "
+                  "sender accepted for it, once per epoch (protocol 6)"),
+    Design(
+        name="recompute-own-token", title="a recompute that forgets the streamed token",
+        ref="plausible, no upstream report (vLLM kv_load_failure_policy=recompute; lw issue "
+            "59)",
+        summary="The client was streamed P's first token, then the transfer fails; D "
+                "recomputes the request from its prompt alone and decodes on from a first "
+                "token of its own, which need not be the one the client holds.",
+        quirks=frozenset({"recompute-own-token"}), expected="first-token-continuation",
+        bounds={**_FIRST_TOKEN, "faults": True, "fault_kinds": ("write",), "delays": False},
+        ruled_out="a recompute after the client holds a token continues from the prompt and "
+                  "that token (or the request ends with an error)"),
+    Design(
+        name="token-spec-unchecked", title="a first token drawn with other parameters used",
+        ref="plausible, no upstream report (lw issue 59: P samples as the client asked only "
+            "when the proxy passes the parameters on)",
+        summary="P samples the first token with its defaults (the proxy did not pass the "
+                "client's sampling parameters on) and D's scheduler streams it without "
+                "comparing the token's spec with the request's.",
+        quirks=frozenset({"token-spec-unchecked"}), expected="first-token-bound",
+        bounds={**_FIRST_TOKEN, "first_token_other_spec": (0,)},
+        ruled_out="every token carries its sampling spec digest, and D's scheduler uses it "
+                  "only when it equals the request's own; else D samples the first token "
+                  "itself"),
 )
 
 DESIGNS: dict[str, Design] = {d.name: d for d in _DESIGNS}
