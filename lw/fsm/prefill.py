@@ -369,6 +369,8 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, FirstTokens, LifecycleEndpoi
             if rec.sent % L == 0 and not (rec.final and rec.sent == rec.limit):
                 self._fire(rec, "chunk_sent", now, rec.sent // L - 1)
         if rec.final and rec.sent == rec.limit and not rec.out_of_order:
+            if self._hold_done(rec, now, out):
+                return  # the ack timer's first firing sends it if the token did not
             self._send_done(rec, out)
             out.append(ArmTimer(("ack", rec.req.req_id), now + self.config.ack_retry_s))
 
@@ -524,6 +526,7 @@ class PrefillEndpoint(AheadBinding, DecoderReplies, FirstTokens, LifecycleEndpoi
         out.append(ArmTimer(("meta", rec.req.req_id), now + self.config.meta_retry_s))
 
     def _send_done(self, rec: PrefillRecord, out: list[Effect]) -> None:
+        rec.done_held = False
         rec.ack_tries += 1
         todo = tuple(t.addr for t in rec.targets if not t.acked)
         if self.config.kv_checksum:

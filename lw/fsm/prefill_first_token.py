@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from lw.fsm.effects import Effect, Send
+from lw.fsm.effects import ArmTimer, Effect, Send
 from lw.fsm.lifecycles import AHEAD, AWAIT_DECODER_META, DONE, FAILED
 from lw.fsm.messages import PROTOCOL_VERSION, FirstToken, first_token_problem
 from lw.fsm.prefill_request import PrefillRecord
@@ -56,7 +56,24 @@ class FirstTokens:
             self._fire(rec, "first_token", now, f"token {token}: held until D accepts")
             return out
         self._send_first(rec, now, out)
+        if rec.done_held:  # DONE was waiting for the token: it follows it now
+            rec.done_held = False
+            self._send_done(rec, out)
+            out.append(ArmTimer(("ack", rec.req.req_id), now + self.config.ack_retry_s))
         return out
+
+    def _hold_done(self: Any, rec: PrefillRecord, now: float, out: list[Effect]) -> bool:
+        """Every write landed: whether DONE waits (at most ``first_token_wait_s``, on the
+        request's ack timer) for the token P's scheduler hears of a step later, so that the
+        token reaches D first on the same side channel. Only where a token will be sent."""
+        if (not self.config.first_token_from_p or self.fmt.tp_rank != 0 or rec.first_sent
+                or rec.first is not None or not rec.targets or rec.ack_tries):
+            return False
+        rec.done_held = True
+        out.append(ArmTimer(("ack", rec.req.req_id), now + self.config.first_token_wait_s))
+        self.timeline.record(now, rec.req.req_id, "first_token", rec.state, rec.state,
+                             "DONE held for the token")
+        return True
 
     def _first_refusal(self: Any, rec: PrefillRecord, token: int, spec: str) -> str:
         """Why a live request takes no (further) first token, or ""."""

@@ -84,6 +84,11 @@ class PrefillConfig:
     kv_checksum: bool = False  # writes are summed (CRC-32C) and DONE carries the sums
     # TP rank 0 sends D the token P's scheduler sampled as a request's first (first_token)
     first_token_from_p: bool = False
+    # ... and holds a request's DONE until then, at most this long (its ack timer's first
+    # wait): sent on one side channel, the token then reaches D before DONE, and D need not
+    # compute token 1 itself because the KV won the race (the token leaves one engine step
+    # after P sampled it, the DONE as the last write lands)
+    first_token_wait_s: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("meta_retry_s", "ack_retry_s", "request_timeout_s", "tombstone_ttl_s",
@@ -177,6 +182,7 @@ class PrefillRecord:
         "announced",
         "first",
         "first_sent",
+        "done_held",
     )
 
     @property
@@ -215,6 +221,7 @@ class PrefillRecord:
         self.in_doubt = False  # a write failed in a way that may still deliver bytes later
         self.first: tuple[int, str] | None = None  # the first token P sampled, and its spec
         self.first_sent = False  # ... went to D (at most once per record)
+        self.done_held = False  # every write landed, DONE waits for the token (bounded)
 
     def target(self, addr: str) -> _Target | None:
         for t in self.targets:

@@ -169,6 +169,10 @@ class _FirstTokenFromP:
         if request is None or request.is_finished():
             return
         self._lw_heard.add(ft.req_id)
+        why = "off" if not self._lw_on else ineligible(request, spec_tokens=self.num_spec_tokens)
+        if why is not None:  # whenever the token comes: the reason is the request's
+            side.first_counts.fallback(why)
+            return
         if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS or \
                 request.num_output_tokens > 0:
             # D holds a token already (a re-prefill's P sampled again) or computes its own
@@ -182,8 +186,7 @@ class _FirstTokenFromP:
                             "sampling where the client holds %d (discarded)", ft.req_id,
                             ft.token, request.output_token_ids[0])
             return
-        why = "off" if not self._lw_on else token_problem(
-            request, ft.spec, spec_tokens=self.num_spec_tokens)
+        why = token_problem(request, ft.spec, spec_tokens=self.num_spec_tokens)
         if why is not None:
             side.first_counts.fallback(why)
             return

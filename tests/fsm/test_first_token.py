@@ -19,7 +19,7 @@ from lw.fsm import (
 )
 from lw.fsm.kvmap import make_format
 from lw.fsm.messages import PROTOCOL_VERSION, FirstToken, KVLayout, LayerLayout
-from lw.transport.wire import FailedSending, MetaRequest
+from lw.transport.wire import DoneSending, FailedSending, MetaRequest
 
 from .harness import D_ADDR, Pair, d_layout, d_sender, p_sender
 from .test_endpoints import L, compute_all
@@ -42,9 +42,11 @@ def start(pr: Pair, rid: str = "r1", epoch: int = 0, prompt: str = PROMPT) -> No
 
 
 def run_to_done(pr: Pair, rid: str = "r1") -> None:
+    """Both sides DONE, with no token from P's scheduler (its DONE waited for one)."""
     pr.deliver_all()
     compute_all(pr, rid)
     pr.complete_writes()
+    pr.advance(pr.now + ON_P.first_token_wait_s)
     pr.deliver_all()
 
 
@@ -99,7 +101,7 @@ def test_p_holds_a_token_until_d_accepts_and_nothing_waits_for_it() -> None:
 def test_p_sends_the_token_of_a_request_already_done_from_its_remembered_claim() -> None:
     pr = pair()
     start(pr, epoch=0)
-    run_to_done(pr)
+    run_to_done(pr)  # its DONE waited for the token first_token_wait_s, then went
     assert pr.ps[0].live_requests() == []  # released: D acknowledged the DONE
     out = pr.ps[0].first_token("r1", 9, "s", pr.now)
     assert [s.msg.token for s in out if isinstance(s, Send)] == [9]
@@ -281,3 +283,34 @@ def test_a_request_admitted_again_forgets_its_older_attempts_claim() -> None:
     d.add_request("r1", (5, 6, 7), 1, pr.now, prompt=PROMPT)
     d.abort("r1", "client gone", pr.now)
     assert d.on_message(token_msg(epoch=0), pr.now) == []
+
+
+def test_p_holds_done_until_its_token_so_the_token_reaches_d_first() -> None:
+    """The token leaves P a step after P sampled it, the DONE as the last write lands: DONE
+    waits for the token (bounded), so that on the one side channel D has the token first."""
+    pr = pair()
+    start(pr)
+    pr.deliver_all()
+    compute_all(pr)
+    pr.complete_writes()  # every write landed, no token yet: DONE held, not sent
+    assert not [s for s in pr.queue if isinstance(s.msg, DoneSending)]
+    assert pr.ps[0].state_of("r1") != "DONE"
+    pr.absorb(0, pr.ps[0].first_token("r1", 42, "s", pr.now))
+    kinds = [type(s.msg).__name__ for s in pr.queue]
+    assert kinds.index("FirstToken") < kinds.index("DoneSending")  # the token first
+    pr.deliver_all()
+    assert taken(pr) == [FirstTokenTaken("r1", 42, "s", 0)]
+    assert pr.ps[0].state_of("r1") == "DONE" and pr.d.state_of("r1") == "DONE"
+    assert pr.ps[0].counters["first_tokens_sent"] == 1
+
+
+def test_p_without_the_feature_or_with_the_token_sent_holds_no_done() -> None:
+    for cfg, token_first in ((PrefillConfig(), False), (ON_P, True)):
+        pr = pair(cfg, DecodeConfig())
+        start(pr)
+        pr.deliver_all()
+        if token_first:
+            pr.absorb(0, pr.ps[0].first_token("r1", 42, "s", pr.now))
+        compute_all(pr)
+        pr.complete_writes()
+        assert [s for s in pr.queue if isinstance(s.msg, DoneSending)], cfg
