@@ -148,10 +148,12 @@ def write_cluster_trace(cluster: Any, path: str, source: str = "lw demo --engine
     shape = {"layers": layers, "prefill_tp": cluster.p_tp, "decode_tp": cluster.d_tp,
              "blocks_per_request": first.blocks, "chunks": first.chunks, "mla": mla,
              "kv_heads": kv_heads, "transfer_timeout_s": p.transfer_timeout_s}
-    # A clean run: no fault is injected, so the world gets none (its timers still fire at any
-    # moment: a deadline that fires on a loaded machine is a behaviour of the world).
+    # A clean run: no fault is injected, so the world gets none but aborts (its timers still
+    # fire at any moment: a deadline that fires on a loaded machine is a behaviour of the
+    # world). A request that ends at P's first token (max_tokens 1, EOS, a stop id) while its
+    # KV still arrives is aborted on D, as a client's abort is: a clean run has those.
     tracefile.dump(path, source, shape, asdict(p.prefill_config()), asdict(d.decode_config()),
-                   workers, faults=(), requests=shapes)
+                   workers, faults=("abort",), requests=shapes)
     return len(workers), sorted(snap.silent), problems
 
 

@@ -103,7 +103,6 @@ class _FirstTokenFromP:
             else:
                 log.warning("lw: first token from P off (%s): D recomputes the last prompt "
                             "token and samples token 1 itself", off)
-            self._lw_side.first_token_mode = "on" if off is None else f"off: {off}"
 
     # ------------------------------------------------------------------ vLLM's hooks
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -123,8 +122,9 @@ class _FirstTokenFromP:
         so = super().schedule(*args, **kwargs)  # type: ignore[misc]
         for rid in [r for r in self._lw_waits if r not in self.requests]:
             del self._lw_waits[rid]  # ended while it waited
-        self._lw_heard &= self.requests.keys()
-        self._lw_taken &= self.requests.keys()
+        if self._lw_heard:  # forget the requests that ended
+            self._lw_heard &= self.requests.keys()
+            self._lw_taken &= self.requests.keys()
         if self._lw_seeds:
             meta = so.kv_connector_metadata
             for new in so.scheduled_new_reqs:

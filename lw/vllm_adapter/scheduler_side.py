@@ -150,9 +150,8 @@ class SchedulerSide:
         self.first_counts = FirstTokenCounts()
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
-        # what lw's scheduler class (lw_scheduler) makes of P's first tokens; an engine started
-        # without it (plain `vllm serve`) takes vLLM's path and says so once
-        self.first_token_mode = "off: vLLM's scheduler class (not lw's)"
+        # an engine started without lw's scheduler class (plain `vllm serve`) takes vLLM's path
+        # for token 1 and says so once
         sched_cls = getattr(vllm_config.scheduler_config, "scheduler_cls", None)
         if not cfg.is_producer and cfg.first_token_from_p and (
                 not isinstance(sched_cls, str) or not sched_cls.startswith("lw.")):
