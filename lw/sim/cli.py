@@ -128,7 +128,11 @@ STRONG: tuple[dict[str, Any], ...] = (
     # P's first token (issue 59), handed to P's workers at any moment after the prefill: among
     # lost, duplicated tokens and failed writes, r1's sampled with other parameters than its
     # client asked for; under prefill failover (a rank's crash, a bad transfer: a token of the
-    # epoch D gave up comes late); computed ahead (held until the bind).
+    # epoch D gave up comes late); computed ahead (held until the bind); and with arbitrary
+    # delays, where P's hold of DONE for the token ends at its timer and the token comes after
+    # DONE, even after the release (a timely clock never moves while a token is due).
+    {"dp": 1, "requests": 1, "layers": 1, "faults": True, "fault_kinds": (),
+     "first_token_from_p": True},
     {"dp": 1, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("drop", "dup", "write"),
      "delays": False, "first_token_from_p": True, "first_token_other_spec": (1,)},
     {"dp": 2, "requests": 1, "layers": 1, "faults": True,
