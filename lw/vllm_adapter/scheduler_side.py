@@ -4,12 +4,8 @@ P: validates the decoder's params and pushes a request's blocks chunk by chunk a
 prefill completes them (``push_mode`` "progressive"), from the chunk after which the compute left
 would no longer cover the transfer ("auto", :mod:`lw.fsm.push_schedule`, on the rates the
 workers measure), or all in the step its prefill completes ("last_chunk").
-D: allocates first, then asks the proxy's metaserver (in the background) to start the prefill of
-exactly this vLLM request's prompt tokens, under a transfer id of its own (one per vLLM request:
-n > 1 children and the prompts of a list share the proxy's id); a short uncached tail after a
-prefix-cache hit is computed locally instead. With ``retry_prefill`` > 0, a re-prefill the core
-asks for (its P was lost) is a second call to the same metaserver, with the new claim epoch and
-the P engines to avoid; where the proxy sent each attempt goes back to the core (``Route``).
+D: allocates first and asks for the prefill (:mod:`lw.vllm_adapter.scheduler_decode`); where
+the proxy sent each attempt goes back to the core (``Route``).
 """
 
 from __future__ import annotations
@@ -21,11 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from lw.contract.ahead import HELD_KEY, ahead_url, decode_ahead_params, is_ahead_request
 from lw.contract.params import (
-    CONTRACT_VERSION,
     ContractError,
-    DecodeParams,
     PrefillParams,
-    decode_params_for_decoder,
     decode_params_for_prefiller,
     is_prefill_request,
     is_remote_prefill_request,
@@ -34,8 +27,7 @@ from lw.contract.params import (
 from lw.contract.sampling import spec_digest
 from lw.contract.transfer_ids import sub_transfer_id
 from lw.contract.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY, worker_addrs
-from lw.fsm.block_choice import PushCursor, blocks_to_receive
-from lw.fsm.prefill_request import received_blocks
+from lw.fsm.block_choice import PushCursor
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
 from lw.transport.ratelog import RateLimitedLog
 from lw.transport.sidechannel import parse_cluster_key
@@ -48,9 +40,6 @@ from lw.vllm_adapter.connector_meta import (
     FirstTokenSpec,
     LwConnectorMetadata,
     LwWorkerMeta,
-    RecvSpec,
-    Reprefill,
-    Route,
     SendSpec,
     log,
 )
@@ -58,10 +47,10 @@ from lw.vllm_adapter.first_token import FirstTokenCounts
 from lw.vllm_adapter.metaserver_client import MetaserverPoster
 from lw.vllm_adapter.metrics import FALLBACKS, LwKVConnectorStats
 from lw.vllm_adapter.params_fit import check_fit, decode_fetched
+from lw.vllm_adapter.scheduler_decode import DecodeScheduling, DReq
 from lw.vllm_adapter.tracing import trace_headers_of, tracing_endpoint
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -86,17 +75,6 @@ class _PReq:
     prompt: str = ""  # the digest of the prompt D's blocks are for, named in P's claim
 
 
-@dataclass
-class _DReq:
-    """D: a request whose blocks are allocated and whose KV is awaited."""
-
-    transfer_id: str
-    aborted: bool = False
-    # retry_prefill > 0: the metaserver URL and the fields that name this sub-transfer, for a
-    # re-prefill call (D keeps no notion of where the prefill runs: that is the core's)
-    recall: tuple[str, dict[str, Any]] | None = None
-
-
 def step_pairs(so: SchedulerOutput) -> int:
     """The (token, earlier token) pairs a step's tokens attend: the attention part of its
     forward, which P's workers time it by (lw.fsm.push_schedule)."""
@@ -108,7 +86,7 @@ def step_pairs(so: SchedulerOutput) -> int:
                for rid, n in so.num_scheduled_tokens.items())
 
 
-class SchedulerSide:
+class SchedulerSide(DecodeScheduling):
     """Scheduler-role half: tracks requests, builds per-step metadata, calls the metaserver."""
 
     def __init__(self, cfg: LwConfig, vllm_config: Any, geometry: str,
@@ -121,7 +99,7 @@ class SchedulerSide:
         self._ahead_max_tokens = cfg.ahead_compute_max_tokens or None
         self._p: dict[str, _PReq] = {}  # vLLM req id -> tracked (P)
         self._pushed: dict[str, str] = {}  # vLLM req id -> transfer id, until finished sending
-        self._d: dict[str, _DReq] = {}  # vLLM req id -> receiving (D)
+        self._d: dict[str, DReq] = {}  # vLLM req id -> receiving (D)
         self._d_seen: set[str] = set()  # D requests already handled (never load twice)
         self._ahead = AheadAdmissions(cfg)  # P: requests waiting for D's params
         self._computes = AheadComputes()  # P: requests computed ahead, not bound yet
@@ -354,128 +332,6 @@ class SchedulerSide:
         """Pushed requests not yet reported finished sending."""
         return bool(self._pushed)
 
-    # ------------------------------------------------------------------------------- D side
-    def _remote_prefill(self, request: Request) -> DecodeParams | None:
-        """D: the proxy's signed params of a request to prefill elsewhere, or None (a plain
-        request, or params refused: computed here, no call made to any URL they name)."""
-        params = request.kv_transfer_params
-        if self.cfg.is_producer or params is None or request.request_id in self._d_seen:
-            return None
-        if not is_remote_prefill_request(params):
-            return None
-        try:
-            out = decode_params_for_decoder(self._key, params)
-            if self._metaservers and out.metaserver not in self._metaservers:
-                raise ContractError("kv_transfer_params.metaserver", "not one of the "
-                                    "metaservers this decode engine may call "
-                                    "(allowed_metaservers)")
-            return out
-        except ContractError as exc:
-            self._refused(request, exc, "computing its prefill locally")
-            return None
-
-    def num_new_matched_tokens(self, request: Request, n: int) -> tuple[int | None, bool]:
-        """D: (uncached prompt tokens, async) for a fresh remote-prefill request; else (0, F).
-        P: (None, F) while a request admitted ahead waits for D's params.
-
-        ``n`` is D's own prefix-cache hit (whole blocks, at most the prompt minus one token):
-        a remainder of at most ``local_tail_tokens`` after a hit is computed here instead.
-        """
-        if self.cfg.is_producer:
-            return self._ahead_ready(request), False
-        if self._remote_prefill(request) is None:
-            return 0, False
-        rid = request.request_id
-        count = request.num_prompt_tokens - n
-        if n > 0 and count <= self.local_tail_tokens:
-            self._tails[rid] = n // self.block_size  # counted once allocated (after_alloc)
-            return 0, False
-        self._tails.pop(rid, None)  # the hit changed since an earlier, unallocated call
-        try:
-            received_blocks(request.num_prompt_tokens, n, self.block_size)
-        except ValueError as exc:  # not from vLLM's own block-sized hits; never written over
-            if rid not in self._bad_params:
-                self._bad_params.add(rid)
-                log.error("lw: request %s: %s; computing its prefill locally", rid, exc)
-            return 0, False
-        if request.prompt_token_ids is None:
-            if rid not in self._bad_params:
-                self._bad_params.add(rid)
-                log.error("lw: request %s has no prompt token ids (prompt embeddings?); "
-                          "computing its prefill locally", rid)
-            return 0, False
-        return (count, True) if count > 0 else (0, False)
-
-    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
-        """D: the blocks for the remote tokens exist: register them and ask for the prefill."""
-        rid = request.request_id
-        if num_external == 0:
-            # Second call after a load, a plain request, or a local tail now scheduled.
-            held = self._tails.pop(rid, None)
-            if held is not None and rid not in self._d_seen:
-                self._d_seen.add(rid)  # a preempted tail is recomputed, not loaded
-                with self._lock:
-                    self._counts["local_tails"] += 1
-                    self._counts["prefix_hit_blocks"] += held
-            return
-        params = self._remote_prefill(request)
-        if params is None:
-            return
-        self._d_seen.add(rid)
-        (block_ids,) = blocks.get_block_ids()
-        # The blocks P writes, after D's own hit (checked whole blocks by num_new_matched_tokens;
-        # vLLM allocated every block of the prompt, so this does not raise).
-        first, remote = blocks_to_receive(block_ids, request.num_prompt_tokens,
-                                          request.num_prompt_tokens - num_external,
-                                          self.block_size)
-        tid = sub_transfer_id(params.transfer_id, rid)
-        dr = self._d[rid] = _DReq(tid)
-        digest = prompt_digest(request.prompt_token_ids or ())
-        self._meta.recvs.append(RecvSpec(tid, rid, remote, trace_headers_of(request)
-                                         if self._traced else (), digest))
-        with self._lock:
-            self._counts["prefix_hit_blocks"] += first
-        kv = {
-            "remote_engine_id": self.cfg.engine_id,
-            "remote_host": self.cfg.host,
-            "remote_port": self.cfg.port(tp_rank=0),
-            "remote_block_ids": list(remote),
-            "remote_first_block": first,
-            "remote_dp_rank": self.cfg.dp_rank,
-            "remote_tp_size": self.cfg.tp_size,
-            "lw_geometry": self.geometry,
-            "lw_params_version": CONTRACT_VERSION,
-            "lw_prompt_digest": digest,
-        }
-        seed = getattr(request.sampling_params, "seed", None)
-        if seed is not None:
-            kv["lw_seed"] = seed
-        body = {"transfer_id": params.transfer_id, "sub_transfer_id": tid,
-                "prompt_token_ids": list(request.prompt_token_ids or ()),
-                "kv_transfer_params": kv,
-                "grant": params.metaserver_grant}  # binds the call to this transfer
-        if self.cfg.retry_prefill:
-            # The proxy leaves a failed prefill of this sub-transfer to D while D may retry it.
-            body["retry_prefill"] = self.cfg.retry_prefill
-            dr.recall = (params.metaserver, {k: body[k] for k in (
-                "transfer_id", "sub_transfer_id", "grant") if k in body})
-        self._to_post.append((rid, tid, params.metaserver, body))
-
-    def _reprefill(self, rp: Reprefill) -> None:
-        """D: the core lost this request's P and keeps its blocks: ask the proxy again, with the
-        new claim epoch and the engines to avoid (a failed call aborts it, as a first one)."""
-        dr = self._d.get(rp.req_id)
-        if dr is None or dr.aborted or dr.transfer_id != rp.transfer_id or dr.recall is None:
-            return  # ended meanwhile: the core already failed or released it
-        url, base = dr.recall
-        body = {**base, "epoch": rp.epoch, "avoid": list(rp.avoid), "reason": rp.reason[:300]}
-        log.warning("lw: request %s (transfer %s): prefill epoch %d asked again, avoiding %s: "
-                    "%s", rp.req_id, rp.transfer_id, rp.epoch, list(rp.avoid) or "none",
-                    rp.reason)
-        with self._lock:
-            self._counts["prefill_retries"] += 1
-        self._to_post.append((rp.req_id, rp.transfer_id, url, body))
-
     # ------------------------------------------------------------------------------- common
     def build_meta(self, so: SchedulerOutput) -> LwConnectorMetadata:
         """Collect this step's metadata and reset."""
@@ -583,18 +439,6 @@ class SchedulerSide:
             for rid, status, val in wm.ahead_answers:
                 self._ahead.answered(rid, status, val)
 
-    def take_first_tokens(self) -> list[FirstTokenIn]:
-        """D: P's first tokens that reached live receives since the last call (lw's
-        scheduler decides whether each request continues from its token)."""
-        out, self._first_in = self._first_in, []
-        return out
-
-    def receiving(self, rid: str) -> str | None:
-        """D: the transfer id under which ``rid`` receives its KV from P (None: it does not,
-        or its receive was aborted)."""
-        dr = self._d.get(rid)
-        return None if dr is None or dr.aborted else dr.transfer_id
-
     def _take_rates(self, wm: LwWorkerMeta) -> None:
         """The workers' latest rates (push_mode auto decides on them)."""
         if wm.compute_s_per_token is not None:
@@ -611,21 +455,6 @@ class SchedulerSide:
                          "?" if c is None else f"{c * 1e3:.3f}",
                          self._compute_s_per_pair * 1e6)
             self._wire_s_per_block[host] = s
-
-    def _take_routes(self) -> list[Route]:
-        """Where the proxy said it sent each prefill attempt (only with a retry budget: without
-        one, the core does not watch a P before it claims)."""
-        if self._poster is None or not self.cfg.retry_prefill:
-            return []
-        return self._poster.take_routes()
-
-    def _take_post_failures(self) -> list[tuple[str, str, str]]:
-        if self._poster is None:
-            return []
-        failures = self._poster.take_failures()
-        with self._lock:
-            self._counts["metaserver_failures"] += len(failures)
-        return failures
 
     def stats(self) -> LwKVConnectorStats | None:
         """Scheduler-side counters (metaserver failures, prefix hits) since the last call."""
