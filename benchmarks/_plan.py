@@ -20,7 +20,7 @@ LABELS = {"single": "single vLLM", "single-proxy": "single vLLM behind lw proxy"
           "lw": "lw P/D auto, d-first",
           "lw-off": "lw P/D auto, d-first, first token from D",
           "lw-ahead": "lw P/D auto, admit-ahead",
-          "lw-compute": "lw P/D auto, compute-ahead (default)",
+          "lw-compute": "lw P/D auto, compute-ahead",
           "lw-compute-step": "lw P/D auto, compute-ahead of one-step prompts",
           "lw-compute-b1": "lw P/D auto, compute-ahead while D has no backlog",
           "lw-compute-busy": "lw P/D auto, compute-ahead onto a busy P too",
@@ -42,8 +42,8 @@ PROXY_ARGS = {"lw": ["--start-mode", "d-first"], "lw-off": ["--start-mode", "d-f
               "lw-compute-b1": ["--start-mode", "compute-ahead", "--ahead-d-backlog", "1"],
               "lw-compute-busy": ["--start-mode", "compute-ahead", "--ahead-p-busy", "64"]}
 """``lw proxy`` arguments per lw set-up: each names its start mode, so a set-up measures the
-same thing whatever the default (``lw`` is D first, as in every figure before compute-ahead
-became the default; ``lw-compute`` is the default)."""
+same thing whatever the default (``lw`` is D first, the default again since D streams P's
+first token; ``lw-compute`` was the default before)."""
 P_EXTRA = {"lw-compute-step": {"ahead_compute_max_tokens": 256},
            "lw-batch5": {"layer_batch_ms": 5}}
 """P's extra ``kv_connector_extra_config`` per lw set-up, beyond ``push_mode``:

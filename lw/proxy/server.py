@@ -1,7 +1,8 @@
 """The D-first proxy (``lw proxy``): routes OpenAI requests to a decode server first, then runs
-the prefill when the decode server asks for it through the proxy's *metaserver* endpoint. By
-default (``--start-mode compute-ahead``, lw.proxy.ahead) the prefill server starts computing the
-prompt at the same time, and its writes wait for what D's call hands it.
+the prefill when the decode server asks for it through the proxy's *metaserver* endpoint (the
+default, ``--start-mode d-first``). With ``--start-mode compute-ahead`` (lw.proxy.ahead) the
+prefill server starts computing the prompt at the same time, and its writes wait for what D's
+call hands it.
 
 Two planes on two ports. The **public** port serves only what a vLLM server serves a client:
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /health``.

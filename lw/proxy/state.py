@@ -272,10 +272,11 @@ def _url_host(host: str) -> str:
 
 
 START_MODES = ("d-first", "admit-ahead", "compute-ahead")
-# Measured at or below d-first's TTFT p50 on every shape off the forward's core, concurrency 1
-# to 16 (docs/benchmarks.md, "Compute-ahead"); the proxy's ahead bounds keep D-first's
-# backpressure and a busy P's order
-DEFAULT_START_MODE = "compute-ahead"
+# With P's sampled token streamed from D (first_token_from_p), d-first's TTFT p50 was at or
+# below compute-ahead's on every link row, 0.87-0.97x (docs/benchmarks.md, "The first token from
+# P"): a request's first token waits for P's prefill, not for the KV, and compute-ahead's P
+# computes its prompt slower while it also fetches D's params
+DEFAULT_START_MODE = "d-first"
 
 _URL = re.compile(r"https?://[^\s,'\"\])]+")
 _WORKER = re.compile(r"tcp://[^\s,'\"\])]+")

@@ -389,12 +389,13 @@ def test_a_bound_ahead_prefill_starts_the_misses_again() -> None:
         assert (m["ahead_started"], m["ahead_bound"], m["ahead_switched_off"]) == (5, 1, 0), m
 
 
-def test_the_default_start_mode_computes_ahead_and_a_sidecar_goes_d_first() -> None:
-    """Measured the faster one, compute-ahead is the default; a sidecar's metaserver sits on
-    its decode pod, which prefill pods need not reach, so there D first stays the default."""
+def test_the_default_start_mode_is_d_first_and_a_sidecar_goes_d_first() -> None:
+    """Measured the faster one with P's first token streamed from D, d-first is the default; a
+    sidecar's metaserver sits on its decode pod, which prefill pods need not reach, so there D
+    first is the default too."""
     kw: dict[str, Any] = dict(metaserver_url="http://c/v1/metaserver", cluster_key=KEY)
-    assert DEFAULT_START_MODE == "compute-ahead"
-    assert build_apps(["http://p"], ["http://d"], **kw).state.start_mode == "compute-ahead"
+    assert DEFAULT_START_MODE == "d-first"
+    assert build_apps(["http://p"], ["http://d"], **kw).state.start_mode == "d-first"
     sidecar = Sidecar([], allow_any=True)
     assert build_apps([], ["http://d"], sidecar=sidecar, **kw).state.start_mode == "d-first"
     assert build_apps([], ["http://d"], sidecar=sidecar, start_mode="compute-ahead",
