@@ -488,9 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "and P admits it but computes nothing until D's params reach it "
                          "(lw.proxy.ahead; P's admission overlaps D's); compute-ahead: the "
                          "same, but P computes at once into its own blocks and writes once "
-                         "D's params bind it (docs/protocol.md, 'Computing ahead'). Default: "
-                         f"{DEFAULT_START_MODE} (the prefill servers must reach the control "
-                         "port), with --sidecar d-first")
+                         "D's params bind it (docs/protocol.md, 'Computing ahead'); with "
+                         "either ahead mode the prefill servers must reach the control port. "
+                         f"Default: {DEFAULT_START_MODE}, with --sidecar d-first")
     ap.add_argument("--ahead-limit", type=int, default=4, metavar="N",
                     help="admit-/compute-ahead: prefills one prefill server holds waiting for D's "
                          "params; a request beyond it starts D first")
