@@ -16,7 +16,13 @@ from starlette.responses import JSONResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from lw.contract.params import decoder_params, prefill_params, prompt_digest, sign_params  # noqa: E402
+from lw.contract.params import (  # noqa: E402
+    CONTRACT_VERSION,
+    decoder_params,
+    prefill_params,
+    prompt_digest,
+    sign_params,
+)
 from lw.vllm_adapter.admission import TransferParamsGuard  # noqa: E402
 
 KEY = "admission-test-key-0123456789abcdef"
@@ -46,7 +52,7 @@ def test_plain_and_signed_requests_pass_untouched(monkeypatch: pytest.MonkeyPatc
         "http://10.0.0.1:1/v1/metaserver", "t", "g" * 32))}
     kv = {"remote_engine_id": "d", "remote_host": "h", "remote_port": 1,
           "remote_block_ids": [0], "remote_tp_size": 1, "lw_geometry": "g",
-          "lw_params_version": 3, "lw_prompt_digest": prompt_digest([1])}
+          "lw_params_version": CONTRACT_VERSION, "lw_prompt_digest": prompt_digest([1])}
     p = {"prompt": [1], "kv_transfer_params": sign_params(KEY.encode(), "prefill",
                                                           prefill_params(kv, "t@r"))}
     for body in (d, p):
@@ -64,7 +70,7 @@ EVIL = {"do_remote_prefill": True, "transfer_id": "evil-1",
     ({"vllm_xargs": {"kv_transfer_params": ["x"]}}, "vllm_xargs.kv_transfer_params"),
     ({"kv_transfer_params": "x"}, "kv_transfer_params"),
     ({"kv_transfer_params": EVIL}, "kv_transfer_params"),  # the SSRF, unsigned
-    ({"kv_transfer_params": {**EVIL, "lw_contract": 3, "lw_sig": "0" * 64}},
+    ({"kv_transfer_params": {**EVIL, "lw_contract": CONTRACT_VERSION, "lw_sig": "0" * 64}},
      "kv_transfer_params.lw_sig"),
     ({"kv_transfer_params": {"do_remote_decode": True, "remote_host": "10.6.6.6"}},
      "kv_transfer_params"),

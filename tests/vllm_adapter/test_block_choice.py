@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 import lw.fsm.block_choice as block_choice  # noqa: E402
+import lw.vllm_adapter.scheduler_decode as decode_mod  # noqa: E402
 import lw.vllm_adapter.scheduler_side as sched_mod  # noqa: E402
 from lw.fsm.block_choice import blocks_to_push, blocks_to_receive  # noqa: E402
 
@@ -95,7 +96,7 @@ def _d_shifted(table: Sequence[int], prompt: int, cached: int, bs: int
 def test_a_wrong_d_registration_after_a_hit_is_caught(
         model_dir: str, fake_poster: type[FakePoster], monkeypatch: pytest.MonkeyPatch,
         plant: Callable[..., tuple[int, tuple[int, ...]]]) -> None:
-    monkeypatch.setattr(sched_mod, "blocks_to_receive", plant)
+    monkeypatch.setattr(decode_mod, "blocks_to_receive", plant)
     assert "the tokens say" in _d_hit_problem(model_dir, fake_poster)
 
 
@@ -161,7 +162,7 @@ def test_cluster_a_d_prefix_hit_gets_ps_kv_in_the_blocks_it_misses(
 def test_cluster_catches_a_wrong_d_registration_by_the_bytes(
         cluster_factory: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch,
         plant: Callable[..., tuple[int, tuple[int, ...]]]) -> None:
-    monkeypatch.setattr(sched_mod, "blocks_to_receive", plant)
+    monkeypatch.setattr(decode_mod, "blocks_to_receive", plant)
     assert _cluster_hit_verified(cluster_factory)["r2"] is False
 
 
