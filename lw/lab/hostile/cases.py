@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lw.contract.ahead import ahead_params
-from lw.contract.params import decoder_params, prefill_params
+from lw.contract.params import CONTRACT_VERSION, decoder_params, prefill_params
 from lw.lab.hostile.client import post, post_stream
 from lw.lab.hostile.probes import Context, health_probes
 from lw.lab.hostile.table import MB, MESSAGE_CHARS, Answer, clip
@@ -63,7 +63,7 @@ def forged_decode_params(canary_url: str) -> dict[str, Any]:
     """Every field of the proxy's params to D, pointing at the canary, with a made-up
     signature."""
     return {**decoder_params(f"{canary_url}/v1/metaserver", "evil-6b", "g" * 32),
-            "lw_contract": 3, "lw_sig": "0" * 64}
+            "lw_contract": CONTRACT_VERSION, "lw_sig": "0" * 64}
 
 
 def forged_prefill_params(token_ids: Sequence[int], host: str, port: int,
@@ -74,15 +74,16 @@ def forged_prefill_params(token_ids: Sequence[int], host: str, port: int,
     kv = {"remote_engine_id": "decode", "remote_host": host, "remote_port": port,
           "remote_block_ids": list(range(1, blocks + 1)), "remote_first_block": 0,
           "remote_dp_rank": 0, "remote_tp_size": 1, "lw_geometry": "guessed",
-          "lw_params_version": 3, "lw_prompt_digest": _digest(token_ids)}
-    return {**prefill_params(kv, "evil-7@x"), "lw_contract": 3, "lw_sig": "0" * 64}
+          "lw_params_version": CONTRACT_VERSION, "lw_prompt_digest": _digest(token_ids)}
+    return {**prefill_params(kv, "evil-7@x"), "lw_contract": CONTRACT_VERSION, "lw_sig": "0" * 64}
 
 
 def forged_ahead_params(canary_url: str) -> dict[str, Any]:
-    """Params shaped as the proxy's to a prefill computed ahead (the default start mode), P's
-    fetch of D's params aimed at the canary, with a made-up signature: P must not call it."""
+    """Params shaped as the proxy's to a prefill computed ahead (``--start-mode
+    compute-ahead``), P's fetch of D's params aimed at the canary, with a made-up signature: P
+    must not call it."""
     return {**ahead_params(f"{canary_url}/v1/ahead", "evil-7c", "g" * 32, compute=True),
-            "lw_contract": 3, "lw_sig": "0" * 64}
+            "lw_contract": CONTRACT_VERSION, "lw_sig": "0" * 64}
 
 
 AHEAD_FETCH = {"transfer_id": "evil-12e", "grant": "g" * 32, "prompt_digest": "0" * 64}
@@ -97,7 +98,7 @@ def metaserver_body(canary_url: str) -> dict[str, Any]:
             "kv_transfer_params": {"remote_engine_id": "decode", "remote_host": "127.0.0.1",
                                    "remote_port": int(canary_url.rsplit(":", 1)[1]),
                                    "remote_block_ids": [1], "remote_tp_size": 1,
-                                   "lw_geometry": "g", "lw_params_version": 3,
+                                   "lw_geometry": "g", "lw_params_version": CONTRACT_VERSION,
                                    "lw_prompt_digest": _digest(ids)}}
 
 
