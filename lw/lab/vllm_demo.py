@@ -196,7 +196,7 @@ def ttft_summary(single: Sequence[float | None], pd: Sequence[float | None],
         lines.append(f"  single engine {_spread(r)} client to first streamed token, one engine")
     if d:
         lines.append(f"  P/D           {_spread(d)} the same plus the proxy hop, D's and P's "
-                     "admissions, KV transfer")
+                     "admissions, P's token to D (the KV, where D took no token from P)")
     if not r or not d:
         none = " nor ".join(name for name, xs in (("the single engine", r), ("P/D", d)) if not xs)
         lines.append(f"TTFT       no comparison: no first token from {none}")

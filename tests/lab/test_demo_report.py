@@ -33,7 +33,7 @@ def test_ttft_lines_compare_medians_of_the_measured_requests() -> None:
                         "1 warm-up per side excluded")
     assert "single engine" in lines[1] and "51 ms (40-61)" in lines[1]
     assert "P/D" in lines[2] and "78 ms (68-94)" in lines[2]
-    assert "proxy hop" in lines[2] and "KV transfer" in lines[2]
+    assert "proxy hop" in lines[2] and "P's token to D" in lines[2]
     assert lines[-1] == "TTFT       P/D's median is 26 ms above the single engine's (x1.52)"
     assert not any("mean" in line for line in lines)
 
