@@ -203,6 +203,14 @@ def start_single_proxy(model: Path, logs: Path, timeout: float, place: Placement
                              "--control-host", "127.0.0.1", "--control-port", str(control),
                              "--timeout", "120", "--log-level", "warning"],
                    env, f"http://127.0.0.1:{port}", logs / "proxy.log")
+    _start_proxy(run, proxy)
+    run.url = proxy.url
+    return run
+
+
+def _start_proxy(run: Running, proxy: Server) -> None:
+    """Start a set-up's proxy as one of its servers; a proxy that does not come up stops them
+    all."""
     try:
         run.servers["proxy"] = proxy
         proxy.start()
@@ -210,8 +218,6 @@ def start_single_proxy(model: Path, logs: Path, timeout: float, place: Placement
     except BaseException:
         run.stop()
         raise
-    run.url = proxy.url
-    return run
 
 
 def mooncake_kv_config(role: str, engine_id: str) -> dict[str, Any]:
@@ -244,12 +250,10 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
         p.start()
         d.start()
         wait_ready([p, d], timeout)
-        run.servers["proxy"] = proxy
-        proxy.start()
-        wait_ready([proxy], 90.0)
     except BaseException:
         run.stop()
         raise
+    _start_proxy(run, proxy)
     return run
 
 

@@ -73,7 +73,7 @@ class AheadComputes:
                 except (ContractError, ValueError) as exc:
                     verdict, val = "fallback", f"D's params refused: {exc}"
             if verdict == "go":
-                side._count("ahead_bound")
+                side.count("ahead_bound")
                 if not started:  # not pushed yet: an ordinary D-first prefill from here on
                     if tr is not None:
                         side._p[rid] = new
@@ -89,7 +89,7 @@ class AheadComputes:
                     tr.remote_blocks, tr.decoder_tp = new.remote_blocks, new.decoder_tp
                     tr.epoch, tr.prompt = new.epoch, new.prompt
                 continue
-            side._count("ahead_fallbacks")
+            side.count("ahead_fallbacks")
             log.warning("lw: request %s computed ahead (transfer %s) not bound: %s", rid,
                         ahead_id, val)
             if started:

@@ -10,12 +10,11 @@ takes vLLM's own path (D recomputes the last prompt token), counted by reason.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from lw.contract.sampling import spec_digest
 
-__all__ = ["FALLBACK_REASONS", "FirstTokenCounts", "ineligible"]
+__all__ = ["FALLBACK_REASONS", "ineligible", "token_problem"]
 
 FALLBACK_REASONS = ("off", "spec_mismatch", "no_spec", "logprobs", "prompt_logprobs",
                     "structured_output", "logits_processors", "speculative", "lora",
@@ -58,29 +57,3 @@ def token_problem(request: Any, spec: str, *, spec_tokens: int = 0) -> str | Non
     if spec != spec_digest(request.sampling_params):
         return "spec_mismatch"
     return None
-
-
-class FirstTokenCounts:
-    """Thread-safe counters of D's first tokens, read by the scheduler side's stats."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
-        self._fallbacks: dict[str, int] = {}
-
-    def count(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to counter ``name``."""
-        with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + n
-
-    def fallback(self, reason: str) -> None:
-        """A request that took vLLM's path for ``reason`` (one of FALLBACK_REASONS)."""
-        with self._lock:
-            self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
-
-    def take(self) -> tuple[dict[str, int], dict[str, int]]:
-        """The counts since the last call (counters, fallbacks by reason), and reset."""
-        with self._lock:
-            out = (self._counts, self._fallbacks)
-            self._counts, self._fallbacks = {}, {}
-            return out

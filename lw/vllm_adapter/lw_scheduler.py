@@ -38,6 +38,7 @@ from vllm.v1.request import RequestStatus
 from lw.vllm_adapter.connector import LwConnector
 from lw.vllm_adapter.connector_meta import FirstTokenIn, LwConnectorMetadata
 from lw.vllm_adapter.first_token import ineligible, token_problem
+from lw.vllm_adapter.serve import LW_WORKER_CLS
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -56,8 +57,6 @@ P's token leaves its worker one engine step after P sampled it (milliseconds), a
 saves a decode step; a P that never sends (not lw's scheduler, or the key off there) costs
 every request this much, counted in ``first_token_waits_expired``."""
 
-LW_WORKER_CLS = "lw.vllm_adapter.lw_worker.LwCPUWorker"
-"""The worker class that seeds P's token into vLLM's V1 model runner (CPU)."""
 
 
 def first_token_off_reason(vllm_config: Any, side: SchedulerSide | None) -> str | None:
@@ -148,7 +147,7 @@ class _FirstTokenFromP:
             if now - since < FIRST_TOKEN_WAIT_S:
                 return False
             assert self._lw_side is not None
-            self._lw_side.first_counts.count("first_token_waits_expired")
+            self._lw_side.count("first_token_waits_expired")
         self._lw_waits.pop(rid, None)
         return super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
 
@@ -158,7 +157,7 @@ class _FirstTokenFromP:
         if side is not None and not side.cfg.is_producer and \
                 request.request_id not in self.failed_recving_kv_req_ids and \
                 request.num_output_tokens == 0:
-            side.first_counts.count("last_token_recomputed")
+            side.count("last_token_recomputed")
         super()._update_waiting_for_remote_kv(request)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ the token
@@ -171,14 +170,14 @@ class _FirstTokenFromP:
         self._lw_heard.add(ft.req_id)
         why = "off" if not self._lw_on else ineligible(request, spec_tokens=self.num_spec_tokens)
         if why is not None:  # whenever the token comes: the reason is the request's
-            side.first_counts.fallback(why)
+            side.fallback(why)
             return
         if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS or \
                 request.num_output_tokens > 0:
             # D holds a token already (a re-prefill's P sampled again) or computes its own
-            side.first_counts.count("first_token_discarded")
+            side.count("first_token_discarded")
             if ft.req_id not in self._lw_taken:
-                side.first_counts.fallback("late")
+                side.fallback("late")
             elif request.output_token_ids[0] != ft.token and \
                     request.sampling_params is not None and \
                     request.sampling_params.temperature == 0:
@@ -188,12 +187,12 @@ class _FirstTokenFromP:
             return
         why = token_problem(request, ft.spec, spec_tokens=self.num_spec_tokens)
         if why is not None:
-            side.first_counts.fallback(why)
+            side.fallback(why)
             return
         request.append_output_token_ids(ft.token)
         self._lw_taken.add(ft.req_id)
         stopped = check_stop(request, self.max_model_len)
-        side.first_counts.count("first_token_from_p")
+        side.count("first_token_from_p")
         finish_reason = None
         if stopped:
             finish_reason = request.get_finished_reason()
@@ -202,7 +201,7 @@ class _FirstTokenFromP:
             # the workers report it finished receiving
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             self.finish_requests(request.request_id, status)  # type: ignore[attr-defined]
-            side.first_counts.count("ended_at_first_token")
+            side.count("ended_at_first_token")
         elif self._lw_v1:
             self._lw_seeds[request.request_id] = ft.token
         out = EngineCoreOutput(

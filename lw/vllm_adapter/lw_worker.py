@@ -87,7 +87,7 @@ class LwCPUModelRunner(CPUModelRunner):
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         held: dict[int, torch.Generator] = {}
-        if self.execute_model_state is not None:
+        if self.execute_model_state is not None and self.input_batch.generators:
             held = hold_discarded_generators(
                 self.input_batch.generators,
                 self.discard_request_mask.np[:self.input_batch.num_reqs])

@@ -43,7 +43,6 @@ from lw.vllm_adapter.connector_meta import (
     SendSpec,
     log,
 )
-from lw.vllm_adapter.first_token import FirstTokenCounts
 from lw.vllm_adapter.metaserver_client import MetaserverPoster
 from lw.vllm_adapter.metrics import FALLBACKS, LwKVConnectorStats
 from lw.vllm_adapter.params_fit import check_fit, decode_fetched
@@ -125,7 +124,7 @@ class SchedulerSide(DecodeScheduling):
         self._traced = tracing_endpoint(vllm_config) is not None  # hand trace context on
         self._first_in: list[FirstTokenIn] = []  # D: P's first tokens, for lw's scheduler
         self._received: dict[str, str] = {}  # D: req -> transfer, KV landed, request live
-        self.first_counts = FirstTokenCounts()
+        self._fallbacks: dict[str, int] = {}  # D: requests that took vLLM's path, by reason
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
         # an engine started without lw's scheduler class (plain `vllm serve`) takes vLLM's path
@@ -224,14 +223,21 @@ class SchedulerSide(DecodeScheduling):
             self._computes.admit(request, ap.transfer_id)
             self._p[rid] = _PReq(request, ap.transfer_id, "", 0, (), PushCursor(0),
                                  prompt=digest)
-            self._count("ahead_computed")
+            self.count("ahead_computed")
             return True
-        self._count("ahead_admitted")
+        self.count("ahead_admitted")
         return True
 
-    def _count(self, name: str) -> None:
+    def count(self, name: str) -> None:
+        """Add one to counter ``name`` (a key of lw.vllm_adapter.metrics.COUNTERS)."""
         with self._lock:
-            self._counts[name] += 1
+            self._counts[name] = self._counts.get(name, 0) + 1
+
+    def fallback(self, reason: str) -> None:
+        """D: a request that took vLLM's path for token 1, for ``reason``
+        (lw.vllm_adapter.first_token.FALLBACK_REASONS)."""
+        with self._lock:
+            self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
 
     def _ahead_ready(self, request: Request) -> int | None:
         """P: 0 when a request may be scheduled (admitted ahead and D's params are here, or an
@@ -458,14 +464,12 @@ class SchedulerSide(DecodeScheduling):
 
     def stats(self) -> LwKVConnectorStats | None:
         """Scheduler-side counters (metaserver failures, prefix hits) since the last call."""
-        counts, fallbacks = self.first_counts.take()
         with self._lock:
-            if not any(self._counts.values()) and not counts and not fallbacks:
+            if not any(self._counts.values()) and not self._fallbacks:
                 return None
             out = LwKVConnectorStats()
             out.data.update(self._counts)
-            out.data.update(counts)
-            out.data[FALLBACKS] = fallbacks
+            out.data[FALLBACKS], self._fallbacks = self._fallbacks, {}
             self._counts = dict.fromkeys(self._counts, 0)
             return out
 

@@ -25,7 +25,9 @@ from lw.vllm_adapter.placement import parse_cpus
 __all__ = ["install_version_shim", "lw_classes", "main"]
 
 LW_SCHEDULER_CLS = "lw.vllm_adapter.lw_scheduler.LwScheduler"
-LW_WORKER_CLS = "lw.vllm_adapter.lw_worker.LwCPUWorker"  # as lw_scheduler.LW_WORKER_CLS
+LW_WORKER_CLS = "lw.vllm_adapter.lw_worker.LwCPUWorker"
+"""The worker class that seeds P's token into vLLM's V1 model runner (CPU); named here, where
+no vLLM module is imported yet, for lw_scheduler too."""
 
 _original_version: Callable[[str], str] | None = None
 

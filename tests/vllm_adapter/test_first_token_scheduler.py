@@ -121,6 +121,18 @@ def token_from_p(req: Request, token: int = P_TOKEN, *, spec: str | None = None,
     return KVConnectorOutput(kv_connector_worker_meta=LwWorkerMeta(first_tokens=[ft]))
 
 
+def offered(s: Any, **kw: Any) -> Steps:
+    """``s`` with request r1 (``kw``: its sampling) waiting for its KV and offered P's token,
+    stepped once more (counts taken after a step's stats reach the next one's)."""
+    d = Steps(s)
+    req = request("r1", **kw)
+    s.add_request(req)
+    d.step()
+    d.step(token_from_p(req))
+    d.step()
+    return d
+
+
 def test_the_scheduler_extends_the_base_vllm_would_pick(model_dir: str) -> None:
     """Async scheduling on: the async scheduler, with lw's behaviour; off: the synchronous."""
     a = lw_scheduler(model_dir, async_sched=True)
@@ -178,37 +190,20 @@ def test_a_spec_p_did_not_sample_with_falls_back_to_vllms_path(model_dir: str) -
 @pytest.mark.parametrize(("sp", "reason"), [({"logprobs": 2}, "logprobs")])
 def test_requests_that_read_more_than_the_token_fall_back(model_dir: str, sp: dict[str, Any],
                                                           reason: str) -> None:
-    s = lw_scheduler(model_dir)
-    d = Steps(s)
-    req = request("r1", **sp)
-    s.add_request(req)
-    d.step()
-    d.step(token_from_p(req))
-    d.step()  # counts taken after a step's stats reach the next one's
+    d = offered(lw_scheduler(model_dir), **sp)
     assert "r1" not in d.tokens and d.fallbacks() == {reason: 1}
 
 
 def test_without_lws_worker_on_the_v1_runner_the_feature_is_off(model_dir: str) -> None:
     s = lw_scheduler(model_dir, worker=False)
-    d = Steps(s)
-    req = request("r1")
-    s.add_request(req)
-    d.step()
-    d.step(token_from_p(req))
-    d.step()
+    d = offered(s)
     assert "r1" not in d.tokens and d.fallbacks() == {"off": 1}
     reason = first_token_off_reason(s.vllm_config, s.connector.scheduler_side)
     assert reason is not None and "--worker-cls" in reason
 
 
 def test_the_key_turns_it_off(model_dir: str) -> None:
-    s = lw_scheduler(model_dir, extra={"first_token_from_p": False})
-    d = Steps(s)
-    req = request("r1")
-    s.add_request(req)
-    d.step()
-    d.step(token_from_p(req))
-    d.step()
+    d = offered(lw_scheduler(model_dir, extra={"first_token_from_p": False}))
     assert "r1" not in d.tokens and d.fallbacks() == {"off": 1}
 
 
