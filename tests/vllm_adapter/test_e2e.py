@@ -416,14 +416,18 @@ def test_first_token_from_p_outputs_equal_single_engine(cluster: LocalCluster) -
     while True:
         after = _first_token_counts(d_url)
         gained = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        if gained["first_token_from_p"] >= from_p + 20 and \
+        # a token that came after P's DONE hold and D's wait both lapsed (a loaded machine)
+        # takes vLLM's path, counted "late": the outputs above are equal either way
+        late = gained.get("fallback:late", 0)
+        if gained["first_token_from_p"] + late >= from_p + 20 and \
                 gained.get("fallback:logprobs", 0) >= 2 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert gained["first_token_from_p"] == from_p + 20, f"{gained}"
-    assert gained["last_token_recomputed"] == 2, f"{gained}"  # the two fallbacks only
+    assert late <= 2, f"{gained}"
+    assert gained["first_token_from_p"] == from_p + 20 - late, f"{gained}"
+    assert gained["last_token_recomputed"] == 2 + late, f"{gained}"  # the two fallbacks
     # stop id (x2), max_tokens 1 (x2), the 20 random ones
-    assert gained["ended_at_first_token"] == 2 + 2 + 20, f"{gained}"
+    assert 2 + 2 + 20 - late <= gained["ended_at_first_token"] <= 2 + 2 + 20, f"{gained}"
     assert gained.get("fallback:logprobs") == 2, f"{gained}"
 
 
