@@ -13,7 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks._first_token import first_token_hops, hop_summary, p_prefill_s
+from benchmarks._first_token import (
+    before_done_refusals,
+    before_done_share,
+    first_token_hops,
+    hop_summary,
+    p_prefill_s,
+    token1_before_done,
+)
 from benchmarks._plan import OUTPUT_TOKENS, Shape, make_prompts
 from lw.lab.vllm_demo import MODEL_NAME, LocalCluster, complete
 
@@ -22,7 +29,8 @@ def after_lw_run(cluster: LocalCluster, label: str, result: dict[str, Any],
                  since: float) -> None:
     """After each lw P/D run: where each request's time went, from lw's lifecycle events on P
     and D (``lw status`` timelines) and the proxy's milestones, as mean per phase; P's prefill
-    time and the "P sampled -> D received" hop of each request into ``result``."""
+    time, the "P sampled -> D received" hop of each request and whether its first token reached
+    the client before D's last DONE into ``result``."""
     import httpx
 
     from lw.ops.client import MAX_TIMELINE, query
@@ -49,6 +57,10 @@ def after_lw_run(cluster: LocalCluster, label: str, result: dict[str, Any],
     result["first_token_hop_ms"] = hops
     print(f"  P sampled -> D received (first_token events), p50 / max ms: {hop_summary(hops)} "
           f"over {len(hops)} request(s)", flush=True)
+    before = result["token1_before_done"] = token1_before_done(snap.replies, proxy, since)
+    why = before_done_refusals(before)
+    print(f"  token 1 before D's last DONE (the proxy's first token vs D's all_done): "
+          f"{before_done_share(before)}{f'; not judged: {why}' if why else ''}", flush=True)
 
 
 def prefill_time(url: str, model: Path, input_len: int, n: int = 5, seed: int = 0) -> float:

@@ -56,6 +56,10 @@ BOTH_EXTRA = {"lw-off": {"first_token_from_p": False}}
 """P's and D's extra ``kv_connector_extra_config`` per lw set-up (keys of side "both"):
 ``lw-off`` is ``lw`` with D sampling the first token itself after the KV landed, as before
 issue 59, on the same engines, model, prompts and link."""
+FROM_P = tuple(s for s in PUSH_MODES
+               if BOTH_EXTRA.get(s, {}).get("first_token_from_p", True))
+"""The lw set-ups whose first token is P's (``first_token_from_p``, on by default): all but
+``lw-off``."""
 NO_LINK = ("single", "single-proxy")
 """Set-ups without P/D: measured once per repeat on the first link row's prompts (they cross
 no link) and reported on every row."""

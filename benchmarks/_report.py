@@ -8,8 +8,15 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks._first_token import hop_summary
+from benchmarks._first_token import (
+    before_done_refusals,
+    before_done_share,
+    hop_summary,
+    merge_before_done,
+    percentile,
+)
 from benchmarks._plan import (
+    FROM_P,
     LABELS,
     NO_LINK,
     OUTPUT_TOKENS,
@@ -114,7 +121,8 @@ def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> No
             continue
         for metric, key in (("ttft_p50_ratio", "median_ttft_ms"),
                             ("token2_p50_ratio", "median_token2_ms"),
-                            ("throughput_ratio", "output_throughput")):
+                            ("throughput_ratio", "output_throughput"),
+                            ("request_throughput_ratio", "request_throughput")):
             xs = ratios(runs_of[a], runs_of[b], key)
             if not xs:
                 print(f"{metric}_{suffix}: n/a  ({label})")
@@ -123,6 +131,7 @@ def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> No
             print(f"{metric}_{suffix}: {statistics.median(xs):.2f}  ({label}{spread})")
     print_limits(bench, shape, row, runs_of, label)
     print_first_token(bench, shape, runs_of, label)
+    print_token1_bounds(row, runs_of, label)
     tails = []
     for s in PUSH_MODES:
         xs = [r["lw_phases_ms"][TAIL_PHASE] for r in runs_of.get(s, [])
@@ -202,7 +211,9 @@ def print_first_token(bench: Bench, shape: Shape, runs_of: dict[str, list[dict[s
     """Where a user looks (issue 59), per set-up against the single server of the same repeat:
     TTFT and time to token 2 over the single server's (medians of per-repeat ratios), P's
     prefill time beside the single server's, the "P sampled -> D received" hop (p50 / max over
-    every request of every run), and the proxy's hop (``single-proxy`` minus ``single``)."""
+    every request of every run), whether each first token reached the client before D's last
+    DONE (set-ups whose first token is P's; print_token1_bounds gives the detail), and the
+    proxy's hop (``single-proxy`` minus ``single``)."""
     single = runs_of.get("single")
     others = [s for s in runs_of if s != "single" and runs_of[s]]
     if not single or not others:
@@ -212,8 +223,9 @@ def print_first_token(bench: Bench, shape: Shape, runs_of: dict[str, list[dict[s
           "min-max over repeats; P prefill: the proxy's POST to P -> P's last layer computed, "
           "median per run; single prefill: its calibration, TTFT p50 at max_tokens 1)")
     print("| setup | TTFT / single | token 2 / single | E2E / single | P prefill ms | "
-          "single prefill ms | P sampled -> D received p50 / max ms |")
-    print("|---|---|---|---|---|---|---|")
+          "single prefill ms | P sampled -> D received p50 / max ms | "
+          "token 1 before D's last DONE |")
+    print("|---|---|---|---|---|---|---|---|")
     for s in others:
         runs = runs_of[s]
         cells = [_med_spread(ratios(runs, single, key), ".2f")
@@ -223,7 +235,7 @@ def print_first_token(bench: Bench, shape: Shape, runs_of: dict[str, list[dict[s
         hops = [h for r in runs for h in r.get("first_token_hop_ms") or ()]
         print(f"| {LABELS[s]} | {' | '.join(cells)} | {_med_spread(p_pre, '.0f') if lw else '-'}"
               f" | {_med_spread(pre, '.0f') if lw else '-'} | "
-              f"{hop_summary(hops) if lw else '-'} |")
+              f"{hop_summary(hops) if lw else '-'} | {_before_done_cell(s, runs)} |")
     if "single-proxy" in runs_of:
         by_rep = {r.get("rep"): r for r in single}
         hop = [float(r["median_ttft_ms"]) - float(by_rep[r.get("rep")]["median_ttft_ms"])
@@ -234,3 +246,75 @@ def print_first_token(bench: Bench, shape: Shape, runs_of: dict[str, list[dict[s
                   f"server behind lw proxy minus the single server's, same repeat{spread})")
         else:
             print(f"proxy_hop_ms: n/a  ({label}; no repeat with both single set-ups)")
+
+
+TOKEN1_BEFORE_DONE_SHARE = 0.90
+"""Issue 59: token 1 reaches the client before D's last DONE for >= 90 % of requests at
+kv_over_prefill 1.0."""
+TOKEN2_OVER_OFF_TTFT_MS = 5.0
+"""Issue 59: lw's time to token 2 <= lw-off's TTFT + 5 ms at every row."""
+
+
+def _before_done_cell(setup: str, runs: list[dict[str, Any]]) -> str:
+    """The first-token table's cell: the share over every run of a set-up whose first token is
+    P's, ``-`` for the others."""
+    if setup not in FROM_P:
+        return "-"
+    return before_done_share(merge_before_done(r.get("token1_before_done") for r in runs))
+
+
+def print_token1_bounds(row: LinkRow, runs_of: dict[str, list[dict[str, Any]]],
+                        label: str) -> None:
+    """Issue 59's two bounds, per set-up whose first token is P's. (1) The share of measured
+    requests whose first token reached the client (the proxy's relay of it) before D's last
+    DONE (benchmarks._first_token.token1_before_done), over every run, per repeat, with a
+    verdict on the kv_over_prefill 1.0 row, where the issue asks for it; ``lw-off`` is printed
+    as the control (D samples its first token after the last DONE: anything above 0 says the
+    clocks or events are wrong). (2) Its time to token 2 p50 minus ``lw-off``'s TTFT p50 of
+    the same repeat, with a verdict on the median of the per-repeat differences."""
+    at_1 = row.kind == "factor" and row.factor == 1.0
+    for s in [x for x in (*FROM_P, "lw-off") if runs_of.get(x)]:
+        runs = runs_of[s]
+        per_run = [r.get("token1_before_done") for r in runs]
+        if not any(per_run):
+            continue  # a checkout, or a result, without the counts
+        merged = merge_before_done(per_run)
+        share = before_done_share(merged)
+        notes = []
+        if len(runs) > 1:
+            notes.append("per repeat " + ", ".join(before_done_share(c) for c in per_run))
+        lead = percentile(merged["lead_ms"], 50)
+        if lead is not None:
+            notes.append(f"D's last DONE - the first token's relay, p50 {lead:+.1f} ms")
+        judged = merged["before"] + merged["after"]
+        if s == "lw-off":
+            notes.append("control: D samples token 1 after its last DONE, so above 0 the "
+                         "clocks or events are wrong")
+        elif at_1 and judged:
+            ok = merged["before"] >= TOKEN1_BEFORE_DONE_SHARE * judged
+            notes.append(f"issue 59 asks >= {TOKEN1_BEFORE_DONE_SHARE:.0%} here: "
+                         f"{'met' if ok else 'NOT met'}")
+        why = before_done_refusals(merged)
+        if why:
+            notes.append(f"not judged: {why}")
+        extra = "".join(f"; {n}" for n in notes)
+        print(f"token1_before_last_done_{s.replace('-', '_')}: {share}  ({label}{extra})")
+    off = {r.get("rep"): r for r in runs_of.get("lw-off", [])
+           if r.get("median_ttft_ms") is not None}
+    if not off:
+        return
+    for s in [x for x in FROM_P if runs_of.get(x)]:
+        xs = [float(r["median_token2_ms"]) - float(off[r.get("rep")]["median_ttft_ms"])
+              for r in runs_of[s]
+              if r.get("median_token2_ms") is not None and r.get("rep") in off]
+        name = f"token2_minus_off_ttft_ms_{s.replace('-', '_')}"
+        if not xs:
+            print(f"{name}: n/a  ({label}; no repeat with its token 2 and lw-off's TTFT)")
+            continue
+        med = statistics.median(xs)
+        within = sum(x <= TOKEN2_OVER_OFF_TTFT_MS for x in xs)
+        verdict = "met" if med <= TOKEN2_OVER_OFF_TTFT_MS else "NOT met"
+        print(f"{name}: {med:+.1f}  ({label}; token 2 p50 minus lw-off's TTFT p50 of the same "
+              f"repeat: {', '.join(f'{x:+.1f}' for x in xs)}; issue 59 asks <= "
+              f"+{TOKEN2_OVER_OFF_TTFT_MS:.0f} ms: {verdict} by the median, {within}/{len(xs)} "
+              "repeat(s) within)")

@@ -21,7 +21,10 @@ the first token itself after the KV landed); ``single-proxy`` is the single serv
 proxy's hop. A second table per shape gives each set-up's TTFT and time to token 2 over the
 single server's (same repeat), P's prefill time beside the single server's and, from the
 ``first_token`` events of lw's timelines, "P sampled -> D received" (p50 / max; n/a where the
-workers record no such event).
+workers record no such event) and the share of requests whose first token reached the client
+(the proxy's relay of it) before D's last DONE (``token1_before_last_done_<setup>``, with issue
+59's >= 90 % verdict at kv_over_prefill 1.0); ``token2_minus_off_ttft_ms_<setup>`` is each
+set-up's time to token 2 minus ``lw-off``'s TTFT of the same repeat, against issue 59's +5 ms.
 
 ``--link`` puts every P/D set-up's D in its own network namespace behind a veth pair
 (``benchmarks/_link.py``) whose P -> D direction is capped with tbf; P, the proxies and the
