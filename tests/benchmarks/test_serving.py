@@ -135,3 +135,43 @@ def test_the_full_link_run_adds_load_shapes_at_kv_over_prefill_1_only() -> None:
     import dataclasses
 
     assert dataclasses.replace(full["in1024-c8"], prompts=3).only_factors == (1.0,)
+
+
+def test_lw_against_the_peer_at_load_uncapped_is_a_valid_run_and_reports_throughput(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    """``--link uncapped --shapes in1024-c4 --setups lw peer`` parses, plans that one shape on
+    the one row with lw and the peer (the single server is calibrated anyway), and its report
+    gives each set-up's req/s and out tok/s and lw / peer for both. No engine starts: the run
+    is replaced by recorded results."""
+    import signal
+
+    import lw.lab.tiny_model
+
+    seen: dict[str, object] = {}
+
+    def fake_run(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ...]) -> None:
+        seen.update(plan=[s.key for s in bench.plan], rows=[r.key for r in bench.rows],
+                    setups=list(args.setups), repeats=args.repeats, engine_args=engine_args)
+        shape, row = bench.plan[0], bench.rows[0]
+        for rep, (lw_t, peer_t) in enumerate(((40.0, 32.0), (46.0, 40.0))):
+            bench.results.setdefault((shape.key, row.key, "lw"), []).append(
+                dict(_res(rep, 300.0, lw_t), request_throughput=lw_t / 32))
+            bench.results.setdefault((shape.key, row.key, "peer"), []).append(
+                dict(_res(rep, 330.0, peer_t), request_throughput=peer_t / 32))
+
+    monkeypatch.setattr(serving, "missing_requirements", lambda: None)
+    monkeypatch.setattr(serving, "run_model", fake_run)
+    monkeypatch.setattr(lw.lab.tiny_model, "make_tiny_model", lambda path, **kw: path)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    assert serving.main(["--link", "uncapped", "--shapes", "in1024-c4", "--setups", "lw",
+                         "peer", "--workdir", str(tmp_path)]) == 0
+    assert seen == {"plan": ["in1024-c4"], "rows": ["link=uncapped"], "setups": ["lw", "peer"],
+                    "repeats": 2, "engine_args": ()}
+    out = capsys.readouterr().out
+    label = "(llama 32 layers in1024-c4 link=uncapped"
+    assert "| req/s | out tok/s |" in out
+    assert "| lw P/D auto, d-first | 300 (300-300) | 600 |" in out and "| 1.34 | 43.0 |" in out
+    assert "| Mooncake P/D | 330 (330-330) | 660 |" in out and "| 1.12 | 36.0 |" in out
+    assert f"throughput_ratio_vs_peer: 1.20  {label}; 1.15-1.25 over 2 repeats)" in out
+    assert f"request_throughput_ratio_vs_peer: 1.20  {label}; 1.15-1.25 over 2 repeats)" in out
