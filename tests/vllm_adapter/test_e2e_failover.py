@@ -1,18 +1,34 @@
-"""Prefill failover on real vLLM servers with the two engines this 2-core machine runs: one P,
-one D with ``retry_prefill: 1``, and the proxy. Seeing a request complete on a second P after the
-first died needs three engines (not run here: the connector's half of that is in
-test_prefill_failover.py, through real schedulers and worker loops). With one P, killing it
-mid-request checks the real-process path up to that point: D's core finds its P lost, D's
-worker hands the re-prefill to its scheduler across vLLM's process boundary, D asks the proxy
-again, the proxy has no other prefill server (503), and the client gets an error rather than a
-hang; D's blocks come back."""
+"""Faults after the client holds token 1, on real vLLM servers: two prefill servers, one D with
+``retry_prefill: 1`` and ``kv_checksum`` on both sides, the proxy, and a single engine for the
+outputs to equal (issue 59: "token 1 is never contradicted").
+
+Each case holds P's KV writes while a flag file exists (lw.transport.dataplane.planted): the
+client's first token (P's sampled token, streamed by D at once) has arrived while not one byte
+of the prompt's KV has landed, whatever the machine's speed; then the fault is planted on the
+prefill server that holds the request (its ``.held`` marker says which), and the writes are
+let go. The flags are per server (``LocalCluster.server_env``), so the other P runs clean.
+- a transfer cut once (checksum mismatch) -> prefilled again, on the other P, and D continues
+  from the token the client holds: the output equals the single engine's, greedy and seeded;
+- a transfer cut on every attempt -> the client gets an error after token 1, in-band;
+- the P holding the request killed -> prefilled again on the other P, output equal (greedy and
+  seeded; the killed server is started again between the cases);
+- both P killed -> the re-prefill has nowhere to go: an in-band error after token 1.
+The held writes stand in for issue 59's kv/prefill 2.0 link: what the fault needs is that the KV
+has not landed when token 1 reaches the client, and holding makes that certain instead of likely.
+Each case ends with every block of D released and no live lw request left.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,65 +39,271 @@ pytest.importorskip("httpx")
 import httpx  # noqa: E402
 
 from lw.lab.demo_client import wait_blocks_released  # noqa: E402
+from lw.lab.local_cluster import wait_ready  # noqa: E402
 from lw.lab.tiny_model import make_tiny_model  # noqa: E402
-from lw.lab.vllm_demo import (  # noqa: E402
-    LocalCluster,
-    Result,
-    complete,
-    make_prompt,
-    metrics,
-)
-from lw.transport.dataplane.planted import HELD_SUFFIX, HOLD_ENV  # noqa: E402
+from lw.lab.vllm_demo import MODEL_NAME, LocalCluster, make_prompt, metrics  # noqa: E402
+from lw.ops.client import query  # noqa: E402
+from lw.transport.dataplane.planted import HELD_SUFFIX, HOLD_ENV, TRUNCATE_ENV  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-P_EXTRA = {"request_timeout_s": 10, "meta_attempts": 10}
+CHECKSUM = {"kv_checksum": True}
+P_EXTRA = {"request_timeout_s": 10, "meta_attempts": 10, **CHECKSUM}
 D_EXTRA = {"prefill_timeout_s": 15, "lease_s": 20, "peer_request_timeout_s": 10,
-           "transfer_timeout_s": 5, "retry_prefill": 1}
+           "transfer_timeout_s": 5, "retry_prefill": 1, **CHECKSUM}
+MAX_TOKENS = 12
+GREEDY = {"temperature": 0.0}
+SEEDED = {"temperature": 0.8, "seed": 11}
+SETTLE_S = D_EXTRA["lease_s"] + D_EXTRA["prefill_timeout_s"] + 30  # the slowest fault path
 
 
-def test_a_killed_prefill_server_is_retried_then_fails_cleanly_without_another(
-        tmp_path: Path) -> None:
-    # P holds its writes while this file exists and marks when it does: the kill below lands
-    # while the request is in flight, however fast the machine's prefill
-    hold = tmp_path / "hold-writes"
-    c = LocalCluster(model=make_tiny_model(tmp_path / "model"), workdir=tmp_path / "logs",
-                     reference=False, p_extra=P_EXTRA, d_extra=D_EXTRA)
-    os.environ[HOLD_ENV] = str(hold)  # read by the engines as they start
+@dataclass
+class Flags:
+    """One prefill server's planted-fault files: writes held while ``hold`` exists, cut while
+    ``cut`` says so."""
+
+    hold: Path
+    cut: Path
+
+    @property
+    def held(self) -> Path:
+        """Written by the server's data plane once it holds a write."""
+        return Path(str(self.hold) + HELD_SUFFIX)
+
+    def release(self) -> None:
+        """Let the held writes go (and forget that any were held)."""
+        self.hold.unlink(missing_ok=True)
+        self.held.unlink(missing_ok=True)
+
+
+_flags: dict[str, Flags] = {}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    work = tmp_path_factory.mktemp("failover")
+    names = ["prefill", "prefill2"]
+    for name in names:
+        _flags[name] = Flags(work / f"hold-{name}", work / f"cut-{name}")
+    c = LocalCluster(model=make_tiny_model(work / "model"), workdir=work / "logs",
+                     reference=True, p_extra=P_EXTRA, d_extra=D_EXTRA, prefill_servers=2,
+                     server_env={n: {HOLD_ENV: str(f.hold), TRUNCATE_ENV: str(f.cut)}
+                                 for n, f in _flags.items()})
+    assert c.prefill_names == names
     try:
-        c.start(timeout=360)
-        os.environ.pop(HOLD_ENV, None)
-        proxy = c.url("proxy")
-        warm = complete(proxy, make_prompt(90, seed=1), 8, stream=False, timeout=60)
-        assert not warm.error and warm.finish_reason == "length", warm  # budget, no fault
-        hold.touch()
-        results: list[Result] = []
-        t = threading.Thread(target=lambda: results.append(
-            complete(proxy, make_prompt(700, seed=2), 8, timeout=120)), daemon=True)
-        t.start()
-        held = Path(str(hold) + HELD_SUFFIX)
-        while not held.exists():  # P computed a layer and holds its write: the request is live
-            assert t.is_alive(), results
-            t.join(0.01)
-        os.killpg(c.servers["prefill"].proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
-        t.join(D_EXTRA["lease_s"] + D_EXTRA["prefill_timeout_s"] + 30)
-        assert not t.is_alive(), "the client hung after its only P died"
-        (r,) = results
-        assert r.error or r.finish_reason not in ("length", "stop"), r
-        pm = httpx.get(c.control_url + "/metrics-json", timeout=5).json()
-        seen = httpx.get(c.control_url + "/lw/timeline", timeout=5).json()
-        posts = [ev for ev in seen.values() if "p_sent" in ev]  # the warm-up's and this one's
-        answered = all("p_done" in ev for ev in posts)
-        # P answers its one token when its compute ends, its writes still held: on a fast
-        # machine it has answered before the kill lands and only D finds it lost (CI run of
-        # 2026-12-04); else the proxy's POST fails and the proxy leaves the failure to D.
-        # Either way D asks again, once (below).
-        assert pm["prefill_failures_left_to_decode"] == (0 if answered else 1), (pm, seen)
-        assert pm["prefill_failovers"] == 0, pm  # ... and no other P was there to take it
-        decode = c.url("decode")
-        assert metrics(decode).get("lw_prefill_retries_total", 0) == 1
-        assert wait_blocks_released([decode], timeout=D_EXTRA["lease_s"] + 10) == 0
-        assert metrics(decode).get("lw_live_requests", 0) == 0
+        c.start(timeout=480)
+        yield c
     finally:
-        os.environ.pop(HOLD_ENV, None)
         c.stop()
+
+
+@dataclass
+class Stream:
+    """A streamed completion read in a thread: its token ids, when token 1 arrived, and an
+    in-band error (vLLM's ``data: {"error": ...}`` event) if one came."""
+
+    url: str
+    body: dict[str, Any]
+    tokens: list[int] = field(default_factory=list)
+    error: str = ""
+    finish_reason: str | None = None
+    first: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self) -> Stream:
+        """Send the request (the answer is read in a daemon thread)."""
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        return self
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body,
+                              timeout=SETTLE_S + 60) as r:
+                if r.status_code != 200:
+                    self.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')}"
+                    return
+                for line in r.iter_lines():
+                    data = line.removeprefix("data:").strip()
+                    if not line.startswith("data:") or data == "[DONE]":
+                        continue
+                    event = json.loads(data)
+                    if "error" in event:
+                        self.error = json.dumps(event["error"])
+                        return
+                    for choice in event.get("choices", ()):
+                        self.tokens += choice.get("token_ids") or ()
+                        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                        if self.tokens:
+                            self.first.set()
+        except (httpx.HTTPError, ValueError) as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.first.set()  # nothing more will come
+
+    def join(self, timeout: float = SETTLE_S) -> None:
+        """Wait for the whole answer (an assertion error if it hangs)."""
+        assert self.thread is not None
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the client hung: {self.tokens} {self.error}"
+
+
+def _body(prompt: str, sampling: dict[str, Any], stream: bool = True) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "return_token_ids": True, "stream": stream, **sampling}
+
+
+def _reference(c: LocalCluster, prompt: str, sampling: dict[str, Any]) -> list[int]:
+    """The single engine's token ids for this prompt and sampling."""
+    r = httpx.post(c.url("reference") + "/v1/completions",
+                   json=_body(prompt, sampling, stream=False), timeout=120)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    return list(choice["token_ids"])
+
+
+def _token_1_then_held(c: LocalCluster, prompt: str, sampling: dict[str, Any]
+                       ) -> tuple[Stream, str]:
+    """Start a streamed request with every P's writes held; return it once the client holds
+    token 1, and the prefill server that holds its KV."""
+    for f in _flags.values():
+        f.hold.touch()
+    s = Stream(c.url("proxy"), _body(prompt, sampling)).start()
+    assert s.first.wait(SETTLE_S), "no first token"
+    assert s.tokens and not s.error, (s.tokens, s.error)
+    holding = [n for n, f in _flags.items() if f.held.exists()]
+    assert len(holding) == 1, f"writes held on {holding}: expected the one P of the request"
+    return s, holding[0]
+
+
+def _d_counter(c: LocalCluster, name: str) -> float:
+    """A core counter of D's worker (its status reply)."""
+    snap = query(c.status_workers()[-1:], c.cluster_key, timeout_s=30)
+    assert not snap.silent, snap.silent
+    return sum(r.counters.get(name, 0.0) for r in snap.replies)
+
+
+def _first_token_counts(c: LocalCluster) -> tuple[float, float]:
+    """D's (first tokens taken from P, last prompt tokens recomputed)."""
+    m = metrics(c.url("decode"))
+    return m.get("lw_first_token_from_p_total", 0.0), m.get("lw_last_token_recomputed_total", 0.0)
+
+
+def _settled(c: LocalCluster) -> None:
+    """Every block of D back and no lw request live on it."""
+    assert wait_blocks_released([c.url("decode")], timeout=D_EXTRA["lease_s"] + 10) == 0
+    deadline = time.monotonic() + 30
+    while metrics(c.url("decode")).get("lw_live_requests", 0) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert metrics(c.url("decode")).get("lw_live_requests", 0) == 0
+
+
+def _wait_counts(c: LocalCluster, want_from_p: float) -> tuple[float, float]:
+    """D's first-token counts once ``want_from_p`` is reached (stats reach /metrics on vLLM's
+    interval) or 30 s passed."""
+    deadline = time.monotonic() + 30
+    while (got := _first_token_counts(c))[0] < want_from_p and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return got
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_transfer_cut_after_token_1_is_prefilled_again_and_continues_from_it(
+        cluster: LocalCluster, sampling: dict[str, Any]) -> None:
+    """The client holds P's token 1; P's writes are then cut once (checksum mismatch on D): D
+    asks for a new prefill, whose P samples again (discarded), and continues from the token
+    the client holds: the output equals the single engine's."""
+    prompt = make_prompt(150, seed=900 + len(sampling))
+    want = _reference(cluster, prompt, sampling)
+    mismatches = _d_counter(cluster, "core.checksum_mismatches")
+    reprefills = _d_counter(cluster, "core.reprefills")
+    from_p, recomputed = _first_token_counts(cluster)
+    s, holding = _token_1_then_held(cluster, prompt, sampling)
+    cut = _flags[holding].cut
+    cut.write_text("64 1")  # that P's next write only (the held ones go out first)
+    try:
+        for f in _flags.values():
+            f.release()
+        s.join()
+    finally:
+        cut.unlink(missing_ok=True)
+    assert not s.error, s.error
+    assert s.tokens == want, f"P/D {s.tokens} != single engine {want}"
+    assert _d_counter(cluster, "core.checksum_mismatches") == mismatches + 1
+    assert _d_counter(cluster, "core.reprefills") == reprefills + 1
+    assert _wait_counts(cluster, from_p + 1) == (from_p + 1, recomputed)
+    _settled(cluster)
+
+
+def test_a_transfer_cut_on_every_attempt_after_token_1_is_an_in_band_error(
+        cluster: LocalCluster) -> None:
+    """Both attempts' KV cut (the retry budget spent): the client, holding token 1, gets an
+    error in the stream that names the KV transfer, not a hang and not other tokens."""
+    prompt = make_prompt(150, seed=910)
+    want = _reference(cluster, prompt, GREEDY)
+    s, _ = _token_1_then_held(cluster, prompt, GREEDY)
+    for f in _flags.values():
+        f.cut.write_text("64")  # every write of every P while it exists
+    try:
+        for f in _flags.values():
+            f.release()
+        s.join()
+    finally:
+        for f in _flags.values():
+            f.cut.unlink(missing_ok=True)
+    assert s.tokens == want[:1], (s.tokens, want)
+    assert "KV transfer" in s.error and "checksum mismatch" in s.error, s.error
+    _settled(cluster)
+
+
+def _kill(c: LocalCluster, name: str) -> None:
+    os.killpg(c.servers[name].proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+    c.servers[name].proc.wait(30)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_the_prefill_server_killed_after_token_1_the_other_one_prefills_and_d_continues(
+        cluster: LocalCluster, sampling: dict[str, Any]) -> None:
+    """The client holds P's token 1, then the P holding the request's KV is killed: D finds it
+    lost, asks for a new prefill, the proxy sends it to the other P, and D continues from the
+    token the client holds: the output equals the single engine's. The killed server is
+    started again afterwards."""
+    prompt = make_prompt(150, seed=920 + len(sampling))
+    want = _reference(cluster, prompt, sampling)
+    reprefills = _d_counter(cluster, "core.reprefills")
+    from_p, recomputed = _first_token_counts(cluster)
+    s, holding = _token_1_then_held(cluster, prompt, sampling)
+    for name, f in _flags.items():
+        if name != holding:
+            f.release()
+    _kill(cluster, holding)
+    _flags[holding].release()  # its writes died with it; the restarted server must not hold
+    try:
+        s.join()
+        assert not s.error, s.error
+        assert s.tokens == want, f"P/D {s.tokens} != single engine {want}"
+        assert _d_counter(cluster, "core.reprefills") == reprefills + 1
+        assert _wait_counts(cluster, from_p + 1) == (from_p + 1, recomputed)
+        _settled(cluster)
+    finally:
+        cluster.servers[holding].start()
+        wait_ready([cluster.servers[holding]], 300)
+
+
+def test_with_no_prefill_server_left_after_token_1_the_client_gets_an_in_band_error(
+        cluster: LocalCluster) -> None:
+    """Both prefill servers killed once the client holds token 1: D's re-prefill has nowhere
+    to go, and the client gets an error in the stream after its token, not a hang; D's blocks
+    come back. (Last in the module: it leaves the cluster without a prefill server.)"""
+    prompt = make_prompt(150, seed=930)
+    want = _reference(cluster, prompt, GREEDY)
+    s, _ = _token_1_then_held(cluster, prompt, GREEDY)
+    for name in cluster.prefill_names:
+        _kill(cluster, name)
+    for f in _flags.values():
+        f.release()
+    s.join()
+    assert s.tokens == want[:1], (s.tokens, want)
+    assert s.error, "no error after both prefill servers died"
+    assert metrics(cluster.url("decode")).get("lw_prefill_retries_total", 0) >= 1
+    _settled(cluster)
