@@ -19,8 +19,9 @@ MAX_CHECKSUMS = 1 << 17  # KV checksums one DONE carries (one per layer and bloc
 # 2: KVFormat in layouts and claims (heterogeneous TP, MLA); 3: a claim names the D blocks;
 # 4: claims, DONEs, failures, aborts and their acks carry the claim epoch (prefill failover);
 # 5: a claim names the digest of the prompt its sender computed (D refuses another prompt's);
-# 6: P sends the first token it sampled (FirstToken)
-PROTOCOL_VERSION = 6
+# 6: P sends the first token it sampled (FirstToken); 7: a status reply carries the engine's
+# first-token mode and counts (FirstTokenStatus)
+PROTOCOL_VERSION = 7
 
 # Bounds that make absurd values a decode error rather than a problem for the core.
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -303,8 +304,34 @@ class StatusQuery(_Msg, tag="status_q"):
     timeline: Annotated[int, msgspec.Meta(ge=0, le=MAX_TIMELINE)] = 0  # newest entries wanted
 
 
+MAX_FIRST_TOKEN_REASONS = 32  # fallback reasons one FirstTokenStatus carries (lw has 12)
+_Total = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+_Reason = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")]
+
+
+class FirstTokenStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An engine's first token from P, as ``lw status`` shows it: whether it is on (P: sends
+    its sampled token; D: streams P's token and continues from it) or why not, and the counts
+    of D's scheduler since the engine started (the totals of its ``lw_*`` series). The engine's
+    scheduler process keeps them; its workers relay the latest in their status replies."""
+
+    role: Literal["prefill", "decode"]
+    on: bool
+    why_off: _Text = ""  # off: why (the start log's reason)
+    dp_rank: _Rank = 0  # which of the engine's data-parallel schedulers
+    first_token_from_p: _Total = 0
+    last_token_recomputed: _Total = 0
+    ended_at_first_token: _Total = 0
+    first_token_discarded: _Total = 0
+    first_token_waits_expired: _Total = 0
+    # requests that took vLLM's path although P sent a token, by reason
+    fallbacks: Annotated[dict[_Reason, _Total], msgspec.Meta(
+        max_length=MAX_FIRST_TOKEN_REASONS)] = msgspec.field(default_factory=dict)
+
+
 class StatusReply(_Msg, tag="status_rep"):
-    """A worker's live requests, its newest lifecycle events and its counters."""
+    """A worker's live requests, its newest lifecycle events and its counters (and its
+    engine's first-token mode and counts, where its connector relays them)."""
 
     worker: Sender
     role: Literal["prefill", "decode"]
@@ -314,6 +341,7 @@ class StatusReply(_Msg, tag="status_rep"):
     timeline: list[TimelineEntry] = msgspec.field(default_factory=list)
     counters: dict[str, float] = msgspec.field(default_factory=dict)
     truncated: bool = False  # rows or entries were left out to fit one message
+    first_token: FirstTokenStatus | None = None
 
 
 Message = (MetaRequest | MetaReply | DoneSending | FailedSending | Ack | Abort | AbortAck

@@ -40,7 +40,7 @@ from lw.fsm import (
 from lw.fsm.effects import FenceData, KeptSums
 from lw.fsm.interpreter import Report, perform
 from lw.fsm.lifecycles import DONE, FAILED
-from lw.fsm.messages import Message
+from lw.fsm.messages import FirstTokenStatus, Message
 from lw.fsm.silence import Silence
 from lw.fsm.status import status_line
 from lw.transport import statusdesk
@@ -196,6 +196,9 @@ class WorkerLoop:
         self.writes = WritePath(self.memory, self.counters)
         self.status_gate = statusdesk.StatusGate(config.status_share, config.status_burst_s,
                                                  config.status_per_route)
+        # the engine's first-token mode and counts (its connector's scheduler keeps them; the
+        # worker thread sets the latest, checked; status replies carry it)
+        self.first_token: FirstTokenStatus | None = None
         self._refusals = RefusalLog(log, config.name, config.warn_interval_s)
         self._stopping = False
         self._finished = False
@@ -632,7 +635,7 @@ class WorkerLoop:
         """This worker's live requests (or one), its newest timeline entries and counters,
         trimmed to fit one side-channel message. Loop thread only."""
         return status_reply(self.endpoint, self._role, self.counters, self._clock(), req_id,
-                            timeline)
+                            timeline, self.first_token)
 
     # ------------------------------------------------------------ effects
     def _execute(self, effects: list[Effect], ib: Inbound | None) -> None:

@@ -10,6 +10,7 @@ from lw.contract.transfer_ids import is_sub_transfer_of
 from lw.transport.wire import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
+    FirstTokenStatus,
     StatusReply,
     TimelineEntry,
     encode,
@@ -48,10 +49,12 @@ def _rows(endpoint: Any, now: float, req_id: str) -> list:
 
 
 def status_reply(endpoint: Any, role: str, loop_counters: dict[str, int | float], now: float,
-                 req_id: str = "", timeline: int = 0) -> StatusReply:
+                 req_id: str = "", timeline: int = 0,
+                 first_token: FirstTokenStatus | None = None) -> StatusReply:
     """``endpoint``'s live requests (or one request or transfer: see :func:`of_transfer`), its
     newest ``timeline`` entries and the counters of the core and its loop, halved (newest
-    entries kept) until the reply fits a message."""
+    entries kept) until the reply fits a message; ``first_token``: its engine's first-token
+    mode and counts (a few hundred bytes), as its connector last relayed them."""
     wall = time.time()  # taken with ``now``: together they place timeline times
     rows = _rows(endpoint, now, req_id)
     entries: list = []
@@ -69,7 +72,7 @@ def status_reply(endpoint: Any, role: str, loop_counters: dict[str, int | float]
     truncated = False
     while True:
         reply = StatusReply(PROTOCOL_VERSION, endpoint.me, role, now, wall, rows, entries,
-                            counters, truncated)
+                            counters, truncated, first_token)
         if len(encode(reply)) <= MAX_MESSAGE_BYTES - 4096 or not (rows or entries):
             return reply
         truncated = True
