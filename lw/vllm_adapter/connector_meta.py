@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from lw.fsm.messages import FirstTokenStatus
 from lw.vllm_adapter.config import ConfigError
 
 if TYPE_CHECKING:
@@ -155,6 +156,9 @@ class LwConnectorMetadata(KVConnectorMetadata):
     # D, vLLM's V1 model runner: (request, token) whose first output token came from P, to seed
     # in the runner's state as the step schedules position L (lw.vllm_adapter.lw_worker)
     seeds: list[tuple[str, int]] = field(default_factory=list)
+    # the engine's first-token mode and counts, when they changed since the last step: the
+    # workers keep the latest for `lw status` (lw.vllm_adapter.first_token.checked_status)
+    first_token: FirstTokenStatus | None = None
 
 
 @dataclass

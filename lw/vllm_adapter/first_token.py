@@ -10,16 +10,72 @@ takes vLLM's own path (D recomputes the last prompt token), counted by reason.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from lw.contract.sampling import spec_digest
+import msgspec
 
-__all__ = ["FALLBACK_REASONS", "ineligible", "token_problem"]
+from lw.contract.sampling import spec_digest
+from lw.fsm.messages import FirstTokenStatus
+
+__all__ = ["COUNTS", "FALLBACK_REASONS", "LW_SCHEDULER_MODULE", "checked_status", "ineligible",
+           "scheduler_is_lws", "side_off_reason", "token_problem"]
 
 FALLBACK_REASONS = ("off", "spec_mismatch", "no_spec", "logprobs", "prompt_logprobs",
                     "structured_output", "logits_processors", "speculative", "lora",
                     "multimodal", "late", "pooling")
 """Why a remote-prefill request did not take P's token (a bounded label set for /metrics)."""
+
+COUNTS = ("first_token_from_p", "last_token_recomputed", "ended_at_first_token",
+          "first_token_discarded", "first_token_waits_expired")
+"""D's first-token counters (lw.vllm_adapter.metrics.COUNTERS), as ``lw status`` shows them."""
+
+LW_SCHEDULER_MODULE = "lw.vllm_adapter.lw_scheduler"
+
+
+def scheduler_is_lws(scheduler_cls: Any) -> bool:
+    """Whether vLLM's ``scheduler_config.scheduler_cls`` (None: vLLM's own; a qualified name;
+    a class) is lw's scheduler or a subclass of one of its classes. A name is looked up only
+    where its module is imported already (vLLM built the scheduler before its connector)."""
+    if isinstance(scheduler_cls, str):
+        if scheduler_cls.startswith(LW_SCHEDULER_MODULE + "."):
+            return True
+        mod, _, name = scheduler_cls.rpartition(".")
+        scheduler_cls = getattr(sys.modules.get(mod), name, None)
+    if not isinstance(scheduler_cls, type):
+        return False
+    return any(c.__module__ == LW_SCHEDULER_MODULE for c in scheduler_cls.__mro__)
+
+
+def side_off_reason(cfg: Any, vllm_config: Any) -> str | None:
+    """Why this engine cannot send (P) or take (D) first tokens, as far as its connector's
+    scheduler side can tell without lw's scheduler class (None: on, or for lw's scheduler
+    class to decide: lw.vllm_adapter.lw_scheduler.first_token_off_reason). P needs none of
+    lw's classes: its connector hands the token to its worker when the request finishes."""
+    if not cfg.first_token_from_p:
+        return "first_token_from_p is false"
+    if cfg.is_producer:
+        return None
+    sched = getattr(vllm_config.scheduler_config, "scheduler_cls", None)
+    if not scheduler_is_lws(sched):
+        name = sched if isinstance(sched, str) else getattr(sched, "__qualname__", None)
+        name = name or "vLLM's own"
+        return (f"the engine's scheduler is {name}, not lw's: start it with "
+                f"python -m lw.vllm_adapter.serve, or --scheduler-cls "
+                f"{LW_SCHEDULER_MODULE}.LwScheduler")
+    return None
+
+
+def checked_status(snap: Any) -> FirstTokenStatus:
+    """``snap`` (a FirstTokenStatus from the scheduler process, made in Python and so never
+    validated) as one that holds to its declared bounds, or ValueError: what a status reply
+    carries is decoded once, here, where it enters the worker."""
+    if not isinstance(snap, FirstTokenStatus):
+        raise ValueError(f"not a FirstTokenStatus: {type(snap).__name__}")
+    try:
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(snap), type=FirstTokenStatus)
+    except (msgspec.ValidationError, msgspec.DecodeError, OverflowError, TypeError) as exc:
+        raise ValueError(f"first-token status refused: {exc}") from None
 
 
 def ineligible(request: Any, *, spec_tokens: int = 0) -> str | None:

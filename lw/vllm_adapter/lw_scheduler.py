@@ -96,6 +96,7 @@ class _FirstTokenFromP:
         self._lw_heard: set[str] = set()  # P's token came (taken or not): nothing to wait for
         self._lw_taken: set[str] = set()  # requests whose first output token is P's
         if self._lw_side is not None and not self._lw_side.cfg.is_producer:
+            self._lw_side.first_token_mode(off)  # for `lw status`; its tokens come to us
             if off is None:
                 log.info("lw: first token from P on: D streams P's sampled token as soon as it "
                          "arrives and continues from it")

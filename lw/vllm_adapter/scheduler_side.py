@@ -28,6 +28,7 @@ from lw.contract.sampling import spec_digest
 from lw.contract.transfer_ids import sub_transfer_id
 from lw.contract.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY, worker_addrs
 from lw.fsm.block_choice import PushCursor
+from lw.fsm.messages import MAX_TEXT, FirstTokenStatus
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
 from lw.transport.ratelog import RateLimitedLog
 from lw.transport.sidechannel import parse_cluster_key
@@ -43,6 +44,8 @@ from lw.vllm_adapter.connector_meta import (
     SendSpec,
     log,
 )
+from lw.vllm_adapter.first_token import COUNTS as FIRST_TOKEN_COUNTS
+from lw.vllm_adapter.first_token import scheduler_is_lws, side_off_reason
 from lw.vllm_adapter.metaserver_client import MetaserverPoster
 from lw.vllm_adapter.metrics import FALLBACKS, LwKVConnectorStats
 from lw.vllm_adapter.params_fit import check_fit, decode_fetched
@@ -127,15 +130,26 @@ class SchedulerSide(DecodeScheduling):
         self._fallbacks: dict[str, int] = {}  # D: requests that took vLLM's path, by reason
         if not cfg.is_producer:  # started now: the first prefill request pays no thread start
             self._poster = MetaserverPoster(cfg)
-        # an engine started without lw's scheduler class (plain `vllm serve`) takes vLLM's path
-        # for token 1 and says so once
-        sched_cls = getattr(vllm_config.scheduler_config, "scheduler_cls", None)
-        if not cfg.is_producer and cfg.first_token_from_p and (
-                not isinstance(sched_cls, str) or not sched_cls.startswith("lw.")):
-            log.warning("lw: this decode engine runs %s, not lw's scheduler class: D recomputes "
-                        "the last prompt token and samples token 1 itself (start it with "
-                        "python -m lw.vllm_adapter.serve, or --scheduler-cls "
-                        "lw.vllm_adapter.lw_scheduler.LwScheduler)", sched_cls or "vLLM's own")
+        # The first token from P: whether it is on and what became of it, kept for `lw status`
+        # (the totals; stats() hands /metrics the deltas). D: lw's scheduler class, when the
+        # engine runs it, says whether it is on (first_token_mode) and takes P's tokens.
+        self._ft_off = side_off_reason(cfg, vllm_config)
+        self._ft_claimed = False
+        self._ft_totals = dict.fromkeys(FIRST_TOKEN_COUNTS, 0)
+        self._ft_fallbacks: dict[str, int] = {}
+        self._ft_dirty = True  # the workers' copy is stale (sent with the next step's metadata)
+        if cfg.is_producer:
+            if self._ft_off is None:
+                log.info("lw: first token from P on: this prefill engine sends each pushed "
+                         "request's sampled token to its decode engine")
+            else:
+                log.info("lw: first token from P off (%s): decode engines recompute the last "
+                         "prompt token and sample token 1 themselves", self._ft_off)
+        elif self._ft_off is not None and not scheduler_is_lws(
+                getattr(vllm_config.scheduler_config, "scheduler_cls", None)):
+            # lw's scheduler class never runs here: this is the engine's only word on it
+            log.warning("lw: first token from P off (%s): D recomputes the last prompt token "
+                        "and samples token 1 itself", self._ft_off)
 
     # ------------------------------------------------------------------------------- P side
     def _refused(self, request: Request, exc: ContractError, what: str) -> None:
@@ -232,12 +246,36 @@ class SchedulerSide(DecodeScheduling):
         """Add one to counter ``name`` (a key of lw.vllm_adapter.metrics.COUNTERS)."""
         with self._lock:
             self._counts[name] = self._counts.get(name, 0) + 1
+            if name in self._ft_totals:
+                self._ft_totals[name] += 1
+                self._ft_dirty = True
 
     def fallback(self, reason: str) -> None:
         """D: a request that took vLLM's path for token 1, for ``reason``
         (lw.vllm_adapter.first_token.FALLBACK_REASONS)."""
         with self._lock:
             self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
+            self._ft_fallbacks[reason] = self._ft_fallbacks.get(reason, 0) + 1
+            self._ft_dirty = True
+
+    def first_token_mode(self, off: str | None) -> None:
+        """D: lw's scheduler class runs this engine and takes P's tokens from here; ``off``:
+        why it cannot use them (None: on). Called once, as it starts."""
+        self._ft_claimed = True
+        self._ft_off = off
+        self._ft_dirty = True
+
+    def first_token_status(self) -> FirstTokenStatus:
+        """This engine's first-token mode and counts since it started (``lw status``)."""
+        with self._lock:
+            totals, fallbacks = dict(self._ft_totals), dict(self._ft_fallbacks)
+        off = self._ft_off
+        if off is None and not self.cfg.is_producer and not self._ft_claimed:
+            # lw's scheduler class runs but reaches another connector (vLLM's MultiConnector)
+            off = "lw's scheduler class does not reach this connector (inside a MultiConnector?)"
+        return FirstTokenStatus("prefill" if self.cfg.is_producer else "decode",
+                                off is None, (off or "")[:MAX_TEXT],
+                                self.cfg.dp_rank, fallbacks=fallbacks, **totals)
 
     def _ahead_ready(self, request: Request) -> int | None:
         """P: 0 when a request may be scheduled (admitted ahead and D's params are here, or an
@@ -358,6 +396,9 @@ class SchedulerSide(DecodeScheduling):
                 if dr is not None and not dr.aborted and dr.transfer_id == route.transfer_id:
                     self._meta.routes.append(route)
         meta, self._meta = self._meta, LwConnectorMetadata()
+        if self._ft_dirty:  # only when it changed: a step with no news carries none
+            self._ft_dirty = False
+            meta.first_token = self.first_token_status()
         meta.idle = not so.total_num_scheduled_tokens
         meta.step_tokens = int(so.total_num_scheduled_tokens or 0)
         if self.cfg.is_producer:
@@ -426,6 +467,9 @@ class SchedulerSide(DecodeScheduling):
         wm = getattr(out, "kv_connector_worker_meta", None)
         # before the receives that finished: a token and the KV may land in one step
         for ft in wm.first_tokens if isinstance(wm, LwWorkerMeta) else ():
+            if not self._ft_claimed:  # no lw scheduler class takes it: vLLM's path
+                self.fallback("off")
+                continue
             dr = self._d.get(ft.req_id)
             live = dr.transfer_id if dr is not None and not dr.aborted else \
                 self._received.get(ft.req_id)  # its KV landed first: lw's scheduler decides
@@ -438,6 +482,8 @@ class SchedulerSide(DecodeScheduling):
             dr = self._d.pop(rid, None)
             if dr is not None and not dr.aborted:
                 self._received[rid] = dr.transfer_id
+                if not self._ft_claimed and rid not in (out.failed_recving or ()):
+                    self.count("last_token_recomputed")  # vLLM's own scheduler: always
         if isinstance(wm, LwWorkerMeta):
             self._take_rates(wm)
             for rp in wm.reprefills:

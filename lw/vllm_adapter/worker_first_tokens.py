@@ -1,6 +1,7 @@
 """The worker's half of the first token: P's worker hands the token its scheduler sampled to the
 core (which sends it to D under the request's claim), D's worker hands the token its core took
-to its scheduler in the worker metadata. A part of
+to its scheduler in the worker metadata; both keep the engine's first-token mode and counts,
+which the scheduler sends when they change, for ``lw status``. A part of
 :class:`lw.vllm_adapter.worker_side.WorkerSide`, split from it as a concern of its own; it
 decides nothing about a request (the core does)."""
 
@@ -10,7 +11,11 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from lw.fsm.effects import FirstTokenTaken
-from lw.vllm_adapter.connector_meta import FirstTokenIn, LwConnectorMetadata
+from lw.vllm_adapter.connector_meta import FirstTokenIn, LwConnectorMetadata, log
+from lw.vllm_adapter.first_token import checked_status
+
+if TYPE_CHECKING:
+    from lw.fsm.messages import FirstTokenStatus
 
 __all__ = ["DONE_MEMORY", "FirstTokenRelay"]
 
@@ -29,6 +34,10 @@ class FirstTokenRelay:
     _done_rid: OrderedDict[str, str]  # D: transfer id -> vLLM request id, receives done
     _first_in: list[FirstTokenIn]  # D: tokens taken since the last worker metadata
 
+    loop: Any  # WorkerSide's WorkerLoop (None before register)
+    _ft_status: FirstTokenStatus | None  # the engine's first-token status, last good one
+    _ft_refused: int
+
     if TYPE_CHECKING:  # WorkerSide's, not overridden here
         def _call(self, method: str, *args: Any, rid: str, tid: str, **kwargs: Any) -> None:
             ...
@@ -42,6 +51,22 @@ class FirstTokenRelay:
         for ft in meta.first_tokens:
             tid = alias.get(ft.transfer_id, ft.transfer_id) if alias else ft.transfer_id
             self._call("first_token", tid, ft.token, ft.spec, rid=ft.req_id, tid=tid)
+
+    def _keep_first_token_status(self, snap: Any) -> None:
+        """The engine's first-token mode and counts its scheduler sent with a step's metadata:
+        kept (checked against their declared bounds) for the loop's status replies; a snapshot
+        that is not of its declared type or bounds is refused, the last good one kept."""
+        try:
+            status = checked_status(snap)
+        except ValueError as exc:
+            self._ft_refused += 1
+            if self._ft_refused == 1:  # a bug in lw's scheduler side, not worth a flood
+                log.warning("lw: the scheduler's first-token status was refused (%s); `lw "
+                            "status` shows the last good one", exc)
+            return
+        self._ft_status = status
+        if self.loop is not None:
+            self.loop.first_token = status  # a reference: the loop thread reads it whole
 
     def _done_receiving(self, tid: str, rid: str) -> None:
         """D: a receive reported done (its ``_rid`` entry goes): keep its vLLM request id for

@@ -38,6 +38,7 @@ from lw.vllm_adapter.worker_binds import AheadBinds
 from lw.vllm_adapter.worker_first_tokens import FirstTokenRelay
 
 if TYPE_CHECKING:
+    from lw.fsm.messages import FirstTokenStatus
     from lw.transport.runtime import WorkerLoop
 
 __all__ = ["WorkerSide"]
@@ -114,6 +115,8 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
         self._reprefills: list[Reprefill] = []  # D: for the scheduler's next worker metadata
         self._first_in: list[FirstTokenIn] = []  # D: P's first tokens, likewise
         self._done_rid: OrderedDict[str, str] = OrderedDict()  # D: receives done (their token)
+        self._ft_status: FirstTokenStatus | None = None  # the engine's, for `lw status`
+        self._ft_refused = 0  # first-token status snapshots refused (malformed, oversized)
         self._t0: dict[str, float] = {}  # P: transfer id -> first layer hook time
         self._lock = threading.Lock()  # guards the pending sets (Future callbacks)
         self._last: dict[str, float] = {}
@@ -197,6 +200,7 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
             # No fresh_blocks allocator: a worker cannot allocate outside vLLM's scheduler (the
             # config refuses retry_fresh_blocks), so D fences before a retry.
             self.loop = WorkerLoop(ep, side, dp, self.cfg.loop_config(name))
+        self.loop.first_token = self._ft_status  # what the scheduler said before, if anything
         with transport_threads(cpus):
             self.loop.start()  # the loop starts the data plane's sender and fence threads
         if self.cfg.is_producer:
@@ -299,6 +303,8 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
         self._step_t0 = time.monotonic()
         self._step_tokens = meta.step_tokens
         self._step_pairs = meta.step_pairs
+        if meta.first_token is not None:
+            self._keep_first_token_status(meta.first_token)
         if self.loop is None:
             if meta.sends or meta.recvs:
                 raise RuntimeError("lw: connector metadata before register_kv_caches")

@@ -57,6 +57,7 @@ def lw_scheduler(model_dir: str, role: str = "kv_consumer", *, async_sched: bool
                  worker: bool = True, **kw: Any) -> Any:
     vc = make_vllm_config(model_dir, role, **kw)
     vc.scheduler_config.async_scheduling = async_sched
+    vc.scheduler_config.scheduler_cls = LW_SCHEDULER_CLS  # as `--scheduler-cls` names it
     if worker:
         vc.parallel_config.worker_cls = LW_WORKER_CLS
     return LwScheduler(vllm_config=vc, kv_cache_config=kv_cache_config(),
