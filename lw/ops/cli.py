@@ -2,7 +2,8 @@
 
 Examples::
 
-    lw status --workers 127.0.0.1:5600-5601,127.0.0.1:6600      # the table
+    lw status --workers 127.0.0.1:5600-5601,127.0.0.1:6600      # the table (then, per engine,
+                                                                   # the first token from P)
     lw status --workers ... --watch 2                              # refreshed every 2 s
     lw status --workers ... --json                                 # for scripts
     lw status --workers ... REQUEST_ID                             # one request's whole history

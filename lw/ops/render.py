@@ -15,11 +15,12 @@ import msgspec
 
 from lw import seqdiagram
 from lw.contract.transfer_ids import is_sub_transfer_of
-from lw.fsm.messages import RequestStatus, StatusReply
+from lw.fsm.messages import FirstTokenStatus, RequestStatus, StatusReply
 from lw.fsm.status import failure_kind, status_line
 from lw.ops.client import Snapshot
 
-__all__ = ["chrome_trace", "history", "mermaid_timeline", "table", "to_json"]
+__all__ = ["chrome_trace", "first_token_lines", "history", "mermaid_timeline", "table",
+           "to_json"]
 
 # A timeline row: (wall time, worker label, participant id, entry)
 _Event = tuple[float, str, str, Any]
@@ -84,7 +85,59 @@ def table(snap: Snapshot, width: int = 160) -> str:
         lines.append(f"  no status from {addr}: {why}")
     if any(r.truncated for r in snap.replies):
         lines.append("  (some workers left rows out to fit one message)")
+    lines += first_token_lines(snap)
     return "\n".join(lines)
+
+
+_FT_COUNTS = (("first_token_from_p", "from P"), ("last_token_recomputed", "last token recomputed"),
+              ("ended_at_first_token", "ended at token 1"),
+              ("first_token_discarded", "discarded"),
+              ("first_token_waits_expired", "waits expired"))
+
+
+def _ft_line(who: str, ft: FirstTokenStatus) -> str:
+    if ft.role == "prefill":
+        mode = "on: sends each pushed request's sampled token to D" if ft.on else \
+            f"off ({ft.why_off}): D samples token 1 itself"
+        return f"  {who}: {mode}"
+    mode = "on" if ft.on else f"off ({ft.why_off})"
+    counts = ", ".join(f"{label} {getattr(ft, key)}" for key, label in _FT_COUNTS)
+    fb = ", ".join(f"{r} {n}" for r, n in sorted(ft.fallbacks.items())) or "none"
+    return f"  {who}: {mode}; {counts}; fallbacks: {fb}"
+
+
+def first_token_lines(snap: Snapshot) -> list[str]:
+    """Per engine (and data-parallel scheduler) that answered: whether the first token from P
+    is on, or why not, and D's counts since the engine started. Its workers relay the same
+    figures, each as of the last step it saw: the highest are the newest."""
+    best: dict[tuple[str, str, int], FirstTokenStatus] = {}
+    engines: dict[tuple[str, str], None] = {}
+    for r in snap.replies:
+        engines[(r.role, r.worker.engine_id)] = None
+        ft = r.first_token
+        if ft is None:
+            continue
+        key = (r.role, r.worker.engine_id, ft.dp_rank)
+        old = best.get(key)
+        if old is None or _ft_total(ft) > _ft_total(old):
+            best[key] = ft
+    if not engines:
+        return []
+    lines = ["first token from P:"]
+    for role, engine in engines:
+        side = "P" if role == "prefill" else "D"
+        mine = sorted((k[2], ft) for k, ft in best.items() if k[:2] == (role, engine))
+        if not mine:
+            lines.append(f"  {side} {engine}: not reported yet (its scheduler has not stepped "
+                         f"since the engine started)")
+        for dp, ft in mine:
+            lines.append(_ft_line(f"{side} {engine}" + (f" dp {dp}" if len(mine) > 1 or dp
+                                                        else ""), ft))
+    return lines
+
+
+def _ft_total(ft: FirstTokenStatus) -> int:
+    return sum(getattr(ft, key) for key, _ in _FT_COUNTS) + sum(ft.fallbacks.values())
 
 
 def status_lines(snap: Snapshot) -> Iterator[str]:
