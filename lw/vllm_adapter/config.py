@@ -323,7 +323,8 @@ class LwConfig:
 
     def decode_config(self) -> DecodeConfig:
         """The core's D settings (those this config names as the core does); a lease's end
-        fences the data plane where it can (Mooncake over TCP; not RDMA, not in-process)."""
+        fences the data plane where it can (Mooncake over TCP; not RDMA, not in-process; NIXL
+        is lease-only until a fence is measured)."""
         fence = (self.data_plane == "mooncake"
                  and self.mooncake_protocol.strip().lower() == "tcp" and not self.mooncake_device)
         return core_config(DecodeConfig, vars(self), fence_data=fence)
@@ -429,9 +430,13 @@ class LwConfig:
             parse_cpus(values["transport_cpus"])
         except ValueError as exc:
             raise ConfigError(f"kv_connector_extra_config.transport_cpus: {exc}") from None
-        if values["data_plane"] not in ("mooncake", "inprocess"):
-            raise ConfigError(f"kv_connector_extra_config.data_plane="
-                              f"{values['data_plane']!r}: expected 'mooncake' or 'inprocess'")
+        if values["data_plane"] not in ("mooncake", "nixl", "inprocess"):
+            raise ConfigError(f"kv_connector_extra_config.data_plane={values['data_plane']!r}: "
+                              "expected 'mooncake', 'nixl' or 'inprocess'")
+        if values["data_plane"] == "nixl":
+            from lw.transport.dataplane.nixl import nixl_missing
+            if missing := nixl_missing():
+                raise ConfigError(f"kv_connector_extra_config.data_plane='nixl': {missing}")
         if not 0 < values["push_start_margin"] <= 10:
             raise ConfigError("kv_connector_extra_config.push_start_margin must be in (0, 10], "
                               f"got {values['push_start_margin']}")
