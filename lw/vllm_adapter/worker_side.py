@@ -252,6 +252,9 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
 
         if self.cfg.data_plane == "inprocess":
             dp: Any = InProcessDataPlane()
+        elif self.cfg.data_plane == "nixl":  # UCX's settings: its UCX_* environment variables
+            from lw.transport.dataplane.nixl import NixlDataPlane
+            dp = NixlDataPlane(hostname=self.cfg.host, timeout_s=self.cfg.transfer_timeout_s)
         else:
             dp = MooncakeDataPlane(hostname=self.cfg.host, timeout_s=self.cfg.transfer_timeout_s,
                                    metadata_server=self.cfg.mooncake_metadata_server,
