@@ -7,7 +7,10 @@ reported) so that load from other processes hits them alike. Sections:
 (a) one ``batch_transfer_sync_write`` of large contiguous entries (own engine), (b) layerwise
 through MooncakeDataPlane with simulated compute per layer, (c) send-after-forward, (d) a raw
 Python TCP socket. (b) and (c) run for each ``--modes`` wait mode; the first mode gives the
-headline (unsuffixed) keys. The last lines are ``key: value`` for machines; the 1-minute load
+headline (unsuffixed) keys. With ``--data-plane nixl`` the same run also measures (a') NIXL's best
+batch (one prepped request of all blocks, and of one contiguous entry) and (b), (c) through
+NixlDataPlane (keys ``*_nixl``), under UCX_TLS=tcp unless the environment sets UCX_TLS. The
+last lines are ``key: value`` for machines; the 1-minute load
 average is printed too, because on a small shared machine it moves every figure.
 """
 
@@ -32,6 +35,7 @@ from typing import Any
 import numpy as np
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("UCX_TLS", "tcp")  # NIXL over TCP like Mooncake, not shared memory
 
 from lw.transport.dataplane import Entry, MooncakeDataPlane  # noqa: E402
 from lw.transport.hookcost import hook_cost_report  # noqa: E402
@@ -43,12 +47,20 @@ MiB = 1 << 20
 # Receiver process
 
 
-def run_peer(size: int) -> None:
-    """Receiver: register a buffer with Mooncake, then serve sha / tcp / quit commands on stdin."""
+def run_peer(size: int, nixl: bool) -> None:
+    """Receiver: register a buffer with Mooncake (and NIXL), then serve sha / tcp / quit
+    commands on stdin."""
     plane = MooncakeDataPlane("127.0.0.1")
     buf = np.zeros(size, dtype=np.uint8)
     plane.register_memory(buf.ctypes.data, size)
-    print(json.dumps({"session": plane.session, "addr": buf.ctypes.data}), flush=True)
+    info = {"session": plane.session, "addr": buf.ctypes.data}
+    if nixl:
+        from lw.transport.dataplane.nixl import NixlDataPlane
+
+        nixl_plane = NixlDataPlane("127.0.0.1")
+        nixl_plane.register_memory(buf.ctypes.data, size)
+        info["nixl_session"] = nixl_plane.session
+    print(json.dumps(info), flush=True)
     view = memoryview(buf).cast("B")
     for line in sys.stdin:
         cmd = line.split()
@@ -80,20 +92,24 @@ def run_peer(size: int) -> None:
         elif cmd[0] == "quit":
             break
     plane.close()
+    if nixl:
+        nixl_plane.close()
 
 
 class PeerProcess:
     """Handle on the receiver subprocess (always killed by ``close``)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, nixl: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--peer", "--size", str(size)],
+            [sys.executable, str(Path(__file__).resolve()), "--peer", "--size", str(size)]
+            + (["--nixl"] if nixl else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         info = json.loads(self.readline())
         self.session: str = info["session"]
+        self.nixl_session: str = info.get("nixl_session", "")
         self.addr: int = info["addr"]
 
     def readline(self) -> str:
@@ -132,11 +148,13 @@ class PeerProcess:
 
 @dataclass
 class Mode:
-    """One MooncakeDataPlane wait mode under test ("spin" or "poll") and its calibration."""
+    """One plane under test (a MooncakeDataPlane wait mode, "spin" or "poll", or "nixl"), the
+    peer's session on it, and its calibration."""
 
     name: str
-    plane: MooncakeDataPlane
+    plane: Any
     collector: Collector
+    session: str
     layer_transfer_s: float = 0.0
     compute_s: float = 0.0
 
@@ -153,6 +171,7 @@ class Ctx:
     expected_sha: str
     modes: list[Mode]
     raw: MooncakeDataPlane
+    nixl_best: NixlBest | None = None
     samples: dict[str, list[float]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     figures: dict[str, object] = field(default_factory=dict)
@@ -204,7 +223,7 @@ def make_layers(
 class Collector:
     """Thread that waits on the plane's fd and timestamps every completion as it arrives."""
 
-    def __init__(self, plane: MooncakeDataPlane) -> None:
+    def __init__(self, plane: Any) -> None:
         self.plane = plane
         self.times: dict[Any, float] = {}
         self.failures: list[str] = []
@@ -282,6 +301,68 @@ def section_mooncake_best(ctx: Ctx) -> None:
         ctx.add(f"mooncake 1 batch {count}x{size // MiB}MiB", elapsed)
 
 
+class NixlBest:
+    """NIXL's own best batch, for (a'): one request of all blocks (the layers' entries, as
+    scattered), and one of a single contiguous entry, each prepared once and posted per round
+    (own agent, as (a) has its own engine)."""
+
+    def __init__(self, src: np.ndarray, peer: PeerProcess, layers: list[list[Entry]]) -> None:
+        from lw.transport.dataplane.nixl import NixlDataPlane, parse_session
+
+        self.plane = NixlDataPlane("127.0.0.1")
+        self.plane.register_memory(src.ctypes.data, src.nbytes)
+        self.plane.connect(peer.nixl_session)
+        deadline = time.monotonic() + 30
+        while self.plane.is_connected(peer.nixl_session) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.plane.is_connected(peer.nixl_session):
+            raise RuntimeError("NIXL best batch: no first contact with the peer")
+        agent, remote = self.plane.agent, parse_session(peer.nixl_session)[0]
+        self.handles: dict[str, Any] = {}
+        self._keep: list[Any] = []
+        blocks = [e for layer in layers for e in layer]
+        for key, entries in ((f"nixl 1 request of all {len(blocks)} blocks", blocks),
+                             (f"nixl 1 request 1x{src.nbytes // MiB}MiB",
+                              [(src.ctypes.data, peer.addr, src.nbytes)])):
+            rows = np.array(entries, dtype=np.uint64)
+            zero = np.zeros(len(rows), dtype=np.uint64)
+            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT",
+                                          np.column_stack((rows[:, 0], rows[:, 2], zero)), "DRAM")
+            far = agent.prep_xfer_dlist(remote, np.column_stack((rows[:, 1], rows[:, 2], zero)),
+                                        "DRAM")
+            idx = np.arange(len(rows), dtype=np.int32)
+            self.handles[key] = agent.make_prepped_xfer("WRITE", local, idx, far, idx)
+            self._keep += [local, far]
+
+    def run(self, ctx: Ctx) -> None:
+        """Post each prepared request once; time post -> DONE."""
+        agent = self.plane.agent
+        for key, handle in self.handles.items():
+            t0 = time.perf_counter()
+            state = agent.transfer(handle)
+            while state == "PROC":
+                time.sleep(2e-5)
+                state = agent.check_xfer_state(handle)
+            elapsed = time.perf_counter() - t0
+            if state != "DONE":
+                raise RuntimeError(f"{key}: NIXL request ended {state}")
+            ctx.add(key, elapsed)
+
+    def close(self) -> None:
+        """Free the requests and the agent."""
+        for handle in self.handles.values():
+            handle.release()
+        for dlist in self._keep:
+            dlist.release()
+        self.plane.close()
+
+
+def section_nixl_best(ctx: Ctx) -> None:
+    """(a') NIXL's best batch (only with --data-plane nixl)."""
+    if ctx.nixl_best is not None:
+        ctx.nixl_best.run(ctx)
+
+
 def section_layerwise(ctx: Ctx) -> None:
     """(b) Layer k submitted through MooncakeDataPlane as soon as its simulated compute ends."""
     n = len(ctx.layers)
@@ -295,7 +376,7 @@ def section_layerwise(ctx: Ctx) -> None:
             t += mode.compute_s
             simulate_compute(t)
             t0 = time.perf_counter()
-            mode.plane.submit(ids[k], ctx.peer.session, ctx.layers[k])
+            mode.plane.submit(ids[k], mode.session, ctx.layers[k])
             ctx.add(f"submit [{mode.name}]", time.perf_counter() - t0)
             t_submit.append(t0)
         done = mode.collector.wait(ids)
@@ -316,7 +397,7 @@ def section_send_after_forward(ctx: Ctx) -> None:
             t += mode.compute_s
             simulate_compute(t)
         compute_end = time.perf_counter()
-        mode.plane.submit(("saf", r), ctx.peer.session, everything)
+        mode.plane.submit(("saf", r), mode.session, everything)
         done = mode.collector.wait([("saf", r)])
         ctx.add(key, done[("saf", r)] - compute_end)
 
@@ -383,6 +464,7 @@ def timeline_costs(figures: dict[str, float], rounds: int = 3) -> None:
 
 SECTIONS: list[Callable[[Ctx], None]] = [
     section_mooncake_best,
+    section_nixl_best,
     section_layerwise,
     section_send_after_forward,
     section_tcp_socket,
@@ -394,14 +476,14 @@ def prepare(ctx: Ctx) -> None:
     through each plane and size that mode's simulated compute per layer from it."""
     everything = [e for layer in ctx.layers for e in layer]
     for mode in ctx.modes:
-        mode.plane.submit("warm", ctx.peer.session, everything)
+        mode.plane.submit("warm", mode.session, everything)
         mode.collector.wait(["warm"])
     for mode in ctx.modes:
         times = []
         for r in range(3):
             for k in range(len(ctx.layers)):
                 t0 = time.perf_counter()
-                mode.plane.submit(("cal", r, k), ctx.peer.session, ctx.layers[k])
+                mode.plane.submit(("cal", r, k), mode.session, ctx.layers[k])
                 done = mode.collector.wait([("cal", r, k)])
                 times.append(done[("cal", r, k)] - t0)
         mode.layer_transfer_s = statistics.median(times)
@@ -437,6 +519,8 @@ def report(ctx: Ctx) -> None:
     )
     best_key = min((k for k in ctx.samples if k.startswith("mooncake 1 batch")), key=ctx.median)
     best = mbps(total, ctx.median(best_key))
+    # NIXL's best batch as issue 60 defines it: one prepped request of all the blocks
+    nixl_key = next((k for k in ctx.samples if k.startswith("nixl 1 request")), "")
     socket_rate = mbps(total, ctx.median("python socket sendall/recv_into"))
     out: dict[str, object] = {
         "loadavg_1min_start_end": f"{ctx.notes['load_start']} {os.getloadavg()[0]:.2f}",
@@ -446,10 +530,21 @@ def report(ctx: Ctx) -> None:
         "bytes_verified": ctx.notes.get("verified", "false"),
     }
     ratios: dict[str, object] = {"mooncake_best_vs_tcp_socket": round(best / socket_rate, 3)}
+    if nixl_key:
+        nixl_best = mbps(total, ctx.median(nixl_key))
+        contiguous = next(k for k in ctx.samples if k.startswith("nixl 1 request 1x"))
+        out.update({"ucx_tls": os.environ.get("UCX_TLS", ""), "nixl_best_variant": nixl_key,
+                    "nixl_best_MBps": round(nixl_best, 1),
+                    "nixl_contiguous_MBps": round(mbps(total, ctx.median(contiguous)), 1)})
+        ratios["nixl_best_vs_mooncake_best"] = round(nixl_best / best, 3)
     for mode in ctx.modes:
         sfx = "" if mode is ctx.modes[0] else f"_{mode.name}"
         m = f" [{mode.name}]"
         rate = mbps(total, ctx.median("layerwise" + m))
+        if mode.name == "nixl":
+            ratios["layerwise_nixl_vs_nixl_best"] = round(rate / nixl_best, 3)
+            ratios["layerwise_nixl_vs_layerwise"] = round(
+                rate / mbps(total, ctx.median(f"layerwise [{ctx.modes[0].name}]")), 3)
         tail_lw = ctx.median("tail layerwise" + m)
         tail_saf = ctx.median("send-after-forward" + m)
         out.update(
@@ -502,15 +597,19 @@ def main() -> None:
         default="poll,spin",
         help="MooncakeDataPlane wait modes to run; the first is the headline",
     )
+    p.add_argument("--data-plane", choices=("mooncake", "nixl"), default="mooncake",
+                   help="nixl: also measure NIXL's best batch and NixlDataPlane (mode 'nixl', "
+                        "after --modes), interleaved with Mooncake")
     p.add_argument("--repeats", type=int, default=9, help="rounds of every section")
     p.add_argument("--hooks-only", action="store_true",
                    help="only the forward-hook costs (with and without timelines) and the cost "
                         "of KV checksums")
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--nixl", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.peer:
-        run_peer(args.size)
+        run_peer(args.size, args.nixl)
         return
     if args.hooks_only:
         figures: dict[str, float] = {}
@@ -523,23 +622,35 @@ def main() -> None:
     block = args.block_kib * 1024
     if total % (args.layers * block):
         p.error("--mib must be a multiple of --layers x --block-kib")
-    peer = PeerProcess(total)
+    nixl = args.data_plane == "nixl"
+    peer = PeerProcess(total, nixl)
     modes: list[Mode] = []
+    nixl_best: NixlBest | None = None
     raw = MooncakeDataPlane("127.0.0.1", wait="spin")  # only its engine is used, by (a)
     try:
         src = np.random.default_rng(7).integers(0, 256, total, dtype=np.uint8)
         raw.register_memory(src.ctypes.data, total)
-        for name in args.modes.split(","):
-            plane = MooncakeDataPlane("127.0.0.1", wait=name)  # type: ignore[arg-type]
-            modes.append(Mode(name, plane, Collector(plane)))
+        for name in args.modes.split(",") + (["nixl"] if nixl else []):
+            if name == "nixl":
+                from lw.transport.dataplane.nixl import NixlDataPlane
+
+                plane: Any = NixlDataPlane("127.0.0.1")
+                session = peer.nixl_session
+            else:
+                plane = MooncakeDataPlane("127.0.0.1", wait=name)  # type: ignore[arg-type]
+                session = peer.session
+            modes.append(Mode(name, plane, Collector(plane), session))
             plane.register_memory(src.ctypes.data, total)
-            plane.connect(peer.session)
+            plane.connect(session)
         layers, order = make_layers(
             src.ctypes.data, peer.addr, total, args.layers, block, args.scatter
         )
+        if nixl:
+            nixl_best = NixlBest(src, peer, layers)
         expected = np.empty_like(src)
         expected.reshape(-1, block)[order] = src.reshape(-1, block)
-        ctx = Ctx(args, src, peer, layers, hashlib.sha256(expected).hexdigest(), modes, raw)
+        ctx = Ctx(args, src, peer, layers, hashlib.sha256(expected).hexdigest(), modes, raw,
+                  nixl_best)
         ctx.notes["load_start"] = f"{os.getloadavg()[0]:.2f}"
         prepare(ctx)
         for _ in range(args.repeats):
@@ -548,7 +659,7 @@ def main() -> None:
         verified = []
         for mode in modes:  # one more layerwise transfer per mode, then check the bytes
             ctx.peer.ask("zero")
-            mode.plane.submit("check", peer.session, [e for layer in layers for e in layer])
+            mode.plane.submit("check", mode.session, [e for layer in layers for e in layer])
             mode.collector.wait(["check"])
             verified.append(ctx.peer.ask(f"sha 0 {total}") == ctx.expected_sha)
         ctx.notes["verified"] = str(all(verified)).lower()
@@ -558,6 +669,8 @@ def main() -> None:
         for mode in modes:
             mode.collector.stop()
             mode.plane.close()
+        if nixl_best is not None:
+            nixl_best.close()
         raw.close()
         peer.close()
 
