@@ -8,11 +8,12 @@ write at once, and a failed write is not among the faults the row declares to th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from lw.lab.synthetic.corrupt import CorruptingPlane
-from lw.transport.dataplane.planted import TruncatingPlane
+from lw.transport.dataplane.planted import HELD_SUFFIX, HoldingPlane, TruncatingPlane
 
 Entry = tuple[int, int, int]
 
@@ -22,10 +23,12 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.submitted: list[list[Entry]] = []
+        self.sent: list[tuple[Hashable, list[Entry]]] = []
 
     def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry],
                within_s: float = 0.0) -> None:
         self.submitted.append(list(entries))
+        self.sent.append((xfer_id, list(entries)))
 
 
 def test_a_shifted_read_stays_inside_the_registered_memory() -> None:
@@ -78,3 +81,23 @@ def test_truncating_plane_can_cut_only_the_next_transfers(tmp_path: Path) -> Non
     plane.submit("c", "s", [(0, 0, 4096)])
     plane.submit("d", "s", [(0, 0, 4096)])
     assert inner.submitted[2:] == [[(0, 0, 32)], [(0, 0, 4096)]] and plane.truncated == 2
+
+
+def test_holding_plane_sends_what_it_held_once_its_file_is_gone_without_a_poll(
+        tmp_path: Path) -> None:
+    """Held writes go out, in order, when the flag file is removed, even if nobody polls the
+    plane (a worker's loop polls it only when the inner plane's pipe is readable)."""
+    flag = tmp_path / "hold"
+    flag.touch()
+    inner = _Recorder()
+    plane = HoldingPlane(inner, str(flag))
+    plane.submit("a", "s", [(0, 0, 10)])
+    plane.submit("b", "s", [(0, 0, 20)])
+    assert inner.sent == [] and Path(str(flag) + HELD_SUFFIX).exists()
+    flag.unlink()
+    deadline = time.monotonic() + 5
+    while len(inner.sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [x for x, _ in inner.sent] == ["a", "b"]
+    plane.submit("c", "s", [(0, 0, 30)])  # nothing held any more: straight through
+    assert [x for x, _ in inner.sent] == ["a", "b", "c"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -40,31 +41,50 @@ class HoldingPlane:
     of sending it, and writes ``flag + ".held"`` once it holds one: a test can then kill a
     prefill server knowing its request is in flight (a 700-token prefill takes 150 ms on a fast
     machine and 10 s on a slow one; a kill after a guess lands before or after it). Writes held
-    go out, in order, at the first ``poll`` after the file is gone. Test fault only."""
+    go out, in order, within ``_RELEASE_POLL_S`` of the file's removal (a thread of this plane
+    watches it: the owner's loop polls the plane only when its pipe says so). Test fault only."""
+
+    _RELEASE_POLL_S = 0.01
 
     def __init__(self, inner: Any, flag: str) -> None:
         self._inner = inner
         self._flag = flag
         self._held: list[tuple[Hashable, str, Sequence[Entry], float, float]] = []
+        self._lock = threading.Lock()
 
     def submit(self, xfer_id: Hashable, session: str, entries: Sequence[Entry],
                within_s: float = math.inf) -> None:
         """Hold the write while the flag file exists (and mark it), else pass it on."""
-        if self._held or os.path.exists(self._flag):
-            if not self._held:
-                with open(self._flag + HELD_SUFFIX, "w") as f:
-                    f.write(str(os.getpid()))
-            self._held.append((xfer_id, session, list(entries), within_s, time.monotonic()))
-            return
+        with self._lock:
+            if self._held or os.path.exists(self._flag):
+                if not self._held:
+                    with open(self._flag + HELD_SUFFIX, "w") as f:
+                        f.write(str(os.getpid()))
+                    threading.Thread(target=self._watch, name="lw-test-hold",
+                                     daemon=True).start()
+                self._held.append((xfer_id, session, list(entries), within_s,
+                                   time.monotonic()))
+                return
         self._inner.submit(xfer_id, session, entries, within_s)
 
-    def poll(self) -> list[Any]:
-        """The inner plane's completions, after sending what was held once the file is gone."""
-        if self._held and not os.path.exists(self._flag):
+    def _watch(self) -> None:
+        while os.path.exists(self._flag):
+            time.sleep(self._RELEASE_POLL_S)
+        self._release()
+
+    def _release(self) -> None:
+        """Send what was held, in order, once the file is gone."""
+        with self._lock:
+            if not self._held or os.path.exists(self._flag):
+                return
             held, self._held = self._held, []
             now = time.monotonic()
             for xfer_id, session, entries, within_s, at in held:
                 self._inner.submit(xfer_id, session, entries, within_s - (now - at))
+
+    def poll(self) -> list[Any]:
+        """The inner plane's completions (after sending what was held, if the file is gone)."""
+        self._release()
         return self._inner.poll()
 
     def __getattr__(self, name: str) -> Any:
