@@ -122,11 +122,14 @@ class Liveness:
                 probe.append(addr)  # a silent peer is still asked: an answer ends its silence
         return probe, silent, late
 
-    def lost(self, addr: str) -> None:
-        """``addr`` was declared lost: its clock stops (if it speaks again, that silence is one
-        it came back from)."""
+    def lost(self, addr: str, *, learn: bool = True) -> None:
+        """``addr`` was declared lost: its clock stops. With ``learn``, if it speaks again,
+        that silence is one it came back from; without (our connection to it was down: its
+        process died or its host was cut off), whoever speaks next at that address paused
+        for nothing: a restarted server's downtime would otherwise lift its budget to the
+        cap, and its next death would be found only there."""
         last = self._heard.pop(addr, None)
-        if last is not None:
+        if last is not None and learn:
             self._lost[addr] = last
 
     def _came_back(self, addr: str, silence: float, now: float) -> None:

@@ -41,7 +41,7 @@ from lw.fsm.effects import FenceData, KeptSums
 from lw.fsm.interpreter import Report, perform
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import FirstTokenStatus, Message
-from lw.fsm.silence import Silence
+from lw.fsm.silence import GONE, Silence
 from lw.fsm.status import status_line
 from lw.transport import statusdesk
 from lw.transport.corelog import RefusalLog
@@ -595,7 +595,7 @@ class WorkerLoop:
                     log.info("%s: peer %s silent %.1fs past its %.1fs budget, kept: %s",
                              self._name, addr, quiet, silence.budget_s, process)
                 continue
-            hb.lost(addr)
+            hb.lost(addr, learn=process != GONE)
             self._slow_noted.pop(addr, None)
             self.counters["peers_lost"] += 1
             log.warning("%s: peer %s lost: %s", self._name, addr, silence.reason())

@@ -48,6 +48,20 @@ def test_liveness_probes_the_quiet_and_loses_the_silent_in_order() -> None:
     assert hb.round(["d1"], 5.0) == (["d1"], [], False)  # quiet for about an interval
 
 
+def test_a_peer_lost_with_its_connection_down_earns_no_budget_from_that_silence() -> None:
+    """A frozen peer that comes back teaches its budget the pause it showed; a peer lost with
+    our connection to it down (killed, then restarted at the same address) teaches nothing:
+    its next death is found at the floor again, not at the cap (seen on real engines: a
+    restarted prefill server killed again was found only by D's prefill deadline)."""
+    for learn, budget in ((True, 30.0), (False, 3.0)):
+        hb = Liveness(1.0, 3, cap_s=30.0)
+        hb.round(["p"], 0.0)
+        hb.heard("p", 0.0)
+        hb.lost("p", learn=learn)
+        hb.heard("p", 60.0)  # speaks again a minute later
+        assert hb.budget("p", 60.0) == budget
+
+
 def test_liveness_forgives_a_late_round_and_forgets_peers_no_longer_needed() -> None:
     hb = Liveness(1.0, 2)
     hb.round(["d1"], 0.0)
