@@ -21,6 +21,9 @@ What it does, on D, for a request waiting for its KV (WAITING_FOR_REMOTE_KVS):
   token 1 as input and samples token 2. vLLM's V2 model runner gets token 1 with the request;
   the V1 runner gets it through the step's connector metadata (``seeds``,
   lw.vllm_adapter.lw_worker).
+What becomes of each token, whether a request waits for one and which token a runner is seeded
+with are decided by :class:`lw.fsm.first_token_desk.FirstTokenDesk`; this class gathers the
+facts from vLLM's request and acts.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from vllm.v1.core.sched.utils import check_stop
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
+from lw.fsm.first_token_desk import FirstTokenDesk, TokenCase, Verdict
 from lw.vllm_adapter.connector import LwConnector
 from lw.vllm_adapter.connector_meta import FirstTokenIn, LwConnectorMetadata
 from lw.vllm_adapter.first_token import ineligible, token_problem
@@ -91,10 +95,7 @@ class _FirstTokenFromP:
         off = first_token_off_reason(vllm_config, self._lw_side)
         self._lw_on = off is None
         self._lw_v1 = not getattr(vllm_config, "use_v2_model_runner", False)
-        self._lw_seeds: dict[str, int] = {}  # V1 runner: request -> P's token, until scheduled
-        self._lw_waits: dict[str, float] = {}  # KV landed, P's token not yet: since when
-        self._lw_heard: set[str] = set()  # P's token came (taken or not): nothing to wait for
-        self._lw_taken: set[str] = set()  # requests whose first output token is P's
+        self._lw_desk = FirstTokenDesk(FIRST_TOKEN_WAIT_S)  # what becomes of each token
         if self._lw_side is not None and not self._lw_side.cfg.is_producer:
             self._lw_side.first_token_mode(off)  # for `lw status`; its tokens come to us
             if off is None:
@@ -120,19 +121,11 @@ class _FirstTokenFromP:
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """vLLM's step, with P's tokens for the V1 runner of requests scheduled in it."""
         so = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        for rid in [r for r in self._lw_waits if r not in self.requests]:
-            del self._lw_waits[rid]  # ended while it waited
-        if self._lw_heard:  # forget the requests that ended
-            self._lw_heard &= self.requests.keys()
-            self._lw_taken &= self.requests.keys()
-        if self._lw_seeds:
-            meta = so.kv_connector_metadata
-            for new in so.scheduled_new_reqs:
-                token = self._lw_seeds.pop(new.req_id, None)
-                if token is not None and isinstance(meta, LwConnectorMetadata):
-                    meta.seeds.append((new.req_id, token))
-            for rid in [r for r in self._lw_seeds if r not in self.requests]:
-                del self._lw_seeds[rid]  # ended before it was scheduled
+        desk = self._lw_desk
+        seeds = desk.seeds_for(new.req_id for new in so.scheduled_new_reqs)
+        if seeds and isinstance(so.kv_connector_metadata, LwConnectorMetadata):
+            so.kv_connector_metadata.seeds += seeds
+        desk.forget(self.requests.keys())  # the requests that ended
         return so
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
@@ -141,15 +134,16 @@ class _FirstTokenFromP:
         rid = request.request_id
         if self._lw_on and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and \
                 request.num_output_tokens == 0 and rid in self.finished_recving_kv_req_ids \
-                and rid not in self.failed_recving_kv_req_ids and rid not in self._lw_heard and \
+                and rid not in self.failed_recving_kv_req_ids and \
                 ineligible(request, spec_tokens=self.num_spec_tokens) is None:
-            now = time.monotonic()
-            since = self._lw_waits.setdefault(rid, now)
-            if now - since < FIRST_TOKEN_WAIT_S:
+            go, expired = self._lw_desk.may_schedule(rid, time.monotonic())
+            if not go:
                 return False
-            assert self._lw_side is not None
-            self._lw_side.count("first_token_waits_expired")
-        self._lw_waits.pop(rid, None)
+            if expired:
+                assert self._lw_side is not None
+                self._lw_side.count("first_token_waits_expired")
+        else:
+            self._lw_desk.not_waiting(rid)
         return super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
 
     def _update_waiting_for_remote_kv(self, request: Request) -> None:
@@ -167,17 +161,24 @@ class _FirstTokenFromP:
         assert side is not None
         request = self.requests.get(ft.req_id)
         if request is None or request.is_finished():
+            case = TokenCase(live=False, awaiting_kv=False, outputs=0, ineligible=None)
+        else:
+            case = TokenCase(live=True,
+                             awaiting_kv=request.status == RequestStatus.WAITING_FOR_REMOTE_KVS,
+                             outputs=request.num_output_tokens,
+                             ineligible="off" if not self._lw_on else ineligible(
+                                 request, spec_tokens=self.num_spec_tokens))
+        verdict, why = self._lw_desk.arrived(ft.req_id, case, lambda: token_problem(
+            request, ft.spec, spec_tokens=self.num_spec_tokens))
+        if verdict is Verdict.ENDED:
             return
-        self._lw_heard.add(ft.req_id)
-        why = "off" if not self._lw_on else ineligible(request, spec_tokens=self.num_spec_tokens)
-        if why is not None:  # whenever the token comes: the reason is the request's
-            side.fallback(why)
+        if verdict is Verdict.FALLBACK:
+            side.fallback(why or "")
             return
-        if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS or \
-                request.num_output_tokens > 0:
-            # D holds a token already (a re-prefill's P sampled again) or computes its own
+        assert request is not None
+        if verdict is not Verdict.TAKE:  # D holds a token already, or computes its own
             side.count("first_token_discarded")
-            if ft.req_id not in self._lw_taken:
+            if verdict is Verdict.LATE:
                 side.fallback("late")
             elif request.output_token_ids[0] != ft.token and \
                     request.sampling_params is not None and \
@@ -186,12 +187,7 @@ class _FirstTokenFromP:
                             "sampling where the client holds %d (discarded)", ft.req_id,
                             ft.token, request.output_token_ids[0])
             return
-        why = token_problem(request, ft.spec, spec_tokens=self.num_spec_tokens)
-        if why is not None:
-            side.fallback(why)
-            return
         request.append_output_token_ids(ft.token)
-        self._lw_taken.add(ft.req_id)
         stopped = check_stop(request, self.max_model_len)
         side.count("first_token_from_p")
         finish_reason = None
@@ -204,7 +200,7 @@ class _FirstTokenFromP:
             self.finish_requests(request.request_id, status)  # type: ignore[attr-defined]
             side.count("ended_at_first_token")
         elif self._lw_v1:
-            self._lw_seeds[request.request_id] = ft.token
+            self._lw_desk.seed(request.request_id, ft.token)
         out = EngineCoreOutput(
             request_id=request.request_id, new_token_ids=[ft.token],
             finish_reason=finish_reason, stop_reason=request.stop_reason,

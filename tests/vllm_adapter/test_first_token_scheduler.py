@@ -476,7 +476,7 @@ def test_kv_before_the_token_waits_for_it_briefly(model_dir: str,
     assert so.num_scheduled_tokens == {"r1": 1}
     assert so.scheduled_new_reqs[0].num_computed_tokens == 100
     # a token that never comes: D computes token 1 itself once the wait is over
-    monkeypatch.setattr(lw_scheduler_mod, "FIRST_TOKEN_WAIT_S", 0.0)
+    monkeypatch.setattr(s._lw_desk, "wait_s", 0.0)
     req2 = request("r2", start=500)  # another prompt: no prefix hit on r1's blocks
     s.add_request(req2)
     d.step()
