@@ -51,12 +51,13 @@ class Peer:
     """A nixl_peer.py subprocess: a NIXL agent with a registered buffer in another process."""
 
     def __init__(self, size: int = 16 << 20, split: bool = False,
-                 host: str = "127.0.0.1", wrap: Callable[[list[str]], list[str]] = list) -> None:
+                 host: str = "127.0.0.1", wrap: Callable[[list[str]], list[str]] = list,
+                 env: dict[str, str] | None = None) -> None:
         args = wrap([sys.executable, str(HERE / "nixl_peer.py"), "--size", str(size),
                      "--host", host] + (["--split"] if split else []))
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, **UCX_ENV})
+                                     env={**os.environ, **UCX_ENV, **(env or {})})
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
@@ -334,3 +335,41 @@ def test_close_reports_every_transfer(src: np.ndarray, peer: Peer) -> None:
     assert all(c.ok or c.reason.startswith("closed") for c in got), got
     plane.submit("late", peer.session, [(src.ctypes.data, peer.addr, 16)])
     assert plane.poll() == [Completion("late", False, "closed", 16)]
+
+
+@pytest.mark.slow
+def test_a_completed_write_has_landed_behind_a_capped_link() -> None:
+    """What lw's DONE rests on, as for Mooncake (test_landed_at_completion.py): a write NIXL
+    reported complete is in the receiver's memory, also behind a 200 Mbit/s tbf cap where the
+    sender's socket buffers could still hold megabytes. The peer's UCX is held to the veth
+    (UCX_NET_DEVICES). This process's UCX listed its devices before the veth existed and binds
+    another interface's address: the namespace's default route brings the replies back."""
+    from benchmarks._link import Link, missing_requirements
+    from lw.transport.dataplane.nixl import NixlDataPlane
+
+    if missing_requirements():
+        pytest.skip(f"link: {missing_requirements()}")
+    size, step = 8 << 20, 1 << 20
+    with Link.create(200e6) as link:
+        subprocess.run(["ip", "-n", link.ns, "route", "replace", "default", "via",
+                        link.root_addr], check=True)
+        p = Peer(size, host=link.ns_addr, wrap=link.wrap, env={"UCX_NET_DEVICES": link.ns_dev})
+        plane = NixlDataPlane(link.root_addr, env=UCX_ENV)
+        try:
+            data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+            plane.register_memory(data.ctypes.data, size)
+            tx = Path(f"/sys/class/net/{link.root_dev}/statistics/tx_bytes")
+            sent_before = int(tx.read_text())
+            t0 = time.monotonic()
+            plane.submit(1, p.session, [(data.ctypes.data + o, p.addr + o, step)
+                                        for o in range(0, size, step)])
+            [c] = collect(plane, 1)
+            assert c.ok, c.reason
+            assert int(tx.read_text()) - sent_before >= size  # through the capped veth
+            assert time.monotonic() - t0 > 0.8 * size * 8 / 200e6  # timing: at the cap's rate
+            # asked at once: the last megabyte would still be on the wire (40 ms of it)
+            assert p.sha(size - step, step) == sha(data[-step:])
+            assert p.sha(0, size) == sha(data)
+        finally:
+            plane.close()
+            p.kill()

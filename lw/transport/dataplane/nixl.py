@@ -29,10 +29,21 @@ NIXL facts this module relies on (measured with ``nixl-cu12==1.5.1`` on loopback
 * Notifications are not used: the initiator's completion already proves landing (above), and
   what D learns must come with lw's DONE and its checksums, never from a notification alone.
 
-Residual risks: a write to a frozen peer stays inside UCX until ``timeout_s`` (plus 1 s per GiB),
-then fails in doubt; its request may not be cancellable and is then kept, never freed (a peer
-that wakes may still receive its bytes). NIXL has no connection of lw's to cut, so this plane
-cannot fence (``can_fence = False``): D relies on its lease alone, as with Mooncake over RDMA.
+Residual risks (honest list):
+
+* A write to a frozen peer stays inside UCX until ``timeout_s`` (plus 1 s per GiB), then fails
+  in doubt; its request may not be cancellable and is then kept, never freed (a peer that wakes
+  may still receive its bytes).
+* NIXL loads a peer's metadata in its listener thread and opens the UCX endpoints there, under
+  the agent's lock. Measured: a peer whose listener answered but whose UCX address could not be
+  reached (replies not routed back) held that connect for the kernel's SYN retries, ~130 s, and
+  no write of this agent, to any peer, completed meanwhile (``UCX_TCP_SYN_CNT`` bounds it; not
+  set here). Like Mooncake's engine-wide lock, lw narrows the window by connecting only after
+  the side channel proved the peer alive.
+* UCX binds a TCP connection to the address of the interface it chose, from the interfaces it
+  listed at its first initialisation in the process; pin them with ``UCX_NET_DEVICES``.
+* NIXL has no connection of lw's to cut, so this plane cannot fence (``can_fence = False``): D
+  relies on its lease alone, as with Mooncake over RDMA.
 """
 
 from __future__ import annotations
@@ -171,7 +182,7 @@ class _Req:
 class _Flight:
     """A transfer in a sender: its plan, how far it was posted, its requests in flight."""
 
-    __slots__ = ("job", "plan", "next", "reqs", "failure", "started", "retried")
+    __slots__ = ("job", "plan", "next", "reqs", "failure", "retried")
 
     def __init__(self, job: _Job, plan: list[Entry]) -> None:
         self.job = job
@@ -179,7 +190,6 @@ class _Flight:
         self.next = 0
         self.reqs: deque[_Req] = deque()
         self.failure = ""
-        self.started = 0.0
         self.retried = False
 
 
@@ -405,8 +415,8 @@ class NixlDataPlane(_QueuedDataPlane):
                     window.dropped(r.nbytes)
                     if state == "PROC":  # our deadline passed: NIXL may still move it
                         what = f"timeout: unfinished after {self._deadline_s:g}s"
-                    else:
-                        what = f"request {state}"
+                    else:  # NIXL logs why on stderr (e.g. the peer disconnected)
+                        what = f"NIXL reported {state}"
                     f.failure = f.failure or (
                         f"nixl write to {session} failed ({what}; entries {r.lo}..{r.hi - 1} "
                         f"of {len(f.plan)}, {r.nbytes} bytes)")
@@ -463,8 +473,6 @@ class NixlDataPlane(_QueuedDataPlane):
         except Exception as exc:
             what = f"nixl refused the write (initialize_xfer: {exc!r}; entries {lo}..{hi - 1})"
             return what if lo == 0 else f"nixl write after {lo}/{len(f.plan)} entries: {what}"
-        if lo == 0:
-            f.started = now
         try:
             state = agent.transfer(handle)
         except Exception as exc:
