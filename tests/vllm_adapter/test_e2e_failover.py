@@ -48,7 +48,9 @@ from lw.transport.dataplane.planted import HELD_SUFFIX, HOLD_ENV, TRUNCATE_ENV  
 pytestmark = pytest.mark.slow
 
 CHECKSUM = {"kv_checksum": True}
-P_EXTRA = {"request_timeout_s": 10, "meta_attempts": 10, **CHECKSUM}
+# P's writes time out after 5 s: a write stuck on a connection D's fence cut holds P's
+# admission of the next push to that D until it ends (its default, 30 s, outlasts D's deadline)
+P_EXTRA = {"request_timeout_s": 10, "meta_attempts": 10, "transfer_timeout_s": 5, **CHECKSUM}
 D_EXTRA = {"prefill_timeout_s": 15, "lease_s": 20, "peer_request_timeout_s": 10,
            "transfer_timeout_s": 5, "retry_prefill": 1, **CHECKSUM}
 MAX_TOKENS = 12
@@ -190,12 +192,15 @@ def _first_token_counts(c: LocalCluster) -> tuple[float, float]:
 
 
 def _settled(c: LocalCluster) -> None:
-    """Every block of D back and no lw request live on it."""
-    assert wait_blocks_released([c.url("decode")], timeout=D_EXTRA["lease_s"] + 10) == 0
+    """Every block back and no lw request live, on D and on each prefill server still up (the
+    next case starts from a quiet cluster)."""
+    urls = [c.url(n) for n in (*c.prefill_names, "decode") if c.servers[n].alive]
+    assert wait_blocks_released(urls, timeout=D_EXTRA["lease_s"] + 10) == 0
     deadline = time.monotonic() + 30
-    while metrics(c.url("decode")).get("lw_live_requests", 0) and time.monotonic() < deadline:
+    while any(metrics(u).get("lw_live_requests", 0) for u in urls) and \
+            time.monotonic() < deadline:
         time.sleep(0.5)
-    assert metrics(c.url("decode")).get("lw_live_requests", 0) == 0
+    assert {u: metrics(u).get("lw_live_requests", 0) for u in urls} == dict.fromkeys(urls, 0)
 
 
 def _wait_counts(c: LocalCluster, want_from_p: float) -> tuple[float, float]:
