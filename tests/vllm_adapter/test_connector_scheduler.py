@@ -915,7 +915,7 @@ def _build(**over: Any) -> LwConfig:
     ({"extra": {"prefill_timeout_s": -1}}, "prefill_timeout_s must be > 0"),
     ({"role": "kv_producer", "extra": {"ahead_wait_s": 0}}, "ahead_wait_s must be > 0"),
     ({"extra": {"transfer_timeout_s": 1}}, "Mooncake's minimum"),
-    ({"extra": {"data_plane": "nixl"}}, "data_plane"),
+    ({"extra": {"data_plane": "gloo"}}, "data_plane"),
     ({"extra": {"local_tail_tokens": -2}}, "local_tail_tokens must be >= 0"),
     ({"extra": {"ahead_compute_max_tokens": -1}}, "ahead_compute_max_tokens must be >= 0"),
     ({"extra": {"stuck_fraction": 1.5}}, "stuck_fraction must be in (0, 1]"),
