@@ -26,12 +26,14 @@ from lw.fsm.effects import (
     Sums,
     WriteLayer,
 )
+from lw.fsm.failures import FAILURE_KINDS, Failure, FailureKind
 from lw.fsm.lifecycles import decode_declaration, prefill_declaration
 from lw.fsm.machine import STAY, Declaration, ProtocolError, Transition
 from lw.fsm.prefill import PrefillConfig, PrefillEndpoint, PrefillRequest
 from lw.fsm.silence import Silence
 
 __all__ = [
+    "FAILURE_KINDS",
     "STAY",
     "ArmTimer",
     "CancelTimer",
@@ -39,6 +41,8 @@ __all__ = [
     "DecodeEndpoint",
     "Declaration",
     "Effect",
+    "Failure",
+    "FailureKind",
     "FenceData",
     "FirstTokenTaken",
     "FreshBlocks",

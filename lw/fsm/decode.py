@@ -32,6 +32,7 @@ from lw.fsm.effects import (
     TimerKey,
 )
 from lw.fsm.endpoint import LifecycleEndpoint
+from lw.fsm.failures import Failure, FailureKind
 from lw.fsm.kvmap import block_segments, describe, expected_senders, pair_problem
 from lw.fsm.lifecycles import (
     DONE,
@@ -199,8 +200,8 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
         if kind == "deadline":
             if rec.state in _LIVE:
                 self.counters["deadlines"] += 1
-                self._fail(rec, f"prefill deadline of {self.config.prefill_timeout_s}s passed",
-                           now, out)
+                self._fail(rec, FailureKind.PREFILL_DEADLINE,
+                           f"prefill deadline of {self.config.prefill_timeout_s}s passed", now, out)
         elif kind == "lease":
             # The old epoch's senders issue no more writes (FENCING: then the next epoch;
             # FAILED: the blocks back), once their bytes in flight are fenced (fence_data).
@@ -209,12 +210,14 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
             raise ValueError(f"unknown timer kind {kind!r} for request {rid!r}")
         return out
 
-    def abort(self, req_id: str, reason: str, now: float) -> list[Effect]:
-        """The local scheduler aborted a request whose KV had not fully arrived."""
+    def abort(self, req_id: str, reason: str, now: float,
+              kind: FailureKind = FailureKind.ABORTED) -> list[Effect]:
+        """The local scheduler aborted a request whose KV had not fully arrived (``kind``: a
+        driver's own cause, e.g. METASERVER when the proxy could not be asked for the prefill)."""
         out: list[Effect] = []
         rec = self._reqs.get(req_id)
         if rec is not None and rec.state not in _FINAL:
-            self._fail(rec, f"aborted locally: {reason}", now, out)
+            self._fail(rec, kind, f"aborted locally: {reason}", now, out)
         return out
 
     def peer_lost(self, engine_id: str, reason: str, now: float) -> list[Effect]:
@@ -227,8 +230,8 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
             routed = (self.config.retry_prefill and rec.route is not None
                       and rec.route[0] == engine_id)
             if rec.state in _LIVE and (routed or any(k[0] == engine_id for k in rec.claimers)):
-                self._lose(rec, f"prefill engine {engine_id} lost: {reason}", engine_id, now,
-                           out)
+                self._lose(rec, FailureKind.PREFILL_LOST,
+                           f"prefill engine {engine_id} lost: {reason}", engine_id, now, out)
         return out
 
     def prefill_routed(self, req_id: str, engine_id: str, addr: str, epoch: int,
@@ -391,35 +394,40 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
         return [*sorted(rec.done - {key}), key]
 
     def _checksum_problem(self, rec: DecodeRecord, key: SenderKey, sent: Sequence[int],
-                          kv_sums: Sequence[int]) -> str:
-        """"" when the sender's checksums match ours, else what differs (layer and block)."""
+                          kv_sums: Sequence[int]) -> Failure | None:
+        """None when the sender's checksums match ours, else what differs (layer and block):
+        a DONE without the checksums it owes is a bad DONE, differing bytes a mismatch."""
         who = f"sender {key[0]} rank {key[1]}"
         if not sent:
-            return f"KV checksum: {who} sent none (is kv_checksum on on the prefill side?)"
+            return Failure(FailureKind.BAD_DONE, f"KV checksum: {who} sent none (is "
+                                                 "kv_checksum on on the prefill side?)")
         want = len(self.layout.layers) * len(rec.blocks)
         if len(kv_sums) != want or len(sent) != want:
-            return (f"KV checksum: {who} sent {len(sent)} checksums ({len(kv_sums)} local "
-                    f"sums), expected {want} ({len(self.layout.layers)} layers x "
-                    f"{len(rec.blocks)} blocks)")
+            return Failure(FailureKind.BAD_DONE,
+                           f"KV checksum: {who} sent {len(sent)} checksums ({len(kv_sums)} "
+                           f"local sums), expected {want} ({len(self.layout.layers)} layers x "
+                           f"{len(rec.blocks)} blocks)")
         nb = len(rec.blocks)
         bad = [i for i, (a, b) in enumerate(zip(sent, kv_sums, strict=True)) if a != b]
         if not bad:
-            return ""
+            return None
         first = ", ".join(f"layer {i // nb} block {rec.blocks[i % nb]}" for i in bad[:4])
-        return (f"KV checksum mismatch from {who}: {len(bad)} of {want} block(s) differ, "
-                f"first {first}")
+        return Failure(FailureKind.CHECKSUM_MISMATCH,
+                       f"KV checksum mismatch from {who}: {len(bad)} of {want} block(s) differ, "
+                       f"first {first}")
 
     def _verify(self, rec: DecodeRecord, key: SenderKey, msg: DoneSending,
-                local: Mapping[SenderKey, Sequence[int]]) -> str:
-        """"" when every sender :meth:`_to_verify` names still matches its checksums
+                local: Mapping[SenderKey, Sequence[int]]) -> Failure | None:
+        """None when every sender :meth:`_to_verify` names still matches its checksums
         (``local``: the driver's sums over our blocks, per sender it was asked for)."""
         for k in self._to_verify(rec, key):
             sent = msg.checksums if k == key else rec.sums.get(k, ())
             bad = self._checksum_problem(rec, k, sent, local.get(k, ()))
-            if bad:
-                return bad if k == key else f"{bad} (found at the last DONE, from {key[0]} " \
-                                            f"rank {key[1]}: bytes changed after it was verified)"
-        return ""
+            if bad is not None:
+                return bad if k == key else bad._replace(
+                    reason=f"{bad.reason} (found at the last DONE, from {key[0]} rank {key[1]}: "
+                           "bytes changed after it was verified)")
+        return None
 
     def _on_done(self, msg: DoneSending, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
@@ -446,7 +454,7 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
             # ours, so nothing says its writes have ended (found by the model checker with a P
             # that sends DONE per chunk). Refused; the blocks stay quarantined until the sender
             # confirms it stopped (its FailedSending after the refusal) or the lease ends.
-            self._fail(rec, problem, now, out)
+            self._fail(rec, FailureKind.BAD_DONE, problem, now, out)
             self._fire(rec, "sender_done", now)
             out.append(ack(self.me, msg, "done", False))
             return
@@ -486,7 +494,7 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
                  for plan, sums in zip(ask.plans, answer.sums, strict=True)}
         out: list[Effect] = []
         bad = self._verify(rec, key, msg, local)
-        if bad:
+        if bad is not None:
             # Bytes differ from what the sender says it wrote: a write may still be in
             # flight (a sender whose DONE came early) as well as corrupted. Refused; the
             # blocks stay fenced (or quarantined) until it confirms it stopped or the lease
@@ -495,7 +503,7 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
             # the sender's engine avoided as a lost one is) once this epoch's senders stopped.
             self.counters["checksum_mismatches"] += 1
             out.append(ack(self.me, msg, "done", False))
-            self._lose(rec, bad, key[0], now, out)
+            self._lose(rec, bad.kind, bad.reason, key[0], now, out)
             return out
         rec.sums[key] = tuple(msg.checksums)
         self._sender_done(rec, key, msg, now, out)
@@ -538,7 +546,8 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
             return
         out.append(ack(self.me, msg, "failed", True))
         # The sender's failure report: another P may succeed where it did not (budget allowing).
-        self._lose(rec, f"prefill sender {key} failed: {msg.reason}", key[0], now, out)
+        self._lose(rec, FailureKind.PREFILL_FAILED, f"prefill sender {key} failed: {msg.reason}",
+                   key[0], now, out)
 
     def _on_abort_ack(self, msg: AbortAck, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
@@ -582,19 +591,23 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
         self.counters["stale_messages"] += 1
         return fin
 
-    def _fail(self, rec: DecodeRecord, reason: str, now: float, out: list[Effect]) -> None:
+    def _fail(self, rec: DecodeRecord, kind: FailureKind, reason: str, now: float,
+              out: list[Effect]) -> None:
+        """Fail a live request for ``kind`` (decided here, by the caller: never read back from
+        the words of ``reason``): quarantine its blocks or, no sender pending, release them."""
         if rec.state in _FINAL:
             self._fire(rec, "fail", now)
             return
         fenced = rec.state == FENCING  # its lease runs already, from when the epoch was lost
-        self._fire(rec, "fail", now, reason)
+        self._fire(rec, "fail", now, Failure(kind, reason))
         rec.reason = reason
+        rec.kind = kind
         out.append(CancelTimer(("deadline", rec.req_id)))
         pending = [s for k, s in rec.claimers.items() if k not in rec.stopped]
         if not pending:
             self._release(rec, out)
             return
-        out.append(Quarantine(rec.req_id, rec.blocks, reason))
+        out.append(Quarantine(rec.req_id, rec.blocks, reason, kind))
         for sender in pending:
             abort = Abort(PROTOCOL_VERSION, rec.req_id, self.me, reason[:MAX_TEXT], rec.epoch)
             out.append(Send(sender.addr, abort))
@@ -611,7 +624,7 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
         if self._reqs.get(rec.req_id) is not rec:
             return
         self.counters["failed"] += 1
-        out.append(RecvFailed(rec.req_id, rec.blocks, rec.reason))
+        out.append(RecvFailed(rec.req_id, rec.blocks, rec.reason, rec.kind))
         self._forget(rec)
 
     def _forget(self, rec: DecodeRecord) -> None:
@@ -630,6 +643,8 @@ SNAPSHOT_RULES: Rules = {
         "_done_claims": (UNORDERED, "its order only decides which claim is forgotten past "
                                     "finished_memory (4096) requests"),
     },
-    DecodeRecord: RECORD_RULES,
+    DecodeRecord: {**RECORD_RULES,
+                   "kind": (OMIT, "why it failed, as data: set with the reason, copied into "
+                                  "reports, never decided on")},
     **GHOST_RULES,
 }

@@ -27,6 +27,7 @@ from lw.fsm.effects import (
     Reprefill,
     Send,
 )
+from lw.fsm.failures import FailureKind
 from lw.fsm.lifecycles import FENCING
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import MAX_TEXT, PROTOCOL_VERSION, Abort, Sender
@@ -50,7 +51,7 @@ class Failover:
         def _fire(self, rec: DecodeRecord, trigger: str, now: float,
                   detail: str = "") -> None: ...
 
-        def _fail(self, rec: DecodeRecord, reason: str, now: float,
+        def _fail(self, rec: DecodeRecord, kind: FailureKind, reason: str, now: float,
                   out: list[Effect]) -> None: ...
 
         def _release(self, rec: DecodeRecord, out: list[Effect]) -> None: ...
@@ -107,11 +108,12 @@ class Failover:
         return out
 
     # ----------------------------------------------------------------------------- failover
-    def _lose(self, rec: DecodeRecord, reason: str, engine_id: str, now: float,
-              out: list[Effect]) -> None:
-        """The current epoch's P is gone: another epoch if the budget allows, else fail."""
+    def _lose(self, rec: DecodeRecord, kind: FailureKind, reason: str, engine_id: str,
+              now: float, out: list[Effect]) -> None:
+        """The current epoch's P is gone: another epoch if the budget allows, else fail (for
+        ``kind``)."""
         if rec.retries >= self.config.retry_prefill:
-            self._fail(rec, reason, now, out)
+            self._fail(rec, kind, reason, now, out)
             return
         rec.retries += 1
         if self.config.retry_prefill_avoid == "lost" and engine_id not in rec.avoid:

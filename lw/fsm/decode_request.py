@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lw.fsm.effects import Send
+from lw.fsm.failures import FailureKind
 from lw.fsm.lifecycles import PREFILL_REQUESTED
 from lw.fsm.messages import PROTOCOL_VERSION, Ack, DoneSending, FailedSending, KVFormat, Sender
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, check_observability
@@ -98,8 +99,8 @@ class DecodeRecord:
     """Mutable per-request record of the decode lifecycle."""
 
     __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
-                 "stopped", "reason", "since", "deadline", "alarmed", "formats", "sums", "asked",
-                 "epoch", "retries", "avoid", "route", "asking", "prompt", "fencing",
+                 "stopped", "reason", "kind", "since", "deadline", "alarmed", "formats", "sums",
+                 "asked", "epoch", "retries", "avoid", "route", "asking", "prompt", "fencing",
                  "token_epoch")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
@@ -120,6 +121,7 @@ class DecodeRecord:
         self.done: set[SenderKey] = set()
         self.stopped: set[SenderKey] = set()
         self.reason = ""
+        self.kind: FailureKind | None = None  # why it failed (set with the reason, by _fail)
         self.sums: dict[SenderKey, tuple[int, ...]] = {}  # kv_checksum: each DONE sender's sums
         # kv_checksum: the DONE whose SumBlocks awaits its answer (set only within one
         # interpreter call: never seen by the checker's states between events)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from lw.fsm.failures import FailureKind
 from lw.fsm.messages import KVLayout, Message, Sender
 
 
@@ -100,11 +101,13 @@ class RecvDone:
 
 @dataclass(frozen=True, slots=True)
 class RecvFailed:
-    """D: the request failed and no sender can still write its blocks; report and free them."""
+    """D: the request failed and no sender can still write its blocks; report and free them.
+    ``kind``: why, as the core decided it (what metrics, status and client errors read)."""
 
     req_id: str
     block_ids: tuple[int, ...]
     reason: str
+    kind: FailureKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +123,13 @@ class FirstTokenTaken:
 
 @dataclass(frozen=True, slots=True)
 class Quarantine:
-    """D: the request failed but writes may still land; its blocks must stay untouched."""
+    """D: the request failed but writes may still land; its blocks must stay untouched
+    (``kind``: why, as for :class:`RecvFailed`)."""
 
     req_id: str
     block_ids: tuple[int, ...]
     reason: str
+    kind: FailureKind
 
 
 @dataclass(frozen=True, slots=True)

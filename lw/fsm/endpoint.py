@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Any, ClassVar
 
+from lw.fsm.failures import Failure
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import RequestStatus
 from lw.fsm.silence import Silence, silence_loses
@@ -94,7 +95,7 @@ class LifecycleEndpoint:
         """Whether leaving ``src`` by ``event`` records a time-in-state sample."""
         return True
 
-    def _fire(self, rec: Any, event: str, now: float, detail: str | int = "") -> str:
+    def _fire(self, rec: Any, event: str, now: float, detail: str | int | Failure = "") -> str:
         """Move ``rec`` by ``event`` as the lifecycle table says (ProtocolError if it does not
         allow it); timeline entry and time-in-state sample when observed. The next state."""
         src = rec.state

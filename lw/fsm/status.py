@@ -1,5 +1,5 @@
-"""What each live request waits for, in words: the rows of ``lw status`` and the stuck alarm;
-and what a failed one failed of (:func:`failure_kind`, for metrics, logs and client errors).
+"""What each live request waits for, in words: the rows of ``lw status`` and the stuck alarm.
+(What a failed one failed of is data: lw.fsm.failures.)
 
 The endpoints know, for every request, its declared state and the event that would move it;
 these functions turn that into :class:`RequestStatus` rows. Pure: ``now`` is an argument.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from lw.fsm.failures import FailureKind
 from lw.fsm.lifecycles import (
     AHEAD,
     AWAIT_DECODER_META,
@@ -148,38 +149,31 @@ def status_line(role: str, worker: Sender, row: RequestStatus) -> str:
             f"for {row.in_state_s:.1f}s: {row.waiting_for}; {when}; {row.blocks} blocks held")
 
 
-FAILURE_KINDS: dict[str, str] = {
-    "checksum_mismatch": "the bytes in D's blocks differ from the sender's KV checksums",
-    "bad_done": "a sender's DONE does not describe the request (layers, blocks, no checksums)",
-    "prefill_failed": "the prefill worker reported its push failed (a write, its deadline, ...)",
-    "prefill_lost": "the prefill worker died, restarted or went silent",
-    "prefill_deadline": "no complete KV within D's prefill deadline",
-    "metaserver": "D could not ask the proxy for the prefill",
-    "aborted": "the local scheduler ended the request first (client gone, preempted, ...)",
-    "other": "none of the above",
-}
-"""Why a D request failed, as a bounded label (metric labels, log kinds) with its meaning."""
-
+# Transitional: D's failures carry their kind as data (lw.fsm.failures: RecvFailed.kind, the
+# ``fail`` event's Failure, TimelineEntry.failure). One caller still reads it from the words of
+# a reason: lw/vllm_adapter/worker_side.py (its failed_by_reason count), whose owner replaces
+# ``failure_kind(e.reason)`` with ``e.kind``; then this goes, with tests/fsm/test_failure_kinds.py's
+# check that the two agree.
 # (words in the reason, kind): the words the decode endpoint writes (lw.fsm.decode). The words
 # found first in the reason win (ties: this order), since a reason quotes the sender's own
 # ("prefill sender ... failed: aborted locally: ..." is the sender's failure, not our abort).
-_KIND_WORDS: tuple[tuple[str, str], ...] = (
-    ("aborted locally: metaserver", "metaserver"),
-    ("aborted locally", "aborted"),
-    ("KV checksum mismatch", "checksum_mismatch"),
-    ("KV checksum", "bad_done"),
-    ("DONE covers", "bad_done"),
-    ("layers, we have", "bad_done"),
-    ("prefill sender", "prefill_failed"),
-    ("prefill engine", "prefill_lost"),
-    ("prefill deadline", "prefill_deadline"),
+_KIND_WORDS: tuple[tuple[str, FailureKind], ...] = (
+    ("aborted locally: metaserver", FailureKind.METASERVER),
+    ("aborted locally", FailureKind.ABORTED),
+    ("KV checksum mismatch", FailureKind.CHECKSUM_MISMATCH),
+    ("KV checksum", FailureKind.BAD_DONE),
+    ("DONE covers", FailureKind.BAD_DONE),
+    ("layers, we have", FailureKind.BAD_DONE),
+    ("prefill sender", FailureKind.PREFILL_FAILED),
+    ("prefill engine", FailureKind.PREFILL_LOST),
+    ("prefill deadline", FailureKind.PREFILL_DEADLINE),
 )
 
 
-def failure_kind(reason: str) -> str:
-    """The :data:`FAILURE_KINDS` label of a D request's failure reason (its ``RecvFailed``
-    reason, or the detail of its timeline's ``fail`` event)."""
-    best, where = "other", len(reason) + 1
+def failure_kind(reason: str) -> FailureKind:
+    """Deprecated (see above): the kind of a D request's failure guessed from its reason's
+    words. Read ``RecvFailed.kind`` / ``TimelineEntry.failure`` instead."""
+    best, where = FailureKind.OTHER, len(reason) + 1
     for words, kind in _KIND_WORDS:
         at = reason.find(words)
         if 0 <= at < where:

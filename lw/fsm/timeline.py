@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lw.fsm.failures import Failure
 
 # (t, req_id or tuple of req_ids for a batch milestone, event, from_state, to_state, detail);
-# detail is text, or a layer number (formatted only when someone reads the timeline)
-Entry = tuple[float, "str | tuple[str, ...]", str, str, str, "str | int"]
+# detail is text, or a layer number (formatted only when someone reads the timeline), or for a
+# D ``fail`` event a lw.fsm.failures.Failure (its kind and reason; ``str()`` gives the reason)
+Entry = tuple[float, "str | tuple[str, ...]", str, str, str, "str | int | Failure"]
 
 DEFAULT_TIMELINE_ENTRIES = 32768
 
@@ -55,7 +59,7 @@ class Timeline:
             deque(maxlen=4096) if capacity else None)
 
     def record(self, t: float, req: str | tuple[str, ...], event: str, src: str = "",
-               dst: str = "", detail: str | int = "") -> None:
+               dst: str = "", detail: str | int | Failure = "") -> None:
         """Append one event (the oldest falls off when full)."""
         if self.ring is not None:
             self.ring.append((t, req, event, src, dst, detail))

@@ -23,6 +23,7 @@ from lw.fsm import (
 )
 from lw.fsm.decode_request import DecodeRecord
 from lw.fsm.effects import Granted, KeptSums, TimerKey
+from lw.fsm.failures import FailureKind
 from lw.fsm.lifecycles import AHEAD, DONE, FAILED, RECEIVING
 from lw.fsm.messages import (
     PROTOCOL_VERSION,
@@ -171,10 +172,11 @@ class AbortFreesAtOnce(DecodeEndpoint):
     """vLLM #48633 (C1): D's abort frees the request's blocks at once (no quarantine) while P
     may still be writing into them."""
 
-    def abort(self, req_id: str, reason: str, now: float) -> list[Effect]:
+    def abort(self, req_id: str, reason: str, now: float,
+              kind: FailureKind = FailureKind.ABORTED) -> list[Effect]:
         """Abort, releasing the blocks without waiting for the senders."""
         _free_at_once(self, req_id)
-        return super().abort(req_id, reason, now)
+        return super().abort(req_id, reason, now, kind)
 
 
 class DeadlineFreesAtOnce(DecodeEndpoint):
@@ -223,8 +225,8 @@ class LeaseOnlyFence(LeaseFreesInFlight):
     kv_checksum off): a late write is decoded as the next claim's KV."""
 
     def _verify(self, rec: object, key: tuple[str, int], msg: DoneSending,
-                local: object) -> str:
-        return ""
+                local: object) -> None:
+        return None
 
 
 class DoneAfterLastChunk(PrefillEndpoint):
@@ -296,21 +298,21 @@ class RetryUnfenced(DecodeEndpoint):
     claim epoch starts at once in the same blocks while the old epoch's bytes may still land
     (sgl#24527's late writer into reused pages, within one request)."""
 
-    def _lose(self, rec: DecodeRecord, reason: str, engine_id: str, now: float,
-              out: list[Effect]) -> None:
+    def _lose(self, rec: DecodeRecord, kind: FailureKind, reason: str, engine_id: str,
+              now: float, out: list[Effect]) -> None:
         if rec.retries < self.config.retry_prefill:
             rec.stopped |= set(rec.claimers)
-        super()._lose(rec, reason, engine_id, now, out)
+        super()._lose(rec, kind, reason, engine_id, now, out)
 
 
 class RetryUnbounded(DecodeEndpoint):
     """Prefill failover without a budget: every lost P is retried, however often it happened
     (an abort storm when the prefills keep failing, sgl#28651's class)."""
 
-    def _lose(self, rec: DecodeRecord, reason: str, engine_id: str, now: float,
-              out: list[Effect]) -> None:
+    def _lose(self, rec: DecodeRecord, kind: FailureKind, reason: str, engine_id: str,
+              now: float, out: list[Effect]) -> None:
         rec.retries = 0
-        super()._lose(rec, reason, engine_id, now, out)
+        super()._lose(rec, kind, reason, engine_id, now, out)
 
 
 class GhostReleasedAtOnce(DecodeEndpoint):
@@ -330,12 +332,12 @@ class BadTransferFailed(DecodeEndpoint):
     """A transfer whose bytes fail D's checksums fails its request at once, whatever the
     prefill retry budget (lw before issue 40): a live P could have prefilled it again."""
 
-    def _lose(self, rec: DecodeRecord, reason: str, engine_id: str, now: float,
-              out: list[Effect]) -> None:
-        if reason.startswith("KV checksum mismatch"):
-            self._fail(rec, reason, now, out)
+    def _lose(self, rec: DecodeRecord, kind: FailureKind, reason: str, engine_id: str,
+              now: float, out: list[Effect]) -> None:
+        if kind is FailureKind.CHECKSUM_MISMATCH:
+            self._fail(rec, kind, reason, now, out)
             return
-        super()._lose(rec, reason, engine_id, now, out)
+        super()._lose(rec, kind, reason, engine_id, now, out)
 
 
 class GhostTrustsInDoubt(DecodeEndpoint):

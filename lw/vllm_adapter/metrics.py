@@ -5,8 +5,9 @@ combines reports with :meth:`LwKVConnectorStats.aggregate` both across the worke
 across the steps of a logging interval, so counters are summed and gauges take the maximum (the
 busiest worker; over an interval, the peak). :meth:`LwKVConnectorStats.reduce` makes vLLM's
 periodic log line; :class:`LwPromMetrics` feeds the ``lw_*`` series on ``/metrics``.
-D's failed requests are also counted by reason (``failed_by_reason``: lw.fsm.status's failure
-kinds, a bounded label set), as ``lw_requests_failed_by_reason_total{reason=...}``.
+D's failed requests are also counted by reason (``failed_by_reason``: the kinds D's core gives
+its failures, lw.fsm.failures.FailureKind, a bounded label set), as
+``lw_requests_failed_by_reason_total{reason=...}``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from lw.fsm.status import FAILURE_KINDS
+from lw.fsm.failures import FAILURE_KINDS, FailureKind
 from lw.vllm_adapter.first_token import FALLBACK_REASONS
 
 __all__ = ["BY_REASON", "COUNTERS", "FALLBACKS", "GAUGES", "HISTOGRAMS", "LwKVConnectorStats",
@@ -92,12 +93,20 @@ MAX_SAMPLES = 8192  # per histogram and report: the oldest samples beyond it are
 
 BY_REASON = "failed_by_reason"
 """Stats key of D's failed requests per failure kind ({kind: count}, deltas, summed); a kind
-outside lw.fsm.status.FAILURE_KINDS counts as "other" (the label set stays bounded)."""
+outside lw.fsm.failures.FailureKind counts as "other" (the label set stays bounded)."""
 
 
 FALLBACKS = "first_token_fallbacks"
 """Stats key of D's requests that took vLLM's path instead of P's token, per reason ({reason:
 count}, deltas, summed; lw.vllm_adapter.first_token.FALLBACK_REASONS)."""
+
+
+_LABELS = frozenset(k.value for k in FailureKind)
+
+
+def _label(kind: object) -> str:
+    """A failure kind's metric label: its value, or "other" for one lw does not declare."""
+    return str(kind) if kind in _LABELS else FailureKind.OTHER.value
 
 
 class LwKVConnectorStats(KVConnectorStats):
@@ -127,7 +136,7 @@ class LwKVConnectorStats(KVConnectorStats):
             elif key == BY_REASON and isinstance(value, dict):
                 mine = dict(self.data.get(key) or {})
                 for kind, n in value.items():
-                    kind = kind if kind in FAILURE_KINDS else "other"
+                    kind = _label(kind)
                     mine[kind] = mine.get(kind, 0) + n
                 self.data[key] = mine
             elif key == FALLBACKS and isinstance(value, dict):
@@ -191,7 +200,7 @@ class LwPromMetrics(KVConnectorPromMetrics):
             name="lw_requests_failed_by_reason", labelnames=[*labelnames, "reason"],
             documentation="D: requests whose transfer failed, by reason (" + "; ".join(
                 f"{k}: {v}" for k, v in FAILURE_KINDS.items()) + ")")
-        self._by_reason = {(idx, kind): by_reason.labels(*values, kind)
+        self._by_reason = {(idx, kind.value): by_reason.labels(*values, kind.value)
                            for idx, values in self.per_engine_labelvalues.items()
                            for kind in FAILURE_KINDS}
         fallbacks = self._counter_cls(
@@ -221,7 +230,7 @@ class LwPromMetrics(KVConnectorPromMetrics):
             if key in transfer_stats_data and engine_idx in per_engine:
                 per_engine[engine_idx].set(transfer_stats_data[key])
         for kind, n in (transfer_stats_data.get(BY_REASON) or {}).items():
-            counter = self._by_reason.get((engine_idx, kind if kind in FAILURE_KINDS else "other"))
+            counter = self._by_reason.get((engine_idx, _label(kind)))
             if counter is not None and n > 0:
                 counter.inc(n)
         for reason, n in (transfer_stats_data.get(FALLBACKS) or {}).items():

@@ -15,6 +15,7 @@ from lw.fsm import (
     DecodeConfig,
     DecodeEndpoint,
     Effect,
+    FailureKind,
     FreshBlocks,
     Granted,
     PrefillEndpoint,
@@ -233,7 +234,8 @@ def test_a_second_loss_makes_a_second_ghost() -> None:
     assert pair.d.ghosts() == {("r", 0): REMOTE}
     # The request fails under epoch 2: its own (fresh) blocks go back with RecvFailed.
     pair.absorb("d", pair.d.abort("r", "client went away", 4.0))
-    assert pair.recv == [RecvFailed("r", (9, 10), "aborted locally: client went away")]
+    assert pair.recv == [RecvFailed("r", (9, 10), "aborted locally: client went away",
+                                    FailureKind.ABORTED)]
     _d_timers_only(pair)
     pair.advance(31.0)
     assert [(e.epoch, e.block_ids) for e in _of(pair, ReleaseBlocks)] == [(0, REMOTE)]

@@ -32,7 +32,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa:
 
 from lw.contract.auth import signed_call  # noqa: E402
 from lw.fsm.messages import StatusQuery  # noqa: E402
-from lw.fsm.status import FAILURE_KINDS, failure_kind  # noqa: E402
+from lw.fsm.failures import FAILURE_KINDS  # noqa: E402
+from lw.fsm.status import failure_kind  # noqa: E402
 from lw.fsm.timeline import Timeline  # noqa: E402
 from lw.ops.client import MAX_TIMELINE, query  # noqa: E402
 from lw.ops.render import history  # noqa: E402
