@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from lw.fsm.failures import FailureKind
+
 MAX_TIMELINE = 100_000  # timeline entries one StatusQuery may ask for
 MAX_TEXT = 1024  # longest reason or other free text a message carries (senders cut theirs)
 MAX_KV_HEADS = 4096  # KV heads of a model (real ones have at most a few hundred)
@@ -20,8 +22,9 @@ MAX_CHECKSUMS = 1 << 17  # KV checksums one DONE carries (one per layer and bloc
 # 4: claims, DONEs, failures, aborts and their acks carry the claim epoch (prefill failover);
 # 5: a claim names the digest of the prompt its sender computed (D refuses another prompt's);
 # 6: P sends the first token it sampled (FirstToken); 7: a status reply carries the engine's
-# first-token mode and counts (FirstTokenStatus)
-PROTOCOL_VERSION = 7
+# first-token mode and counts (FirstTokenStatus); 8: a D ``fail`` event in a status reply carries
+# its failure kind (TimelineEntry.failure)
+PROTOCOL_VERSION = 8
 
 # Bounds that make absurd values a decode error rather than a problem for the core.
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -294,6 +297,9 @@ class TimelineEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown
     src: _Text
     dst: _Text
     detail: _Text
+    # D's ``fail`` events: why, as data (metrics, ``lw status`` and the proxy read it, never the
+    # words of ``detail``); None for every other event. An unknown kind is a decode error.
+    failure: FailureKind | None = None
 
 
 class StatusQuery(_Msg, tag="status_q"):

@@ -16,7 +16,7 @@ import msgspec
 from lw import seqdiagram
 from lw.contract.transfer_ids import is_sub_transfer_of
 from lw.fsm.messages import FirstTokenStatus, RequestStatus, StatusReply
-from lw.fsm.status import failure_kind, status_line
+from lw.fsm.status import status_line
 from lw.ops.client import Snapshot
 
 __all__ = ["chrome_trace", "first_token_lines", "history", "mermaid_timeline", "table",
@@ -175,9 +175,9 @@ def history(snap: Snapshot, req_id: str) -> str:
     if not now_rows:
         lines.append("  not live on any worker that answered")
     evs = _events(snap, req_id)
-    # D's reasons have kinds (its metrics' labels); P's are its own words
-    lines += [f"  failed on {who}" + (f" ({failure_kind(e.detail)})" if pid[0] == "D" else "")
-              + f": {e.detail}" for _t, who, pid, e in evs if e.event == "fail" and e.detail]
+    # D's failures have kinds (its metrics' labels), sent beside the words; P's are its words
+    lines += [f"  failed on {who}" + (f" ({e.failure})" if e.failure is not None else "")
+              + f": {e.detail}" for _t, who, _pid, e in evs if e.event == "fail" and e.detail]
     t0 = evs[0][0] if evs else 0.0
     for t, who, _pid, e in evs:
         move = f"{e.src} -> {e.dst}" if e.dst and e.dst != e.src else e.src or ""

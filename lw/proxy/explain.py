@@ -1,5 +1,6 @@
 """Why a decode server failed a request, for its client: D's workers remember each request's
-failure reason (the ``fail`` event of their timelines, kept after the request ended); when D
+failure kind and reason (the ``fail`` event of their timelines, kept after the request ended;
+the kind is data their core set, never read from the reason's words); when D
 answers a 5xx, or a stream's error event, the proxy asks them by transfer id, within a bound, and
 the client's error names the stage, the server and the reason (contract: lw.proxy.server).
 
@@ -15,20 +16,20 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from lw.fsm.status import failure_kind
+from lw.fsm.failures import FailureKind
 from lw.ops.client import Snapshot, query
 from lw.proxy.state import ProxyState, Transfer, _describe
 
 __all__ = ["ERROR_EVENT", "TRANSFER_STATUS", "Failure", "Why", "ask", "error_code", "explain",
            "split_error_event"]
 
-TRANSFER_STATUS: dict[str, int] = {
-    "checksum_mismatch": 502,
-    "bad_done": 502,
-    "prefill_failed": 502,
-    "prefill_lost": 503,
-    "metaserver": 503,
-    "prefill_deadline": 504,
+TRANSFER_STATUS: dict[FailureKind, int] = {
+    FailureKind.CHECKSUM_MISMATCH: 502,
+    FailureKind.BAD_DONE: 502,
+    FailureKind.PREFILL_FAILED: 502,
+    FailureKind.PREFILL_LOST: 503,
+    FailureKind.METASERVER: 503,
+    FailureKind.PREFILL_DEADLINE: 504,
 }
 """The client's status for a request its KV transfer failed, by failure kind: a bad transfer
 from P (502), no prefill server left to do it (503), no KV in time (504)."""
@@ -46,7 +47,7 @@ MAX_ERROR_EVENT = 64 << 10
 class Why:
     """What D's workers said about a failed request (or why they said nothing)."""
 
-    kind: str = ""  # lw.fsm.status.failure_kind of the reason; "" when no worker said
+    kind: FailureKind | None = None  # the failure's kind, as D's core set it; None: nobody said
     reason: str = ""  # the worker's words
     prefill: str | None = None  # URL of the prefill server of the failed sub-transfer
     retries: int = 0  # new prefills D asked for before it failed (retry_prefill)
@@ -106,7 +107,7 @@ async def ask(state: ProxyState, tr: Transfer) -> Why:
 def read(snap: Snapshot, tr: Transfer, budget: float) -> Why:
     """The most telling failure the workers' timelines hold for ``tr``: a transfer's own over
     a local abort (another TP rank's scheduler ends a request one rank failed)."""
-    fails: list[tuple[str, str]] = []  # (sub-transfer, reason)
+    fails: list[tuple[str, str, FailureKind]] = []  # (sub-transfer, reason, kind)
     retries: dict[str, int] = {}
     for r in snap.replies:
         for e in r.timeline:
@@ -114,27 +115,27 @@ def read(snap: Snapshot, tr: Transfer, budget: float) -> Why:
                 if e.event == "retry":
                     retries[rid] = retries.get(rid, 0) + 1
                 elif e.event == "fail" and e.detail:
-                    fails.append((rid, e.detail))
+                    fails.append((rid, e.detail, e.failure or FailureKind.OTHER))
     if not fails:
         if not snap.replies:
             return Why(unknown=f"the decode server's workers did not answer within {budget:g} s")
         return Why(unknown="the decode server's workers remember no failed transfer of this "
                            "request")
-    rid, reason = min(fails, key=lambda f: failure_kind(f[1]) not in TRANSFER_STATUS)
+    rid, reason, kind = min(fails, key=lambda f: f[2] not in TRANSFER_STATUS)
     sub = tr.prefills.get(rid)
-    return Why(failure_kind(reason), reason, sub.backend.url if sub is not None else None,
-               retries.get(rid, 0))
+    return Why(kind, reason, sub.backend.url if sub is not None else None, retries.get(rid, 0))
 
 
 def explain(state: ProxyState, tr: Transfer, why: Why, what: str) -> Failure:
     """The client's error for a try whose D failed (``what``: what D answered), counted."""
-    if not why.kind:
+    if why.kind is None:
         state.counters["decode_errors_unexplained"] += 1
         return Failure(502, f"{what}; cause unknown: {why.unknown}", server=tr.decode.url)
     state.counters["decode_errors_explained"] += 1
     if not why.transfer:  # the workers said, but not that the transfer failed
         return Failure(502, f"{what}; its workers say: {why.reason}", server=tr.decode.url)
-    state.transfer_failures[why.kind] = state.transfer_failures.get(why.kind, 0) + 1
+    kind = why.kind.value
+    state.transfer_failures[kind] = state.transfer_failures.get(kind, 0) + 1
     src = f" from prefill server {why.prefill}" if why.prefill else ""
     again = ""
     if why.retries and "retr" not in why.reason:
@@ -142,7 +143,7 @@ def explain(state: ProxyState, tr: Transfer, why: Why, what: str) -> Failure:
     return Failure(TRANSFER_STATUS[why.kind],
                    f"KV transfer{src} to decode server {tr.decode.url} failed{again}: "
                    f"{why.reason}", stage="kv_transfer",
-                   server=why.prefill or tr.decode.url, log_kind=f"kv_transfer_{why.kind}")
+                   server=why.prefill or tr.decode.url, log_kind=f"kv_transfer_{kind}")
 
 
 def split_error_event(buf: bytes) -> tuple[bytes, bytes | None, bytes]:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from lw.contract.transfer_ids import is_sub_transfer_of
+from lw.fsm.failures import Failure
 from lw.transport.wire import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -64,8 +65,9 @@ def status_reply(endpoint: Any, role: str, loop_counters: dict[str, int | float]
             src = of_transfer(endpoint.timeline, req_id)
         else:
             src = endpoint.timeline.last(timeline)
+        # a D ``fail`` event's detail is a Failure: its words, and its kind beside them
         entries = [TimelineEntry(t, [r] if isinstance(r, str) else list(r), ev, a, b,
-                                 str(d)[:1024])
+                                 str(d)[:1024], d.kind if type(d) is Failure else None)
                    for t, r, ev, a, b, d in src[-timeline:]]
     counters = {f"loop.{k}": float(v) for k, v in loop_counters.items()}
     counters.update({f"core.{k}": float(v) for k, v in endpoint.counters.items()})

@@ -700,11 +700,11 @@ def test_reference_machine_knows_only_the_declared_events(decl: Declaration) -> 
 
 
 # ------------------------------------------------------------------------------ wire compatibility
-# Bytes of protocol version 7 as a peer built from another commit sends them (claim epoch 2,
+# Bytes of protocol version 8 as a peer built from another commit sends them (claim epoch 2,
 # the prompt's digest).
 PROMPT = "0123456789abcdef0123456789abcdef"
 GOLDEN_CLAIM = (
-    b"\x89\xa4kind\xa8meta_req\xa7version\x07\xa6req_id\xa2r1\xa6sender\x84\xa9engine_id\xa1P"
+    b"\x89\xa4kind\xa8meta_req\xa7version\x08\xa6req_id\xa2r1\xa6sender\x84\xa9engine_id\xa1P"
     b"\xa4rank\x00\xabincarnation\x01\xa4addr\xa8tcp://p0\xabwant_layout\xc3"
     b"\xa6blocks\x92\x05\x06\xa3fmt\x89\xa5dtype"
     b"\xa4bf16\xacblock_tokens\x10\xa5order\xa3HND\xabtotal_heads\x04\xa7head_lo\x00\xa7head_hi"

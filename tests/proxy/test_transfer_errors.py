@@ -17,8 +17,10 @@ import contextlib
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,19 +33,31 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
 
 from lw.contract.auth import signed_call  # noqa: E402
-from lw.fsm.messages import StatusQuery  # noqa: E402
-from lw.fsm.failures import FAILURE_KINDS  # noqa: E402
-from lw.fsm.status import failure_kind  # noqa: E402
+from lw.fsm.failures import Failure, FailureKind  # noqa: E402
+from lw.fsm.messages import (  # noqa: E402
+    PROTOCOL_VERSION,
+    StatusQuery,
+    StatusReply,
+    TimelineEntry,
+)
 from lw.fsm.timeline import Timeline  # noqa: E402
-from lw.ops.client import MAX_TIMELINE, query  # noqa: E402
+from lw.ops.client import MAX_TIMELINE, Snapshot, query  # noqa: E402
 from lw.ops.render import history  # noqa: E402
-from lw.proxy.explain import error_code, split_error_event  # noqa: E402
+from lw.proxy.backend import Backend  # noqa: E402
+from lw.proxy.explain import (  # noqa: E402
+    TRANSFER_STATUS,
+    error_code,
+    explain,
+    read,
+    split_error_event,
+)
 from lw.proxy.limits import Limits  # noqa: E402
 from lw.proxy.server import build_apps  # noqa: E402
 from lw.proxy.sidecar import Sidecar, parse_allow  # noqa: E402
+from lw.proxy.state import SubPrefill, Transfer  # noqa: E402
 from lw.transport.sidechannel import SideChannel  # noqa: E402
 from lw.transport.statusreply import status_reply  # noqa: E402
-from lw.transport.wire import Sender  # noqa: E402
+from lw.transport.wire import Sender, decode, encode  # noqa: E402
 from tests.proxy.test_proxy import (  # noqa: E402
     KEY,
     ServerThread,
@@ -56,12 +70,14 @@ from tests.proxy.test_proxy import (  # noqa: E402
 )
 
 REASONS = {
-    "corrupt": "KV checksum mismatch from sender prefill rank 0: 3 of 96 block(s) differ, "
-               "first layer 0 block 5",
-    "lostp": "prefill engine prefill lost: no message or heartbeat answer for 3.0s "
-             "(tcp://10.1.2.3:14600)",
-    "late": "prefill deadline of 15s passed",
-    "aborted": "aborted locally: request FINISHED_ABORTED",
+    "corrupt": Failure(FailureKind.CHECKSUM_MISMATCH,
+                       "KV checksum mismatch from sender prefill rank 0: 3 of 96 block(s) "
+                       "differ, first layer 0 block 5"),
+    "lostp": Failure(FailureKind.PREFILL_LOST,
+                     "prefill engine prefill lost: no message or heartbeat answer for 3.0s "
+                     "(tcp://10.1.2.3:14600)"),
+    "late": Failure(FailureKind.PREFILL_DEADLINE, "prefill deadline of 15s passed"),
+    "aborted": Failure(FailureKind.ABORTED, "aborted locally: request FINISHED_ABORTED"),
 }
 VLLM_500 = {"error": {"message": "Internal server error", "type": "InternalServerError",
                       "param": None, "code": 500}}
@@ -89,14 +105,16 @@ class FakeWorker:
     def live_requests(self) -> list[str]:
         return []
 
-    def fail(self, req_id: str, reason: str) -> None:
-        """Record what D's core records when it fails a request (lw.fsm.decode)."""
+    def fail(self, req_id: str, reason: Failure) -> None:
+        """Record what D's core records when it fails a request (lw.fsm.decode): its kind and
+        reason."""
         with self.lock:
             now = time.monotonic()
             self.timeline.record(now, req_id, "allocated", "", "PREFILL_REQUESTED")
             self.timeline.record(now, req_id, "claim", "PREFILL_REQUESTED", "RECEIVING")
             self.timeline.record(now, req_id, "fail", "RECEIVING", "FAILED", reason)
-            self.timeline.record(now, f"other{req_id}", "fail", "RECEIVING", "FAILED", "x")
+            self.timeline.record(now, f"other{req_id}", "fail", "RECEIVING", "FAILED",
+                                 Failure(FailureKind.OTHER, "x"))
             self.counters["failed"] += 1
 
     def _serve(self) -> None:
@@ -378,14 +396,50 @@ def test_error_events_are_found_whole_or_held() -> None:
     assert error_code(b'data: {"error": {"code": true}}\n\n') is None
 
 
-def test_every_kind_is_documented_and_reasons_quoting_others_keep_their_own() -> None:
-    assert {failure_kind(r) for r in REASONS.values()} == {
-        "checksum_mismatch", "prefill_lost", "prefill_deadline", "aborted"}
-    assert failure_kind("prefill sender ('prefill', 0) failed: aborted locally: request "
-                        "FINISHED_ABORTED") == "prefill_failed"
-    assert failure_kind("aborted locally: metaserver: POST http://p/v1/metaserver answered "
-                        "503: no prefill server") == "metaserver"
-    assert failure_kind("something new") == "other"
-    assert set(FAILURE_KINDS) >= {"checksum_mismatch", "prefill_failed", "prefill_lost",
-                                  "prefill_deadline", "metaserver", "aborted", "bad_done",
-                                  "other"}
+def _transfer() -> Transfer:
+    d = Backend("decode#0", "decode")
+    return Transfer("t1", "/v1/completions", {}, False, {}, "", d,
+                    prefills={"t1@r1": SubPrefill("t1@r1", Backend("prefill#0", "prefill"))})
+
+
+def _state() -> Any:
+    return SimpleNamespace(counters=Counter(), transfer_failures={})
+
+
+def test_the_kind_decides_not_the_words() -> None:
+    """Every reason text rewritten (to words of another kind, or none): the proxy's status code,
+    stage and count, and ``lw status``'s kind, follow the kind D's core set."""
+    snap = Snapshot()
+    decoys = ["", "aborted locally: request FINISHED_ABORTED", "prefill deadline",
+              "KV checksum mismatch", "something new"]
+    want = {FailureKind.CHECKSUM_MISMATCH: 502, FailureKind.BAD_DONE: 502,
+            FailureKind.PREFILL_FAILED: 502, FailureKind.PREFILL_LOST: 503,
+            FailureKind.METASERVER: 503, FailureKind.PREFILL_DEADLINE: 504}
+    assert TRANSFER_STATUS == want
+    for kind in FailureKind:
+        for words in decoys[1:]:
+            entry = TimelineEntry(1.0, ["t1@r1"], "fail", "RECEIVING", "FAILED", words, kind)
+            reply = StatusReply(PROTOCOL_VERSION, Sender("decode", 0, 1, "tcp://d"), "decode",
+                                1.0, 1.0, [], [entry])
+            snap.replies = [decode(encode(reply))]
+            why = read(snap, _transfer(), 1.0)
+            assert (why.kind, why.reason) == (kind, words)
+            state = _state()
+            failure = explain(state, _transfer(), why, "decode server d returned HTTP 500")
+            if kind in want:
+                assert (failure.status, failure.stage, failure.log_kind) == (
+                    want[kind], "kv_transfer", f"kv_transfer_{kind.value}")
+                assert state.transfer_failures == {kind.value: 1}
+            else:  # quoted, not called a transfer failure
+                assert (failure.status, failure.stage) == (502, "decode")
+                assert state.transfer_failures == {}
+            assert f"failed on D decode rank 0 ({kind.value}): {words}" in history(snap, "t1")
+    # a D that remembers a local abort and a transfer failure of one request: the transfer's
+    # kind is told, whichever words came first
+    entries = [TimelineEntry(1.0, ["t1@r1"], "fail", "RECEIVING", "FAILED", "KV checksum mismatch",
+                             FailureKind.ABORTED),
+               TimelineEntry(2.0, ["t1@r1"], "fail", "FAILED", "FAILED", "aborted locally",
+                             FailureKind.PREFILL_LOST)]
+    snap.replies = [StatusReply(PROTOCOL_VERSION, Sender("decode", 0, 1, "tcp://d"), "decode",
+                                1.0, 1.0, [], entries)]
+    assert read(snap, _transfer(), 1.0).kind is FailureKind.PREFILL_LOST

@@ -1,4 +1,4 @@
-"""FirstToken on the wire (since protocol 6; the captured bytes are protocol 7's): round trips,
+"""FirstToken on the wire (since protocol 6; the captured bytes are protocol 8's): round trips,
 keeps its bytes, and every malformed one is a WireError naming the field, never a message the
 core would have to doubt."""
 
@@ -21,7 +21,7 @@ specs = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=
 tokens = st.builds(FirstToken, st.just(PROTOCOL_VERSION), ids, senders, st.integers(0, 65535),
                    st.integers(0, 2**31 - 1), st.sampled_from(["", PROMPT]), specs)
 
-GOLDEN = (b"\x88\xa4kind\xabfirst_token\xa7version\x07\xa6req_id\xa2r1\xa6sender\x84"
+GOLDEN = (b"\x88\xa4kind\xabfirst_token\xa7version\x08\xa6req_id\xa2r1\xa6sender\x84"
           b"\xa9engine_id\xa1P\xa4rank\x00\xabincarnation\x01\xa4addr\xa8tcp://p0\xa5epoch\x02"
           b"\xa5token\xcd\x04\xd2\xa6prompt\xd9 " + PROMPT.encode() + b"\xa4spec\xa2s1")
 
