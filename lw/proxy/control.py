@@ -123,8 +123,8 @@ def build_control_app(state: ProxyState) -> FastAPI:
         peer = request.client.host if request.client else "?"
         ids = {k: msg.get(k) for k in ("transfer_id", "sub_transfer_id")} if isinstance(
             msg, dict) else {}
-        state.refusals.warning(f"{what}_{status}", "%s call from %s refused (%d): %s %s", what,
-                               peer, status, detail, ids)
+        state.refusals.note(f"{what}_{status}", "%s call refused (%d): %s %s", what, status,
+                            detail, ids, peer=peer)
         # closed after the answer: the rest of a refused body is not read
         return JSONResponse({"status": "error", **ids, "detail": detail}, status,
                             headers={"connection": "close"})

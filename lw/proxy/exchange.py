@@ -259,8 +259,8 @@ class Exchange(Response):
         state = self.state
         state.counters["errors"] += 1
         # the client learns the server's role and place; its URL goes to the log
-        state.refusals.warning(log_kind or f"upstream_{stage}", "request %s answered %d: %s",
-                               self.tr.request_id, status, message)
+        state.refusals.note(log_kind or f"upstream_{stage}", "answered %d: %s", status, message,
+                            req_id=self.tr.request_id)
         body = error_body(state.public(message), status, stage=stage, server=state.label(server),
                           request_id=self.tr.request_id)
         data = json.dumps(body).encode()

@@ -22,9 +22,9 @@ __all__ = ["BadJson", "abandoned", "client_bytes", "decode_json", "encode_json",
 def refuse(state: ProxyState, status: int, message: str, *, counter: str,
            param: str | None = None) -> JSONResponse:
     """A client body refused by the proxy itself, in vLLM's error shape; counted, and logged
-    at most once per kind every few seconds."""
+    at most twice per kind every few seconds (:mod:`lw.transport.ratelog`)."""
     state.counters[counter] += 1
-    state.refusals.warning(counter, "client request refused (%d): %s", status, message)
+    state.refusals.note(counter, "client request refused (%d): %s", status, message)
     # closed after the answer: the rest of a refused body is not read (uvicorn would drain it)
     return JSONResponse(error_body(message, status, stage="proxy", param=param),
                         status_code=status, headers={"connection": "close"})
@@ -142,6 +142,6 @@ def screen(state: ProxyState, body: dict[str, Any]) -> dict[str, Any] | JSONResp
                       param=exc.field)
     if fields.dropped:
         state.counters["client_transfer_params_dropped"] += 1
-        state.refusals.warning("client_transfer_params_dropped", "a client's %s dropped (the "
-                               "proxy sets transfer parameters)", ", ".join(fields.dropped))
+        state.refusals.note("client_transfer_params_dropped", "a client's %s dropped (the "
+                            "proxy sets transfer parameters)", ", ".join(fields.dropped))
     return out

@@ -115,7 +115,7 @@ class Relay(Response):
             state.counters["errors"] += 1
             server = f"{self.upstream.url.scheme}://{self.upstream.url.netloc.decode()}"
             message = f"decode server {server} did not answer {self.what}: {_describe(exc)}"
-            state.refusals.warning("upstream_decode", "%s", message)
+            state.refusals.note("upstream_decode", "%s", message)
             answer: Response = JSONResponse(error_body(
                 state.public(message), 502, stage="decode", server=state.label(server)),
                 status_code=502)

@@ -235,8 +235,8 @@ def build_apps(
                 target = state.sidecar.target(request.headers.items(), state.prefills)
             except BadTarget as exc:  # the client's fault, not a backend's: its own counter
                 state.counters["prefiller_refused"] += 1
-                state.refusals.warning("prefiller_refused", "request refused (%d): %s",
-                                       exc.status, exc)
+                state.refusals.note("prefiller_refused", "request refused (%d): %s",
+                                    exc.status, exc)
                 return JSONResponse(error_body(str(exc), exc.status, stage="sidecar"),
                                     status_code=exc.status)
         # the client's credentials, and its trace context (vLLM's spans and lw's join its trace)
@@ -291,7 +291,7 @@ def build_apps(
                             media_type=r.headers.get("content-type", "application/json"))
         state.counters["errors"] += 1
         message = "no decode server answered /v1/models: " + "; ".join(errors)
-        state.refusals.warning("upstream_decode", "%s", message)
+        state.refusals.note("upstream_decode", "%s", message)
         return JSONResponse(error_body(state.public(message), 502, stage="decode"),
                             status_code=502)
 

@@ -26,7 +26,7 @@ from lw.contract.worker_addrs import KnownWorkers
 from lw.proxy.backend import Backend
 from lw.proxy.limits import Limits, PublicLoad
 from lw.proxy.timeline import ProxyTimeline
-from lw.transport.ratelog import RateLimitedLog
+from lw.transport.ratelog import RateLog, call_later
 
 __all__ = [
     "CHAT",
@@ -486,7 +486,7 @@ class ProxyState:
         # ... and none while its P has this many prefills queued or computing: it would only
         # wait in P's queue, ahead of requests that came before it and went D first
         self.ahead_p_busy = ahead_p_busy
-        self.refusals = RateLimitedLog(log)  # one line per kind and 5 s, whatever the flood
+        self.refusals = RateLog(log, "lw proxy", 5.0, timer=call_later)  # 2 lines/kind/5 s
         self.health_cache: tuple[float, dict[str, Any]] | None = None  # (when, report)
         self.health_task: asyncio.Future[dict[str, Any]] | None = None  # the probe running
         self.control_reads = 0  # metaserver bodies being read (limits.max_control_reads)

@@ -49,7 +49,7 @@ class LoopConfig:
     # that never reads holds at most this many replies (1 MiB each) in the send queue. lw
     # status asks once per connection.
     status_per_route: int = 4
-    # at most one warning per this of the messages and events the core refused, with counts
+    # at most two warnings per this and kind of what the core refused, the second with the count
     warn_interval_s: float = 10.0
 
     def __post_init__(self) -> None:

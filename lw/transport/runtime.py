@@ -13,8 +13,8 @@ The core's effects are performed by the one interpreter every driver uses
 (answers travel back on the connection the question came in on), ``WriteLayer`` becomes one
 data-plane transfer per destination session (:class:`~lw.transport.writepath.WritePath`),
 timers go to :class:`~lw.transport.timers.Timers`, reports to the engine. A message from the
-network that the core refuses (``ProtocolError``) is counted, dropped and warned about (at most
-one line per interval: :mod:`lw.transport.corelog`); no message can stop the loop. ``lw status``
+network that the core refuses (``ProtocolError``) is counted, dropped and warned about (rate-
+limited: :mod:`lw.transport.ratelog`); no message can stop the loop. ``lw status``
 queries are answered after the rest of a turn, within a budget (:mod:`lw.transport.statusdesk`).
 """
 
@@ -44,12 +44,12 @@ from lw.fsm.messages import FirstTokenStatus, Message
 from lw.fsm.silence import GONE, Silence
 from lw.fsm.status import status_line
 from lw.transport import statusdesk
-from lw.transport.corelog import RefusalLog
 from lw.transport.kvmemory import Entry, KVMemory
 from lw.transport.linkmeter import host_of
 from lw.transport.loopconfig import LoopConfig
 from lw.transport.loopports import LoopPorts
 from lw.transport.osthread import name_os_thread
+from lw.transport.ratelog import RateLog, peer_of
 from lw.transport.reports import ReportQueue
 from lw.transport.sidechannel import Inbound, SideChannel
 from lw.transport.statusreply import status_reply
@@ -199,7 +199,7 @@ class WorkerLoop:
         # the engine's first-token mode and counts (its connector's scheduler keeps them; the
         # worker thread sets the latest, checked; status replies carry it)
         self.first_token: FirstTokenStatus | None = None
-        self._refusals = RefusalLog(log, config.name, config.warn_interval_s)
+        self._refusals = RateLog(log, config.name, config.warn_interval_s, clock=self._clock)
         self._stopping = False
         self._finished = False
         self._thread: threading.Thread | None = None
@@ -466,7 +466,8 @@ class WorkerLoop:
     def _core_error(self, what: str, exc: Exception, ib: Inbound | None = None) -> None:
         if isinstance(exc, ProtocolError):
             self.counters["protocol_errors"] += 1
-            self._refusals.note(what, exc.req_id, ib, str(exc), self._clock())
+            self._refusals.note(what.split(" ", 1)[0], "the core refused %s: %s", what, exc,
+                                req_id=exc.req_id, peer=peer_of(ib))  # "timer <key>": "timer"
         else:
             self.counters["core_errors"] += 1
             log.error("%s: %s raised %r", self._name, what, exc, exc_info=exc)

@@ -14,7 +14,8 @@ signed for another destination than its own address (a message captured on its w
 is refused by worker B), every frame whose timestamp is outside ``replay_window_s`` and every
 exact replay of a frame seen in that window: such frames never reach the caller. Oversized,
 malformed, over-long and undecodable messages are dropped and counted too; refusals are logged at
-most once per ``warn_interval_s``; nothing a peer sends can raise out of :meth:`SideChannel.poll`.
+most twice per ``warn_interval_s`` and kind (:mod:`lw.transport.ratelog`, ticked by each
+:meth:`SideChannel.poll`); nothing a peer sends can raise out of :meth:`SideChannel.poll`.
 
 Bounds on what a peer can make a channel hold before its MAC is checked: :data:`MAX_FRAME_BYTES`
 per frame (ZMQ disconnects beyond it), :data:`MAX_FRAMES` per message and :data:`RECV_HWM`
@@ -55,6 +56,7 @@ from lw.transport.frames import (
     parse_cluster_key,
 )
 from lw.transport.links import Links
+from lw.transport.ratelog import WARN_INTERVAL_S, RateLog
 from lw.transport.wire import MAX_MESSAGE_BYTES, Message, WireError, decode, encode
 from lw.transport.zmqsock import HOST_TIMEOUT_S, tune_socket
 
@@ -64,7 +66,6 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "PRE_AUTH_BYTES_PER_CONNECTION",
     "RECV_HWM",
-    "WARN_INTERVAL_S",
     "FaultInjection",
     "Inbound",
     "SideChannel",
@@ -89,15 +90,11 @@ PRE_AUTH_BYTES_PER_CONNECTION = (RECV_HWM + 2) * MAX_FRAMES * MAX_FRAME_BYTES
 ZMQ: the number of connections (only the process's file limit) and the frames of one message
 (see the module docstring)."""
 
-WARN_INTERVAL_S = 10.0
-"""At most one warning about refused frames per this many seconds per channel, with the counts
-since the last one: a flood of bad frames must not flood the log."""
-
 # Frames of an over-long message discarded per drain (about 1 us each): the loop thread goes on
 # serving its timers and other sockets while a flood is thrown away.
 _DISCARD_BUDGET = 16384
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
-# Counters of inbound refusals: each one is rate-limited into a warning.
+# Counters of inbound refusals: each one is a kind of the channel's rate-limited log.
 _REFUSALS = ("oversize", "malformed", "too_many_frames", "unauthenticated", "forged",
              "misdirected", "stale_frames", "replay_floor", "replayed", "wire_errors")
 
@@ -204,10 +201,6 @@ class SideChannel:
         self._burst = burst
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._excess: dict[zmq.Socket, int] = {}  # socket -> frames dropped of an over-long msg
-        self._warn_interval_s = warn_interval_s
-        self._warn_at = 0.0  # monotonic time before which refusals are only tallied
-        self._tally: dict[str, int] = {}  # refusals since the last warning
-        self._last_why = ""
         self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()  # msg_id -> (dest, t)
         self._ctx = zmq.Context(io_threads=1)
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -228,6 +221,7 @@ class SideChannel:
         if host in ("0.0.0.0", "*", "::"):
             raise ValueError(f"binding {bind_host} needs an advertise_host peers can reach")
         self.addr = f"tcp://{host}:{self.port}"
+        self.refusals = RateLog(log, f"side channel {self.addr}", warn_interval_s)
         self._seal = FrameSeal(cluster_key, self.addr, replay_window_s, replay_cache_size)
         self._dealers: OrderedDict[str, zmq.Socket] = OrderedDict()  # LRU by dest
         # each DEALER's connection state, for telling a slow peer from a dead one
@@ -439,8 +433,7 @@ class SideChannel:
                 self.links.drain(sock)
             else:
                 self._drain(sock, False, inbound)
-        if self._tally and time.monotonic() >= self._warn_at:
-            self._warn()  # refusals tallied since the last warning, once the interval is over
+        self.refusals.tick()  # the refusals counted in an interval that is over
         return inbound, ready
 
     def unregister_fd(self, fd: int) -> None:
@@ -457,7 +450,9 @@ class SideChannel:
             except zmq.Again:
                 return
             except zmq.ZMQError:
-                self._refuse("malformed", "receive error")
+                self.counters["malformed"] += 1
+                self.refusals.note("malformed", "refused a message: receive error",
+                                   peer=None if via_router else self._dealer_dest.get(sock))
                 return
             if parts is None:
                 if sock in self._excess:
@@ -492,29 +487,14 @@ class SideChannel:
         for _ in range(_DISCARD_BUDGET):
             if not sock.getsockopt(zmq.RCVMORE):
                 del self._excess[sock]
-                self._refuse("too_many_frames", f"a message of {n} frames (at most {MAX_FRAMES})")
+                self.counters["too_many_frames"] += 1
+                self.refusals.note("too_many_frames", "refused a message of %d frames (at most "
+                                   "%d)", n, MAX_FRAMES, peer=self._dealer_dest.get(sock))
                 return True
             sock.recv(zmq.NOBLOCK)
             n += 1
         self._excess[sock] = n
         return False
-
-    def _refuse(self, counter: str, why: str) -> None:
-        """Count one refused message; warn now if no warning went out within the interval."""
-        self.counters[counter] += 1
-        self._tally[counter] = self._tally.get(counter, 0) + 1
-        self._last_why = why
-        if time.monotonic() >= self._warn_at:
-            self._warn()
-
-    def _warn(self) -> None:
-        """One warning for every refusal tallied since the last one."""
-        tally, self._tally = self._tally, {}
-        self._warn_at = time.monotonic() + self._warn_interval_s
-        log.warning("side channel %s refused %d message(s) (%s), the last one: %s; at most one "
-                    "such warning per %gs", self.addr, sum(tally.values()),
-                    ", ".join(f"{k} {v}" for k, v in sorted(tally.items())), self._last_why,
-                    self._warn_interval_s)
 
     def _accept(self, frames: list[bytes], route: bytes | None, peer: str | None
                 ) -> Inbound | None:
@@ -522,12 +502,14 @@ class SideChannel:
         what fails."""
         opened = self._seal.open(frames)
         if isinstance(opened, Refusal):
-            self._refuse(opened.counter, opened.why)
+            self.counters[opened.counter] += 1
+            self.refusals.note(opened.counter, "refused a message: %s", opened.why, peer=peer)
             return None
         try:
             msg = decode(opened.payload)
         except WireError as exc:
-            self._refuse("wire_errors", repr(str(exc)[:200]))  # repr: no newlines in the log
+            self.counters["wire_errors"] += 1  # repr: no newlines in the log
+            self.refusals.note("wire_errors", "refused a message: %r", str(exc)[:200], peer=peer)
             return None
         self.counters["received"] += 1
         rtt = None
@@ -559,6 +541,7 @@ class SideChannel:
         if self._closed:
             return
         self._closed = True
+        self.refusals.flush()  # what was counted and not yet written
         for fd in list(self._fds):
             self.unregister_fd(fd)
         for dest in self.links.watched():

@@ -30,7 +30,7 @@ from lw.contract.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY, wo
 from lw.fsm.block_choice import PushCursor
 from lw.fsm.messages import MAX_TEXT, FirstTokenStatus
 from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
-from lw.transport.ratelog import RateLimitedLog
+from lw.transport.ratelog import RateLog
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.ahead_admission import AheadAdmissions
 from lw.vllm_adapter.ahead_compute import AheadComputes
@@ -121,7 +121,7 @@ class SchedulerSide(DecodeScheduling):
         self._wire_s_per_block: dict[str, float] = {}  # D host -> seconds per block
         self._bad_params: set[str] = set()
         self._key = parse_cluster_key(cfg.cluster_key or None)  # checks the proxy's signature
-        self._refusals = RateLimitedLog(log)
+        self._refusals = RateLog(log, "lw", 5.0)  # ticked by build_meta, every step
         self._metaservers = frozenset(filter(None, (
             u.strip() for u in cfg.allowed_metaservers.split(","))))
         self._traced = tracing_endpoint(vllm_config) is not None  # hand trace context on
@@ -160,8 +160,8 @@ class SchedulerSide(DecodeScheduling):
         self._bad_params.add(rid)
         with self._lock:
             self._counts["refused_params"] += 1
-        self._refusals.warning("params", "lw: request %s: kv_transfer_params refused (%s); %s",
-                               rid, exc, what)
+        self._refusals.note("params", "kv_transfer_params refused (%s); %s", exc, what,
+                            req_id=rid)
 
     def on_new_request(self, request: Request) -> None:
         """Both: params that are not the contract's are refused and dropped from the request
@@ -379,6 +379,7 @@ class SchedulerSide(DecodeScheduling):
     # ------------------------------------------------------------------------------- common
     def build_meta(self, so: SchedulerOutput) -> LwConnectorMetadata:
         """Collect this step's metadata and reset."""
+        self._refusals.tick()
         if self.cfg.is_producer:
             self._computes.poll(self)  # binds go before this step's chunks
             for rid in getattr(so, "preempted_req_ids", None) or ():

@@ -151,12 +151,16 @@ def test_a_body_dripped_slower_than_its_bound_is_a_408() -> None:
         assert c.metrics()["bodies_too_slow"] == 1
 
 
-def test_refusal_warnings_are_rate_limited_per_kind() -> None:
-    """A flood of refused calls logs one line per kind and period, then says how many it left
-    out (lw.transport.ratelog)."""
+def test_a_flood_of_refused_bodies_logs_two_lines_per_kind_and_interval() -> None:
+    """The proxy's refusals go through the one rate-limited log (lw.transport.ratelog): a flood
+    gives one line at once and, once the 5 s are over, one naming how many were left out."""
+    import asyncio
     import logging
 
-    from lw.transport.ratelog import RateLimitedLog
+    from lw.contract.auth import CallVerifier
+    from lw.proxy.intake import refuse
+    from lw.proxy.state import ProxyState
+    from lw.transport.ratelog import RateLog
 
     records: list[str] = []
 
@@ -164,14 +168,30 @@ def test_refusal_warnings_are_rate_limited_per_kind() -> None:
         def emit(self, record: logging.LogRecord) -> None:
             records.append(record.getMessage())
 
-    logger = logging.getLogger("lw.test.ratelog")
-    logger.addHandler(Keep())
-    logger.propagate = False
-    rl = RateLimitedLog(logger, every_s=3600.0)
-    for i in range(1000):
-        rl.warning("forged", "refused call %d", i)
-    rl.warning("other", "another kind")
-    assert records == ["refused call 0", "another kind"]
-    rl._last["forged"] -= 7200.0  # the period passed
-    rl.warning("forged", "refused call %d", 1000)
-    assert records[-1] == "refused call 1000 (999 more like it not logged)"
+    logger = logging.getLogger("lw.proxy")
+    keep = Keep()
+    logger.addHandler(keep)
+
+    async def flood() -> None:
+        state = ProxyState(["http://p"], ["http://d"], timeout_s=1, connect_timeout_s=1,
+                           health_timeout_s=1, metaserver_url="http://m",
+                           verifier=CallVerifier(None))
+        assert isinstance(state.refusals, RateLog)
+        now = [0.0]
+        state.refusals.clock = lambda: now[0]
+        for i in range(1000):
+            refuse(state, 400, f"bad body {i}", counter="client_transfer_params_refused")
+        assert records == ["lw proxy [client_transfer_params_refused]: client request refused "
+                           "(400): bad body 0"]
+        now[0] = 5.0
+        state.refusals.tick()
+        assert len(records) == 2 and records[1].startswith(
+            "lw proxy [client_transfer_params_refused]: 999 more like it in the last 5s")
+        assert records[1].endswith("the last one: client request refused (400): bad body 999")
+        assert state.counters["client_transfer_params_refused"] == 1000
+        await state.aclose()
+
+    try:
+        asyncio.run(flood())
+    finally:
+        logger.removeHandler(keep)

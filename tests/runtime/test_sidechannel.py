@@ -376,24 +376,37 @@ def test_receive_hwm_stops_a_sender_that_outruns_the_reader(channels: Factory,
     assert len(recv(b)) == 1
 
 
-def test_refusals_warn_once_per_interval_not_once_per_frame(
+def test_a_flood_of_forged_frames_gives_two_lines_per_interval_and_kind_naming_the_count(
         channels: Factory, ctx: zmq.Context, caplog: pytest.LogCaptureFixture) -> None:
     b = channels(cluster_key=KEY, warn_interval_s=3600)
     d = raw_dealer(ctx, b.addr)
     header = _header(0, 7, 1, 0, time.time_ns(), b.addr.encode())
+    signed = _header(1, 7, 1, 0, time.time_ns(), b.addr.encode())  # flags: a MAC follows
+    payload = encode(meta())
     with caplog.at_level(logging.WARNING, logger="lw.transport.sidechannel"):
-        for _ in range(500):
-            d.send_multipart([header, encode(meta())])  # unsigned
-        assert until(b, lambda: b.counters["unauthenticated"] == 500) == []
+        for i in range(1000):
+            d.send_multipart([header, payload])  # unsigned
+            d.send_multipart([signed, payload, _mac(b"x" * 32, signed, payload)])  # forged
+            if i % 100 == 99:
+                b.poll(0)  # nobody's buffers fill up
+        assert until(b, lambda: b.counters["unauthenticated"] == 1000
+                     and b.counters["forged"] == 1000) == []
         warnings = [r.getMessage() for r in caplog.records]
-        assert len(warnings) == 1 and "unauthenticated 1" in warnings[0]
-        assert b.addr in warnings[0] and "cluster key" in warnings[0]
-        b._warn_at = 0.0  # the interval is over: the next poll reports what it held back
+        assert len(warnings) == 2, warnings  # one at once per kind
+        assert {w.split(" [", 1)[1].split("]", 1)[0] for w in warnings} == {
+            "unauthenticated", "forged"}
+        assert all(w.startswith(f"side channel {b.addr} [") for w in warnings)
+        assert "cluster key" in next(w for w in warnings if "[unauthenticated]" in w)
+        later = b.refusals.clock() + 3600  # the interval is over: the next poll says the count
+        b.refusals.clock = lambda: later
         b.poll(0)
         warnings = [r.getMessage() for r in caplog.records]
-        assert len(warnings) == 2 and "refused 499 message(s) (unauthenticated 499)" in warnings[1]
+        assert len(warnings) == 4, warnings
+        for kind in ("unauthenticated", "forged"):
+            assert any(w.startswith(f"side channel {b.addr} [{kind}]: 999 more like it")
+                       for w in warnings[2:]), warnings[2:]
         b.poll(0)
-        assert len(caplog.records) == 2  # nothing new to report
+        assert len(caplog.records) == 4  # nothing new to report
 
 
 def test_a_full_replay_cache_refuses_what_it_had_to_forget(channels: Factory,
