@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from lw.fsm.failures import FailureKind
 from lw.fsm.lifecycles import (
     AHEAD,
     AWAIT_DECODER_META,
@@ -147,35 +146,3 @@ def status_line(role: str, worker: Sender, row: RequestStatus) -> str:
         when = when.replace("deadline", "lease ends" if dl >= 0 else "lease")
     return (f"{side} {worker.engine_id} rank {worker.rank} request {row.req_id} {row.state} "
             f"for {row.in_state_s:.1f}s: {row.waiting_for}; {when}; {row.blocks} blocks held")
-
-
-# Transitional: D's failures carry their kind as data (lw.fsm.failures: RecvFailed.kind, the
-# ``fail`` event's Failure, TimelineEntry.failure). One caller still reads it from the words of
-# a reason: lw/vllm_adapter/worker_side.py (its failed_by_reason count), whose owner replaces
-# ``failure_kind(e.reason)`` with ``e.kind``; then this goes, with tests/fsm/test_failure_kinds.py's
-# check that the two agree.
-# (words in the reason, kind): the words the decode endpoint writes (lw.fsm.decode). The words
-# found first in the reason win (ties: this order), since a reason quotes the sender's own
-# ("prefill sender ... failed: aborted locally: ..." is the sender's failure, not our abort).
-_KIND_WORDS: tuple[tuple[str, FailureKind], ...] = (
-    ("aborted locally: metaserver", FailureKind.METASERVER),
-    ("aborted locally", FailureKind.ABORTED),
-    ("KV checksum mismatch", FailureKind.CHECKSUM_MISMATCH),
-    ("KV checksum", FailureKind.BAD_DONE),
-    ("DONE covers", FailureKind.BAD_DONE),
-    ("layers, we have", FailureKind.BAD_DONE),
-    ("prefill sender", FailureKind.PREFILL_FAILED),
-    ("prefill engine", FailureKind.PREFILL_LOST),
-    ("prefill deadline", FailureKind.PREFILL_DEADLINE),
-)
-
-
-def failure_kind(reason: str) -> FailureKind:
-    """Deprecated (see above): the kind of a D request's failure guessed from its reason's
-    words. Read ``RecvFailed.kind`` / ``TimelineEntry.failure`` instead."""
-    best, where = FailureKind.OTHER, len(reason) + 1
-    for words, kind in _KIND_WORDS:
-        at = reason.find(words)
-        if 0 <= at < where:
-            best, where = kind, at
-    return best

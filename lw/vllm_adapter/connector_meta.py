@@ -147,6 +147,9 @@ class LwConnectorMetadata(KVConnectorMetadata):
     fetches: list[FetchSpec] = field(default_factory=list)  # P: params to fetch (compute-ahead)
     recvs: list[RecvSpec] = field(default_factory=list)
     aborts: list[tuple[str, str, str]] = field(default_factory=list)  # (transfer, req, reason)
+    # D: the failure kind (lw.fsm.failures.FailureKind value) of an abort the scheduler caused
+    # itself, by transfer (a failed metaserver call); a plain abort has none
+    abort_kinds: dict[str, str] = field(default_factory=dict)
     # D: where the proxy sent a prefill attempt, for the core's prefill_routed
     routes: list[Route] = field(default_factory=list)
     idle: bool = False  # the engine computes nothing in this step (it only polls transfers)

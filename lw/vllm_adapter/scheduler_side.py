@@ -392,6 +392,7 @@ class SchedulerSide(DecodeScheduling):
                 if dr is not None and not dr.aborted:
                     dr.aborted = True
                     self._meta.aborts.append((dr.transfer_id, rid, reason))
+                    self._meta.abort_kinds[dr.transfer_id] = "metaserver"  # FailureKind value
             for route in self._take_routes():
                 dr = self._d.get(route.req_id)
                 if dr is not None and not dr.aborted and dr.transfer_id == route.transfer_id:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from lw.fsm.failures import FailureKind
 from lw.fsm.kvmap import describe, expected_senders, targets_of
-from lw.fsm.status import failure_kind
 from lw.fsm.timeline import drain
 from lw.vllm_adapter.ahead_client import AheadFetcher
 from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
@@ -366,11 +366,13 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
             if s.local_blocks:  # a first chunk that completes no block reports no layer
                 self._step_sends.append(s.transfer_id)
         for tid, rid, reason in meta.aborts:
+            why = meta.abort_kinds.get(tid)  # D: the scheduler's own cause (metaserver)
             tid = alias.get(tid, tid) if alias else tid
             if self._rid.get(tid) != rid:
                 continue  # finished already, or never taken (a transfer id used twice)
             self._aborted.add(tid)
-            self._call("abort", tid, reason, rid=rid, tid=tid)
+            kw = {"kind": FailureKind(why)} if why else {}
+            self._call("abort", tid, reason, rid=rid, tid=tid, **kw)
         if meta.first_tokens and self.cfg.is_producer:
             self._send_first_tokens(meta)
         for r in meta.routes:  # the core ignores a route of an epoch it has left
@@ -511,7 +513,7 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
                     self._pending_recving.add(rid)
                     self._pending_failed.add(rid)
                     self._load_errors.update(e.block_ids)
-                    kind = failure_kind(e.reason)
+                    kind = e.kind.value  # the core decided it (lw.fsm.failures)
                     self._failed_by[kind] = self._failed_by.get(kind, 0) + 1
                     if tid not in self._aborted:
                         log.warning("lw: receive of %s (transfer %s) failed: %s", rid, tid,

@@ -21,7 +21,6 @@ from lw.fsm import (
     Quarantine,
     RecvFailed,
 )
-from lw.fsm.status import failure_kind
 
 from .harness import Pair
 from .test_endpoints import L, compute_all, done_unsent, make_pair, send_done, start
@@ -38,8 +37,6 @@ def _failed(pair: Pair) -> RecvFailed:
     (fail,) = [e[5] for e in pair.d.timeline.of("r1") if e[2] == "fail" and e[5]]
     assert fail == Failure(failed.kind, failed.reason) and str(fail) == failed.reason
     assert type(failed.kind) is FailureKind
-    # transitional: the worker's failed_by_reason still guesses from the words (lw.fsm.status)
-    assert failure_kind(failed.reason) == failed.kind
     return failed
 
 

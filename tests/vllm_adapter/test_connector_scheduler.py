@@ -858,6 +858,7 @@ def test_d_metaserver_failure_aborts_in_the_core(model_dir: str,
     fake_poster.instances[0].failures.append(("r1", "t1@r1", "metaserver: 404"))
     d.step()
     assert d.meta.aborts == [("t1@r1", "r1", "metaserver: 404")]
+    assert d.meta.abort_kinds == {"t1@r1": "metaserver"}  # the scheduler's own cause
     assert sum(st.get("metaserver_failures", 0) for st in d.stats) == 1
     d.step(KVConnectorOutput(finished_recving={"r1"}, failed_recving={"r1"}))
     assert free_blocks(s) == BASELINE
@@ -1244,6 +1245,21 @@ def test_cluster_prefill_that_never_comes_fails_on_the_deadline(
     assert c.d.finished["r1"] == "error"
     assert c.d.total("deadlines_fired") == 1
     assert c.d.failed_by_reason() == {"prefill_deadline": 1}
+
+
+def test_cluster_a_failed_metaserver_call_is_counted_as_a_metaserver_failure(
+        cluster_factory: Callable[..., Cluster]) -> None:
+    """The kind travels from D's scheduler (its metaserver call failed) through the step's
+    metadata into the core's abort, and the worker counts the core's kind, not words."""
+    c = cluster_factory()
+    c.relay_enabled = False
+    c.add("r1", list(range(3100, 3150)))
+    c.run_until(lambda: bool(FakePoster.instances and FakePoster.instances[0].posts))
+    ((rid, tid, _url, _msg),) = FakePoster.instances[0].posts
+    FakePoster.instances[0].failures.append((rid, tid, "metaserver: 404"))
+    c.run_until(lambda: "r1" in c.d.finished and c.idle())
+    assert c.d.finished["r1"] == "error"
+    assert c.d.failed_by_reason() == {"metaserver": 1}
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
