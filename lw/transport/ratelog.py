@@ -19,12 +19,9 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from lw.transport.sidechannel import Inbound
-
-__all__ = ["MAX_KINDS", "WARN_INTERVAL_S", "RateLog", "call_later", "peer_of"]
+__all__ = ["MAX_KINDS", "WARN_INTERVAL_S", "RateLog", "Received", "call_later", "peer_of"]
 
 WARN_INTERVAL_S = 10.0
 """The default interval: at most two lines per kind within it."""
@@ -42,7 +39,17 @@ def _short(text: str, n: int = 200) -> str:
     return text if len(text) <= n else text[: n - 1] + "\u2026"
 
 
-def peer_of(ib: Inbound | None) -> str | None:
+class Received(Protocol):
+    """What :func:`peer_of` reads of a side channel's ``Inbound`` (imported neither way)."""
+
+    @property
+    def msg(self) -> object: ...
+
+    @property
+    def peer(self) -> str | None: ...
+
+
+def peer_of(ib: Received | None) -> str | None:
     """The peer of an inbound message: the connection it came on, else the sender it names."""
     if ib is None:
         return None
