@@ -12,13 +12,15 @@ from lw.lab.demo_client import Result, make_prompt
 from lw.lab.vllm_demo import (
     LONG_PROMPT_LENGTHS,
     PROMPT_LENGTHS,
-    _report,
-    _report_warmup,
-    _start_line,
-    predict_prefix_hits,
     shared_prefix_prompts,
-    ttft_summary,
     warmup_prompts,
+)
+from lw.lab.vllm_report import (
+    predict_prefix_hits,
+    report,
+    report_warmup,
+    start_line,
+    ttft_summary,
 )
 
 # the issue's run, the single engine's 16.6 s warm-up left out: P/D is the slower side
@@ -91,20 +93,20 @@ def test_the_summary_counts_the_measured_requests_and_d_from_before(
     before = {"lw_requests_done_total": 1.0}
     after = {"lw_requests_done_total": 9.0}
     args = (["a b"] * 8, ref, pd, 0, before, after, after)
-    assert _report(*args, before_d=before, warmups=1) == 0
+    assert report(*args, before_d=before, warmups=1) == 0
     out = capsys.readouterr().out.splitlines()
     assert "P: done=8 " in next(line for line in out if line.startswith("lw core"))
     assert "D: done=8 " in next(line for line in out if line.startswith("lw core"))
     assert "1 warm-up per side excluded" in next(line for line in out
                                                  if line.startswith("TTFT"))
     assert out[-1] == "summary done=8 failed=0 leaked_blocks=0 mismatched=0"
-    assert _report(*args, before_d=before, warmups=1, warmup_failed=1) == 1
+    assert report(*args, before_d=before, warmups=1, warmup_failed=1) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == "summary done=8 failed=0 leaked_blocks=0 mismatched=0 warmup_failed=1"
 
 
 def test_the_warmup_line_says_what_it_took(capsys: pytest.CaptureFixture[str]) -> None:
-    failed = _report_warmup([_done(ttft=16.6)], [Result(error="HTTP 500: boom")])
+    failed = report_warmup([_done(ttft=16.6)], [Result(error="HTTP 500: boom")])
     out = capsys.readouterr().out
     assert failed == 1
     assert "1 request per side, not measured" in out
@@ -136,9 +138,9 @@ def test_the_start_line_says_how_the_proxy_started_the_prefills() -> None:
     """From the proxy's counters: bound ahead, fallen back, and why others went D first."""
     m = {"prefills": 9, "ahead_bound": 6, "ahead_fallbacks": 1, "ahead_unbound": 0,
          "ahead_skipped_p_busy": 2, "ahead_skipped_full": 0, "requests": 9}
-    assert _start_line(m) == ("starts     9 prefills: 6 sent ahead and bound, 1 fallbacks to "
+    assert start_line(m) == ("starts     9 prefills: 6 sent ahead and bound, 1 fallbacks to "
                               "D first; not sent ahead: p_busy 2")
-    assert _start_line({"prefills": 3}) == ("starts     3 prefills: 0 sent ahead and bound, 0 "
+    assert start_line({"prefills": 3}) == ("starts     3 prefills: 0 sent ahead and bound, 0 "
                                             "fallbacks to D first")
 
 
@@ -157,7 +159,7 @@ def test_token2_lines_compare_medians(capsys: pytest.CaptureFixture[str]) -> Non
     pd = [_done(ttft=t) for t in PD]
     for r in (*ref, *pd):
         r.token2_s = (r.ttft_s or 0.0) + 0.010
-    _report(["a b"] * 8, ref, pd, 0, {}, {}, {}, warmups=1)
+    report(["a b"] * 8, ref, pd, 0, {}, {}, {}, warmups=1)
     out = capsys.readouterr().out.splitlines()
     assert "tok2 1 eng  tok2 P/D" in next(line for line in out if line.startswith(" #"))
     assert "     62 ms     78 ms" in out[2]  # request 0: 52 + 10 and 68 + 10
