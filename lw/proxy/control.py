@@ -36,8 +36,8 @@ from lw.proxy.state import (
     ProxyState,
     SubPrefill,
     Transfer,
-    _describe,
     build_prefill_body,
+    describe_exc,
 )
 
 __all__ = ["build_control_app", "cached_health", "health_report"]
@@ -82,7 +82,7 @@ async def health_report(state: ProxyState) -> dict[str, Any]:
                     "status_code": r.status_code}
         except httpx.HTTPError as exc:
             return {"url": b.url, "reachable": False, "healthy": False,
-                    "error": _describe(exc)}
+                    "error": describe_exc(exc)}
 
     results = await asyncio.gather(*(probe(b) for b in state.prefills + state.decodes))
     pre, dec = results[: len(state.prefills)], results[len(state.prefills):]

@@ -18,7 +18,7 @@ from typing import Any
 
 from lw.fsm.failures import FailureKind
 from lw.ops.client import Snapshot, query
-from lw.proxy.state import ProxyState, Transfer, _describe
+from lw.proxy.state import ProxyState, Transfer, describe_exc
 
 __all__ = ["ERROR_EVENT", "TRANSFER_STATUS", "Failure", "Why", "ask", "error_code", "explain",
            "split_error_event"]
@@ -100,7 +100,7 @@ async def ask(state: ProxyState, tr: Transfer) -> Why:
     try:
         snap = await asyncio.wrap_future(done)
     except Exception as exc:  # zmq or a bad key: the cause stays unknown, the answer goes out
-        return Why(unknown=f"asking the decode server's workers failed: {_describe(exc)}")
+        return Why(unknown=f"asking the decode server's workers failed: {describe_exc(exc)}")
     return read(snap, tr, budget)
 
 

@@ -85,13 +85,13 @@ from lw.proxy.state import (
     BadRequest,
     ProxyState,
     Transfer,
-    _describe,
-    _url_host,
     build_decode_body,
     build_prefill_body,
+    describe_exc,
     error_body,
     normalize_url,
     sub_transfer_allowance,
+    url_host,
     validate_request,
 )
 from lw.transport.sidechannel import parse_cluster_key
@@ -285,7 +285,7 @@ def build_apps(
             try:
                 r = await state.client.get(b.url + "/v1/models", timeout=state.short_timeout)
             except httpx.HTTPError as exc:
-                errors.append(f"{b.url}: {_describe(exc)}")
+                errors.append(f"{b.url}: {describe_exc(exc)}")
                 continue
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type", "application/json"))
@@ -544,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.control_host in ("0.0.0.0", "::", ""):
             ap.error("with a wildcard --control-host, give --metaserver-url (an address D can "
                      "reach)")
-        metaserver_url = f"http://{_url_host(args.control_host)}:{control_port}/v1/metaserver"
+        metaserver_url = f"http://{url_host(args.control_host)}:{control_port}/v1/metaserver"
     try:
         # D refuses, on every request, a metaserver URL outside the contract's pattern
         msgspec.convert(metaserver_url, Url)
