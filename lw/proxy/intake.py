@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from lw.contract.client import MAX_JSON_DEPTH, json_depth_exceeds, screen_client_body
 from lw.contract.params import ContractError
+from lw.proxy.errors import json_invalid, not_an_object
 from lw.proxy.limits import BodyAbandoned, BodyTooLarge, BodyTooSlow, read_body
 from lw.proxy.state import ProxyState, error_body
 
@@ -20,14 +21,16 @@ __all__ = ["BadJson", "abandoned", "client_bytes", "decode_json", "encode_json",
            "refuse", "screen", "too_deep"]
 
 def refuse(state: ProxyState, status: int, message: str, *, counter: str,
-           param: str | None = None) -> JSONResponse:
+           param: str | None = None, vllm: dict[str, Any] | None = None) -> JSONResponse:
     """A client body refused by the proxy itself, in vLLM's error shape; counted, and logged
-    at most twice per kind every few seconds (:mod:`lw.transport.ratelog`)."""
+    at most twice per kind every few seconds (:mod:`lw.transport.ratelog`). ``vllm``: the
+    very answer vLLM gives to this body (lw.proxy.errors), sent instead of lw's ``message``
+    (which the log line keeps)."""
     state.counters[counter] += 1
     state.refusals.note(counter, "client request refused (%d): %s", status, message)
+    body = vllm if vllm is not None else error_body(message, status, stage="proxy", param=param)
     # closed after the answer: the rest of a refused body is not read (uvicorn would drain it)
-    return JSONResponse(error_body(message, status, stage="proxy", param=param),
-                        status_code=status, headers={"connection": "close"})
+    return JSONResponse(body, status_code=status, headers={"connection": "close"})
 
 
 def abandoned(state: ProxyState) -> Response:
@@ -58,18 +61,26 @@ async def client_bytes(state: ProxyState, request: Request) -> bytes | Response:
 
 
 class BadJson(ValueError):
-    """A body the proxy does not relay as JSON; ``path`` names the place (None: the whole)."""
+    """A body the proxy does not relay as JSON; ``path`` names the place (None: the whole);
+    ``vllm``: the answer vLLM gives to it, where vLLM refuses it too (lw.proxy.errors)."""
 
-    def __init__(self, message: str, path: str | None = None) -> None:
+    def __init__(self, message: str, path: str | None = None,
+                 vllm: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.path = path
+        self.vllm = vllm
 
 
 def decode_json(raw: bytes) -> Any:
     """``raw`` as JSON (UTF-8/16/32, BOM or not, as vLLM reads it) that can be encoded again:
     BadJson for what is not JSON, a number out of float range, NaN/Infinity, a lone surrogate."""
+    if not raw:  # FastAPI reads no body as None: vLLM's "Field required"
+        raise BadJson("request body is empty", vllm=not_an_object(None))
     try:
         value = json.loads(raw)
+    except json.JSONDecodeError as exc:  # vLLM's answer names the character, as "body.28"
+        raise BadJson(f"request body is not valid JSON: {str(exc)[:200]}",
+                      vllm=json_invalid(exc)) from None
     except (ValueError, RecursionError) as exc:
         raise BadJson(f"request body is not valid JSON: {str(exc)[:200]}") from None
     try:
@@ -115,13 +126,19 @@ def _lone_surrogate(s: str) -> bool:
     return False
 
 
-def parse_json(state: ProxyState, raw: bytes) -> Any:
-    """The parsed body, or a 400: what the proxy cannot parse (or encode again) it never
-    relays (a parser more lenient than the proxy's must not see it)."""
+def parse_json(state: ProxyState, raw: bytes) -> dict[str, Any] | JSONResponse:
+    """The parsed body, a JSON object, or a 400: what the proxy cannot parse (or encode again)
+    it never relays (a parser more lenient than the proxy's must not see it). Bytes that are
+    not JSON and JSON that is not an object get vLLM's very answer (lw.proxy.errors)."""
     try:
-        return decode_json(raw)
+        parsed = decode_json(raw)
     except BadJson as exc:
-        return refuse(state, 400, str(exc), counter="bad_requests", param=exc.path)
+        return refuse(state, 400, str(exc), counter="bad_requests", param=exc.path,
+                      vllm=exc.vllm)
+    if not isinstance(parsed, dict):  # before the depth: vLLM looks at the type first
+        return refuse(state, 400, "request body must be a JSON object", counter="bad_requests",
+                      vllm=not_an_object(parsed))
+    return parsed
 
 
 def too_deep(state: ProxyState, parsed: Any) -> JSONResponse | None:

@@ -53,7 +53,8 @@ async def screened_body(state: ProxyState, request: Request) -> bytes | Response
         parsed = decode_json(raw)
     except BadJson as exc:
         if exc.path is not None or _json_media_type(request):
-            return refuse(state, 400, str(exc), counter="bad_requests", param=exc.path)
+            return refuse(state, 400, str(exc), counter="bad_requests", param=exc.path,
+                          vllm=exc.vllm)
         # not JSON: vLLM reads it as a form or bytes, where no transfer field is an object
         return raw
     deep = too_deep(state, parsed)
