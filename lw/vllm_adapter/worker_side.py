@@ -3,11 +3,11 @@
 vLLM calls become core events (add_request, layer_computed, abort, prefill_routed); core effects
 become vLLM results (finished sending / receiving, failed receiving, load-error blocks), and a
 D core's ``Reprefill`` goes to the scheduler side in the worker metadata (it asks the proxy).
+The start (planes, data plane, endpoint, loop) is :mod:`lw.vllm_adapter.worker_start`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from lw.fsm.failures import FailureKind
-from lw.fsm.kvmap import describe, expected_senders, targets_of
+from lw.fsm.kvmap import expected_senders, targets_of
 from lw.fsm.timeline import drain
 from lw.vllm_adapter.ahead_client import AheadFetcher
-from lw.vllm_adapter.config import ConfigError, LwConfig, ModelHeads, model_heads
+from lw.vllm_adapter.config import LwConfig, ModelHeads, model_heads
 from lw.vllm_adapter.connector_meta import (
     FetchSpec,
     FirstTokenIn,
@@ -30,23 +30,18 @@ from lw.vllm_adapter.connector_meta import (
     log,
 )
 from lw.vllm_adapter.metrics import BY_REASON, LwKVConnectorStats
-from lw.vllm_adapter.placement import parse_cpus, transport_threads
 from lw.vllm_adapter.push_rates import PushRates
 from lw.vllm_adapter.ready_gate import ReadyGate
 from lw.vllm_adapter.tracing import LifecycleTracer, tracing_endpoint
 from lw.vllm_adapter.worker_binds import AheadBinds
 from lw.vllm_adapter.worker_first_tokens import FirstTokenRelay
+from lw.vllm_adapter.worker_start import WorkerShape, start_worker
 
 if TYPE_CHECKING:
     from lw.fsm.messages import FirstTokenStatus
     from lw.transport.runtime import WorkerLoop
 
 __all__ = ["WorkerSide"]
-
-
-def _layer_order(name: str) -> tuple[tuple[int, ...], str]:
-    """Sort key of a layer name: the integers in it (model.layers.<i>...), then the name."""
-    return tuple(int(p) for p in name.split(".") if p.isdigit()), name
 
 
 _STAT_MAP = {  # our stats key -> WorkerLoop.stats() key (monotonic counters)
@@ -130,79 +125,18 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
 
     # ---------------------------------------------------------------------------- start
     def register(self, kv_caches: dict[str, Any]) -> None:
-        """Planes from the KV tensors, data plane + registration, endpoint, loop thread."""
-        from lw.fsm import DecodeEndpoint, PrefillEndpoint
-        from lw.transport.runtime import WorkerLoop
-        from lw.transport.sidechannel import SideChannel, parse_cluster_key
-        from lw.transport.wire import KVLayout, LayerLayout, Sender
-        from lw.vllm_adapter.device import (
-            merged_regions,
-            planes_of,
-            prepare_device,
-            ready_marker,
-        )
+        """Planes from the KV tensors, data plane + registration, endpoint, loop thread
+        (lw.vllm_adapter.worker_start); then the push rates, spans and the ready gate."""
+        from lw.vllm_adapter.device import ready_marker
 
         if self.loop is not None:
             raise RuntimeError("register_kv_caches called twice")
-        seen: dict[int, str] = {}
-        for name in sorted(kv_caches, key=_layer_order):
-            kv = kv_caches[name]
-            first = kv[0] if isinstance(kv, (tuple, list)) else kv
-            ptr = int(first.data_ptr())
-            if ptr in seen:  # a layer sharing another layer's KV: transferred once
-                self._plane_idx[name] = ()
-                continue
-            seen[ptr] = name
-            ps = planes_of(kv, self.num_blocks, name)
-            self._plane_idx[name] = tuple(range(len(self.planes), len(self.planes) + len(ps)))
-            self.planes.extend(ps)
-            self._sample = first
-        if not self.planes:
-            raise ConfigError("lw: register_kv_caches got no KV cache tensors")
-        prepared = prepare_device(self._sample)
-        self.fmt = self._format(kv_caches[min(seen.values(), key=_layer_order)])
-        layout = [LayerLayout(p.base_addr, p.block_stride, p.block_len, p.num_blocks)
-                  for p in self.planes]
-        # Mooncake's and ZMQ's IO threads start inside these constructors and the loop thread
-        # at start(): all off the forward's pinned cores (lw.vllm_adapter.placement).
-        cpus = parse_cpus(self.cfg.transport_cpus)
-        with transport_threads(cpus):
-            dp = self._data_plane()
-            try:
-                for addr, length in merged_regions(self.planes):
-                    dp.register_memory(addr, length)
-                side = SideChannel(self.cfg.bind_host or self.cfg.host,
-                                   self.cfg.port(self.tp_rank),
-                                   cluster_key=parse_cluster_key(self.cfg.cluster_key or None),
-                                   advertise_host=self.cfg.host)
-            except Exception:
-                dp.close()
-                raise
-        me = Sender(self.cfg.engine_id, self.rank, self.incarnation, side.addr)
-        name = f"lw-{'p' if self.cfg.is_producer else 'd'}{self.rank}"
-        kv_layout = KVLayout(self.cfg.engine_id, self.incarnation, dp.session, layout, self.fmt)
-        if self.cfg.is_producer:
-            ep: Any = PrefillEndpoint(me, len(self.planes), self.cfg.prefill_config(),
-                                      local=kv_layout)
-            self.loop = WorkerLoop(ep, side, dp, self.cfg.loop_config(name),
-                                   local_layout=layout)
-        else:
-            dcfg = self.cfg.decode_config()
-            if dcfg.fence_data and not getattr(dp, "can_fence", False):
-                # Mooncake over TCP whose two ports could not be told apart from another
-                # thread's listener: run as before the fence rather than not at all
-                log.warning("lw: D %s rank %d cannot fence its Mooncake data plane (its listening "
-                            "ports are unknown); a lease's end frees blocks that bytes a lossy "
-                            "link still carries may reach: turn kv_checksum on",
-                            self.cfg.engine_id, self.rank)
-                dcfg = dataclasses.replace(dcfg, fence_data=False)
-            ep = DecodeEndpoint(me, kv_layout, dcfg)
-            # No fresh_blocks allocator: a worker cannot allocate outside vLLM's scheduler (the
-            # config refuses retry_fresh_blocks), so D fences before a retry.
-            self.loop = WorkerLoop(ep, side, dp, self.cfg.loop_config(name))
-        self.loop.first_token = self._ft_status  # what the scheduler said before, if anything
-        with transport_threads(cpus):
-            self.loop.start()  # the loop starts the data plane's sender and fence threads
+        shape = WorkerShape(self.cfg, self.num_blocks, self.kv_spec, self.heads, self.tp_rank,
+                            self.rank, self.incarnation)
+        started = start_worker(shape, kv_caches, self._ft_status)
+        self.loop, self.fmt, name = started.loop, started.fmt, started.name
+        self.planes, self._plane_idx, self._sample = (started.planes, started.plane_idx,
+                                                      started.sample)
         if self.cfg.is_producer:
             self.rates = PushRates(self._block_bytes())
         if self._trace_endpoint:
@@ -214,56 +148,6 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
                 log.warning("lw: OpenTelemetry spans off: %s", exc)
         if ready_marker(self._sample) is not None:
             self._gate = ReadyGate(self.loop)
-        log.info("lw %s: side channel %s, transfer engine %s, %d planes x %d blocks of %d "
-                 "bytes, %d registered regions, %s%s", name, side.addr, dp.session,
-                 len(self.planes), self.num_blocks, self.planes[0].block_len,
-                 len(merged_regions(self.planes)), describe(self.fmt),
-                 f"; {prepared}" if prepared else "")
-
-    def _format(self, kv: Any) -> Any:
-        """This rank's head format: which of the model's KV heads its blocks hold, and how."""
-        from lw.fsm.kvmap import make_format
-        from lw.vllm_adapter.device import block_order
-
-        spec = self.kv_spec
-        heads = int(getattr(spec, "num_kv_heads", 1) or 1)
-        tokens = int(spec.block_size)
-        try:
-            order = "HND" if self.heads.mla else block_order(kv, self.num_blocks, heads, tokens)
-        except ValueError as exc:
-            if self.cfg.peer_tp_size in (0, self.cfg.tp_size):
-                order = "HND"  # equal TP: whole blocks are copied, the order does not matter
-            else:
-                raise ConfigError(f"lw: prefill and decode TP differ but this KV cache cannot "
-                                  f"be split by head: {exc}") from None
-        fmt = make_format(tp_rank=self.tp_rank, tp_size=self.cfg.tp_size,
-                          total_heads=self.heads.total, block_tokens=tokens,
-                          dtype=str(spec.dtype).removeprefix("torch."), order=order,
-                          mla=self.heads.mla)
-        if not self.heads.mla and fmt.head_hi - fmt.head_lo != heads:
-            raise ConfigError(f"lw: TP rank {self.tp_rank} of {self.cfg.tp_size} holds {heads} "
-                              f"KV heads, but {self.heads.total} heads over TP "
-                              f"{self.cfg.tp_size} give {fmt.head_hi - fmt.head_lo}")
-        return fmt
-
-    def _data_plane(self) -> Any:
-        from lw.transport.dataplane import InProcessDataPlane, MooncakeDataPlane
-        from lw.transport.dataplane.planted import planted_from_env
-
-        if self.cfg.data_plane == "inprocess":
-            dp: Any = InProcessDataPlane()
-        elif self.cfg.data_plane == "nixl":  # UCX's settings: its UCX_* environment variables
-            from lw.transport.dataplane.nixl import NixlDataPlane
-            dp = NixlDataPlane(hostname=self.cfg.host, timeout_s=self.cfg.transfer_timeout_s)
-        else:
-            dp = MooncakeDataPlane(hostname=self.cfg.host, timeout_s=self.cfg.transfer_timeout_s,
-                                   metadata_server=self.cfg.mooncake_metadata_server,
-                                   protocol=self.cfg.mooncake_protocol,
-                                   device_name=self.cfg.mooncake_device)
-        planted = planted_from_env(dp)  # e2e tests plant wrong KV, or hold writes
-        if planted is not dp:
-            log.warning("lw: a test fault wraps the data plane: %s", type(planted).__name__)
-        return planted
 
     # ---------------------------------------------------------------------------- per step
     def _call(self, method: str, *args: Any, rid: str, tid: str, **kwargs: Any) -> None:

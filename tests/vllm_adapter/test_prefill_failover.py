@@ -80,7 +80,7 @@ def test_fresh_blocks_are_refused_at_start(role: str) -> None:
     true fails at start, saying why and what D does instead, rather than being accepted."""
     import inspect
 
-    from lw.vllm_adapter import worker_side
+    from lw.vllm_adapter import worker_side, worker_start
 
     with pytest.raises(ConfigError) as exc:
         _build(role=role, extra={"host": "127.0.0.1", "retry_prefill": 1,
@@ -91,7 +91,8 @@ def test_fresh_blocks_are_refused_at_start(role: str) -> None:
     off = _build(extra={"host": "127.0.0.1", "retry_prefill": 1, "retry_fresh_blocks": False})
     assert off.decode_config().retry_fresh_blocks is False
     assert _build().decode_config().retry_fresh_blocks is False
-    assert "fresh_blocks=" not in inspect.getsource(worker_side)  # no allocator to hand the loop
+    for mod in (worker_side, worker_start):  # no allocator to hand the loop
+        assert "fresh_blocks=" not in inspect.getsource(mod)
 
 
 # ------------------------------------------------------------------------------------ decode
