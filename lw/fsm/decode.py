@@ -11,12 +11,14 @@ epoch) while the request goes on at once in fresh blocks.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection
 
+from lw.fsm.decode_checksums import Checksums
+from lw.fsm.decode_claims import Claims
 from lw.fsm.decode_failover import Failover
 from lw.fsm.decode_first_token import FirstTokenIntake
 from lw.fsm.decode_ghosts import GHOST_RULES, Ghosts
-from lw.fsm.decode_request import DecodeConfig, DecodeRecord, SenderKey, ack, brief_blocks
+from lw.fsm.decode_request import DecodeConfig, DecodeRecord, SenderKey, ack
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
@@ -27,13 +29,10 @@ from lw.fsm.effects import (
     RecvFailed,
     Send,
     SumBlocks,
-    SumPlan,
-    Sums,
     TimerKey,
 )
 from lw.fsm.endpoint import LifecycleEndpoint
 from lw.fsm.failures import Failure, FailureKind
-from lw.fsm.kvmap import block_segments, describe, expected_senders, pair_problem
 from lw.fsm.lifecycles import (
     DONE,
     FAILED,
@@ -53,7 +52,6 @@ from lw.fsm.messages import (
     FirstToken,
     KVLayout,
     Message,
-    MetaReply,
     MetaRequest,
     RequestStatus,
     Sender,
@@ -66,7 +64,7 @@ _FINAL = (DONE, FAILED)
 _LIVE = (PREFILL_REQUESTED, RECEIVING)  # an epoch whose prefill is under way
 
 
-class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
+class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEndpoint):
     """Protocol logic of one D worker (events in, effects out; time is an argument)."""
 
     SIDE = "decode"
@@ -270,164 +268,6 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
                               f"restarted (incarnation {prev} -> {sender.incarnation})", now)
 
     # ----------------------------------------------------------------------------- messages
-    def _reply(self, msg: MetaRequest, status: str, reason: str = "",
-               layout: KVLayout | None = None) -> Send:
-        return Send(msg.sender.addr, MetaReply(PROTOCOL_VERSION, msg.req_id, status, self.me,
-                                               layout, reason[:MAX_TEXT], msg.epoch))
-
-    def _on_meta_request(self, msg: MetaRequest, now: float, out: list[Effect]) -> None:
-        rec = self._reqs.get(msg.req_id)
-        if rec is None:
-            if msg.req_id in self._finished:
-                self.counters["refused"] += 1
-                fin = self._finished[msg.req_id]
-                out.append(self._reply(msg, "refused", f"request already {fin}"))
-            else:
-                # Not allocated here (yet, or ever): never authorises a write.
-                out.append(self._reply(msg, "unknown", "no such request on this decode worker"))
-            return
-        if self._other_epoch(rec, msg.epoch, now):
-            # A P of another prefill attempt (one we gave up on): it must never write here.
-            self.counters["refused"] += 1
-            out.append(self._reply(msg, "refused", f"claim epoch {msg.epoch} is not the "
-                                   f"request's current epoch {rec.epoch}"))
-            return
-        key = (msg.sender.engine_id, msg.sender.rank)
-        layout = self.layout if msg.want_layout else None
-        if key in rec.claimers:
-            self._fire(rec, "claim", now)
-            if rec.state in (FAILED, FENCING):  # a failed or fenced epoch authorises no write
-                out.append(self._reply(msg, "refused", rec.reason))
-            else:
-                out.append(self._reply(msg, "accepted", layout=layout))
-            return
-        if rec.state not in _LIVE:
-            self._fire(rec, "claim", now)
-            self.counters["refused"] += 1
-            out.append(self._reply(msg, "refused", f"request is {rec.state}: {rec.reason}"))
-            return
-        why = self._claim_problem(rec, msg)
-        if why:
-            self.counters["refused"] += 1
-            out.append(self._reply(msg, "refused", why))
-            return
-        if rec.ranks is not None:
-            rec.by_rank[msg.fmt.tp_rank] = key
-        rec.claimers[key] = msg.sender
-        rec.formats[key] = msg.fmt
-        self._fire(rec, "claim", now, f"P {key[0]} rank {key[1]}")
-        out.append(self._reply(msg, "accepted", layout=layout))
-
-    def _claim_problem(self, rec: DecodeRecord, msg: MetaRequest) -> str:
-        """Why a new sender may not write into this request's blocks ("" if it may)."""
-        if tuple(msg.blocks) != rec.blocks:
-            # Its prefill was started with other block ids than D registered (a forged or
-            # mistaken metaserver call): its writes would land in another request's blocks.
-            return (f"the sender would write D block(s) {brief_blocks(msg.blocks)}, but this "
-                    f"request receives into {brief_blocks(rec.blocks)}")
-        if rec.prompt and msg.prompt != rec.prompt:
-            # Its prefill computed another prompt than the one these blocks were allocated for
-            # (chat template, tokenizer or a forged call): its KV would be wrong KV here.
-            return (f"the sender computed prompt {msg.prompt[:8] or '(unnamed)'}, but this "
-                    f"request's blocks are for prompt {rec.prompt[:8]}")
-        why = pair_problem(msg.fmt, self.layout.fmt)
-        if why:
-            return why
-        if rec.ranks is None:
-            if len(rec.claimers) >= rec.expected:
-                return f"request already has its {rec.expected} expected senders"
-            if len(rec.claimers) + 1 == rec.expected:
-                return self._uncovered(rec, msg)
-            return ""
-        rank = msg.fmt.tp_rank
-        if rank not in rec.ranks:
-            return (f"P TP rank {rank} (of {msg.fmt.tp_size}) is not a sender of this D worker, "
-                    f"which expects P TP ranks {sorted(rec.ranks)} (does it know the prefill "
-                    "TP size?)")
-        want = expected_senders(self.layout.fmt, msg.fmt.tp_size)
-        if want != rec.ranks:
-            # D waits for one DONE per rank it counted; counted for another P TP size, it
-            # would report the request loaded with some of its heads never written.
-            return (f"a prefill of TP {msg.fmt.tp_size} writes this D worker's heads from P "
-                    f"TP ranks {sorted(want)}, but it waits for ranks {sorted(rec.ranks)} only: "
-                    "its prefill TP size (peer_tp_size) is not the prefill's")
-        if rank in rec.by_rank:
-            return f"P TP rank {rank} was already claimed by sender {rec.by_rank[rank]}"
-        return ""
-
-    def _uncovered(self, rec: DecodeRecord, msg: MetaRequest) -> str:
-        """Why the last of ``expected`` senders would leave some of D's heads unwritten."""
-        fmts = [*rec.formats.values(), msg.fmt]
-        d = self.layout.fmt
-        missing = [h for h in range(d.head_lo, d.head_hi)
-                   if not any(f.head_lo <= h < f.head_hi for f in fmts)]
-        if not missing:
-            return ""
-        return (f"with this sender the request's {rec.expected} senders would leave KV heads "
-                f"{missing[0]}..{missing[-1]} of {describe(d)} unwritten")
-
-    def sum_plan(self, req_id: str, sender: SenderKey) -> SumPlan | None:
-        """Where ``sender`` wrote for a live request (None if it did not claim it)."""
-        rec = self._reqs.get(req_id)
-        if rec is None or sender not in rec.formats:
-            return None
-        return self._plan(rec, sender)
-
-    def _plan(self, rec: DecodeRecord, sender: SenderKey) -> SumPlan:
-        """Our block ids in request order and, per layer, the (offset, length) runs of each
-        block ``sender`` (a claimer) wrote: what its checksums cover."""
-        fmt, mine = rec.formats[sender], self.layout.fmt
-        n_p, n_d = fmt.head_hi - fmt.head_lo, mine.head_hi - mine.head_lo
-        runs = []
-        for lay in self.layout.layers:
-            p_len = lay.block_len // n_d * n_p  # pair_problem made the head sizes equal
-            segs = block_segments(fmt, p_len, mine, lay.block_len)
-            runs.append(tuple((dst, n) for _src, dst, n in segs))
-        return SumPlan(sender, rec.blocks, tuple(runs))
-
-    def _to_verify(self, rec: DecodeRecord, key: SenderKey) -> list[SenderKey]:
-        # An earlier sender's blocks were verified at its DONE, but bytes of a superseded claim
-        # (an in-doubt write of a request these blocks served before) may land after that:
-        # the last DONE verifies everything the request is about to be reported loaded with.
-        if len(rec.done | {key}) < rec.expected:
-            return [key]
-        return [*sorted(rec.done - {key}), key]
-
-    def _checksum_problem(self, rec: DecodeRecord, key: SenderKey, sent: Sequence[int],
-                          kv_sums: Sequence[int]) -> Failure | None:
-        """None when the sender's checksums match ours, else what differs (layer and block):
-        a DONE without the checksums it owes is a bad DONE, differing bytes a mismatch."""
-        who = f"sender {key[0]} rank {key[1]}"
-        if not sent:
-            return Failure(FailureKind.BAD_DONE, f"KV checksum: {who} sent none (is "
-                                                 "kv_checksum on on the prefill side?)")
-        want = len(self.layout.layers) * len(rec.blocks)
-        if len(kv_sums) != want or len(sent) != want:
-            return Failure(FailureKind.BAD_DONE,
-                           f"KV checksum: {who} sent {len(sent)} checksums ({len(kv_sums)} "
-                           f"local sums), expected {want} ({len(self.layout.layers)} layers x "
-                           f"{len(rec.blocks)} blocks)")
-        nb = len(rec.blocks)
-        bad = [i for i, (a, b) in enumerate(zip(sent, kv_sums, strict=True)) if a != b]
-        if not bad:
-            return None
-        first = ", ".join(f"layer {i // nb} block {rec.blocks[i % nb]}" for i in bad[:4])
-        return Failure(FailureKind.CHECKSUM_MISMATCH,
-                       f"KV checksum mismatch from {who}: {len(bad)} of {want} block(s) differ, "
-                       f"first {first}")
-
-    def _verify(self, rec: DecodeRecord, key: SenderKey, msg: DoneSending,
-                local: Mapping[SenderKey, Sequence[int]]) -> Failure | None:
-        """None when every sender :meth:`_to_verify` names still matches its checksums
-        (``local``: the driver's sums over our blocks, per sender it was asked for)."""
-        for k in self._to_verify(rec, key):
-            sent = msg.checksums if k == key else rec.sums.get(k, ())
-            bad = self._checksum_problem(rec, k, sent, local.get(k, ()))
-            if bad is not None:
-                return bad if k == key else bad._replace(
-                    reason=f"{bad.reason} (found at the last DONE, from {key[0]} rank {key[1]}: "
-                           "bytes changed after it was verified)")
-        return None
 
     def _on_done(self, msg: DoneSending, now: float, out: list[Effect]) -> None:
         rec = self._reqs.get(msg.req_id)
@@ -474,40 +314,6 @@ class DecodeEndpoint(Failover, FirstTokenIntake, LifecycleEndpoint):
             out.append(SumBlocks(rec.req_id, self.layout, plans))
             return
         self._sender_done(rec, key, msg, now, out)
-
-    def on_sums(self, answer: Sums, now: float) -> list[Effect]:
-        """The driver's CRC-32C of our blocks that a :class:`SumBlocks` asked for: verify the
-        DONE that asked against them, then count its sender done or fail the request."""
-        ask = answer.ask
-        rec = self._reqs.get(ask.req_id)
-        msg = rec.asked if rec is not None else None
-        if rec is None or msg is None or not isinstance(ask, SumBlocks):
-            raise ProtocolError("decode", ask.req_id, rec.state if rec else "UNKNOWN", "sums",
-                                "checksums nobody asked for")
-        if len(answer.sums) != len(ask.plans):
-            raise ProtocolError("decode", ask.req_id, rec.state, "sums",
-                                f"sums for {len(answer.sums)} senders, asked for "
-                                f"{len(ask.plans)}")
-        rec.asked = None
-        key = (msg.sender.engine_id, msg.sender.rank)
-        local = {plan.sender: [c for layer in sums for c in layer]
-                 for plan, sums in zip(ask.plans, answer.sums, strict=True)}
-        out: list[Effect] = []
-        bad = self._verify(rec, key, msg, local)
-        if bad is not None:
-            # Bytes differ from what the sender says it wrote: a write may still be in
-            # flight (a sender whose DONE came early) as well as corrupted. Refused; the
-            # blocks stay fenced (or quarantined) until it confirms it stopped or the lease
-            # ends.
-            # A bad transfer is a lost epoch like a lost P: prefilled again (budget allowing;
-            # the sender's engine avoided as a lost one is) once this epoch's senders stopped.
-            self.counters["checksum_mismatches"] += 1
-            out.append(ack(self.me, msg, "done", False))
-            self._lose(rec, bad.kind, bad.reason, key[0], now, out)
-            return out
-        rec.sums[key] = tuple(msg.checksums)
-        self._sender_done(rec, key, msg, now, out)
-        return out
 
     def _sender_done(self, rec: DecodeRecord, key: SenderKey, msg: DoneSending, now: float,
                      out: list[Effect]) -> None:
