@@ -75,11 +75,11 @@ def _plan_without_rank_1(monkeypatch: pytest.MonkeyPatch) -> None:
     """kvmap's sender plan with a slip: P TP rank 1 writes nowhere and D expects only rank 0
     (so head 1 has no writer), while everything else stays consistent with it (D's claim check
     reads the same plan, so it does not refuse rank 0 for it)."""
-    import lw.fsm.decode as decode
+    import lw.fsm.decode_claims as claims
     import lw.sim.config as config
 
     monkeypatch.setattr(config, "expected_senders", lambda fmt, tp: frozenset({0}))
-    monkeypatch.setattr(decode, "expected_senders", lambda fmt, tp: frozenset({0}))
+    monkeypatch.setattr(claims, "expected_senders", lambda fmt, tp: frozenset({0}))
     monkeypatch.setattr(config, "targets_of", lambda fmt, d_tp: (0,) if fmt.tp_rank == 0 else ())
 
 
