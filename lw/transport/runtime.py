@@ -6,7 +6,7 @@ data plane and its timers, all on one thread. Engine threads talk to it only thr
 entry points (:meth:`WorkerLoop.layer_computed`, :meth:`WorkerLoop.call`,
 :meth:`WorkerLoop.drain_reports`, :meth:`WorkerLoop.stats`): they append to a queue and, at most
 once per loop turn, write one byte to a pipe. Nothing an engine thread calls waits on the network,
-on the data plane or on the loop.
+on the data plane or on the loop (:mod:`lw.transport.inbox`).
 
 The core's effects are performed by the one interpreter every driver uses
 (:func:`lw.fsm.interpreter.perform`) through this loop's ports: ``Send`` goes to the side channel
@@ -15,7 +15,8 @@ data-plane transfer per destination session (:class:`~lw.transport.writepath.Wri
 timers go to :class:`~lw.transport.timers.Timers`, reports to the engine. A message from the
 network that the core refuses (``ProtocolError``) is counted, dropped and warned about (rate-
 limited: :mod:`lw.transport.ratelog`); no message can stop the loop. ``lw status``
-queries are answered after the rest of a turn, within a budget (:mod:`lw.transport.statusdesk`).
+queries are answered after the rest of a turn, within a budget (:mod:`lw.transport.statusdesk`);
+heartbeat rounds and silent peers are :mod:`lw.transport.peerwatch`'s.
 """
 
 from __future__ import annotations
@@ -41,20 +42,20 @@ from lw.fsm.effects import FenceData, KeptSums
 from lw.fsm.interpreter import Report, perform
 from lw.fsm.lifecycles import DONE, FAILED
 from lw.fsm.messages import FirstTokenStatus, Message
-from lw.fsm.silence import GONE, Silence
 from lw.fsm.status import status_line
 from lw.transport import statusdesk
+from lw.transport.inbox import CALL, FN, LAYER, Inbox
 from lw.transport.kvmemory import Entry, KVMemory
 from lw.transport.linkmeter import host_of
 from lw.transport.loopconfig import LoopConfig
 from lw.transport.loopports import LoopPorts
 from lw.transport.osthread import name_os_thread
+from lw.transport.peerwatch import PeerWatch
 from lw.transport.ratelog import RateLog, peer_of
 from lw.transport.reports import ReportQueue
 from lw.transport.sidechannel import Inbound, SideChannel
 from lw.transport.statusreply import status_reply
 from lw.transport.timers import Timers
-from lw.transport.wakepipe import WakePipe
 from lw.transport.wire import (
     PROTOCOL_VERSION,
     Abort,
@@ -82,11 +83,6 @@ _REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's conne
 _REQUESTS = (MetaRequest, DoneSending, FailedSending, Abort)  # questions: correlated
 _CALLS = frozenset({"add_request", "add_chunk", "abort", "peer_lost", "prefill_routed",
                     "data_fenced", "add_ahead", "bind", "first_token"})
-
-# inbox item kinds
-_LAYER = 0
-_CALL = 1
-_FN = 2
 
 _DEFAULT_CONFIG = LoopConfig()
 """The settings of a loop given none (tests, benchmarks)."""
@@ -135,26 +131,6 @@ class WorkerLoop:
         self.memory = KVMemory(local_layout, entries_for)
         self._on_report = on_report
         self._fresh_blocks = fresh_blocks
-        self._max_inbox = config.max_inbox
-        # While layer events come faster than 2 * hot_poll_s, the loop polls every hot_poll_s
-        # for hot_window_s after each, and hooks skip the wake-up write: a write wakes the loop
-        # thread, and on a busy machine the context switch it triggers costs the forward thread
-        # tens of microseconds per layer.
-        self._hot_poll_ms = round(config.hot_poll_s * 1000)
-        self._hot_window_s = config.hot_window_s if self._hot_poll_ms else 0.0
-        self._hot_until = 0.0
-        # layer events closer than this keep the loop polling
-        self._hot_gap_s = 2 * config.hot_poll_s
-        self._last_layer_ev = -1e9
-        # A layer event wakes the loop only if the last one to wake it is layer_batch_s old (or
-        # it is the last layer): the rest wait in the inbox and go out with it as one transfer.
-        # Each wake-up costs the forward's core a context switch, the core's work and a data
-        # plane submit and polls: with CPU layers ms apart, batching at 15 ms halved lw's
-        # thread CPU on P and took 6-18 % off a 1,024-token prefill (benchmarks/push_cpu.py).
-        # The first layer after a quiet spell still wakes at once, so a push starts when its
-        # first layer is computed.
-        self._layer_batch_s = config.layer_batch_s
-        self._batch_woken = -1e9
         self._clock = clock
         self._name = config.name
         local = self.memory.local
@@ -172,10 +148,6 @@ class WorkerLoop:
                 f"inbound transfers (Mooncake over TCP); {type(data_plane).__name__} cannot: "
                 "turn fence_data off (then a lease's end frees blocks late bytes may still "
                 "reach) or use one that can")
-        # engine -> loop
-        self._inbox: deque[tuple] = deque()
-        self._pipe = WakePipe()
-        self._wake_pending = False
         # loop -> engine
         self.reports = ReportQueue()
         self.timers = Timers()
@@ -188,11 +160,14 @@ class WorkerLoop:
         # Liveness of the peers our live requests need: a peer silent past its budget (no
         # message at all, heartbeats unanswered) goes to the core's verdict (peer_silent), with
         # what our connection to it shows.
-        self.liveness = config.liveness()
-        self._slow_noted: dict[str, str] = {}  # silent peers kept, by the evidence last logged
-        self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
         self.counters: dict[str, int | float] = dict.fromkeys(_COUNTERS, 0)
         self.counters["layer_event_s"] = 0.0
+        self.liveness = config.liveness()
+        self.peers = PeerWatch(config.name, self.liveness, endpoint, side, self.counters,
+                               self._core_error, self._execute_now)
+        self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
+        # engine -> loop (hooks and calls; wake-ups and the polling policy)
+        self.inbox = Inbox(config, self._num_layers, self.counters)
         self.writes = WritePath(self.memory, self.counters)
         self.status_gate = statusdesk.StatusGate(config.status_share, config.status_burst_s,
                                                  config.status_per_route)
@@ -201,7 +176,6 @@ class WorkerLoop:
         self.first_token: FirstTokenStatus | None = None
         self._refusals = RateLog(log, config.name, config.warn_interval_s, clock=self._clock)
         self._stopping = False
-        self._finished = False
         self._thread: threading.Thread | None = None
         self.crashed: BaseException | None = None
 
@@ -226,19 +200,7 @@ class WorkerLoop:
 
     def layer_computed(self, layer: int, req_ids: Iterable[str]) -> None:
         """Forward hook: ``layer`` is computed for ``req_ids``. O(batch) copy, never waits."""
-        inbox = self._inbox
-        if len(inbox) >= self._max_inbox:  # a dead loop must not grow memory without bound
-            self.counters["inbox_overflow"] += 1
-            return
-        t = time.monotonic()
-        inbox.append((_LAYER, layer, tuple(req_ids), t))
-        if self._wake_pending:
-            return
-        if self._layer_batch_s and layer != self._num_layers - 1:
-            if t - self._batch_woken < self._layer_batch_s:
-                return  # goes out with a later layer (the last one at the latest)
-            self._batch_woken = t
-        self._wake()
+        self.inbox.layer(layer, req_ids)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Future:
         """Run ``endpoint.<method>(*args, now, **kwargs)`` on the loop (add_request, add_chunk,
@@ -249,21 +211,14 @@ class WorkerLoop:
         if method not in _CALLS:
             raise ValueError(f"WorkerLoop.call: {method!r} is not one of {sorted(_CALLS)}")
         fut: Future = Future()
-        self._enqueue((_CALL, method, (args, kwargs), fut))
+        self.inbox.put((CALL, method, (args, kwargs), fut))
         return fut
 
     def run(self, fn: Callable[[WorkerLoop], Any]) -> Future:
         """Run ``fn(loop)`` on the loop thread (inspection, tests); its result in a Future."""
         fut: Future = Future()
-        self._enqueue((_FN, fn, None, fut))
+        self.inbox.put((FN, fn, None, fut))
         return fut
-
-    def _enqueue(self, item: tuple) -> None:
-        self._inbox.append(item)
-        if self._finished:  # the loop is gone: fail now instead of never
-            self._fail_inbox()
-        elif not self._wake_pending:
-            self._wake()
 
     def wait_reports(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s until a report is there to drain (any thread; the engine's
@@ -279,7 +234,7 @@ class WorkerLoop:
         """Counters of the loop, the core, the side channel and the data plane, plus the
         transfer tail (last layer's hook -> last write done) and side-channel round trips."""
         out: dict[str, Any] = {f"loop.{k}": v for k, v in self.counters.items()}
-        out["loop.inbox"] = len(self._inbox)
+        out["loop.inbox"] = len(self.inbox)
         out["loop.timers"] = len(self.timers)
         out["loop.crashed"] = repr(self.crashed) if self.crashed else ""
         out["live_requests"] = len(self.endpoint.live_requests())
@@ -308,11 +263,11 @@ class WorkerLoop:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop thread and close what it owns (waits up to ``timeout``)."""
         self._stopping = True
-        self._wake()
+        self.inbox.wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         elif self._thread is None:
-            self._finished = True
+            self.inbox.finished = True
             self._close_owned()
 
     def __enter__(self) -> WorkerLoop:
@@ -321,14 +276,10 @@ class WorkerLoop:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _wake(self) -> None:
-        self._wake_pending = True
-        self._pipe.wake()
-
     # ============================================================ loop thread
     def _run(self) -> None:
         name_os_thread()
-        fds = [self._pipe.fd]
+        fds = [self.inbox.pipe.fd]
         dp_fd = -1
         if self.data_plane is not None:
             dp_fd = self.data_plane.fileno()
@@ -342,16 +293,13 @@ class WorkerLoop:
             self.crashed = exc
             log.exception("%s crashed", self._name)
         finally:
-            self._finished = True
-            self._fail_inbox()
+            self.inbox.finished = True
+            self.inbox.fail_all()
             self._close_owned()
 
     def _turn(self, inbound: list[Inbound], ready: set[int], dp_fd: int = -1) -> None:
         """One turn's work on what a poll returned; status queries last, after the protocol."""
-        if self._pipe.fd in ready:
-            self._pipe.drain()
-        # Clear before draining: a hook that appends after the drain writes the pipe again.
-        self._wake_pending = False
+        self.inbox.turn_started(ready)
         self._drain_inbox()
         queries = self._on_network(inbound)
         if dp_fd in ready:
@@ -373,21 +321,9 @@ class WorkerLoop:
         # The wake pipe stays open until the object goes away: an engine thread may still call
         # a hook, and writing to a closed (possibly reused) fd number would hit another file.
 
-    def _fail_inbox(self) -> None:
-        while True:
-            try:
-                item = self._inbox.popleft()
-            except IndexError:
-                return
-            if item[0] in (_CALL, _FN) and item[3].set_running_or_notify_cancel():
-                item[3].set_exception(RuntimeError("WorkerLoop stopped"))
-
     def _timeout_ms(self) -> int:
-        cap = 200
-        if self._hot_until and time.monotonic() < self._hot_until:
-            self._wake_pending = True  # set before the inbox check: hooks need not write
-            cap = self._hot_poll_ms
-        if self._inbox:
+        cap = self.inbox.poll_cap_ms()
+        if self.inbox.items:
             return 0
         due = self.timers.next_at()
         hb = self.liveness
@@ -400,27 +336,20 @@ class WorkerLoop:
 
     # ------------------------------------------------------------ engine events
     def _drain_inbox(self) -> None:
-        inbox = self._inbox
+        inbox = self.inbox.items
         ep = self.endpoint
         layer_effects: list[Effect] = []  # of consecutive layer events: one submit per peer
         while inbox:
             item = inbox.popleft()
             kind = item[0]
-            if kind != _LAYER and layer_effects:
+            if kind != LAYER and layer_effects:
                 self._execute_layer_effects(layer_effects)  # before a call that may need them
                 layer_effects = []
-            if kind == _LAYER:
+            if kind == LAYER:
                 _, layer, ids, t = item
                 started = time.perf_counter()
                 self.counters["layer_events"] += 1
-                if self._hot_window_s:
-                    # Polling pays only while layer events come closer than the poll interval
-                    # (GPU layers: one poll serves several). Slower layers (a CPU forward pass,
-                    # several ms each) wake the loop once per event instead: polling through a
-                    # whole chunked prefill cost P's forward pass about 10 % here.
-                    if t - self._last_layer_ev < self._hot_gap_s:
-                        self._hot_until = time.monotonic() + self._hot_window_s
-                    self._last_layer_ev = t
+                self.inbox.layer_event(t)
                 try:
                     effects = ep.layer_computed(layer, ids, self._clock())
                 except Exception as exc:
@@ -433,7 +362,7 @@ class WorkerLoop:
                             self._last_layer_t[rid] = t
                 layer_effects += effects
                 self.counters["layer_event_s"] += time.perf_counter() - started
-            elif kind == _CALL:
+            elif kind == CALL:
                 _, method, (args, kwargs), fut = item
                 self.counters["calls"] += 1
                 if not fut.set_running_or_notify_cancel():
@@ -487,10 +416,8 @@ class WorkerLoop:
             self._rtts.append(ib.rtt_s)
         now = self._clock()
         origin = getattr(msg, "sender", None) or getattr(msg, "responder", None)
-        if origin is not None and self.liveness.on:
-            self.liveness.heard(origin.addr, now)
-            if self._slow_noted.pop(origin.addr, None) is not None:
-                log.info("%s: peer %s speaks again", self._name, origin.addr)
+        if origin is not None:
+            self.peers.heard(origin.addr, now)
         if isinstance(msg, Heartbeat):
             self.side.reply(ib, msg.sender.addr,
                             HeartbeatAck(PROTOCOL_VERSION, self.endpoint.me))
@@ -569,41 +496,8 @@ class WorkerLoop:
             self._check_stuck(now)
 
     def _heartbeat(self, now: float) -> None:
-        """Probe quiet peers that live requests need; hand silent ones to the core."""
-        try:
-            peers = self.endpoint.awaited_peers()
-        except Exception as exc:
-            self._core_error("awaited_peers", exc)
-            return
-        hb = self.liveness
-        probe, silent, late = hb.round(peers, now)
-        if late:  # we were stopped or starved ourselves: our silence, not the peers'
-            self.counters["self_stalls"] += 1
-        for addr in [a for a in self._slow_noted if a not in peers]:
-            del self._slow_noted[addr]  # no longer needed: nothing waits on it
-        for addr, quiet in silent:
-            # whether our connection to it is up: its process lives however slow it is
-            process = self.side.link_evidence(addr)
-            silence = Silence(quiet, hb.budget(addr, now), hb.cap_s, process)
-            try:
-                effects = self.endpoint.peer_silent(peers[addr], silence, now)
-            except Exception as exc:
-                self._core_error("peer_silent", exc)
-                continue
-            if effects is None:
-                if self._slow_noted.get(addr) != process:
-                    self._slow_noted[addr] = process
-                    log.info("%s: peer %s silent %.1fs past its %.1fs budget, kept: %s",
-                             self._name, addr, quiet, silence.budget_s, process)
-                continue
-            hb.lost(addr, learn=process != GONE)
-            self._slow_noted.pop(addr, None)
-            self.counters["peers_lost"] += 1
-            log.warning("%s: peer %s lost: %s", self._name, addr, silence.reason())
-            self._execute(effects, None)
-        for addr in probe:
-            self.counters["heartbeats_sent"] += 1
-            self.side.send(addr, Heartbeat(PROTOCOL_VERSION, self.endpoint.me))
+        """A heartbeat round (:class:`~lw.transport.peerwatch.PeerWatch`)."""
+        self.peers.round(now)
 
     # ------------------------------------------------------------ observability
     def _check_stuck(self, now: float) -> None:
@@ -644,6 +538,9 @@ class WorkerLoop:
         # Made per call: ports kept on the loop would be a reference cycle, and a loop freed by
         # the cyclic collector may finalize its zmq context before its sockets (term() hangs).
         perform(effects, LoopPorts(self, ib), self._effect_failed)
+
+    def _execute_now(self, effects: list[Effect]) -> None:
+        self._execute(effects, None)
 
     def _effect_failed(self, e: Effect, exc: Exception) -> None:
         self.counters["effect_errors"] += 1

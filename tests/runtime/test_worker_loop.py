@@ -115,23 +115,23 @@ def test_many_requests_in_one_batch_are_grouped_per_layer(pair: Pair) -> None:
 
 
 def test_layer_batch_wakes_the_loop_for_the_first_and_last_layer_only() -> None:
-    pair = make_pair(layer_batch_s=60.0, hot_poll_s=0.0)  # no hot poll: only _wake wakes it
+    pair = make_pair(layer_batch_s=60.0, hot_poll_s=0.0)  # no hot poll: only wake() wakes it
     try:
         local, remote = (1, 2), (3, 4)
         pair.start("r1", local, remote)
         wait_for(lambda: pair.p.run(lambda lp: lp.endpoint.state_of("r1")).result(5)
                  == "META_READY")
         woke: list[int] = []
-        real_wake = pair.p._wake
+        real_wake = pair.p.inbox.wake
 
         def counting_wake() -> None:
             if threading.current_thread() is threading.main_thread():
                 woke.append(1)
             real_wake()
 
-        pair.p._wake = counting_wake  # type: ignore[method-assign]
+        pair.p.inbox.wake = counting_wake  # type: ignore[method-assign]
         for layer in range(L):
-            wait_for(lambda: not pair.p._wake_pending)  # as if the loop had drained meanwhile
+            wait_for(lambda: not pair.p.inbox.wake_pending)  # as if the loop had drained meanwhile
             pair.compute("r1", local, range(layer, layer + 1))
         # layer 0 (after a quiet spell) and the last layer wake it; the rest wait in the inbox
         assert len(woke) == 2

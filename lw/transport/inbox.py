@@ -1,0 +1,132 @@
+"""A worker loop's inbox: how engine threads hand it work without waiting (a part of
+:class:`lw.transport.runtime.WorkerLoop`).
+
+Engine threads append to a queue and, at most once per loop turn, write one byte to a pipe the
+loop polls. Two policies keep those wake-ups rare on a busy forward thread: layer events that
+come closer than the hot poll interval keep the loop polling for a window (hooks then skip the
+write), and a layer event wakes the loop only if the last one to wake it is ``layer_batch_s``
+old (or it is the last layer), the rest going out with it as one transfer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from lw.transport.loopconfig import LoopConfig
+from lw.transport.wakepipe import WakePipe
+
+__all__ = ["CALL", "FN", "LAYER", "Inbox"]
+
+# item kinds: (LAYER, layer, req_ids, t), (CALL, method, (args, kwargs), future),
+# (FN, fn, None, future)
+LAYER = 0
+CALL = 1
+FN = 2
+
+IDLE_POLL_MS = 200  # the longest a loop polls with nothing due
+
+
+class Inbox:
+    """Engine -> loop queue, its wake pipe and its polling policy (hooks on any thread; the
+    rest on the loop thread)."""
+
+    def __init__(self, config: LoopConfig, num_layers: int,
+                 counters: dict[str, int | float]) -> None:
+        self.items: deque[tuple] = deque()
+        self.max_items = config.max_inbox
+        self.counters = counters  # the loop's: inbox_overflow
+        self.pipe = WakePipe()
+        self.wake_pending = False
+        self.finished = False  # the loop thread is gone: what comes now fails at once
+        # While layer events come faster than 2 * hot_poll_s, the loop polls every hot_poll_s
+        # for hot_window_s after each, and hooks skip the wake-up write: a write wakes the loop
+        # thread, and on a busy machine the context switch it triggers costs the forward thread
+        # tens of microseconds per layer.
+        self.hot_poll_ms = round(config.hot_poll_s * 1000)
+        self.hot_window_s = config.hot_window_s if self.hot_poll_ms else 0.0
+        self.hot_until = 0.0
+        # layer events closer than this keep the loop polling
+        self.hot_gap_s = 2 * config.hot_poll_s
+        self.last_layer_ev = -1e9
+        # A layer event wakes the loop only if the last one to wake it is layer_batch_s old (or
+        # it is the last layer): the rest wait in the inbox and go out with it as one transfer.
+        # Each wake-up costs the forward's core a context switch, the core's work and a data
+        # plane submit and polls: with CPU layers ms apart, batching at 15 ms halved lw's
+        # thread CPU on P and took 6-18 % off a 1,024-token prefill (benchmarks/push_cpu.py).
+        # The first layer after a quiet spell still wakes at once, so a push starts when its
+        # first layer is computed.
+        self.layer_batch_s = config.layer_batch_s
+        self.batch_woken = -1e9
+        self.num_layers = num_layers  # P's; 0 on D (no layer events)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    # ------------------------------------------------------------ engine threads
+    def layer(self, layer: int, req_ids: Iterable[str]) -> None:
+        """A layer event: O(batch) copy, never waits; wakes the loop as the policy says."""
+        items = self.items
+        if len(items) >= self.max_items:  # a dead loop must not grow memory without bound
+            self.counters["inbox_overflow"] += 1
+            return
+        t = time.monotonic()
+        items.append((LAYER, layer, tuple(req_ids), t))
+        if self.wake_pending:
+            return
+        if self.layer_batch_s and layer != self.num_layers - 1:
+            if t - self.batch_woken < self.layer_batch_s:
+                return  # goes out with a later layer (the last one at the latest)
+            self.batch_woken = t
+        self.wake()
+
+    def put(self, item: tuple) -> None:
+        """Queue a CALL or FN item (its future fails at once if the loop is gone)."""
+        self.items.append(item)
+        if self.finished:  # the loop is gone: fail now instead of never
+            self.fail_all()
+        elif not self.wake_pending:
+            self.wake()
+
+    def wake(self) -> None:
+        self.wake_pending = True
+        self.pipe.wake()
+
+    def fail_all(self) -> None:
+        """Fail the future of every queued call (the loop stopped); layer events are dropped."""
+        while True:
+            try:
+                item = self.items.popleft()
+            except IndexError:
+                return
+            if item[0] in (CALL, FN) and item[3].set_running_or_notify_cancel():
+                item[3].set_exception(RuntimeError("WorkerLoop stopped"))
+
+    # ------------------------------------------------------------ loop thread
+    def turn_started(self, ready: set[int]) -> None:
+        """A poll returned (``ready``: its ready fds): take the wake-up."""
+        if self.pipe.fd in ready:
+            self.pipe.drain()
+        # Clear before draining: a hook that appends after the drain writes the pipe again.
+        self.wake_pending = False
+
+    def layer_event(self, t: float) -> None:
+        """A layer event queued at ``t`` is drained: keep the loop polling while they come
+        close together."""
+        if self.hot_window_s:
+            # Polling pays only while layer events come closer than the poll interval (GPU
+            # layers: one poll serves several). Slower layers (a CPU forward pass, several ms
+            # each) wake the loop once per event instead: polling through a whole chunked
+            # prefill cost P's forward pass about 10 % here.
+            if t - self.last_layer_ev < self.hot_gap_s:
+                self.hot_until = time.monotonic() + self.hot_window_s
+            self.last_layer_ev = t
+
+    def poll_cap_ms(self) -> int:
+        """The longest the next poll may wait: short while hot (the loop's queue aside)."""
+        cap = IDLE_POLL_MS
+        if self.hot_until and time.monotonic() < self.hot_until:
+            self.wake_pending = True  # set before the inbox check: hooks need not write
+            cap = self.hot_poll_ms
+        return cap
