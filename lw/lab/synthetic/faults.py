@@ -1,6 +1,6 @@
 """Fault injection of the synthetic cluster: when and how the configured fault strikes (kill,
 freeze or partition a decoder, crash a P rank) and which decoder to kill (a mixin of the
-coordinator, :class:`lw.lab.synthetic.cluster._Cluster`)."""
+coordinator, :class:`lw.lab.synthetic.coordinator.Coordinator`)."""
 
 from __future__ import annotations
 
