@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from lw.house import ABOVE_THE_ENGINES, ENGINE_PACKAGES, LW, cycles, import_graph, inside
 
-MAX_LINES = 700
+MAX_LINES = 600
 # Files still over the limit, at most this long (none: the runtime's interpreter, writes,
 # timers, heartbeats, wake pipe and status replies went to modules of their own).
 OVER_THE_LIMIT: dict[str, int] = {}

@@ -16,6 +16,7 @@ import httpx
 from fastapi.responses import Response
 
 from lw.contract.worker_addrs import PREFILL_ENGINE_KEY, PREFILL_WORKERS_KEY
+from lw.proxy.bodies import describe_exc, quote_body
 from lw.proxy.explain import (
     ERROR_EVENT,
     MAX_ERROR_EVENT,
@@ -34,8 +35,6 @@ from lw.proxy.state import (
     Send,
     SubPrefill,
     Transfer,
-    _describe,
-    _quote,
     build_decode_body,
     error_body,
     log,
@@ -70,11 +69,11 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
             state.timeline.mark(sub.sub_id, "p_done")
         except (TimeoutError, httpx.TimeoutException) as exc:
             status = 504
-            why = _describe(exc) if str(exc) else (
+            why = describe_exc(exc) if str(exc) else (
                 f"no whole answer within {state.limits.prefill_total_s:g} s")
             error = f"prefill server {backend.url} timed out on {api}: {why}"
         except (httpx.HTTPError, AnswerTooLarge) as exc:
-            error = f"prefill server {backend.url} failed on {api}: {_describe(exc)}"
+            error = f"prefill server {backend.url} failed on {api}: {describe_exc(exc)}"
         else:
             if 200 <= code < 300:
                 sub.state = "done"
@@ -86,7 +85,7 @@ async def run_prefill(state: ProxyState, tr: Transfer, sub: SubPrefill, body: di
                 return
             lost = code >= 500
             error = (f"prefill server {backend.url} returned HTTP {code} on "
-                     f"{api}: {_quote(content)}")
+                     f"{api}: {quote_body(content)}")
         if status != 504:  # refused, dropped or 5xx: route new prefills elsewhere a while
             backend.failed(asyncio.get_running_loop().time())
         backend.errors += 1
@@ -341,7 +340,7 @@ class Exchange(Response):
                 data = await resp.aread()
                 if resp.status_code >= 500:
                     return await self._failed(f"decode server {server} returned HTTP "
-                                              f"{resp.status_code} on {tr.api}: {_quote(data)}")
+                                              f"{resp.status_code} on {tr.api}: {quote_body(data)}")
                 tr.decode.answered()
                 await self._upstream_status(send, resp, data)
                 return None
@@ -373,24 +372,24 @@ class Exchange(Response):
             tr.decode.failed(now())
             what = "unreachable" if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) \
                 else "failed"
-            message = f"decode server {server} {what} on {tr.api}: {_describe(exc)}"
+            message = f"decode server {server} {what} on {tr.api}: {describe_exc(exc)}"
             if not self.relayed:
                 return Failure(502, message, server=server)
             await self._error(send, 502, message, stage="decode", server=server)
         except httpx.TimeoutException as exc:
             tr.decode.errors += 1
             await self._error(send, 504, f"decode server {server} timed out on {tr.api}: "
-                              f"{_describe(exc)}", stage="decode", server=server)
+                              f"{describe_exc(exc)}", stage="decode", server=server)
         except httpx.HTTPError as exc:
             tr.decode.errors += 1
             await self._error(send, 502, f"decode server {server} failed on {tr.api}: "
-                              f"{_describe(exc)}", stage="decode", server=server)
+                              f"{describe_exc(exc)}", stage="decode", server=server)
         except (asyncio.CancelledError, OSError):
             raise
         except Exception as exc:  # a bug here must still answer the client
             log.exception("request %s: proxy failure", tr.request_id)
             with contextlib.suppress(Exception):  # in-band if the head is already out
-                await self._error(send, 500, f"proxy failure: {_describe(exc)}", stage="proxy",
+                await self._error(send, 500, f"proxy failure: {describe_exc(exc)}", stage="proxy",
                                   server=None)
         finally:
             if self._upstream is not None:
@@ -437,7 +436,7 @@ class Exchange(Response):
                 continue
             tr = self.tr
             return await self._failed(f"decode server {tr.decode.url} ended the stream of "
-                                      f"{tr.api} with an error: {_quote(event.strip())}")
+                                      f"{tr.api} with an error: {quote_body(event.strip())}")
         await self._relay(send, held)
         return None
 
@@ -471,7 +470,7 @@ class Exchange(Response):
             if self.started:  # a later attempt of a stream whose head is out: in-band
                 await self._error(send, resp.status_code, f"decode server {tr.decode.url} "
                                   f"returned HTTP {resp.status_code} on {tr.api}: "
-                                  f"{_quote(data)}", stage="decode", server=tr.decode.url)
+                                  f"{quote_body(data)}", stage="decode", server=tr.decode.url)
                 return
             self.state.counters["errors"] += 1
             await self._start(send, resp.status_code,
@@ -480,7 +479,7 @@ class Exchange(Response):
             return
         tr.decode.errors += 1
         await self._error(send, 502, f"decode server {tr.decode.url} returned HTTP "
-                          f"{resp.status_code} on {tr.api}: {_quote(data)}", stage="decode",
+                          f"{resp.status_code} on {tr.api}: {quote_body(data)}", stage="decode",
                           server=tr.decode.url)
 
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.types import Receive, Scope, Send
 
+from lw.proxy.bodies import describe_exc
 from lw.proxy.intake import (
     BadJson,
     client_bytes,
@@ -23,7 +24,7 @@ from lw.proxy.intake import (
     screen,
     too_deep,
 )
-from lw.proxy.state import ProxyState, _describe, error_body
+from lw.proxy.state import ProxyState, error_body
 
 __all__ = ["Relay", "passthrough_handler", "relay_unroutable", "screened_body"]
 
@@ -115,7 +116,7 @@ class Relay(Response):
         except httpx.HTTPError as exc:
             state.counters["errors"] += 1
             server = f"{self.upstream.url.scheme}://{self.upstream.url.netloc.decode()}"
-            message = f"decode server {server} did not answer {self.what}: {_describe(exc)}"
+            message = f"decode server {server} did not answer {self.what}: {describe_exc(exc)}"
             state.refusals.note("upstream_decode", "%s", message)
             answer: Response = JSONResponse(error_body(
                 state.public(message), 502, stage="decode", server=state.label(server)),

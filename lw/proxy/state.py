@@ -77,11 +77,6 @@ __all__ = [
     "validate_request",
 ]
 
-# The names these had while they lived here, still imported by lw.proxy.exchange and
-# lw.proxy.passthrough.
-_describe = describe_exc
-_quote = quote_body
-
 log = logging.getLogger("lw.proxy")
 
 
