@@ -168,7 +168,10 @@ class LwConfig:
         "P's `request_timeout_s`, for the lease check")
     data_plane: str = _key(
         "mooncake", "both",
-        "`\"inprocess\"` only for single-process tests")
+        "`\"mooncake\"` (Mooncake's transfer engine), `\"nixl\"` (a NIXL agent's UCX backend: "
+        "the `nixl` extra; UCX is set by its own environment variables, e.g. `UCX_TLS`, "
+        "`UCX_NET_DEVICES`; lease-only, no fence yet), `\"inprocess\"` only for "
+        "single-process tests")
     transfer_timeout_s: float = _key(
         30.0, "both",
         "Mooncake's `MC_TRANSFER_TIMEOUT` (whole seconds, ≥ 5)")
