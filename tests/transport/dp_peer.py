@@ -1,4 +1,5 @@
-"""Subprocess peer for the Mooncake data-plane tests: registers a buffer and answers checksums.
+"""Subprocess peer for the data-plane tests (Mooncake, or NIXL with ``--plane nixl``): registers
+a buffer and answers checksums.
 
 Prints one JSON line ``{"session", "addr", "size"}`` on stdout, then serves stdin commands:
 ``sha <offset> <length>`` -> sha256 hex of that slice; ``zero`` -> clears the buffer; ``quit``.
@@ -10,10 +11,17 @@ import argparse
 import hashlib
 import json
 import sys
+from typing import Any
 
 import numpy as np
 
-from lw.transport.dataplane import MooncakeDataPlane
+
+def _plane(kind: str, host: str) -> Any:
+    if kind == "nixl":
+        from lw.transport.dataplane.nixl import NixlDataPlane
+        return NixlDataPlane(host)
+    from lw.transport.dataplane import MooncakeDataPlane
+    return MooncakeDataPlane(host)
 
 
 def main() -> None:
@@ -21,9 +29,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", type=int, default=16 << 20)
     parser.add_argument("--split", action="store_true")
-    parser.add_argument("--host", default="127.0.0.1", help="address to serve Mooncake on")
+    parser.add_argument("--host", default="127.0.0.1", help="address peers reach the plane on")
+    parser.add_argument("--plane", choices=("mooncake", "nixl"), default="mooncake")
     args = parser.parse_args()
-    plane = MooncakeDataPlane(args.host)
+    plane = _plane(args.plane, args.host)
     buf = np.zeros(args.size, dtype=np.uint8)
     addr = buf.ctypes.data
     if args.split:

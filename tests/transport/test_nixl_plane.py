@@ -48,13 +48,14 @@ def sha(a: np.ndarray) -> str:
 
 
 class Peer:
-    """A nixl_peer.py subprocess: a NIXL agent with a registered buffer in another process."""
+    """A dp_peer.py subprocess (``--plane nixl``): a NIXL agent with a registered buffer in
+    another process."""
 
     def __init__(self, size: int = 16 << 20, split: bool = False,
                  host: str = "127.0.0.1", wrap: Callable[[list[str]], list[str]] = list,
                  env: dict[str, str] | None = None) -> None:
-        args = wrap([sys.executable, str(HERE / "nixl_peer.py"), "--size", str(size),
-                     "--host", host] + (["--split"] if split else []))
+        args = wrap([sys.executable, str(HERE / "dp_peer.py"), "--plane", "nixl",
+                     "--size", str(size), "--host", host] + (["--split"] if split else []))
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True,
                                      env={**os.environ, **UCX_ENV, **(env or {})})
@@ -62,7 +63,7 @@ class Peer:
         line = self.proc.stdout.readline()
         if not line:
             self.kill()
-            raise RuntimeError("nixl_peer.py exited before printing its session")
+            raise RuntimeError("dp_peer.py exited before printing its session")
         info = json.loads(line)
         self.session: str = info["session"]
         self.addr: int = info["addr"]
