@@ -463,6 +463,20 @@ class _QueuedDataPlane:
                     self._backend_transfer, peer.session, job)
             self._complete(job, reason)
 
+    def _sender_crashed(self, peer: _Peer, in_flight: list[_Job], exc: Exception) -> None:
+        """A pipelined sender thread raised: fail its jobs in flight and queued (never leave
+        submitters waiting on a dead thread) and forget the peer, so that the next submit
+        starts a fresh sender."""
+        with peer.cond:
+            dropped = [job for job in peer.queue if not job.is_connect]
+            peer.queue.clear()
+            peer.dead = True
+        with self._lock:
+            if self._peers.get(peer.session) is peer:
+                del self._peers[peer.session]
+        for job in in_flight + dropped:
+            self._complete(job, f"internal error in data plane sender: {exc!r}")
+
     def _do_connect(self, peer: _Peer) -> None:
         """Run first contact with ``peer`` and record its outcome."""
         reason = self._guard(self._backend_connect, peer.session)

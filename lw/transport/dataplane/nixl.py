@@ -329,16 +329,8 @@ class NixlDataPlane(_QueuedDataPlane):
         flights: deque[_Flight] = deque()
         try:
             self._pipelined(peer, flights)
-        except Exception as exc:  # never leave submitters waiting on a dead thread
-            with peer.cond:
-                dropped = [job for job in peer.queue if not job.is_connect]
-                peer.queue.clear()
-                peer.dead = True
-            with self._lock:
-                if self._peers.get(peer.session) is peer:
-                    del self._peers[peer.session]  # the next submit starts a fresh sender
-            for job in [f.job for f in flights] + dropped:
-                self._complete(job, f"internal error in data plane sender: {exc!r}")
+        except Exception as exc:
+            self._sender_crashed(peer, [f.job for f in flights], exc)
             raise
 
     def _pipelined(self, peer: _Peer, flights: deque[_Flight]) -> None:
