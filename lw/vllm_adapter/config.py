@@ -188,6 +188,12 @@ class LwConfig:
         "CPUs of lw's transport threads (worker loop, data-plane senders, Mooncake's and ZMQ's "
         "IO threads): `all` (every online CPU), `inherit` (the worker's own pinning) or a list "
         "such as `0,2-3`")
+    push_nice: int = _key(
+        10, "P",
+        "how much lower than the forward's the priority (nice value) of P's transport threads is:"
+        " where they share a core with the forward, the forward (token 1) goes first and the push"
+        " fills its gaps; where they have cores of their own it changes nothing. In [0, 19]; 0 ="
+        " the forward's priority")
     mooncake_metadata_server: str = _key(
         "P2PHANDSHAKE", "both",
         "Mooncake metadata mode (P2P handshake: no metadata server)")

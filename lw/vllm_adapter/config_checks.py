@@ -61,6 +61,9 @@ def check_values(values: dict[str, Any], extra: dict[str, Any], *, producer: boo
     if not 0 <= values["layer_batch_ms"] <= 1000:
         raise ConfigError("kv_connector_extra_config.layer_batch_ms must be in [0, 1000], "
                           f"got {values['layer_batch_ms']}")
+    if not 0 <= values["push_nice"] <= 19:
+        raise ConfigError("kv_connector_extra_config.push_nice must be in [0, 19], "
+                          f"got {values['push_nice']}")
     if values["metaserver_attempts"] < 1:
         raise ConfigError("kv_connector_extra_config.metaserver_attempts must be >= 1, "
                           f"got {values['metaserver_attempts']}")

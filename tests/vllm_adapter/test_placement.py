@@ -72,3 +72,41 @@ def test_the_connector_takes_a_list_and_refuses_a_bad_one() -> None:
     assert _build({"transport_cpus": "0,1"}).transport_cpus == "0,1"
     with pytest.raises(ConfigError, match="transport_cpus.*not a CPU list"):
         _build({"transport_cpus": "0-x"})
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_threads_started_inside_run_below_the_caller_and_pass_it_on() -> None:
+    """``push_nice``: a thread started in the block (as lw's loop is) and one that thread starts
+    later (a sender at first contact) run lower than the forward; the caller keeps its own."""
+    mine = _nice()
+    seen: dict[str, int] = {}
+    go = threading.Event()
+
+    def child() -> None:
+        seen["child"] = _nice()
+
+    def loop() -> None:
+        go.wait(5)
+        seen["loop"] = _nice()
+        t = threading.Thread(target=child)
+        t.start()
+        t.join()
+
+    t = threading.Thread(target=loop)
+    with transport_threads(None, nice=4):
+        t.start()
+    go.set()
+    t.join()
+    assert _nice() == mine
+    assert seen == {"loop": min(19, mine + 4), "child": min(19, mine + 4)}
+
+
+def test_push_nice_is_checked() -> None:
+    assert _build({}).push_nice == 10
+    assert _build({"push_nice": 0}).push_nice == 0
+    for bad in (-1, 20):
+        with pytest.raises(ConfigError, match="push_nice must be in"):
+            _build({"push_nice": bad})
