@@ -7,12 +7,6 @@ threads that busy-wait (vLLM's shared-memory broadcast spins with ``sched_yield`
 after each read). Measured on a 2-core machine with P TP 2 -> D TP 1 (D sharing a core with P
 rank 1): D's Mooncake and ZMQ IO threads left P rank 0's bytes unread for 30 s at a time while
 P rank 1 spun on their core, and requests failed on P's deadline.
-
-On P the same threads also run at a lower priority than the forward (``push_nice``): where they
-must share its core (a host with no spare core for them), the forward, which token 1 waits for,
-goes first and the push fills the gaps; a thread inherits its creator's nice value, so the
-threads lw's threads start later (a sender per peer, Mooncake's per-connection threads) are
-lowered too.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ import logging
 import os
 from collections.abc import Iterator
 
-__all__ = ["parse_cpus", "thread_ids", "transport_threads"]
+__all__ = ["parse_cpus", "transport_threads"]
 
 log = logging.getLogger("lw.vllm_adapter")
 
@@ -64,42 +58,10 @@ def _cpu_list(text: str, spec: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def thread_ids() -> frozenset[int]:
-    """The kernel's ids of this process's threads now (Linux; empty where /proc is not)."""
-    try:
-        return frozenset(int(t) for t in os.listdir("/proc/self/task"))
-    except OSError:
-        return frozenset()
-
-
-def _lower(tids: frozenset[int], nice: int) -> None:
-    """Raise each of ``tids``' nice value by ``nice`` (a thread that ended meanwhile is
-    skipped; raising needs no privilege, only lowering does)."""
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid)
-                                                     + nice))
-        except OSError:
-            continue
-
-
 @contextlib.contextmanager
-def transport_threads(cpus: frozenset[int] | None, nice: int = 0) -> Iterator[None]:
-    """Threads started inside this block run on ``cpus`` (None: unchanged) at ``nice`` more
-    than the calling thread; the calling thread's own affinity and priority are unchanged
-    at the end."""
-    before_tids = thread_ids() if nice else frozenset()
-    try:
-        with _affinity(cpus):
-            yield
-    finally:
-        if nice:
-            _lower(thread_ids() - before_tids, nice)
-
-
-@contextlib.contextmanager
-def _affinity(cpus: frozenset[int] | None) -> Iterator[None]:
-    """Threads started inside this block run on ``cpus`` (None: unchanged)."""
+def transport_threads(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Threads started inside this block run on ``cpus`` (None: unchanged); the calling
+    thread's own affinity is restored at the end."""
     if cpus is None:
         yield
         return
