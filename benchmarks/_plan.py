@@ -44,9 +44,10 @@ PROXY_ARGS = {"lw": ["--start-mode", "d-first"], "lw-off": ["--start-mode", "d-f
 """``lw proxy`` arguments per lw set-up: each names its start mode, so a set-up measures the
 same thing whatever the default (``lw`` is D first, the default again since D streams P's
 first token; ``lw-compute`` was the default before)."""
-P_EXTRA = {"lw-compute-step": {"ahead_compute_max_tokens": 256},
-           "lw-batch5": {"layer_batch_ms": 5}}
-"""P's extra ``kv_connector_extra_config`` per lw set-up, beyond ``push_mode``:
+P_EXTRA = {"lw-compute-step": {"experimental": {"ahead_compute_max_tokens": 256}},
+           "lw-batch5": {"experimental": {"layer_batch_ms": 5}}}
+"""P's extra ``kv_connector_extra_config`` per lw set-up, beyond ``push_mode`` (both knobs are
+in the unsupported ``experimental`` object):
 ``lw-compute-step`` computes ahead only a prompt of one engine step (the engines' 256-token
 budget) and admits a longer one ahead, as for a host whose push shares the forward's core;
 ``lw-batch5`` wakes P's loop for computed layers every 5 ms instead of 15 (a link-bound push's

@@ -44,12 +44,12 @@ from benchmarks.serving import (  # noqa: E402
 )
 
 CONFIGS = {  # name -> lw kv_connector_extra_config (P and D)
-    "per-layer": {"push_mode": "progressive", "layer_batch_ms": 0},
-    "batched-15ms": {"push_mode": "progressive", "layer_batch_ms": 15},
+    "per-layer": {"push_mode": "progressive", "experimental": {"layer_batch_ms": 0}},
+    "batched-15ms": {"push_mode": "progressive", "experimental": {"layer_batch_ms": 15}},
     "last-chunk": {"push_mode": "last_chunk"},
     "auto": {"push_mode": "auto"},
     # two wake-ups per forward (its first layer and its last): what the others cost above it
-    "auto-two-wakes": {"push_mode": "auto", "layer_batch_ms": 1000},
+    "auto-two-wakes": {"push_mode": "auto", "experimental": {"layer_batch_ms": 1000}},
 }
 OTHERS = {"peer": start_peer, "single": start_single}
 """Not lw: vLLM's MooncakeConnector P/D (its P sends a prompt's KV once the prefill is done, on

@@ -73,7 +73,7 @@ END = "<!-- end {name} -->"
 
 def regions() -> dict[tuple[str, str], tuple[str, str]]:
     """(file under docs/, region name) -> (source it is generated from, its content)."""
-    from lw.vllm_adapter.config import key_table
+    from lw.vllm_adapter.config_doc import key_table
 
     return {
         ("deployment.md", "config-keys"): ("lw/vllm_adapter/config.py", key_table()),

@@ -1,5 +1,6 @@
 """The checks behind :meth:`lw.vllm_adapter.config.LwConfig.build`: each extra-config value's
-type (:func:`coerce`), the ranges and combinations the connector cannot run with
+type (:func:`coerce`), the settings derived from the keys (:func:`derive`), the ranges and
+combinations the connector cannot run with
 (:func:`check_values`, against the model's KV heads too: :class:`ModelHeads`), and the host it
 advertises (:func:`check_host`, :func:`default_host`).
 
@@ -24,7 +25,7 @@ from lw.transport.loopconfig import LoopConfig
 from lw.vllm_adapter.placement import parse_cpus
 
 __all__ = ["MOONCAKE_PROTOCOLS", "ConfigError", "ModelHeads", "check_host", "check_values",
-           "coerce", "default_host", "loop_config_of", "model_heads"]
+           "coerce", "default_host", "derive", "loop_config_of", "model_heads"]
 
 # Transports Mooncake's TransferEngine.initialize knows (its installTransport; mooncake's docs).
 # Anything else is refused at start: Mooncake falls back to TCP without a word, and D would
@@ -46,71 +47,64 @@ def loop_config_of(settings: dict[str, Any], producer: bool, name: str) -> LoopC
     return core_config(LoopConfig, settings, name=name, layer_batch_s=batch_s)
 
 
-def check_values(values: dict[str, Any], extra: dict[str, Any], *, producer: bool,
-                 tp_size: int, heads: ModelHeads | None) -> None:
-    """The extra config's values (``values``, coerced; ``extra``, as given) in range and
-    consistent with each other, the engine's role, its TP size and the model's ``heads``;
-    normalizes ``mooncake_protocol`` in place."""
-    for key in ("peer_request_timeout_s", "metaserver_timeout_s"):
+def derive(values: dict[str, Any]) -> dict[str, Any]:
+    """The settings lw derives from the keys' ``values`` (each rule is documented beside its
+    field in :class:`~lw.vllm_adapter.config.LwConfig`); at the defaults they are the values
+    these settings had when they were keys."""
+    timeout, beat = values["request_timeout_s"], values["heartbeat_s"]
+    resend = min(beat, 0.5) if beat > 0 else 0.5
+    transfer = float(max(5, math.ceil(timeout)))  # Mooncake: whole seconds, at least 5
+    return {"peer_request_timeout_s": timeout, "transfer_timeout_s": transfer,
+            "lease_s": 2 * timeout + transfer,
+            "heartbeat_cap_s": max(timeout, beat * values["heartbeat_misses"]),
+            "meta_retry_s": resend, "ack_retry_s": resend,
+            "meta_attempts": max(1, round(timeout / 3 / resend)),
+            "ack_attempts": max(1, round(timeout / 6 / resend)),
+            "push_nice": 0, "retry_fresh_blocks": False}
+
+
+def check_values(values: dict[str, Any], given: dict[str, Any], names: dict[str, str], *,
+                 producer: bool, tp_size: int, heads: ModelHeads | None) -> None:
+    """The settings (``values``: coerced and derived; ``given``: the keys as written; ``names``:
+    each as the user writes it) in range and consistent with each other, the engine's role, its
+    TP size and the model's ``heads``; normalizes ``mooncake_protocol`` in place."""
+    for key in ("request_timeout_s", "metaserver_timeout_s"):
         if not values[key] > 0:
-            raise ConfigError(f"kv_connector_extra_config.{key} must be > 0, "
-                              f"got {values[key]}")
-    if not 0 <= values["idle_wait_ms"] <= 100:
-        raise ConfigError("kv_connector_extra_config.idle_wait_ms must be in [0, 100], "
-                          f"got {values['idle_wait_ms']}")
-    if not 0 <= values["layer_batch_ms"] <= 1000:
-        raise ConfigError("kv_connector_extra_config.layer_batch_ms must be in [0, 1000], "
-                          f"got {values['layer_batch_ms']}")
-    if not 0 <= values["push_nice"] <= 19:
-        raise ConfigError("kv_connector_extra_config.push_nice must be in [0, 19], "
-                          f"got {values['push_nice']}")
+            raise ConfigError(f"{names[key]} must be > 0, got {values[key]}")
+    for key, low, high in (("idle_wait_ms", 0, 100), ("layer_batch_ms", 0, 1000)):
+        if not low <= values[key] <= high:
+            raise ConfigError(f"{names[key]} must be in [{low}, {high}], got {values[key]}")
     if values["metaserver_attempts"] < 1:
-        raise ConfigError("kv_connector_extra_config.metaserver_attempts must be >= 1, "
+        raise ConfigError(f"{names['metaserver_attempts']} must be >= 1, "
                           f"got {values['metaserver_attempts']}")
-    if values["transfer_timeout_s"] < 5:
-        raise ConfigError("kv_connector_extra_config.transfer_timeout_s must be >= 5 "
-                          f"(Mooncake's minimum), got {values['transfer_timeout_s']}")
-    if not values["transfer_timeout_s"].is_integer():
-        # MC_TRANSFER_TIMEOUT is whole seconds: Mooncake would round 5.5 up to 6, past the
-        # value the lease check below was given.
-        raise ConfigError("kv_connector_extra_config.transfer_timeout_s must be whole "
-                          f"seconds (Mooncake's MC_TRANSFER_TIMEOUT), got "
-                          f"{values['transfer_timeout_s']}")
     values["mooncake_protocol"] = values["mooncake_protocol"].strip().lower()
     if values["mooncake_protocol"] not in MOONCAKE_PROTOCOLS:
-        raise ConfigError(f"kv_connector_extra_config.mooncake_protocol="
-                          f"{extra.get('mooncake_protocol')!r}: expected one of Mooncake's "
-                          f"transports {', '.join(MOONCAKE_PROTOCOLS)}")
+        raise ConfigError(f"{names['mooncake_protocol']}={given.get('mooncake_protocol')!r}: "
+                          f"expected one of Mooncake's transports "
+                          f"{', '.join(MOONCAKE_PROTOCOLS)}")
     try:
         parse_cpus(values["transport_cpus"])
     except ValueError as exc:
-        raise ConfigError(f"kv_connector_extra_config.transport_cpus: {exc}") from None
+        raise ConfigError(f"{names['transport_cpus']}: {exc}") from None
     if values["data_plane"] not in ("mooncake", "nixl", "inprocess"):
-        raise ConfigError(f"kv_connector_extra_config.data_plane={values['data_plane']!r}: "
+        raise ConfigError(f"{names['data_plane']}={values['data_plane']!r}: "
                           "expected 'mooncake', 'nixl' or 'inprocess'")
     if values["data_plane"] == "nixl":
         from lw.transport.dataplane.nixl import nixl_missing
         if missing := nixl_missing():
-            raise ConfigError(f"kv_connector_extra_config.data_plane='nixl': {missing}")
+            raise ConfigError(f"{names['data_plane']}='nixl': {missing}")
     if not 0 < values["push_start_margin"] <= 10:
-        raise ConfigError("kv_connector_extra_config.push_start_margin must be in (0, 10], "
+        raise ConfigError(f"{names['push_start_margin']} must be in (0, 10], "
                           f"got {values['push_start_margin']}")
     if values["push_mode"] not in PUSH_MODES:
-        raise ConfigError(f"kv_connector_extra_config.push_mode={values['push_mode']!r}: "
+        raise ConfigError(f"{names['push_mode']}={values['push_mode']!r}: "
                           f"expected one of {', '.join(PUSH_MODES)}")
     if values["ahead_compute_max_tokens"] < 0:
-        raise ConfigError("kv_connector_extra_config.ahead_compute_max_tokens must be >= 0 "
+        raise ConfigError(f"{names['ahead_compute_max_tokens']} must be >= 0 "
                           f"(0: any length), got {values['ahead_compute_max_tokens']}")
     if values["local_tail_tokens"] < -1:
-        raise ConfigError("kv_connector_extra_config.local_tail_tokens must be >= 0 "
+        raise ConfigError(f"{names['local_tail_tokens']} must be >= 0 "
                           f"(or -1: one block), got {values['local_tail_tokens']}")
-    if values["retry_fresh_blocks"]:
-        raise ConfigError(
-            "kv_connector_extra_config.retry_fresh_blocks=true cannot be honoured by the vLLM "
-            "connector: vLLM's scheduler owns block allocation, so a worker has no fresh "
-            "blocks to give a prefill retry; D fences instead (waits for the lost P's "
-            "senders, up to lease_s). Remove the key or set it false (docs/protocol.md, "
-            "'Prefill failover: claim epochs')")
     try:  # the core's and the loop's settings are checked by their declarations
         core_config(PrefillConfig, values)
         core_config(DecodeConfig, values)
@@ -120,38 +114,36 @@ def check_values(values: dict[str, Any], extra: dict[str, Any], *, producer: boo
     if not producer and values["retry_prefill"] and tp_size != 1:
         # Each D TP worker runs its own core and would decide its own re-prefills, under
         # epochs the others never saw: the core has no agreement between them.
-        raise ConfigError(f"kv_connector_extra_config.retry_prefill="
-                          f"{values['retry_prefill']} needs the decode engine's "
-                          f"tensor_parallel_size 1, got {tp_size} (set retry_prefill: 0)")
+        raise ConfigError(f"{names['retry_prefill']}={values['retry_prefill']} needs the "
+                          f"decode engine's tensor_parallel_size 1, got {tp_size} (set "
+                          "retry_prefill: 0)")
     if values["peer_tp_size"] < 0:
-        raise ConfigError("kv_connector_extra_config.peer_tp_size must be >= 0")
+        raise ConfigError(f"{names['peer_tp_size']} must be >= 0")
     if values["peer_tp_size"] and heads is not None:
         why = tp_problem(values["peer_tp_size"], heads.total, heads.mla)
         if why:
             side = "decode" if producer else "prefill"
-            raise ConfigError(f"kv_connector_extra_config.peer_tp_size="
-                              f"{values['peer_tp_size']}: the {side} engine cannot shard "
-                              f"this model's KV that way ({why})")
+            raise ConfigError(f"{names['peer_tp_size']}={values['peer_tp_size']}: the {side} "
+                              f"engine cannot shard this model's KV that way ({why})")
 
 
-def coerce(key: str, value: Any, default: Any, *, secret: bool = False) -> Any:
+def coerce(name: str, value: Any, default: Any, *, secret: bool = False) -> Any:
     """Check ``value`` has the type of ``default`` (ints accepted for floats; strings parsed);
-    a ``secret`` key's value is never shown in the error."""
+    ``name`` is the key as the user writes it; a ``secret`` key's value is never shown."""
     want = type(default)
     if want is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
-        raise ConfigError(f"kv_connector_extra_config.{key} must be true or false, got {value!r}")
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
     if isinstance(value, bool) or value is None:
-        raise ConfigError(f"kv_connector_extra_config.{key} must be a {want.__name__}, "
-                          f"got {value!r}")
+        raise ConfigError(f"{name} must be a {want.__name__}, got {value!r}")
     if want is str:
         if not isinstance(value, str):
             # A secret given as a number or a list must not reach the log with the error.
             shown = "a value that is not shown (secret)" if secret else repr(value)
-            raise ConfigError(f"kv_connector_extra_config.{key} must be a string, got {shown}")
+            raise ConfigError(f"{name} must be a string, got {shown}")
         return value
     try:
         if want is int:
@@ -160,12 +152,10 @@ def coerce(key: str, value: Any, default: Any, *, secret: bool = False) -> Any:
             return int(value)
         number = float(value)
     except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"kv_connector_extra_config.{key} must be a {want.__name__}, "
-                          f"got {value!r}") from None
+        raise ConfigError(f"{name} must be a {want.__name__}, got {value!r}") from None
     if not math.isfinite(number):
         # "inf" or "1e400" would pass every "> 0" check and then overflow a deadline per request
-        raise ConfigError(f"kv_connector_extra_config.{key} must be a finite number, "
-                          f"got {value!r}")
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
     return number
 
 

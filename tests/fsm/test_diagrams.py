@@ -32,7 +32,7 @@ def test_check_names_the_stale_file(tmp_path: Path, capsys) -> None:
     assert run(out, check=True) == 1
     assert "decode.md" in capsys.readouterr().err
     assert run(out, check=False) == 0
-    deployment.write_text(deployment.read_text().replace("| `lease_s` | 90 |", "| `lease_s` | 9 |"))
+    deployment.write_text(deployment.read_text().replace("| `lease_s` | `request", "| `lease_s` |"))
     assert run(out, check=True) == 1
     assert "deployment.md" in capsys.readouterr().err
     assert run(out, check=False) == 0
@@ -52,11 +52,14 @@ def test_diagrams_are_mermaid_state_diagrams_of_both_lifecycles() -> None:
 
 def test_every_config_key_is_documented_once_in_code() -> None:
     from lw.diagrams import fill_region
-    from lw.vllm_adapter.config import LwConfig, key_table
+    from lw.vllm_adapter.config import LwConfig
+    from lw.vllm_adapter.config_doc import key_table
 
-    table = key_table().splitlines()
-    assert [row.split("`")[1] for row in table[2:]] == list(LwConfig.extra_keys())
-    assert all(row.count(" | ") == 3 and row.split(" | ")[3].strip(" |") for row in table[2:])
+    rows = [row for row in key_table().splitlines() if row.startswith("| `")]
+    names = [row.split("`")[1] for row in rows]
+    assert names == [*LwConfig.extra_keys()[:-1], *LwConfig.experimental_keys(),
+                     *LwConfig.derived_keys()]  # each once, in its section's table
+    assert all(cell.strip() for row in rows for cell in row.strip("|").split(" | "))
     with pytest.raises(ValueError, match="config-keys"):
         fill_region("no markers here", "config-keys", "x.py", "table")
 

@@ -157,7 +157,7 @@ def test_params_after_p_dropped_the_request_are_reported_refused(
     """P dropped the request at its ahead deadline (its worker stalled) before D's params came:
     the worker binds nothing and tells the proxy the bind was refused, with the transfer's
     grant, so that the proxy starts it D first (D was claimed by no one)."""
-    c = cluster_factory(p_extra={**PROGRESSIVE, "ahead_wait_s": 0.2})
+    c = cluster_factory(p_extra={**PROGRESSIVE, "experimental": {"ahead_wait_s": 0.2}})
     c.p.worker_meta = True
     c.relay_enabled = False
     toks = list(range(5000, 5150))

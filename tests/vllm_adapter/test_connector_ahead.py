@@ -227,8 +227,8 @@ def test_a_prompt_longer_than_the_cap_is_admitted_ahead_not_computed(model_dir: 
     """ahead_compute_max_tokens (here one step's budget, 64 tokens): a longer prompt waits for
     D's params as an admit-ahead one, fetched by the scheduler side (the engine idles
     meanwhile: threads switch often, as for any request admitted ahead)."""
-    s = make_scheduler(model_dir, "kv_producer", extra={"push_mode": "last_chunk",
-                                                         "ahead_compute_max_tokens": 64})
+    s = make_scheduler(model_dir, "kv_producer", extra={
+        "push_mode": "last_chunk", "experimental": {"ahead_compute_max_tokens": 64}})
     d = Driver(s)
     s.add_request(make_request("r1", 100, params=computing()))
     assert FakeFetcher.last is not None and len(FakeFetcher.last.fetches) == 1

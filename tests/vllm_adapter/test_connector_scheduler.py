@@ -347,7 +347,8 @@ def test_p_auto_pushes_from_the_first_chunk_until_the_link_is_measured(model_dir
 ])
 def test_p_auto_starts_early_only_where_the_measured_link_needs_it(
         model_dir: str, host: str, wire_s_per_block: float, margin: float, early: bool) -> None:
-    s = make_scheduler(model_dir, "kv_producer", extra={"push_start_margin": margin})
+    s = make_scheduler(model_dir, "kv_producer",
+                       extra={"experimental": {"push_start_margin": margin}})
     d = Driver(s)
     rates = LwWorkerMeta(1e-3, {host: wire_s_per_block})  # 1 ms of forward per token
     d.step(KVConnectorOutput(kv_connector_worker_meta=rates))
@@ -729,7 +730,8 @@ def test_d_short_tail_after_a_prefix_hit_is_computed_locally(
 def test_d_full_prefix_hit_never_strands_the_request(
         model_dir: str, fake_poster: type[FakePoster], tail: int) -> None:
     """vLLM caps a hit at prompt-1 tokens: the last block is computed locally or fetched."""
-    s = make_scheduler(model_dir, "kv_consumer", extra={"local_tail_tokens": tail})
+    s = make_scheduler(model_dir, "kv_consumer",
+                       extra={"experimental": {"local_tail_tokens": tail}})
     d = Driver(s)
     tokens = list(range(10, 106))  # 96 tokens: exactly 6 blocks
     _run_remote(s, d, "r1", tokens, "t1")
@@ -758,7 +760,7 @@ def test_d_full_prefix_hit_never_strands_the_request(
 
 def test_d_tail_threshold_longer_tail_goes_remote(model_dir: str,
                                                   fake_poster: type[FakePoster]) -> None:
-    s = make_scheduler(model_dir, "kv_consumer", extra={"local_tail_tokens": 8})
+    s = make_scheduler(model_dir, "kv_consumer", extra={"experimental": {"local_tail_tokens": 8}})
     d = Driver(s)
     _run_remote(s, d, "r1", list(range(10, 110)), "t1")
     # 6 blocks held, 10 tokens left > 8: the round trip, for the last block only.
@@ -910,24 +912,32 @@ def _build(**over: Any) -> LwConfig:
     ({"role": None}, "kv_role"),
     ({"pp_size": 2}, "pipeline"),
     ({"extra": {"prefill_timeout": 3}}, "did you mean 'prefill_timeout_s'"),
-    ({"extra": {"lease_s": "soon"}}, "lease_s must be a float"),
-    ({"extra": {"lease_s": True}}, "lease_s must be a float"),
-    ({"extra": {"meta_attempts": 0}}, "meta_attempts must be >= 1"),
+    ({"extra": {"request_timeout_s": "soon"}}, "request_timeout_s must be a float"),
+    ({"extra": {"prefill_timeout_s": True}}, "prefill_timeout_s must be a float"),
+    ({"extra": {"experimental": {"metaserver_attempts": 0}}},
+     "experimental.metaserver_attempts must be >= 1"),
     ({"extra": {"prefill_timeout_s": -1}}, "prefill_timeout_s must be > 0"),
-    ({"role": "kv_producer", "extra": {"ahead_wait_s": 0}}, "ahead_wait_s must be > 0"),
-    ({"extra": {"transfer_timeout_s": 1}}, "Mooncake's minimum"),
+    ({"extra": {"request_timeout_s": 0}}, "request_timeout_s must be > 0"),
+    ({"role": "kv_producer", "extra": {"experimental": {"ahead_wait_s": 0}}},
+     "ahead_wait_s must be > 0"),
+    ({"extra": {"transfer_timeout_s": 1}}, "transfer_timeout_s is no longer a setting: derived "
+                                           "from request_timeout_s"),
     ({"extra": {"data_plane": "gloo"}}, "data_plane"),
-    ({"extra": {"local_tail_tokens": -2}}, "local_tail_tokens must be >= 0"),
-    ({"extra": {"ahead_compute_max_tokens": -1}}, "ahead_compute_max_tokens must be >= 0"),
-    ({"extra": {"stuck_fraction": 1.5}}, "stuck_fraction must be in (0, 1]"),
-    ({"extra": {"push_start_margin": 0}}, "push_start_margin must be in (0, 10]"),
+    ({"extra": {"experimental": {"local_tail_tokens": -2}}}, "local_tail_tokens must be >= 0"),
+    ({"extra": {"experimental": {"ahead_compute_max_tokens": -1}}},
+     "ahead_compute_max_tokens must be >= 0"),
+    ({"extra": {"experimental": {"stuck_fraction": 1.5}}}, "stuck_fraction must be in (0, 1]"),
+    ({"extra": {"experimental": {"push_start_margin": 0}}},
+     "push_start_margin must be in (0, 10]"),
     ({"extra": {"push_mode": "eager"}}, "push_mode='eager': expected one of auto, progressive"),
-    ({"extra": {"layer_batch_ms": 2000}}, "layer_batch_ms must be in [0, 1000]"),
-    ({"extra": {"timeline_entries": -1}}, "timeline_entries must be >= 0"),
+    ({"extra": {"experimental": {"layer_batch_ms": 2000}}}, "layer_batch_ms must be in [0, 1000]"),
+    ({"extra": {"experimental": {"timeline_entries": -1}}}, "timeline_entries must be >= 0"),
     ({"extra": {"kv_checksum": "yes"}}, "kv_checksum must be true or false"),
     ({"extra": {"heartbeat_s": -1}}, "heartbeat_s must be >= 0"),
-    ({"extra": {"heartbeat_misses": 0}}, "heartbeat_misses must be >= 1"),
-    ({"extra": {"lease_s": 10}}, "lease_s=10.0 must exceed"),
+    ({"extra": {"experimental": {"heartbeat_misses": 0}}}, "heartbeat_misses must be >= 1"),
+    ({"extra": {"lease_s": 100}}, "lease_s is no longer a setting: derived from request_timeout_s"),
+    ({"extra": {"layer_batch_ms": 5}}, "moved to kv_connector_extra_config.experimental."
+                                       "layer_batch_ms"),
     ({"extra": {"peer_tp_size": 3}, "heads": ModelHeads(4, False)}, "cannot shard this model's KV"),
     ({"kv_port": 65535, "dp_size": 2, "tp_size": 1, "extra": {}}, "valid TCP ports"),
     ({"load_failure_policy": "retry"}, "kv_load_failure_policy"),
@@ -943,7 +953,7 @@ def test_config_defaults_and_ports() -> None:
     assert cfg.port(tp_rank=1) == 14579 + 1 * 2 + 1
     assert cfg.prefill_config().request_timeout_s == 30.0
     assert cfg.prefill_config().ahead_wait_s == 5.0
-    assert _build(extra={"ahead_wait_s": 8}).prefill_config().ahead_wait_s == 8.0
+    assert _build(extra={"experimental": {"ahead_wait_s": 8}}).prefill_config().ahead_wait_s == 8
     assert cfg.decode_config().lease_s == 90.0
     assert "host" in LwConfig.extra_keys() and "role" not in LwConfig.extra_keys()
 
@@ -1237,8 +1247,7 @@ def test_cluster_decoder_abort_mid_transfer_quarantines_until_p_stops(
 
 def test_cluster_prefill_that_never_comes_fails_on_the_deadline(
         cluster_factory: Callable[..., Cluster]) -> None:
-    c = cluster_factory(d_extra={"prefill_timeout_s": 0.5, "peer_request_timeout_s": 1,
-                                 "transfer_timeout_s": 5, "lease_s": 10})
+    c = cluster_factory(d_extra={"prefill_timeout_s": 0.5, "request_timeout_s": 1})
     c.relay_enabled = False  # the proxy loses the prefill
     c.add("r1", list(range(3000, 3050)))
     c.run_until(lambda: "r1" in c.d.finished and c.idle())

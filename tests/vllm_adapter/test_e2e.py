@@ -78,10 +78,10 @@ pytestmark = pytest.mark.slow
 LENGTHS = {"one_block": 12, "many_blocks": 90, "chunked": 700}  # words ~ tokens; 256/step
 MAX_TOKENS = 16
 VICTIM_TOKENS = 300  # an answer long enough to keep a victim's transfer live (forged calls)
-# Short deadlines so that failure paths finish within the test; lease > P timeout + transfer.
-P_EXTRA = {"request_timeout_s": 10, "meta_attempts": 10, "transfer_timeout_s": 5}
-D_EXTRA = {"prefill_timeout_s": 15, "lease_s": 20, "peer_request_timeout_s": 10,
-           "transfer_timeout_s": 5}
+# Short deadlines so that failure paths finish within the test: P's push deadline on both
+# sides (D derives its lease, 30 s, and the transfer timeout, 10 s, from it).
+P_EXTRA = {"request_timeout_s": 10}
+D_EXTRA = {"prefill_timeout_s": 15, "request_timeout_s": 10}
 
 
 @pytest.fixture(scope="module")

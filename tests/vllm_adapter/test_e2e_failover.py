@@ -48,15 +48,17 @@ from lw.transport.dataplane.planted import HELD_SUFFIX, HOLD_ENV, TRUNCATE_ENV  
 pytestmark = pytest.mark.slow
 
 CHECKSUM = {"kv_checksum": True}
-# P's writes time out after 5 s: a write stuck on a connection D's fence cut holds P's
-# admission of the next push to that D until it ends (its default, 30 s, outlasts D's deadline)
-P_EXTRA = {"request_timeout_s": 10, "meta_attempts": 10, "transfer_timeout_s": 5, **CHECKSUM}
-D_EXTRA = {"prefill_timeout_s": 15, "lease_s": 20, "peer_request_timeout_s": 10,
-           "transfer_timeout_s": 5, "retry_prefill": 1, **CHECKSUM}
+# P's push deadline, 10 s on both sides: P's writes time out after 10 s (derived from it; a
+# write stuck on a connection D's fence cut holds P's admission of the next push to that D
+# until it ends, and the default, 30 s, would outlast D's deadline), D's lease is 30 s
+P_EXTRA = {"request_timeout_s": 10, **CHECKSUM}
+D_EXTRA = {"prefill_timeout_s": 15, "request_timeout_s": 10, "retry_prefill": 1, **CHECKSUM}
+LEASE_S = 2 * 10 + 10.0
+"""D's lease: derived, 2 × request_timeout_s + the transfer timeout (test_config_keys.py)."""
 MAX_TOKENS = 12
 GREEDY = {"temperature": 0.0}
 SEEDED = {"temperature": 0.8, "seed": 11}
-SETTLE_S = D_EXTRA["lease_s"] + D_EXTRA["prefill_timeout_s"] + 30  # the slowest fault path
+SETTLE_S = LEASE_S + D_EXTRA["prefill_timeout_s"] + 30  # the slowest fault path
 
 
 @dataclass
@@ -195,7 +197,7 @@ def _settled(c: LocalCluster) -> None:
     """Every block back and no lw request live, on D and on each prefill server still up (the
     next case starts from a quiet cluster)."""
     urls = [c.url(n) for n in (*c.prefill_names, "decode") if c.servers[n].alive]
-    assert wait_blocks_released(urls, timeout=D_EXTRA["lease_s"] + 10) == 0
+    assert wait_blocks_released(urls, timeout=LEASE_S + 10) == 0
     deadline = time.monotonic() + 30
     while any(metrics(u).get("lw_live_requests", 0) for u in urls) and \
             time.monotonic() < deadline:

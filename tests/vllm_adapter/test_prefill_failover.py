@@ -76,20 +76,22 @@ def test_config_passes_the_failover_keys_to_the_core() -> None:
 
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
 def test_fresh_blocks_are_refused_at_start(role: str) -> None:
-    """vLLM's scheduler owns the blocks, so a worker can never grant fresh ones: the key set
-    true fails at start, saying why and what D does instead, rather than being accepted."""
+    """vLLM's scheduler owns the blocks, so a worker can never grant fresh ones: the setting is
+    fixed false, and the key given at all fails at start, saying why and what D does instead."""
     import inspect
 
     from lw.vllm_adapter import worker_side, worker_start
 
-    with pytest.raises(ConfigError) as exc:
-        _build(role=role, extra={"host": "127.0.0.1", "retry_prefill": 1,
-                                 "retry_fresh_blocks": True})
-    why = str(exc.value)
-    assert "retry_fresh_blocks=true" in why and "vLLM's scheduler owns block allocation" in why
-    assert "D fences instead" in why and "Prefill failover: claim epochs" in why
-    off = _build(extra={"host": "127.0.0.1", "retry_prefill": 1, "retry_fresh_blocks": False})
-    assert off.decode_config().retry_fresh_blocks is False
+    for value in (True, False):  # no longer a key: fixed false, and said so
+        with pytest.raises(ConfigError) as exc:
+            _build(role=role, extra={"host": "127.0.0.1", "retry_prefill": 1,
+                                     "retry_fresh_blocks": value})
+        why = str(exc.value)
+        assert "retry_fresh_blocks is no longer a setting: fixed" in why
+        assert "vLLM's scheduler owns block allocation" in why
+        assert "D fences instead" in why and "Prefill failover: claim epochs" in why
+    on = _build(extra={"host": "127.0.0.1", "retry_prefill": 1})
+    assert on.decode_config().retry_fresh_blocks is False
     assert _build().decode_config().retry_fresh_blocks is False
     for mod in (worker_side, worker_start):  # no allocator to hand the loop
         assert "fresh_blocks=" not in inspect.getsource(mod)
@@ -218,7 +220,7 @@ def test_p_takes_the_claim_epoch_and_names_its_engine(model_dir: str) -> None:
 # went, finds P "a" silent by heartbeats and asks again; P "b" serves the retry.
 # D's prefill deadline is far (30 s): the orphan is found by heartbeats (0.4 s), and the
 # retry need not finish within a few seconds on a slow machine
-FAST = {"heartbeat_s": 0.1, "heartbeat_misses": 3, "prefill_timeout_s": 30.0}
+FAST = {"heartbeat_s": 0.1, "prefill_timeout_s": 30.0}
 
 
 class TwoPrefills:
@@ -311,8 +313,7 @@ def test_cluster_orphan_of_a_dead_prefill_is_prefilled_again_on_another(
 
 def test_cluster_without_a_budget_the_orphan_fails_on_the_deadline(
         two_prefills: Callable[..., TwoPrefills]) -> None:
-    c = two_prefills(prefill_timeout_s=0.5, peer_request_timeout_s=1, transfer_timeout_s=5,
-                     lease_s=10)
+    c = two_prefills(prefill_timeout_s=0.5, request_timeout_s=1)
     toks = list(range(8000, 8050))
     c.d.sched.add_request(make_request("r1", len(toks), tokens=toks, max_tokens=2,
                                        params=remote_prefill_params("t1")))
