@@ -11,6 +11,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "hostile": ("lw.lab.hostile", "send hostile inputs to a local P/D cluster (real "
                 "vLLM engines) and print what each did"),
     "check": ("lw.sim.cli", "model-check the protocol (exhaustive or random)"),
+    "config": ("lw.vllm_adapter.config_explain", "--explain: each connector setting of a "
+               "--kv-transfer-config file, its value and source; exit 2 on refused keys"),
     "diagrams": ("lw.diagrams", "regenerate or --check docs/diagrams"),
     "proxy": ("lw.proxy.server", "run the D-first proxy in front of vLLM servers"),
     "status": ("lw.ops.cli", "live requests of running P and D workers, timelines, traces"),
