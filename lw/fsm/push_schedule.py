@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MARGIN", "PUSH_MODES", "PushEstimate", "attended_pairs", "compute_left",
-           "push_starts_now"]
+__all__ = ["DEFAULT_MARGIN", "PUSH_MODES", "WAIT_SHARE", "PushEstimate", "attended_pairs",
+           "compute_left", "push_starts_now", "writes_wait_for_forward"]
 
 PUSH_MODES = ("auto", "progressive", "last_chunk")
 """When a prompt computed in chunks starts its push: as the link needs it, at its first chunk,
@@ -37,6 +37,11 @@ CPU), so they already hold what a margin would cover; and on a host where writin
 forward CPU, a push started a chunk early costs more than a few milliseconds of tail (on the
 2-core testbed, 1.25 started 1,024-token prompts a chunk early on an uncapped link and their TTFT
 rose ~10 %). ``push_start_margin`` > 1 starts earlier, where writes cost the forward nothing."""
+
+
+WAIT_SHARE = 0.5
+"""A push held to its forward's end is one whose whole transfer takes at most this share of
+that forward on the wire: the link then waits for the CPU, not the CPU for the link."""
 
 
 @dataclass(frozen=True)
@@ -92,3 +97,21 @@ def push_starts_now(*, blocks_to_send: int, tokens_after_chunk: int, est: PushEs
     if left is None or est.wire_s_per_block is None:
         return True
     return blocks_to_send * est.wire_s_per_block * margin >= left
+
+
+def writes_wait_for_forward(*, blocks_to_send: int, tokens: int, pairs: int,
+                            est: PushEstimate, shares_core: bool) -> bool:
+    """Whether a push that starts with the prompt's last chunk (a forward of ``tokens`` tokens
+    attending ``pairs`` pairs) writes once that forward is done rather than layer by layer,
+    where P's first token goes to D. Where lw's threads can run only on the forward's CPUs
+    (``shares_core``), every write during the forward delays token 1 by its CPU while the KV
+    lands no sooner: the CPU, not the link, decides when the last byte lands. Only where the
+    link is fast enough for that (the transfer on the wire within ``WAIT_SHARE`` of the
+    forward, both measured); never unmeasured, and never where the threads have a core of
+    their own (writing during the forward costs it nothing there)."""
+    if not shares_core or blocks_to_send <= 0 or est.wire_s_per_block is None:
+        return False
+    if est.compute_s_per_token is None or tokens <= 0:
+        return False
+    compute = tokens * est.compute_s_per_token + pairs * est.compute_s_per_pair
+    return blocks_to_send * est.wire_s_per_block <= compute * WAIT_SHARE

@@ -8,16 +8,19 @@ The start (planes, data plane, endpoint, loop) is :mod:`lw.vllm_adapter.worker_s
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from lw.fsm.failures import FailureKind
 from lw.fsm.kvmap import expected_senders, targets_of
+from lw.fsm.push_schedule import PushEstimate, writes_wait_for_forward
 from lw.fsm.timeline import drain
 from lw.vllm_adapter.ahead_client import AheadFetcher
 from lw.vllm_adapter.config import LwConfig, ModelHeads, model_heads
@@ -27,6 +30,7 @@ from lw.vllm_adapter.connector_meta import (
     LwConnectorMetadata,
     LwWorkerMeta,
     Reprefill,
+    SendSpec,
     log,
 )
 from lw.vllm_adapter.metrics import BY_REASON, LwKVConnectorStats
@@ -81,6 +85,11 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
         self._sample: Any = None
         self._step_sends: list[str] = []
         self._step_planes = 0
+        # P: this step's pushes whose writes wait for its forward's end, and the layers that
+        # wait for it (lw.fsm.push_schedule.writes_wait_for_forward)
+        self._step_wait: set[str] = set()
+        self._wait_planes: list[int] = []
+        self._loop_tid: Future | None = None  # P: the loop thread's kernel id, once it said
         self._idle_step = False
         self._step_t0 = 0.0  # when this step's metadata arrived (its forward starts)
         self._step_tokens = 0
@@ -139,6 +148,7 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
                                                       started.sample)
         if self.cfg.is_producer:
             self.rates = PushRates(self._block_bytes())
+            self._loop_tid = self.loop.run(lambda _loop: threading.get_native_id())
         if self._trace_endpoint:
             try:
                 self.tracer = LifecycleTracer(self._trace_endpoint, "prefill" if
@@ -186,6 +196,8 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
 
         self._step_sends = []
         self._step_planes = 0
+        self._step_wait = set()
+        self._wait_planes = []
         self._idle_step = meta.idle
         self._step_t0 = time.monotonic()
         self._step_tokens = meta.step_tokens
@@ -249,6 +261,8 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
                        rid=s.req_id, tid=s.transfer_id)
             if s.local_blocks:  # a first chunk that completes no block reports no layer
                 self._step_sends.append(s.transfer_id)
+                if s.final and self._waits_for_forward(s):
+                    self._step_wait.add(s.transfer_id)
         for tid, rid, reason in meta.aborts:
             why = meta.abort_kinds.get(tid)  # D: the scheduler's own cause (metaserver)
             tid = alias.get(tid, tid) if alias else tid
@@ -297,7 +311,41 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
             for tid in tids:
                 self._t0.setdefault(tid, now)
         self._step_planes += len(planes)
-        self._after_ready(kv_layer, planes, tids, then)
+        wait = self._step_wait
+        if not wait:
+            self._after_ready(kv_layer, planes, tids, then)
+            return
+        now = [t for t in tids if t not in wait]
+        if planes[-1] != len(self.planes) - 1:  # the waiting pushes' layers go at the last
+            self._wait_planes.extend(planes)
+            if now:
+                self._after_ready(kv_layer, planes, now, None)
+            return
+        if now:
+            self._after_ready(kv_layer, planes, now, None)
+        self._after_ready(kv_layer, (*self._wait_planes, *planes), [t for t in tids if t in wait],
+                          then)
+        self._wait_planes = []
+
+    def _waits_for_forward(self, s: SendSpec) -> bool:
+        """Whether push ``s`` (its first and last chunk in this step) writes once the forward
+        is done: P's first token goes to D, lw's loop thread runs only on the forward's CPUs
+        and the link measured to D is fast enough (lw.fsm.push_schedule)."""
+        rates, fut = self.rates, self._loop_tid
+        if rates is None or fut is None or not fut.done() or fut.exception() is not None:
+            return False
+        if not self.cfg.first_token_from_p or self.loop is None:
+            return False
+        try:  # called on the forward's thread: 0 is its own affinity
+            shares = os.sched_getaffinity(fut.result()) <= os.sched_getaffinity(0)
+        except OSError:
+            return False
+        goodput = self.loop.writes.link.goodput.get(s.decoder_host)
+        wire = rates.bytes_per_block / goodput if goodput else None
+        est = PushEstimate(rates.compute_s_per_token, wire, rates.compute_s_per_pair)
+        return writes_wait_for_forward(blocks_to_send=len(s.local_blocks),
+                                       tokens=self._step_tokens, pairs=self._step_pairs,
+                                       est=est, shares_core=shares)
 
     def _after_ready(self, kv_layer: Any, planes: tuple[int, ...], tids: list[str],
                      then: Callable[[], None] | None) -> None:

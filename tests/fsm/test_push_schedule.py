@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lw.fsm.push_schedule import PushEstimate, attended_pairs, compute_left, push_starts_now
+from lw.fsm.push_schedule import (
+    WAIT_SHARE,
+    PushEstimate,
+    attended_pairs,
+    compute_left,
+    push_starts_now,
+    writes_wait_for_forward,
+)
 
 # 1,024 tokens in 4 chunks of 256, 64 blocks; 0.6 ms of forward per token (~150 ms a chunk)
 EST = {
@@ -83,3 +90,29 @@ def test_later_chunks_cost_more_so_the_push_starts_later_than_an_average_rate_sa
 
     assert start(average) < start(exact) < chunks - 1
     assert compute_left(PushEstimate(), 0, 10) is None
+
+
+def test_a_last_chunk_push_waits_for_its_forward_only_on_a_shared_core_and_a_fast_link() -> None:
+    """1,024 tokens, the last chunk (768..1,024) computing ~150 ms + attention: the uncapped
+    link (19 ms of wire) waits where lw's threads share the forward's core, a link needing
+    307 ms does not, nor anything unmeasured or on a core of lw's own."""
+    pairs = attended_pairs(768, 1024)
+
+    def waits(est: PushEstimate, shares: bool = True, blocks: int = 64) -> bool:
+        return writes_wait_for_forward(blocks_to_send=blocks, tokens=256, pairs=pairs,
+                                       est=est, shares_core=shares)
+
+    assert waits(EST["uncapped"])
+    assert not waits(EST["uncapped"], shares=False)
+    assert not waits(EST["kv_over_prefill=0.5"])
+    assert not waits(PushEstimate())
+    assert not waits(PushEstimate(6e-4, None))
+    assert not waits(PushEstimate(None, 0.3e-3))
+    assert not waits(EST["uncapped"], blocks=0)
+    # at the bound: wire == WAIT_SHARE x compute still waits, a hair more does not
+    compute = compute_left(EST["uncapped"], 768, 1024)
+    assert compute is not None
+    at = PushEstimate(6e-4, compute * WAIT_SHARE / 64)
+    assert waits(at)
+    assert at.wire_s_per_block is not None
+    assert not waits(PushEstimate(6e-4, at.wire_s_per_block * 1.01))

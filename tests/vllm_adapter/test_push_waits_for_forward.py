@@ -1,0 +1,98 @@
+"""P's push that starts with a prompt's last chunk writes once that forward is done where lw's
+threads share the forward's core and P's token goes to D first (lw.fsm.push_schedule
+.writes_wait_for_forward): through vLLM's real scheduler and lw's real worker connectors in one
+process (the in-process data plane); D's blocks hold exactly what P computed either way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import lw.vllm_adapter.worker_side as worker_side_mod  # noqa: E402
+
+from .test_connector_scheduler import (  # noqa: E402
+    LAYERS,
+    Cluster,
+    cluster_factory,  # noqa: F401  (fixture)
+    fake_poster,  # noqa: F401  (autouse fixture: no metaserver thread)
+    model_dir,  # noqa: F401  (fixture)
+)
+
+
+class AnyHost(dict):
+    """A link measured to every decode host at ``rate`` bytes/s."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = rate
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self.rate
+
+
+def _events(c: Cluster) -> list[tuple[str, int]]:
+    """P's layer hooks ("hook", i) and the layers it reports computed for pushes ("sent", i),
+    in the order they happen; the forward measured slow and the link fast."""
+    w = c.p.worker._worker
+    assert w is not None and w.rates is not None
+    w.rates.compute_s_per_token = 1.0
+    c.p.loop.writes.link.goodput = AnyHost(1e12)
+    out: list[tuple[str, int]] = []
+    hook, report = c.p.worker.save_kv_layer, c.p.loop.layer_computed
+
+    def save_kv_layer(name: str, kv: Any, attn: Any, **kw: Any) -> None:
+        out.append(("hook", LAYERS.index(name)))
+        hook(name, kv, attn, **kw)
+
+    def layer_computed(layer: int, tids: Any) -> None:
+        if tids:
+            out.append(("sent", layer))
+        report(layer, tids)
+
+    c.p.worker.save_kv_layer = save_kv_layer  # type: ignore[method-assign]
+    c.p.loop.layer_computed = layer_computed
+    return out
+
+
+@pytest.fixture
+def cluster(cluster_factory: Callable[..., Cluster]) -> Cluster:  # noqa: F811
+    return cluster_factory()
+
+
+def _push_one(c: Cluster) -> None:
+    c.add("one", list(range(1000, 1010)))  # one block, one chunk: the push's first and last
+    c.run_until(lambda: len(c.d.finished) == 1 and c.idle())
+    assert c.verified == {"one": True}
+
+
+def test_on_the_forwards_core_the_writes_wait_for_its_last_layer(cluster: Cluster) -> None:
+    c = cluster
+    events = _events(c)
+    _push_one(c)
+    assert events == [("hook", 0), ("hook", 1), ("sent", 0), ("sent", 1)]
+
+
+def test_with_a_core_of_their_own_the_writes_go_layer_by_layer(
+        cluster_factory: Callable[..., Cluster],  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop thread may run on a CPU the forward's thread may not: writing during the
+    forward costs it nothing."""
+    real = worker_side_mod.os.sched_getaffinity
+    monkeypatch.setattr(worker_side_mod.os, "sched_getaffinity",
+                        lambda tid: set(real(tid)) | {10_000} if tid else {0})
+    c = cluster_factory()
+    events = _events(c)
+    _push_one(c)
+    assert events == [("hook", 0), ("sent", 0), ("hook", 1), ("sent", 1)]
+
+
+def test_an_unmeasured_link_goes_layer_by_layer(cluster: Cluster) -> None:
+    c = cluster
+    events = _events(c)
+    c.p.loop.writes.link.goodput = {}
+    _push_one(c)
+    assert events == [("hook", 0), ("sent", 0), ("hook", 1), ("sent", 1)]
