@@ -67,7 +67,7 @@ COMPARISONS = (("vs_peer", "lw", "peer"), ("first_token_from_p_vs_off", "lw", "l
                ("compute_b1_vs_d_first", "lw-compute-b1", "lw"),
                ("compute_busy_vs_d_first", "lw-compute-busy", "lw"),
                ("compute_vs_compute_busy", "lw-compute", "lw-compute-busy"),
-               ("batch5_vs_d_first", "lw-batch5", "lw"),
+               ("batch5_vs_d_first", "lw-batch5", "lw"), ("vs_during", "lw", "lw-during"),
                ("progressive_vs_peer", "lw-progressive", "peer"),
                ("last_chunk_vs_peer", "lw-last", "peer"), ("vs_last_chunk", "lw", "lw-last"),
                ("progressive_vs_last_chunk", "lw-progressive", "lw-last"))

@@ -220,6 +220,12 @@ class LwConfig:
         "a CPU-forward trade-off measured by `benchmarks/push_cpu.py` and `lw-batch5`; a GPU "
         "forward's layers (under 2 ms apart) are drained by the loop's 1 ms poll, so there it "
         "changes nothing")
+    write_during_forward: bool = experimental_setting(
+        False, "P",
+        "a push that starts with a prompt's last chunk writes layer by layer even where lw's "
+        "threads share the forward's CPUs; by default it writes once that forward is done there "
+        "(with P's first token on and a measured link fast enough: lw.fsm.push_schedule)",
+        "measures the default against writing during the forward (`lw-during`)")
     push_start_margin: float = experimental_setting(
         1.0, "P",
         "`push_mode: auto` starts a prompt's push at the first chunk after which the compute left"

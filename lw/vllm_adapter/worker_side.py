@@ -334,7 +334,7 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
         rates, fut = self.rates, self._loop_tid
         if rates is None or fut is None or not fut.done() or fut.exception() is not None:
             return False
-        if not self.cfg.first_token_from_p or self.loop is None:
+        if not self.cfg.first_token_from_p or self.cfg.write_during_forward or self.loop is None:
             return False
         try:  # called on the forward's thread: 0 is its own affinity
             shares = os.sched_getaffinity(fut.result()) <= os.sched_getaffinity(0)

@@ -96,3 +96,12 @@ def test_an_unmeasured_link_goes_layer_by_layer(cluster: Cluster) -> None:
     c.p.loop.writes.link.goodput = {}
     _push_one(c)
     assert events == [("hook", 0), ("sent", 0), ("hook", 1), ("sent", 1)]
+
+
+def test_write_during_forward_keeps_writing_layer_by_layer(
+        cluster_factory: Callable[..., Cluster]) -> None:  # noqa: F811
+    """The experimental switch the benchmark's ``lw-during`` set-up measures the default by."""
+    c = cluster_factory(p_extra={"experimental": {"write_during_forward": True}})
+    events = _events(c)
+    _push_one(c)
+    assert events == [("hook", 0), ("sent", 0), ("hook", 1), ("sent", 1)]
