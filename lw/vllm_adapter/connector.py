@@ -21,6 +21,7 @@ The core's request id is a transfer id D derives per vLLM request from the proxy
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -182,6 +183,13 @@ class LwConnector(KVConnectorBase_V1):
         SendFinished); a push whose layer hooks did not all run is aborted."""
         if self._worker is not None:
             self._worker.end_of_forward()
+
+    def tokens_sampled(self, req_ids: Sequence[str], tokens: Sequence[Sequence[int]],
+                       params: Callable[[str], Any]) -> None:
+        """P's runner sampled this step's tokens (lw's worker class calls it): a prompt this
+        step completed sends its first token to D now, not a scheduler turn later."""
+        if self._worker is not None and self._worker.loop is not None:
+            self._worker.tokens_sampled(req_ids, tokens, params)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -8,6 +8,10 @@ the runner must hold it as the request's first output token (the input of the st
 penalties and min_tokens count), and a seeded request's generator must stand where a single
 server's stands after drawing token 1: one draw further.
 
+On P it hands each step's sampled tokens to lw's connector as the sampler returns them, so a
+completed prompt's first token leaves for D then, not after a turn of P's engine loop (the
+scheduler's copy, which a P without this class sends, is then skipped).
+
 It also keeps vLLM's CPU runner alive under a seeded prompt longer than one step's chunk: vLLM
 rewinds the generator of a partial prefill's discarded sample with ``set_offset``, which a CPU
 generator refuses ("CPU Generator does not use offset"), killing the engine (measured on
@@ -21,14 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
-__all__ = ["LwCPUModelRunner", "LwCPUWorker", "advance_generator", "hold_discarded_generators",
-           "seed_first_tokens"]
+__all__ = ["LwCPUModelRunner", "LwCPUWorker", "advance_generator", "hand_sampled_tokens",
+           "hold_discarded_generators", "seed_first_tokens"]
 
 
 def advance_generator(gen: torch.Generator, *, fp64_gumbel: bool, vocab_size: int) -> None:
@@ -92,9 +98,26 @@ class LwCPUModelRunner(CPUModelRunner):
                 self.input_batch.generators,
                 self.discard_request_mask.np[:self.input_batch.num_reqs])
         try:
-            return super().sample_tokens(grammar_output)
+            out = super().sample_tokens(grammar_output)
         finally:
             self.input_batch.generators.update(held)
+        hand_sampled_tokens(self, out)
+        return out
+
+
+def hand_sampled_tokens(runner: Any, out: Any) -> None:
+    """P: this step's sampled tokens to lw's connector, which sends a completed prompt's
+    first token to D at once (lw.vllm_adapter.worker_first_tokens.tokens_sampled). Only a
+    plain ModelRunnerOutput: an asynchronous one's tokens are not on the host yet, and its
+    scheduler's copy goes a step later as without lw's worker."""
+    if not isinstance(out, ModelRunnerOutput) or not out.req_ids or not has_kv_transfer_group():
+        return
+    conn = get_kv_transfer_group()
+    take = getattr(conn, "tokens_sampled", None)
+    if take is None:  # not lw's connector (or wrapped in another)
+        return
+    requests = runner.requests
+    take(out.req_ids, out.sampled_token_ids, lambda rid: requests[rid].sampling_params)
 
 
 class LwCPUWorker(CPUWorker):

@@ -118,6 +118,8 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
         self._load_errors: set[int] = set()
         self._reprefills: list[Reprefill] = []  # D: for the scheduler's next worker metadata
         self._first_in: list[FirstTokenIn] = []  # D: P's first tokens, likewise
+        self._step_final: dict[str, str] = {}  # P: (worker_first_tokens.tokens_sampled)
+        self._sent_early: OrderedDict[str, None] = OrderedDict()
         self._done_rid: OrderedDict[str, str] = OrderedDict()  # D: receives done (their token)
         self._ft_status: FirstTokenStatus | None = None  # the engine's, for `lw status`
         self._ft_refused = 0  # first-token status snapshots refused (malformed, oversized)
@@ -198,6 +200,7 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
         self._step_planes = 0
         self._step_wait = set()
         self._wait_planes = []
+        self._step_final = {}
         self._idle_step = meta.idle
         self._step_t0 = time.monotonic()
         self._step_tokens = meta.step_tokens
@@ -234,6 +237,8 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
                     self._held[tid] = self._held.get(tid, 0) + len(s.local_blocks)
                 self._call("add_chunk", tid, s.local_blocks, s.final, rid=s.req_id, tid=tid)
                 self._step_sends.append(tid)
+                if s.final and self.cfg.first_token_from_p:
+                    self._step_final[s.req_id] = s.transfer_id
                 continue
             if s.transfer_id in self._rid:
                 with self._lock:
@@ -248,6 +253,8 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
                 self.tracer.begin(s.transfer_id, s.trace, {
                     "lw.request_id": s.req_id, "lw.peer": f"{s.decoder_host}:{s.decoder_port}",
                     "lw.decode_tp": s.decoder_tp})
+            if s.final and self.cfg.first_token_from_p:
+                self._step_final[s.req_id] = s.transfer_id
             if s.ahead:  # computed before D's params are known: nothing is sent until bound
                 self._call("add_ahead", s.transfer_id, s.local_blocks, s.final, s.prompt,
                            rid=s.req_id, tid=s.transfer_id)

@@ -145,3 +145,56 @@ def test_with_first_tokens_off_nothing_reaches_d(
     wm = d.step(LwConnectorMetadata())[1]
     assert wm is None or wm.first_tokens == []
     assert p.side.loop.stats()["core.first_tokens_refused"] == 1
+
+
+class Params:
+    """What spec_digest reads of a vLLM SamplingParams: greedy, nothing else."""
+
+    temperature, top_p, top_k, min_p, seed = 0.0, 1.0, 0, 0.0, None
+    presence_penalty = frequency_penalty = 0.0
+    repetition_penalty = 1.0
+    logit_bias = allowed_token_ids = bad_words_token_ids = None
+    min_tokens = 0
+
+
+def test_a_token_handed_over_as_sampled_goes_at_once_and_the_schedulers_copy_is_skipped(
+        workers: Callable[..., tuple[Worker, Worker]]) -> None:
+    """P's runner hands the step's sampled tokens over (lw_worker.hand_sampled_tokens): the
+    prompt this step completed sends its token before the next step's metadata, under the spec
+    digest of the request's SamplingParams; the scheduler's copy of it a step later sends
+    nothing more, and a request this step did not complete sends nothing."""
+    from lw.contract.sampling import spec_digest
+
+    p, d = workers()
+    d.step(LwConnectorMetadata(recvs=[RecvSpec("t1", "d-r1", (1, 2, 3))]))
+    cfg = d.side.cfg
+    c = p.conn
+    c.bind_connector_metadata(LwConnectorMetadata(sends=[SendSpec(
+        "t1", "p-r1", cfg.host, cfg.port(0), (4, 5, 6), (1, 2, 3))]))
+    for name in LAYERS:
+        c.save_kv_layer(name, p.kv[name], None)
+    c.wait_for_save()
+    c.tokens_sampled(["p-r1", "p-other"], [[42], [7]], lambda rid: Params())
+    c.get_transfer_results(set())
+    c.clear_connector_metadata()
+    seen: list[FirstTokenIn] = []
+
+    def arrived() -> bool:
+        wm = d.step(LwConnectorMetadata())[1]
+        seen.extend(wm.first_tokens if wm is not None else ())
+        return bool(seen)
+
+    _until(arrived)
+    spec = spec_digest(Params())
+    assert seen == [FirstTokenIn("t1", "d-r1", 42, spec, 0)]
+    p.step(LwConnectorMetadata(first_tokens=[FirstTokenSpec("t1", "p-r1", 42, spec)]))
+    time.sleep(0.2)
+    wm = d.step(LwConnectorMetadata())[1]
+    assert wm is None or wm.first_tokens == []
+    stats = p.side.loop.stats()
+    assert (stats["core.first_tokens_sent"], stats["core.first_tokens_refused"]) == (1, 0)
+    # a step that completes no prompt hands nothing over
+    c.bind_connector_metadata(LwConnectorMetadata())
+    c.tokens_sampled(["p-r1"], [[43]], lambda rid: Params())
+    c.clear_connector_metadata()
+    assert p.side.loop.stats()["core.first_tokens_refused"] == 0
