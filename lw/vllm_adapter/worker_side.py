@@ -336,10 +336,13 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
 
     def _waits_for_forward(self, s: SendSpec) -> bool:
         """Whether push ``s`` (its first and last chunk in this step) writes once the forward
-        is done: P's first token goes to D, lw's loop thread runs only on the forward's CPUs
-        and the link measured to D is fast enough (lw.fsm.push_schedule)."""
+        is done: P's first token goes to D, the forward runs on the host's CPUs (no device),
+        lw's loop thread runs only on the forward's CPUs and the link measured to D is fast
+        enough (lw.fsm.push_schedule)."""
         rates, fut = self.rates, self._loop_tid
         if rates is None or fut is None or not fut.done() or fut.exception() is not None:
+            return False
+        if self._gate is not None:  # a device's forward: the host's CPUs do not run it
             return False
         if not self.cfg.first_token_from_p or self.cfg.write_during_forward or self.loop is None:
             return False
