@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MARGIN", "PUSH_MODES", "WAIT_SHARE", "PushEstimate", "attended_pairs",
-           "compute_left", "push_starts_now", "writes_wait_for_forward"]
+__all__ = ["DEFAULT_MARGIN", "PUSH_MODES", "WAIT_SHARE", "WAIT_WIRE_S", "PushEstimate",
+           "attended_pairs", "compute_left", "push_starts_now", "writes_wait_for_forward"]
 
 PUSH_MODES = ("auto", "progressive", "last_chunk")
 """When a prompt computed in chunks starts its push: as the link needs it, at its first chunk,
@@ -42,6 +42,12 @@ rose ~10 %). ``push_start_margin`` > 1 starts earlier, where writes cost the for
 WAIT_SHARE = 0.5
 """A push held to its forward's end is one whose whole transfer takes at most this share of
 that forward on the wire: the link then waits for the CPU, not the CPU for the link."""
+WAIT_WIRE_S = 0.010
+"""... and at most this long on the wire: token 2 waits for the whole transfer after the
+forward, while token 1 gains only what writing during it cost the forward. Measured on the
+2-core testbed, uncapped: a 128-token prompt's push (~5 ms on the wire) held to the forward's
+end took 16 ms off token 1 and 17 off token 2; a 1,024-token prompt's (~44 ms) took 3-10 ms off
+token 1 and added 33-45 to token 2 (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
@@ -105,13 +111,12 @@ def writes_wait_for_forward(*, blocks_to_send: int, tokens: int, pairs: int,
     attending ``pairs`` pairs) writes once that forward is done rather than layer by layer,
     where P's first token goes to D. Where lw's threads can run only on the forward's CPUs
     (``shares_core``), every write during the forward delays token 1 by its CPU while the KV
-    lands no sooner: the CPU, not the link, decides when the last byte lands. Only where the
-    link is fast enough for that (the transfer on the wire within ``WAIT_SHARE`` of the
-    forward, both measured); never unmeasured, and never where the threads have a core of
-    their own (writing during the forward costs it nothing there)."""
+    lands little later. Only a short transfer (on the wire within ``WAIT_SHARE`` of the
+    forward and within ``WAIT_WIRE_S``, both measured); never unmeasured, and never where the
+    threads have a core of their own (writing during the forward costs it nothing there)."""
     if not shares_core or blocks_to_send <= 0 or est.wire_s_per_block is None:
         return False
     if est.compute_s_per_token is None or tokens <= 0:
         return False
     compute = tokens * est.compute_s_per_token + pairs * est.compute_s_per_pair
-    return blocks_to_send * est.wire_s_per_block <= compute * WAIT_SHARE
+    return blocks_to_send * est.wire_s_per_block <= min(compute * WAIT_SHARE, WAIT_WIRE_S)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from lw.fsm.push_schedule import (
     WAIT_SHARE,
+    WAIT_WIRE_S,
     PushEstimate,
     attended_pairs,
     compute_left,
@@ -92,27 +93,31 @@ def test_later_chunks_cost_more_so_the_push_starts_later_than_an_average_rate_sa
     assert compute_left(PushEstimate(), 0, 10) is None
 
 
-def test_a_last_chunk_push_waits_for_its_forward_only_on_a_shared_core_and_a_fast_link() -> None:
-    """1,024 tokens, the last chunk (768..1,024) computing ~150 ms + attention: the uncapped
-    link (19 ms of wire) waits where lw's threads share the forward's core, a link needing
-    307 ms does not, nor anything unmeasured or on a core of lw's own."""
-    pairs = attended_pairs(768, 1024)
+def test_a_last_chunk_push_waits_for_its_forward_only_on_a_shared_core_and_a_short_transfer(
+        ) -> None:
+    """A 128-token prompt in one chunk (8 blocks, ~77 ms of forward at 0.6 ms a token): its
+    4 ms on the wire wait where lw's threads share the forward's core; not on a core of lw's
+    own, not unmeasured, not a transfer longer than WAIT_WIRE_S (a 1,024-token prompt's last
+    chunk on the uncapped link: 19 ms), nor one longer than WAIT_SHARE of the forward."""
+    def waits(est: PushEstimate, shares: bool = True, blocks: int = 8, tokens: int = 128,
+              before: int = 0) -> bool:
+        return writes_wait_for_forward(blocks_to_send=blocks, tokens=tokens,
+                                       pairs=attended_pairs(before, before + tokens), est=est,
+                                       shares_core=shares)
 
-    def waits(est: PushEstimate, shares: bool = True, blocks: int = 64) -> bool:
-        return writes_wait_for_forward(blocks_to_send=blocks, tokens=256, pairs=pairs,
-                                       est=est, shares_core=shares)
-
-    assert waits(EST["uncapped"])
-    assert not waits(EST["uncapped"], shares=False)
-    assert not waits(EST["kv_over_prefill=0.5"])
+    short = PushEstimate(6e-4, 0.5e-3)
+    assert waits(short)
+    assert not waits(short, shares=False)
     assert not waits(PushEstimate())
     assert not waits(PushEstimate(6e-4, None))
-    assert not waits(PushEstimate(None, 0.3e-3))
-    assert not waits(EST["uncapped"], blocks=0)
-    # at the bound: wire == WAIT_SHARE x compute still waits, a hair more does not
-    compute = compute_left(EST["uncapped"], 768, 1024)
-    assert compute is not None
-    at = PushEstimate(6e-4, compute * WAIT_SHARE / 64)
-    assert waits(at)
-    assert at.wire_s_per_block is not None
-    assert not waits(PushEstimate(6e-4, at.wire_s_per_block * 1.01))
+    assert not waits(PushEstimate(None, 0.5e-3))
+    assert not waits(short, blocks=0)
+    assert not waits(EST["uncapped"], blocks=64, tokens=256, before=768)  # 19 ms > 10
+    assert not waits(EST["kv_over_prefill=0.5"], blocks=64, tokens=256, before=768)
+    # at the bounds: WAIT_WIRE_S on the wire still waits, a hair more does not ...
+    at = PushEstimate(6e-4, WAIT_WIRE_S / 8)
+    assert waits(at) and not waits(PushEstimate(6e-4, WAIT_WIRE_S / 8 * 1.01))
+    # ... and WAIT_SHARE of a short forward (16 tokens: 9.6 ms) likewise
+    share = PushEstimate(6e-4, 16 * 6e-4 * WAIT_SHARE / 8)
+    assert waits(share, tokens=16)
+    assert not waits(PushEstimate(6e-4, 16 * 6e-4 * WAIT_SHARE / 8 * 1.01), tokens=16)
