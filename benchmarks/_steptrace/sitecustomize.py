@@ -104,7 +104,7 @@ def _metaserver_client(m: ModuleType) -> None:
 
 
 def _runtime(m: ModuleType) -> None:
-    _wrap(m.WorkerLoop, "_report",
+    _wrap(m.WorkerLoop, "report",
           after=lambda self, out, e: log("report_" + type(e).__name__, e.req_id))
 
 

@@ -28,6 +28,7 @@ go back; a bind that comes later is refused and writes nothing.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 
 from lw.fsm.effects import (
     ArmTimer,
@@ -322,6 +323,11 @@ class PrefillEndpoint(LayerWrites, AheadBinding, DecoderReplies, FirstTokens,
         writes a one-request world does not hold (a landed write of this endpoint's does the
         same inline)."""
         self._landed_at[addr] = now
+
+    def progress_marks(self) -> tuple[Mapping[str, float], list[float]]:
+        """What ``progress_timeout_s`` reads: when a write last landed per D address, and each
+        request's last progress, in record order (lw validate keys its states by them)."""
+        return self._landed_at, [rec.progress_at for rec in self._reqs.values()]
 
     def _stalled(self, rec: PrefillRecord, now: float, out: list[Effect]) -> str:
         """Why a live request whose deadline timer fired fails now, or "" (its timer armed

@@ -315,9 +315,9 @@ class ValidationWorld(World):
         s = self.s
         if not s.cfg.progress_timeout_s:
             return (super().key(), s.routes, s.regs)
-        progress = tuple((tuple(sorted((a, round(t - s.now, 9)) for a, t in ep._landed_at.items())),
-                          tuple(round(r.progress_at - s.now, 9) for r in ep._reqs.values()))
-                         for ep in s.p)
+        progress = tuple((tuple(sorted((a, round(t - s.now, 9)) for a, t in landed.items())),
+                          tuple(round(at - s.now, 9) for at in marks))
+                         for landed, marks in (ep.progress_marks() for ep in s.p))
         return (super().key(), s.routes, s.regs, progress)
 
     def enabled(self) -> list[Action]:

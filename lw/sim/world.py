@@ -83,6 +83,13 @@ class World:
     def __init__(self, cfg: WorldConfig) -> None:
         self._compose(self.state_type(cfg))
 
+    @classmethod
+    def around(cls, s: WorldState) -> World:
+        """A world of this class around the state ``s`` (a copy's unpickled state)."""
+        w: World = cls.__new__(cls)
+        w._compose(s)
+        return w
+
     def _compose(self, s: WorldState) -> None:
         """Make the parts around the state ``s`` (a new world, or a copy's unpickled state)."""
         self.s = s
@@ -344,9 +351,7 @@ class World:
 
 def _around(cls: type[World], s: WorldState) -> World:
     """A world of class ``cls`` around the state ``s`` (unpickling a copy)."""
-    w = cls.__new__(cls)
-    w._compose(s)
-    return w
+    return cls.around(s)
 
 
 def _where_raised(exc: BaseException) -> str:

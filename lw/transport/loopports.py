@@ -4,16 +4,55 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
-from lw.fsm import DecodeEndpoint, Effect, WriteLayer
+from lw.fsm import DecodeEndpoint, Effect, PrefillEndpoint, WriteLayer
 from lw.fsm.effects import FenceData, Granted, SumPlan, TimerKey
 from lw.fsm.interpreter import Answer, Report
 from lw.fsm.messages import KVLayout, Message
 from lw.transport.kvmemory import KVMemory
+from lw.transport.timers import Timers
+from lw.transport.wire import (
+    Abort,
+    AbortAck,
+    Ack,
+    DoneSending,
+    FailedSending,
+    MetaReply,
+    MetaRequest,
+)
 
 if TYPE_CHECKING:
-    from lw.transport.sidechannel import Inbound
+    from lw.transport.sidechannel import Inbound, SideChannel
+
+_REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's connection
+_REQUESTS = (MetaRequest, DoneSending, FailedSending, Abort)  # questions: correlated
+
+
+class PortsLoop(Protocol):
+    """What the ports need of their :class:`~lw.transport.runtime.WorkerLoop` (not imported:
+    it imports this module)."""
+
+    endpoint: PrefillEndpoint | DecodeEndpoint
+    side: SideChannel
+    timers: Timers
+    memory: KVMemory
+    counters: dict[str, int | float]
+
+    def now(self) -> float:
+        """The loop's clock."""
+
+    def start_writes(self, writes: list[WriteLayer]) -> list[list[Effect]]:
+        """Start ``writes``; the core's effects for those that could not start."""
+
+    def report(self, e: Report) -> None:
+        """Hand a report to the engine."""
+
+    def fence(self, e: FenceData) -> None:
+        """Fence the data plane from ``e.senders``; the core hears the outcome later."""
+
+    def fresh_blocks(self, req_id: str, count: int) -> Sequence[int] | None:
+        """D: fresh blocks for ``req_id``'s next claim epoch, or None (refused)."""
 
 
 class LoopPorts:
@@ -23,16 +62,22 @@ class LoopPorts:
 
     __slots__ = ("ib", "loop")
 
-    def __init__(self, loop: Any, ib: Inbound | None) -> None:
-        # loop: the WorkerLoop (not imported: it imports this module)
+    def __init__(self, loop: PortsLoop, ib: Inbound | None) -> None:
         self.loop = loop
         self.ib = ib  # the message being answered, if any
 
     def send(self, dest: str, msg: Message) -> None:
-        self.loop._send(dest, msg, self.ib)
+        ib, side = self.ib, self.loop.side
+        if ib is not None and isinstance(msg, _REPLIES):
+            src = ib.msg
+            origin = getattr(src, "sender", None) or getattr(src, "responder", None)
+            if origin is not None and origin.addr == dest:
+                side.reply(ib, dest, msg)
+                return
+        side.send(dest, msg, expect_reply=isinstance(msg, _REQUESTS))
 
     def write(self, writes: list[WriteLayer]) -> list[list[Effect]]:
-        return self.loop._write(writes)
+        return self.loop.start_writes(writes)
 
     def arm(self, key: TimerKey, at: float) -> None:
         self.loop.timers.arm(key, at)
@@ -41,7 +86,7 @@ class LoopPorts:
         self.loop.timers.cancel(key)
 
     def report(self, effect: Report) -> None:
-        self.loop._report(effect)
+        self.loop.report(effect)
 
     def sum_blocks(self, layout: KVLayout, plan: SumPlan) -> list[list[int]]:
         self.loop.counters["checksums_verified"] += 1
@@ -51,14 +96,13 @@ class LoopPorts:
         return self.loop.memory.kept_sums(req_id, target, layers)
 
     def fresh_blocks(self, req_id: str, count: int) -> Sequence[int] | None:
-        fresh = self.loop._fresh_blocks
-        return None if fresh is None else fresh(req_id, count)
+        return self.loop.fresh_blocks(req_id, count)
 
     def fence(self, effect: FenceData) -> None:
-        self.loop._fence(effect)
+        self.loop.fence(effect)
 
     def answer(self, answer: Answer) -> list[Effect]:
-        ep, now = self.loop.endpoint, self.loop._clock()
+        ep, now = self.loop.endpoint, self.loop.now()
         if isinstance(answer, Granted):
             assert isinstance(ep, DecodeEndpoint)
             return ep.on_fresh(answer, now)

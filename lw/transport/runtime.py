@@ -41,7 +41,7 @@ from lw.fsm import (
 from lw.fsm.effects import FenceData, KeptSums
 from lw.fsm.interpreter import Report, perform
 from lw.fsm.lifecycles import DONE, FAILED
-from lw.fsm.messages import FirstTokenStatus, Message
+from lw.fsm.messages import FirstTokenStatus
 from lw.fsm.status import status_line
 from lw.transport import statusdesk
 from lw.transport.inbox import CALL, FN, LAYER, Inbox
@@ -58,16 +58,11 @@ from lw.transport.statusreply import status_reply
 from lw.transport.timers import Timers
 from lw.transport.wire import (
     PROTOCOL_VERSION,
-    Abort,
-    AbortAck,
-    Ack,
     DoneSending,
-    FailedSending,
     Heartbeat,
     HeartbeatAck,
     LayerLayout,
     MetaReply,
-    MetaRequest,
     Sender,
     StatusQuery,
     StatusReply,
@@ -79,8 +74,6 @@ __all__ = ["LoopConfig", "WorkerLoop"]
 log = logging.getLogger("lw.runtime")
 
 
-_REPLIES = (MetaReply, Ack, AbortAck)  # answers: sent back on the asker's connection
-_REQUESTS = (MetaRequest, DoneSending, FailedSending, Abort)  # questions: correlated
 _CALLS = frozenset({"add_request", "add_chunk", "abort", "peer_lost", "prefill_routed",
                     "data_fenced", "add_ahead", "bind", "first_token"})
 
@@ -124,7 +117,7 @@ class WorkerLoop:
     ) -> None:
         self.endpoint = endpoint
         self.is_prefill = isinstance(endpoint, PrefillEndpoint)
-        self._role = "prefill" if self.is_prefill else "decode"
+        self.role = "prefill" if self.is_prefill else "decode"
         self.side = side
         self.data_plane = data_plane
         self.config = config
@@ -164,7 +157,7 @@ class WorkerLoop:
         self.counters["layer_event_s"] = 0.0
         self.liveness = config.liveness()
         self.peers = PeerWatch(config.name, self.liveness, endpoint, side, self.counters,
-                               self._core_error, self._execute_now)
+                               self.core_error, self._execute_now)
         self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
         # engine -> loop (hooks and calls; wake-ups and the polling policy)
         self.inbox = Inbox(config, self._num_layers, self.counters)
@@ -353,7 +346,7 @@ class WorkerLoop:
                 try:
                     effects = ep.layer_computed(layer, ids, self._clock())
                 except Exception as exc:
-                    self._core_error("layer_computed", exc)
+                    self.core_error("layer_computed", exc)
                     continue
                 if layer == self._num_layers - 1:
                     for rid in ids:
@@ -392,7 +385,8 @@ class WorkerLoop:
         self._execute(effects, None)
         self.counters["layer_event_s"] += time.perf_counter() - started
 
-    def _core_error(self, what: str, exc: Exception, ib: Inbound | None = None) -> None:
+    def core_error(self, what: str, exc: Exception, ib: Inbound | None = None) -> None:
+        """The core raised on ``what``: counted; a refusal warned (rate-limited), else logged."""
         if isinstance(exc, ProtocolError):
             self.counters["protocol_errors"] += 1
             self._refusals.note(what.split(" ", 1)[0], "the core refused %s: %s", what, exc,
@@ -430,7 +424,7 @@ class WorkerLoop:
         try:
             effects = self.endpoint.on_message(msg, now)
         except Exception as exc:  # a message must never stop the loop
-            self._core_error(type(msg).__name__, exc, ib)
+            self.core_error(type(msg).__name__, exc, ib)
             return
         if self.is_prefill and isinstance(msg, MetaReply) and msg.status == "accepted":
             self._warm_up(msg)
@@ -468,7 +462,7 @@ class WorkerLoop:
                 try:
                     effects = ep.transfer_done(rid, seq, c.ok, c.reason, now, c.in_doubt)
                 except Exception as exc:
-                    self._core_error("transfer_done", exc)
+                    self.core_error("transfer_done", exc)
                     continue
                 if (effects and rid in self._last_layer_t
                         and any(isinstance(e, KeptSums) or (isinstance(e, Send) and isinstance(
@@ -485,7 +479,7 @@ class WorkerLoop:
             try:
                 effects = self.endpoint.on_timer(key, now)
             except Exception as exc:
-                self._core_error(f"timer {key}", exc)
+                self.core_error(f"timer {key}", exc)
                 continue
             self._execute(effects, None)
         self._refusals.tick(now)
@@ -506,10 +500,10 @@ class WorkerLoop:
         try:
             rows = self.endpoint.stuck(now)
         except Exception as exc:
-            self._core_error("stuck", exc)
+            self.core_error("stuck", exc)
             return
         plane = ""
-        if rows and self.data_plane is not None and self._role == "prefill":
+        if rows and self.data_plane is not None and self.role == "prefill":
             # What the worker's data plane holds, beside what the core believes: a core
             # counting writes in flight that the plane has completed or never taken is a
             # different fault from a plane whose writes stall in the transport.
@@ -521,7 +515,7 @@ class WorkerLoop:
             except Exception as exc:  # diagnostics only
                 plane = f" [data plane stats raised {exc!r}]"
         for row in rows:
-            line = status_line(self._role, self.endpoint.me, row) + plane
+            line = status_line(self.role, self.endpoint.me, row) + plane
             log.warning("lw stuck request: %s", line)
             self.stuck.append(line)
             self.counters["stuck_requests"] += 1  # last: observers see the line once counted
@@ -529,7 +523,7 @@ class WorkerLoop:
     def status_reply(self, req_id: str = "", timeline: int = 0) -> StatusReply:
         """This worker's live requests (or one), its newest timeline entries and counters,
         trimmed to fit one side-channel message. Loop thread only."""
-        return status_reply(self.endpoint, self._role, self.counters, self._clock(), req_id,
+        return status_reply(self.endpoint, self.role, self.counters, self._clock(), req_id,
                             timeline, self.first_token)
 
     # ------------------------------------------------------------ effects
@@ -546,16 +540,17 @@ class WorkerLoop:
         self.counters["effect_errors"] += 1
         log.error("%s: effect %r failed: %r", self._name, e, exc, exc_info=exc)
 
-    def _send(self, dest: str, msg: Message, ib: Inbound | None) -> None:
-        if ib is not None and isinstance(msg, _REPLIES):
-            src = ib.msg
-            origin = getattr(src, "sender", None) or getattr(src, "responder", None)
-            if origin is not None and origin.addr == dest:
-                self.side.reply(ib, dest, msg)
-                return
-        self.side.send(dest, msg, expect_reply=isinstance(msg, _REQUESTS))
+    def now(self) -> float:
+        """The loop's clock (seconds, monotonic unless a test gave another)."""
+        return self._clock()
 
-    def _report(self, e: Report) -> None:
+    def fresh_blocks(self, req_id: str, count: int) -> Sequence[int] | None:
+        """D: ``count`` fresh blocks for ``req_id``'s next claim epoch, or None (refused)."""
+        fresh = self._fresh_blocks
+        return None if fresh is None else fresh(req_id, count)
+
+    def report(self, e: Report) -> None:
+        """Hand a report to the engine (queued, and to ``on_report``); loop thread only."""
         self.counters["reports"] += 1
         if isinstance(e, SendFinished):
             self.memory.forget(e.req_id)
@@ -567,7 +562,7 @@ class WorkerLoop:
             except Exception:
                 log.exception("%s: on_report callback raised", self._name)
 
-    def _fence(self, e: FenceData) -> None:
+    def fence(self, e: FenceData) -> None:
         """Fence the data plane from ``e.senders``' hosts on a thread of its own (it waits for
         Mooncake to close what it cut); the core hears the outcome through ``data_fenced``."""
         hosts = sorted({host_of(s.addr) for s in e.senders})
@@ -585,7 +580,7 @@ class WorkerLoop:
 
         threading.Thread(target=run, name=f"{self._name}-fence", daemon=True).start()
 
-    def _write(self, writes: list[WriteLayer]) -> list[list[Effect]]:
+    def start_writes(self, writes: list[WriteLayer]) -> list[list[Effect]]:
         """Start ``writes``; the core's effects for those that could not start."""
         out: list[list[Effect]] = []
         now = self._clock()
@@ -593,5 +588,5 @@ class WorkerLoop:
             try:
                 out.append(self.endpoint.transfer_done(rid, seq, False, reason, now))
             except Exception as exc:
-                self._core_error("transfer_done", exc)
+                self.core_error("transfer_done", exc)
         return out

@@ -16,19 +16,42 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from lw.transport.statusreply import refusal_reply
-from lw.transport.wire import StatusQuery
+from lw.transport.wire import Sender, StatusQuery, StatusReply
 
 if TYPE_CHECKING:
-    from lw.transport.sidechannel import Inbound
+    from lw.transport.sidechannel import Inbound, SideChannel
 
-__all__ = ["ANSWER", "DROP", "REFUSE", "StatusGate", "answer"]
+__all__ = ["ANSWER", "DROP", "REFUSE", "StatusGate", "StatusLoop", "answer"]
 
 ANSWER, REFUSE, DROP = "answer", "refuse", "drop"
 ROUTES = 4096  # connections whose answers are remembered (least recently asking forgotten first)
 _MAX_RETRY_S = 3600.0
+
+
+class StatusLoop(Protocol):
+    """What answering needs of its :class:`~lw.transport.runtime.WorkerLoop` (not imported:
+    it imports this module)."""
+
+    status_gate: StatusGate
+    counters: dict[str, int | float]
+    side: SideChannel
+    role: str  # "prefill" or "decode"
+
+    @property
+    def me(self) -> Sender:
+        """This worker's identity."""
+
+    def now(self) -> float:
+        """The loop's clock."""
+
+    def status_reply(self, req_id: str = "", timeline: int = 0) -> StatusReply:
+        """This worker's answer to a status query."""
+
+    def core_error(self, what: str, exc: Exception, ib: Inbound | None = None) -> None:
+        """The core raised on ``what``: counted and logged."""
 
 
 class StatusGate:
@@ -73,10 +96,9 @@ class StatusGate:
         return min(_MAX_RETRY_S, -self._level / self._share)
 
 
-def answer(loop: Any, queries: list[Inbound]) -> None:
-    """Answer, refuse or drop each status query of a turn, in order, under ``loop``'s gate
-    (``loop``: the WorkerLoop, not imported: it imports this module)."""
-    gate: StatusGate = loop.status_gate
+def answer(loop: StatusLoop, queries: list[Inbound]) -> None:
+    """Answer, refuse or drop each status query of a turn, in order, under ``loop``'s gate."""
+    gate = loop.status_gate
     c = loop.counters
     for ib in queries:
         c["status_queries"] += 1
@@ -84,21 +106,20 @@ def answer(loop: Any, queries: list[Inbound]) -> None:
         assert isinstance(q, StatusQuery)
         # the asker's connection; for a query that came back on our own DEALER, that peer
         route = ib.route if ib.route is not None else (ib.peer or q.asker)
-        now = loop._clock()
+        now = loop.now()
         verdict = gate.admit(route, now)
         if verdict == DROP:
             c["status_dropped"] += 1  # nothing queued for a connection that had its share
             continue
         if verdict == REFUSE:
             c["status_refused"] += 1
-            loop.side.reply(ib, q.asker, refusal_reply(loop.me, loop._role, now,
-                                                       gate.retry_in()))
+            loop.side.reply(ib, q.asker, refusal_reply(loop.me, loop.role, now, gate.retry_in()))
             continue
         started = time.perf_counter()
         try:
             reply = loop.status_reply(q.req_id, q.timeline)
         except Exception as exc:
-            loop._core_error("status", exc)
+            loop.core_error("status", exc)
         else:
             loop.side.reply(ib, q.asker, reply)
         gate.charge(time.perf_counter() - started)

@@ -12,19 +12,37 @@ lw.vllm_adapter.scheduler_side.SchedulerSide) it is a part of.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from lw.contract.params import ContractError
+from lw.vllm_adapter.ahead_admission import AheadAdmissions
 from lw.vllm_adapter.connector_meta import BindSpec, log
-from lw.vllm_adapter.params_fit import decode_fetched
 
-__all__ = ["AheadComputes"]
+__all__ = ["AheadComputes", "BindSide", "bind_spec"]
+
+
+class BindSide(Protocol):
+    """What binding a request computed ahead needs of P's scheduler side (its P requests are
+    that side's, of a type this module does not import: ``Any`` here)."""
+
+    def count(self, name: str) -> None:
+        """Add one to counter ``name``."""
+
+    def fetched_params(self, request: Any, fetched: Any, transfer_id: str) -> Any:
+        """D's fetched params as the P request to push (ContractError or ValueError if unfit)."""
+
+    def bind_ahead(self, rid: str, ahead_id: str, new: Any) -> None:
+        """Push ``rid`` (computed under ``ahead_id``) to D's params ``new`` from here on."""
+
+    def unbind_ahead(self, rid: str, ahead_id: str, reason: str) -> None:
+        """``rid`` will not be bound: abort its push, or compute it as a plain request."""
 
 
 class AheadComputes:
     """P: the requests being computed ahead whose params have not been answered yet."""
 
-    def __init__(self) -> None:
+    def __init__(self, admissions: AheadAdmissions) -> None:
+        self._admissions = admissions  # the scheduler side's: where the fetches' answers come
         # vLLM request id -> (the request, the id it is pushed under until bound)
         self._requests: dict[str, tuple[Any, str]] = {}
 
@@ -53,52 +71,33 @@ class AheadComputes:
             log.error("lw: request %s computed ahead was dropped before D's params came; a "
                       "decode engine bound to it fails it at its prefill deadline", rid)
 
-    def poll(self, side: Any) -> None:
+    def poll(self, side: BindSide) -> None:
         """Carry every answered fetch to the workers (this step's metadata): a bind, a D-first
         prefill for a request not pushed yet, or an abort when the params will not come."""
         for rid, (request, ahead_id) in list(self._requests.items()):
-            verdict, val = side._ahead.verdict(rid)
+            verdict, val = self._admissions.verdict(rid)
             if verdict == "wait":
                 continue
             if verdict == "plain":  # not fetched any more (never: computing ones are not held)
                 verdict, val = "fallback", "its fetch was forgotten"
             del self._requests[rid]
-            side._ahead.forget(rid)
-            tr = side._p.get(rid)  # None once vLLM finished computing it
-            started = rid in side._pushed
+            self._admissions.forget(rid)
             if verdict == "go":
                 try:
-                    new = side._parse_decoder_params(
-                        request, decode_fetched(side._key, val, ahead_id))
+                    new = side.fetched_params(request, val, ahead_id)
                 except (ContractError, ValueError) as exc:
                     verdict, val = "fallback", f"D's params refused: {exc}"
             if verdict == "go":
                 side.count("ahead_bound")
-                if not started:  # not pushed yet: an ordinary D-first prefill from here on
-                    if tr is not None:
-                        side._p[rid] = new
-                    else:
-                        log.error("lw: request %s ended before its push started; D's params "
-                                  "came after it (transfer %s): nothing is sent", rid, ahead_id)
-                    continue
-                # (the worker bound it as the params came, mid-step: it ignores this copy)
-                side._meta.binds.append(_bind_spec(ahead_id, rid, new))
-                side._pushed[rid] = new.transfer_id
-                if tr is not None:  # still computing: its later chunks go to the bound request
-                    tr.transfer_id, tr.host, tr.port = new.transfer_id, new.host, new.port
-                    tr.remote_blocks, tr.decoder_tp = new.remote_blocks, new.decoder_tp
-                    tr.epoch, tr.prompt = new.epoch, new.prompt
+                side.bind_ahead(rid, ahead_id, new)
                 continue
             side.count("ahead_fallbacks")
             log.warning("lw: request %s computed ahead (transfer %s) not bound: %s", rid,
                         ahead_id, val)
-            if started:
-                side._meta.aborts.append((ahead_id, rid, f"computed ahead, not bound: {val}"))
-            elif tr is not None:
-                del side._p[rid]  # computed as a plain request, nothing pushed
+            side.unbind_ahead(rid, ahead_id, f"computed ahead, not bound: {val}")
 
 
-def _bind_spec(ahead_id: str, rid: str, new: Any) -> BindSpec:
-    """The bind of ``rid`` (computed under ``ahead_id``) to D's params ``new`` (a _PReq)."""
+def bind_spec(ahead_id: str, rid: str, new: Any) -> BindSpec:
+    """The bind of ``rid`` (computed under ``ahead_id``) to D's params ``new`` (a P request)."""
     return BindSpec(ahead_id, new.transfer_id, rid, new.host, new.port, new.remote_blocks,
                     new.push.first_block, new.decoder_tp, new.epoch, new.prompt)

@@ -33,7 +33,7 @@ from lw.fsm.push_schedule import PushEstimate, attended_pairs, push_starts_now
 from lw.transport.ratelog import RateLog
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.ahead_admission import AheadAdmissions
-from lw.vllm_adapter.ahead_compute import AheadComputes
+from lw.vllm_adapter.ahead_compute import AheadComputes, bind_spec
 from lw.vllm_adapter.config import LwConfig
 from lw.vllm_adapter.connector_meta import (
     FetchSpec,
@@ -104,7 +104,7 @@ class SchedulerSide(DecodeScheduling):
         self._d: dict[str, DReq] = {}  # vLLM req id -> receiving (D)
         self._d_seen: set[str] = set()  # D requests already handled (never load twice)
         self._ahead = AheadAdmissions(cfg)  # P: requests waiting for D's params
-        self._computes = AheadComputes()  # P: requests computed ahead, not bound yet
+        self._computes = AheadComputes(self._ahead)  # P: computed ahead, not bound yet
         self._tails: dict[str, int] = {}  # D: req -> cached blocks, tail to compute locally
         tail = cfg.local_tail_tokens
         self.local_tail_tokens = self.block_size if tail < 0 else tail
@@ -288,8 +288,7 @@ class SchedulerSide(DecodeScheduling):
             return 0 if verdict == "plain" else None
         if verdict == "go":
             try:
-                pp = decode_fetched(self._key, val, self._ahead.transfer_of(rid))
-                self._p[rid] = self._parse_decoder_params(request, pp)
+                self._p[rid] = self.fetched_params(request, val, self._ahead.transfer_of(rid))
             except (ContractError, ValueError) as exc:
                 val = f"D's params refused: {exc}"
             else:
@@ -300,6 +299,38 @@ class SchedulerSide(DecodeScheduling):
         with self._lock:
             self._counts["ahead_fallbacks"] += 1
         return None
+
+    def fetched_params(self, request: Request, fetched: Any, transfer_id: str) -> _PReq:
+        """P: D's params fetched for ``request`` (admitted or computed ahead under
+        ``transfer_id``) as the request to push; ContractError or ValueError where unfit."""
+        return self._parse_decoder_params(request, decode_fetched(self._key, fetched, transfer_id))
+
+    def bind_ahead(self, rid: str, ahead_id: str, new: _PReq) -> None:
+        """P: D's params ``new`` came for ``rid``, computed ahead under ``ahead_id``: not
+        pushed yet, an ordinary D-first prefill from here on; else bound, its later chunks too."""
+        tr = self._p.get(rid)  # None once vLLM finished computing it
+        if rid not in self._pushed:
+            if tr is not None:
+                self._p[rid] = new
+            else:
+                log.error("lw: request %s ended before its push started; D's params came after "
+                          "it (transfer %s): nothing is sent", rid, ahead_id)
+            return
+        # (the worker bound it as the params came, mid-step: it ignores this copy)
+        self._meta.binds.append(bind_spec(ahead_id, rid, new))
+        self._pushed[rid] = new.transfer_id
+        if tr is not None:  # still computing: its later chunks go to the bound request
+            tr.transfer_id, tr.host, tr.port = new.transfer_id, new.host, new.port
+            tr.remote_blocks, tr.decoder_tp = new.remote_blocks, new.decoder_tp
+            tr.epoch, tr.prompt = new.epoch, new.prompt
+
+    def unbind_ahead(self, rid: str, ahead_id: str, reason: str) -> None:
+        """P: ``rid``, computed ahead under ``ahead_id``, will not be bound: the workers abort
+        its push, or (nothing pushed yet) it is computed as a plain request."""
+        if rid in self._pushed:
+            self._meta.aborts.append((ahead_id, rid, reason))
+        else:
+            self._p.pop(rid, None)
 
     def _parse_decoder_params(self, request: Request, pp: PrefillParams) -> _PReq:
         """What the proxy's signed params (already of their declared type) ask of this engine,

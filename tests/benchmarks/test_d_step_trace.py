@@ -100,7 +100,7 @@ def test_the_shim_wraps_lw_modules_as_they_are_imported(tmp_path: Path) -> None:
         "t = ProxyTimeline()\n"
         "t.mark('x', 'received'); t.mark('x', 'p_sent'); t.mark('x', 'first_token')\n"
         "from lw.transport.runtime import WorkerLoop\n"
-        "print(hasattr(WorkerLoop._report, '__wrapped__'))\n")
+        "print(hasattr(WorkerLoop.report, '__wrapped__'))\n")
     env = dict(os.environ, LW_STEPTRACE=str(trace),
                PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT)]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

@@ -179,3 +179,17 @@ def test_the_deadline_fires_once_at_the_instant_it_was_armed_for() -> None:
     pair.ps[0].on_timer = counting  # type: ignore[method-assign]
     pair.advance(8.2)
     assert pair.ps[0].state_of("r1") == "FAILED"
+
+
+def test_progress_marks_say_what_the_progress_deadline_reads() -> None:
+    """The links' last landings and each request's last progress, as lw validate keys them."""
+    pair = _pair(SLOW)
+    _start(pair, "r1", (1, 2, 3))
+    pair.deliver_all()
+    pair.advance(1.0)
+    pair.absorb(0, pair.ps[0].layer_computed(0, ["r1"], pair.now))
+    pair.advance(1.5)
+    _land_one(pair)
+    pair.ps[0].link_moved("elsewhere", 1.7)
+    landed, marks = pair.ps[0].progress_marks()
+    assert dict(landed) == {D_ADDR: 1.5, "elsewhere": 1.7} and marks == [1.5]

@@ -120,9 +120,9 @@ class Link:
         if why:
             raise OSError(f"TUN devices or network namespaces unavailable: {why}")
         try:
-            netns._ip("netns", "add", self.name)
+            netns.run_ip("netns", "add", self.name)
             self._made = True
-            netns._ip("-n", self.name, "link", "set", "lo", "up")
+            netns.run_ip("-n", self.name, "link", "set", "lo", "up")
         except subprocess.CalledProcessError as exc:
             self.__exit__()
             raise OSError(f"could not make the namespace: {exc.stderr.strip()}") from exc
@@ -162,10 +162,10 @@ class Link:
                 if line.startswith("packets_pd="):
                     self.stats = LinkStats.parse(line)
         # the devices went with the relay's descriptors; delete them anyway in case it hung
-        netns._ip("link", "del", self.host_if, check=False)
+        netns.run_ip("link", "del", self.host_if, check=False)
         if self._made:
-            netns._ip("-n", self.name, "link", "del", self.ns_if, check=False)
-            netns._ip("netns", "del", self.name, check=False)
+            netns.run_ip("-n", self.name, "link", "del", self.ns_if, check=False)
+            netns.run_ip("netns", "del", self.name, check=False)
             self._made = False
 
 
@@ -321,9 +321,9 @@ def relay_main(argv: list[str]) -> int:
     for ns, dev, me, peer in (([], a.host_if, a.host_ip, a.ns_ip),
                               (["-n", a.netns], a.ns_if, a.ns_ip, a.host_ip)):
         # no IPv6 link-local address: nothing but the two 10.77.N.x addresses on this link
-        netns._ip(*ns, "link", "set", dev, "addrgenmode", "none")
-        netns._ip(*ns, "addr", "add", me, "peer", f"{peer}/32", "dev", dev)
-        netns._ip(*ns, "link", "set", dev, "mtu", str(a.mtu), "up")
+        netns.run_ip(*ns, "link", "set", dev, "addrgenmode", "none")
+        netns.run_ip(*ns, "addr", "add", me, "peer", f"{peer}/32", "dev", dev)
+        netns.run_ip(*ns, "link", "set", dev, "mtu", str(a.mtu), "up")
     print("ready", flush=True)
     stats = LinkStats()
     relay(fd_p, fd_d, a.loss, a.delay_pd, a.delay_dp, random.Random(a.seed), stop, stats,
@@ -333,7 +333,7 @@ def relay_main(argv: list[str]) -> int:
     if os.getppid() != parent:  # orphaned: nobody is left to clean up after the cluster
         os.close(fd_p)
         os.close(fd_d)
-        netns._ip("netns", "del", a.netns, check=False)
+        netns.run_ip("netns", "del", a.netns, check=False)
         return 3
     print(stats.line(), flush=True)
     return 0

@@ -18,7 +18,8 @@ import subprocess
 CLONE_NEWNET = 0x40000000
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``ip ARGS`` (iproute2), its output captured; raises on failure when ``check``."""
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True, timeout=10)
 
 
@@ -29,10 +30,10 @@ def unavailable() -> str:
     if os.geteuid() != 0:
         return "network namespaces need root"
     probe = f"lw-probe-{os.getpid()}"
-    r = _ip("netns", "add", probe, check=False)
+    r = run_ip("netns", "add", probe, check=False)
     if r.returncode != 0:
         return f"ip netns add failed: {r.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
+    run_ip("netns", "del", probe, check=False)
     return ""
 
 
@@ -52,19 +53,19 @@ class Partition:
         if why:
             raise OSError(f"network namespaces unavailable: {why}")
         try:
-            _ip("netns", "add", self.name)
+            run_ip("netns", "add", self.name)
             self._made = True
-            _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
-            _ip("link", "set", self.ns_if, "netns", self.name)
+            run_ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+            run_ip("link", "set", self.ns_if, "netns", self.name)
             # no IPv6 link-local addresses (nor their neighbour discovery): nothing but the two
             # 10.77.N.x addresses on this link
-            _ip("link", "set", self.host_if, "addrgenmode", "none")
-            _ip("-n", self.name, "link", "set", self.ns_if, "addrgenmode", "none")
-            _ip("addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
-            _ip("link", "set", self.host_if, "up")
-            _ip("-n", self.name, "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_if)
-            _ip("-n", self.name, "link", "set", self.ns_if, "up")
-            _ip("-n", self.name, "link", "set", "lo", "up")
+            run_ip("link", "set", self.host_if, "addrgenmode", "none")
+            run_ip("-n", self.name, "link", "set", self.ns_if, "addrgenmode", "none")
+            run_ip("addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
+            run_ip("link", "set", self.host_if, "up")
+            run_ip("-n", self.name, "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_if)
+            run_ip("-n", self.name, "link", "set", self.ns_if, "up")
+            run_ip("-n", self.name, "link", "set", "lo", "up")
         except subprocess.CalledProcessError as exc:
             self.__exit__()
             raise OSError(f"could not set up the partition network: {exc.stderr.strip()}") from exc
@@ -72,18 +73,18 @@ class Partition:
 
     def partition(self) -> None:
         """Cut the link: nothing passes between P and D until :meth:`heal`."""
-        _ip("link", "set", self.host_if, "down")
+        run_ip("link", "set", self.host_if, "down")
         self.cut = True
 
     def heal(self) -> None:
         """Restore the link."""
-        _ip("link", "set", self.host_if, "up")
+        run_ip("link", "set", self.host_if, "up")
         self.cut = False
 
     def __exit__(self, *exc: object) -> None:
-        _ip("link", "del", self.host_if, check=False)  # removes both ends
+        run_ip("link", "del", self.host_if, check=False)  # removes both ends
         if self._made:
-            _ip("netns", "del", self.name, check=False)
+            run_ip("netns", "del", self.name, check=False)
             self._made = False
 
 

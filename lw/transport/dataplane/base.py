@@ -307,6 +307,10 @@ class _QueuedDataPlane:
         self._backend_register(addr, length)
         self._local.add(addr, length)
 
+    def registered(self, addr: int, length: int) -> bool:
+        """Whether ``[addr, addr + length)`` lies in memory registered with register_memory."""
+        return self._local.contains(addr, length)
+
     def connect(self, session: str) -> None:
         """Warm up contact with ``session`` in its sender thread; idempotent and non-blocking."""
         self._peer(session, connect=True)

@@ -126,9 +126,8 @@ class InProcessDataPlane(_QueuedDataPlane):
         reason = self._check_local(plan)
         if reason:
             return reason
-        remote = target._local
         for _s, d, n in plan:
-            if not remote.contains(d, n):
+            if not target.registered(d, n):
                 return (
                     f"remote range {_fmt_range(d, n)} is outside the memory registered by "
                     f"session {session}"
