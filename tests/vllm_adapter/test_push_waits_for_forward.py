@@ -63,13 +63,21 @@ def cluster(cluster_factory: Callable[..., Cluster]) -> Cluster:  # noqa: F811
     return cluster_factory()
 
 
+@pytest.fixture
+def one_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every thread may run on CPU 0 only, as on a host whose forward and lw's threads share
+    its core (the test process's own threads may have been pinned apart by earlier tests)."""
+    monkeypatch.setattr(worker_side_mod.os, "sched_getaffinity", lambda tid: {0})
+
+
 def _push_one(c: Cluster) -> None:
     c.add("one", list(range(1000, 1010)))  # one block, one chunk: the push's first and last
     c.run_until(lambda: len(c.d.finished) == 1 and c.idle())
     assert c.verified == {"one": True}
 
 
-def test_on_the_forwards_core_the_writes_wait_for_its_last_layer(cluster: Cluster) -> None:
+def test_on_the_forwards_core_the_writes_wait_for_its_last_layer(cluster: Cluster,
+                                                                  one_core: None) -> None:
     c = cluster
     events = _events(c)
     _push_one(c)
@@ -90,7 +98,7 @@ def test_with_a_core_of_their_own_the_writes_go_layer_by_layer(
     assert events == [("hook", 0), ("sent", 0), ("hook", 1), ("sent", 1)]
 
 
-def test_an_unmeasured_link_goes_layer_by_layer(cluster: Cluster) -> None:
+def test_an_unmeasured_link_goes_layer_by_layer(cluster: Cluster, one_core: None) -> None:
     c = cluster
     events = _events(c)
     c.p.loop.writes.link.goodput = {}
@@ -99,9 +107,32 @@ def test_an_unmeasured_link_goes_layer_by_layer(cluster: Cluster) -> None:
 
 
 def test_write_during_forward_keeps_writing_layer_by_layer(
-        cluster_factory: Callable[..., Cluster]) -> None:  # noqa: F811
+        cluster_factory: Callable[..., Cluster], one_core: None) -> None:  # noqa: F811
     """The experimental switch the benchmark's ``lw-during`` set-up measures the default by."""
     c = cluster_factory(p_extra={"experimental": {"write_during_forward": True}})
     events = _events(c)
     _push_one(c)
     assert events == [("hook", 0), ("sent", 0), ("hook", 1), ("sent", 1)]
+
+
+def test_a_forward_on_a_device_never_waits(cluster: Cluster, one_core: None) -> None:
+    """A ready gate means the forward runs on a device: the host's CPUs do not run it, so
+    writing during it costs it nothing, whatever the threads' affinity."""
+    from lw.vllm_adapter.connector_meta import SendSpec
+
+    c = cluster
+    _events(c)  # the forward measured slow, the link fast: a shared core would wait
+    w = c.p.worker._worker
+    assert w is not None
+    _push_one(c)  # the loop thread has said its kernel id by now
+    assert w.rates is not None
+    w.rates.compute_s_per_token = 1.0  # the push's own forward and writes were measured
+    c.p.loop.writes.link.goodput = AnyHost(1e12)
+    spec = SendSpec("t", "r", "127.0.0.1", 1, (1, 2), (3, 4))
+    w._step_tokens = 10
+    assert w._waits_for_forward(spec)
+    w._gate = object()  # type: ignore[assignment]
+    try:
+        assert not w._waits_for_forward(spec)
+    finally:
+        w._gate = None
