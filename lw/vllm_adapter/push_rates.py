@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+from lw.fsm.push_schedule import PushEstimate
 from lw.vllm_adapter.connector_meta import LwWorkerMeta
 
 __all__ = ["PushRates"]
@@ -59,6 +60,12 @@ class PushRates:
             return None
         wire = {h: self.bytes_per_block / g for h, g in goodput.items() if g > 0}
         return LwWorkerMeta(c, wire, self.compute_s_per_pair)
+
+    def estimate(self, goodput: float | None) -> PushEstimate:
+        """The forward's rates with the wire of a link whose goodput (bytes/s) is ``goodput``
+        (None or 0: not measured)."""
+        wire = self.bytes_per_block / goodput if goodput else None
+        return PushEstimate(self.compute_s_per_token, wire, self.compute_s_per_pair)
 
 
 def _fit(snn: float, snp: float, spp: float, sny: float, spy: float) -> tuple[float, float]:

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from lw.fsm.failures import FailureKind
 from lw.fsm.kvmap import expected_senders, targets_of
-from lw.fsm.push_schedule import PushEstimate, writes_wait_for_forward
+from lw.fsm.push_schedule import writes_wait_for_forward
 from lw.fsm.timeline import drain
 from lw.vllm_adapter.ahead_client import AheadFetcher
 from lw.vllm_adapter.config import LwConfig, ModelHeads, model_heads
@@ -350,9 +350,7 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
             shares = os.sched_getaffinity(fut.result()) <= os.sched_getaffinity(0)
         except OSError:
             return False
-        goodput = self.loop.writes.link.goodput.get(s.decoder_host)
-        wire = rates.bytes_per_block / goodput if goodput else None
-        est = PushEstimate(rates.compute_s_per_token, wire, rates.compute_s_per_pair)
+        est = rates.estimate(self.loop.writes.link.goodput.get(s.decoder_host))
         return writes_wait_for_forward(blocks_to_send=len(s.local_blocks),
                                        tokens=self._step_tokens, pairs=self._step_pairs,
                                        est=est, shares_core=shares)

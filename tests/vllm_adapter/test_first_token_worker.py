@@ -112,11 +112,8 @@ def _transfer(p: Worker, d: Worker) -> None:
     _until(both_done)
 
 
-def test_p_token_reaches_d_scheduler_after_the_kv_landed(
-        workers: Callable[..., tuple[Worker, Worker]]) -> None:
-    p, d = workers()
-    _transfer(p, d)
-    p.step(LwConnectorMetadata(first_tokens=[FirstTokenSpec("t1", "p-r1", 42, "spec-a")]))
+def _first_tokens_at(d: Worker) -> list[FirstTokenIn]:
+    """D's scheduler's first tokens, stepping D until some come."""
     seen: list[FirstTokenIn] = []
 
     def arrived() -> bool:
@@ -125,6 +122,15 @@ def test_p_token_reaches_d_scheduler_after_the_kv_landed(
         return bool(seen)
 
     _until(arrived)
+    return seen
+
+
+def test_p_token_reaches_d_scheduler_after_the_kv_landed(
+        workers: Callable[..., tuple[Worker, Worker]]) -> None:
+    p, d = workers()
+    _transfer(p, d)
+    p.step(LwConnectorMetadata(first_tokens=[FirstTokenSpec("t1", "p-r1", 42, "spec-a")]))
+    seen = _first_tokens_at(d)
     assert seen == [FirstTokenIn("t1", "d-r1", 42, "spec-a", 0)]
     assert ("first_token", "DONE", "token 42 of epoch 0 from P kv_producer") in d.timeline("t1")
     assert any(e[0] == "first_token" and e[2].startswith("token 42 to ")
@@ -177,14 +183,7 @@ def test_a_token_handed_over_as_sampled_goes_at_once_and_the_schedulers_copy_is_
     c.tokens_sampled(["p-r1", "p-other"], [[42], [7]], lambda rid: Params())
     c.get_transfer_results(set())
     c.clear_connector_metadata()
-    seen: list[FirstTokenIn] = []
-
-    def arrived() -> bool:
-        wm = d.step(LwConnectorMetadata())[1]
-        seen.extend(wm.first_tokens if wm is not None else ())
-        return bool(seen)
-
-    _until(arrived)
+    seen = _first_tokens_at(d)
     spec = spec_digest(Params())
     assert seen == [FirstTokenIn("t1", "d-r1", 42, spec, 0)]
     p.step(LwConnectorMetadata(first_tokens=[FirstTokenSpec("t1", "p-r1", 42, spec)]))
