@@ -14,10 +14,11 @@ from typing import Any
 from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 
 OUTPUT_TOKENS = 32
-SETUPS = ("single", "single-proxy", "lw", "lw-off", "lw-ahead", "lw-compute", "lw-compute-busy",
-          "lw-compute-step", "lw-compute-b1", "lw-batch5", "lw-during", "lw-progressive", "lw-last",
-          "peer")
+SETUPS = ("single", "single-proxy", "single-stream", "lw", "lw-off", "lw-ahead", "lw-compute",
+          "lw-compute-busy", "lw-compute-step", "lw-compute-b1", "lw-batch5", "lw-during",
+          "lw-progressive", "lw-last", "peer")
 LABELS = {"single": "single vLLM", "single-proxy": "single vLLM behind lw proxy",
+          "single-stream": "single vLLM, the KV's bytes streaming from its core",
           "lw": "lw P/D auto, d-first",
           "lw-off": "lw P/D auto, d-first, first token from D",
           "lw-ahead": "lw P/D auto, admit-ahead",

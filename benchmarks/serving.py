@@ -16,15 +16,19 @@ latency, end-to-end latency, from ``--save-detailed``'s per-request lists) plus
 ``ttft_p50_ratio_vs_peer`` and ``throughput_ratio_vs_peer`` (lw / MooncakeConnector).
 
 Where a user looks (issue 59): ``lw-off`` is ``lw`` with ``first_token_from_p`` false (D samples
-the first token itself after the KV landed); ``single-proxy`` is the single server behind
-``lw proxy --sidecar`` with no prefill server, whose TTFT minus the single server's is the
-proxy's hop. A second table per shape gives each set-up's TTFT and time to token 2 over the
-single server's (same repeat), P's prefill time beside the single server's and, from the
-``first_token`` events of lw's timelines, "P sampled -> D received" (p50 / max; n/a where the
-workers record no such event) and the share of requests whose first token reached the client
-(the proxy's relay of it) before D's last DONE (``token1_before_last_done_<setup>``, with issue
-59's >= 90 % verdict at kv_over_prefill 1.0); ``token2_minus_off_ttft_ms_<setup>`` is each
-set-up's time to token 2 minus ``lw-off``'s TTFT of the same repeat, against issue 59's +5 ms.
+the first token itself after the KV landed); ``single-proxy`` is the single server behind ``lw
+proxy --sidecar`` with no prefill server, whose TTFT minus the single server's is the proxy's hop;
+``single-stream`` is the single server while a plain TCP stream crosses the row's link from its
+core at the rate a push overlapping the prefill must move the prompt's KV
+(``benchmarks/_stream.py``): the physical floor of any such push on this machine, and
+``ttft_p50_ratio_vs_stream_floor`` is lw's distance to it. A second table per shape gives each
+set-up's TTFT and time to token 2 over the single server's (same repeat), P's prefill time beside
+the single server's and, from the ``first_token`` events of lw's timelines, "P sampled -> D
+received" (p50 / max; n/a where the workers record no such event) and the share of requests whose
+first token reached the client (the proxy's relay of it) before D's last DONE
+(``token1_before_last_done_<setup>``, with issue 59's >= 90 % verdict at kv_over_prefill 1.0);
+``token2_minus_off_ttft_ms_<setup>`` is each set-up's time to token 2 minus ``lw-off``'s TTFT of
+the same repeat, against issue 59's +5 ms.
 
 ``--link`` puts every P/D set-up's D in its own network namespace behind a veth pair
 (``benchmarks/_link.py``) whose P -> D direction is capped with tbf; P, the proxies and the
@@ -69,7 +73,7 @@ if str(ROOT) not in sys.path:
 from benchmarks._client import after_lw_run, prefill_time, run_bench  # noqa: E402
 from benchmarks._first_token import add_token2  # noqa: E402
 from benchmarks._link import Link, missing_requirements  # noqa: E402
-from benchmarks._pin import P_THREADS, pin  # noqa: E402
+from benchmarks._pin import CORES, P_THREADS, pin  # noqa: E402
 from benchmarks._plan import (  # noqa: E402
     BOTH_EXTRA,
     GOODPUT_TOLERANCE,
@@ -90,6 +94,7 @@ from benchmarks._plan import (  # noqa: E402
     shapes,
 )
 from benchmarks._report import print_table  # noqa: E402
+from benchmarks._stream import ByteStream  # noqa: E402
 from lw.lab.vllm_demo import (  # noqa: E402
     LocalCluster,
     Server,
@@ -124,6 +129,7 @@ class Running:
     servers: dict[str, Server] = field(default_factory=dict)
     url: str = ""
     cluster: LocalCluster | None = None
+    stream_link: Link | None = None  # single-stream: the link its byte stream crosses
 
     def stop(self) -> None:
         """Stop every process group this setup started."""
@@ -211,6 +217,22 @@ def start_single_proxy(model: Path, logs: Path, timeout: float, place: Placement
     return run
 
 
+def start_single_stream(model: Path, logs: Path, timeout: float, place: Placement) -> Running:
+    """The single server (loopback, core 0); each row's run streams bytes across the row's
+    link beside it (``stream_rate_bps``)."""
+    run = start_single(model, logs, timeout, place)
+    run.name, run.stream_link = "single-stream", place.link
+    return run
+
+
+def stream_rate_bps(info: LinkInfo) -> float:
+    """The rate at which a push that overlaps the prefill moves a prompt's KV while the prefill
+    runs: all of it within the prefill where the link carries it in that time, else what the
+    link carries in it (``kv_over_prefill`` > 1)."""
+    factor = info.achieved()[-1] if info.achieved() else 0.0
+    return info.kv_bytes * 8 / info.prefill_s / max(1.0, factor)
+
+
 def _start_proxy(run: Running, proxy: Server) -> None:
     """Start a set-up's proxy as one of its servers; a proxy that does not come up stops them
     all."""
@@ -262,6 +284,7 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
 
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
     "single": start_single, "single-proxy": start_single_proxy, "peer": start_peer,
+    "single-stream": start_single_stream,
     # every lw set-up starts alike, with its own push_mode, proxy args and P extras (_plan.py)
     **{setup: functools.partial(_start_lw, setup) for setup in PUSH_MODES}}
 
@@ -304,6 +327,10 @@ def measure(bench: Bench, run: Running, setup: str, rep: int, row: LinkRow, shap
         bench.results.setdefault(key, []).append({"error": "warm-up failed", "rep": rep})
         return
     t1, wall1 = time.monotonic(), time.time()
+    stream = None
+    if run.stream_link is not None:
+        rate = stream_rate_bps(bench.links[(row.key, shape.input_len)])
+        stream = ByteStream.start(run.stream_link, rate, CORES["single"], CORES["decode"])
     try:
         res = run_bench(run.url, bench.model, bench.dataset(rep, row, shape), shape,
                         logs / f"{shape.key}-{row.key.replace('=', '')}-r{rep}.json",
@@ -313,6 +340,11 @@ def measure(bench: Bench, run: Running, setup: str, rep: int, row: LinkRow, shap
         bench.failures += 1
         bench.results.setdefault(key, []).append({"error": "bench failed", "rep": rep})
         return
+    finally:
+        if stream is not None:
+            got = stream.stop()
+            print(f"  [{label}] byte stream: {rate / 1e6:.0f} Mbit/s wanted, {got / 1e6:.0f} "
+                  "delivered", flush=True)
     res["rep"] = rep
     add_token2(res)
     bench.results.setdefault(key, []).append(res)

@@ -1,0 +1,95 @@
+"""A plain TCP byte stream through a benchmark link, paced at a given rate: the floor of what
+moving a prompt's KV during its prefill costs the prefill's core, with no transfer engine.
+
+``ByteStream.start(link, rate_bps)`` runs a receiver in the link's namespace on D's core and a
+sender in the root namespace on P's core (``benchmarks/_pin.CORES``); the sender writes
+``rate_bps`` in bursts every ``TICK_S`` until ``stop()``, which returns the bytes the receiver
+got. ``single-stream`` in ``benchmarks/serving.py`` runs the single server beside it: the
+single server's TTFT under the bytes any push overlapping its prefill must move on its core.
+
+``python benchmarks/_stream.py recv`` / ``send HOST PORT RATE_BPS`` are the two processes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+TICK_S = 0.005
+"""The sender's pacing period: a burst of ``rate x TICK_S`` bytes each tick (about the
+wake-ups of a push batched per layer group, fewer than a per-write one)."""
+
+
+def _recv() -> None:
+    """Receiver: print the listening port, count bytes until the sender closes, print them."""
+    srv = socket.create_server(("0.0.0.0", 0))
+    print(srv.getsockname()[1], flush=True)
+    conn, _ = srv.accept()
+    buf = bytearray(1 << 20)
+    total = 0
+    with conn:
+        while k := conn.recv_into(buf):
+            total += k
+    print(total, flush=True)
+
+
+def _send(host: str, port: int, rate_bps: float) -> None:
+    """Sender: ``rate_bps`` bits per second in one burst per tick, until killed."""
+    burst = max(1, int(rate_bps / 8 * TICK_S))
+    payload = memoryview(bytes(burst))
+    with socket.create_connection((host, port), timeout=10.0) as c:
+        c.settimeout(None)
+        due = time.monotonic()
+        while True:
+            c.sendall(payload)
+            due += TICK_S
+            pause = due - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            elif pause < -1.0:  # the link is slower than the rate: do not burst to catch up
+                due = time.monotonic()
+
+
+class ByteStream:
+    """A running sender/receiver pair (see the module docstring)."""
+
+    def __init__(self, recv: subprocess.Popen[str], send: subprocess.Popen[str]) -> None:
+        self._recv, self._send = recv, send
+        self.started = time.monotonic()
+
+    @classmethod
+    def start(cls, link: Any, rate_bps: float, send_core: int, recv_core: int) -> ByteStream:
+        """Start the pair across ``link`` (a ``benchmarks._link.Link``)."""
+        py = [sys.executable, os.path.abspath(__file__)]
+        recv = subprocess.Popen(link.wrap(["taskset", "-c", str(recv_core), *py, "recv"]),
+                                stdout=subprocess.PIPE, text=True)
+        assert recv.stdout is not None
+        port = int(recv.stdout.readline())
+        send = subprocess.Popen(["taskset", "-c", str(send_core), *py, "send", link.ns_addr,
+                                 str(port), str(rate_bps)], text=True)
+        return cls(recv, send)
+
+    def stop(self) -> float:
+        """Stop both; the receiver's goodput over the stream's life, bits per second."""
+        self._send.terminate()
+        self._send.wait(10)
+        try:
+            out, _ = self._recv.communicate(timeout=10)
+            got = int(out.split()[-1])
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            self._recv.kill()
+            got = 0
+        return got * 8 / max(time.monotonic() - self.started, 1e-9)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["recv"]:
+        _recv()
+    elif sys.argv[1:2] == ["send"] and len(sys.argv) == 5:
+        _send(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+    else:
+        sys.exit(f"usage: {sys.argv[0]} recv | send HOST PORT RATE_BPS")
