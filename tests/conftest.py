@@ -1,4 +1,4 @@
-"""Root conftest of the test suite: strict skips.
+"""Root conftest of the test suite: strict skips, and no per-example deadline for property tests.
 
 With ``LW_STRICT_SKIPS=1`` in the environment (``scripts/test.sh`` sets it), a session in which
 some test or test module was skipped fails (exit status 1) unless the skip is declared expected
@@ -16,8 +16,15 @@ import os
 import re
 
 import pytest
+from hypothesis import settings
 
 pytest_plugins = ["pytester"]  # tests/test_strict_skips.py runs tiny pytest sessions
+
+# Property tests are judged by their examples, not their speed: Hypothesis's default 200 ms
+# deadline per example fails a correct test on a loaded 2-core machine (seen:
+# tests/fsm/test_push_schedule.py beside a benchmark). Tests with settings of their own keep them.
+settings.register_profile("lw", deadline=None)
+settings.load_profile("lw")
 
 STRICT_ENV = "LW_STRICT_SKIPS"
 
