@@ -119,6 +119,7 @@ class PrefillEndpoint(LayerWrites, AheadBinding, DecoderReplies, FirstTokens,
         self._aliases: dict[str, str] = {}
         self._done_claims: OrderedDict = OrderedDict()  # released DONE, token due (FirstTokens)
         self._done_alias: dict[str, str] = {}
+        self._sent_first: OrderedDict[str, tuple[int, str]] = OrderedDict()  # (FirstTokens)
         self.timeline = Timeline(self.config.timeline_entries)
         self._ring = self.timeline.ring
         self._durations = self.timeline.durations
@@ -188,6 +189,7 @@ class PrefillEndpoint(LayerWrites, AheadBinding, DecoderReplies, FirstTokens,
                              f"{req.targets}")
         self._finished.pop(req.req_id, None)
         self._forget_done_claim(req.req_id)  # an older attempt's claim takes no token now
+        self._sent_first.pop(req.req_id, None)
         rec = PrefillRecord(req, AWAIT_DECODER_META, now, now + self.config.request_timeout_s)
         if req.local_blocks or req.final:
             self._announce(rec, req.local_blocks)
@@ -484,6 +486,8 @@ SNAPSHOT_RULES: Rules = {
                                     "finished_memory (4096) requests"),
         "_done_alias": (OMIT, "an index of the ahead ids _done_claims holds (a pure function "
                               "of it)"),
+        "_sent_first": (OMIT, "read only to drop a repeated token instead of refusing it: "
+                              "neither sends anything (only a counter differs)"),
     },
     Layouts: {
         "num_layers": (OMIT, "fixed when made"),

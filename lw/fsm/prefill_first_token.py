@@ -8,7 +8,9 @@ claim unanswered) is held on the request's record and sent as the claim is accep
 waits for anything else and nothing waits for it. The scheduler hears of the sampled token after
 the request finished, often after D acknowledged its DONE: the claim of a request released DONE
 is remembered (``finished_memory`` of them) so that its token still goes. A failed request's
-token is never sent.
+token is never sent. The same token may be handed over twice (P's runner as it samples it, its
+scheduler a step later): the repeat of the token a request holds or sent is dropped, not
+refused.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class FirstTokens:
 
     _done_claims: OrderedDict[str, DoneClaim]  # D's id -> its claim, token not sent yet
     _done_alias: dict[str, str]  # ahead id -> D's id, of the requests in _done_claims
+    _sent_first: OrderedDict[str, tuple[int, str]]  # released request (any id) -> token sent
 
     def first_token(self: Any, req_id: str, token: int, spec: str, now: float) -> list[Effect]:
         """P's scheduler sampled ``token`` as the first of request ``req_id`` (D's id, or the
@@ -46,6 +49,8 @@ class FirstTokens:
         rec = self._reqs.get(req_id) or self._renamed(req_id)
         if rec is None:
             self._first_of_released(req_id, token, spec, now, out)
+            return out
+        if rec.first == (token, spec):  # handed over again (module docstring)
             return out
         why = self._first_refusal(rec, token, spec)
         if why:
@@ -111,6 +116,8 @@ class FirstTokens:
         rid = self._done_alias.get(req_id, req_id)
         claim = self._done_claims.get(rid)
         fin = self._finished.get(rid, self._finished.get(req_id, "UNKNOWN"))
+        if claim is None and self._sent_first.get(req_id) == (token, spec):
+            return  # handed over again (module docstring)
         why = ("the request failed" if fin == FAILED else
                "not held here (sent already, or forgotten)" if claim is None else
                first_token_problem(token, spec))
@@ -118,7 +125,8 @@ class FirstTokens:
             self._refuse_first(rid, fin, why, now)
             return
         self._forget_done_claim(rid)
-        addr, epoch, prompt, _aliases = claim
+        addr, epoch, prompt, aliases = claim
+        self._remember_sent((rid, *aliases), token, spec)
         out.append(Send(addr, FirstToken(PROTOCOL_VERSION, rid, self.me, epoch, token, prompt,
                                          spec)))
         self.counters["first_tokens_sent"] += 1
@@ -130,7 +138,10 @@ class FirstTokens:
         self.timeline.record(now, rid, "first_token", state, state, f"refused: {why}")
 
     def _keep_done_claim(self: Any, rec: PrefillRecord, aliases: list[str]) -> None:
-        """A request released DONE whose token has not gone: remember its claim for it."""
+        """A request released DONE whose token has not gone: remember its claim for it; one
+        whose token went: the token, to tell its repeat from a refusal."""
+        if rec.first_sent and rec.first is not None:
+            self._remember_sent((rec.req.req_id, *aliases), *rec.first)
         if (rec.first_sent or not rec.targets or self.fmt.tp_rank != 0
                 or not self.config.first_token_from_p):
             return
@@ -141,6 +152,13 @@ class FirstTokens:
             self._done_alias[aid] = rid
         while len(self._done_claims) > self.config.finished_memory:
             self._forget_done_claim(next(iter(self._done_claims)))
+
+    def _remember_sent(self: Any, ids: tuple[str, ...], token: int, spec: str) -> None:
+        """A released request's sent token under each of its ids (``finished_memory`` kept)."""
+        for rid in ids:
+            self._sent_first[rid] = (token, spec)
+        while len(self._sent_first) > self.config.finished_memory:
+            self._sent_first.popitem(last=False)
 
     def _forget_done_claim(self: Any, rid: str) -> None:
         claim = self._done_claims.pop(rid, None)

@@ -36,7 +36,6 @@ class FirstTokenRelay:
     _done_rid: OrderedDict[str, str]  # D: transfer id -> vLLM request id, receives done
     _first_in: list[FirstTokenIn]  # D: tokens taken since the last worker metadata
     _step_final: dict[str, str]  # P: vLLM request id -> transfer id, prompts this step ends
-    _sent_early: OrderedDict[str, None]  # P: transfer ids whose token went as it was sampled
 
     loop: Any  # WorkerSide's WorkerLoop (None before register)
     _ft_status: FirstTokenStatus | None  # the engine's first-token status, last good one
@@ -51,12 +50,10 @@ class FirstTokenRelay:
         never waited for: this runs as the forward's metadata is bound); the core sends it
         (TP rank 0) or holds it until D accepts the claim. The scheduler may name a request
         computed ahead by its ahead id after a mid-step bind renamed it. A token the runner
-        handed over as it sampled it (``tokens_sampled``) went already."""
+        handed over as it sampled it (``tokens_sampled``) went already: the core drops this
+        copy."""
         alias = self._alias
         for ft in meta.first_tokens:
-            if ft.transfer_id in self._sent_early:
-                del self._sent_early[ft.transfer_id]
-                continue
             tid = alias.get(ft.transfer_id, ft.transfer_id) if alias else ft.transfer_id
             self._call("first_token", tid, ft.token, ft.spec, rid=ft.req_id, tid=tid)
 
@@ -65,7 +62,7 @@ class FirstTokenRelay:
         """P, on the forward's thread: the runner sampled ``tokens`` (per request of
         ``req_ids``; ``params``: a request's SamplingParams) in the step whose metadata was
         bound last. A request whose prompt this step completed sends its token now, a P
-        engine turn before its scheduler would (the scheduler's copy is then skipped); its
+        engine turn before its scheduler would (the core drops the scheduler's copy); its
         spec digest is taken from the same SamplingParams the scheduler's would be."""
         final, self._step_final = self._step_final, {}
         if not final:
@@ -81,9 +78,6 @@ class FirstTokenRelay:
                 continue
             alias = self._alias
             live = alias.get(tid, tid) if alias else tid
-            self._sent_early[tid] = None
-            while len(self._sent_early) > DONE_MEMORY:
-                self._sent_early.popitem(last=False)
             self._call("first_token", live, int(toks[0]), spec, rid=rid, tid=live)
 
     def _keep_first_token_status(self, snap: Any) -> None:

@@ -119,7 +119,6 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
         self._reprefills: list[Reprefill] = []  # D: for the scheduler's next worker metadata
         self._first_in: list[FirstTokenIn] = []  # D: P's first tokens, likewise
         self._step_final: dict[str, str] = {}  # P: (worker_first_tokens.tokens_sampled)
-        self._sent_early: OrderedDict[str, None] = OrderedDict()
         self._done_rid: OrderedDict[str, str] = OrderedDict()  # D: receives done (their token)
         self._ft_status: FirstTokenStatus | None = None  # the engine's, for `lw status`
         self._ft_refused = 0  # first-token status snapshots refused (malformed, oversized)

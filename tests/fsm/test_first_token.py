@@ -314,3 +314,41 @@ def test_p_without_the_feature_or_with_the_token_sent_holds_no_done() -> None:
         compute_all(pr)
         pr.complete_writes()
         assert [s for s in pr.queue if isinstance(s.msg, DoneSending)], cfg
+
+
+def test_p_drops_a_repeat_of_the_token_it_holds_or_sent_and_refuses_another() -> None:
+    """P's runner hands the token over as it samples it and P's scheduler a step later: the
+    second copy of the same token is dropped (not a refusal), live or released, under D's id or
+    the ahead id; a different token is still refused, and so is the old token once the id was
+    admitted again."""
+    pr = pair()
+    start(pr)
+    pr.deliver_all()
+    p = pr.ps[0]
+    assert [s for s in p.first_token("r1", 42, "spec-a", pr.now) if isinstance(s, Send)]
+    assert p.first_token("r1", 42, "spec-a", pr.now) == []
+    assert p.counters["first_tokens_refused"] == 0
+    assert p.first_token("r1", 43, "spec-a", pr.now) == []
+    assert p.counters["first_tokens_refused"] == 1
+    compute_all(pr, "r1")
+    pr.complete_writes()
+    pr.deliver_all()
+    assert p.live_requests() == []
+    assert p.first_token("r1", 42, "spec-a", pr.now) == []  # released: still the repeat
+    assert p.first_token("r1", 42, "spec-b", pr.now) == []
+    assert p.counters["first_tokens_refused"] == 2
+    # a request computed ahead, its token sent after the release under the ahead id
+    pr.absorb(0, p.add_ahead("ahead-1", (1, 2, 3), True, PROMPT, pr.now))
+    pr.absorb("d", pr.d.add_request("d-1", (5, 6, 7), 1, pr.now, prompt=PROMPT))
+    pr.absorb(0, p.bind(PrefillRequest("d-1", D_ADDR, (), (5, 6, 7), 1, prompt=PROMPT), 0,
+                        pr.now, ahead_id="ahead-1"))
+    run_to_done(pr, "d-1")
+    assert [s for s in p.first_token("ahead-1", 5, "s", pr.now) if isinstance(s, Send)]
+    assert p.first_token("d-1", 5, "s", pr.now) == []
+    assert p.first_token("ahead-1", 5, "s", pr.now) == []
+    assert p.counters["first_tokens_refused"] == 2
+    # the same id admitted again (here failing): the old token is no repeat of anything now
+    start(pr, epoch=1)
+    pr.deliver_all()
+    assert p.first_token("r1", 42, "spec-a", pr.now) == []
+    assert p.counters["first_tokens_refused"] == 3
