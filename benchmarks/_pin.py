@@ -75,3 +75,31 @@ def pin(run: Any, p_threads: str = "forward-core") -> int:
     pid = worker_pid(p.proc.pid)
     return sum(_bind(int(t), CORES["decode"]) for t in os.listdir(f"/proc/{pid}/task")
                if int(t) != pid)
+
+
+def off_core(run: Any, p_threads: str = "forward-core") -> dict[str, list[int]]:
+    """Per engine of ``run``, the threads whose affinity is not the one ``pin`` gave them
+    (empty lists: every thread still where it was put). vLLM's NIXL worker, for one, moves
+    the thread that builds it to the last core of each NUMA node (``rsv_cores_for_kv``)."""
+    p = run.servers.get("prefill")
+    p_worker = None
+    if p_threads == "other-core" and p is not None and p.proc is not None:
+        p_worker = worker_pid(p.proc.pid)
+    out: dict[str, list[int]] = {}
+    for name, server in run.servers.items():
+        core = CORES.get(name)
+        if core is None or server.proc is None:
+            continue
+        side = set()
+        if name == "prefill" and p_worker is not None:
+            side = {int(t) for t in os.listdir(f"/proc/{p_worker}/task")} - {p_worker}
+        wrong = []
+        for tid in tasks(server.proc.pid):
+            want = {CORES["decode"]} if tid in side else {core}
+            try:
+                if os.sched_getaffinity(tid) != want:
+                    wrong.append(tid)
+            except OSError:
+                continue  # a thread that just ended
+        out[name] = wrong
+    return out

@@ -16,7 +16,7 @@ from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 OUTPUT_TOKENS = 32
 SETUPS = ("single", "single-proxy", "single-stream", "lw", "lw-off", "lw-ahead", "lw-compute",
           "lw-compute-busy", "lw-compute-step", "lw-compute-b1", "lw-batch5", "lw-during",
-          "lw-progressive", "lw-last", "peer")
+          "lw-progressive", "lw-last", "peer", "peer-nixl", "peer-nixl-push")
 LABELS = {"single": "single vLLM", "single-proxy": "single vLLM behind lw proxy",
           "single-stream": "single vLLM, the KV's bytes streaming from its core",
           "lw": "lw P/D auto, d-first",
@@ -30,7 +30,13 @@ LABELS = {"single": "single vLLM", "single-proxy": "single vLLM behind lw proxy"
           "lw-during": "lw P/D auto, d-first, a last-chunk push written during its forward",
           "lw-progressive": "lw P/D progressive",
           "lw-last": "lw P/D last-chunk",
-          "peer": "Mooncake P/D"}
+          "peer": "Mooncake P/D",
+          "peer-nixl": "vLLM NixlConnector P/D (D pulls)",
+          "peer-nixl-push": "vLLM NixlPushConnector P/D (P writes)"}
+PEERS = ("peer", "peer-nixl", "peer-nixl-push")
+"""vLLM's own P/D connectors: each answers one greedy request like the single server before it
+is timed."""
+
 PUSH_MODES = {"lw": "auto", "lw-off": "auto", "lw-ahead": "auto", "lw-compute": "auto",
               "lw-compute-step": "auto", "lw-compute-b1": "auto", "lw-compute-busy": "auto",
               "lw-batch5": "auto", "lw-during": "auto", "lw-progressive": "progressive",
@@ -239,6 +245,8 @@ class Bench:
     row_warmups: int = 0
     # (repeat, input tokens) -> the single server's prefill time measured before that repeat
     prefills: dict[tuple[int, int], float] = field(default_factory=dict)
+    # the single server's greedy answer to the output check's prompt (serving.check_output)
+    reference: Any = None
 
     def dataset(self, rep: int, row: LinkRow, shape: Shape) -> Path:
         """Fresh prompts per repeat and link row (a started set-up runs several rows: repeated

@@ -73,7 +73,7 @@ if str(ROOT) not in sys.path:
 from benchmarks._client import after_lw_run, prefill_time, run_bench  # noqa: E402
 from benchmarks._first_token import add_token2  # noqa: E402
 from benchmarks._link import Link, missing_requirements  # noqa: E402
-from benchmarks._pin import CORES, P_THREADS, pin  # noqa: E402
+from benchmarks._pin import CORES, P_THREADS, off_core, pin  # noqa: E402
 from benchmarks._plan import (  # noqa: E402
     BOTH_EXTRA,
     GOODPUT_TOLERANCE,
@@ -81,6 +81,7 @@ from benchmarks._plan import (  # noqa: E402
     NO_LINK,
     OUTPUT_TOKENS,
     P_EXTRA,
+    PEERS,
     PROXY_ARGS,
     PUSH_MODES,
     SETUPS,
@@ -95,6 +96,7 @@ from benchmarks._plan import (  # noqa: E402
 )
 from benchmarks._report import print_table  # noqa: E402
 from benchmarks._stream import ByteStream  # noqa: E402
+from lw.lab.oracle import DRIFT, TOP_K, compare  # noqa: E402
 from lw.lab.vllm_demo import (  # noqa: E402
     LocalCluster,
     Server,
@@ -282,8 +284,63 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
     return run
 
 
+def nixl_kv_config(role: str, engine_id: str, push: bool) -> dict[str, Any]:
+    """``--kv-transfer-config`` for vLLM's NixlConnector (D pulls) or NixlPushConnector (P
+    writes), KV registered where it lives: host memory (``kv_buffer_device`` cpu)."""
+    return {"kv_connector": "NixlPushConnector" if push else "NixlConnector",
+            "kv_role": role, "engine_id": engine_id, "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {}}
+
+
+def ucx_env(link: Link | None, name: str) -> dict[str, str]:
+    """UCX's settings for a NIXL engine: TCP only (shared memory or CMA would skip the capped
+    veth), on the link's interface as seen from where the engine runs (P: the root side's
+    veth, D: the namespace side's; both ``lo`` without a link)."""
+    dev = "lo" if link is None else link.ns_dev if name == "decode" else link.root_dev
+    return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}
+
+
+def start_peer_nixl(push: bool, model: Path, logs: Path, timeout: float,
+                    place: Placement) -> Running:
+    """vLLM's NixlConnector (``push`` false) or NixlPushConnector P (core 0) and D (core 1)
+    plus the minimal NIXL proxy; each engine's NIXL side channel listens on its own address
+    (the link's sides, if any), and UCX runs over TCP on the link's interface."""
+    setup = "peer-nixl-push" if push else "peer-nixl"
+    factory = place.cluster(model, logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    p_engine = f"{setup}-prefill"
+    p = factory._engine("prefill", 0, nixl_kv_config("kv_producer", p_engine, push))
+    d = factory._engine("decode", 1, nixl_kv_config("kv_consumer", f"{setup}-decode", push))
+    side = {"prefill": free_port(), "decode": free_port(factory.netns.get("decode"))}
+    for name, s in (("prefill", p), ("decode", d)):
+        _peer_env(s)
+        s.env.update(ucx_env(place.link, name), VLLM_NIXL_SIDE_CHANNEL_HOST=factory.host(name),
+                     VLLM_NIXL_SIDE_CHANNEL_PORT=str(side[name]))
+    port = free_port()
+    host = factory.host("proxy")
+    argv = [sys.executable, str(PEER_DIR / "nixl_proxy.py"), "--mode", "push" if push else "pull",
+            "--prefill", p.url, "--decode", d.url, "--host", host, "--port", str(port)]
+    if push:  # D registers its blocks with P: P's coordinates go in D's params
+        argv += ["--p-engine-id", p_engine, "--p-host", factory.host("prefill"),
+                 "--p-port", str(side["prefill"]), "--p-tp-size", "1"]
+    proxy = Server("proxy", argv, dict(os.environ, PYTHONUNBUFFERED="1"),
+                   f"http://{host}:{port}", logs / "proxy.log")
+    run = Running(setup, {"prefill": p, "decode": d}, proxy.url)
+    try:
+        p.start()
+        d.start()
+        wait_ready([p, d], timeout)
+    except BaseException:
+        run.stop()
+        raise
+    _start_proxy(run, proxy)
+    return run
+
+
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
     "single": start_single, "single-proxy": start_single_proxy, "peer": start_peer,
+    "peer-nixl": functools.partial(start_peer_nixl, False),
+    "peer-nixl-push": functools.partial(start_peer_nixl, True),
     "single-stream": start_single_stream,
     # every lw set-up starts alike, with its own push_mode, proxy args and P extras (_plan.py)
     **{setup: functools.partial(_start_lw, setup) for setup in PUSH_MODES}}
@@ -296,6 +353,31 @@ def warm_up(run: Running, n: int = 2) -> None:
         if r.error:
             tails = "\n".join(f"--- {k}\n{s.tail(15)}" for k, s in run.servers.items())
             raise RuntimeError(f"{run.name} warm-up failed: {r.error}\n{tails}")
+
+
+CHECK_PROMPT = make_prompt(300, seed=-300)
+"""The output check's prompt: about 10 blocks, no prefix shared with a measured or warm-up one."""
+CHECK_TOKENS = 16
+
+
+def check_request(url: str) -> Any:
+    """One greedy request of the output check (tokens and top logprobs, for the oracle)."""
+    return complete(url, CHECK_PROMPT, max_tokens=CHECK_TOKENS, stream=False, timeout=180.0,
+                    logprobs=TOP_K)
+
+
+def check_output(bench: Bench, run: Running) -> str:
+    """The output check of a peer: one greedy request through it must answer what the single
+    server did (``lw.lab.oracle``: the same tokens, or a near tie at the first divergence);
+    RuntimeError otherwise. Returns the verdict."""
+    if bench.reference is None:
+        raise RuntimeError("output check: no single-server answer to compare with")
+    got = check_request(run.url)
+    verdict = compare(bench.reference, got, drift=DRIFT["llama"])
+    if not verdict.same:
+        raise RuntimeError(f"output check: {verdict}; single {bench.reference.text!r}, "
+                           f"{run.name} {got.text!r}")
+    return str(verdict)
 
 
 def warm_row(bench: Bench, run: Running, rep: int, row: LinkRow, shape: Shape) -> None:
@@ -400,6 +482,23 @@ def placed(row_group: str, engine_args: tuple[str, ...]) -> Iterator[Placement]:
         yield Placement(engine_args, link)
 
 
+def _record_failed(bench: Bench, setup: str, rep: int, rows: list[LinkRow], why: str) -> None:
+    """Count a set-up that was not timed, with ``why`` in each of its table rows."""
+    bench.failures += 1
+    for sh in bench.plan:
+        for row in (r for r in rows if sh.runs_on(r)):
+            key = (sh.key, "-" if setup in NO_LINK else row.key, setup)
+            bench.results.setdefault(key, []).append({"error": why, "rep": rep})
+
+
+def _affinity_line(run: Running, p_threads: str) -> str:
+    """Whether every engine thread is still on the core ``pin`` gave it, per engine."""
+    off = off_core(run, p_threads)
+    cells = [f"{n} {len(t)} off its core" + (f" (tids {', '.join(map(str, t[:8]))})" if t else "")
+             for n, t in off.items()]
+    return "threads: " + ("; ".join(cells) if cells else "no engine")
+
+
 def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow],
               args: argparse.Namespace, engine_args: tuple[str, ...]) -> None:
     """Start one set-up (D behind a fresh link unless ``group`` is ``none``), run each shape
@@ -414,11 +513,7 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
             run = STARTERS[setup](bench.model, logs, args.start_timeout, place)
         except RuntimeError as exc:
             print(f"[{name}] FAILED to start: {exc}", flush=True)
-            bench.failures += 1
-            for sh in bench.plan:
-                for row in (r for r in rows if sh.runs_on(r)):
-                    key = (sh.key, "-" if setup in NO_LINK else row.key, setup)
-                    bench.results.setdefault(key, []).append({"error": "did not start"})
+            _record_failed(bench, setup, rep, rows, "did not start")
             return
         try:
             moved = ""
@@ -431,11 +526,23 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
                 n = pin(run, p_threads)
                 moved = f"; {n} P worker thread(s) on D's core" if n else ""
             print(f"[{name}] ready in {time.monotonic() - t0:.0f}s{moved}", flush=True)
+            if not args.float_frontends:
+                print(f"[{name}] {_affinity_line(run, p_threads)} after start", flush=True)
+            if setup in PEERS:
+                try:
+                    verdict = check_output(bench, run)
+                except RuntimeError as exc:
+                    print(f"[{name}] FAILED, not timed: {exc}", flush=True)
+                    _record_failed(bench, setup, rep, rows, "output mismatch")
+                    return
+                print(f"[{name}] output check against the single server: {verdict}", flush=True)
             for sh in bench.plan:
                 for row in (r for r in rows if sh.runs_on(r)):
                     if place.link is not None:
                         set_link(place.link, bench, row, sh)
                     measure(bench, run, setup, rep, row, sh, logs)
+            if not args.float_frontends:
+                print(f"[{name}] {_affinity_line(run, p_threads)} after its runs", flush=True)
         except RuntimeError as exc:
             print(f"[{name}] FAILED: {exc}", flush=True)
             bench.failures += 1
@@ -475,6 +582,10 @@ def calibrate(bench: Bench, args: argparse.Namespace, engine_args: tuple[str, ..
                 warm_up(run)
                 print(f"[{bench.model_name} single] ready in {time.monotonic() - t0:.0f}s",
                       flush=True)
+                bench.reference = check_request(run.url)  # the peers' output check
+                if bench.reference.error:
+                    raise RuntimeError(f"single server: output check request failed: "
+                                       f"{bench.reference.error}")
                 if need_prefill:
                     for n in sorted({sh.input_len for sh in bench.plan}):
                         prefill[n] = prefill_time(run.url, bench.model, n, seed=bench.seed)
