@@ -1,6 +1,13 @@
-"""Mutation testing of lw's sans-I/O core (``lw/fsm``): one command, a score, the survivors.
+"""Mutation testing of lw's sans-I/O core (``lw/fsm``) and, with ``--scope security``, of the
+code that decides who and what is let in: one command, a score, the survivors.
 
-    .venv/bin/python tools/mutation.py [--jobs 2] [--module prefill] [--sample N] [--list]
+    .venv/bin/python tools/mutation.py [--scope fsm|security] [--jobs 2] [--module prefill]
+        [--sample N] [--list]
+
+Below, for the default scope ``fsm``; ``--scope security`` (tools/mutation_scopes.py: lw/contract,
+the side channel's frames, the proxy's control plane, limits, intake and prefill allowlist, the
+engines' admission) has its own fast tests, no ``lw check``, and its equivalents in
+``tools/mutation_equivalent_security.json``. The mutator is tools/mutation_mutants.py.
 
 Each mutant is one small AST change of one module of ``lw/fsm`` (comparison and boolean
 operators, ``not`` removed, an ``if``/``while`` condition negated, an int constant +-1, a bool
@@ -29,8 +36,6 @@ printed as stale (and makes the command exit 1), never ignored.
 from __future__ import annotations
 
 import argparse
-import ast
-import copy
 import hashlib
 import json
 import os
@@ -45,268 +50,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-PKG = "lw/fsm"
-EQUIVALENT = ROOT / "tools" / "mutation_equivalent.json"
-TEST_PATHS = ("tests/fsm", "tests/sim", "tests/transport/test_wire.py")
-# Small exhaustive bounds, a few seconds each: several P ranks, a P rank writing two D TP ranks,
-# and (state-bounded) faults.
-CHECKS: tuple[tuple[str, ...], ...] = (
-    ("--dp", "2", "--requests", "2", "--layers", "2"),
-    ("--dp", "2", "--d-tp", "2", "--requests", "2", "--layers", "2"),
-    ("--dp", "1", "--requests", "1", "--layers", "1", "--faults", "--max-states", "2500"),
-)
-# Functions that only build human-readable text.
-SKIP_FUNCTIONS = frozenset({"__repr__", "__str__", "_who", "describe"})
-CMP_SWAPS: dict[type, tuple[type, ...]] = {
-    ast.Lt: (ast.LtE,), ast.LtE: (ast.Lt,), ast.Gt: (ast.GtE,), ast.GtE: (ast.Gt,),
-    ast.Eq: (ast.NotEq,), ast.NotEq: (ast.Eq,), ast.In: (ast.NotIn,), ast.NotIn: (ast.In,),
-    ast.Is: (ast.IsNot,), ast.IsNot: (ast.Is,),
-}
-BIN_SWAPS: dict[type, type] = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv,
-                               ast.FloorDiv: ast.Mult, ast.Mod: ast.FloorDiv}
-NEGATED_BY_CMP = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
+from mutation_mutants import Mutant, mutants_of
+from mutation_scopes import FSM, ROOT, SCOPES, Scope
 
-
-# ------------------------------------------------------------------------------- enumeration
-@dataclass(frozen=True)
-class Mutant:
-    """One change of one module: the source span and its replacement."""
-
-    module: str  # path relative to the repository, e.g. lw/fsm/prefill.py
-    line: int
-    col: int
-    end_line: int
-    end_col: int
-    op: str
-    original: str
-    replacement: str
-    function: str  # enclosing function ("" at module or class level)
-    nth: int = 0  # how many earlier mutants of this function have the same op/original/replacement
-
-    @property
-    def id(self) -> str:
-        """Stable across edits elsewhere in the module (no line number): module, function,
-        operator, original and replacement text, and the occurrence among equal ones."""
-        key = "\0".join((self.module, self.function, self.op, " ".join(self.original.split()),
-                          self.replacement, str(self.nth)))
-        stem = Path(self.module).stem
-        return f"{stem}.{self.function or '-'}.{hashlib.sha256(key.encode()).hexdigest()[:8]}"
-
-    @property
-    def where(self) -> str:
-        return f"{self.module}:{self.line}"
-
-    def describe(self) -> str:
-        """One line: file:line [operator] original -> mutant."""
-        def short(s: str) -> str:
-            s = " ".join(s.split())
-            return s if len(s) <= 70 else s[:67] + "..."
-        fn = f" in {self.function}" if self.function else ""
-        return f"{self.where}{fn} [{self.op}] {short(self.original)} -> {short(self.replacement)}"
-
-
-def _is_docstring(stmt: ast.stmt) -> bool:
-    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
-            and isinstance(stmt.value.value, str))
-
-
-def _is_counter(stmt: ast.stmt) -> bool:
-    """``self.counters = {...}`` or ``self.counters[...] += 1``: statistics, not protocol."""
-    if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-        return any(isinstance(t, ast.Attribute) and t.attr == "counters" for t in targets)
-    return (isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Subscript)
-            and isinstance(stmt.target.value, ast.Attribute)
-            and stmt.target.value.attr == "counters")
-
-
-class _Finder:
-    """Walks one module's AST and yields (node, operator, replacement node or text)."""
-
-    def __init__(self) -> None:
-        self.found: list[tuple[ast.AST, str, str, str]] = []  # node, op, replacement, function
-
-    def add(self, node: ast.AST, op: str, new: ast.AST | str, fn: str) -> None:
-        text = new if isinstance(new, str) else ast.unparse(new)
-        self.found.append((node, op, text, fn))
-
-    def visit_body(self, body: list[ast.stmt], fn: str, in_class: bool) -> None:
-        for stmt in body:
-            if _is_docstring(stmt):
-                continue
-            self.visit_stmt(stmt, fn, in_class)
-
-    def visit_stmt(self, stmt: ast.stmt, fn: str, in_class: bool) -> None:
-        if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.Assert, ast.Pass, ast.Global,
-                             ast.Nonlocal)):
-            return
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            if stmt.name in SKIP_FUNCTIONS:
-                return
-            for d in (*stmt.args.defaults, *[d for d in stmt.args.kw_defaults if d]):
-                self.visit_expr(d, fn)  # evaluated where the function is defined
-            self.visit_body(stmt.body, stmt.name, False)
-            return
-        if isinstance(stmt, ast.ClassDef):
-            if stmt.name.endswith("Config"):
-                # Tuning defaults (retry periods, budgets) are not protocol; the checks in
-                # __post_init__ are.
-                self.visit_body([s for s in stmt.body if not isinstance(s, ast.AnnAssign)], fn,
-                                True)
-            else:
-                self.visit_body(stmt.body, fn, True)
-            return
-        if isinstance(stmt, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "__all__" for t in stmt.targets):
-            return
-        if _is_counter(stmt):
-            return
-        if fn:
-            self.deletions(stmt, fn)
-        if isinstance(stmt, ast.AugAssign) and type(stmt.op) in (ast.Add, ast.Sub):
-            new = copy.copy(stmt)
-            new.op = ast.Sub() if isinstance(stmt.op, ast.Add) else ast.Add()
-            self.add(stmt, "augassign", new, fn)
-        if isinstance(stmt, (ast.If, ast.While)):
-            self.negate(stmt.test, fn)
-        for name, value in ast.iter_fields(stmt):
-            if name in ("annotation", "returns", "decorator_list", "type_comment", "target",
-                        "targets"):
-                if name in ("target", "targets"):
-                    for t in value if isinstance(value, list) else [value]:
-                        if isinstance(t, ast.Subscript):
-                            self.visit_expr(t.slice, fn)
-                continue
-            if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
-                self.visit_body(value, fn, in_class)
-            elif isinstance(value, list):
-                for v in value:
-                    if isinstance(v, ast.expr):
-                        self.visit_expr(v, fn)
-                    elif isinstance(v, ast.excepthandler):
-                        self.visit_body(v.body, fn, in_class)
-                    elif isinstance(v, ast.withitem):
-                        self.visit_expr(v.context_expr, fn)
-            elif isinstance(value, ast.expr):
-                self.visit_expr(value, fn)
-
-    def deletions(self, stmt: ast.stmt, fn: str) -> None:
-        if fn in ("__init__", "__post_init__") and isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-            return  # deleting an attribute's initialisation only raises AttributeError
-        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
-            self.add(stmt, "delete", "pass", fn)
-        elif isinstance(stmt, (ast.Assign, ast.AugAssign)) and any(
-                isinstance(t, (ast.Attribute, ast.Subscript))
-                for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])):
-            self.add(stmt, "delete", "pass", fn)
-        elif isinstance(stmt, (ast.Delete, ast.Raise)):
-            self.add(stmt, "delete", "pass", fn)
-        elif isinstance(stmt, ast.Return) and stmt.value is not None and not (
-                isinstance(stmt.value, ast.Constant) and stmt.value.value is None):
-            self.add(stmt, "return-none", "return None", fn)
-
-    def negate(self, test: ast.expr, fn: str) -> None:
-        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            return  # "not" removal covers it
-        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(
-                test.ops[0], NEGATED_BY_CMP):
-            return  # the comparison swap covers it
-        self.add(test, "negate", ast.UnaryOp(ast.Not(), test), fn)
-
-    def visit_expr(self, node: ast.expr, fn: str) -> None:
-        if isinstance(node, ast.JoinedStr):
-            return  # message text
-        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and \
-                node.value.id == "Annotated":
-            return  # a type with wire bounds: a type annotation
-        if isinstance(node, ast.Compare):
-            for i, op in enumerate(node.ops):
-                for new_op in CMP_SWAPS.get(type(op), ()):
-                    new = copy.copy(node)
-                    new.ops = [*node.ops[:i], new_op(), *node.ops[i + 1:]]
-                    self.add(node, "compare", new, fn)
-        elif isinstance(node, ast.BoolOp):
-            new = copy.copy(node)
-            new.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
-            self.add(node, "boolop", new, fn)
-        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            self.add(node, "not-removed", node.operand, fn)
-        elif isinstance(node, ast.IfExp):
-            self.negate(node.test, fn)
-        elif isinstance(node, ast.BinOp) and type(node.op) in BIN_SWAPS:
-            new = copy.copy(node)
-            new.op = BIN_SWAPS[type(node.op)]()
-            self.add(node, "arith", new, fn)
-        elif isinstance(node, ast.Constant):
-            v = node.value
-            if isinstance(v, bool):
-                self.add(node, "constant", repr(not v), fn)
-            elif isinstance(v, int):
-                self.add(node, "constant", repr(v + 1), fn)
-                if v != 0:
-                    self.add(node, "constant", repr(v - 1), fn)
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.expr):
-                self.visit_expr(child, fn)
-            elif isinstance(child, ast.comprehension):
-                for e in (child.iter, *child.ifs):
-                    self.visit_expr(e, fn)
-            elif isinstance(child, ast.keyword):
-                self.visit_expr(child.value, fn)
-            elif isinstance(child, ast.arguments):
-                pass
-
-
-def _splice(src: bytes, line_starts: list[int], node: ast.AST, text: str) -> bytes:
-    start = line_starts[node.lineno - 1] + node.col_offset  # type: ignore[attr-defined]
-    end = line_starts[node.end_lineno - 1] + node.end_col_offset  # type: ignore[attr-defined]
-    if isinstance(node, ast.expr):
-        text = f"({text})"
-    return src[:start] + text.encode() + src[end:]
-
-
-def mutants_of(module: str, source: str) -> list[tuple[Mutant, str]]:
-    """Every distinct, compilable mutant of one module, with its mutated source."""
-    raw = source.encode()
-    line_starts = [0]
-    for line in raw.splitlines(keepends=True):
-        line_starts.append(line_starts[-1] + len(line))
-    tree = ast.parse(source)
-    finder = _Finder()
-    finder.visit_body(tree.body, "", False)
-    base = ast.dump(tree)
-    seen = {base}
-    out: list[tuple[Mutant, str]] = []
-    occurrences: dict[tuple[str, str, str, str], int] = {}
-    for node, op, text, fn in finder.found:
-        try:
-            mutated = _splice(raw, line_starts, node, text).decode()
-            dump = ast.dump(ast.parse(mutated))
-        except SyntaxError:
-            continue
-        if dump in seen:
-            continue
-        seen.add(dump)
-        original = raw[line_starts[node.lineno - 1] + node.col_offset:  # type: ignore[attr-defined]
-                       line_starts[node.end_lineno - 1] + node.end_col_offset].decode()  # type: ignore[attr-defined]
-        same = (fn, op, " ".join(original.split()), text)
-        nth = occurrences.get(same, 0)
-        occurrences[same] = nth + 1
-        out.append((Mutant(module, node.lineno, node.col_offset,  # type: ignore[attr-defined]
-                           node.end_lineno, node.end_col_offset,  # type: ignore[attr-defined]
-                           op, original, text, fn, nth), mutated))
-    return out
+SCOPE: Scope = FSM
+"""The target set of this run (``--scope``); set before the workers fork, read by them."""
 
 
 def all_mutants(modules: list[str]) -> list[tuple[Mutant, str]]:
-    """Mutants of the named modules of lw/fsm (all when empty), in file and line order."""
+    """Mutants of the named modules of the scope (all when empty), in file and line order."""
     out: list[tuple[Mutant, str]] = []
-    for path in sorted((ROOT / PKG).glob("*.py")):
+    for path in SCOPE.files():
         rel = path.relative_to(ROOT).as_posix()
         if modules and path.stem not in modules and rel not in modules:
             continue
-        out += mutants_of(rel, path.read_text())
+        out += [(m, src) for m, src in mutants_of(rel, path.read_text())
+                if SCOPE.mutated(rel, m.function)]
     return out
 
 
@@ -321,15 +80,15 @@ def _hash_files(paths: list[Path]) -> str:
 def test_files() -> list[Path]:
     """The test modules the killer suite draws from."""
     files: list[Path] = []
-    for t in TEST_PATHS:
+    for t in SCOPE.test_paths:
         q = ROOT / t
-        files += sorted(q.rglob("test_*.py")) if q.is_dir() else [q]
+        files += sorted(q.rglob("test_*.py")) if q.is_dir() else sorted(ROOT.glob(t))
     return files
 
 
 def lw_hash() -> str:
     """Hash of lw and of the test helpers (every test module's results depend on them)."""
-    helpers = [p for t in TEST_PATHS if (ROOT / t).is_dir()
+    helpers = [p for t in SCOPE.test_paths if (ROOT / t).is_dir()
                for p in (ROOT / t).rglob("*.py") if not p.name.startswith("test_")]
     return _hash_files([*(ROOT / "lw").rglob("*.py"), *helpers])
 
@@ -337,7 +96,7 @@ def lw_hash() -> str:
 def suite_hash() -> str:
     """Hash of everything a result depends on besides the mutant: lw, the tests, the checks."""
     return (lw_hash() + _hash_files(test_files())
-            + hashlib.sha256(repr(CHECKS).encode()).hexdigest()[:8])
+            + hashlib.sha256(repr(SCOPE.checks).encode()).hexdigest()[:8])
 
 
 def mutant_key(m: Mutant, mutated: str) -> str:
@@ -408,10 +167,13 @@ def run_forked(box: Path, fn: Callable[[], int], timeout: float) -> tuple[int | 
 
 # ------------------------------------------------------------------------------- pytest runs
 class _Recorder:
-    """pytest plugin: first failing test, and (baseline) per-test lines of lw/fsm and timing."""
+    """pytest plugin: first failing test, and (baseline) per-test lines of the scope's modules
+    and timing."""
 
     def __init__(self, box: Path, trace: bool) -> None:
-        self.prefix = str(box / PKG) + os.sep
+        self.files = {str(box / p.relative_to(ROOT)) for p in SCOPE.files()}
+        self.packages = tuple(".".join(p.relative_to(ROOT).with_suffix("").parts)
+                              .removesuffix(".__init__") for p in SCOPE.files())
         self.root = str(box) + os.sep
         self.trace = trace
         self.lines: dict[str, set[tuple[str, int]]] = {}
@@ -421,7 +183,7 @@ class _Recorder:
         self._cur: set[tuple[str, int]] = self.module_level
 
     def _global(self, frame: Any, event: str, arg: Any) -> Any:
-        if frame.f_code.co_filename.startswith(self.prefix):
+        if frame.f_code.co_filename in self.files:
             return self._local
         return None
 
@@ -437,7 +199,7 @@ class _Recorder:
     def pytest_runtest_setup(self, item: Any) -> None:
         if self.trace:
             for name, mod in list(sys.modules.items()):
-                if name.startswith("lw.fsm"):
+                if name.startswith(self.packages):
                     for obj in vars(mod).values():
                         if callable(getattr(obj, "cache_clear", None)):
                             obj.cache_clear()  # every test that needs a cached value computes it
@@ -457,12 +219,13 @@ class _Recorder:
 def _pytest(args: list[str], plugin: _Recorder) -> int:
     import pytest
 
-    return int(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore", *args],
+    return int(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore", *SCOPE.pytest_args,
+                            *args],
                            plugins=[plugin]))
 
 
 def trace_tests(box: Path, files: list[str]) -> dict[str, Any]:
-    """Run test modules once on the unmutated copy, tracing the lines of lw/fsm per test."""
+    """Run test modules once on the unmutated copy, tracing the scope's lines per test."""
 
     def child() -> int:
         rec = _Recorder(box, trace=True)
@@ -511,10 +274,10 @@ def baseline(cache: dict[str, Any]) -> dict[str, Any]:
                     "failed": [k for k in data["failed"] if k.split("::")[0] == rel],
                     "module_level": data["module_level"],
                 }
-        checks_key = hashlib.sha256(repr(CHECKS).encode()).hexdigest()[:8]
+        checks_key = hashlib.sha256(repr(SCOPE.checks).encode()).hexdigest()[:8]
         if base.get("checks_key") != checks_key:
             secs_all = []
-            for argv in CHECKS:
+            for argv in SCOPE.checks:
                 code, secs = run_forked(box, lambda a=argv: _check(a), 600)
                 if code != 0:
                     sys.exit(f"baseline `lw check {' '.join(argv)}` exited {code}")
@@ -535,7 +298,7 @@ def baseline(cache: dict[str, Any]) -> dict[str, Any]:
         merged["module_level"] |= set(d["module_level"])
     merged["subprocess_tests"] = [
         t for t in merged["lines"]
-        if "subprocess" in (ROOT / t.split("::")[0]).read_text()]
+        if SCOPE.subprocess_tests and "subprocess" in (ROOT / t.split("::")[0]).read_text()]
     return merged
 
 
@@ -581,19 +344,30 @@ def run_job(job: Job) -> dict[str, Any]:
     return res
 
 
+def _stages(tests: list[str]) -> list[list[str]]:
+    """The pytest runs of one mutant: one, or (``Scope.staged``) the first test's module first,
+    then the rest, so that a mutant its first module kills costs one module's collection."""
+    if not SCOPE.staged:
+        return [tests] if tests else []
+    first = tests[0].split("::")[0] if tests else ""
+    head = [t for t in tests if t.split("::")[0] == first]
+    rest = [t for t in tests if t.split("::")[0] != first]
+    return [s for s in (head, rest) if s]
+
+
 def _kill(job: Job) -> dict[str, Any]:
     assert _BOX is not None
     box = _BOX
-    if job.tests:
+    for tests in _stages(job.tests):
         (box / "killer.txt").unlink(missing_ok=True)
-        code, _ = run_forked(box, lambda: _pytest(["-x", *job.tests], _Recorder(box, False)),
+        code, _ = run_forked(box, lambda t=tests: _pytest(["-x", *t], _Recorder(box, False)),
                              job.test_timeout)
         if code is None:
             return {"status": "timeout", "by": "tests (hang)"}
         if code != 0:
             who = (box / "killer.txt").read_text() if (box / "killer.txt").exists() else ""
             return {"status": "killed", "by": who or f"pytest exit {code}"}
-    for argv, limit in zip(CHECKS, job.check_timeouts, strict=True):
+    for argv, limit in zip(SCOPE.checks, job.check_timeouts, strict=True):
         code, _ = run_forked(box, lambda a=argv: _check(a), limit)
         cmd = "lw check " + " ".join(argv)
         if code is None:
@@ -606,9 +380,12 @@ def _kill(job: Job) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- main
 def _tests_for(m: Mutant, base: dict[str, Any], fast: list[str],
                index: dict[str, set[str]]) -> list[str]:
-    """Fast tests that execute the mutant's lines (all fast tests for module-level code)."""
+    """Fast tests that execute the mutant's lines; for module-level code all fast tests, or
+    (``Scope.needs_lines``) those that execute any line of its module."""
     lines = {f"{m.module}:{n}" for n in range(m.line, m.end_line + 1)}
     if not m.function or lines & base["module_level"]:
+        if SCOPE.needs_lines:
+            return [t for t in fast if t in index.get(m.module, set())]
         return fast
     hit = set(base["subprocess_tests"])  # what they run in a child process is not traced
     for line in lines:
@@ -654,38 +431,45 @@ def _iter_results(jobs: list[Job], n: int) -> Iterator[tuple[Job, dict[str, Any]
 
 def _preimport() -> None:
     """Heavy third-party imports done once, before the workers fork (never lw itself)."""
-    import hypothesis  # noqa: F401
-    import msgspec  # noqa: F401
-    import numpy  # noqa: F401
-    import pytest  # noqa: F401
-    import transitions  # noqa: F401
+    import importlib
+
+    for name in SCOPE.preimport:
+        importlib.import_module(name)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: enumerate, run, print per-module and total scores and the survivors."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scope", choices=sorted(SCOPES), default="fsm",
+                    help="what to mutate: fsm (lw/fsm, the default) or security (the code "
+                    "that decides who and what is let in; tools/mutation_scopes.py)")
     ap.add_argument("--jobs", type=int, default=2, help="parallel workers (default 2)")
     ap.add_argument("--module", action="append", default=[],
-                    help="only this module of lw/fsm (name or path; repeatable)")
+                    help="only this module of the scope (name or path; repeatable)")
     ap.add_argument("--sample", type=int, default=0, help="run N mutants drawn at random")
     ap.add_argument("--seed", type=int, default=0, help="seed of --sample")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--max-test-seconds", type=float, default=2.0,
-                    help="a tests/sim test is in the killer suite when its traced baseline run "
-                    "is shorter (tests/fsm and the wire tests always are)")
-    ap.add_argument("--cache", type=Path,
-                    default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                    / "lw-mutation" / "results.json")
+                    help="a test of the scope's timed paths (fsm: tests/sim) is in the killer "
+                    "suite when its traced baseline run is shorter")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="results cache (default ~/.cache/lw-mutation/results.json, "
+                    "results-security.json for --scope security)")
     ap.add_argument("--fresh", action="store_true", help="ignore cached mutant results")
     ap.add_argument("--without", action="append", default=[], metavar="TEST_MODULE",
                     help="leave a test module out of the killer suite (to measure what it adds)")
     ap.add_argument("--min-score", type=float, default=0.0,
                     help="exit 1 when the adjusted total score (percent) is below this")
-    ap.add_argument("--equivalent", type=Path, default=EQUIVALENT,
-                    help="JSON list of {id, reason} of survivors shown equivalent "
-                    "(default tools/mutation_equivalent.json)")
+    ap.add_argument("--equivalent", type=Path, default=None,
+                    help="JSON list of {id, reason} of survivors shown equivalent (default "
+                    "tools/mutation_equivalent.json, mutation_equivalent_security.json)")
     args = ap.parse_args(argv)
+    global SCOPE
+    SCOPE = SCOPES[args.scope]
+    args.cache = args.cache or (Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                                / "lw-mutation" / SCOPE.cache_name)
+    args.equivalent = args.equivalent or SCOPE.equivalent
     t_start = time.monotonic()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the sandboxes
 
@@ -706,8 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     _save_cache(args.cache, cache)
     failing = set(base["failed"])
     fast = sorted((t for t, d in base["durations"].items()
-                   if (d <= args.max_test_seconds or not t.startswith("tests/sim/"))
+                   if (d <= args.max_test_seconds or not t.startswith(SCOPE.timed or ("\0",)))
                    and t not in failing and t in base["lines"]
+                   and (base["lines"][t] or not SCOPE.needs_lines)
                    and t.split("::")[0] not in args.without),
                   key=lambda t: base["durations"][t])
     for t in sorted(failing):
@@ -716,9 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     for t in fast:
         for line in base["lines"][t]:
             index.setdefault(line, set()).add(t)
+            index.setdefault(line.rsplit(":", 1)[0], set()).add(t)  # its module
     suite_secs = sum(base["durations"][t] for t in fast)
     print(f"killer suite: {len(fast)} fast tests ({suite_secs:.1f} s traced), "
-          f"{len(CHECKS)} `lw check` runs ({sum(base['check_seconds']):.1f} s)")
+          f"{len(SCOPE.checks)} `lw check` runs ({sum(base['check_seconds']):.1f} s)")
 
     eff = shash + "".join(f" without {w}" for w in sorted(args.without))
     results: dict[Mutant, dict[str, Any]] = {}
@@ -773,10 +559,11 @@ def load_equivalent(path: Path) -> dict[str, str]:
 
 def report(mutants: list[tuple[Mutant, str]], results: dict[Mutant, dict[str, Any]],
            elapsed: float, min_score: float, equivalent: dict[str, str] | None = None,
-           partial: bool = False, sampled: bool = False, eq_path: Path = EQUIVALENT) -> int:
+           partial: bool = False, sampled: bool = False, eq_path: Path | None = None) -> int:
     """Print the per-module table, the survivors, the stale equivalent entries and the total
     score (raw and adjusted for the survivors shown equivalent); the exit code."""
     equivalent = equivalent or {}
+    eq_path = eq_path or SCOPE.equivalent
     per: dict[str, dict[str, int]] = {}
     for m, _ in mutants:
         row = per.setdefault(m.module, {"mutants": 0, "tests": 0, "check": 0, "timeout": 0,
@@ -835,7 +622,7 @@ def report(mutants: list[tuple[Mutant, str]], results: dict[Mutant, dict[str, An
             stale.append(f"{mid}: listed equivalent but killed ({results[m]['by']}): "
                          f"{m.describe()}")
         elif m is None and not sampled and mid.split(".")[0] in stems:
-            stale.append(f"{mid}: matches no mutant of lw/fsm (the code changed?)")
+            stale.append(f"{mid}: matches no mutant of {SCOPE.label} (the code changed?)")
     if stale:
         print(f"\nSTALE entries of {eq_path} ({len(stale)}):")
         for s in stale:
@@ -844,7 +631,7 @@ def report(mutants: list[tuple[Mutant, str]], results: dict[Mutant, dict[str, An
     raw = pct(killed, tot["mutants"])
     adjusted = pct(killed, tot["mutants"] - tot["equivalent"])
     print(f"\n(hang: killed by the per-mutant timeout) elapsed {elapsed:.0f} s")
-    print(f"MUTATION SCORE lw/fsm: {adjusted:.1f}% adjusted = {killed} killed / "
+    print(f"MUTATION SCORE {SCOPE.label}: {adjusted:.1f}% adjusted = {killed} killed / "
           f"({tot['mutants']} mutants - {tot['equivalent']} shown equivalent); "
           f"raw {raw:.1f}% ({killed}/{tot['mutants']} killed)"
           + (" [partial run: --module/--sample]" if partial or sampled else ""))
