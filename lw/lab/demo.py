@@ -21,7 +21,9 @@ from typing import TextIO
 from lw.lab.synthetic import netem, netns
 from lw.lab.synthetic.cluster import run_cluster
 from lw.lab.synthetic.config import (
+    DATA_PLANES,
     FAULTS,
+    FENCED_PLANES,
     LINK_DEADLINES,
     LINK_FAULTS,
     ONE_DECODER_FAULTS,
@@ -75,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fault", default="none",
                    help="one of: " + ", ".join(FAULTS) + "; or 'all' for the fault table")
     p.add_argument("--fault-table", action="store_true", help="same as --fault all")
-    p.add_argument("--data-plane", choices=("mooncake", "inprocess"), default="mooncake")
+    p.add_argument("--data-plane", choices=DATA_PLANES, default="mooncake",
+                   help="mooncake or nixl (engines as processes; NIXL over UCX, TCP unless "
+                        "UCX_TLS is set, lease-only: D's fence off), or inprocess (threads)")
     p.add_argument("--cluster-key", default=None,
                    help="shared side-channel key (text or hex:...); default: a random one")
     p.add_argument("--no-auth", action="store_true", help="run the side channels without a key")
@@ -162,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
                   "mooncake-transfer-engine-non-cuda and libibverbs1, or use "
                   "--data-plane inprocess", file=sys.stderr)
             return 2
+    if args.data_plane == "nixl":
+        from lw.transport.dataplane.nixl import nixl_missing
+
+        why = nixl_missing()
+        if why:
+            print(f"lw demo: the NIXL data plane is unavailable: {why}; or use "
+                  "--data-plane mooncake or inprocess", file=sys.stderr)
+            return 2
     key: bytes | str | None = None
     if not args.no_auth:
         key = args.cluster_key if args.cluster_key else os.urandom(32)
@@ -210,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         results.append(_run_one(cfg, quiet=args.quiet or len(rows) > 1))
         if len(rows) > 1:
-            print(_row(results[-1]) if len(results) > 1 else _table_header() + "\n"
+            print(_row(results[-1]) if len(results) > 1 else _table_header(cfg) + "\n"
                   + _row(results[-1]), flush=True)
         if args.validate and traces is not None and cfg.timelines_out:
             print(traces.validate(cfg.timelines_out, fault, decoders, retry), flush=True)
@@ -337,7 +349,7 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
     cfg = res.config
     mib = cfg.layers * cfg.blocks_per_request * cfg.block_bytes / 2**20
     lines = [
-        f"lw demo: synthetic engine, {cfg.data_plane} data plane, fault: {cfg.fault}",
+        f"lw demo: synthetic engine, {_plane(cfg.data_plane)}, fault: {cfg.fault}",
         f"  {cfg.requests} requests, {cfg.prefill_dp} P DP ranks in lock step, {cfg.layers} "
         f"layers, {cfg.blocks_per_request} blocks x {cfg.block_bytes // 1024} KiB per layer "
         f"({mib:.1f} MiB per request), decoder pool {cfg.d_blocks} blocks",
@@ -407,8 +419,17 @@ def _print_report(res: ClusterResult, out: TextIO) -> None:
     print("\n".join(lines), file=out)
 
 
-def _table_header() -> str:
-    return (f"{'fault':<35} {'done/failed':>11} {'corrupt':>7} {'longest P step':>15} "
+def _plane(name: str) -> str:
+    """The data plane as the report names it: a lease-only plane says D's fence is off."""
+    if name in FENCED_PLANES or name == "inprocess":
+        return f"{name} data plane"
+    return f"{name} data plane (lease-only: D's fence off)"
+
+
+def _table_header(cfg: ClusterConfig) -> str:
+    """The fault table's title (engine and data plane) and column names."""
+    return (f"lw demo: fault table, synthetic engine, {_plane(cfg.data_plane)}\n"
+            f"{'fault':<35} {'done/failed':>11} {'corrupt':>7} {'longest P step':>15} "
             f"{'leaked':>6}  {'detect':>7}  {'time':>6}  notes")
 
 

@@ -76,6 +76,14 @@ FAILURES_EXPECTED = frozenset({"kill-decoder", "freeze-decoder-before-contact",
                                *LINK_FAULTS})
 
 
+DATA_PLANES = ("mooncake", "nixl", "inprocess")
+"""The data planes a synthetic cluster runs on (``--data-plane``)."""
+PROCESS_PLANES = frozenset({"mooncake", "nixl"})
+"""Planes whose engines are OS processes (they move bytes between address spaces)."""
+FENCED_PLANES = frozenset({"mooncake"})
+"""Planes D may fence (cut a failed sender's in-flight writes); the others are lease-only."""
+
+
 def canonical_fault(name: str) -> str:
     """The fault's full name; ValueError for unknown names."""
     name = ALIASES.get(name, name)
@@ -113,7 +121,9 @@ class ClusterConfig:
     p_blocks: int = 64  # per P rank
     max_batch: int = 4  # new requests a P rank admits per step
     layer_ms: float = 2.0  # simulated compute per layer (the forward pass sleeps, GIL released)
-    data_plane: str = "mooncake"  # or "inprocess" (every worker a thread of this process)
+    # "mooncake" or "nixl" (every engine an OS process), or "inprocess" (every worker a thread
+    # of this process)
+    data_plane: str = "mooncake"
     fault: str = "none"
     cluster_key: bytes | None = None
     seed: int = 0
@@ -162,11 +172,12 @@ class ClusterConfig:
         self.cluster_key = parse_cluster_key(self.cluster_key)
         if self.fault == "no-cluster-key" and self.cluster_key is None:
             raise ValueError("fault no-cluster-key needs a cluster key")
-        if self.data_plane not in ("mooncake", "inprocess"):
-            raise ValueError(f"data_plane must be mooncake or inprocess, got {self.data_plane!r}")
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES)}, got "
+                             f"{self.data_plane!r}")
         if self.data_plane == "inprocess" and self.fault in PROCESS_FAULTS:
             raise ValueError(f"fault {self.fault} kills or stops processes: it needs "
-                             "--data-plane mooncake")
+                             "--data-plane mooncake or nixl")
         if self.fault == "no-cluster-key" and self.prefill_dp < 2:
             raise ValueError("no-cluster-key needs --prefill-dp >= 2 (one keyed rank must remain)")
         if self.decoders < 1:
@@ -267,6 +278,7 @@ class ClusterConfig:
     def decode_config(self) -> DecodeConfig:
         """Deadlines of the decoder; the lease covers P's deadline plus the transfer timeout."""
         lease = self.request_timeout_s + self.transfer_timeout_s + self.lease_margin_s
-        # Mooncake's TCP data plane can fence what a failed sender still has in flight
+        # Mooncake's TCP data plane can fence what a failed sender still has in flight; NIXL
+        # has nothing of lw's to cut (lease-only, lw.transport.dataplane.nixl)
         return core_config(DecodeConfig, vars(self), lease_s=lease,
-                           fence_data=self.data_plane == "mooncake")
+                           fence_data=self.data_plane in FENCED_PLANES)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from lw.lab.synthetic.config import DECODER_RESTARTS, ClusterConfig
+from lw.lab.synthetic.config import DECODER_RESTARTS, PROCESS_PLANES, ClusterConfig
 from lw.lab.synthetic.decoder import decode_main
 from lw.lab.synthetic.faults import FaultInjector
 from lw.lab.synthetic.netem import Link
@@ -64,7 +64,7 @@ class Coordinator(FaultInjector):
                  on_status: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.progress = progress
-        self.as_process = cfg.data_plane == "mooncake"
+        self.as_process = cfg.data_plane in PROCESS_PLANES
         self.ctx = mp.get_context("spawn") if self.as_process else None
         self.res = ClusterResult(cfg)
         self.own_log_dir = cfg.log_dir is None
@@ -110,7 +110,7 @@ class Coordinator(FaultInjector):
     # ------------------------------------------------------------------- workers
     def _spawn(self, target: Callable[..., None], make_args: Callable[..., tuple],
                name: str) -> tuple[Any, Connection, Connection]:
-        """Start a worker as a process (Mooncake) or a thread (in-process data plane)."""
+        """Start a worker as a process (Mooncake, NIXL) or a thread (in-process data plane)."""
         ctx: Any = self.ctx if self.as_process else mp
         cmd_r, cmd_w = ctx.Pipe(duplex=False)
         ev_r, ev_w = ctx.Pipe(duplex=False)

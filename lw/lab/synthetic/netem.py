@@ -106,7 +106,8 @@ class Link:
                  index: int | None = None, seed: int = 0, mtu: int = MTU) -> None:
         n = (os.getpid() % 200) + 20 if index is None else index
         self.name = f"lw-d-{os.getpid()}"
-        self.host_if, self.ns_if = f"lwt{os.getpid() % 100000}", f"lwn{os.getpid() % 100000}"
+        # one name for both devices (each in its own namespace), as netns.Partition does
+        self.host_if = self.ns_if = f"lwt{os.getpid() % 100000}"
         self.host_ip, self.ns_ip = f"10.77.{n}.1", f"10.77.{n}.2"
         self.loss, self.delay_pd_s, self.delay_dp_s = loss, delay_pd_s, delay_dp_s
         self.seed, self.mtu = seed, mtu

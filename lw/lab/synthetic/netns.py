@@ -1,11 +1,11 @@
 """A real network between P and D: the decoder in its own network namespace behind a veth pair.
 
 :class:`Partition` creates a namespace and a veth pair (``10.77.N.1`` on this side, ``10.77.N.2``
-inside), and cuts or heals the link with ``ip link set ... down/up``: packets are dropped in the
-kernel, TCP connections stall and retransmit, exactly as between two hosts whose switch fails.
-Only those two addresses are ever used. The decoder process enters the namespace with
-:func:`enter` before it opens a socket. Needs root and ``ip`` (iproute2); :func:`unavailable`
-says why not when it cannot work.
+inside, both ends of one name), and cuts or heals the link with ``ip link set ... down/up``:
+packets are dropped in the kernel, TCP connections stall and retransmit, exactly as between two
+hosts whose switch fails. Only those two addresses are ever used. The decoder process enters
+the namespace with :func:`enter` before it opens a socket. Needs root and ``ip`` (iproute2);
+:func:`unavailable` says why not when it cannot work.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ class Partition:
     def __init__(self, index: int | None = None) -> None:
         n = (os.getpid() % 200) + 20 if index is None else index
         self.name = f"lw-d-{os.getpid()}"
-        self.host_if, self.ns_if = f"lwp{os.getpid() % 100000}", f"lwd{os.getpid() % 100000}"
+        # both ends have one name (each in its own namespace): UCX lists devices by the names in
+        # /sys/class/net, which shows this namespace's even to the decoder (see workers.ucx_env)
+        self.host_if = self.ns_if = f"lwp{os.getpid() % 100000}"
         self.host_ip, self.ns_ip = f"10.77.{n}.1", f"10.77.{n}.2"
         self.cut = False
         self._made = False
@@ -55,8 +57,8 @@ class Partition:
         try:
             run_ip("netns", "add", self.name)
             self._made = True
-            run_ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
-            run_ip("link", "set", self.ns_if, "netns", self.name)
+            run_ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if,
+                   "netns", self.name)
             # no IPv6 link-local addresses (nor their neighbour discovery): nothing but the two
             # 10.77.N.x addresses on this link
             run_ip("link", "set", self.host_if, "addrgenmode", "none")

@@ -6,15 +6,18 @@ A worker is an engine: a P DP rank (:mod:`lw.lab.synthetic.prefill_rank`) or a d
 own KV memory (its KV heads of every block, HND), data plane, side channel and
 :class:`~lw.transport.runtime.WorkerLoop`, and talks to the coordinator
 (:mod:`lw.lab.synthetic.cluster`) through two one-way pipes: commands in, events out.
-An engine is an OS process (Mooncake data plane) or a thread of the coordinator's process
+An engine is an OS process (Mooncake or NIXL data plane) or a thread of the coordinator's process
 (in-process data plane); its TP workers are its loops' threads; the code is the same.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import queue
+import socket
+import struct
 import sys
 import threading
 import time
@@ -30,6 +33,8 @@ from lw.lab.synthetic.config import ClusterConfig
 from lw.transport.runtime import WorkerLoop
 from lw.transport.sidechannel import FaultInjection
 from lw.transport.wire import LayerLayout
+
+_SIOCGIFADDR = 0x8915  # ioctl: an interface's IPv4 address
 
 
 def d_engine(slot: int) -> str:
@@ -109,10 +114,45 @@ def data_plane_for(cfg: ClusterConfig, name: str, host: str = "127.0.0.1") -> An
         from lw.transport.dataplane import MooncakeDataPlane
 
         return MooncakeDataPlane(host, timeout_s=cfg.transfer_timeout_s)
+    if cfg.data_plane == "nixl":
+        from lw.transport.dataplane.nixl import NixlDataPlane
+
+        return NixlDataPlane(host, timeout_s=cfg.transfer_timeout_s, env=ucx_env(host))
     from lw.transport.dataplane import InProcessDataPlane
 
     return InProcessDataPlane(f"{name}-{os.getpid()}-{time.monotonic_ns()}",
                               timeout_s=cfg.transfer_timeout_s)
+
+
+def ucx_env(host: str) -> dict[str, str]:
+    """UCX settings of a NIXL worker on ``host``, each unless the user's environment sets it:
+    TCP (not shared memory between the cluster's processes), on the interface holding ``host``.
+
+    UCX lists devices by the names in /sys/class/net, which shows the host's namespace even
+    to a decoder that entered its own: there it saw only ``lo`` and P refused that address
+    ("remote loopback"). Both ends of the decoder's link have one name
+    (:class:`~lw.lab.synthetic.netns.Partition`, :class:`~lw.lab.synthetic.netem.Link`), so
+    pinning it makes each side use its own end of that link.
+    """
+    env = {} if "UCX_TLS" in os.environ else {"UCX_TLS": "tcp"}
+    dev = interface_of(host)
+    if dev and "UCX_NET_DEVICES" not in os.environ:
+        env["UCX_NET_DEVICES"] = dev
+    return env
+
+
+def interface_of(ip: str) -> str:
+    """The name of the interface holding IPv4 address ``ip`` in this thread's network
+    namespace ("" when none does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _index, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(raw[20:24]) == ip:
+                return name
+    return ""
 
 
 def layer_layouts(kv: np.ndarray) -> list[LayerLayout]:
