@@ -23,29 +23,42 @@ TICK_S = 0.005
 """The sender's pacing period: a burst of ``rate x TICK_S`` bytes each tick (about the
 wake-ups of a push batched per layer group, fewer than a per-write one)."""
 
+SOURCE_BYTES = 64 << 20
+"""The sender reads its bursts in turn from a buffer this large, as a push reads a prompt's KV
+(32 MiB at 1,024 tokens of the benchmark's model) from memory no cache holds, not from one
+small buffer the cache keeps."""
+
 
 def _recv() -> None:
-    """Receiver: print the listening port, count bytes until the sender closes, print them."""
+    """Receiver: print the listening port, count bytes until the sender closes, print them and
+    the time from the first to the last."""
     srv = socket.create_server(("0.0.0.0", 0))
     print(srv.getsockname()[1], flush=True)
     conn, _ = srv.accept()
     buf = bytearray(1 << 20)
     total = 0
+    first = last = 0.0
     with conn:
         while k := conn.recv_into(buf):
+            last = time.monotonic()
+            first = first or last
             total += k
-    print(total, flush=True)
+    print(total, last - first, flush=True)
 
 
 def _send(host: str, port: int, rate_bps: float) -> None:
     """Sender: ``rate_bps`` bits per second in one burst per tick, until killed."""
-    burst = max(1, int(rate_bps / 8 * TICK_S))
-    payload = memoryview(bytes(burst))
+    burst = min(max(1, int(rate_bps / 8 * TICK_S)), SOURCE_BYTES)
+    source = memoryview(bytearray(os.urandom(1 << 20)) * (SOURCE_BYTES >> 20))
+    at = 0
     with socket.create_connection((host, port), timeout=10.0) as c:
         c.settimeout(None)
         due = time.monotonic()
         while True:
-            c.sendall(payload)
+            if at + burst > SOURCE_BYTES:
+                at = 0
+            c.sendall(source[at:at + burst])
+            at += burst
             due += TICK_S
             pause = due - time.monotonic()
             if pause > 0:
@@ -59,7 +72,6 @@ class ByteStream:
 
     def __init__(self, recv: subprocess.Popen[str], send: subprocess.Popen[str]) -> None:
         self._recv, self._send = recv, send
-        self.started = time.monotonic()
 
     @classmethod
     def start(cls, link: Any, rate_bps: float, send_core: int, recv_core: int) -> ByteStream:
@@ -74,16 +86,17 @@ class ByteStream:
         return cls(recv, send)
 
     def stop(self) -> float:
-        """Stop both; the receiver's goodput over the stream's life, bits per second."""
+        """Stop both; the receiver's goodput from its first byte to its last, bits per second
+        (0 if it got none)."""
         self._send.terminate()
         self._send.wait(10)
         try:
             out, _ = self._recv.communicate(timeout=10)
-            got = int(out.split()[-1])
-        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            total, span = out.split()[-2:]
+        except (subprocess.TimeoutExpired, ValueError):
             self._recv.kill()
-            got = 0
-        return got * 8 / max(time.monotonic() - self.started, 1e-9)
+            return 0.0
+        return int(total) * 8 / float(span) if float(span) > 0 else 0.0
 
 
 if __name__ == "__main__":
