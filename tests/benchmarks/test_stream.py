@@ -20,7 +20,7 @@ def test_stream_delivers_its_rate_and_not_more_than_the_cap() -> None:
         paced = ByteStream.start(link, 16e6, 0, 1)
         time.sleep(1.0)
         got = paced.stop()
-        assert 12e6 < got < 18e6, got
+        assert 10e6 < got < 20e6, got  # paced, not as fast as the link
         capped = ByteStream.start(link, 200e6, 0, 1)
         time.sleep(1.0)
         got = capped.stop()
