@@ -315,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.writes > BLOCKS:
         ap.error(f"--writes must be <= {BLOCKS}")
+    if args.data_plane == "nixl" and (args.repeats > 1 or args.env):
+        # a second agent's UCX keeps the interfaces of the process's first (a link since gone)
+        ap.error("--data-plane nixl runs one configuration once per process: repeat it in the "
+                 "shell")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     extra = dict(kv.split("=", 1) for kv in args.env)
