@@ -35,6 +35,8 @@ class Scope:
     # two pytest runs per mutant: the first test's module, then the others (collecting the
     # proxy's test modules costs more than running most of their tests)
     staged: bool = False
+    # a mutant's tests that run longer than this + 4 x their traced time count as a hang (a kill)
+    hang_floor_s: float = 10.0
     # tests of files that start subprocesses run for every mutant (their lines are not traced)
     subprocess_tests: bool = True
     preimport: tuple[str, ...] = ()  # third-party modules imported before the workers fork
@@ -95,7 +97,7 @@ SECURITY = Scope(
         "", "_name", "_address", "_port_of", "_split", "_url", "canonical_url",
         "prefiller_from_headers", "admits", "parse_allow", "_allow", "target"})},
     pytest_args=("-m", "not slow"), needs_lines=True, subprocess_tests=False,
-    staged=True,
+    staged=True, hang_floor_s=60.0,  # a loaded machine: a test module's setup alone takes 10 s
     preimport=(*_BASE_IMPORTS, "aiohttp", "fastapi", "httpx", "starlette", "zmq"),
 )
 
