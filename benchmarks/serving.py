@@ -15,6 +15,20 @@ and prints one table per model and shape (TTFT, time to token 2 = TTFT + the fir
 latency, end-to-end latency, from ``--save-detailed``'s per-request lists) plus
 ``ttft_p50_ratio_vs_peer`` and ``throughput_ratio_vs_peer`` (lw / MooncakeConnector).
 
+vLLM's NIXL connectors (issue 60) are peers too, on the same engines, cores, model, link and
+client: ``peer-nixl`` is ``NixlConnector`` (D pulls; P first with ``max_tokens`` 1, then P's
+``kv_transfer_params`` to D, as vLLM's toy proxy does) and ``peer-nixl-push`` is
+``NixlPushConnector`` (P writes into blocks D allocated; D and P together, P's engine id, host,
+port and TP size preset in D's params), both through ``benchmarks/_peer/nixl_proxy.py`` with KV
+in host memory (``kv_buffer_device`` cpu) and UCX over TCP only on the link's interface
+(``UCX_TLS=tcp``, ``UCX_NET_DEVICES``: P the root side's veth, D the namespace side's, ``lo``
+without a link), so that UCX cannot skip the capped veth through shared memory; ratio lines
+``..._vs_peer_nixl`` and ``..._vs_peer_nixl_push``. Every peer answers one greedy request like
+the single server (``lw.lab.oracle``) before it is timed, or is reported as an output mismatch
+and not timed; each set-up prints how many of its engines' threads are off the core they were
+pinned to, after start and after its runs (vLLM's NIXL worker moves a thread to the last core
+itself: ``rsv_cores_for_kv``).
+
 Where a user looks (issue 59): ``lw-off`` is ``lw`` with ``first_token_from_p`` false (D samples
 the first token itself after the KV landed); ``single-proxy`` is the single server behind ``lw
 proxy --sidecar`` with no prefill server, whose TTFT minus the single server's is the proxy's hop;
@@ -482,6 +496,13 @@ def placed(row_group: str, engine_args: tuple[str, ...]) -> Iterator[Placement]:
         yield Placement(engine_args, link)
 
 
+def veth_tx_bytes(link: Link | None) -> int:
+    """Bytes the root side's veth has sent towards D's namespace so far (0 without a link)."""
+    if link is None:
+        return 0
+    return int(Path(f"/sys/class/net/{link.root_dev}/statistics/tx_bytes").read_text())
+
+
 def _record_failed(bench: Bench, setup: str, rep: int, rows: list[LinkRow], why: str) -> None:
     """Count a set-up that was not timed, with ``why`` in each of its table rows."""
     bench.failures += 1
@@ -520,6 +541,7 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
             p_threads = ("forward-core" if setup == "peer" and args.peer_on_forward_core
                          else args.p_threads)
             if not args.float_frontends:
+                print(f"[{name}] {_affinity_line(run, p_threads)} before pinning", flush=True)
                 pin(run, p_threads)
             warm_up(run)
             if not args.float_frontends:  # again: threads that started with the first requests
@@ -540,7 +562,14 @@ def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow
                 for row in (r for r in rows if sh.runs_on(r)):
                     if place.link is not None:
                         set_link(place.link, bench, row, sh)
+                    sent = veth_tx_bytes(place.link)
                     measure(bench, run, setup, rep, row, sh, logs)
+                    if place.link is not None and setup not in NO_LINK:
+                        sent = veth_tx_bytes(place.link) - sent
+                        kv = kv_bytes(bench.model, sh.input_len) * (sh.prompts + bench.row_warmups)
+                        print(f"  [{name} {sh.key} {row.key}] veth P->D {sent / 1e6:.1f} MB for "
+                              f"{sh.prompts + bench.row_warmups} prompts' KV of {kv / 1e6:.1f} MB "
+                              f"({sent / kv:.2f}x)", flush=True)
             if not args.float_frontends:
                 print(f"[{name}] {_affinity_line(run, p_threads)} after its runs", flush=True)
         except RuntimeError as exc:

@@ -7,9 +7,9 @@ client's request to D, whose response is relayed as it comes.
 
 ``push`` (``NixlPushConnector``: P writes into blocks D allocated): D and P together. D's request
 carries P's coordinates preset (engine id, side-channel host and port, TP size: what
-``push_scheduler.py`` reads to register D's blocks with P); P's is the same prefill-only copy as
-in ``pull``, run in the background. Both carry the same ``X-Request-Id``, by which P's worker
-matches D's registration to its finished request.
+``push_scheduler.py`` reads to register D's blocks with P) and the request id; P's is the
+same prefill-only copy as in ``pull``, run in the background. Both carry the same
+``X-Request-Id``, by which P's worker matches D's registration to its finished request.
 
 ``python benchmarks/_peer/nixl_proxy.py --mode pull --prefill URL --decode URL --port N``
 (``--mode push`` also needs ``--p-engine-id``, ``--p-host``, ``--p-port``).
@@ -107,7 +107,10 @@ class PeerProxy:
             task = asyncio.create_task(self._prefill_in_background(api, body, rid))
             self.background.add(task)
             task.add_done_callback(self.background.discard)
-            params = self.p_params
+            # D's scheduler needs a remote request id (it logs it and sends it in heartbeats);
+            # P's own id is the header's plus a suffix vLLM draws, unknown here, so P keeps
+            # its default lease (heartbeats naming another id are ignored)
+            params = dict(self.p_params, remote_request_id=rid)
         req = self.client.build_request("POST", self.decode + api,
                                         json=decode_body(body, params),
                                         headers={"X-Request-Id": rid})

@@ -103,7 +103,10 @@ def test_push_sends_d_the_preset_params_and_p_the_same_request_id() -> None:
     seen = _through_proxy("push", {"choices": []})
     by_host = {s[0]: s for s in seen}
     assert set(by_host) == {"p", "d"}
-    assert by_host["d"][1]["kv_transfer_params"]["remote_engine_id"] == "eng-p"
+    d_params = by_host["d"][1]["kv_transfer_params"]
+    assert d_params["remote_engine_id"] == "eng-p"
+    # metadata.add_new_req_to_recv reads remote_request_id: a push without it kills D's engine
+    assert d_params["remote_request_id"] == by_host["d"][2]
     assert by_host["p"][1]["kv_transfer_params"] == {"do_remote_decode": True}
     # P's worker matches D's registration to its request by the request id's base
     assert by_host["p"][2] == by_host["d"][2]
@@ -172,3 +175,22 @@ def test_the_report_prints_lw_over_each_nixl_peer(capsys: pytest.CaptureFixture[
     assert "ttft_p50_ratio_vs_peer_nixl: 0.50" in out
     assert "| vLLM NixlPushConnector P/D (P writes) | - |" in out and "output mismatch" in out
     assert "ttft_p50_ratio_vs_peer_nixl_push: n/a" in out  # a peer that was not timed
+
+
+def test_the_peer_shim_resolves_nixl_to_the_cu12_wheel() -> None:
+    """vLLM imports ``nixl._api``; with only ``nixl-cu12`` installed the shim aliases it, and
+    the wheel's extension module is loaded once (twice fails: pybind's types registered)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("nixl_cu12") is None:
+        pytest.skip("nixl-cu12 is not installed")
+    code = ("import sys; from nixl._api import nixl_agent; import nixl._bindings; "
+            "print(nixl_agent.__module__, sys.modules['nixl._bindings'] is "
+            "sys.modules['nixl_cu12._bindings'])")
+    peer = Path(serving.__file__).parent / "_peer"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={"PYTHONPATH": str(peer), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["nixl_cu12._api", "True"]
