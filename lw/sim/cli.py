@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lw.sim.config import PLANES
 from lw.sim.explorer import Result, explore, random_walks
 from lw.sim.properties import PROPERTIES
 from lw.sim.trace import render_markdown, render_text
@@ -47,6 +48,13 @@ STRONG: tuple[dict[str, Any], ...] = (
      "delays": False, "d_restarts": 1},
     {"dp": 1, "requests": 2, "layers": 1, **_CHUNKED, "faults": True, "delays": False,
      "late_writes": True, "kv_checksum": True, "unordered_writes": True},
+    # NIXL's measured semantics (lw.sim.config.PLANES): no fence, D's lease alone holds a failed
+    # request's blocks; its in-doubt bytes are taken to land within the transfer timeout (with
+    # late writes the lease is not enough: the counterexample of lease-frees-in-flight).
+    {"dp": 1, "requests": 2, "layers": 1, "faults": True, "delays": False, "kv_checksum": True,
+     "data_plane": "nixl"},
+    {"dp": 2, "requests": 2, "layers": 1, "faults": True, "fault_kinds": ("rank-crash", "write"),
+     "delays": False, "kv_checksum": True, "retry_prefill": 1, "data_plane": "nixl"},
     {"dp": 1, "requests": 1, "layers": 1, **_CHUNKED, "faults": True, "fault_kinds": (),
      "unordered_writes": True},
     # Shapes a bug class hid in before (issue 20): two senders per D rank (P TP 2 into D TP 1)
@@ -146,7 +154,7 @@ BOUND_FLAGS = ("dp", "tp", "requests", "layers", "d_dp", "d_tp", "mla", "kv_head
                "max_faults", "retries", "no_atomic_layers", "no_p_loss_detection",
                "no_crash_zombies", "no_delays", "no_abstract_time", "d_restarts", "late_writes",
                "kv_checksum", "unordered_writes", "retry_prefill", "retry_fresh_blocks",
-               "no_fence_data", "first_token")
+               "no_fence_data", "first_token", "data_plane")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -227,6 +235,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-fence-data", action="store_true", default=None,
                     help="D frees or reuses blocks when a lease ends, without fencing the data "
                          "plane from senders that may still have bytes in flight")
+    ap.add_argument("--data-plane", choices=sorted(PLANES), default=None,
+                    help="the data plane's measured semantics: whether D can fence it and "
+                         "whether its fence stops in-flight bytes (default mooncake; nixl: "
+                         "lease only)")
     ap.add_argument("--kv-checksum", action="store_true", default=None,
                     help="the endpoints' kv_checksum: D verifies what its blocks hold against "
                          "P's checksums")
@@ -292,6 +304,8 @@ def config_from(args: argparse.Namespace, base: dict[str, Any] | None = None) ->
         kw["fence_data"] = False
     if args.kv_checksum:
         kw["kv_checksum"] = True
+    if args.data_plane is not None:
+        kw["data_plane"] = args.data_plane
     if args.retry_fresh_blocks:
         kw["retry_fresh_blocks"] = True
     if args.unordered_writes:
@@ -396,10 +410,14 @@ def report(cfg: WorldConfig, res: Result) -> list[str]:
              "after the failure; use-after-free keeps them off reused blocks"))
     if not cfg.p_loss_detection:
         lines.append("assumption: D never calls peer_lost for the P engine (finding 2)")
+    plane = cfg.plane()
     lines.append("fences: " + (
         "a lease that ends with senders not known stopped fences the data plane from them "
         "before their blocks are freed or reused; a fence completes at any later moment"
-        if cfg.fence_data else "none: a lease's end frees or reuses the blocks at once"))
+        + ("" if cfg.fence_holds() else ", and the bytes it was to cut may land after it")
+        if cfg.fences() else "none: a lease's end frees or reuses the blocks at once"
+        + (f" ({plane.title} has no fence: {plane.measured})"
+           if cfg.fence_data and not plane.fence else "")))
     lines.append("properties:")
     for p in PROPERTIES:
         if p.id == "sometimes-deadline" and not cfg.faults:

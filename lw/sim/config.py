@@ -40,6 +40,32 @@ EPSILON = 0.001  # abstract time: "just before" a deadline (below every timer's 
 
 
 @dataclass(frozen=True)
+class PlaneModel:
+    """What the checker takes as measured of one data plane (benchmarks/late_landing.py):
+    whether D can fence it from a sender, and whether a fence that returned stops its bytes."""
+
+    title: str
+    fence: bool  # D has a fence on this plane (its DecodeConfig.fence_data follows)
+    fence_holds: bool  # once the fence returned, no byte of the senders it cut lands
+    measured: str  # the figures behind it
+
+
+PLANES: dict[str, PlaneModel] = {
+    "mooncake": PlaneModel(
+        "Mooncake over TCP", fence=True, fence_holds=True,
+        measured="a failed write's bytes landed up to 83 s after its report (30 % loss); after "
+                 "fence_inbound returned (P's engine dropped) no block changed"),
+    "nixl": PlaneModel(
+        "NIXL (UCX over TCP)", fence=False, fence_holds=False,
+        measured="a failed write's bytes landed up to 38.6 s after its report (40 % loss); "
+                 "after D removed P's agent or deregistered the memory P writes, up to 109 "
+                 "and 120 block changes came; no candidate fence is built (cutting UCX's sockets "
+                 "stopped them but never completes, destroying D's agent changes its session)"),
+}
+"""The data planes whose semantics the checker knows (WorldConfig.data_plane)."""
+
+
+@dataclass(frozen=True)
 class WorldConfig:
     """Bounds and switches of one world (everything the explorer's verdict depends on)."""
 
@@ -102,6 +128,9 @@ class WorldConfig:
     # are not bounded in time on a lossy TCP link).
     fence_data: bool = True
     fence_s: float = 5.0  # the longest a fence takes to hold (the runtime's fence timeout)
+    # The data plane's measured semantics (PLANES): whether D can fence it at all, and whether
+    # its fence stops in-flight bytes. fence_data asks for a fence only where the plane has one.
+    data_plane: str = "mooncake"
     fence_retry_s: float = 2.0  # D's DecodeConfig.fence_retry_s: a failed fence asked again
     # D's prefill retry budget (DecodeConfig.retry_prefill): a request whose P rank was lost is
     # prefilled again on another rank under a new claim epoch. With it, each DP rank is a P
@@ -150,6 +179,9 @@ class WorldConfig:
         bad = set(self.fault_kinds) - set(FAULT_KINDS)
         if bad:
             raise ValueError(f"unknown fault kinds {sorted(bad)}; known: {', '.join(FAULT_KINDS)}")
+        if self.data_plane not in PLANES:
+            raise ValueError(f"unknown data plane {self.data_plane!r}; one of "
+                             f"{', '.join(PLANES)}")
         d = DESIGNS[self.design]
         if self.retry_prefill and (self.d_tp != 1 or not (d.d_first or d.ahead)):
             raise ValueError("retry_prefill needs D TP 1 and lw's D-first or compute-ahead "
@@ -229,9 +261,24 @@ class WorldConfig:
         return core_config(PrefillConfig, vars(self), meta_attempts=self.retries,
                            ack_attempts=self.retries, timeline_entries=0)
 
+    def plane(self) -> PlaneModel:
+        """The measured semantics of this world's data plane."""
+        return PLANES[self.data_plane]
+
+    def fences(self) -> bool:
+        """D fences the data plane at a lease's end: fence_data, on a plane that has a fence
+        (or a design whose quirk gives it one that returns early)."""
+        return self.fence_data and (self.plane().fence
+                                    or "fence-returns-early" in DESIGNS[self.design].quirks)
+
+    def fence_holds(self) -> bool:
+        """A fence that returned stops every byte of the senders it cut."""
+        return (self.plane().fence_holds
+                and "fence-returns-early" not in DESIGNS[self.design].quirks)
+
     def quarantine_s(self) -> float:
         """The longest D holds a lost epoch's blocks: its lease, then a fence."""
-        if not self.fence_data:
+        if not self.fences():
             return self.lease_s
         # each fence that does not hold (fault "fence-fail") costs a retry and another fence
         fails = self.max_faults if "fence-fail" in self.fault_kinds and self.faults else 0
@@ -239,7 +286,8 @@ class WorldConfig:
 
     def decode_config(self) -> DecodeConfig:
         """The D endpoints' deadline and lease in this world (no timeline, as for P)."""
-        return core_config(DecodeConfig, vars(self), timeline_entries=0)
+        return core_config(DecodeConfig, vars(self), timeline_entries=0,
+                           fence_data=self.fences())
 
     def bounds(self) -> str:
         """One line with the bounds, for reports."""
@@ -253,6 +301,9 @@ class WorldConfig:
             faults += f", D restarts {self.d_restarts}"
         if self.late_writes:
             faults += ", in-doubt bytes may land at any later time (late writes)"
+        if self.data_plane != "mooncake":  # (Mooncake's lines read as before planes)
+            faults += f", data plane {self.plane().title}" + (
+                "" if self.fences() or not self.fence_data else " (lease only: no fence)")
         if self.kv_checksum:
             faults += ", KV checksums"
         if self.unordered_writes:

@@ -80,8 +80,12 @@ class DataPath:
         s = self.s
         f = next(f for f in s.fences if f[:3] == (v, req_id, epoch))
         s.fences.remove(f)
-        s.zombies = [z for z in s.zombies if z[:4] not in f[3]]
-        s.note(s.dwname(v), f"the data-plane fence for {req_id} epoch {epoch} holds")
+        if s.cfg.fence_holds():
+            s.zombies = [z for z in s.zombies if z[:4] not in f[3]]
+            s.note(s.dwname(v), f"the data-plane fence for {req_id} epoch {epoch} holds")
+        else:  # it returned, but the senders' bytes in flight still land (see PLANES)
+            s.note(s.dwname(v), f"the data-plane fence for {req_id} epoch {epoch} returns; "
+                                "the bytes it was to cut may still land")
         self.ports.run(("d", v), s.d[v].data_fenced(req_id, epoch, True, "", s.now))
 
     def _check_placement(self, i: int, q: Req, e: WriteLayer) -> None:

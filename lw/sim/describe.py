@@ -64,7 +64,9 @@ class Describe:
                     "does NOT hold (the transport did not close what it cut)")
         if kind == "fenced":
             return (f"the data-plane fence {s.dwname(a[1])} asked for ({a[2]} epoch {a[3]}) "
-                    "holds: its senders' in-doubt bytes can no longer land there")
+                    + ("holds: its senders' in-doubt bytes can no longer land there"
+                       if s.cfg.fence_holds() else "returns, while its senders' in-doubt "
+                       "bytes can still land there"))
         if kind == "zexp":
             z = next(z for z in s.zombies if z[:4] == a[1:])
             return (f"t={z[5]:g}: the in-doubt bytes of {s.reqs[z[1]].rid} "

@@ -35,6 +35,9 @@ QUIRKS = {
                             "was drawn with",
     "recompute-own-token": "after a failed transfer D recomputes from the prompt alone and "
                            "decodes on from its own first token, not the client's",
+    "fence-returns-early": "the data plane has a fence, and it returns while the bytes of the "
+                           "writers it cut can still land (a NIXL candidate fence measured not "
+                           "to hold, benchmarks/late_landing.py)",
 }
 
 # Bounds of the plain check (lw check --design d-first with explicit flags starts from these).
@@ -320,6 +323,18 @@ _DESIGNS: tuple[Design, ...] = (
         decode=defects.FenceFailureTrusted, expected="stale-kv", bounds=_FENCE_FAIL,
         ruled_out="only data_fenced(ok=True) releases; a failed fence keeps the blocks and is "
                   "asked again after fence_retry_s"),
+    Design(
+        name="fence-returns-early", title="a fence that returns before the bytes stop",
+        ref="lw issue 60 (NIXL: benchmarks/late_landing.py --data-plane nixl)",
+        summary="D's data plane (NIXL) gets a candidate fence that returns while an in-doubt "
+                "writer's bytes can still land (removing the writer's agent, deregistering "
+                "the memory it targets: measured, bytes kept landing); D frees the blocks when "
+                "it returns, and the late bytes land in the next request's blocks while it "
+                "decodes.",
+        quirks=frozenset({"fence-returns-early"}), expected="stale-kv", bounds=_LATE_WRITES,
+        ruled_out="a plane has a fence in the checker only where benchmarks/late_landing.py "
+                  "saw no byte land after it returned (lw.sim.config.PLANES): NIXL is "
+                  "lease-only until one is measured"),
     Design(
         name="lease-frees-in-flight", title="a lease frees blocks late bytes still reach",
         ref="vllm #41383 (NIXL lease); lw issue 40 (bytes landed 83 s after a failed report)",
