@@ -44,6 +44,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -195,6 +196,8 @@ class _Recorder:
     def pytest_configure(self, config: Any) -> None:
         if self.trace:
             sys.settrace(self._global)
+            if SCOPE.trace_threads:  # servers in threads: their lines count for the test
+                threading.settrace(self._global)
 
     def pytest_runtest_setup(self, item: Any) -> None:
         if self.trace:

@@ -35,6 +35,8 @@ class Scope:
     # two pytest runs per mutant: the first test's module, then the others (collecting the
     # proxy's test modules costs more than running most of their tests)
     staged: bool = False
+    # the baseline also traces threads a test starts (servers in threads: the proxy's apps)
+    trace_threads: bool = False
     # a mutant's tests that run longer than this + 4 x their traced time count as a hang (a kill)
     hang_floor_s: float = 10.0
     # tests of files that start subprocesses run for every mutant (their lines are not traced)
@@ -97,7 +99,8 @@ SECURITY = Scope(
         "", "_name", "_address", "_port_of", "_split", "_url", "canonical_url",
         "prefiller_from_headers", "admits", "parse_allow", "_allow", "target"})},
     pytest_args=("-m", "not slow"), needs_lines=True, subprocess_tests=False,
-    staged=True, hang_floor_s=60.0,  # a loaded machine: a test module's setup alone takes 10 s
+    staged=True, trace_threads=True,
+    hang_floor_s=60.0,  # a loaded machine: a test module's setup alone took 10 s
     preimport=(*_BASE_IMPORTS, "aiohttp", "fastapi", "httpx", "starlette", "zmq"),
 )
 
