@@ -447,6 +447,8 @@ def _row(res: ClusterResult) -> str:
                        ("link.dropped", "packets dropped by the link")):
         if c.get(key):
             notes.append(f"{c[key]} {label}")
+    if cfg.fault in LINK_FAULTS:
+        notes.append(_carried(res))
     if res.decoder_generations > 1:
         notes.append(f"decoder restarted ({res.decoder_generations} incarnations)")
     if res.failovers or res.failed_after_first_token:
@@ -467,6 +469,16 @@ def _row(res: ClusterResult) -> str:
     return (f"{name:<35} {f'{res.done}/{res.failed}':>11} {res.corrupt:>7} "
             f"{_ms(res.max_step_s):>15} {res.leaked:>6}  {detect}  {res.elapsed_s:5.1f}s  {ok}; "
             + ", ".join(notes))
+
+
+def _carried(res: ClusterResult) -> str:
+    """What a link row's data plane carried: KV in writes that completed, its rate over the
+    row, and the bytes that crossed the link (both ways, side channels and retransmissions
+    included)."""
+    mib = res.bytes_moved / 2**20
+    rate = mib / res.elapsed_s if res.elapsed_s > 0 else 0.0
+    return (f"{res.config.data_plane} carried {mib:.1f} MiB of KV ({rate:.2f} MiB/s), the link "
+            f"{res.counters.get('link.mib', 0)} MiB")
 
 
 def _failover_lines(res: ClusterResult) -> list[str]:

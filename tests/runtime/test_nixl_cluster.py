@@ -55,3 +55,19 @@ def test_ucx_runs_over_tcp_on_the_workers_interface_unless_the_user_says_otherwi
     monkeypatch.setenv("UCX_TLS", "rc,tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "mlx5_0:1")
     assert ucx_env("127.0.0.1") == {}
+
+
+def test_the_fault_table_names_the_plane_and_what_a_link_row_carried() -> None:
+    """The title says NIXL's D is lease-only; a link row says the KV its plane landed, the rate
+    and the bytes on the link, so a plane that carries nothing there is seen, not guessed."""
+    from lw.lab.synthetic import ClusterResult
+
+    cfg = ClusterConfig(**{**TINY, "data_plane": "nixl", "fault": "lossy-link"})  # type: ignore[arg-type]
+    res = ClusterResult(cfg)
+    res.bytes_moved, res.elapsed_s, res.counters["link.mib"] = 3 << 20, 20.0, 41
+    assert "nixl data plane (lease-only: D's fence off)" in demo._table_header(cfg)
+    assert "nixl carried 3.0 MiB of KV (0.15 MiB/s), the link 41 MiB" in demo._row(res)
+    mooncake = ClusterConfig(**{**TINY, "fault": "none"})  # type: ignore[arg-type]
+    assert demo._table_header(mooncake).startswith("lw demo: fault table, synthetic engine, "
+                                                   "mooncake data plane\n")
+    assert "carried" not in demo._row(ClusterResult(mooncake))
