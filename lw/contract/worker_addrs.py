@@ -36,7 +36,7 @@ def decode_workers(kv_params: Any) -> list[str]:
     host, port, tp = (kv_params.get(k) for k in ("remote_host", "remote_port", "remote_tp_size"))
     if (not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool)
             or not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= 1024
-            or not 0 < port <= 65535 - tp):
+            or not 0 < port <= 65536 - tp):  # its ranks listen on port .. port + tp - 1
         return []
     return [a for a in worker_addrs(host, port, tp) if _ADDR.match(a)]
 
