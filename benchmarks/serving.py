@@ -515,9 +515,20 @@ def _record_failed(bench: Bench, setup: str, rep: int, rows: list[LinkRow], why:
 def _affinity_line(run: Running, p_threads: str) -> str:
     """Whether every engine thread is still on the core ``pin`` gave it, per engine."""
     off = off_core(run, p_threads)
-    cells = [f"{n} {len(t)} off its core" + (f" (tids {', '.join(map(str, t[:8]))})" if t else "")
+    cells = [f"{n} {len(t)} off its core"
+             + (f" ({', '.join(_thread_name(x) for x in t[:8])})" if t else "")
              for n, t in off.items()]
     return "threads: " + ("; ".join(cells) if cells else "no engine")
+
+
+def _thread_name(tid: int) -> str:
+    """``tid:comm:cores`` of a thread, for the affinity line (``tid`` alone once it ended)."""
+    try:
+        comm = Path(f"/proc/{tid}/comm").read_text().strip()
+        cores = ",".join(map(str, sorted(os.sched_getaffinity(tid))))
+    except OSError:
+        return str(tid)
+    return f"{tid}:{comm}:{cores}"
 
 
 def run_setup(bench: Bench, setup: str, rep: int, group: str, rows: list[LinkRow],

@@ -194,3 +194,29 @@ def test_the_peer_shim_resolves_nixl_to_the_cu12_wheel() -> None:
                        env={"PYTHONPATH": str(peer), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["nixl_cu12._api", "True"]
+
+
+def test_off_core_names_the_threads_not_on_their_engines_core() -> None:
+    """A process bound to core 0 is on its core as the single server or P, off it as D (what
+    vLLM's NIXL worker does to a thread it moves to the last core shows the same way)."""
+    import os
+    import subprocess
+    from types import SimpleNamespace
+
+    from benchmarks._pin import off_core
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        os.sched_setaffinity(child.pid, {0})
+        run = serving.Running("x", {"prefill": SimpleNamespace(proc=child),
+                                    "decode": SimpleNamespace(proc=child)})
+        assert off_core(run) == {"prefill": [], "decode": [child.pid]}
+        line = serving._affinity_line(run, "forward-core")
+        assert line.startswith("threads: prefill 0 off its core; decode 1 off its core "
+                               f"({child.pid}:")
+        assert line.endswith(":0)")  # tid:comm:cores
+    finally:
+        child.kill()
+        child.wait()
