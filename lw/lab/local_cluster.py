@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -188,6 +189,41 @@ def is_lw_connector(kv: dict[str, Any] | None) -> bool:
     return kv.get("kv_connector") == "LwConnector"
 
 
+def lw_data_plane(kv: dict[str, Any] | None) -> str | None:
+    """The ``data_plane`` lw's connector in ``kv`` runs (alone or in MultiConnector; its
+    default ``mooncake`` when unnamed), None when ``kv`` runs no lw connector."""
+    if not is_lw_connector(kv):
+        return None
+    assert kv is not None
+    if kv.get("kv_connector") == "MultiConnector":
+        return next(p for c in kv["kv_connector_extra_config"]["connectors"]
+                    if (p := lw_data_plane(c)) is not None)
+    return str(kv.get("kv_connector_extra_config", {}).get("data_plane", "mooncake"))
+
+
+def in_netns(ns: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` run by a thread inside network namespace ``ns`` (an ``ip netns`` name; needs
+    root): what an address or interface is there."""
+    from lw.lab.synthetic.netns import enter
+
+    out: list[Any] = []
+    err: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            enter(ns)
+            out.append(fn())
+        except BaseException as exc:  # re-raised in the caller
+            err.append(exc)
+
+    t = threading.Thread(target=body, name="lw-in-netns", daemon=True)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0]
+
+
 def in_multi_connector(kv: dict[str, Any]) -> dict[str, Any]:
     """``kv`` (lw's config) as the only connector inside vLLM's MultiConnector. The engine id
     stays outside: vLLM 0.32 passes it to each child's config itself, and a child that also
@@ -232,6 +268,9 @@ class LocalCluster:
     prefill_servers: int = 1
     # server name -> environment of that server only (a test fault aimed at one prefill server)
     server_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # lw's data plane on P and D (``data_plane`` of their extra config): "mooncake" or "nixl"
+    # (then UCX over TCP on each engine's own interface unless the environment sets UCX_*)
+    data_plane: str = "mooncake"
 
     @property
     def prefill_names(self) -> list[str]:
@@ -241,6 +280,17 @@ class LocalCluster:
     def host(self, name: str) -> str:
         """The address server ``name`` binds and advertises."""
         return self.hosts.get(name, "127.0.0.1")
+
+    def ucx_env(self, name: str) -> dict[str, str]:
+        """UCX's settings for server ``name``'s NIXL plane, as the synthetic cluster's workers
+        get them (:func:`lw.lab.synthetic.workers.ucx_env`): TCP, on the interface holding its
+        address, looked up in the network namespace it runs in."""
+        from lw.lab.synthetic.workers import ucx_env
+
+        host, ns = self.host(name), self.netns.get(name)
+        if ns is None:
+            return ucx_env(host)
+        return in_netns(ns, lambda: ucx_env(host))
 
     def _engine(self, name: str, first_core: int, kv: dict[str, Any] | None, tp: int = 1,
                 dp: int = 1) -> Server:
@@ -256,6 +306,8 @@ class LocalCluster:
                    LW_CPU_AFFINITY=",".join(sorted(set(cores.split("|")))),
                    VLLM_HOST_IP=host, TOKENIZERS_PARALLELISM="false",
                    LW_CLUSTER_KEY=self.cluster_key)
+        if lw_data_plane(kv) == "nixl":
+            env.update(self.ucx_env(name))
         env.update(self.server_env.get(name, {}))
         if self.p_tp * self.p_dp * self.prefill_servers + self.d_tp * self.d_dp > 2:
             # More workers than cores: an idle worker's OpenMP threads must sleep, not spin on
@@ -293,12 +345,14 @@ class LocalCluster:
         kv_d = free_port_range(max(4, self.d_tp * self.d_dp))
         self.kv_ports = {"decode": kv_d}
         # Each side is told the other's TP: D counts its senders with it, P checks D's.
-        d_extra = {"peer_tp_size": self.p_tp, "host": self.host("decode"), **self.d_extra}
+        d_extra = {"peer_tp_size": self.p_tp, "host": self.host("decode"),
+                   "data_plane": self.data_plane, **self.d_extra}
         if self.reference:
             self.servers["reference"] = self._engine("reference", 0, None)
         for name in self.prefill_names:
             kv_p = self.kv_ports[name] = free_port_range(max(4, self.p_tp * self.p_dp))
-            p_extra = {"peer_tp_size": self.d_tp, "host": self.host(name), **self.p_extra}
+            p_extra = {"peer_tp_size": self.d_tp, "host": self.host(name),
+                       "data_plane": self.data_plane, **self.p_extra}
             kv_pc = kv_transfer_config("kv_producer", kv_p, name, p_extra)
             if self.multi_connector:
                 kv_pc = in_multi_connector(kv_pc)

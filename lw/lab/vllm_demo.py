@@ -1,10 +1,10 @@
 """``lw demo --engine vllm``: a local P/D cluster on a tiny model, checked against one engine.
 
 It makes the tiny random model, starts a reference ``vllm serve`` (no connector), a prefill and a
-decode server (lw's connector, Mooncake over TCP) and the D-first proxy, sends prompts of several
-lengths (one block .. long enough for chunked prefill) to both, prints the outputs side by side
-with time-to-first-token and transfer figures, checks that no KV block is left held on either
-server, shuts everything down and ends with
+decode server (lw's connector, Mooncake over TCP, or NIXL with ``--data-plane nixl``) and the
+D-first proxy, sends prompts of several lengths (one block .. long enough for chunked prefill)
+to both, prints the outputs side by side with time-to-first-token and transfer figures, checks
+that no KV block is left held on either server, shuts everything down and ends with
 ``summary done=<n> failed=<n> leaked_blocks=<n> mismatched=<n>`` (exit 0 iff all done, none
 leaked, none mismatched). Before the measured prompts each side answers warm-up prompts (one,
 or one per DP rank) that share no prefix block with them: they are left out of every figure and
@@ -85,6 +85,8 @@ __all__ = ["BLOCK_SIZE", "MAX_BATCHED_TOKENS", "MODEL_NAME", "LocalCluster", "Re
            "shared_prefix_prompts", "token2_summary", "tokenize", "ttft_summary",
            "wait_blocks_released", "wait_ready", "warmup_prompts"]
 
+VLLM_PLANES = ("mooncake", "nixl")
+"""lw's data planes between vLLM engines (``inprocess`` needs P and D in one process)."""
 PROMPT_LENGTHS = (12, 90, 300, 700)  # words ~ tokens: 1 block, 3, 10, 22 (chunked)
 # --long-prompts: 4 to 7 chunks of MAX_BATCHED_TOKENS each (progressive push shows here)
 LONG_PROMPT_LENGTHS = (1100, 1300, 1500, 1800)
@@ -154,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--validate", action="store_true",
                     help="validate the run's trace (every worker's timeline) against the "
                          "checked model (lw validate)")
+    ap.add_argument("--data-plane", choices=VLLM_PLANES, default="mooncake",
+                    help="lw's data plane on P and D: mooncake (Mooncake over TCP) or nixl "
+                         "(NIXL's UCX backend, TCP unless UCX_TLS is set; lease-only: D's "
+                         "fence off)")
     ap.add_argument("--timelines-out", type=Path, default=None, metavar="DIR",
                     help="keep the run's lw-trace file here (vllm.jsonl; default with "
                          "--validate: the work folder)")
@@ -163,7 +169,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag in ("prefill_tp", "decode_tp", "prefill_dp", "decode_dp"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.data_plane == "nixl":
+        from lw.transport.dataplane.nixl import nixl_missing
+
+        why = nixl_missing()
+        if why:
+            print(f"lw demo: the NIXL data plane is unavailable: {why}; or use "
+                  "--data-plane mooncake", file=sys.stderr)
+            return 2
     return in_workdir(args, "lw-demo-", _run)
+
+
+def plane_label(plane: str) -> str:
+    """How the header names lw's data plane (a lease-only plane says D's fence is off)."""
+    if plane == "nixl":
+        return "NIXL over UCX (lease-only: D's fence off)"
+    return "Mooncake over TCP"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -177,9 +198,9 @@ def _run(args: argparse.Namespace) -> int:
     # prefilled again once, on any prefill server (the proxy prefers one it has not tried)
     failover = ({"retry_prefill": 1, "retry_prefill_avoid": "none"} if args.decode_tp == 1
                 else {})
+    retry = ", prefill failover 1 retry" if failover else ""
     print(f"lw demo: {n} {kind}, vLLM on CPU, tiny random {args.model_kind} model, {shape}, "
-          f"Mooncake over TCP{', prefill failover 1 retry' if failover else ''}, "
-          f"start mode {args.start_mode}")
+          f"{plane_label(args.data_plane)}{retry}, start mode {args.start_mode}")
     model = make_tiny_model(args.workdir / f"tiny-{args.model_kind}", kind=args.model_kind)
     print(f"model      {model}")
     if args.shared_prefix:
@@ -196,7 +217,8 @@ def _run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(model=model, workdir=args.workdir / "logs", p_tp=args.prefill_tp,
                            d_tp=args.decode_tp, p_dp=args.prefill_dp, d_dp=args.decode_dp,
                            p_extra={**checksum, **push}, d_extra={**checksum, **failover},
-                           proxy_args=["--start-mode", args.start_mode])
+                           proxy_args=["--start-mode", args.start_mode],
+                           data_plane=args.data_plane)
     t0 = time.monotonic()
     print("starting   reference engine, prefill and decode servers (vllm serve), proxy ...",
           flush=True)

@@ -34,3 +34,16 @@ def test_the_config_refuses_them_for_every_caller() -> None:
     for bad in (dict(layer_ms=float("nan")), dict(kv_heads=-1), dict(block_bytes=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ClusterConfig(data_plane="inprocess", **bad)  # type: ignore[arg-type]
+
+
+def test_the_vllm_demo_on_nixl_says_so_or_refuses_without_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--data-plane nixl`` without NIXL installed: exit 2 before a model or engine is made."""
+    from lw.lab import vllm_demo
+    from lw.transport.dataplane import nixl
+
+    monkeypatch.setattr(nixl, "nixl_missing", lambda: "NIXL is not installed")
+    assert demo.main(["--engine", "vllm", "--data-plane", "nixl"]) == 2
+    assert "--data-plane mooncake" in capsys.readouterr().err
+    assert "NIXL" in vllm_demo.plane_label("nixl") and "lease-only" in vllm_demo.plane_label("nixl")
+    assert vllm_demo.plane_label("mooncake") == "Mooncake over TCP"

@@ -1,16 +1,24 @@
 """LocalCluster mounts lw's admission guard on lw's engines only: on an engine of vLLM's own
-connector (the serving benchmark's peer) it refused every request as "contract version None"."""
+connector (the serving benchmark's peer) it refused every request as "contract version None".
+Its data plane reaches P's and D's config, with UCX's settings for NIXL; no engines start."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from lw.lab.local_cluster import (
     ADMISSION,
     LocalCluster,
+    Server,
     in_multi_connector,
     is_lw_connector,
     kv_transfer_config,
+    lw_data_plane,
 )
 
 MOONCAKE = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer", "engine_id": "p",
@@ -26,3 +34,69 @@ def test_the_guard_is_mounted_on_lw_engines_only(tmp_path: Path) -> None:
         argv = cluster._engine("prefill", 0, kv).argv
         assert (ADMISSION in argv) is guarded, argv
         assert ("--kv-transfer-config" in argv) is (kv is not None)
+
+
+def _started_without_processes(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cluster.start()`` with every server built but none spawned, waited on or warmed."""
+    from lw.lab import local_cluster
+
+    monkeypatch.setattr(local_cluster.Server, "start", lambda self: None)
+    monkeypatch.setattr(local_cluster, "wait_ready", lambda servers, timeout: None)
+    monkeypatch.setattr(LocalCluster, "warm_up", lambda self, timeout: None)
+    monkeypatch.setattr(LocalCluster, "start_proxy", lambda self, timeout=60.0: None)
+    cluster.start()
+
+
+def _extra(server: Server) -> dict[str, Any]:
+    kv = json.loads(server.argv[server.argv.index("--kv-transfer-config") + 1])
+    return dict(kv["kv_connector_extra_config"])
+
+
+def test_nixl_goes_to_both_sides_with_ucx_over_tcp_on_loopback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    cluster = LocalCluster(model=tmp_path, workdir=tmp_path, data_plane="nixl")
+    _started_without_processes(cluster, monkeypatch)
+    for name in ("prefill", "decode"):
+        s = cluster.servers[name]
+        assert _extra(s)["data_plane"] == "nixl"
+        assert (s.env["UCX_TLS"], s.env["UCX_NET_DEVICES"]) == ("tcp", "lo")
+    assert "UCX_TLS" not in cluster.servers["reference"].env  # no connector, no UCX
+    assert lw_data_plane(in_multi_connector(kv_transfer_config(
+        "kv_producer", 1, "p", {"data_plane": "nixl"}))) == "nixl"
+    assert lw_data_plane(MOONCAKE) is None
+
+
+def test_mooncake_stays_the_default_and_the_users_ucx_settings_win(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "rc,tcp")
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    cluster = LocalCluster(model=tmp_path, workdir=tmp_path)
+    _started_without_processes(cluster, monkeypatch)
+    assert _extra(cluster.servers["decode"])["data_plane"] == "mooncake"
+    assert "UCX_NET_DEVICES" not in cluster.servers["decode"].env
+    nixl = LocalCluster(model=tmp_path, workdir=tmp_path / "n", data_plane="nixl")
+    assert nixl.ucx_env("prefill") == {"UCX_NET_DEVICES": "lo"}
+
+
+def test_ucx_takes_the_interface_of_ds_address_inside_its_namespace(tmp_path: Path) -> None:
+    """D in a network namespace: the interface holding its address there (not this side's)."""
+    from lw.lab.synthetic import netns
+
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    ns, dev, addr = f"lwt-ucx-{os.getpid()}", "lwtucx0", "10.79.251.2"
+    netns.run_ip("netns", "add", ns)
+    try:
+        # a veth pair whose ends have different names: only the namespace's holds ``addr``
+        netns.run_ip("link", "add", dev + "r", "type", "veth", "peer", "name", dev, "netns", ns)
+        netns.run_ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+        cluster = LocalCluster(model=tmp_path, workdir=tmp_path, data_plane="nixl",
+                               hosts={"decode": addr}, netns={"decode": ns})
+        if "UCX_NET_DEVICES" not in os.environ:
+            assert cluster.ucx_env("decode")["UCX_NET_DEVICES"] == dev
+    finally:
+        netns.run_ip("link", "del", dev + "r", check=False)
+        netns.run_ip("netns", "del", ns, check=False)
