@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from lw.proxy.sidecar import MAX_TARGETS, BadTarget, Sidecar, parse_allow
+from lw.proxy.backend import Backend
+from lw.proxy.sidecar import MAX_TARGETS, BadTarget, Sidecar, canonical_url, parse_allow
 
 HEADER = "x-prefiller-host-port"
 
@@ -79,3 +80,17 @@ def test_an_allowlist_spec_at_its_edge_is_read(spec: str, host: str, port: int |
     entry = parse_allow(spec)
     got = entry.host or str(entry.network.network_address)  # type: ignore[union-attr]
     assert (got, entry.port) == (host, port)
+
+
+def test_a_name_is_never_inside_a_network() -> None:
+    """Names are not resolved: a network entry answers False (not merely falsy) for one."""
+    assert parse_allow("10.0.0.0/8").admits("prefill-0", 8000) is False
+    assert parse_allow("10.0.0.0/8").admits("10.1.2.3", 8000) is True
+
+
+def test_the_sidecars_own_server_is_known_by_its_canonical_url() -> None:
+    own = Backend("http://Prefill-0:8000/", "prefill")  # as configured: not canonical
+    assert canonical_url(own.url) == "http://prefill-0:8000"
+    assert canonical_url("http://[FD00::1]:80") == "http://[fd00::1]:80"
+    assert canonical_url("prefill-0") is None
+    assert Sidecar([]).target({HEADER: "prefill-0:8000"}, [own]) is own  # no 403

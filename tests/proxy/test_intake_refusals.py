@@ -4,13 +4,15 @@ Written to kill the survivors of ``tools/mutation.py --scope security``."""
 
 from __future__ import annotations
 
+from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from lw.contract.client import MAX_JSON_DEPTH, json_depth_exceeds, screen_client_body
 from lw.contract.params import ContractError
-from lw.proxy.intake import BadJson, decode_json, encode_json
+from lw.proxy.intake import BadJson, _unencodable, decode_json, encode_json, screen
 
 
 def nested(depth: int, kind: str = "list") -> Any:
@@ -69,3 +71,28 @@ def test_what_json_cannot_carry_is_not_encoded() -> None:
     for value in (float("nan"), float("inf"), "\ud800"):
         with pytest.raises(ValueError):
             encode_json({"a": value})
+
+
+class Notes:
+    """The proxy's rate-limited refusal log: what was noted, by kind."""
+
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+
+    def note(self, kind: str, *args: Any, **kw: Any) -> None:
+        self.kinds.append(kind)
+
+
+def test_a_dropped_client_field_is_counted_and_logged() -> None:
+    state = SimpleNamespace(counters=Counter(), refusals=Notes())
+    out = screen(state, {"prompt": "p", "kv_transfer_params": {"x": 1}})  # type: ignore[arg-type]
+    assert out == {"prompt": "p"}
+    assert state.counters["client_transfer_params_dropped"] == 1
+    assert state.refusals.kinds == ["client_transfer_params_dropped"]
+    assert screen(state, {"prompt": "p"}) == {"prompt": "p"}  # type: ignore[arg-type]
+    assert state.refusals.kinds == ["client_transfer_params_dropped"]  # nothing to say
+
+
+def test_a_value_json_can_carry_is_reported_as_too_deep() -> None:
+    """The last resort of the search for what failed to encode: nothing else was found."""
+    assert _unencodable({"a": [1, "x"]}) == ("", "it nests too deep to encode")
