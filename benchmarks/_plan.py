@@ -14,12 +14,13 @@ from typing import Any
 from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 
 OUTPUT_TOKENS = 32
-SETUPS = ("single", "single-proxy", "single-stream", "lw", "lw-off", "lw-ahead", "lw-compute",
-          "lw-compute-busy", "lw-compute-step", "lw-compute-b1", "lw-batch5", "lw-during",
-          "lw-progressive", "lw-last", "peer", "peer-nixl", "peer-nixl-push")
+SETUPS = ("single", "single-proxy", "single-stream", "lw", "lw-nixl", "lw-off", "lw-ahead",
+          "lw-compute", "lw-compute-busy", "lw-compute-step", "lw-compute-b1", "lw-batch5",
+          "lw-during", "lw-progressive", "lw-last", "peer", "peer-nixl", "peer-nixl-push")
 LABELS = {"single": "single vLLM", "single-proxy": "single vLLM behind lw proxy",
           "single-stream": "single vLLM, the KV's bytes streaming from its core",
           "lw": "lw P/D auto, d-first",
+          "lw-nixl": "lw P/D auto, d-first, on NIXL",
           "lw-off": "lw P/D auto, d-first, first token from D",
           "lw-ahead": "lw P/D auto, admit-ahead",
           "lw-compute": "lw P/D auto, compute-ahead",
@@ -37,12 +38,14 @@ PEERS = ("peer", "peer-nixl", "peer-nixl-push")
 """vLLM's own P/D connectors: each answers one greedy request like the single server before it
 is timed."""
 
-PUSH_MODES = {"lw": "auto", "lw-off": "auto", "lw-ahead": "auto", "lw-compute": "auto",
-              "lw-compute-step": "auto", "lw-compute-b1": "auto", "lw-compute-busy": "auto",
+PUSH_MODES = {"lw": "auto", "lw-nixl": "auto", "lw-off": "auto", "lw-ahead": "auto",
+              "lw-compute": "auto", "lw-compute-step": "auto", "lw-compute-b1": "auto",
+              "lw-compute-busy": "auto",
               "lw-batch5": "auto", "lw-during": "auto", "lw-progressive": "progressive",
               "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
-PROXY_ARGS = {"lw": ["--start-mode", "d-first"], "lw-off": ["--start-mode", "d-first"],
+PROXY_ARGS = {"lw": ["--start-mode", "d-first"], "lw-nixl": ["--start-mode", "d-first"],
+              "lw-off": ["--start-mode", "d-first"],
               "lw-batch5": ["--start-mode", "d-first"], "lw-during": ["--start-mode", "d-first"],
               "lw-progressive": ["--start-mode", "d-first"], "lw-last": ["--start-mode", "d-first"],
               "lw-ahead": ["--start-mode", "admit-ahead"],
@@ -64,10 +67,11 @@ budget) and admits a longer one ahead, as for a host whose push shares the forwa
 writes go out sooner, at more wake-ups of a thread that shares the interpreter with the
 forward); ``lw-during`` writes a push that starts with the last chunk during that forward even
 on a core it shares (the default waits for the forward's end there)."""
-BOTH_EXTRA = {"lw-off": {"first_token_from_p": False}}
+BOTH_EXTRA = {"lw-off": {"first_token_from_p": False}, "lw-nixl": {"data_plane": "nixl"}}
 """P's and D's extra ``kv_connector_extra_config`` per lw set-up (keys of side "both"):
 ``lw-off`` is ``lw`` with D sampling the first token itself after the KV landed, as before
-issue 59, on the same engines, model, prompts and link."""
+issue 59, on the same engines, model, prompts and link; ``lw-nixl`` is ``lw`` moving the KV
+with NIXL (UCX over TCP, as the NIXL peers) instead of Mooncake (issue 60)."""
 FROM_P = tuple(s for s in PUSH_MODES
                if BOTH_EXTRA.get(s, {}).get("first_token_from_p", True))
 """The lw set-ups whose first token is P's (``first_token_from_p``, on by default): all but

@@ -61,6 +61,7 @@ def ratios(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> list[f
 COMPARISONS = (("vs_peer", "lw", "peer"), ("vs_peer_nixl", "lw", "peer-nixl"),
                ("vs_peer_nixl_push", "lw", "peer-nixl-push"),
                ("vs_stream_floor", "lw", "single-stream"),
+               ("nixl_vs_mooncake", "lw-nixl", "lw"),
                ("first_token_from_p_vs_off", "lw", "lw-off"),
                ("ahead_vs_peer", "lw-ahead", "peer"),
                ("ahead_vs_d_first", "lw-ahead", "lw"), ("compute_vs_peer", "lw-compute", "peer"),

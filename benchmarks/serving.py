@@ -44,6 +44,9 @@ first token reached the client (the proxy's relay of it) before D's last DONE
 ``token2_minus_off_ttft_ms_<setup>`` is each set-up's time to token 2 minus ``lw-off``'s TTFT of
 the same repeat, against issue 59's +5 ms.
 
+``lw-nixl`` (issue 60) is ``lw`` with ``data_plane`` ``nixl``: lw's connector moving the KV with
+NIXL, under the NIXL peers' UCX settings; ``..._nixl_vs_mooncake`` is its ratio to ``lw``.
+
 ``--link`` puts every P/D set-up's D in its own network namespace behind a veth pair
 (``benchmarks/_link.py``) whose P -> D direction is capped with tbf; P, the proxies and the
 client stay in the root namespace, and each set-up crosses a link made the same way. Values:
@@ -201,12 +204,15 @@ def start_single(model: Path, logs: Path, timeout: float, place: Placement) -> R
 def _start_lw(setup: str, model: Path, logs: Path, timeout: float,
               place: Placement) -> Running:
     """lw P/D as ``lw demo`` starts it (without the reference engine), with ``push_mode``
-    and the set-up's extras (those this checkout's connector knows)."""
+    and the set-up's extras (those this checkout's connector knows); on NIXL, UCX as the NIXL
+    peers get it (``ucx_env``)."""
     known = lw_config_keys()
     extra = {"push_mode": PUSH_MODES[setup]} if "push_mode" in known else {}
     extra |= {k: v for k, v in BOTH_EXTRA.get(setup, {}).items() if k in known}
+    plane = str(extra.pop("data_plane", "mooncake"))
+    ucx = {n: ucx_env(place.link, n) for n in ("prefill", "decode")} if plane == "nixl" else {}
     cluster = place.cluster(model, logs, p_extra=dict(extra, **P_EXTRA.get(setup, {})),
-                            d_extra=dict(extra),
+                            d_extra=dict(extra), data_plane=plane, server_env=ucx,
                             proxy_args=list(PROXY_ARGS.get(setup, ())))
     cluster.start(timeout=timeout)  # stops what it started if it fails
     return Running(setup, dict(cluster.servers), cluster.url("proxy"), cluster)

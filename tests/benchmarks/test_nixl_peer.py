@@ -220,3 +220,39 @@ def test_off_core_names_the_threads_not_on_their_engines_core() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_lw_on_nixl_is_lw_with_the_peers_ucx_and_a_ratio_to_lw(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``lw-nixl``: lw d-first with ``data_plane`` nixl on P and D, UCX as ``ucx_env`` gives the
+    NIXL peers (the link's interface each side sees), and ``..._nixl_vs_mooncake`` is lw-nixl
+    over lw."""
+    link = Link(ns="lwlink-1-0", root_dev="lwr10", ns_dev="lwn10", root_addr="10.78.1.1",
+                ns_addr="10.78.1.2", closed=True)
+    built: dict[str, serving.LocalCluster] = {}
+
+    def start(self: serving.LocalCluster, timeout: float = 0.0) -> None:
+        built[self.data_plane] = self
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(serving.LocalCluster, "start", start)
+    for setup in ("lw", "lw-nixl"):
+        assert setup in SETUPS and setup in LABELS and setup in serving.STARTERS
+        with pytest.raises(RuntimeError, match="not started"):
+            serving.STARTERS[setup](Path("/m"), Path("/logs"), 1.0, serving.Placement((), link))
+    nixl, mooncake = built["nixl"], built["mooncake"]
+    assert nixl.server_env == {"prefill": serving.ucx_env(link, "prefill"),
+                               "decode": serving.ucx_env(link, "decode")}
+    assert mooncake.server_env == {}
+    assert nixl.proxy_args == mooncake.proxy_args == ["--start-mode", "d-first"]
+    assert nixl.d_extra == mooncake.d_extra and "data_plane" not in nixl.p_extra
+    assert nixl.netns == {"decode": link.ns}
+
+    shape, row = Shape(1024, 1, 6), LinkRow("uncapped")
+    bench = Bench("m", Path("/nonexistent/tiny"), Path("/tmp"), [shape], [row], 0, 1.0)
+    res = {"rep": 0, "p99_ttft_ms": 1.0, "median_tpot_ms": 30.0, "request_throughput": 1.0,
+           "output_throughput": 30.0, "failed": 0}
+    bench.results = {(shape.key, row.key, "lw"): [dict(res, median_ttft_ms=100.0)],
+                     (shape.key, row.key, "lw-nixl"): [dict(res, median_ttft_ms=110.0)]}
+    print_table(bench, shape, row, link_mode=True)
+    assert "ttft_p50_ratio_nixl_vs_mooncake: 1.10" in capsys.readouterr().out
