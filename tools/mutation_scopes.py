@@ -89,7 +89,8 @@ SECURITY = Scope(
     test_paths=("tests/contract", "tests/proxy", "tests/transport/test_frame*.py",
                 "tests/transport/test_statusreply.py",
                 # not the connector's tests: each imports vLLM and torch (seconds a mutant)
-                "tests/vllm_adapter/test_admission.py", "tests/vllm_adapter/test_edge_refusals.py"),
+                "tests/vllm_adapter/test_admission*.py",
+                "tests/vllm_adapter/test_edge_refusals.py"),
     equivalent=ROOT / "tools" / "mutation_equivalent_security.json",
     cache_name="results-security.json",
     timed=("tests/",),

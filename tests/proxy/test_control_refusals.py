@@ -54,3 +54,14 @@ def test_health_answers_from_the_cache_within_its_bound_and_probes_once() -> Non
         assert again is not first and client.calls == 4
 
     asyncio.run(go())
+
+
+def test_an_answered_ahead_fetch_is_not_counted_as_refused() -> None:
+    """``ahead_fetches_refused`` counts refusals only: a fetch answered "go" is not one."""
+    from tests.proxy.test_ahead import ahead_cluster, post
+    from tests.proxy.test_proxy import completion
+
+    with ahead_cluster() as c:
+        assert post(c, completion("hello there")).status_code == 200
+        m = c.metrics()
+        assert (m["ahead_bound"], m["ahead_fetches_refused"]) == (1, 0)

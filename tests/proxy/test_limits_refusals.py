@@ -107,3 +107,19 @@ def test_a_client_leaving_mid_body_is_abandoned_with_its_size() -> None:
 def test_a_body_that_stalls_is_too_slow() -> None:
     with pytest.raises(BodyTooSlow, match="within 0.05 s"):
         read(request([b"abc"], stall=True), 10, within_s=0.05)
+
+
+def test_a_control_body_read_frees_its_place() -> None:
+    """With room for one body read at a time, calls one after another are each read (and
+    refused for their signature), never turned away as if the earlier reads still held it."""
+    pytest.importorskip("uvicorn")
+    import httpx
+
+    from tests.proxy.test_proxy import cluster
+
+    forged = {"x-lw-signature": "0" * 64, "x-lw-timestamp": "1.0", "x-lw-nonce": "abcdefgh"}
+    with cluster(limits=Limits(max_control_reads=1)) as c:
+        for _ in range(3):
+            r = httpx.post(c.control + "/v1/metaserver", content=b"{}", headers=forged,
+                           timeout=10)
+            assert r.status_code == 401, r.text

@@ -159,3 +159,14 @@ def test_cluster_keys_are_read_from_config(value: str | bytes | None, key: bytes
 def test_a_key_shorter_than_16_bytes_is_refused(value: str | bytes) -> None:
     with pytest.raises(ValueError, match="at least 16 bytes"):
         parse_cluster_key(value)
+
+
+def test_an_entry_expiring_this_very_nanosecond_is_pruned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [10**18]
+    monkeypatch.setattr(time, "time_ns", lambda: clock[0])
+    s = seal(window=10.0, cache=5)
+    assert refused(s.open(signed(ts_ns=clock[0], msg_id=1))) == ""
+    clock[0] += 10 * 10**9  # the first frame's expiry is now: no longer needed
+    assert refused(s.open(signed(ts_ns=clock[0], msg_id=2))) == ""
+    assert len(s._seen) == 1 and s._floor_ns == 0

@@ -105,7 +105,8 @@ def test_a_stream_over_the_bound_is_a_413(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(admission, "MAX_BODY_BYTES", 10)  # the bound is read at each call
     status, err, engine = call(monkeypatch, [b"12345", b"67890", b"x"])
     assert status == 413 and engine.calls == [] and err is not None
-    assert "larger than 10 bytes" in err["message"]
+    assert "larger than 10 bytes" in err["message"] and err["code"] == 413
+    assert err["type"] == "RequestEntityTooLargeError"
     status, _, engine = call(monkeypatch, [b"12345", b"67890"])  # exactly the bound: passed on
     assert status == 200 and engine.calls[0][1] == b"1234567890"
 
