@@ -141,7 +141,10 @@ def print_table(bench: Bench, shape: Shape, row: LinkRow, link_mode: bool) -> No
         xs = [r["lw_phases_ms"][TAIL_PHASE] for r in runs_of.get(s, [])
               if TAIL_PHASE in r.get("lw_phases_ms", {})]
         if xs:
-            tails.append(f"{PUSH_MODES[s].replace('_', '-')} {statistics.median(xs):.1f}"
+            # by push mode; a later set-up of the same mode (lw-nixl, lw-off, ...) by its name
+            first = next(x for x in PUSH_MODES if PUSH_MODES[x] == PUSH_MODES[s])
+            name = PUSH_MODES[s].replace("_", "-") if s == first else s
+            tails.append(f"{name} {statistics.median(xs):.1f}"
                          + (f" ({_spread(xs, '.1f')})" if len(xs) > 1 else ""))
     if tails:
         print(f"lw_transfer_tail_ms: {', '.join(tails)}  ({label}; last layer computed -> "

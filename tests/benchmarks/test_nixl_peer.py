@@ -252,7 +252,12 @@ def test_lw_on_nixl_is_lw_with_the_peers_ucx_and_a_ratio_to_lw(
     bench = Bench("m", Path("/nonexistent/tiny"), Path("/tmp"), [shape], [row], 0, 1.0)
     res = {"rep": 0, "p99_ttft_ms": 1.0, "median_tpot_ms": 30.0, "request_throughput": 1.0,
            "output_throughput": 30.0, "failed": 0}
-    bench.results = {(shape.key, row.key, "lw"): [dict(res, median_ttft_ms=100.0)],
-                     (shape.key, row.key, "lw-nixl"): [dict(res, median_ttft_ms=110.0)]}
+    tail = "transfer tail (last layer computed -> written)"
+    bench.results = {(shape.key, row.key, "lw"): [dict(res, median_ttft_ms=100.0,
+                                                       lw_phases_ms={tail: 6.6})],
+                     (shape.key, row.key, "lw-nixl"): [dict(res, median_ttft_ms=110.0,
+                                                            lw_phases_ms={tail: 4.8})]}
     print_table(bench, shape, row, link_mode=True)
-    assert "ttft_p50_ratio_nixl_vs_mooncake: 1.10" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ttft_p50_ratio_nixl_vs_mooncake: 1.10" in out
+    assert "lw_transfer_tail_ms: auto 6.6, lw-nixl 4.8  (" in out  # one auto set-up by name
