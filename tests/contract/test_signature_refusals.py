@@ -103,3 +103,8 @@ def test_the_ahead_url_is_beside_the_metaserver_and_only_a_mapping_asks_for_it()
     assert not is_ahead_request(["lw_ahead_url"]) and not is_ahead_request("lw_ahead_url")
     assert not is_ahead_request({"do_remote_decode": True})
     assert is_ahead_request({"lw_ahead_url": 1})
+
+
+def test_a_refusal_says_where_and_why() -> None:
+    err = ContractError("kv_transfer_params.lw_sig", "not signed")
+    assert str(err) == "kv_transfer_params.lw_sig: not signed" and err.field.endswith("lw_sig")

@@ -94,3 +94,20 @@ def test_the_sidecars_own_server_is_known_by_its_canonical_url() -> None:
     assert canonical_url("http://[FD00::1]:80") == "http://[fd00::1]:80"
     assert canonical_url("prefill-0") is None
     assert Sidecar([]).target({HEADER: "prefill-0:8000"}, [own]) is own  # no 403
+
+
+def test_an_address_over_300_characters_is_refused_for_its_length() -> None:
+    """The length is checked first and named; at 300 characters the host is what is wrong."""
+    with pytest.raises(ValueError, match="longer than 300 characters"):
+        parse_allow("a" * 301)
+    sidecar = Sidecar([], allow_any=True)
+    with pytest.raises(BadTarget, match="longer than 300 characters"):
+        sidecar.target({HEADER: "http://" + "a" * 289 + ":8000"})
+    with pytest.raises(BadTarget) as err:
+        sidecar.target({HEADER: "http://" + "a" * 288 + ":8000"})  # 300 characters
+    assert "longer than" not in str(err.value) and err.value.status == 400
+
+
+def test_a_network_written_with_host_bits_is_read_as_its_network() -> None:
+    entry = parse_allow("10.0.0.5/8")
+    assert str(entry.network) == "10.0.0.0/8" and entry.admits("10.1.2.3", 80)
