@@ -53,6 +53,7 @@ def _send(host: str, port: int, rate_bps: float) -> None:
     at = 0
     with socket.create_connection((host, port), timeout=10.0) as c:
         c.settimeout(None)
+        print("connected", flush=True)
         due = time.monotonic()
         while True:
             if at + burst > SOURCE_BYTES:
@@ -75,14 +76,20 @@ class ByteStream:
 
     @classmethod
     def start(cls, link: Any, rate_bps: float, send_core: int, recv_core: int) -> ByteStream:
-        """Start the pair across ``link`` (a ``benchmarks._link.Link``)."""
+        """Start the pair across ``link`` (a ``benchmarks._link.Link``); returns once the
+        sender is connected and its buffer made (seconds on a loaded machine)."""
         py = [sys.executable, os.path.abspath(__file__)]
         recv = subprocess.Popen(link.wrap(["taskset", "-c", str(recv_core), *py, "recv"]),
                                 stdout=subprocess.PIPE, text=True)
         assert recv.stdout is not None
         port = int(recv.stdout.readline())
         send = subprocess.Popen(["taskset", "-c", str(send_core), *py, "send", link.ns_addr,
-                                 str(port), str(rate_bps)], text=True)
+                                 str(port), str(rate_bps)], stdout=subprocess.PIPE, text=True)
+        assert send.stdout is not None
+        if send.stdout.readline().strip() != "connected":
+            send.kill()
+            recv.kill()
+            raise RuntimeError("byte stream: the sender did not connect")
         return cls(recv, send)
 
     def stop(self) -> float:
