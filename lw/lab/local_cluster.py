@@ -87,11 +87,18 @@ def free_port_range(n: int, lo: int = 20000, hi: int = 29000) -> int:
 
 # ------------------------------------------------------------------------------------ servers
 class Server:
-    """One child process in its own session (so it and its children can be killed together)."""
+    """One child process in its own process group (so it and its children can be killed
+    together), and by default its own session."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str,
-                 log_path: Path, health: str = "/health") -> None:
+                 log_path: Path, health: str = "/health", own_session: bool = True) -> None:
         self.name = name
+        # A session of its own is an autogroup of its own: the kernel shares a core between
+        # autogroups first, and after each request vLLM's workers busy-poll for 1 s. The
+        # demo's engines, proxy and client in their own sessions gave the next request's
+        # proxy and D server the CPU ~0.9 s late (P/D TTFT x16-20 the single engine's); in
+        # the caller's session, x1.65 (docs/benchmarks.md, "vLLM end to end").
+        self.own_session = own_session
         self.argv = argv
         self.env = env
         self.url = url
@@ -104,7 +111,8 @@ class Server:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=self.own_session,
+                                         process_group=None if self.own_session else 0)
 
     @property
     def alive(self) -> bool:
@@ -268,6 +276,8 @@ class LocalCluster:
     prefill_servers: int = 1
     # server name -> environment of that server only (a test fault aimed at one prefill server)
     server_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # every server in a session of its own (Server.own_session); the demo keeps them in its own
+    own_sessions: bool = True
     # lw's data plane on P and D (``data_plane`` of their extra config): "mooncake" or "nixl"
     # (then UCX over TCP on each engine's own interface unless the environment sets UCX_*)
     data_plane: str = "mooncake"
@@ -337,7 +347,7 @@ class LocalCluster:
         if name in self.netns:
             argv = ["ip", "netns", "exec", self.netns[name], *argv]
         return Server(name, argv, env, f"http://{host}:{port}",
-                      self.workdir / f"{name}.log")
+                      self.workdir / f"{name}.log", own_session=self.own_sessions)
 
     def start(self, timeout: float = 240.0) -> None:
         """Start every server (engines in parallel) and wait until all are healthy."""
@@ -408,7 +418,7 @@ class LocalCluster:
                 "--control-port", str(control), "--timeout", "120", "--log-level", "warning",
                 *self.proxy_args]
         proxy = Server("proxy", argv, env, f"http://{host}:{port}",
-                       self.workdir / "proxy.log")
+                       self.workdir / "proxy.log", own_session=self.own_sessions)
         proxy.start()
         self.servers["proxy"] = proxy
         self.control_url = f"http://{host}:{control}"

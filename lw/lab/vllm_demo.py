@@ -218,7 +218,9 @@ def _run(args: argparse.Namespace) -> int:
                            d_tp=args.decode_tp, p_dp=args.prefill_dp, d_dp=args.decode_dp,
                            p_extra={**checksum, **push}, d_extra={**checksum, **failover},
                            proxy_args=["--start-mode", args.start_mode],
-                           data_plane=args.data_plane)
+                           data_plane=args.data_plane,
+                           # one job: its servers in the demo's session (Server.own_session)
+                           own_sessions=False)
     t0 = time.monotonic()
     print("starting   reference engine, prefill and decode servers (vllm serve), proxy ...",
           flush=True)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +103,31 @@ def test_ucx_takes_the_interface_of_ds_address_inside_its_namespace(tmp_path: Pa
     finally:
         netns.run_ip("link", "del", dev + "r", check=False)
         netns.run_ip("netns", "del", ns, check=False)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_server_in_the_callers_session_is_still_killed_with_its_children(
+        tmp_path: Path, own: bool) -> None:
+    """The demo keeps its servers in its own session (one autogroup: Server.own_session); a
+    server's process group, its children included, still goes on stop either way."""
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
+             "'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)"
+    s = Server("x", [sys.executable, "-c", script], dict(os.environ), "http://127.0.0.1:9",
+               tmp_path / "x.log", own_session=own)
+    s.start()
+    assert s.proc is not None
+    for _ in range(100):
+        if (tmp_path / "x.log").read_text().startswith("up"):
+            break
+        time.sleep(0.05)
+    assert (os.getsid(s.proc.pid) == os.getsid(0)) is not own
+    assert os.getpgid(s.proc.pid) == s.proc.pid
+    pgid = s.proc.pid
+    s.stop(timeout=5)
+    left = "?"
+    for _ in range(100):  # the orphaned child is reaped by init a moment later
+        left = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout
+        if not left:
+            break
+        time.sleep(0.05)
+    assert left == ""
