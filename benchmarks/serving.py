@@ -292,7 +292,13 @@ def start_peer(model: Path, logs: Path, timeout: float, place: Placement) -> Run
                              "--host", host, "--port", str(port)],
                    dict(os.environ, PYTHONUNBUFFERED="1"), f"http://{host}:{port}",
                    logs / "proxy.log")
-    run = Running("peer", {"prefill": p, "decode": d}, proxy.url)
+    return _start_pair("peer", p, d, proxy, timeout)
+
+
+def _start_pair(name: str, p: Server, d: Server, proxy: Server, timeout: float) -> Running:
+    """Start a peer's P and D, wait until both answer, then its proxy; stop what started if
+    anything fails."""
+    run = Running(name, {"prefill": p, "decode": d}, proxy.url)
     try:
         p.start()
         d.start()
@@ -345,16 +351,7 @@ def start_peer_nixl(push: bool, model: Path, logs: Path, timeout: float,
                  "--p-port", str(side["prefill"]), "--p-tp-size", "1"]
     proxy = Server("proxy", argv, dict(os.environ, PYTHONUNBUFFERED="1"),
                    f"http://{host}:{port}", logs / "proxy.log")
-    run = Running(setup, {"prefill": p, "decode": d}, proxy.url)
-    try:
-        p.start()
-        d.start()
-        wait_ready([p, d], timeout)
-    except BaseException:
-        run.stop()
-        raise
-    _start_proxy(run, proxy)
-    return run
+    return _start_pair(setup, p, d, proxy, timeout)
 
 
 STARTERS: dict[str, Callable[[Path, Path, float, Placement], Running]] = {
