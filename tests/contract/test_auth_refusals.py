@@ -43,3 +43,12 @@ def test_header_bounds_hold_at_their_edges() -> None:
 def test_without_a_key_every_header_set_is_accepted_and_a_short_window_is_valid() -> None:
     assert CallVerifier(None).header_problem({}) == ""
     assert CallVerifier(KEY, window_s=0.5).window_s == 0.5
+
+
+def test_a_nonce_is_remembered_until_its_window_has_passed_not_as_it_ends() -> None:
+    """A replay exactly at the window's edge is still inside it (not stale) and must still be
+    refused as a replay."""
+    v = CallVerifier(KEY, window_s=30.0)
+    content, headers = signed_call(KEY, {"x": 1}, now=100.0)
+    assert v.check(headers, content, now=100.0) == ""
+    assert v.check(headers, content, now=130.0).startswith("replayed call")

@@ -60,3 +60,19 @@ def test_the_sampling_digest_is_128_bits() -> None:
                          presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
     digest = spec_digest(sp)
     assert len(digest) == 32 and int(digest, 16) >= 0
+
+
+def test_the_params_version_is_the_one_the_protocol_doc_names() -> None:
+    """P refuses params of another version (params_fit): the number is a wire fact, named in
+    docs/protocol.md, not a value a change may move silently."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    assert f"the current version is {CONTRACT_VERSION}\n" in doc
+
+
+def test_the_depth_check_answers_a_bool() -> None:
+    from lw.contract.client import json_depth_exceeds
+
+    assert json_depth_exceeds({"a": [1]}) is False
+    assert json_depth_exceeds([[1]], limit=1) is True
