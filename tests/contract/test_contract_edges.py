@@ -76,3 +76,14 @@ def test_the_depth_check_answers_a_bool() -> None:
 
     assert json_depth_exceeds({"a": [1]}) is False
     assert json_depth_exceeds([[1]], limit=1) is True
+
+
+def test_an_engine_id_of_256_characters_is_taken_and_257_refused() -> None:
+    """Ids in params are bounded by the core's request id limit (256), no tighter."""
+    assert msgspec.convert({**KV, "remote_engine_id": "e" * 256}, DecoderKV)
+    try:
+        msgspec.convert({**KV, "remote_engine_id": "e" * 257}, DecoderKV)
+    except msgspec.ValidationError as exc:
+        assert "remote_engine_id" in str(exc)
+    else:
+        raise AssertionError("a 257-character engine id was taken")
