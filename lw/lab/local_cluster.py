@@ -97,7 +97,7 @@ class Server:
         # autogroups first, and after each request vLLM's workers busy-poll for 1 s. The
         # demo's engines, proxy and client in their own sessions gave the next request's
         # proxy and D server the CPU ~0.9 s late (P/D TTFT x16-20 the single engine's); in
-        # the caller's session, x1.65 (docs/benchmarks.md, "vLLM end to end").
+        # the caller's session x1.24-1.48 (docs/benchmarks.md, "vLLM end to end").
         self.own_session = own_session
         self.argv = argv
         self.env = env
