@@ -87,3 +87,16 @@ def test_an_engine_id_of_256_characters_is_taken_and_257_refused() -> None:
         assert "remote_engine_id" in str(exc)
     else:
         raise AssertionError("a 257-character engine id was taken")
+
+
+def test_d_may_name_up_to_2_to_the_20_blocks_not_one_more() -> None:
+    """The block-list bound of D's params (MAX_BLOCKS), at its edge."""
+    n = 1 << 20
+    assert len(msgspec.convert({**KV, "remote_block_ids": [0] * n}, DecoderKV)
+               .remote_block_ids) == n
+    try:
+        msgspec.convert({**KV, "remote_block_ids": [0] * (n + 1)}, DecoderKV)
+    except msgspec.ValidationError as exc:
+        assert "remote_block_ids" in str(exc)
+    else:
+        raise AssertionError(f"{n + 1} blocks were taken")
