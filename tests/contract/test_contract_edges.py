@@ -7,8 +7,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import msgspec
+import pytest
 
-from lw.contract.params import CONTRACT_VERSION, DecoderKV, prefill_params, prompt_digest
+from lw.contract.params import (
+    CONTRACT_VERSION,
+    DecoderKV,
+    MetaserverCall,
+    prefill_params,
+    prompt_digest,
+)
 from lw.contract.sampling import spec_digest
 from lw.contract.transfer_ids import MAX_TRANSFER_ID, is_sub_transfer_of, sub_transfer_id
 from lw.contract.worker_addrs import KnownWorkers, decode_workers
@@ -100,3 +107,37 @@ def test_d_may_name_up_to_2_to_the_20_blocks_not_one_more() -> None:
         assert "remote_block_ids" in str(exc)
     else:
         raise AssertionError(f"{n + 1} blocks were taken")
+
+
+CALL = {"transfer_id": "t", "sub_transfer_id": "t"}
+EDGES = [  # (type, base, field, the last value taken, the first refused)
+    (DecoderKV, KV, "remote_host", "h" * 255, "h" * 256),
+    (DecoderKV, KV, "remote_port", 65535, 65536),
+    (DecoderKV, KV, "remote_port", 1, 0),
+    (DecoderKV, KV, "remote_block_ids", [(1 << 40) - 1], [1 << 40]),
+    (DecoderKV, KV, "remote_block_ids", [0], [-1]),
+    (DecoderKV, KV, "remote_tp_size", 65536, 65537),
+    (DecoderKV, KV, "remote_tp_size", 1, 0),
+    (DecoderKV, KV, "lw_geometry", "g" * 4096, "g" * 4097),
+    (DecoderKV, KV, "remote_first_block", (1 << 31) - 1, 1 << 31),
+    (DecoderKV, KV, "remote_dp_rank", 0, -1),
+    (DecoderKV, KV, "lw_seed", (1 << 63) - 1, 1 << 63),
+    (DecoderKV, KV, "lw_seed", -(1 << 63), -(1 << 63) - 1),
+    (MetaserverCall, CALL, "prompt_token_ids", [(1 << 40) - 1], [1 << 40]),
+    (MetaserverCall, CALL, "retry_prefill", 64, 65),
+    (MetaserverCall, CALL, "avoid", ["a"] * 256, ["a"] * 257),
+    (MetaserverCall, CALL, "avoid", ["a" * 256], ["a" * 257]),
+    (MetaserverCall, CALL, "grant", "g" * 128, "g" * 129),
+    (MetaserverCall, CALL, "epoch", (1 << 31) - 1, 1 << 31),
+]
+
+
+@pytest.mark.parametrize(("typ", "base", "field", "ok", "bad"), EDGES,
+                         ids=[f"{e[2]}={str(e[3])[:12]}" for e in EDGES])
+def test_params_bounds_at_their_edges(typ: type, base: dict, field: str, ok: object,
+                                      bad: object) -> None:
+    """Each bound of the params' declared types takes its last value and refuses the next,
+    naming the field."""
+    assert getattr(msgspec.convert({**base, field: ok}, typ), field) == ok
+    with pytest.raises(msgspec.ValidationError, match=field):
+        msgspec.convert({**base, field: bad}, typ)
