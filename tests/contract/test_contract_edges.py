@@ -141,3 +141,12 @@ def test_params_bounds_at_their_edges(typ: type, base: dict, field: str, ok: obj
     assert getattr(msgspec.convert({**base, field: ok}, typ), field) == ok
     with pytest.raises(msgspec.ValidationError, match=field):
         msgspec.convert({**base, field: bad}, typ)
+
+
+def test_a_call_may_name_up_to_2_to_the_22_prompt_tokens_not_one_more() -> None:
+    """MAX_PROMPT_TOKENS at its edge (a 4M-token prompt is the most a metaserver call names)."""
+    n = 1 << 22
+    assert len(msgspec.convert({**CALL, "prompt_token_ids": [0] * n}, MetaserverCall)
+               .prompt_token_ids) == n
+    with pytest.raises(msgspec.ValidationError, match="prompt_token_ids"):
+        msgspec.convert({**CALL, "prompt_token_ids": [0] * (n + 1)}, MetaserverCall)
