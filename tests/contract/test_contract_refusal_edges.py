@@ -15,6 +15,7 @@ from lw.contract.params import (
     decode_params_for_decoder,
     decode_params_for_prefiller,
     prompt_digest,
+    sign_params,
 )
 from lw.contract.sampling import p_sampling_fields, sampling_spec, spec_digest
 from lw.contract.transfer_ids import is_sub_transfer_of
@@ -89,3 +90,28 @@ def test_worker_address_bounds() -> None:
 def test_a_sub_transfer_test_answers_a_bool() -> None:
     assert is_sub_transfer_of("x", "t") is False
     assert is_sub_transfer_of("t@1", "t") is True
+
+
+def test_a_first_attempt_is_epoch_0_and_a_spec_without_min_tokens_is_0() -> None:
+    assert decode_params_for_prefiller(None, P).lw_epoch == 0
+    sp = _sp()
+    del sp.min_tokens
+    assert sampling_spec(sp)["min_tokens"] == 0
+
+
+def test_the_greedy_spec_digest_is_what_every_release_computes() -> None:
+    """P and D of different builds must agree on a spec's digest: its canonical form is a wire
+    fact (sorted keys, this value for the default greedy spec)."""
+    greedy = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
+                             presence_penalty=0.0, frequency_penalty=0.0,
+                             repetition_penalty=1.0)
+    assert spec_digest(greedy) == "0e56a3a5671546144a8aa2728b6bf87e"
+
+
+def test_signed_params_verify_whatever_order_their_keys_arrive_in() -> None:
+    key = b"k" * 32
+    signed = sign_params(key, "decode", {k: v for k, v in D.items() if k != "lw_sig"})
+    reordered = dict(reversed(list(signed.items())))
+    assert decode_params_for_decoder(key, reordered).transfer_id == "t1"
+    with pytest.raises(ContractError, match="lw_sig"):
+        decode_params_for_decoder(key, {**reordered, "transfer_id": "t2"})
