@@ -115,3 +115,11 @@ def test_signed_params_verify_whatever_order_their_keys_arrive_in() -> None:
     assert decode_params_for_decoder(key, reordered).transfer_id == "t1"
     with pytest.raises(ContractError, match="lw_sig"):
         decode_params_for_decoder(key, {**reordered, "transfer_id": "t2"})
+
+
+def test_a_decode_engines_port_is_1_at_least_and_a_list_is_read_1024_at_a_time() -> None:
+    kv = {"remote_host": "h", "remote_port": 1, "remote_tp_size": 1}
+    assert decode_workers(kv) == ["tcp://h:1"]
+    assert decode_workers({**kv, "remote_port": 0}) == []
+    k = KnownWorkers()
+    assert k.learn("decode", [f"tcp://h:{p}" for p in range(1, 1100)]) == 1024

@@ -170,3 +170,10 @@ def test_an_entry_expiring_this_very_nanosecond_is_pruned(
     clock[0] += 10 * 10**9  # the first frame's expiry is now: no longer needed
     assert refused(s.open(signed(ts_ns=clock[0], msg_id=2))) == ""
     assert len(s._seen) == 1 and s._floor_ns == 0
+
+
+def test_the_header_says_frame_version_2_and_a_seal_draws_a_32_bit_epoch() -> None:
+    """The frame version is a wire fact (2: the header names its destination); a channel's
+    epoch is 32 random bits (a restarted peer is told apart from its old self)."""
+    assert HEADER.unpack_from(signed()[0])[1] == 2
+    assert any(seal()._epoch >= 1 << 24 for _ in range(8))
