@@ -54,6 +54,24 @@ ports), destroy D's agent."""
 # after that) of every change; on a stdin line
 # "fence <ip>" fences inbound Mooncake connections from <ip> and prints "fenced <done at> <ok>
 # <connections cut> <seconds>"; prints the changes as JSON when its stdin closes.
+_WATCH = r"""
+threading.Thread(target=commands, daemon=True).start()
+prev = time.monotonic()
+while not stop.is_set():
+    started = time.monotonic()
+    now = words[:, cols]
+    diff = np.nonzero((now != seen).any(axis=1))[0]
+    if len(diff):
+        t = time.monotonic()
+        changes += [(int(b), t, prev) for b in diff]
+        seen = now.copy()
+    prev = started
+    time.sleep(0.002)
+print(json.dumps(changes), flush=True)
+"""
+"""Both receivers' tail: run ``commands`` on a thread, and sample every block's words each 2 ms
+until stdin closes; print the changes seen as JSON."""
+
 _RX = r"""
 import json, sys, threading, time
 import numpy as np
@@ -80,19 +98,6 @@ def commands():
             r = fence_inbound(line.split()[1], ports, 10.0)
             print("fenced", time.monotonic(), int(r.ok), len(r.cut), r.elapsed_s, flush=True)
     stop.set()
-threading.Thread(target=commands, daemon=True).start()
-prev = time.monotonic()
-while not stop.is_set():
-    started = time.monotonic()
-    now = words[:, cols]
-    diff = np.nonzero((now != seen).any(axis=1))[0]
-    if len(diff):
-        t = time.monotonic()
-        changes += [(int(b), t, prev) for b in diff]
-        seen = now.copy()
-    prev = started
-    time.sleep(0.002)
-print(json.dumps(changes), flush=True)
 """
 
 # The NIXL receiver: registers BLOCKS zeroed blocks with a NixlDataPlane (UCX over TCP on the
@@ -155,21 +160,6 @@ def commands():
             done = time.monotonic()
             print("fenced", done, int(ok), n, done - t0, flush=True)
     stop.set()
-threading.Thread(target=commands, daemon=True).start()
-prev = time.monotonic()
-while not stop.is_set():
-    started = time.monotonic()
-    now = words[:, cols]
-    diff = np.nonzero((now != seen).any(axis=1))[0]
-    if len(diff):
-        t = time.monotonic()
-        changes += [(int(b), t, prev) for b in diff]
-        seen = now.copy()
-    prev = started
-    time.sleep(0.002)
-print(json.dumps(changes), flush=True)
-import os
-os._exit(0)
 """
 
 
@@ -191,12 +181,13 @@ def run(loss: float, writes: int, timeout_s: float, env: dict[str, str], seed: i
             # UCX over TCP on the link's interface only (else it takes shared memory or lo)
             rx_env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.ns_if, **env}
             tx_env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.host_if, **env}
-            script = _RX_NIXL
+            # ends at once: NIXL's agent teardown is not what is measured
+            script = _RX_NIXL + _WATCH + "import os\nos._exit(0)\n"
         else:
             from lw.transport.dataplane.mooncake import MooncakeDataPlane
 
             rx_env = tx_env = env
-            script = _RX
+            script = _RX + _WATCH
         # NIXL's D under ``ip netns exec``: UCX lists devices in /sys/class/net, which only a
         # sysfs mounted in the namespace shows
         wrap = ["ip", "netns", "exec", link.name] if plane == "nixl" else []
