@@ -92,6 +92,11 @@ class ByteStream:
             raise RuntimeError("byte stream: the sender did not connect")
         return cls(recv, send)
 
+    @property
+    def sender_pid(self) -> int:
+        """The sender's process id (its CPU is the stream's cost on P's core)."""
+        return self._send.pid
+
     def stop(self) -> float:
         """Stop both; the receiver's goodput from its first byte to its last, bits per second
         (0 if it got none)."""

@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._pin import CORES, P_THREADS, pin, worker_pid  # noqa: E402
 from benchmarks._plan import Shape, make_prompts  # noqa: E402
+from benchmarks._stream import ByteStream  # noqa: E402
 from benchmarks.serving import (  # noqa: E402
     Placement,
     Running,
@@ -51,9 +52,12 @@ CONFIGS = {  # name -> lw kv_connector_extra_config (P and D)
     # two wake-ups per forward (its first layer and its last): what the others cost above it
     "auto-two-wakes": {"push_mode": "auto", "experimental": {"layer_batch_ms": 1000}},
 }
-OTHERS = {"peer": start_peer, "single": start_single}
+OTHERS = {"peer": start_peer, "single": start_single, "single-stream": start_single}
 """Not lw: vLLM's MooncakeConnector P/D (its P sends a prompt's KV once the prefill is done, on
-the same core) and one plain server, for P's prefill time without any transfer."""
+the same core), one plain server, for P's prefill time without any transfer, and the plain
+server beside a paced TCP stream from its core across the link at the link's rate
+(``benchmarks/_stream.py``: the floor of moving bytes during the prefill, with no transfer
+engine; needs ``--link-mbit`` > 0)."""
 
 
 def thread_ticks(pid: int) -> dict[str, int]:
@@ -82,6 +86,16 @@ def irq_ticks(core: int) -> int:
                 v = line.split()
                 return int(v[6]) + int(v[7])  # irq, softirq
     return 0
+
+
+def process_ticks(pid: int) -> int:
+    """CPU clock ticks of process ``pid``, all its threads (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
 
 
 def side_thread_ticks(pid: int) -> int:
@@ -136,15 +150,23 @@ def _start(name: str, place: Placement, model: Path, logs: Path) -> Running:
 def _measure(name: str, place: Placement, model: Path, logs: Path,
              prompts: list[str], p_threads: str) -> dict[str, float]:
     run = _start(name, place, model, logs)
-    p_name = "single" if name == "single" else "prefill"
+    p_name = "single" if name.startswith("single") else "prefill"
+    stream = None
     try:
         pin(run, p_threads)
         warm_up(run)
         pin(run, p_threads)  # again: threads that started with the first requests
         p_url = run.servers[p_name].url
         pid = worker_pid(run.servers[p_name].proc.pid)  # type: ignore[union-attr]
+        if name == "single-stream":
+            if place.link is None or not place.link.rate_bps:
+                raise RuntimeError("single-stream needs --link-mbit > 0 (the stream's rate)")
+            stream = ByteStream.start(place.link, place.link.rate_bps, CORES["single"],
+                                      CORES["decode"])
         ticks0, (s0, c0) = thread_ticks(pid), prefill_sum(p_url)
         ticks0["irq+softirq (P's core)"] = irq_ticks(CORES[p_name])
+        if stream is not None:
+            ticks0["byte-stream sender"] = process_ticks(stream.sender_pid)
         ttfts = []
         for p in prompts:
             r = complete(run.url, p, max_tokens=2, timeout=300.0)
@@ -153,7 +175,12 @@ def _measure(name: str, place: Placement, model: Path, logs: Path,
             ttfts.append(r.ttft_s or r.total_s)
         ticks1, (s1, c1) = thread_ticks(pid), prefill_sum(p_url)
         ticks1["irq+softirq (P's core)"] = irq_ticks(CORES[p_name])
+        if stream is not None:
+            ticks1["byte-stream sender"] = process_ticks(stream.sender_pid)
     finally:
+        if stream is not None:
+            got = stream.stop()
+            print(f"  {name}: byte stream delivered {got / 1e6:.0f} Mbit/s", flush=True)
         run.stop()
     n = len(prompts)
     per = {k: (v - ticks0.get(k, 0)) / os.sysconf("SC_CLK_TCK") / n * 1e3
