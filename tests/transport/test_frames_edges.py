@@ -1,7 +1,8 @@
 """The side channel's frame checks (lw.transport.frames.FrameSeal) exactly at their edges: a
 header of exactly its fixed size and one byte short, a timestamp exactly a window old or ahead
-and one nanosecond beyond, and a full replay cache with a zero window after the wall clock
-stepped back. Written to kill the survivors of ``tools/mutation.py --scope security``."""
+and one nanosecond beyond, a full replay cache with a zero window after the wall clock stepped
+back, and a destination of exactly MAX_ADDR_BYTES. Written to kill the survivors of
+``tools/mutation.py --scope security``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 
 import pytest
 
-from lw.transport.frames import FrameSeal, Opened, frame_mac, header_frame
+from lw.transport.frames import MAX_ADDR_BYTES, FrameSeal, Opened, frame_mac, header_frame
+from lw.transport.sidechannel import SideChannel
 from tests.transport.test_frames import HEADER, KEY, ME, refused, seal, signed
 
 NOW = 10**18
@@ -60,3 +62,17 @@ def test_a_zero_window_full_cache_refuses_a_replay_of_what_it_forgot(clock: list
     assert refused(s.open(signed(ts_ns=NOW, msg_id=3))) == "replay_floor"  # stamped alike
     clock[0] = NOW + 1
     assert refused(s.open(signed(ts_ns=NOW + 1, msg_id=4))) == ""
+
+
+def test_a_destination_of_max_addr_bytes_is_sent_to_and_one_byte_more_is_a_bad_dest() -> None:
+    """MAX_ADDR_BYTES (1,024) is the longest address a channel will connect to and name in a
+    header: one that long gets a connection, one byte longer is counted as bad_dest."""
+    ch = SideChannel()
+    try:
+        at_bound = "inproc://" + "a" * (1024 - len("inproc://"))
+        ch.send_bytes(at_bound, b"p")  # nobody listens: dropped or queued, never bad_dest
+        assert ch.counters["bad_dest"] == 0
+        assert ch.send_bytes(at_bound + "a", b"p") == 0 and ch.counters["bad_dest"] == 1
+        assert MAX_ADDR_BYTES == len(at_bound.encode())
+    finally:
+        ch.close()
