@@ -5,14 +5,15 @@ Engine threads append to a queue and, at most once per loop turn, write one byte
 loop polls. Two policies keep those wake-ups rare on a busy forward thread: layer events that
 come closer than the hot poll interval keep the loop polling for a window (hooks then skip the
 write), and a layer event wakes the loop only if the last one to wake it is ``layer_batch_s``
-old (or it is the last layer), the rest going out with it as one transfer.
+old (or longer, while the data plane's link drains a backlog) or it is the last layer, the
+rest going out with it as one transfer.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from lw.transport.loopconfig import LoopConfig
 from lw.transport.wakepipe import WakePipe
@@ -26,6 +27,9 @@ CALL = 1
 FN = 2
 
 IDLE_POLL_MS = 200  # the longest a loop polls with nothing due
+MAX_BACKLOG_BATCH_S = 0.1
+"""The longest a layer event waits for company while the link drains a backlog: half that
+backlog, up to this (the last layer never waits)."""
 
 
 class Inbox:
@@ -33,7 +37,8 @@ class Inbox:
     rest on the loop thread)."""
 
     def __init__(self, config: LoopConfig, num_layers: int,
-                 counters: dict[str, int | float]) -> None:
+                 counters: dict[str, int | float],
+                 backlog_s: Callable[[], float] | None = None) -> None:
         self.items: deque[tuple] = deque()
         self.max_items = config.max_inbox
         self.counters = counters  # the loop's: inbox_overflow
@@ -59,6 +64,12 @@ class Inbox:
         # first layer is computed.
         self.layer_batch_s = config.layer_batch_s
         self.batch_woken = -1e9
+        # While the data plane's link needs longer than the batch to drain what is in flight
+        # (a link-bound push), layers handed over sooner leave no sooner: a batch then spans
+        # half that backlog (up to MAX_BACKLOG_BATCH_S), and the loop's, the sender's and the
+        # transport's wake-ups on the forward's core, each a preemption of the forward, thin
+        # out (benchmarks/push_cpu.py counts them).
+        self.backlog_s = backlog_s
         self.num_layers = num_layers  # P's; 0 on D (no layer events)
 
     def __len__(self) -> int:
@@ -76,7 +87,10 @@ class Inbox:
         if self.wake_pending:
             return
         if self.layer_batch_s and layer != self.num_layers - 1:
-            if t - self.batch_woken < self.layer_batch_s:
+            batch = self.layer_batch_s
+            if self.backlog_s is not None:
+                batch = max(batch, min(self.backlog_s() / 2, MAX_BACKLOG_BATCH_S))
+            if t - self.batch_woken < batch:
                 return  # goes out with a later layer (the last one at the latest)
             self.batch_woken = t
         self.wake()

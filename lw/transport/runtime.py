@@ -160,7 +160,8 @@ class WorkerLoop:
                                self.core_error, self._execute_now)
         self.stuck: deque[str] = deque(maxlen=1024)  # stuck-alarm lines, newest last
         # engine -> loop (hooks and calls; wake-ups and the polling policy)
-        self.inbox = Inbox(config, self._num_layers, self.counters)
+        self.inbox = Inbox(config, self._num_layers, self.counters,
+                           getattr(data_plane, "backlog_s", None))
         self.writes = WritePath(self.memory, self.counters)
         self.status_gate = statusdesk.StatusGate(config.status_share, config.status_burst_s,
                                                  config.status_per_route)

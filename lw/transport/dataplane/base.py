@@ -222,7 +222,8 @@ class _Job:
 class _Peer:
     """State of one destination session: its FIFO queue, condition and sender thread."""
 
-    __slots__ = ("session", "queue", "cond", "thread", "connected", "connect_reason", "dead")
+    __slots__ = ("session", "queue", "cond", "thread", "connected", "connect_reason", "dead",
+                 "backlog_s")
 
     def __init__(self, session: str) -> None:
         self.session = session
@@ -232,6 +233,9 @@ class _Peer:
         self.connected: bool | None = None
         self.connect_reason = ""
         self.dead = False  # its sender thread crashed; no longer accepts jobs
+        # seconds the link needs to drain what is in flight to this peer (its sender sets it;
+        # 0 while unknown)
+        self.backlog_s = 0.0
 
 
 class _QueuedDataPlane:
@@ -364,6 +368,12 @@ class _QueuedDataPlane:
     def fileno(self) -> int:
         """Read end of a pipe that is readable while completions are waiting for poll()."""
         return self._rfd
+
+    def backlog_s(self) -> float:
+        """The longest time any peer's link needs to drain what is in flight to it (0 when
+        unknown or idle): while it is long, handing the next layers over sooner moves no byte
+        sooner (``lw.transport.inbox``). Read from any thread."""
+        return max((p.backlog_s for p in list(self._peers.values())), default=0.0)
 
     def stats(self) -> dict[str, int | float]:
         """Counters: submitted, completed (ok), failed, bytes (of ok transfers), entries (as
