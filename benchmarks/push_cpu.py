@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +78,27 @@ def thread_ticks(pid: int) -> dict[str, int]:
     return out
 
 
+def thread_switches(pid: int) -> dict[str, int]:
+    """Context switches of the threads of ``pid`` by thread name: a side thread's voluntary ones
+    are its wake-ups; the main thread's (the forward pass's) involuntary ones (``main``) the
+    times it was preempted on its core, its voluntary ones (``main waits``) the times it
+    waited (for a lock, the GIL, a sleep)."""
+    out: dict[str, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if int(tid) == pid:
+            out["main"] = int(status["nonvoluntary_ctxt_switches"])
+            out["main waits"] = int(status["voluntary_ctxt_switches"])
+            continue
+        name = status["Name"].strip()
+        out[name] = out.get(name, 0) + int(status["voluntary_ctxt_switches"])
+    return out
+
+
 def irq_ticks(core: int) -> int:
     """Ticks core ``core`` spent in interrupts and softirqs (``/proc/stat``): the kernel's
     network work for both ends of a veth runs there on the sending core, charged to no thread
@@ -117,8 +140,8 @@ def prefill_sum(url: str) -> tuple[float, float]:
 
 
 def measure(name: str, model: Path, logs: Path, prompts: list[str],
-            link_mbit: float | None = None, p_threads: str = "forward-core"
-            ) -> dict[str, float]:
+            link_mbit: float | None = None, p_threads: str = "forward-core",
+            profile: bool = False) -> dict[str, float]:
     """Start lw P/D with ``CONFIGS[name]`` (or the peer, or the single server), send
     ``prompts``; per-prompt figures in ms. With ``link_mbit``, D sits behind a veth capped at
     that rate (0: uncapped veth)."""
@@ -129,7 +152,7 @@ def measure(name: str, model: Path, logs: Path, prompts: list[str],
         link = Link.create(link_mbit * 1e6 if link_mbit > 0 else None)
     place = Placement(link=link)
     try:
-        return _measure(name, place, model, logs, prompts, p_threads)
+        return _measure(name, place, model, logs, prompts, p_threads, profile)
     finally:
         if link is not None:
             link.close()
@@ -147,8 +170,16 @@ def _start(name: str, place: Placement, model: Path, logs: Path) -> Running:
     return Running(name, dict(cluster.servers), cluster.url("proxy"), cluster)
 
 
+def _py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """Sample ``pid``'s threads (collapsed stacks with thread ids, native frames included)
+    until interrupted: where lw's loop, its senders and Mooncake spend P's CPU."""
+    return subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p",
+                             str(pid), "--threads", "--native", "--rate", "250", "-f", "raw",
+                             "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def _measure(name: str, place: Placement, model: Path, logs: Path,
-             prompts: list[str], p_threads: str) -> dict[str, float]:
+             prompts: list[str], p_threads: str, profile: bool = False) -> dict[str, float]:
     run = _start(name, place, model, logs)
     p_name = "single" if name.startswith("single") else "prefill"
     stream = None
@@ -163,17 +194,25 @@ def _measure(name: str, place: Placement, model: Path, logs: Path,
                 raise RuntimeError("single-stream needs --link-mbit > 0 (the stream's rate)")
             stream = ByteStream.start(place.link, place.link.rate_bps, CORES["single"],
                                       CORES["decode"])
+        switches0 = thread_switches(pid)
         ticks0, (s0, c0) = thread_ticks(pid), prefill_sum(p_url)
         ticks0["irq+softirq (P's core)"] = irq_ticks(CORES[p_name])
         if stream is not None:
             ticks0["byte-stream sender"] = process_ticks(stream.sender_pid)
+        spy = _py_spy(pid, logs / f"py-spy-{name}.txt") if profile else None
         ttfts = []
         for p in prompts:
             r = complete(run.url, p, max_tokens=2, timeout=300.0)
             if r.error:
                 raise RuntimeError(f"{name}: request failed: {r.error}")
             ttfts.append(r.ttft_s or r.total_s)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its profile when interrupted
+            spy.wait(60)
+            print(f"  {name}: py-spy profile of P's worker in {logs / f'py-spy-{name}.txt'}",
+                  flush=True)
         ticks1, (s1, c1) = thread_ticks(pid), prefill_sum(p_url)
+        switches1 = thread_switches(pid)
         ticks1["irq+softirq (P's core)"] = irq_ticks(CORES[p_name])
         if stream is not None:
             ticks1["byte-stream sender"] = process_ticks(stream.sender_pid)
@@ -190,6 +229,12 @@ def _measure(name: str, place: Placement, model: Path, logs: Path,
                         if v >= 1)
     print(f"  {name}: P worker threads, CPU ms/prompt: {threads}", flush=True)
     print(f"  {name}: P's core in interrupts and softirqs: {irq:.0f} ms/prompt", flush=True)
+    wakes = {k: (v - switches0.get(k, 0)) / n for k, v in switches1.items()}
+    print(f"  {name}: per prompt, the forward thread preempted {wakes.pop('main', 0):.0f} "
+          f"times and waited {wakes.pop('main waits', 0):.0f} times (a lock, the GIL, a "
+          "sleep); side threads' wake-ups: " + ", ".join(
+              f"{k} {v:.0f}" for k, v in sorted(wakes.items(), key=lambda kv: -kv[1]) if v >= 1),
+          flush=True)
     return {"side_cpu_ms": sum(v for k, v in per.items() if k != "main"),
             "p_prefill_ms": (s1 - s0) / max(c1 - c0, 1) * 1e3,
             "ttft_p50_ms": statistics.median(ttfts) * 1e3}
@@ -229,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--p-threads", nargs="+", choices=P_THREADS, default=["forward-core"],
                     help="placements of P's worker threads but the forward's (each "
                          "configuration runs in each; named CONFIG@PLACEMENT when more than one)")
+    ap.add_argument("--py-spy", action="store_true",
+                    help="record P's worker with py-spy while the prompts run (a file per "
+                         "start in its logs; the sampling costs P's core CPU too)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.prompts < 1:
         ap.error("--repeats and --prompts must be >= 1")
@@ -252,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config, _, place = name.partition("@")
             try:
                 r = measure(config, model, work / f"{name}-r{rep}", prompts, args.link_mbit,
-                            place or places[0])
+                            place or places[0], args.py_spy)
             except RuntimeError as exc:
                 results[name].append(None)
                 print(f"[rep {rep}] {name:26s} FAILED: {str(exc).splitlines()[0]}", flush=True)
