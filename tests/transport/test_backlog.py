@@ -7,29 +7,37 @@ from __future__ import annotations
 import pytest
 
 from lw.transport.dataplane.base import _Peer, _QueuedDataPlane
-from lw.transport.dataplane.mooncake import _MAX_DRAIN_NAP_S, drain_nap
+from lw.transport.dataplane.window import MAX_DRAIN_NAP_S, ByteWindow
 from lw.transport.inbox import MAX_BACKLOG_BATCH_S, Inbox
 from lw.transport.loopconfig import LoopConfig
 
 
+def _window(inflight: int, rate: float) -> ByteWindow:
+    w = ByteWindow(10.0)
+    w.inflight, w.rate = inflight, rate
+    return w
+
+
 def test_the_nap_is_unchanged_while_the_rate_or_the_bytes_in_flight_are_unknown() -> None:
     """No rate measured yet, or nothing in flight: the sender's own nap, as before."""
-    assert drain_nap(0.002, 8 << 20, 0.0) == 0.002
-    assert drain_nap(0.002, 0, 50e6) == 0.002
+    assert _window(8 << 20, 0.0).nap(0.002) == 0.002
+    assert _window(0, 50e6).nap(0.002) == 0.002
+    assert _window(8 << 20, 0.0).backlog_s() == 0.0
 
 
 def test_the_nap_is_a_quarter_of_the_drain_time_up_to_its_cap() -> None:
     """8 MB in flight at 50 MB/s drain in 160 ms: the sender sleeps the cap (20 ms), not 2 ms;
     400 kB drain in 8 ms: it sleeps 2 ms; 100 kB (the tail): its own nap, so the last entry is
     still seen within that."""
-    assert drain_nap(0.002, 8_000_000, 50e6) == _MAX_DRAIN_NAP_S
-    assert drain_nap(0.0005, 400_000, 50e6) == pytest.approx(0.002)
-    assert drain_nap(0.0005, 100_000, 50e6) == 0.0005
+    assert _window(8_000_000, 50e6).backlog_s() == pytest.approx(0.16)
+    assert _window(8_000_000, 50e6).nap(0.002) == MAX_DRAIN_NAP_S
+    assert _window(400_000, 50e6).nap(0.0005) == pytest.approx(0.002)
+    assert _window(100_000, 50e6).nap(0.0005) == 0.0005
 
 
 def test_a_fast_link_keeps_the_short_nap() -> None:
     """On loopback (a GB/s) 8 MB drain in 8 ms: a 2 ms nap is what it was."""
-    assert drain_nap(0.002, 8_000_000, 1e9) == pytest.approx(0.002)
+    assert _window(8_000_000, 1e9).nap(0.002) == pytest.approx(0.002)
 
 
 class _Plane(_QueuedDataPlane):

@@ -94,24 +94,6 @@ _MIN_NAP_S = 2e-5
 _MAX_NAP_S = 0.002
 """Longest sleep of the poll-mode sender (reached only for transfers in flight > 16 ms)."""
 
-_MAX_DRAIN_NAP_S = 0.02
-"""Longest sleep while the link has much more in flight than it drains in a nap: a quarter of
-the time it takes to drain what is in flight, so the last entry is still polled finely."""
-
-
-def drain_nap(nap: float, inflight: int, rate: float) -> float:
-    """The sender's next sleep: ``nap``, or longer while the bytes in flight take the link
-    (``rate`` bytes/s, 0 unknown) much longer than that to drain. On a link-bound push,
-    entries resolve milliseconds apart for the whole prefill, and a 2 ms poll woke this
-    thread ~560 times per 1,024-token prompt on the core the forward runs on, each wake-up a
-    preemption of the forward (benchmarks/push_cpu.py counts both); what a later poll delays
-    is only the report of entries that are not the last, and the last is reached finely as the
-    bytes in flight shrink."""
-    if rate <= 0 or inflight <= 0:
-        return nap
-    return max(nap, min(inflight / rate / 4, _MAX_DRAIN_NAP_S))
-
-
 _BAD_BATCH_IDS = frozenset({0, -1, (1 << 64) - 1})
 """What Mooncake's transfer_submit_write returns when it could not submit."""
 
@@ -482,15 +464,14 @@ class MooncakeDataPlane(_QueuedDataPlane):
                     reason = ""
                 flights.popleft()
                 self._complete(f.job, reason)
-            peer.backlog_s = window.inflight / window.rate if window.rate else 0.0
+            peer.backlog_s = window.backlog_s()
             # 5. Nothing moved: wait a little (a new submit wakes us at once).
             if progressed:
                 t = time.monotonic()
                 if last_progress:
                     gap = 0.7 * gap + 0.3 * (t - last_progress) if gap else t - last_progress
                 last_progress = t if flights else 0.0
-                nap = drain_nap(min(max(_MIN_NAP_S, gap / 4), _MAX_NAP_S), window.inflight,
-                                window.rate)
+                nap = window.nap(min(max(_MIN_NAP_S, gap / 4), _MAX_NAP_S))
             elif flights:
                 with peer.cond:
                     if not peer.queue:
@@ -499,8 +480,8 @@ class MooncakeDataPlane(_QueuedDataPlane):
                 # that has crossed a slow link for 40 ms is not polled 5,000 times a second on
                 # the core P computes on, and one on loopback still is, within microseconds.
                 age = now - flights[0].started if flights[0].started else 0.0
-                nap = drain_nap(min(nap * 2, max(self._poll_interval_s, min(age / 8, _MAX_NAP_S))),
-                                window.inflight, window.rate)
+                nap = window.nap(min(nap * 2, max(self._poll_interval_s,
+                                                  min(age / 8, _MAX_NAP_S))))
 
     def _new_flight(self, session: str, job: _Job) -> _Flight:
         """Plan a transfer for the pipelined worker (coalesce, check local ranges)."""

@@ -433,14 +433,16 @@ class NixlDataPlane(_QueuedDataPlane):
                 flights.popleft()
                 self._complete(f.job, f.failure)
                 progressed = True
-            # 5. Nothing moved: wait a little (a new submit wakes us at once).
+            peer.backlog_s = window.backlog_s()
+            # 5. Nothing moved: wait a little (a new submit wakes us at once), longer while the
+            #    link drains a backlog (ByteWindow.nap).
             if progressed:
-                nap = _MIN_NAP_S
+                nap = window.nap(_MIN_NAP_S)
             elif flights:
                 with peer.cond:
                     if not peer.queue:
                         peer.cond.wait(nap)
-                nap = min(nap * 2, self._poll_interval_s)
+                nap = window.nap(min(nap * 2, self._poll_interval_s))
 
     def _new_flight(self, session: str, job: _Job) -> _Flight:
         """Plan a transfer (coalesce, check local ranges)."""

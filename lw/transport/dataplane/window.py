@@ -9,6 +9,10 @@ __all__ = ["ByteWindow"]
 
 _SAMPLE_S = 0.05  # a rate sample spans at least this much busy time
 
+MAX_DRAIN_NAP_S = 0.02
+"""Longest sleep :meth:`ByteWindow.nap` asks for while the link has much more in flight than
+it drains in a nap."""
+
 
 class ByteWindow:
     """Bytes in flight, and a limit that follows the link's measured rate (never below a
@@ -48,6 +52,20 @@ class ByteWindow:
             self.rate = r if not self.rate else 0.7 * self.rate + 0.3 * r
             self.limit = max(self.floor, int(self.rate * self.timeout_s * self.fraction))
             self._since, self._moved = now, 0
+
+    def backlog_s(self) -> float:
+        """Seconds the link needs to drain what is in flight (0 while its rate is unknown)."""
+        return self.inflight / self.rate if self.rate > 0 else 0.0
+
+    def nap(self, nap: float) -> float:
+        """A sender's next sleep: ``nap``, or up to a quarter of :meth:`backlog_s` (at most
+        MAX_DRAIN_NAP_S) when that is longer. On a link-bound push, entries resolve
+        milliseconds apart for the whole prefill, and a 2 ms poll woke the Mooncake sender ~560
+        times per 1,024-token prompt on the core the forward runs on, each wake-up a preemption
+        of the forward (benchmarks/push_cpu.py counts both); a later poll delays only the
+        report of entries that are not the last, and the last is polled finely again as the
+        bytes in flight shrink."""
+        return max(nap, min(self.backlog_s() / 4, MAX_DRAIN_NAP_S))
 
     def dropped(self, nbytes: int) -> None:
         """Entries of ``nbytes`` left flight without landing (timed out: not a rate sample)."""
