@@ -68,7 +68,8 @@ class Inbox:
         # (a link-bound push), layers handed over sooner leave no sooner: a batch then spans
         # half that backlog (up to MAX_BACKLOG_BATCH_S), and the loop's, the sender's and the
         # transport's wake-ups on the forward's core, each a preemption of the forward, thin
-        # out (benchmarks/push_cpu.py counts them).
+        # out (benchmarks/push_cpu.py counts them). The backlog is the slowest peer's: a push to
+        # another, idle peer meanwhile waits up to the cap too (its last layer never does).
         self.backlog_s = backlog_s
         self.num_layers = num_layers  # P's; 0 on D (no layer events)
 
