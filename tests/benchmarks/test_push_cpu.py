@@ -51,3 +51,30 @@ def test_ratios_against_a_single_server_skip_its_zero_side_cpu() -> None:
     lines = ratio_lines(results, ["single", "auto"], "single")
     # no CPU ratio (nothing to divide by), the prefill's over the two repeats both ran
     assert lines == ["p_prefill_ms_ratio_vs_single: 1.02  (auto; 1.01-1.02 over 2 repeat(s))"]
+
+
+def test_a_side_threads_wake_ups_are_counted_under_its_name() -> None:
+    """A named side thread that sleeps and wakes 20 times shows >= 20 voluntary switches under
+    its name; the main thread's preemptions and waits are keyed apart."""
+    from benchmarks.push_cpu import thread_switches
+
+    go, done = threading.Event(), threading.Event()
+
+    def napper() -> None:
+        go.wait()
+        for _ in range(20):
+            time.sleep(0.001)
+        done.set()
+        time.sleep(5)  # stays alive (in /proc) until counted
+
+    t = threading.Thread(target=napper, name="lw-test-napper", daemon=True)
+    t.start()
+    # Python 3.11 does not name OS threads: name it as lw's name_os_thread would
+    with open(f"/proc/{os.getpid()}/task/{t.native_id}/comm", "w") as f:
+        f.write("lw-test-napper")
+    before = thread_switches(os.getpid())
+    go.set()
+    assert done.wait(30)
+    after = thread_switches(os.getpid())
+    assert after["lw-test-napper"] - before.get("lw-test-napper", 0) >= 20
+    assert "main" in after and "main waits" in after
