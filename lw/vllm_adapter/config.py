@@ -26,6 +26,7 @@ from typing import Any
 
 from lw.fsm import DecodeConfig, PrefillConfig
 from lw.fsm.settings import core_config
+from lw.transport.dataplane.planes import can_fence
 from lw.transport.loopconfig import LoopConfig
 from lw.transport.sidechannel import parse_cluster_key
 from lw.vllm_adapter.config_checks import (
@@ -362,8 +363,7 @@ class LwConfig:
         """The core's D settings (those this config names as the core does); a lease's end
         fences the data plane where it can (Mooncake over TCP; not RDMA, not in-process; NIXL
         is lease-only until a fence is measured)."""
-        fence = (self.data_plane == "mooncake"
-                 and self.mooncake_protocol.strip().lower() == "tcp" and not self.mooncake_device)
+        fence = can_fence(self.data_plane, self.mooncake_protocol, self.mooncake_device)
         return core_config(DecodeConfig, vars(self), fence_data=fence)
 
     def loop_config(self, name: str) -> LoopConfig:

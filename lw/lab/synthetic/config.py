@@ -9,6 +9,7 @@ from lw.fsm import DecodeConfig, PrefillConfig, check_lease
 from lw.fsm.kvmap import make_format, tp_problem
 from lw.fsm.messages import KVFormat
 from lw.fsm.settings import core_config
+from lw.transport.dataplane.planes import PLANE_NAMES, can_fence
 from lw.transport.loopconfig import LoopConfig
 from lw.transport.sidechannel import parse_cluster_key
 
@@ -76,12 +77,13 @@ FAILURES_EXPECTED = frozenset({"kill-decoder", "freeze-decoder-before-contact",
                                *LINK_FAULTS})
 
 
-DATA_PLANES = ("mooncake", "nixl", "inprocess")
+DATA_PLANES = PLANE_NAMES
 """The data planes a synthetic cluster runs on (``--data-plane``)."""
 PROCESS_PLANES = frozenset({"mooncake", "nixl"})
 """Planes whose engines are OS processes (they move bytes between address spaces)."""
-FENCED_PLANES = frozenset({"mooncake"})
-"""Planes D may fence (cut a failed sender's in-flight writes); the others are lease-only."""
+FENCED_PLANES = frozenset(p for p in PLANE_NAMES if can_fence(p))
+"""Planes D may fence (cut a failed sender's in-flight writes; over TCP, as the synthetic
+cluster runs them); the others are lease-only."""
 
 
 def canonical_fault(name: str) -> str:
