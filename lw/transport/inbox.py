@@ -88,11 +88,14 @@ class Inbox:
         if self.wake_pending:
             return
         if self.layer_batch_s and layer != self.num_layers - 1:
-            batch = self.layer_batch_s
-            if self.backlog_s is not None:
-                batch = max(batch, min(self.backlog_s() / 2, MAX_BACKLOG_BATCH_S))
-            if t - self.batch_woken < batch:
+            since = t - self.batch_woken
+            if since < self.layer_batch_s:
                 return  # goes out with a later layer (the last one at the latest)
+            # the backlog is asked only when the batch alone would wake: once per batch, not
+            # on every layer of the forward thread
+            if (self.backlog_s is not None
+                    and since < min(self.backlog_s() / 2, MAX_BACKLOG_BATCH_S)):
+                return
             self.batch_woken = t
         self.wake()
 
