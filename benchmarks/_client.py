@@ -34,7 +34,7 @@ def after_lw_run(cluster: LocalCluster, label: str, result: dict[str, Any],
     import httpx
 
     from lw.ops.client import MAX_TIMELINE, query
-    from lw.ops.phases import format_phases, milestones, phase_means
+    from lw.ops.phases import TOKEN_PHASES, format_phases, milestones, phase_means
 
     snap = query(cluster.status_workers(), cluster.cluster_key, timeline=MAX_TIMELINE,
                  timeout_s=10)
@@ -51,6 +51,12 @@ def after_lw_run(cluster: LocalCluster, label: str, result: dict[str, Any],
           flush=True)
     result["lw_phases_ms"] = {name: round(mean * 1e3, 1) for name, mean, n in
                               phase_means(done) if n}
+    token_rows = phase_means(done, TOKEN_PHASES)
+    if any(n for _name, _mean, n in token_rows):  # P's token streamed (not lw-off)
+        print(format_phases(token_rows, "  token 1's path (P's sampled token), mean"),
+              flush=True)
+        result["token_phases_ms"] = {name: round(mean * 1e3, 1) for name, mean, n in
+                                     token_rows if n}
     pre = p_prefill_s(m.times for m in done.values())
     result["p_prefill_ms"] = statistics.median(pre) * 1e3 if pre else None
     hops = [h * 1e3 for h in first_token_hops(snap.replies, since)]

@@ -5,22 +5,11 @@ D received" hop from lw's timelines. Pure functions; no servers, no clients."""
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from lw.fsm.messages import StatusReply
-
-FIRST_TOKEN_EVENT = "first_token"
-"""The timeline event P records about its sampled first token and D about taking it, both under
-the request's id (lw.fsm.prefill_first_token, lw.fsm.decode_first_token); its detail says which
-(held, sent, taken, refused)."""
-P_SENT = re.compile(r"^token -?\d+ to ")
-"""P's detail when it sent the token: ``token 17 to tcp://... (epoch 1)`` (not ``token 17: held
-until D accepts``, nor ``refused: ...``)."""
-D_TAKEN = re.compile(r"^token -?\d+ of epoch \d+ from P ")
-"""D's detail when its core took the token: ``token 17 of epoch 1 from P prefill`` (not ``...:
-the epoch was given up``, nor ``refused: ...``)."""
+from lw.ops.phases import D_TAKEN, FIRST_TOKEN_EVENT, P_SENT
 
 DETAILED_KEYS = ("ttfts", "itls", "errors")
 """The per-request lists ``vllm bench serve --save-detailed`` adds that these figures read."""

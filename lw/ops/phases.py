@@ -7,7 +7,8 @@ query) and the proxy's ``GET /lw/timeline`` events. Every time is put on the wal
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lw.ops.client import Snapshot
@@ -33,6 +34,25 @@ PHASES: tuple[tuple[str, str, str], ...] = (
     ("last layer written -> D has every DONE", "last_written", "all_done"),
     ("D has every DONE -> first token at the proxy", "all_done", "first_token"),
 )
+
+# Token 1's own path when D streams P's sampled token (issue 59): where it spends the time that
+# decides whether the client holds it before the KV has landed.
+TOKEN_PHASES: tuple[tuple[str, str, str], ...] = (
+    ("P's last layer computed -> P sent token 1", "last_computed", "token_sent"),
+    ("P sent token 1 -> D's core took it", "token_sent", "token_taken"),
+    ("D's core took it -> first token at the proxy", "token_taken", "first_token"),
+)
+
+FIRST_TOKEN_EVENT = "first_token"
+"""The timeline event P records about its sampled token and D about taking it (lw.fsm
+.prefill_first_token, lw.fsm.decode_first_token); its detail says which (held, sent, taken,
+refused)."""
+P_SENT = re.compile(r"^token -?\d+ to ")
+"""P's detail when it sent the token: ``token 17 to tcp://... (epoch 1)`` (not ``token 17: held
+until D accepts``, nor ``refused: ...``)."""
+D_TAKEN = re.compile(r"^token -?\d+ of epoch \d+ from P ")
+"""D's detail when its core took the token: ``token 17 of epoch 1 from P prefill`` (not ``...:
+the epoch was given up``, nor ``refused: ...``)."""
 
 
 @dataclass
@@ -81,6 +101,10 @@ def milestones(snap: Snapshot, proxy: ProxyEvents | None = None) -> dict[str, Mi
                 m.latest("all_done", t)
             elif e.event == "ack" and e.dst == "DONE":
                 m.latest("done_acked", t)
+            elif e.event == FIRST_TOKEN_EVENT and P_SENT.match(str(e.detail)):
+                m.earliest("token_sent", t)
+            elif e.event == FIRST_TOKEN_EVENT and D_TAKEN.match(str(e.detail)):
+                m.earliest("token_taken", t)
     for old, new in renamed.items():  # its ahead part's milestones are the request's
         before = out.pop(old, None)
         if before is not None:
@@ -97,10 +121,12 @@ def milestones(snap: Snapshot, proxy: ProxyEvents | None = None) -> dict[str, Mi
     return out
 
 
-def phase_means(ms: Mapping[str, Milestones]) -> list[tuple[str, float, int]]:
-    """(phase, mean seconds, requests that had both ends) for every phase."""
+def phase_means(ms: Mapping[str, Milestones],
+                phases: Sequence[tuple[str, str, str]] = PHASES
+                ) -> list[tuple[str, float, int]]:
+    """(phase, mean seconds, requests that had both ends) for every phase of ``phases``."""
     rows = []
-    for name, a, b in PHASES:
+    for name, a, b in phases:
         xs = [m.times[b] - m.times[a] for m in ms.values() if a in m.times and b in m.times]
         rows.append((name, sum(xs) / len(xs) if xs else float("nan"), len(xs)))
     return rows

@@ -304,3 +304,29 @@ def test_the_share_has_no_verdict_off_the_1_0_row_nor_a_token2_line_without_lw_o
             "link=uncapped; D's last DONE - the first token's relay, p50 +10.0 ms; not judged: "
             "1 without the proxy's first token)") in out
     assert "issue 59 asks" not in out and "token2_minus_off" not in out
+
+
+def test_token_1s_path_is_phased_from_ps_last_layer_to_the_proxys_relay() -> None:
+    """P's sent token and D's taking it become milestones: a held token and a refused one do
+    not; the three token phases chain from P's last layer to the proxy's first token."""
+    from lw.ops.client import Snapshot
+    from lw.ops.phases import TOKEN_PHASES, milestones, phase_means
+
+    p = _reply("prefill", 10.0, 110.0, [
+        (1.000, "t1", "layer_computed", ""),
+        (1.002, "t1", "first_token", "token 5: held until D accepts"),
+        (1.004, "t1", "first_token", "token 5 to tcp://10.0.0.2:5600 (epoch 1)"),
+        (1.000, "t2", "layer_computed", ""),
+        (1.003, "t2", "first_token", "refused: first_token_from_p is off on this worker"),
+    ])
+    d = _reply("decode", 20.0, 120.0, [
+        (1.005, "t1", "first_token", "token 5 of epoch 1 from P p0"),
+        (1.006, "t2", "first_token", "refused: first_token_from_p is off on this worker"),
+    ])
+    ms = milestones(Snapshot([p, d]), {"t1": {"first_token": 101.012}})
+    assert ms["t1"].times["token_sent"] == pytest.approx(101.004)
+    assert ms["t1"].times["token_taken"] == pytest.approx(101.005)
+    assert "token_sent" not in ms["t2"].times and "token_taken" not in ms["t2"].times
+    rows = {name: (round(mean * 1e3, 1), n) for name, mean, n in
+            phase_means(ms, TOKEN_PHASES)}
+    assert list(rows.values()) == [(4.0, 1), (1.0, 1), (7.0, 1)]
