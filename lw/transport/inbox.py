@@ -77,13 +77,19 @@ class Inbox:
         return len(self.items)
 
     # ------------------------------------------------------------ engine threads
-    def layer(self, layer: int, req_ids: Iterable[str]) -> None:
-        """A layer event: O(batch) copy, never waits; wakes the loop as the policy says."""
+    def layer(self, layer: int, req_ids: Iterable[str], computed: float | None = None) -> None:
+        """A layer event (computed at ``computed``, monotonic; default now): O(batch) copy,
+        never waits; wakes the loop as the policy says."""
         items = self.items
         if len(items) >= self.max_items:  # a dead loop must not grow memory without bound
             self.counters["inbox_overflow"] += 1
             return
         t = time.monotonic()
+        if computed is not None:  # held back after it was computed: wakes as of now
+            items.append((LAYER, layer, tuple(req_ids), computed))
+            if not self.wake_pending:
+                self.wake()
+            return
         items.append((LAYER, layer, tuple(req_ids), t))
         if self.wake_pending:
             return

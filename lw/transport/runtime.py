@@ -192,9 +192,10 @@ class WorkerLoop:
         """This worker's identity as the endpoint announces it."""
         return self.endpoint.me
 
-    def layer_computed(self, layer: int, req_ids: Iterable[str]) -> None:
-        """Forward hook: ``layer`` is computed for ``req_ids``. O(batch) copy, never waits."""
-        self.inbox.layer(layer, req_ids)
+    def layer_computed(self, layer: int, req_ids: Iterable[str], t: float | None = None) -> None:
+        """Forward hook: ``layer`` is computed for ``req_ids`` (at ``t``, monotonic, if it is
+        reported later than computed). O(batch) copy, never waits."""
+        self.inbox.layer(layer, req_ids, t)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Future:
         """Run ``endpoint.<method>(*args, now, **kwargs)`` on the loop (add_request, add_chunk,

@@ -7,12 +7,14 @@ decides nothing about a request (the core does)."""
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lw.contract.sampling import spec_digest
 from lw.fsm.effects import FirstTokenTaken
+from lw.fsm.push_schedule import PushEstimate, last_layer_waits_for_token
 from lw.vllm_adapter.connector_meta import FirstTokenIn, LwConnectorMetadata, log
 from lw.vllm_adapter.first_token import checked_status
 
@@ -36,6 +38,12 @@ class FirstTokenRelay:
     _done_rid: OrderedDict[str, str]  # D: transfer id -> vLLM request id, receives done
     _first_in: list[FirstTokenIn]  # D: tokens taken since the last worker metadata
     _step_final: dict[str, str]  # P: vLLM request id -> transfer id, prompts this step ends
+    # P: pushes of this step whose last forward hook may wait for the sampled token (transfer
+    # id -> the step's blocks, the link's estimate), and the hooks' reports held for it
+    _token_first: dict[str, tuple[int, PushEstimate]]
+    _held_for_token: list[tuple[tuple[int, ...], tuple[str, ...], float]]
+    _hands_tokens: bool  # P: the runner hands its sampled tokens over (tokens_sampled)
+    planes: list[Any]
 
     loop: Any  # WorkerSide's WorkerLoop (None before register)
     _ft_status: FirstTokenStatus | None  # the engine's first-token status, last good one
@@ -64,9 +72,15 @@ class FirstTokenRelay:
         bound last. A request whose prompt this step completed sends its token now, a P
         engine turn before its scheduler would (the core drops the scheduler's copy); its
         spec digest is taken from the same SamplingParams the scheduler's would be."""
+        self._hands_tokens = True
         final, self._step_final = self._step_final, {}
-        if not final:
-            return
+        try:
+            self._send_sampled(final, req_ids, tokens, params)
+        finally:
+            self.release_held_layers()  # after the tokens: they cross the link ahead
+
+    def _send_sampled(self, final: dict[str, str], req_ids: Sequence[str],
+                      tokens: Sequence[Sequence[int]], params: Callable[[str], Any]) -> None:
         for rid, toks in zip(req_ids, tokens, strict=False):
             tid = final.get(rid)
             if tid is None or len(toks) == 0:
@@ -79,6 +93,42 @@ class FirstTokenRelay:
             alias = self._alias
             live = alias.get(tid, tid) if alias else tid
             self._call("first_token", live, int(toks[0]), spec, rid=rid, tid=live)
+
+    def _may_hold_for_token(self, tid: str, blocks: int, est: PushEstimate | None) -> None:
+        """P: push ``tid`` ends its prompt in this step (``blocks``: the blocks each of its
+        layer hooks writes): its last hook may wait for the token the runner samples
+        (:meth:`hold_for_token`). Only where the runner has handed tokens over at sampling
+        before (an asynchronous runner's step would hold them a step) and the link is
+        measured."""
+        if self._hands_tokens and est is not None and blocks > 0:
+            self._token_first[tid] = (blocks, est)
+
+    def hold_for_token(self, planes: tuple[int, ...], tids: list[str]) -> list[str]:
+        """P, at the forward's last hook (``planes``): of ``tids``, those whose writes report
+        now; the others' reports are held until the token is handed over (their writes long
+        enough on the wire for the token to go first: lw.fsm.push_schedule
+        .last_layer_waits_for_token), with the time they were computed."""
+        if not self._token_first or self.loop is None:
+            return tids
+        share = len(planes) / max(1, len(self.planes))
+        held = tuple(t for t in tids if t in self._token_first and last_layer_waits_for_token(
+            blocks_to_send=self._token_first[t][0], share=share, est=self._token_first[t][1]))
+        if not held:
+            return tids
+        self._held_for_token.append((planes, held, time.monotonic()))
+        return [t for t in tids if t not in held]
+
+    def release_held_layers(self) -> None:
+        """P: report the layer hooks held for the token (after it was handed over, or at the
+        next step's metadata if the runner never handed it), each as of when computed."""
+        held, self._held_for_token = self._held_for_token, []
+        self._token_first = {}
+        loop = self.loop
+        if loop is None:
+            return
+        for planes, tids, t in held:
+            for i in planes:
+                loop.layer_computed(i, tids, t)
 
     def _keep_first_token_status(self, snap: Any) -> None:
         """The engine's first-token mode and counts its scheduler sent with a step's metadata:

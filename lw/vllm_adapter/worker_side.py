@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from lw.fsm.failures import FailureKind
 from lw.fsm.kvmap import expected_senders, targets_of
-from lw.fsm.push_schedule import writes_wait_for_forward
+from lw.fsm.push_schedule import PushEstimate, writes_wait_for_forward
 from lw.fsm.timeline import drain
 from lw.vllm_adapter.ahead_client import AheadFetcher
 from lw.vllm_adapter.config import LwConfig, ModelHeads, model_heads
@@ -119,6 +119,9 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
         self._reprefills: list[Reprefill] = []  # D: for the scheduler's next worker metadata
         self._first_in: list[FirstTokenIn] = []  # D: P's first tokens, likewise
         self._step_final: dict[str, str] = {}  # P: (worker_first_tokens.tokens_sampled)
+        self._token_first: dict[str, tuple[int, PushEstimate]] = {}  # P: (hold_for_token)
+        self._held_for_token: list[tuple[tuple[int, ...], tuple[str, ...], float]] = []
+        self._hands_tokens = False
         self._done_rid: OrderedDict[str, str] = OrderedDict()  # D: receives done (their token)
         self._ft_status: FirstTokenStatus | None = None  # the engine's, for `lw status`
         self._ft_refused = 0  # first-token status snapshots refused (malformed, oversized)
@@ -195,6 +198,7 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
     def _take(self, meta: LwConnectorMetadata) -> None:
         from lw.fsm import PrefillRequest
 
+        self.release_held_layers()  # a step whose runner did not hand its tokens over
         self._step_sends = []
         self._step_planes = 0
         self._step_wait = set()
@@ -238,6 +242,7 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
                 self._step_sends.append(tid)
                 if s.final and self.cfg.first_token_from_p:
                     self._step_final[s.req_id] = s.transfer_id
+                    self._may_hold_for_token(tid, len(s.local_blocks), self._estimate(s))
                 continue
             if s.transfer_id in self._rid:
                 with self._lock:
@@ -269,6 +274,9 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
                 self._step_sends.append(s.transfer_id)
                 if s.final and self._waits_for_forward(s):
                     self._step_wait.add(s.transfer_id)
+                if s.final and self.cfg.first_token_from_p:
+                    self._may_hold_for_token(s.transfer_id, len(s.local_blocks),
+                                             self._estimate(s))
         for tid, rid, reason in meta.aborts:
             why = meta.abort_kinds.get(tid)  # D: the scheduler's own cause (metaserver)
             tid = alias.get(tid, tid) if alias else tid
@@ -349,10 +357,17 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
             shares = os.sched_getaffinity(fut.result()) <= os.sched_getaffinity(0)
         except OSError:
             return False
-        est = rates.estimate(self.loop.writes.link.goodput.get(s.decoder_host))
+        est = self._estimate(s)
+        assert est is not None
         return writes_wait_for_forward(blocks_to_send=len(s.local_blocks),
                                        tokens=self._step_tokens, pairs=self._step_pairs,
                                        est=est, shares_core=shares)
+
+    def _estimate(self, s: SendSpec) -> PushEstimate | None:
+        """P's forward rates and the link's to push ``s``'s D (None: no rates kept)."""
+        if self.rates is None or self.loop is None:
+            return None
+        return self.rates.estimate(self.loop.writes.link.goodput.get(s.decoder_host))
 
     def _after_ready(self, kv_layer: Any, planes: tuple[int, ...], tids: list[str],
                      then: Callable[[], None] | None) -> None:
@@ -365,8 +380,11 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
             return
         loop = self.loop
         assert loop is not None
-        for i in planes:
-            loop.layer_computed(i, tids)
+        if planes and planes[-1] == len(self.planes) - 1:  # the forward's last hook
+            tids = self.hold_for_token(planes, tids)
+        if tids:
+            for i in planes:
+                loop.layer_computed(i, tids)
         if then is not None:
             then()
 

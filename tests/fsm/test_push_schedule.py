@@ -8,11 +8,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lw.fsm.push_schedule import (
+    TOKEN_LEAD_S,
     WAIT_SHARE,
     WAIT_WIRE_S,
     PushEstimate,
     attended_pairs,
     compute_left,
+    last_layer_waits_for_token,
     push_starts_now,
     writes_wait_for_forward,
 )
@@ -121,3 +123,17 @@ def test_a_last_chunk_push_waits_for_its_forward_only_on_a_shared_core_and_a_sho
     share = PushEstimate(6e-4, 16 * 6e-4 * WAIT_SHARE / 8)
     assert waits(share, tokens=16)
     assert not waits(PushEstimate(6e-4, 16 * 6e-4 * WAIT_SHARE / 8 * 1.01), tokens=16)
+
+
+def test_the_last_layer_waits_for_the_token_only_where_it_is_long_on_the_wire() -> None:
+    """At TOKEN_LEAD_S on the wire the token goes first; shorter, unmeasured or empty: not."""
+    est = PushEstimate(compute_s_per_token=1e-3, wire_s_per_block=1e-3)
+    share = 1 / 32  # one layer of 32
+    blocks = round(TOKEN_LEAD_S / (est.wire_s_per_block * share))  # type: ignore[operator]
+    assert last_layer_waits_for_token(blocks_to_send=blocks, share=share, est=est)
+    assert not last_layer_waits_for_token(blocks_to_send=blocks - 1, share=share, est=est)
+    assert last_layer_waits_for_token(blocks_to_send=blocks // 32 + 1, share=1.0, est=est)
+    assert not last_layer_waits_for_token(blocks_to_send=blocks, share=share,
+                                          est=PushEstimate(1e-3, None))
+    assert not last_layer_waits_for_token(blocks_to_send=0, share=1.0, est=est)
+    assert not last_layer_waits_for_token(blocks_to_send=blocks, share=0.0, est=est)

@@ -197,3 +197,117 @@ def test_a_token_handed_over_as_sampled_goes_at_once_and_the_schedulers_copy_is_
     c.tokens_sampled(["p-r1"], [[43]], lambda rid: Params())
     c.clear_connector_metadata()
     assert p.side.loop.stats()["core.first_tokens_refused"] == 0
+
+
+class _AnyHost(dict):
+    """A link measured to every decode host at ``rate`` bytes/s."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = rate
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self.rate
+
+
+def _order(p: Worker) -> list[tuple[Any, ...]]:
+    """What P's worker hands its loop, in order: ("call", method) and ("layer", i, t)."""
+    loop, out = p.side.loop, []
+    call, layer = loop.call, loop.layer_computed
+
+    def calls(method: str, *a: Any, **kw: Any) -> Any:
+        out.append(("call", method))
+        return call(method, *a, **kw)
+
+    def layers(i: int, tids: Any, t: float | None = None) -> None:
+        out.append(("layer", i, time.monotonic() if t is None else t))
+        layer(i, tids, t)
+
+    loop.call, loop.layer_computed = calls, layers
+    return out
+
+
+def _push_sampled(p: Worker, d: Worker, rate: float, hand: bool = True
+                  ) -> tuple[list[tuple[Any, ...]], float]:
+    """D allocates; P, whose runner has handed tokens over before and whose link to D is
+    measured at ``rate`` bytes/s, computes the whole prompt in one step and (``hand``) hands its
+    sampled token over after the forward. What P's worker handed its loop, and when the last
+    layer's hook ran."""
+    d.step(LwConnectorMetadata(recvs=[RecvSpec("t1", "d-r1", (1, 2, 3))]))
+    cfg = d.side.cfg
+    p.side._hands_tokens = True
+    p.side.loop.writes.link.goodput = _AnyHost(rate)
+    out = _order(p)
+    c = p.conn
+    c.bind_connector_metadata(LwConnectorMetadata(sends=[SendSpec(
+        "t1", "p-r1", cfg.host, cfg.port(0), (4, 5, 6), (1, 2, 3))]))
+    for name in LAYERS:
+        c.save_kv_layer(name, p.kv[name], None)
+    t_last = time.monotonic()
+    c.wait_for_save()
+    if hand:
+        c.tokens_sampled(["p-r1"], [[42]], lambda rid: Params())
+    c.get_transfer_results(set())
+    c.clear_connector_metadata()
+    return out, t_last
+
+
+def _lands(p: Worker, d: Worker) -> None:
+    """Both engines step until D's core has every DONE of "t1" (its whole KV landed)."""
+    def landed() -> bool:
+        p.step(LwConnectorMetadata())
+        d.step(LwConnectorMetadata())
+        return any(ev == "all_done" for ev, _state, _detail in d.timeline("t1"))
+
+    _until(landed)
+
+
+def test_on_a_slow_link_the_last_layer_waits_for_the_token_and_both_land(
+        workers: Callable[..., tuple[Worker, Worker]]) -> None:
+    """The last layer's writes would take >= TOKEN_LEAD_S on the wire: its report waits until
+    the token is handed over, goes after it, and keeps the time it was computed; D gets the
+    token and the whole KV."""
+    p, d = workers()
+    out, t_last = _push_sampled(p, d, rate=1e3)
+    last = len(LAYERS) - 1
+    kinds = [e[:2] for e in out]
+    assert kinds.index(("call", "first_token")) < kinds.index(("layer", last))
+    (t,) = [e[2] for e in out if e[:2] == ("layer", last)]
+    assert t <= t_last
+    assert [ft.token for ft in _first_tokens_at(d)] == [42]
+    _lands(p, d)
+
+
+def test_on_a_fast_link_the_last_layer_goes_at_its_hook(
+        workers: Callable[..., tuple[Worker, Worker]]) -> None:
+    p, d = workers()
+    out, _ = _push_sampled(p, d, rate=1e12)
+    kinds = [e[:2] for e in out]
+    assert kinds.index(("layer", len(LAYERS) - 1)) < kinds.index(("call", "first_token"))
+
+
+def test_a_token_never_handed_over_releases_the_last_layer_at_the_next_step(
+        workers: Callable[..., tuple[Worker, Worker]]) -> None:
+    """The runner did not hand the step's tokens over (it never happens with lw's runner, which
+    the hold requires): the held report goes with the next step's metadata, and the KV lands."""
+    p, d = workers()
+    out, _ = _push_sampled(p, d, rate=1e3, hand=False)
+    last = len(LAYERS) - 1
+    assert ("layer", last) not in [e[:2] for e in out]
+    p.step(LwConnectorMetadata())
+    assert ("layer", last) in [e[:2] for e in out]
+    _lands(p, d)
+
+
+def test_a_runner_that_never_handed_tokens_over_holds_nothing(
+        workers: Callable[..., tuple[Worker, Worker]]) -> None:
+    """An asynchronous runner (or not lw's) never calls tokens_sampled: nothing is held."""
+    p, d = workers()
+    p.side._hands_tokens = False
+    d.step(LwConnectorMetadata(recvs=[RecvSpec("t1", "d-r1", (1, 2, 3))]))
+    p.side.loop.writes.link.goodput = _AnyHost(1e3)
+    out = _order(p)
+    cfg = d.side.cfg
+    p.step(LwConnectorMetadata(sends=[SendSpec("t1", "p-r1", cfg.host, cfg.port(0), (4, 5, 6),
+                                               (1, 2, 3))]), forward=True)
+    assert ("layer", len(LAYERS) - 1) in [e[:2] for e in out]
