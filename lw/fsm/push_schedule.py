@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MARGIN", "PUSH_MODES", "TOKEN_LEAD_S", "WAIT_SHARE", "WAIT_WIRE_S",
+__all__ = ["DEFAULT_MARGIN", "PUSH_MODES", "WAIT_SHARE", "WAIT_WIRE_S",
            "PushEstimate", "attended_pairs", "compute_left", "last_layer_waits_for_token",
            "push_starts_now", "writes_wait_for_forward"]
 
@@ -49,14 +49,6 @@ forward, while token 1 gains only what writing during it cost the forward. Measu
 2-core testbed, uncapped: a 128-token prompt's push (~5 ms on the wire) held to the forward's
 end took 16 ms off token 1 and 17 off token 2; a 1,024-token prompt's (~44 ms) took 3-10 ms off
 token 1 and added 33-45 to token 2 (docs/benchmarks.md)."""
-
-TOKEN_LEAD_S = 0.005
-"""A prompt's last layer waits for P's sampled token, which goes first, where its bytes are on
-the wire at least this long: the token's way after P sends it (the link, D's engine step and
-HTTP stream) took 6 ms on the 2-core testbed at kv/prefill 1.0 (benchmarks/serving.py's token
-phases), so behind such a layer the client holds token 1 before the KV has landed. A shorter
-layer lands about with the token anyway, and waiting would only delay it by P's sampling."""
-
 
 @dataclass(frozen=True)
 class PushEstimate:
@@ -130,13 +122,15 @@ def writes_wait_for_forward(*, blocks_to_send: int, tokens: int, pairs: int,
     return blocks_to_send * est.wire_s_per_block <= min(compute * WAIT_SHARE, WAIT_WIRE_S)
 
 
-def last_layer_waits_for_token(*, blocks_to_send: int, share: float, est: PushEstimate) -> bool:
+def last_layer_waits_for_token(*, blocks_to_send: int, share: float, est: PushEstimate,
+                               sample_s: float | None) -> bool:
     """Whether the writes of a prompt's last forward hook (``share`` of the bytes of its
     ``blocks_to_send`` blocks: the last layer, or every layer of a push that waited for the
-    forward) wait until P's worker has handed D the token it sampled: P's first token then
-    crosses the link ahead of those bytes instead of queueing behind them (one FIFO), and D,
-    which needs both to compute token 2, waits for the later of the two either way. Only where
-    those writes take at least ``TOKEN_LEAD_S`` on the wire, measured; never unmeasured."""
-    if blocks_to_send <= 0 or share <= 0 or est.wire_s_per_block is None:
+    forward) wait until P's worker has handed D the token it sampled, ``sample_s`` after that
+    hook (measured on earlier prompts). Where those bytes would still be on the wire when the
+    token leaves, the token would queue behind them on the link (one FIFO): it goes first, and
+    the bytes lose at most the sampling time, if the link had nothing else to carry meanwhile;
+    D, which needs both to compute token 2, waits for the later either way. Never unmeasured."""
+    if blocks_to_send <= 0 or share <= 0 or est.wire_s_per_block is None or sample_s is None:
         return False
-    return blocks_to_send * est.wire_s_per_block * share >= TOKEN_LEAD_S
+    return blocks_to_send * est.wire_s_per_block * share > sample_s

@@ -43,6 +43,8 @@ class FirstTokenRelay:
     _token_first: dict[str, tuple[int, PushEstimate]]
     _held_for_token: list[tuple[tuple[int, ...], tuple[str, ...], float]]
     _hands_tokens: bool  # P: the runner hands its sampled tokens over (tokens_sampled)
+    _final_hook_t: float | None  # P: this step's last hook, with a prompt ending in it
+    _sample_s: float | None  # P: last hook -> tokens handed over, smoothed over such steps
     planes: list[Any]
 
     loop: Any  # WorkerSide's WorkerLoop (None before register)
@@ -73,6 +75,10 @@ class FirstTokenRelay:
         engine turn before its scheduler would (the core drops the scheduler's copy); its
         spec digest is taken from the same SamplingParams the scheduler's would be."""
         self._hands_tokens = True
+        if self._final_hook_t is not None:
+            took = time.monotonic() - self._final_hook_t
+            self._sample_s = took if self._sample_s is None else (self._sample_s + took) / 2
+            self._final_hook_t = None
         final, self._step_final = self._step_final, {}
         try:
             self._send_sampled(final, req_ids, tokens, params)
@@ -105,14 +111,16 @@ class FirstTokenRelay:
 
     def hold_for_token(self, planes: tuple[int, ...], tids: list[str]) -> list[str]:
         """P, at the forward's last hook (``planes``): of ``tids``, those whose writes report
-        now; the others' reports are held until the token is handed over (their writes long
-        enough on the wire for the token to go first: lw.fsm.push_schedule
-        .last_layer_waits_for_token), with the time they were computed."""
+        now; the others' reports are held until the token is handed over (their bytes would
+        still be on the wire when it leaves: lw.fsm.push_schedule.last_layer_waits_for_token),
+        with the time they were computed. Times the hook for the sampling that follows."""
         if not self._token_first or self.loop is None:
             return tids
+        self._final_hook_t = time.monotonic()
         share = len(planes) / max(1, len(self.planes))
         held = tuple(t for t in tids if t in self._token_first and last_layer_waits_for_token(
-            blocks_to_send=self._token_first[t][0], share=share, est=self._token_first[t][1]))
+            blocks_to_send=self._token_first[t][0], share=share, est=self._token_first[t][1],
+            sample_s=self._sample_s))
         if not held:
             return tids
         self._held_for_token.append((planes, held, time.monotonic()))
@@ -123,6 +131,7 @@ class FirstTokenRelay:
         next step's metadata if the runner never handed it), each as of when computed."""
         held, self._held_for_token = self._held_for_token, []
         self._token_first = {}
+        self._final_hook_t = None
         loop = self.loop
         if loop is None:
             return

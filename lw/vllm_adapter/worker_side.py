@@ -122,6 +122,8 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
         self._token_first: dict[str, tuple[int, PushEstimate]] = {}  # P: (hold_for_token)
         self._held_for_token: list[tuple[tuple[int, ...], tuple[str, ...], float]] = []
         self._hands_tokens = False
+        self._final_hook_t: float | None = None
+        self._sample_s: float | None = None
         self._done_rid: OrderedDict[str, str] = OrderedDict()  # D: receives done (their token)
         self._ft_status: FirstTokenStatus | None = None  # the engine's, for `lw status`
         self._ft_refused = 0  # first-token status snapshots refused (malformed, oversized)

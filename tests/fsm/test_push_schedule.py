@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lw.fsm.push_schedule import (
-    TOKEN_LEAD_S,
     WAIT_SHARE,
     WAIT_WIRE_S,
     PushEstimate,
@@ -125,15 +124,24 @@ def test_a_last_chunk_push_waits_for_its_forward_only_on_a_shared_core_and_a_sho
     assert not waits(PushEstimate(6e-4, 16 * 6e-4 * WAIT_SHARE / 8 * 1.01), tokens=16)
 
 
-def test_the_last_layer_waits_for_the_token_only_where_it_is_long_on_the_wire() -> None:
-    """At TOKEN_LEAD_S on the wire the token goes first; shorter, unmeasured or empty: not."""
+def test_the_last_layer_waits_for_the_token_where_it_would_outlast_the_sampling() -> None:
+    """Bytes still on the wire when the token leaves (their wire time above the sampling
+    time): the token goes first; bytes gone by then, an unmeasured link or sampling, nothing
+    to write: not."""
     est = PushEstimate(compute_s_per_token=1e-3, wire_s_per_block=1e-3)
     share = 1 / 32  # one layer of 32
-    blocks = round(TOKEN_LEAD_S / (est.wire_s_per_block * share))  # type: ignore[operator]
-    assert last_layer_waits_for_token(blocks_to_send=blocks, share=share, est=est)
-    assert not last_layer_waits_for_token(blocks_to_send=blocks - 1, share=share, est=est)
-    assert last_layer_waits_for_token(blocks_to_send=blocks // 32 + 1, share=1.0, est=est)
+    sample_s = 0.0035
+    blocks = 113  # 113 blocks' last layer: 3.53 ms on the wire
+    assert last_layer_waits_for_token(blocks_to_send=blocks, share=share, est=est,
+                                      sample_s=sample_s)
+    assert not last_layer_waits_for_token(blocks_to_send=112, share=share, est=est,
+                                          sample_s=sample_s)  # 3.50 ms: gone as it leaves
+    assert last_layer_waits_for_token(blocks_to_send=4, share=1.0, est=est, sample_s=sample_s)
     assert not last_layer_waits_for_token(blocks_to_send=blocks, share=share,
-                                          est=PushEstimate(1e-3, None))
-    assert not last_layer_waits_for_token(blocks_to_send=0, share=1.0, est=est)
-    assert not last_layer_waits_for_token(blocks_to_send=blocks, share=0.0, est=est)
+                                          est=PushEstimate(1e-3, None), sample_s=sample_s)
+    assert not last_layer_waits_for_token(blocks_to_send=blocks, share=share, est=est,
+                                          sample_s=None)
+    assert not last_layer_waits_for_token(blocks_to_send=0, share=1.0, est=est,
+                                          sample_s=sample_s)
+    assert not last_layer_waits_for_token(blocks_to_send=blocks, share=0.0, est=est,
+                                          sample_s=sample_s)

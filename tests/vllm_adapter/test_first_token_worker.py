@@ -227,15 +227,16 @@ def _order(p: Worker) -> list[tuple[Any, ...]]:
     return out
 
 
-def _push_sampled(p: Worker, d: Worker, rate: float, hand: bool = True
-                  ) -> tuple[list[tuple[Any, ...]], float]:
-    """D allocates; P, whose runner has handed tokens over before and whose link to D is
-    measured at ``rate`` bytes/s, computes the whole prompt in one step and (``hand``) hands its
-    sampled token over after the forward. What P's worker handed its loop, and when the last
-    layer's hook ran."""
+def _push_sampled(p: Worker, d: Worker, rate: float, hand: bool = True,
+                  sample_s: float | None = 0.001) -> tuple[list[tuple[Any, ...]], float]:
+    """D allocates; P, whose runner has handed tokens over ``sample_s`` after a forward's last
+    hook before and whose link to D is measured at ``rate`` bytes/s, computes the whole prompt
+    in one step and (``hand``) hands its sampled token over after the forward. What P's worker
+    handed its loop, and when the last layer's hook ran."""
     d.step(LwConnectorMetadata(recvs=[RecvSpec("t1", "d-r1", (1, 2, 3))]))
     cfg = d.side.cfg
     p.side._hands_tokens = True
+    p.side._sample_s = sample_s
     p.side.loop.writes.link.goodput = _AnyHost(rate)
     out = _order(p)
     c = p.conn
@@ -264,9 +265,9 @@ def _lands(p: Worker, d: Worker) -> None:
 
 def test_on_a_slow_link_the_last_layer_waits_for_the_token_and_both_land(
         workers: Callable[..., tuple[Worker, Worker]]) -> None:
-    """The last layer's writes would take >= TOKEN_LEAD_S on the wire: its report waits until
-    the token is handed over, goes after it, and keeps the time it was computed; D gets the
-    token and the whole KV."""
+    """The last layer's bytes would still be on the wire when the token leaves: its report
+    waits until the token is handed over, goes after it, and keeps the time it was computed;
+    D gets the token and the whole KV."""
     p, d = workers()
     out, t_last = _push_sampled(p, d, rate=1e3)
     last = len(LAYERS) - 1
@@ -278,12 +279,18 @@ def test_on_a_slow_link_the_last_layer_waits_for_the_token_and_both_land(
     _lands(p, d)
 
 
-def test_on_a_fast_link_the_last_layer_goes_at_its_hook(
-        workers: Callable[..., tuple[Worker, Worker]]) -> None:
+@pytest.mark.parametrize("rate,sample_s", [(1e12, 0.001), (1e3, None)],
+                         ids=["fast-link", "sampling-unmeasured"])
+def test_the_last_layer_goes_at_its_hook_where_the_token_would_not_queue_behind_it(
+        workers: Callable[..., tuple[Worker, Worker]], rate: float,
+        sample_s: float | None) -> None:
+    """Its bytes gone before the token leaves, or the sampling never timed yet (the step
+    times it)."""
     p, d = workers()
-    out, _ = _push_sampled(p, d, rate=1e12)
+    out, _ = _push_sampled(p, d, rate=rate, sample_s=sample_s)
     kinds = [e[:2] for e in out]
     assert kinds.index(("layer", len(LAYERS) - 1)) < kinds.index(("call", "first_token"))
+    assert p.side._sample_s is not None and p.side._sample_s >= 0
 
 
 def test_a_token_never_handed_over_releases_the_last_layer_at_the_next_step(
