@@ -50,6 +50,7 @@ forward, while token 1 gains only what writing during it cost the forward. Measu
 end took 16 ms off token 1 and 17 off token 2; a 1,024-token prompt's (~44 ms) took 3-10 ms off
 token 1 and added 33-45 to token 2 (docs/benchmarks.md)."""
 
+
 @dataclass(frozen=True)
 class PushEstimate:
     """What P measured: seconds its forward takes per prompt token and per pair of a token and
