@@ -36,6 +36,7 @@ from .test_connector_scheduler import (  # noqa: E402
     make_vllm_config,
     model_dir,  # noqa: F401  (fixture)
 )
+from .test_push_waits_for_forward import AnyHost  # noqa: E402
 
 
 class Worker:
@@ -199,17 +200,6 @@ def test_a_token_handed_over_as_sampled_goes_at_once_and_the_schedulers_copy_is_
     assert p.side.loop.stats()["core.first_tokens_refused"] == 0
 
 
-class _AnyHost(dict):
-    """A link measured to every decode host at ``rate`` bytes/s."""
-
-    def __init__(self, rate: float) -> None:
-        super().__init__()
-        self.rate = rate
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self.rate
-
-
 def _order(p: Worker) -> list[tuple[Any, ...]]:
     """What P's worker hands its loop, in order: ("call", method) and ("layer", i, t)."""
     loop, out = p.side.loop, []
@@ -237,7 +227,7 @@ def _push_sampled(p: Worker, d: Worker, rate: float, hand: bool = True,
     cfg = d.side.cfg
     p.side._hands_tokens = True
     p.side._sample_s = sample_s
-    p.side.loop.writes.link.goodput = _AnyHost(rate)
+    p.side.loop.writes.link.goodput = AnyHost(rate)
     out = _order(p)
     c = p.conn
     c.bind_connector_metadata(LwConnectorMetadata(sends=[SendSpec(
@@ -312,7 +302,7 @@ def test_a_runner_that_never_handed_tokens_over_holds_nothing(
     p, d = workers()
     p.side._hands_tokens = False
     d.step(LwConnectorMetadata(recvs=[RecvSpec("t1", "d-r1", (1, 2, 3))]))
-    p.side.loop.writes.link.goodput = _AnyHost(1e3)
+    p.side.loop.writes.link.goodput = AnyHost(1e3)
     out = _order(p)
     cfg = d.side.cfg
     p.step(LwConnectorMetadata(sends=[SendSpec("t1", "p-r1", cfg.host, cfg.port(0), (4, 5, 6),
