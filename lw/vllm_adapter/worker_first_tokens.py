@@ -1,5 +1,6 @@
 """The worker's half of the first token: P's worker hands the token its scheduler sampled to the
-core (which sends it to D under the request's claim), D's worker hands the token its core took
+core (which sends it to D under the request's claim) ahead of the last layer's report where
+lw.fsm.push_schedule.last_layer_waits_for_token says so, D's worker hands the token its core took
 to its scheduler in the worker metadata; both keep the engine's first-token mode and counts,
 which the scheduler sends when they change, for ``lw status``. A part of
 :class:`lw.vllm_adapter.worker_side.WorkerSide`, split from it as a concern of its own; it
