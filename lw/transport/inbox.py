@@ -84,12 +84,12 @@ class Inbox:
         if len(items) >= self.max_items:  # a dead loop must not grow memory without bound
             self.counters["inbox_overflow"] += 1
             return
-        t = time.monotonic()
         if computed is not None:  # held back after it was computed: wakes as of now
             items.append((LAYER, layer, tuple(req_ids), computed))
             if not self.wake_pending:
                 self.wake()
             return
+        t = time.monotonic()
         items.append((LAYER, layer, tuple(req_ids), t))
         if self.wake_pending:
             return

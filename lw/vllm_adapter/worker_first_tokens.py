@@ -21,6 +21,7 @@ from lw.vllm_adapter.first_token import checked_status
 
 if TYPE_CHECKING:
     from lw.fsm.messages import FirstTokenStatus
+    from lw.vllm_adapter.connector_meta import SendSpec
 
 __all__ = ["DONE_MEMORY", "FirstTokenRelay"]
 
@@ -54,6 +55,9 @@ class FirstTokenRelay:
 
     if TYPE_CHECKING:  # WorkerSide's, not overridden here
         def _call(self, method: str, *args: Any, rid: str, tid: str, **kwargs: Any) -> None:
+            ...
+
+        def _estimate(self, s: SendSpec) -> PushEstimate | None:
             ...
 
     def _send_first_tokens(self, meta: LwConnectorMetadata) -> None:
@@ -101,14 +105,16 @@ class FirstTokenRelay:
             live = alias.get(tid, tid) if alias else tid
             self._call("first_token", live, int(toks[0]), spec, rid=rid, tid=live)
 
-    def _may_hold_for_token(self, tid: str, blocks: int, est: PushEstimate | None) -> None:
-        """P: push ``tid`` ends its prompt in this step (``blocks``: the blocks each of its
-        layer hooks writes): its last hook may wait for the token the runner samples
-        (:meth:`hold_for_token`). Only where the runner has handed tokens over at sampling
-        before (an asynchronous runner's step would hold them a step) and the link is
-        measured."""
-        if self._hands_tokens and est is not None and blocks > 0:
-            self._token_first[tid] = (blocks, est)
+    def _may_hold_for_token(self, tid: str, s: SendSpec) -> None:
+        """P: push ``tid`` (spec ``s``) ends its prompt in this step: its last hook may wait
+        for the token the runner samples (:meth:`hold_for_token`). Only where the runner has
+        handed tokens over at sampling before (an asynchronous runner's step would hold them a
+        step) and P keeps rates (the link's estimate is read only then)."""
+        if not self._hands_tokens or not s.local_blocks:
+            return
+        est = self._estimate(s)
+        if est is not None:
+            self._token_first[tid] = (len(s.local_blocks), est)
 
     def hold_for_token(self, planes: tuple[int, ...], tids: list[str]) -> list[str]:
         """P, at the forward's last hook (``planes``): of ``tids``, those whose writes report

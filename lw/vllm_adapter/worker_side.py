@@ -244,7 +244,7 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
                 self._step_sends.append(tid)
                 if s.final and self.cfg.first_token_from_p:
                     self._step_final[s.req_id] = s.transfer_id
-                    self._may_hold_for_token(tid, len(s.local_blocks), self._estimate(s))
+                    self._may_hold_for_token(tid, s)
                 continue
             if s.transfer_id in self._rid:
                 with self._lock:
@@ -277,8 +277,7 @@ class WorkerSide(AheadBinds, FirstTokenRelay):
                 if s.final and self._waits_for_forward(s):
                     self._step_wait.add(s.transfer_id)
                 if s.final and self.cfg.first_token_from_p:
-                    self._may_hold_for_token(s.transfer_id, len(s.local_blocks),
-                                             self._estimate(s))
+                    self._may_hold_for_token(s.transfer_id, s)
         for tid, rid, reason in meta.aborts:
             why = meta.abort_kinds.get(tid)  # D: the scheduler's own cause (metaserver)
             tid = alias.get(tid, tid) if alias else tid
