@@ -165,7 +165,8 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
         out: list[Effect] = []
         sender = getattr(msg, "sender", None)
         if sender is not None:
-            self._note_incarnation(sender, now, out)
+            claim_of = msg.req_id if isinstance(msg, MetaRequest) else ""
+            self._note_incarnation(sender, claim_of, now, out)
         if isinstance(msg, MetaRequest):
             self._on_meta_request(msg, now, out)
         elif self._to_ghost(msg, now, out):
@@ -200,6 +201,8 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
                 self.counters["deadlines"] += 1
                 self._fail(rec, FailureKind.PREFILL_DEADLINE,
                            f"prefill deadline of {self.config.prefill_timeout_s}s passed", now, out)
+        elif kind == "claim":
+            self._claim_overdue(rec, now, out)
         elif kind == "lease":
             # The old epoch's senders issue no more writes (FENCING: then the next epoch;
             # FAILED: the blocks back), once their bytes in flight are fenced (fence_data).
@@ -232,6 +235,13 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
                            f"prefill engine {engine_id} lost: {reason}", engine_id, now, out)
         return out
 
+    def peer_answered(self, responder: Sender, now: float) -> list[Effect]:
+        """A P worker answered our heartbeat: a new incarnation at the address we watch means
+        the old process is gone (a quick restart answers heartbeats, so silence never shows)."""
+        out: list[Effect] = []
+        self._note_incarnation(responder, "", now, out)
+        return out
+
     def prefill_routed(self, req_id: str, engine_id: str, addr: str, epoch: int,
                        now: float) -> list[Effect]:
         """The driver sent epoch ``epoch`` of a request's prefill to the P worker at ``addr``
@@ -252,8 +262,10 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
         self.counters["stale_epoch"] += 1
         return True
 
-    def _note_incarnation(self, sender: Sender, now: float, out: list[Effect]) -> None:
-        """A higher incarnation of a P worker means the old process is gone: fail its claims."""
+    def _note_incarnation(self, sender: Sender, claim_of: str, now: float,
+                          out: list[Effect]) -> None:
+        """A higher incarnation of a P worker means the old process is gone: fail its claims
+        (``claim_of``: the request the message claims, if it is a claim)."""
         key = (sender.engine_id, sender.rank)
         prev = self._incarnations.get(key)
         if prev is None:
@@ -264,8 +276,7 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
             return
         self._incarnations[key] = sender.incarnation
         self.counters["peer_restarts"] += 1
-        out += self.peer_lost(sender.engine_id,
-                              f"restarted (incarnation {prev} -> {sender.incarnation})", now)
+        self._restarted(sender, prev, claim_of, now, out)
 
     # ----------------------------------------------------------------------------- messages
 

@@ -28,7 +28,7 @@ from lw.fsm.effects import (
     Send,
 )
 from lw.fsm.failures import FailureKind
-from lw.fsm.lifecycles import FENCING
+from lw.fsm.lifecycles import FENCING, PREFILL_REQUESTED, RECEIVING
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import MAX_TEXT, PROTOCOL_VERSION, Abort, Sender
 from lw.fsm.timeline import Timeline
@@ -136,6 +136,37 @@ class Failover:
         out.append(CancelTimer(("deadline", rec.req_id)))
         self._fence(rec, pending, now, out)
 
+    def _restarted(self, sender: Sender, prev: int, claim_of: str, now: float,
+                   out: list[Effect]) -> None:
+        """P worker ``sender`` came back as a new process (incarnation ``prev`` before): what
+        its old process claimed is lost. A request routed to its engine and claimed by none of
+        its workers yet may have gone to either process: the new one has ``restart_claim_s``
+        to claim it (``claim_of``, the request the message that told us claims, is its own)."""
+        engine, key = sender.engine_id, (sender.engine_id, sender.rank)
+        reason = (f"prefill engine {engine} lost: restarted (incarnation {prev} -> "
+                  f"{sender.incarnation})")
+        for rec in list(self._reqs.values()):
+            if rec.state not in (PREFILL_REQUESTED, RECEIVING):
+                continue
+            old = rec.claimers.get(key)
+            if old is not None and old.incarnation < sender.incarnation:
+                self._lose(rec, FailureKind.PREFILL_LOST, reason, engine, now, out)
+            elif (self.config.retry_prefill and rec.route is not None
+                  and rec.route[0] == engine and rec.req_id != claim_of
+                  and not any(k[0] == engine for k in rec.claimers)):
+                rec.claim_due = engine
+                out.append(ArmTimer(("claim", rec.req_id), now + self.config.restart_claim_s))
+
+    def _claim_overdue(self, rec: DecodeRecord, now: float, out: list[Effect]) -> None:
+        """The "claim" timer of a request whose routed P engine restarted: lost unless one of
+        that engine's workers claimed the epoch since."""
+        engine, rec.claim_due = rec.claim_due, ""
+        if (engine and rec.state in (PREFILL_REQUESTED, RECEIVING) and rec.route is not None
+                and rec.route[0] == engine and not any(k[0] == engine for k in rec.claimers)):
+            self._lose(rec, FailureKind.PREFILL_LOST,
+                       f"prefill engine {engine} restarted and did not claim the request within "
+                       f"restart_claim_s={self.config.restart_claim_s}s", engine, now, out)
+
     def on_fresh(self, answer: Granted, now: float) -> list[Effect]:
         """The driver's answer to a :class:`FreshBlocks`: with blocks, the lost epoch becomes a
         ghost (its blocks quarantined, its senders aborted) and the request goes on at once
@@ -190,7 +221,7 @@ class Failover:
         self._fire(rec, "retry", now, f"epoch {rec.epoch}: {rec.reason}")
         rec.claimers, rec.by_rank, rec.formats, rec.sums = {}, {}, {}, {}
         rec.done, rec.stopped = set(), set()
-        rec.route = None
+        rec.route, rec.claim_due = None, ""
         self.counters["reprefills"] += 1
         rec.deadline = now + self.config.prefill_timeout_s
         out.append(ArmTimer(("deadline", rec.req_id), rec.deadline))

@@ -52,11 +52,15 @@ class DecodeConfig:
     # data plane that cannot fence (then a late byte can land in a reused block).
     fence_data: bool = False
     fence_retry_s: float = 2.0  # a fence that failed is tried again this much later
+    # A request routed to a P engine whose worker restarted before any of its workers claimed
+    # it may have gone to the old process (lost with it) or to the new one (about to claim):
+    # the new one has this long to claim it, then it is lost (retry_prefill only)
+    restart_claim_s: float = 5.0
     # Take the first token P sampled (FirstToken) for the scheduler, bound to the claim
     first_token_from_p: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("prefill_timeout_s", "lease_s", "fence_retry_s"):
+        for name in ("prefill_timeout_s", "lease_s", "fence_retry_s", "restart_claim_s"):
             # finite too: an infinite deadline passes "> 0" and overflows a timestamp later
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"DecodeConfig.{name} must be > 0 and finite, got "
@@ -101,7 +105,7 @@ class DecodeRecord:
     __slots__ = ("req_id", "state", "blocks", "expected", "ranks", "by_rank", "claimers", "done",
                  "stopped", "reason", "kind", "since", "deadline", "alarmed", "formats", "sums",
                  "asked", "epoch", "retries", "avoid", "route", "asking", "prompt", "fencing",
-                 "token_epoch")
+                 "token_epoch", "claim_due")
 
     def __init__(self, req_id: str, blocks: tuple[int, ...], expected: int,
                  ranks: frozenset[int] | None, now: float, deadline: float,
@@ -137,6 +141,9 @@ class DecodeRecord:
         self.asking = False
         self.fencing = False  # fence_data: its lease ended, the FenceData awaits its answer
         self.token_epoch = -1  # the claim epoch whose first token from P was taken (-1: none)
+        # the routed P engine that restarted before claiming the current epoch ("": none): it
+        # must claim before the "claim" timer fires (DecodeConfig.restart_claim_s)
+        self.claim_due = ""
 
 
 class Ghost:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from lw.fsm.failures import Failure
 from lw.fsm.machine import ProtocolError
-from lw.fsm.messages import RequestStatus
+from lw.fsm.messages import RequestStatus, Sender
 from lw.fsm.silence import Silence, silence_loses
 
 __all__ = ["LifecycleEndpoint"]
@@ -89,6 +89,11 @@ class LifecycleEndpoint:
     def peer_lost(self, peer: str, reason: str, now: float) -> list[Any]:
         """A peer is gone: what that means for the requests that need it (the side's own)."""
         raise NotImplementedError
+
+    def peer_answered(self, responder: Sender, now: float) -> list[Any]:
+        """A peer answered our heartbeat as ``responder``: its incarnation may show that it
+        restarted (the side's own verdict; none by default)."""
+        return []
 
     # ----------------------------------------------------------------------------- dispatch
     def _timed(self, src: str, event: str) -> bool:

@@ -418,7 +418,13 @@ class WorkerLoop:
             self.side.reply(ib, msg.sender.addr,
                             HeartbeatAck(PROTOCOL_VERSION, self.endpoint.me))
             return
-        if isinstance(msg, HeartbeatAck):
+        if isinstance(msg, HeartbeatAck):  # its incarnation may say the peer restarted
+            try:
+                effects = self.endpoint.peer_answered(msg.responder, now)
+            except Exception as exc:
+                self.core_error("peer_answered", exc, ib)
+                return
+            self._execute(effects, ib)
             return
         if isinstance(msg, StatusReply):
             self.counters["protocol_errors"] += 1  # only ``lw status`` asks for these

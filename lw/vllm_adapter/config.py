@@ -196,6 +196,12 @@ class LwConfig:
         "answers 503 when no other prefill server is left) or `\"none\"` (any P, e.g. one "
         "restarted behind the same address; the proxy still tries a server the request has not "
         "tried first, as the last one may still hold the old attempt and refuse its transfer id)")
+    restart_claim_s: float = setting(
+        FAILOVER, 5.0, "D",
+        "with `retry_prefill`: a request routed to a P engine that restarted (a higher "
+        "incarnation in its message or heartbeat answer) before any of its workers claimed it "
+        "may have gone to the old process or the new one; the new one has this long to claim "
+        "it, then it is prefilled again. What the old process claimed is lost at once")
     # ---- security: who is let in
     cluster_key: str = setting(
         SECURITY, "", "both",

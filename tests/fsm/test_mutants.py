@@ -59,6 +59,7 @@ L = 2
 
 # ------------------------------------------------------------------------------ configuration
 DURATIONS = [(DecodeConfig, "prefill_timeout_s"), (DecodeConfig, "lease_s"),
+             (DecodeConfig, "restart_claim_s"),
              (PrefillConfig, "meta_retry_s"), (PrefillConfig, "ack_retry_s"),
              (PrefillConfig, "request_timeout_s"), (PrefillConfig, "tombstone_ttl_s")]
 COUNTS = [(DecodeConfig, "finished_memory"), (PrefillConfig, "meta_attempts"),

@@ -28,6 +28,7 @@ from lw.transport.wire import (
     PROTOCOL_VERSION,
     AbortAck,
     DoneSending,
+    HeartbeatAck,
     KVLayout,
     LayerLayout,
     MetaRequest,
@@ -335,6 +336,24 @@ def test_decoder_fails_claims_of_a_restarted_prefill_engine(pair: Pair) -> None:
         assert isinstance(rep, Quarantine) and rep.req_id == "old" and "restarted" in rep.reason
         assert pair.d.stats()["core.peer_restarts"] == 1
         assert pair.d.run(lambda lp: lp.endpoint.state_of("new")).result(5) == "RECEIVING"
+    finally:
+        rogue.close()
+
+
+def test_a_heartbeat_answered_by_a_new_process_fails_the_old_ones_claims(pair: Pair) -> None:
+    """A P restarted at the same address answers D's heartbeats, so it never falls silent: the
+    incarnation in its answer is what tells D that the old process's claims are lost."""
+    rogue = SideChannel()
+    try:
+        pair.d.call("add_request", "old", (1,), 1).result(5)
+        rogue.send(pair.d.addr, MetaRequest(PROTOCOL_VERSION, "old",
+                                            Sender("P9", 0, 1, rogue.addr), True, (1,)))
+        wait_for(lambda: pair.d.stats()["loop.messages"] >= 1)
+        rogue.send(pair.d.addr, HeartbeatAck(PROTOCOL_VERSION, Sender("P9", 0, 2, rogue.addr)))
+        pair.wait_reports(0, 1)
+        [rep] = pair.d_reports
+        assert isinstance(rep, Quarantine) and rep.req_id == "old" and "restarted" in rep.reason
+        assert pair.d.stats()["core.peer_restarts"] == 1
     finally:
         rogue.close()
 
