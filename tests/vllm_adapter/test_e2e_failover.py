@@ -49,13 +49,19 @@ from lw.transport.dataplane.planted import HELD_SUFFIX, HOLD_ENV, TRUNCATE_ENV  
 pytestmark = pytest.mark.slow
 
 CHECKSUM = {"kv_checksum": True}
-# P's push deadline, 10 s on both sides: P's writes time out after 10 s (derived from it; a
+# P's push deadline, 6 s on both sides: P's writes time out after 6 s (derived from it; a
 # write stuck on a connection D's fence cut holds P's admission of the next push to that D
-# until it ends, and the default, 30 s, would outlast D's deadline), D's lease is 30 s
-P_EXTRA = {"request_timeout_s": 10, **CHECKSUM}
-D_EXTRA = {"prefill_timeout_s": 15, "request_timeout_s": 10, "retry_prefill": 1, **CHECKSUM}
-LEASE_S = 2 * 10 + 10.0
-"""D's lease: derived, 2 × request_timeout_s + the transfer timeout (test_config_keys.py)."""
+# until it ends, and the default, 30 s, would outlast D's deadline), D's lease is 18 s. A
+# killed P is found by heartbeats, not known dead: its re-prefill waits out the lease, so
+# the lease is most of each kill case's time (the writes are held under 6 s: a cut case
+# releases them as soon as the client holds token 1)
+REQUEST_TIMEOUT_S = 6
+P_EXTRA = {"request_timeout_s": REQUEST_TIMEOUT_S, **CHECKSUM}
+D_EXTRA = {"prefill_timeout_s": 15, "request_timeout_s": REQUEST_TIMEOUT_S, "retry_prefill": 1,
+           **CHECKSUM}
+LEASE_S = 3.0 * REQUEST_TIMEOUT_S
+"""D's lease: derived, 2 × request_timeout_s + the transfer timeout, itself request_timeout_s
+(test_config_keys.py)."""
 MAX_TOKENS = 12
 GREEDY = {"temperature": 0.0}
 SEEDED = {"temperature": 0.8, "seed": 11}
