@@ -50,7 +50,7 @@ def test_the_new_process_claiming_a_routed_request_is_served_and_the_old_claims_
     assert d.state_of("fresh") == "RECEIVING"
     assert d.counters["peer_restarts"] == 1
     # "old" was claimed by incarnation 1: lost, prefilled again once its sender is fenced
-    assert d.state_of("old") != "RECEIVING" and d._reqs["old"].retries == 1
+    assert d.state_of("old") == "FENCING" and d._reqs["old"].retries == 1
     assert not any(isinstance(e, ArmTimer) and e.key == ("claim", "fresh") for e in out)
 
 
