@@ -18,7 +18,7 @@ from lw.fsm.decode_claims import Claims
 from lw.fsm.decode_failover import Failover
 from lw.fsm.decode_first_token import FirstTokenIntake
 from lw.fsm.decode_ghosts import GHOST_RULES, Ghosts
-from lw.fsm.decode_request import DecodeConfig, DecodeRecord, SenderKey, ack
+from lw.fsm.decode_request import LIVE, DecodeConfig, DecodeRecord, SenderKey, ack
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
@@ -38,7 +38,6 @@ from lw.fsm.lifecycles import (
     FAILED,
     FENCING,
     PREFILL_REQUESTED,
-    RECEIVING,
     decode_declaration,
 )
 from lw.fsm.machine import ProtocolError
@@ -61,7 +60,6 @@ from lw.fsm.status import decode_row, decode_span
 from lw.fsm.timeline import Timeline
 
 _FINAL = (DONE, FAILED)
-_LIVE = (PREFILL_REQUESTED, RECEIVING)  # an epoch whose prefill is under way
 
 
 class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEndpoint):
@@ -119,7 +117,7 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
         # deadline gives a P behind a partition that heals in time the chance to finish.
         if self.config.retry_prefill:
             peers.update({r.route[1]: r.route[0] for r in self._reqs.values()
-                          if r.route is not None and r.state in _LIVE})
+                          if r.route is not None and r.state in LIVE})
         return peers
 
     def _row(self, rec: DecodeRecord, now: float) -> RequestStatus:
@@ -197,7 +195,7 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
         if rec is None:
             return out
         if kind == "deadline":
-            if rec.state in _LIVE:
+            if rec.state in LIVE:
                 self.counters["deadlines"] += 1
                 self._fail(rec, FailureKind.PREFILL_DEADLINE,
                            f"prefill deadline of {self.config.prefill_timeout_s}s passed", now, out)
@@ -230,7 +228,7 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
         for rec in list(self._reqs.values()):
             routed = (self.config.retry_prefill and rec.route is not None
                       and rec.route[0] == engine_id)
-            if rec.state in _LIVE and (routed or any(k[0] == engine_id for k in rec.claimers)):
+            if rec.state in LIVE and (routed or any(k[0] == engine_id for k in rec.claimers)):
                 self._lose(rec, FailureKind.PREFILL_LOST,
                            f"prefill engine {engine_id} lost: {reason}", engine_id, now, out)
         return out
@@ -247,7 +245,7 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
         """The driver sent epoch ``epoch`` of a request's prefill to the P worker at ``addr``
         (engine ``engine_id``): watch it from now on, claimed or not."""
         rec = self._reqs.get(req_id)
-        if rec is not None and rec.state in _LIVE and epoch == rec.epoch:
+        if rec is not None and rec.state in LIVE and epoch == rec.epoch:
             rec.route = (engine_id, addr)
             self.timeline.record(now, req_id, "routed", rec.state, rec.state,
                                  f"epoch {epoch} to P {engine_id}")
@@ -355,7 +353,7 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
                                 f"FailedSending from {key}, which was never accepted")
         if not msg.in_doubt:  # in doubt: a timed-out write may still land; the lease decides
             rec.stopped.add(key)
-        if rec.state not in _LIVE:
+        if rec.state not in LIVE:
             self._fire(rec, "fail" if rec.state == DONE else "sender_stopped", now)
             out.append(ack(self.me, msg, "failed", False))
             self._maybe_release(rec, out)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lw.fsm.decode_ghosts import Ghosts, grant_problem
-from lw.fsm.decode_request import DecodeConfig, DecodeRecord
+from lw.fsm.decode_request import LIVE, DecodeConfig, DecodeRecord
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
@@ -28,7 +28,7 @@ from lw.fsm.effects import (
     Send,
 )
 from lw.fsm.failures import FailureKind
-from lw.fsm.lifecycles import FENCING, PREFILL_REQUESTED, RECEIVING
+from lw.fsm.lifecycles import FENCING
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import MAX_TEXT, PROTOCOL_VERSION, Abort, Sender
 from lw.fsm.timeline import Timeline
@@ -146,14 +146,13 @@ class Failover:
         reason = (f"prefill engine {engine} lost: restarted (incarnation {prev} -> "
                   f"{sender.incarnation})")
         for rec in list(self._reqs.values()):
-            if rec.state not in (PREFILL_REQUESTED, RECEIVING):
+            if rec.state not in LIVE:
                 continue
             old = rec.claimers.get(key)
             if old is not None and old.incarnation < sender.incarnation:
                 self._lose(rec, FailureKind.PREFILL_LOST, reason, engine, now, out)
-            elif (self.config.retry_prefill and rec.route is not None
-                  and rec.route[0] == engine and rec.req_id != claim_of
-                  and not any(k[0] == engine for k in rec.claimers)):
+            elif (self.config.retry_prefill and rec.req_id != claim_of
+                  and rec.awaits_claim_from(engine)):
                 rec.claim_due = engine
                 out.append(ArmTimer(("claim", rec.req_id), now + self.config.restart_claim_s))
 
@@ -161,8 +160,7 @@ class Failover:
         """The "claim" timer of a request whose routed P engine restarted: lost unless one of
         that engine's workers claimed the epoch since."""
         engine, rec.claim_due = rec.claim_due, ""
-        if (engine and rec.state in (PREFILL_REQUESTED, RECEIVING) and rec.route is not None
-                and rec.route[0] == engine and not any(k[0] == engine for k in rec.claimers)):
+        if engine and rec.awaits_claim_from(engine):
             self._lose(rec, FailureKind.PREFILL_LOST,
                        f"prefill engine {engine} restarted and did not claim the request within "
                        f"restart_claim_s={self.config.restart_claim_s}s", engine, now, out)

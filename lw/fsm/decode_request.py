@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from lw.fsm.effects import Send
 from lw.fsm.failures import FailureKind
-from lw.fsm.lifecycles import PREFILL_REQUESTED
+from lw.fsm.lifecycles import PREFILL_REQUESTED, RECEIVING
 from lw.fsm.messages import PROTOCOL_VERSION, Ack, DoneSending, FailedSending, KVFormat, Sender
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, check_observability
 
@@ -18,6 +18,7 @@ __all__ = ["DecodeConfig", "DecodeRecord", "Ghost", "SenderKey", "ack", "brief_b
            "check_lease"]
 
 SenderKey = tuple[str, int]  # (engine_id, rank)
+LIVE = (PREFILL_REQUESTED, RECEIVING)  # an epoch whose prefill is under way
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,12 @@ class DecodeRecord:
         # the routed P engine that restarted before claiming the current epoch ("": none): it
         # must claim before the "claim" timer fires (DecodeConfig.restart_claim_s)
         self.claim_due = ""
+
+    def awaits_claim_from(self, engine_id: str) -> bool:
+        """Live, its epoch routed to P engine ``engine_id``, and none of that engine's workers
+        has claimed it yet."""
+        return (self.state in LIVE and self.route is not None and self.route[0] == engine_id
+                and not any(k[0] == engine_id for k in self.claimers))
 
 
 class Ghost:
