@@ -180,5 +180,6 @@ def data_plane(cfg: LwConfig) -> Any:
                                device_name=cfg.mooncake_device)
     planted = planted_from_env(dp)  # e2e tests plant wrong KV, or hold writes
     if planted is not dp:
-        log.warning("lw: a test fault wraps the data plane: %s", type(planted).__name__)
+        log.warning("lw: a test fault wraps the data plane: %s around %s",
+                    type(planted).__name__, type(dp).__name__)
     return planted

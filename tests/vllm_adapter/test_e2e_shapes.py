@@ -1,11 +1,13 @@
 """End to end on real engines, for deployment shapes beyond a dense model at equal TP.
 
 Always run, in one cluster (engines are this suite's cost: a shape of its own took about four
-minutes here): an MLA model (DeepSeek-V2-style latent KV) P -> D, with lw as the only connector
-inside vLLM's MultiConnector on both sides (its ``lw_*`` series must reach /metrics through it:
-until lw registered itself with vLLM's connector factory, MultiConnector's stats path raised
-"Connector 'LwConnector' is not registered" in the API server and the server died at its first
-request). A dense model with lw as vLLM's connector itself is tests/vllm_adapter/test_e2e.py's.
+minutes here): an MLA model (DeepSeek-V2-style latent KV) P -> D on lw's NIXL data plane (UCX over
+TCP), with lw as the only connector inside vLLM's MultiConnector on both sides (its ``lw_*``
+series must reach /metrics through it: until lw registered itself with vLLM's connector factory,
+MultiConnector's stats path raised "Connector 'LwConnector' is not registered" in the API server
+and the server died at its first request). A dense model with lw as vLLM's connector itself, on
+Mooncake, is tests/vllm_adapter/test_e2e.py's (and test_e2e_failover.py's): this cluster is the
+suite's NIXL run on real engines, at no extra engine start.
 
 The oracle (lw.lab.oracle, the demo's too) means "same KV, same model", in two parts:
 - bytes: lw's KV checksums are on in every cluster here (``kv_checksum`` on P and D): D checks
@@ -55,7 +57,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm")
-pytest.importorskip("mooncake.engine")
+pytest.importorskip("nixl_cu12")  # the shape below runs on lw's NIXL plane
 pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
@@ -77,8 +79,8 @@ from lw.transport.dataplane.planted import TRUNCATE_ENV  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SHAPES: dict[str, dict[str, Any]] = {"mla-multi-connector": {"kind": "mla",
-                                                             "multi_connector": True}}
+SHAPES: dict[str, dict[str, Any]] = {
+    "mla-multi-connector-nixl": {"kind": "mla", "multi_connector": True, "data_plane": "nixl"}}
 if os.environ.get("LW_E2E_SHAPES") == "all":  # more workers than cores: see the docstring
     SHAPES |= {
         "p_tp2-d_tp1": {"p_tp": 2, "d_tp": 1},
@@ -109,6 +111,10 @@ def shaped(request: pytest.FixtureRequest,
     try:
         c.start(timeout=480)
         os.environ.pop(TRUNCATE_ENV, None)
+        plane = {"nixl": "NixlDataPlane"}.get(c.data_plane, "MooncakeDataPlane")
+        for side in ("prefill", "decode"):  # the plane asked for is the one each worker runs
+            log = (work / "logs" / f"{side}.log").read_text(errors="replace")
+            assert f"TruncatingPlane around {plane}" in log, f"{name}: {side} runs no {plane}"
         yield name, c
     finally:
         os.environ.pop(TRUNCATE_ENV, None)
