@@ -53,6 +53,9 @@ CONFIGS = {  # name -> lw kv_connector_extra_config (P and D)
     "auto": {"push_mode": "auto"},
     # two wake-ups per forward (its first layer and its last): what the others cost above it
     "auto-two-wakes": {"push_mode": "auto", "experimental": {"layer_batch_ms": 1000}},
+    # the default on lw's NIXL plane (UCX over TCP on the link's interface): what its agent's
+    # threads cost P's core beside Mooncake's (issue 60: P's prefill was slower on NIXL)
+    "auto-nixl": {"push_mode": "auto", "data_plane": "nixl"},
 }
 OTHERS = {"peer": start_peer, "single": start_single, "single-stream": start_single}
 """Not lw: vLLM's MooncakeConnector P/D (its P sends a prompt's KV once the prefill is done, on
