@@ -7,7 +7,10 @@ series must reach /metrics through it: until lw registered itself with vLLM's co
 MultiConnector's stats path raised "Connector 'LwConnector' is not registered" in the API server
 and the server died at its first request). A dense model with lw as vLLM's connector itself, on
 Mooncake, is tests/vllm_adapter/test_e2e.py's (and test_e2e_failover.py's): this cluster is the
-suite's NIXL run on real engines, at no extra engine start.
+suite's NIXL run on real engines, at no extra engine start. Always run too: P TP 2 -> D TP 1 on
+NIXL (two P ranks write their heads' slices into one D worker): the demo's 8 requests in this
+shape took 65-78 s in all on 2026-12-07, since the servers no longer each run in a session (an
+autogroup) of their own; the starvation measured below predates that.
 
 The oracle (lw.lab.oracle, the demo's too) means "same KV, same model", in two parts:
 - bytes: lw's KV checksums are on in every cluster here (``kv_checksum`` on P and D): D checks
@@ -23,12 +26,13 @@ The oracle (lw.lab.oracle, the demo's too) means "same KV, same model", in two p
   path" to compare with). The oracle's docstring has the measured margins; its unit tests
   (test_oracle.py) show it still fails a clear margin, a token outside the top k, errors.
 
-Run with ``LW_E2E_SHAPES=all``: P TP 2 -> D TP 1, P TP 1 -> D TP 2, P DP 2 -> D DP 2, MLA P TP 2
--> D TP 1. They need more vLLM workers than this 2-core machine has cores, and vLLM's workers
-busy-poll (a D engine steps ~580 times/s while a request waits for remote KV, its workers spin on
-the shared-memory queue): measured here, P ranks' side-channel answers arrived after more than 10 s
-and a Mooncake write starved for its 30 s timeout. Those shapes are proven in-process instead
-(tests/vllm_adapter/test_connector_tp.py: real Scheduler, one real connector per TP rank).
+Run with ``LW_E2E_SHAPES=all``: P TP 2 -> D TP 1 on Mooncake, P TP 1 -> D TP 2, P DP 2 -> D DP
+2, MLA P TP 2 -> D TP 1. They need more vLLM workers than this 2-core machine has cores, and
+vLLM's workers busy-poll (a D engine steps ~580 times/s while a request waits for remote KV, its
+workers spin on the shared-memory queue): measured here, P ranks' side-channel answers arrived
+after more than 10 s and a Mooncake write starved for its 30 s timeout. Those shapes are proven
+in-process instead (tests/vllm_adapter/test_connector_tp.py: real Scheduler, one real connector
+per TP rank).
 
 One cluster per shape (module-scoped, parametrized: pytest runs them one after the other), each
 with a single-engine reference of the same model. P's data plane writes short while a flag file
@@ -80,7 +84,8 @@ from lw.transport.dataplane.planted import TRUNCATE_ENV  # noqa: E402
 pytestmark = pytest.mark.slow
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "mla-multi-connector-nixl": {"kind": "mla", "multi_connector": True, "data_plane": "nixl"}}
+    "mla-multi-connector-nixl": {"kind": "mla", "multi_connector": True, "data_plane": "nixl"},
+    "p_tp2-d_tp1-nixl": {"p_tp": 2, "d_tp": 1, "data_plane": "nixl"}}
 if os.environ.get("LW_E2E_SHAPES") == "all":  # more workers than cores: see the docstring
     SHAPES |= {
         "p_tp2-d_tp1": {"p_tp": 2, "d_tp": 1},
@@ -104,8 +109,12 @@ def shaped(request: pytest.FixtureRequest,
     model = make_tiny_model(work / "model", kind=kind)
     # A bad transfer is prefilled again once (retry_prefill needs D TP 1), on the one P there is
     d_extra = dict(CHECKSUM) | (RETRY if shape.get("d_tp", 1) == 1 else {})
+    # every server in this session (one autogroup), as the demo runs them: P TP 2 -> D TP 1
+    # took 184 s for both shapes so, 252 s with each server in an autogroup of its own; and a
+    # server in a session of its own beside the shared ones stalled 15 s at a time (the
+    # ahead proxy of test_e2e.py's start-mode test, 3 of 4 runs), so the sidecar shares it too
     c = LocalCluster(model=model, workdir=work / "logs", reference=True,
-                     p_extra=dict(CHECKSUM), d_extra=d_extra, **shape)
+                     p_extra=dict(CHECKSUM), d_extra=d_extra, own_sessions=False, **shape)
     _truncate_flag[name] = work / "truncate-writes"  # P writes short while it exists
     os.environ[TRUNCATE_ENV] = str(_truncate_flag[name])
     try:
@@ -223,7 +232,7 @@ def test_a_persistently_corrupted_transfer_is_an_error_that_names_it(
         "--control-host", "127.0.0.1", "--control-port", str(control), "--timeout", "120",
         "--log-level", "warning"], dict(os.environ, PYTHONUNBUFFERED="1",
                                         LW_CLUSTER_KEY=c.cluster_key),
-        f"http://127.0.0.1:{port}", tmp_path / "sidecar.log")
+        f"http://127.0.0.1:{port}", tmp_path / "sidecar.log", own_session=False)
     side.start()
     try:
         wait_ready([side], 60)
