@@ -18,8 +18,12 @@ NIXL facts this module relies on (measured with ``nixl-cu12==1.5.1`` on loopback
   tries again.
 * ``nixl_agent`` hard-codes a progress-thread delay of 0 (a poll() timeout of 0: one core spins
   per agent, 2.0 s of CPU per idle 2 s measured); this plane builds the agent with
-  ``progress_delay_us`` (1 ms: 0.04 s per idle 2 s; the thread still wakes on UCX's event fd). A
-  receiver needs that thread: over TCP UCX emulates remote writes with messages it must read.
+  ``progress_delay_us`` (the thread still wakes on UCX's event fd). A receiver needs that
+  thread: over TCP UCX emulates remote writes with messages it must read. 20 ms, not 1: at 1 ms
+  it woke ~1,000 times a second on the engine's core, preempting P's forward ~550 times per
+  1,024-token prefill against Mooncake's ~300 and slowing D's decode steps (serving.py,
+  uncapped: lw on NIXL / on Mooncake TTFT 1.28, TPOT 17.7 against 14.6 ms; at 20 ms 1.00 and
+  14.4 against 14.8; docs/benchmarks.md).
 * A request reported DONE has landed: the UCX backend appends an endpoint flush to every write
   request (``sendXferRange`` in ``ucx_backend.cpp``), so completion is remote completion.
 * ``initialize_xfer`` checks every remote descriptor against the peer's registered regions and
@@ -214,7 +218,7 @@ class NixlDataPlane(_QueuedDataPlane):
         max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES,
         coalesce_entries: bool = True,
         poll_interval_s: float = 0.0005,
-        progress_delay_us: int = 1000,
+        progress_delay_us: int = 20_000,
         join_timeout_s: float = 5.0,
     ) -> None:
         super().__init__(max_batch_entries=max_batch_entries, join_timeout_s=join_timeout_s)
