@@ -21,9 +21,9 @@ NIXL facts this module relies on (measured with ``nixl-cu12==1.5.1`` on loopback
   ``progress_delay_us`` (the thread still wakes on UCX's event fd). A receiver needs that
   thread: over TCP UCX emulates remote writes with messages it must read. 20 ms, not 1: at 1 ms
   it woke ~1,000 times a second on the engine's core, preempting P's forward ~550 times per
-  1,024-token prefill against Mooncake's ~300 and slowing D's decode steps (serving.py,
-  uncapped: lw on NIXL / on Mooncake TTFT 1.28, TPOT 17.7 against 14.6 ms; at 20 ms 1.00 and
-  14.4 against 14.8; docs/benchmarks.md).
+  1,024-token prefill against Mooncake's ~300 (benchmarks/push_cpu.py; at 20 ms 80 wake-ups and
+  ~300 preemptions). TTFT on NIXL / on Mooncake, serving.py uncapped: 1.00 and 1.02 at 20 ms,
+  1.28 and 1.04 at 1 ms (docs/benchmarks.md).
 * A request reported DONE has landed: the UCX backend appends an endpoint flush to every write
   request (``sendXferRange`` in ``ucx_backend.cpp``), so completion is remote completion.
 * ``initialize_xfer`` checks every remote descriptor against the peer's registered regions and
