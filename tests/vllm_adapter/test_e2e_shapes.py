@@ -110,9 +110,9 @@ def shaped(request: pytest.FixtureRequest,
     # A bad transfer is prefilled again once (retry_prefill needs D TP 1), on the one P there is
     d_extra = dict(CHECKSUM) | (RETRY if shape.get("d_tp", 1) == 1 else {})
     # every server in this session (one autogroup), as the demo runs them: P TP 2 -> D TP 1
-    # took 184 s for both shapes so, 252 s with each server in an autogroup of its own; and a
+    # took 139-184 s for both shapes so, 252 s with each server in an autogroup of its own; a
     # server in a session of its own beside the shared ones stalled 15 s at a time (the
-    # ahead proxy of test_e2e.py's start-mode test, 3 of 4 runs), so the sidecar shares it too
+    # ahead proxy of test_e2e.py's start-mode test, 4 of 5 runs), so the sidecar shares it too
     c = LocalCluster(model=model, workdir=work / "logs", reference=True,
                      p_extra=dict(CHECKSUM), d_extra=d_extra, own_sessions=False, **shape)
     _truncate_flag[name] = work / "truncate-writes"  # P writes short while it exists
