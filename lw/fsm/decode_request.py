@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 from lw.fsm.effects import Send
 from lw.fsm.failures import FailureKind
-from lw.fsm.lifecycles import PREFILL_REQUESTED, RECEIVING
+from lw.fsm.lifecycles import DECODE_LIVE, PREFILL_REQUESTED
 from lw.fsm.messages import PROTOCOL_VERSION, Ack, DoneSending, FailedSending, KVFormat, Sender
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, check_observability
 
-__all__ = ["DecodeConfig", "DecodeRecord", "Ghost", "SenderKey", "ack", "brief_blocks",
+__all__ = ["LIVE", "DecodeConfig", "DecodeRecord", "Ghost", "SenderKey", "ack", "brief_blocks",
            "check_lease"]
 
 SenderKey = tuple[str, int]  # (engine_id, rank)
-LIVE = (PREFILL_REQUESTED, RECEIVING)  # an epoch whose prefill is under way
+LIVE = DECODE_LIVE  # an epoch whose prefill is under way (lw.fsm.lifecycles)
 
 
 @dataclass(frozen=True)

@@ -116,12 +116,14 @@ def prefill_declaration(num_layers: int) -> Declaration:
 PREFILL_REQUESTED = "PREFILL_REQUESTED"
 RECEIVING = "RECEIVING"
 FENCING = "FENCING"
+DECODE_LIVE = (PREFILL_REQUESTED, RECEIVING)
+"""D's states of an epoch whose prefill is under way (claimed or not)."""
 
 
 @lru_cache(maxsize=1)
 def decode_declaration() -> Declaration:
     """The decode-side lifecycle of one request on D (blocks allocated before prefill starts)."""
-    live = (PREFILL_REQUESTED, RECEIVING)
+    live = DECODE_LIVE
     every = (*live, FENCING, DONE, FAILED)
     return Declaration(
         name="decode",
