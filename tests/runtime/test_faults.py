@@ -67,10 +67,15 @@ def run(fault: str, data_plane: str = "mooncake", **kw: object) -> ClusterResult
     # until it thaws: a deadline that fell inside the freeze fires at the thaw (measured: a
     # request allocated just before a 6 s freeze ended at 6 + 7.5 s, past 3 + 7.5 + 2)
     frozen = cfg.freeze_s if "freeze" in fault else 0.0
-    # a lease that ends with a sender in doubt then waits for the data-plane fence
+    # a lease that ends with a sender in doubt then waits for the data-plane fence, and a fence
+    # that failed (its cut connections not closed in time) keeps the blocks and is asked again
+    # after fence_retry_s, as the model's bound counts them (lw.sim.config). CI saw one lossy-link
+    # run end a request at 70 s against 35.5 (stop 67; not reproduced in 7 runs, loaded or not)
     fence = LoopConfig.fence_timeout_s if dcfg.fence_data else 0.0
-    bound = max(dcfg.prefill_timeout_s, frozen) + dcfg.lease_s + fence + 2.0
-    assert res.max_outcome_s < bound, (res.max_outcome_s, bound)
+    fails = res.counters["d.core.fence_failures"]
+    bound = (max(dcfg.prefill_timeout_s, frozen) + dcfg.lease_s + fence
+             + fails * (dcfg.fence_retry_s + fence) + 2.0)
+    assert res.max_outcome_s < bound, (res.max_outcome_s, bound, dict(res.counters))
     assert res.ok
     return res
 
