@@ -1,7 +1,8 @@
 """Whose each millisecond of a request's path is, lw's or vLLM's, from time stamps in every
 process: the proxy's POSTs, D's admission and metaserver call, P's admission and first step,
-and D's way from its last DONE to the first token (the report, vLLM's next step, the output
-path, the proxy's relay).
+then token 1's way to the client: P's (its step's end, D's worker taking it, D's engine core
+and API server putting it out, the proxy's relay) or, where D samples it, D's from its last DONE
+(the report, vLLM's next step, the output path, the relay).
 
 Starts lw P/D as ``lw demo`` does (P on core 0, D on core 1, loopback, lw's proxy) with
 ``benchmarks/_steptrace`` on PYTHONPATH, sends ``--requests`` prompts one at a time (greedy,
@@ -34,7 +35,7 @@ SHIM = ROOT / "benchmarks" / "_steptrace"
 # (label, from milestone, to milestone, whose time it is). The first rows are the request's
 # way to P: D first, P's POST follows D's allocation and metaserver call; computing ahead it
 # leaves with D's, and those rows overlap (printed so).
-STEPS: tuple[tuple[str, str, str, str], ...] = (
+FRONT: tuple[tuple[str, str, str, str], ...] = (
     # (from "sent" to "p_received" is left out: it is mostly this driver's own client stack,
     # which vllm bench serve's does not share; the phase tables of serving.py start there too)
     ("lw's proxy read the request -> POST to D left", "p_received", "p_d_sent", "lw"),
@@ -45,6 +46,9 @@ STEPS: tuple[tuple[str, str, str, str], ...] = (
     ("metaserver call -> the proxy's POST to P left", "meta", "p_post", "lw"),
     ("proxy's POST to P -> P's scheduler has it", "p_post", "p_new", "vLLM"),
     ("P's scheduler has it -> P's first step starts", "p_new", "p_step", "vLLM"),
+)
+"""The request's way to P's first step (both paths of token 1)."""
+D_PATH: tuple[tuple[str, str, str, str], ...] = (
     ("P's first step starts -> D's last DONE", "p_step", "done", "P/D"),
     ("last DONE -> D's worker reports it", "done", "w_recv", "lw"),
     ("report -> D's scheduler learns it", "w_recv", "s_update", "vLLM"),
@@ -57,9 +61,23 @@ STEPS: tuple[tuple[str, str, str, str], ...] = (
     ("-> lw's proxy relays them", "a_send", "p_first", "lw"),
     ("lw's proxy -> first token at the client", "p_first", "tok0", "lw"),
 )
-REQUIRED = ("sent", "p_received", "p_d_sent", "s_new", "done", "w_recv", "s_update", "s_sched",
-            "w_bind", "w_end", "p_first", "tok0", "tok1", "tok2", "tok3")
-"""Milestones every measured request has (D's path); P's may be missing (P TP > 1, say)."""
+"""Token 1 sampled by D after the KV landed (``first_token_from_p`` off, or a fallback)."""
+TOKEN_PATH: tuple[tuple[str, str, str, str], ...] = (
+    ("P's first step starts -> its last step ends (token 1)", "p_step", "p_end", "P"),
+    ("P's step end -> D's worker took token 1", "p_end", "ft", "lw"),
+    ("D took it -> D's engine core has the output", "ft", "e_out", "lw/vLLM"),
+    ("-> D's API server processed it", "e_out", "a_out", "vLLM"),
+    ("-> D's API server sent the first bytes", "a_out", "a_send", "vLLM"),
+    ("-> lw's proxy relays them", "a_send", "p_first", "lw"),
+    ("lw's proxy -> first token at the client", "p_first", "tok0", "lw"),
+)
+"""Token 1 sampled by P and streamed by D as it arrives (issue 59, the default)."""
+STEPS = FRONT + D_PATH + TOKEN_PATH
+REQUIRED = ("sent", "p_received", "p_d_sent", "s_new", "a_out", "a_send", "p_first", "tok0",
+            "tok1", "tok2", "tok3")
+"""Milestones every measured request has; P's may be missing (P TP > 1, say)."""
+D_REQUIRED = ("done", "w_recv", "s_update", "s_sched", "w_bind", "w_end")
+"""Those of D's own token 1 (a request without ``ft``)."""
 
 
 @dataclass(frozen=True)
@@ -118,28 +136,41 @@ def milestones(events: Sequence[Event]) -> list[dict[str, float]]:
         m["p_post"] = min(posts) if posts else None
         m["p_new"] = first("s_new", m["p_post"], p_sched)
         m["p_step"] = first("w_bind", m["p_new"], p_worker)
-        m["done"] = first("report_RecvDone", s.t, d_worker)
-        # the report is queued before its line is written: the worker may log first
-        m["w_recv"] = first("w_recv", None if m["done"] is None else m["done"] - 0.005,
-                            d_worker)
-        m["s_update"] = first("s_update_recv", m["w_recv"], d_sched)
-        m["s_sched"] = first("s_sched", m["s_update"], d_sched)
-        m["w_bind"] = first("w_bind", m["s_sched"], d_worker)
-        m["w_end"] = first("w_results", m["w_bind"], d_worker)
-        m["e_out"] = first("e_out", m["w_end"], d_sched)
-        m["a_out"] = first("a_out", m["e_out"])
+        d_rid = next((e.ident for e in window if e.name == "s_new" and e.pid in d_sched), "")
+        m["ft"] = first("report_FirstTokenTaken", m["p_step"] or s.t, d_worker)
+        if m["ft"] is not None:  # token 1 is P's: D streams it as it arrives
+            # P's step that sampled it: its worker's last step end before D took it
+            m["p_end"] = max((e.t for e in window if e.name == "w_results"
+                              and e.pid in p_worker and e.t <= m["ft"]), default=None)
+            m["e_out"] = first("e_out", m["ft"], d_sched)
+        else:
+            m["done"] = first("report_RecvDone", s.t, d_worker)
+            # the report is queued before its line is written: the worker may log first
+            m["w_recv"] = first("w_recv", None if m["done"] is None else m["done"] - 0.005,
+                                d_worker)
+            m["s_update"] = first("s_update_recv", m["w_recv"], d_sched)
+            m["s_sched"] = first("s_sched", m["s_update"], d_sched)
+            m["w_bind"] = first("w_bind", m["s_sched"], d_worker)
+            m["w_end"] = first("w_results", m["w_bind"], d_worker)
+            m["e_out"] = first("e_out", m["w_end"], d_sched)
+        # D's API server: P's logs its own answer (max_tokens 1) too, so match D's request id
+        m["a_out"] = next((e.t for e in window if e.name == "a_out" and e.ident == d_rid
+                           and m["e_out"] is not None and e.t >= m["e_out"]), None)
         # the send carries no request id: the first of the API server that processed it
         d_api = {e.pid for e in window if e.name == "a_out" and e.t == m["a_out"]}
         m["a_send"] = first("a_send", m["a_out"], d_api)
-        m["p_first"] = first("p_first_token", m["w_end"])
+        m["p_first"] = first("p_first_token", m["a_send"])
         # the proxy's main thread: time waiting for a CPU from P's answer to the relay
-        before = _waited(window, "p_sched_p_done", first("p_p_done", s.t))
+        p_done = first("p_p_done", s.t)
+        before = _waited(window, "p_sched_p_done", p_done)
         after = _waited(window, "p_sched_first_token", m["p_first"])
-        if before is not None and after is not None:
+        # (P's answer may follow the relay when token 1 is P's: nothing to say then)
+        if before is not None and after is not None and p_done < m["p_first"]:
             m["proxy_wait"] = (after - before) / 1e9
         for k in range(4):
             m[f"tok{k}"] = first(f"tok{k}", s.t)
-        if all(m.get(k) is not None for k in REQUIRED):
+        needed = REQUIRED if m["ft"] is not None else REQUIRED + D_REQUIRED
+        if all(m.get(k) is not None for k in needed):
             rows.append({k: v for k, v in m.items() if v is not None})
     return rows
 
@@ -157,29 +188,57 @@ def _stats(xs: list[float]) -> str:
     return f"{statistics.median(xs):7.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
 
-def report(rows: list[dict[str, float]]) -> str:
-    """The table: per step, the median (min-max) in ms; then D's TPOT and the sums."""
-    if not rows:
-        return "no complete request in the trace"
-    lines = [f"{len(rows)} requests; ms, median (min-max)",
-             f"  {'step':<48} {'whose':<5} {'ms':>7}"]
-    for label, a, b, whose in STEPS:
+def _table(rows: list[dict[str, float]], steps: Sequence[tuple[str, str, str, str]]
+           ) -> list[str]:
+    lines = []
+    for label, a, b, whose in steps:
         xs = [(r[b] - r[a]) * 1e3 for r in rows if a in r and b in r]
         shown = ("-" if not xs else "overlapped (negative)" if statistics.median(xs) < 0
                  else _stats(xs) + ("" if len(xs) == len(rows) else f" [{len(xs)}]"))
-        lines.append(f"  {label:<48} {whose:<5} {shown}")
-    tpot = [(r["tok3"] - r["tok1"]) * 1e3 / 2 for r in rows]
-    after = [(r["tok0"] - r["done"]) * 1e3 for r in rows]
-    lw_part = [((r["w_recv"] - r["done"]) + (r["tok0"] - r.get("a_send", r["p_first"]))) * 1e3
-               for r in rows]
+        lines.append(f"  {label:<52} {whose:<7} {shown}")
+    return lines
+
+
+def report(rows: list[dict[str, float]]) -> str:
+    """The table: per step, the median (min-max) in ms, the request's way to P and then token
+    1's path, P's (streamed by D as it arrives) or D's (after the KV landed), each over the
+    requests that took it; then D's TPOT and the sums."""
+    if not rows:
+        return "no complete request in the trace"
+    from_p = [r for r in rows if "ft" in r]
+    from_d = [r for r in rows if "ft" not in r]
+    lines = [f"{len(rows)} requests; ms, median (min-max)",
+             f"  {'step':<52} {'whose':<7} {'ms':>7}", *_table(rows, FRONT)]
+    if from_p:
+        lines += [f"  token 1 from P ({len(from_p)} requests)", *_table(from_p, TOKEN_PATH)]
+    if from_d:
+        lines += [f"  token 1 from D after the KV ({len(from_d)} requests)",
+                  *_table(from_d, D_PATH)]
     waits = [r["proxy_wait"] * 1e3 for r in rows if "proxy_wait" in r]
     if waits:
-        lines.append(f"  {'lw proxy waited for a CPU, its P answer -> relay':<50} "
+        lines.append(f"  {'lw proxy waited for a CPU, its P answer -> relay':<60} "
                      f"{_stats(waits)}; over 10 ms in {sum(w > 10 for w in waits)}"
                      f" of {len(waits)}")
-    lines += [f"  {'D: last DONE -> first token at the client':<50} {_stats(after)}",
-              f"  {'   of which lw (report, proxy, relay)':<50} {_stats(lw_part)}",
-              f"  {'D: decode step (TPOT, tokens 1-3)':<50} {_stats(tpot)}"]
+    ttft = [(r["tok0"] - r["p_received"]) * 1e3 for r in rows]
+    lines.append(f"  {'the proxy read the request -> first token at the client':<60} "
+                 f"{_stats(ttft)}")
+    if from_p:
+        after = [(r["tok0"] - r["p_end"]) * 1e3 for r in from_p if "p_end" in r]
+        lw_part = [((r["e_out"] - r["p_end"]) + (r["tok0"] - r["a_send"])) * 1e3
+                   for r in from_p if "p_end" in r]
+        if after:
+            lines += [f"  {'P: token 1 sampled -> first token at the client':<60} "
+                      f"{_stats(after)}",
+                      f"  {'   of which lw (P to D, into the engine, relay)':<60} "
+                      f"{_stats(lw_part)}"]
+    if from_d:
+        after = [(r["tok0"] - r["done"]) * 1e3 for r in from_d]
+        lw_part = [((r["w_recv"] - r["done"]) + (r["tok0"] - r["a_send"])) * 1e3
+                   for r in from_d]
+        lines += [f"  {'D: last DONE -> first token at the client':<60} {_stats(after)}",
+                  f"  {'   of which lw (report, proxy, relay)':<60} {_stats(lw_part)}"]
+    tpot = [(r["tok3"] - r["tok1"]) * 1e3 / 2 for r in rows]
+    lines.append(f"  {'D: decode step (TPOT, tokens 1-3)':<60} {_stats(tpot)}")
     return "\n".join(lines)
 
 

@@ -7,6 +7,8 @@ of the proxy, the engine cores and the workers compare. Events: ``report_<Report
 worker loop queued a core report: D's RecvDone is its last DONE), ``w_results``/``w_recv``
 (a worker step's end, where vLLM collects the reports, and each request it reports received),
 ``w_bind`` (a worker step's start, its connector metadata bound, before the forward),
+``w_fwd_start``/``w_fwd_end`` (the forward's start and end, where the connector starts loading
+and waits for its saves), ``w_sampled`` (the runner hands lw the step's sampled tokens),
 ``s_new``/``s_alloc``/``s_update_recv``/``s_sched`` (the scheduler took a new request,
 allocated its blocks, learnt a receive finished, scheduled a request), ``d_meta_call`` (D's
 metaserver thread starts a call: it has the GIL and the queued request), ``e_out`` / ``a_out``
@@ -91,6 +93,9 @@ def _connector(m: ModuleType) -> None:
             log("s_sched", rid)
 
     _wrap(c, "get_transfer_results", after=results)
+    _wrap(c, "start_load_kv", before=lambda self, *a, **k: log("w_fwd_start"))
+    _wrap(c, "wait_for_save", before=lambda self, *a, **k: log("w_fwd_end"))
+    _wrap(c, "tokens_sampled", before=lambda self, *a, **k: log("w_sampled"))
     _wrap(c, "bind_connector_metadata", after=lambda self, out, *a, **k: log("w_bind"))
     _wrap(c, "update_connector_output", before=update)
     _wrap(c, "on_new_request", before=lambda self, r: log("s_new", r.request_id))

@@ -10,11 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.d_step_trace import SHIM, STEPS, milestones, read_events, report
+from benchmarks.d_step_trace import (
+    D_PATH,
+    FRONT,
+    SHIM,
+    TOKEN_PATH,
+    milestones,
+    read_events,
+    report,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
-D_SCHED, D_WORKER, P_WORKER, PROXY, CLIENT, P_SCHED, D_API = 10, 20, 30, 40, 50, 60, 70
+D_SCHED, D_WORKER, P_WORKER, PROXY, CLIENT, P_SCHED, D_API, P_API = 10, 20, 30, 40, 50, 60, 70, 80
 
 
 def _request(t0: float, i: int, recv_logged_first: bool = False) -> list[str]:
@@ -49,7 +57,7 @@ def test_milestones_follow_d_processes_and_order() -> None:
     rows = milestones(read_events(reversed(lines)))  # sorted by time whatever the order
     assert len(rows) == 2
     for r, done in zip(rows, (300.2, 301.0), strict=True):
-        steps = {label: round((r[b] - r[a]) * 1e3, 3) for label, a, b, _ in STEPS}
+        steps = {label: round((r[b] - r[a]) * 1e3, 3) for label, a, b, _ in FRONT + D_PATH}
         assert steps["lw's proxy read the request -> POST to D left"] == 1.0
         assert steps["D allocated -> its metaserver thread calls"] == 0.5
         assert steps["the call (signed, HTTP) -> the proxy checked it"] == 0.5
@@ -69,6 +77,51 @@ def test_milestones_follow_d_processes_and_order() -> None:
     assert "over 10 ms in 2 of 2" in text
     assert "D: decode step (TPOT, tokens 1-3)" in text and "21.00" in text
     assert "2 requests" in text and "overlapped" not in text
+
+
+def _token_from_p(t0: float, i: int) -> list[str]:
+    """One request whose token 1 P sampled and D streamed as it arrived: D's worker took it,
+    D's engine core and API server put it out, P's API server answered its own request too."""
+    ms = [
+        (0.0, CLIENT, "sent", str(i)), (2.0, PROXY, "p_received", "x"),
+        (3.0, PROXY, "p_d_sent", "x"), (10.0, D_SCHED, "s_new", "r"),
+        (12.0, D_SCHED, "s_alloc", "r"), (12.5, D_SCHED, "d_meta_call", ""),
+        (13.0, PROXY, "p_meta_posted", "x@0"),
+        (14.0, PROXY, "p_p_sent", "x@0"), (18.0, P_SCHED, "s_new", "p"),
+        (19.0, D_WORKER, "w_bind", ""), (20.0, P_WORKER, "w_bind", ""),
+        (55.0, P_WORKER, "w_results", ""),  # P's forward, then it samples token 1
+        (56.0, D_WORKER, "w_results", ""),  # an idle step of D's
+        (57.0, D_WORKER, "report_FirstTokenTaken", "t"),
+        (57.5, P_SCHED, "e_out", "p"), (57.8, P_API, "a_out", "p"),  # P's own answer
+        (58.0, D_SCHED, "e_out", "r"), (58.5, D_API, "a_out", "r"),
+        (58.6, P_API, "a_send", ""), (59.0, D_API, "a_send", ""),
+        (60.0, PROXY, "p_first_token", "x"), (61.0, CLIENT, "tok0", str(i)),
+        (62.0, P_WORKER, "report_SendFinished", "t"), (63.0, D_WORKER, "report_RecvDone", "t"),
+        (63.5, D_WORKER, "w_results", ""), (63.5, D_WORKER, "w_recv", "r"),
+        (64.0, D_SCHED, "s_update_recv", "r"), (65.0, PROXY, "p_p_done", "x@0"),
+        (71.0, CLIENT, "tok1", str(i)), (81.0, CLIENT, "tok2", str(i)),
+        (91.0, CLIENT, "tok3", str(i))]
+    return [f"{t0 + t / 1e3:.6f} {pid} {name} {ident}" for t, pid, name, ident in ms]
+
+
+def test_token_1_from_p_follows_p_step_and_d_request_id() -> None:
+    lines = _token_from_p(100.0, 0) + _request(101.0, 1)  # one of each path
+    rows = milestones(read_events(lines))
+    assert len(rows) == 2 and "ft" in rows[0] and "ft" not in rows[1]
+    steps = {label: round((rows[0][b] - rows[0][a]) * 1e3, 3)
+             for label, a, b, _ in FRONT + TOKEN_PATH}
+    assert steps["P's first step starts -> its last step ends (token 1)"] == 35.0
+    assert steps["P's step end -> D's worker took token 1"] == 2.0
+    # D's engine core and API server, not P's (which answered its max_tokens 1 request)
+    assert steps["D took it -> D's engine core has the output"] == 1.0
+    assert steps["-> D's API server processed it"] == 0.5
+    assert steps["-> D's API server sent the first bytes"] == 0.5
+    assert steps["-> lw's proxy relays them"] == 1.0
+    text = report(rows)
+    assert "token 1 from P (1 requests)" in text and "token 1 from D after the KV (1" in text
+    assert "P: token 1 sampled -> first token at the client" in text and "6.00" in text
+    # P's answer came after the relay: no CPU wait is read across them
+    assert "proxy_wait" not in rows[0]
 
 
 def test_computing_ahead_p_rows_overlap_and_p_is_optional() -> None:
