@@ -64,7 +64,8 @@ D_PATH: tuple[tuple[str, str, str, str], ...] = (
 """Token 1 sampled by D after the KV landed (``first_token_from_p`` off, or a fallback)."""
 TOKEN_PATH: tuple[tuple[str, str, str, str], ...] = (
     ("P's first step starts -> its last step ends (token 1)", "p_step", "p_end", "P"),
-    ("P's step end -> D's worker took token 1", "p_end", "ft", "lw"),
+    ("P's step end -> its runner hands token 1 to lw", "p_end", "p_sampled", "vLLM"),
+    ("-> D's worker took token 1", "p_sampled", "ft", "lw"),
     ("D took it -> D's engine core has the output", "ft", "e_out", "lw/vLLM"),
     ("-> D's API server processed it", "e_out", "a_out", "vLLM"),
     ("-> D's API server sent the first bytes", "a_out", "a_send", "vLLM"),
@@ -142,6 +143,9 @@ def milestones(events: Sequence[Event]) -> list[dict[str, float]]:
             # P's step that sampled it: its worker's last step end before D took it
             m["p_end"] = max((e.t for e in window if e.name == "w_results"
                               and e.pid in p_worker and e.t <= m["ft"]), default=None)
+            m["p_sampled"] = first("w_sampled", m["p_end"], p_worker)
+            if m["p_sampled"] is not None and m["p_sampled"] > m["ft"]:
+                m["p_sampled"] = None  # the hand-over of a later step (the scheduler's copy went)
             m["e_out"] = first("e_out", m["ft"], d_sched)
         else:
             m["done"] = first("report_RecvDone", s.t, d_worker)
@@ -223,9 +227,11 @@ def report(rows: list[dict[str, float]]) -> str:
     lines.append(f"  {'the proxy read the request -> first token at the client':<60} "
                  f"{_stats(ttft)}")
     if from_p:
-        after = [(r["tok0"] - r["p_end"]) * 1e3 for r in from_p if "p_end" in r]
-        lw_part = [((r["e_out"] - r["p_end"]) + (r["tok0"] - r["a_send"])) * 1e3
-                   for r in from_p if "p_end" in r]
+        # from the hand-over where the shim saw it (the sampling is vLLM's), else the step end
+        after = [(r["tok0"] - r.get("p_sampled", r["p_end"])) * 1e3 for r in from_p
+                 if "p_end" in r]
+        lw_part = [((r["e_out"] - r.get("p_sampled", r["p_end"])) + (r["tok0"] - r["a_send"]))
+                   * 1e3 for r in from_p if "p_end" in r]
         if after:
             lines += [f"  {'P: token 1 sampled -> first token at the client':<60} "
                       f"{_stats(after)}",

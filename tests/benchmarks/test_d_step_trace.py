@@ -90,6 +90,7 @@ def _token_from_p(t0: float, i: int) -> list[str]:
         (14.0, PROXY, "p_p_sent", "x@0"), (18.0, P_SCHED, "s_new", "p"),
         (19.0, D_WORKER, "w_bind", ""), (20.0, P_WORKER, "w_bind", ""),
         (55.0, P_WORKER, "w_results", ""),  # P's forward, then it samples token 1
+        (55.5, P_WORKER, "w_sampled", ""),
         (56.0, D_WORKER, "w_results", ""),  # an idle step of D's
         (57.0, D_WORKER, "report_FirstTokenTaken", "t"),
         (57.5, P_SCHED, "e_out", "p"), (57.8, P_API, "a_out", "p"),  # P's own answer
@@ -111,7 +112,8 @@ def test_token_1_from_p_follows_p_step_and_d_request_id() -> None:
     steps = {label: round((rows[0][b] - rows[0][a]) * 1e3, 3)
              for label, a, b, _ in FRONT + TOKEN_PATH}
     assert steps["P's first step starts -> its last step ends (token 1)"] == 35.0
-    assert steps["P's step end -> D's worker took token 1"] == 2.0
+    assert steps["P's step end -> its runner hands token 1 to lw"] == 0.5
+    assert steps["-> D's worker took token 1"] == 1.5
     # D's engine core and API server, not P's (which answered its max_tokens 1 request)
     assert steps["D took it -> D's engine core has the output"] == 1.0
     assert steps["-> D's API server processed it"] == 0.5
@@ -119,7 +121,7 @@ def test_token_1_from_p_follows_p_step_and_d_request_id() -> None:
     assert steps["-> lw's proxy relays them"] == 1.0
     text = report(rows)
     assert "token 1 from P (1 requests)" in text and "token 1 from D after the KV (1" in text
-    assert "P: token 1 sampled -> first token at the client" in text and "6.00" in text
+    assert "P: token 1 sampled -> first token at the client" in text and "5.50" in text
     # P's answer came after the relay: no CPU wait is read across them
     assert "proxy_wait" not in rows[0]
 
