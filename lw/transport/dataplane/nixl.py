@@ -24,6 +24,11 @@ NIXL facts this module relies on (measured with ``nixl-cu12==1.5.1`` on loopback
   1,024-token prefill against Mooncake's ~300 (benchmarks/push_cpu.py; at 20 ms 80 wake-ups and
   ~300 preemptions). TTFT on NIXL / on Mooncake, serving.py uncapped: 1.00 and 1.02 at 20 ms,
   1.28 and 1.04 at 1 ms (docs/benchmarks.md).
+* Nothing signals a request's completion to the sender: it polls ``check_xfer_state``,
+  backing off from 50 µs to ``poll_interval_s`` (0.25 ms), so a transfer's report may be up to
+  that late. At 0.5 ms, ``benchmarks/data_plane.py --data-plane nixl`` put the push's tail
+  after the last layer above 2 layer times in 5 of 11 runs (up to 8.3); at 0.25 ms in none of
+  6 (at most 1.7), and P's side threads took no more CPU (push_cpu.py, docs/benchmarks.md).
 * A request reported DONE has landed: the UCX backend appends an endpoint flush to every write
   request (``sendXferRange`` in ``ucx_backend.cpp``), so completion is remote completion.
 * ``initialize_xfer`` checks every remote descriptor against the peer's registered regions and
@@ -217,7 +222,7 @@ class NixlDataPlane(_QueuedDataPlane):
         connect_timeout_s: float = 5.0,
         max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES,
         coalesce_entries: bool = True,
-        poll_interval_s: float = 0.0005,
+        poll_interval_s: float = 0.00025,
         progress_delay_us: int = 20_000,
         join_timeout_s: float = 5.0,
     ) -> None:
