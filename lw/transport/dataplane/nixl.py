@@ -22,8 +22,8 @@ NIXL facts this module relies on (measured with ``nixl-cu12==1.5.1`` on loopback
   thread: over TCP UCX emulates remote writes with messages it must read. 20 ms, not 1: at 1 ms
   it woke ~1,000 times a second on the engine's core, preempting P's forward ~550 times per
   1,024-token prefill against Mooncake's ~300 (benchmarks/push_cpu.py; at 20 ms 80 wake-ups and
-  ~300 preemptions). TTFT on NIXL / on Mooncake, serving.py uncapped: 1.00 and 1.02 at 20 ms,
-  1.28 and 1.04 at 1 ms (docs/benchmarks.md).
+  ~300 preemptions). TTFT on NIXL / on Mooncake, serving.py uncapped: 1.00 and 1.02 at 20 ms
+  (1.10 in a six-set-up race), 1.28 and 1.04 at 1 ms (docs/benchmarks.md).
 * Nothing signals a request's completion to the sender: it polls ``check_xfer_state``,
   backing off from 50 µs to ``poll_interval_s`` (0.25 ms), so a transfer's report may be up to
   that late. At 0.5 ms, ``benchmarks/data_plane.py --data-plane nixl`` put the push's tail
