@@ -25,14 +25,21 @@ ROOT = Path(__file__).resolve().parents[2]
 D_SCHED, D_WORKER, P_WORKER, PROXY, CLIENT, P_SCHED, D_API, P_API = 10, 20, 30, 40, 50, 60, 70, 80
 
 
-def _request(t0: float, i: int, recv_logged_first: bool = False) -> list[str]:
-    """One request's lines, times in ms after ``t0``; P's worker also ends steps and reports."""
-    ms = [
+def _front(i: int) -> list[tuple[float, int, str, str]]:
+    """Request ``i``'s way to P's scheduler (ms, process, event, id), D first."""
+    return [
         (0.0, CLIENT, "sent", str(i)), (2.0, PROXY, "p_received", "x"),
         (3.0, PROXY, "p_d_sent", "x"), (10.0, D_SCHED, "s_new", "r"),
         (12.0, D_SCHED, "s_alloc", "r"), (12.5, D_SCHED, "d_meta_call", ""),
         (13.0, PROXY, "p_meta_posted", "x@0"),
         (14.0, PROXY, "p_p_sent", "x@0"), (18.0, P_SCHED, "s_new", "p"),
+    ]
+
+
+def _request(t0: float, i: int, recv_logged_first: bool = False) -> list[str]:
+    """One request's lines, times in ms after ``t0``; P's worker also ends steps and reports."""
+    ms = [
+        *_front(i),
         (19.0, D_WORKER, "w_bind", ""),  # D's idle step: not P's
         (20.0, P_WORKER, "w_bind", ""), (20.0, P_WORKER, "w_results", ""),
         (300.0, P_WORKER, "report_SendFinished", "t"),
@@ -83,11 +90,7 @@ def _token_from_p(t0: float, i: int) -> list[str]:
     """One request whose token 1 P sampled and D streamed as it arrived: D's worker took it,
     D's engine core and API server put it out, P's API server answered its own request too."""
     ms = [
-        (0.0, CLIENT, "sent", str(i)), (2.0, PROXY, "p_received", "x"),
-        (3.0, PROXY, "p_d_sent", "x"), (10.0, D_SCHED, "s_new", "r"),
-        (12.0, D_SCHED, "s_alloc", "r"), (12.5, D_SCHED, "d_meta_call", ""),
-        (13.0, PROXY, "p_meta_posted", "x@0"),
-        (14.0, PROXY, "p_p_sent", "x@0"), (18.0, P_SCHED, "s_new", "p"),
+        *_front(i),
         (19.0, D_WORKER, "w_bind", ""), (20.0, P_WORKER, "w_bind", ""),
         (55.0, P_WORKER, "w_results", ""),  # P's forward, then it samples token 1
         (55.5, P_WORKER, "w_sampled", ""),
