@@ -194,6 +194,7 @@ def _stats(xs: list[float]) -> str:
 
 def _table(rows: list[dict[str, float]], steps: Sequence[tuple[str, str, str, str]]
            ) -> list[str]:
+    """One line per step of ``steps``: its median (min-max) over the rows that have both ends."""
     lines = []
     for label, a, b, whose in steps:
         xs = [(r[b] - r[a]) * 1e3 for r in rows if a in r and b in r]
