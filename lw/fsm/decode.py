@@ -18,7 +18,7 @@ from lw.fsm.decode_claims import Claims
 from lw.fsm.decode_failover import Failover
 from lw.fsm.decode_first_token import FirstTokenIntake
 from lw.fsm.decode_ghosts import GHOST_RULES, Ghosts
-from lw.fsm.decode_request import LIVE, DecodeConfig, DecodeRecord, SenderKey, ack
+from lw.fsm.decode_request import DecodeConfig, DecodeRecord, SenderKey, ack
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
@@ -34,6 +34,7 @@ from lw.fsm.effects import (
 from lw.fsm.endpoint import LifecycleEndpoint
 from lw.fsm.failures import Failure, FailureKind
 from lw.fsm.lifecycles import (
+    DECODE_LIVE,
     DONE,
     FAILED,
     FENCING,
@@ -117,7 +118,7 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
         # deadline gives a P behind a partition that heals in time the chance to finish.
         if self.config.retry_prefill:
             peers.update({r.route[1]: r.route[0] for r in self._reqs.values()
-                          if r.route is not None and r.state in LIVE})
+                          if r.route is not None and r.state in DECODE_LIVE})
         return peers
 
     def _row(self, rec: DecodeRecord, now: float) -> RequestStatus:
@@ -195,7 +196,7 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
         if rec is None:
             return out
         if kind == "deadline":
-            if rec.state in LIVE:
+            if rec.state in DECODE_LIVE:
                 self.counters["deadlines"] += 1
                 self._fail(rec, FailureKind.PREFILL_DEADLINE,
                            f"prefill deadline of {self.config.prefill_timeout_s}s passed", now, out)
@@ -228,7 +229,8 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
         for rec in list(self._reqs.values()):
             routed = (self.config.retry_prefill and rec.route is not None
                       and rec.route[0] == engine_id)
-            if rec.state in LIVE and (routed or any(k[0] == engine_id for k in rec.claimers)):
+            if rec.state in DECODE_LIVE and (
+                    routed or any(k[0] == engine_id for k in rec.claimers)):
                 self._lose(rec, FailureKind.PREFILL_LOST,
                            f"prefill engine {engine_id} lost: {reason}", engine_id, now, out)
         return out
@@ -245,7 +247,7 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
         """The driver sent epoch ``epoch`` of a request's prefill to the P worker at ``addr``
         (engine ``engine_id``): watch it from now on, claimed or not."""
         rec = self._reqs.get(req_id)
-        if rec is not None and rec.state in LIVE and epoch == rec.epoch:
+        if rec is not None and rec.state in DECODE_LIVE and epoch == rec.epoch:
             rec.route = (engine_id, addr)
             self.timeline.record(now, req_id, "routed", rec.state, rec.state,
                                  f"epoch {epoch} to P {engine_id}")
@@ -353,7 +355,7 @@ class DecodeEndpoint(Claims, Checksums, Failover, FirstTokenIntake, LifecycleEnd
                                 f"FailedSending from {key}, which was never accepted")
         if not msg.in_doubt:  # in doubt: a timed-out write may still land; the lease decides
             rec.stopped.add(key)
-        if rec.state not in LIVE:
+        if rec.state not in DECODE_LIVE:
             self._fire(rec, "fail" if rec.state == DONE else "sender_stopped", now)
             out.append(ack(self.me, msg, "failed", False))
             self._maybe_release(rec, out)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from lw.fsm.decode_request import LIVE, DecodeRecord, brief_blocks
+from lw.fsm.decode_request import DecodeRecord, brief_blocks
 from lw.fsm.effects import Effect, Send
 from lw.fsm.kvmap import describe, expected_senders, pair_problem
-from lw.fsm.lifecycles import FAILED, FENCING
+from lw.fsm.lifecycles import DECODE_LIVE, FAILED, FENCING
 from lw.fsm.messages import MAX_TEXT, PROTOCOL_VERSION, KVLayout, MetaReply, MetaRequest, Sender
 
 
@@ -67,7 +67,7 @@ class Claims:
             else:
                 out.append(self._reply(msg, "accepted", layout=layout))
             return
-        if rec.state not in LIVE:
+        if rec.state not in DECODE_LIVE:
             self._fire(rec, "claim", now)
             self.counters["refused"] += 1
             out.append(self._reply(msg, "refused", f"request is {rec.state}: {rec.reason}"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lw.fsm.decode_ghosts import Ghosts, grant_problem
-from lw.fsm.decode_request import LIVE, DecodeConfig, DecodeRecord
+from lw.fsm.decode_request import DecodeConfig, DecodeRecord
 from lw.fsm.effects import (
     ArmTimer,
     CancelTimer,
@@ -28,7 +28,7 @@ from lw.fsm.effects import (
     Send,
 )
 from lw.fsm.failures import FailureKind
-from lw.fsm.lifecycles import FENCING
+from lw.fsm.lifecycles import DECODE_LIVE, FENCING
 from lw.fsm.machine import ProtocolError
 from lw.fsm.messages import MAX_TEXT, PROTOCOL_VERSION, Abort, Sender
 from lw.fsm.timeline import Timeline
@@ -146,7 +146,7 @@ class Failover:
         reason = (f"prefill engine {engine} lost: restarted (incarnation {prev} -> "
                   f"{sender.incarnation})")
         for rec in list(self._reqs.values()):
-            if rec.state not in LIVE:
+            if rec.state not in DECODE_LIVE:
                 continue
             old = rec.claimers.get(key)
             if old is not None and old.incarnation < sender.incarnation:

@@ -14,11 +14,10 @@ from lw.fsm.lifecycles import DECODE_LIVE, PREFILL_REQUESTED
 from lw.fsm.messages import PROTOCOL_VERSION, Ack, DoneSending, FailedSending, KVFormat, Sender
 from lw.fsm.timeline import DEFAULT_TIMELINE_ENTRIES, check_observability
 
-__all__ = ["LIVE", "DecodeConfig", "DecodeRecord", "Ghost", "SenderKey", "ack", "brief_blocks",
+__all__ = ["DecodeConfig", "DecodeRecord", "Ghost", "SenderKey", "ack", "brief_blocks",
            "check_lease"]
 
 SenderKey = tuple[str, int]  # (engine_id, rank)
-LIVE = DECODE_LIVE  # an epoch whose prefill is under way (lw.fsm.lifecycles)
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ class DecodeRecord:
     def awaits_claim_from(self, engine_id: str) -> bool:
         """Live, its epoch routed to P engine ``engine_id``, and none of that engine's workers
         has claimed it yet."""
-        return (self.state in LIVE and self.route is not None and self.route[0] == engine_id
+        return (self.state in DECODE_LIVE and self.route is not None and self.route[0] == engine_id
                 and not any(k[0] == engine_id for k in self.claimers))
 
 
