@@ -472,6 +472,14 @@ def sha(a: np.ndarray) -> str:
 
 
 @needs_mooncake
+@pytest.mark.parametrize("kw", [{"window_span_s": -0.001}, {"window_span_s": float("nan")},
+                                {"window_span_after_s": -1.0}])
+def test_mooncake_refuses_a_window_span_that_is_not_a_duration(kw: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="window_span_s and window_span_after_s must be >= 0"):
+        MooncakeDataPlane("127.0.0.1", **kw)
+
+
+@needs_mooncake
 def test_mooncake_real_bytes_between_processes(mc_sender: tuple, mc_peer: Peer) -> None:
     plane, src = mc_sender
     mc_peer.ask("zero")

@@ -97,6 +97,17 @@ _MAX_NAP_S = 0.002
 _BAD_BATCH_IDS = frozenset({0, -1, (1 << 64) - 1})
 """What Mooncake's transfer_submit_write returns when it could not submit."""
 
+WINDOW_SPAN_S = 0.010
+"""Poll mode keeps in flight to a peer at most what its link moves in this long (and at least
+twice a round trip) while that link has more than :data:`WINDOW_SPAN_AFTER_S` to carry: more
+only queues in the link's buffers, and P's first token, on the same link, waited behind them
+(docs/benchmarks.md)."""
+
+WINDOW_SPAN_AFTER_S = 0.030
+"""Below this backlog the span does not bind: a push that keeps pace with its link refills no
+narrow window on the forward's core (P's prefill lengthened at kv/prefill 1.0 with it always
+on), and its token finds little queued anyway."""
+
 
 class _Flight:
     """A transfer in the pipelined (poll mode) sender: its plan and the Mooncake ids in flight."""
@@ -111,12 +122,14 @@ class _Flight:
         "deadline",
         "retries",
         "first_failure",
+        "unsent",
     )
 
     def __init__(self, job: _Job, plan: list[Entry]) -> None:
         self.job = job
         self.plan = plan
         self.next = 0
+        self.unsent = _bytes(plan, 0, len(plan))  # bytes of the plan not yet submitted
         self.pending: list[int] = []
         self.failure = ""
         self.started = 0.0
@@ -133,7 +146,9 @@ class MooncakeDataPlane(_QueuedDataPlane):
     ``batch_transfer_sync_write`` (see the module docstring). ``timeout_s`` (if given) sets
     ``MC_TRANSFER_TIMEOUT`` (whole seconds, Mooncake's minimum 5, which bounds spin mode) and is
     the poll-mode deadline as given (plus 1 s per GiB, as Mooncake does; 30 s when not given);
-    ``env`` sets other
+    ``window_span_s`` bounds the bytes in flight to a peer by what its link moves in that long
+    while it has more than ``window_span_after_s`` to carry (:data:`WINDOW_SPAN_S`,
+    :data:`WINDOW_SPAN_AFTER_S`; 0: only by the transfer timeout). ``env`` sets other
     ``MC_*`` variables. Both are written to ``os.environ`` (process-wide) before the engine is
     created; with neither, the environment is left alone.
     """
@@ -148,6 +163,8 @@ class MooncakeDataPlane(_QueuedDataPlane):
         max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES,
         coalesce_entries: bool = True,
         poll_interval_s: float = 0.0002,
+        window_span_s: float = WINDOW_SPAN_S,
+        window_span_after_s: float = WINDOW_SPAN_AFTER_S,
         join_timeout_s: float = 5.0,
         metadata_server: str = "P2PHANDSHAKE",
         protocol: str = "tcp",
@@ -156,6 +173,9 @@ class MooncakeDataPlane(_QueuedDataPlane):
         super().__init__(max_batch_entries=max_batch_entries, join_timeout_s=join_timeout_s)
         if wait not in ("spin", "poll"):
             raise ValueError(f"wait must be 'spin' or 'poll', got {wait!r}")
+        if not window_span_s >= 0 or not window_span_after_s >= 0:
+            raise ValueError("window_span_s and window_span_after_s must be >= 0, got "
+                             f"{window_span_s!r} and {window_span_after_s!r}")
         if timeout_s is not None:
             os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, math.ceil(timeout_s)))
             # Mooncake's TCP transport keeps a stalled write (and resends it on new
@@ -181,6 +201,8 @@ class MooncakeDataPlane(_QueuedDataPlane):
         self.wait = wait
         self._deadline_s = float(timeout_s) if timeout_s is not None else 30.0
         self._poll_interval_s = poll_interval_s
+        self._window_span_s = window_span_s
+        self._window_span_after_s = window_span_after_s
         self._coalesce = coalesce_entries
         self._remote_bounds: dict[str, frozenset[int]] = {}
         self._engine: Any = TransferEngine()
@@ -340,7 +362,8 @@ class MooncakeDataPlane(_QueuedDataPlane):
         # this thread about eight times per entry on the core the forward pass runs on.
         gap = 0.0
         last_progress = 0.0
-        window = ByteWindow(self._deadline_s)
+        window = ByteWindow(self._deadline_s, span_s=self._window_span_s,
+                            span_after_s=self._window_span_after_s)
         while True:
             # 1. Take new jobs (block only when there is nothing in flight).
             with peer.cond:
@@ -358,6 +381,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
                     flights.append(self._new_flight(session, job))
             # 2. Submit entries, oldest transfer first, while there is room.
             now = time.monotonic()
+            window.queued = sum(f.unsent for f in flights if not f.failure)
             for f in flights:
                 if inflight >= self._max_batch or (
                         f.next < len(f.plan) and not window.room(f.plan[f.next][2])):
@@ -382,6 +406,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
                         break
                     f.pending.append(bid)
                     f.next += 1
+                    f.unsent -= n
                     inflight += 1
                     window.sent(n, now)
                 self._count(entries_sent=f.next - first)
@@ -445,6 +470,7 @@ class MooncakeDataPlane(_QueuedDataPlane):
                         self._count(resends=1)
                     f.first_failure = f.first_failure or f.failure
                     f.plan, f.next, f.failure = f.job.entries, 0, ""
+                    f.unsent = _bytes(f.plan, 0, len(f.plan))
                     f.retries += 1
                     progressed = True
                     break
@@ -464,7 +490,8 @@ class MooncakeDataPlane(_QueuedDataPlane):
                     reason = ""
                 flights.popleft()
                 self._complete(f.job, reason)
-            peer.backlog_s = window.backlog_s()
+            # What waits for the window counts too: the inbox batches layers behind it.
+            peer.backlog_s = window.queue_s()
             # 5. Nothing moved: wait a little (a new submit wakes us at once).
             if progressed:
                 t = time.monotonic()
