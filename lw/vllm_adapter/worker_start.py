@@ -62,6 +62,7 @@ def start_worker(shape: WorkerShape, kv_caches: dict[str, Any],
     from lw.transport.sidechannel import SideChannel, parse_cluster_key
     from lw.transport.wire import KVLayout, LayerLayout, Sender
     from lw.vllm_adapter.device import (
+        device_type,
         merged_regions,
         planes_of,
         prepare_device,
@@ -106,10 +107,17 @@ def start_worker(shape: WorkerShape, kv_caches: dict[str, Any],
             raise
     me = Sender(cfg.engine_id, shape.rank, shape.incarnation, side.addr)
     name = f"lw-{'p' if cfg.is_producer else 'd'}{shape.rank}"
+    loop_cfg = cfg.loop_config(name)
+    if device_type(sample) == "cpu":
+        # A forward on the host's CPUs runs Python between its kernels: a loop polling every
+        # hot_poll_s through it takes the interpreter's lock from it each time, wherever its
+        # thread runs (128-token prompts here: ~30 polls in P's step and the step 10 ms longer
+        # than a single server's). The loop wakes per layer event (batched) instead.
+        loop_cfg = dataclasses.replace(loop_cfg, hot_poll_s=0.0)
     kv_layout = KVLayout(cfg.engine_id, shape.incarnation, dp.session, layout, fmt)
     if cfg.is_producer:
         ep: Any = PrefillEndpoint(me, len(planes), cfg.prefill_config(), local=kv_layout)
-        loop = WorkerLoop(ep, side, dp, cfg.loop_config(name), local_layout=layout)
+        loop = WorkerLoop(ep, side, dp, loop_cfg, local_layout=layout)
     else:
         dcfg = cfg.decode_config()
         if dcfg.fence_data and not getattr(dp, "can_fence", False):
@@ -123,7 +131,7 @@ def start_worker(shape: WorkerShape, kv_caches: dict[str, Any],
         ep = DecodeEndpoint(me, kv_layout, dcfg)
         # No fresh_blocks allocator: a worker cannot allocate outside vLLM's scheduler (the
         # config refuses retry_fresh_blocks), so D fences before a retry.
-        loop = WorkerLoop(ep, side, dp, cfg.loop_config(name))
+        loop = WorkerLoop(ep, side, dp, loop_cfg)
     loop.first_token = first_token  # what the scheduler said before, if anything
     with transport_threads(cpus):
         loop.start()  # the loop starts the data plane's sender and fence threads

@@ -136,3 +136,17 @@ def test_a_forward_on_a_device_never_waits(cluster: Cluster, one_core: None) -> 
         assert not w._waits_for_forward(spec)
     finally:
         w._gate = None
+
+
+def test_a_loop_beside_a_cpu_forward_never_polls_through_it(cluster: Cluster) -> None:
+    """A forward on the host's CPUs runs Python between its kernels: a loop polling every
+    millisecond through it (its layers come closer than two polls on a short prompt) takes the
+    interpreter's lock from it each time, wherever the loop's thread runs. P's and D's loops
+    wake per (batched) layer event instead; the push still lands."""
+    c = cluster
+    for side in (c.p, c.d):
+        assert side.loop.config.hot_poll_s == 0.0
+        assert side.loop.inbox.hot_window_s == 0.0
+    _push_one(c)
+    assert c.verified == {"one": True}
+    assert c.p.loop.inbox.hot_until == 0.0  # never entered
