@@ -16,8 +16,7 @@ from lw.lab.vllm_demo import BLOCK_SIZE, block_layer_bytes
 OUTPUT_TOKENS = 32
 SETUPS = ("single", "single-proxy", "single-stream", "lw", "lw-nixl", "lw-off", "lw-ahead",
           "lw-compute", "lw-compute-busy", "lw-compute-step", "lw-compute-b1", "lw-batch5",
-          "lw-batch", "lw-during", "lw-progressive", "lw-last", "peer", "peer-nixl",
-          "peer-nixl-push")
+          "lw-during", "lw-progressive", "lw-last", "peer", "peer-nixl", "peer-nixl-push")
 LABELS = {"single": "single vLLM", "single-proxy": "single vLLM behind lw proxy",
           "single-stream": "single vLLM, the KV's bytes streaming from its core",
           "lw": "lw P/D auto, d-first",
@@ -29,7 +28,6 @@ LABELS = {"single": "single vLLM", "single-proxy": "single vLLM behind lw proxy"
           "lw-compute-b1": "lw P/D auto, compute-ahead while D has no backlog",
           "lw-compute-busy": "lw P/D auto, compute-ahead onto a busy P too",
           "lw-batch5": "lw P/D auto, layers batched for 5 ms",
-          "lw-batch": "lw P/D auto, d-first, P's transport threads under SCHED_BATCH",
           "lw-during": "lw P/D auto, d-first, a last-chunk push written during its forward",
           "lw-progressive": "lw P/D progressive",
           "lw-last": "lw P/D last-chunk",
@@ -43,14 +41,12 @@ is timed."""
 PUSH_MODES = {"lw": "auto", "lw-nixl": "auto", "lw-off": "auto", "lw-ahead": "auto",
               "lw-compute": "auto", "lw-compute-step": "auto", "lw-compute-b1": "auto",
               "lw-compute-busy": "auto",
-              "lw-batch5": "auto", "lw-batch": "auto", "lw-during": "auto",
-              "lw-progressive": "progressive",
+              "lw-batch5": "auto", "lw-during": "auto", "lw-progressive": "progressive",
               "lw-last": "last_chunk"}
 """lw's ``kv_connector_extra_config["push_mode"]`` per lw set-up."""
 PROXY_ARGS = {"lw": ["--start-mode", "d-first"], "lw-nixl": ["--start-mode", "d-first"],
               "lw-off": ["--start-mode", "d-first"],
-              "lw-batch5": ["--start-mode", "d-first"], "lw-batch": ["--start-mode", "d-first"],
-              "lw-during": ["--start-mode", "d-first"],
+              "lw-batch5": ["--start-mode", "d-first"], "lw-during": ["--start-mode", "d-first"],
               "lw-progressive": ["--start-mode", "d-first"], "lw-last": ["--start-mode", "d-first"],
               "lw-ahead": ["--start-mode", "admit-ahead"],
               "lw-compute": ["--start-mode", "compute-ahead"],
@@ -62,7 +58,6 @@ same thing whatever the default (``lw`` is D first, the default again since D st
 first token; ``lw-compute`` was the default before)."""
 P_EXTRA = {"lw-compute-step": {"experimental": {"ahead_compute_max_tokens": 256}},
            "lw-batch5": {"experimental": {"layer_batch_ms": 5}},
-           "lw-batch": {"experimental": {"side_threads_batch": True}},
            "lw-during": {"experimental": {"write_during_forward": True}}}
 """P's extra ``kv_connector_extra_config`` per lw set-up, beyond ``push_mode`` (the knobs are
 in the unsupported ``experimental`` object):
@@ -70,10 +65,8 @@ in the unsupported ``experimental`` object):
 budget) and admits a longer one ahead, as for a host whose push shares the forward's core;
 ``lw-batch5`` wakes P's loop for computed layers every 5 ms instead of 15 (a link-bound push's
 writes go out sooner, at more wake-ups of a thread that shares the interpreter with the
-forward); ``lw-batch`` runs P's transport threads under ``SCHED_BATCH`` (their wake-ups
-wait for the forward's time slice instead of preempting it); ``lw-during`` writes a push that
-starts with the last chunk during that forward even on a core it shares (the default waits for
-the forward's end there)."""
+forward); ``lw-during`` writes a push that starts with the last chunk during that forward even
+on a core it shares (the default waits for the forward's end there)."""
 BOTH_EXTRA = {"lw-off": {"first_token_from_p": False}, "lw-nixl": {"data_plane": "nixl"}}
 """P's and D's extra ``kv_connector_extra_config`` per lw set-up (keys of side "both"):
 ``lw-off`` is ``lw`` with D sampling the first token itself after the KV landed, as before

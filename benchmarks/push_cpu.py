@@ -56,8 +56,6 @@ CONFIGS = {  # name -> lw kv_connector_extra_config (P and D)
     # the default on lw's NIXL plane (UCX over TCP on the link's interface): what its agent's
     # threads cost P's core beside Mooncake's (issue 60: P's prefill was slower on NIXL)
     "auto-nixl": {"push_mode": "auto", "data_plane": "nixl"},
-    # lw's threads on P under SCHED_BATCH: their wake-ups do not preempt the forward
-    "auto-batch": {"push_mode": "auto", "experimental": {"side_threads_batch": True}},
 }
 OTHERS = {"peer": start_peer, "single": start_single, "single-stream": start_single}
 """Not lw: vLLM's MooncakeConnector P/D (its P sends a prompt's KV once the prefill is done, on

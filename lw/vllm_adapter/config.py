@@ -233,13 +233,6 @@ class LwConfig:
         "threads share the forward's CPUs; by default it writes once that forward is done there "
         "(with P's first token on and a measured link fast enough: lw.fsm.push_schedule)",
         "measures the default against writing during the forward (`lw-during`)")
-    side_threads_batch: bool = experimental_setting(
-        False, "P",
-        "where P's forward runs on the host's CPUs, lw's transport threads (and the IO threads "
-        "Mooncake and ZMQ start) run under `SCHED_BATCH`: a wake-up of theirs does not preempt "
-        "the forward, it waits for the forward's time slice to end",
-        "measures whether the push's wake-ups, not its CPU, slow P's forward "
-        "(`benchmarks/push_cpu.py --configs auto auto-batch`)")
     push_start_margin: float = experimental_setting(
         1.0, "P",
         "`push_mode: auto` starts a prompt's push at the first chunk after which the compute left"

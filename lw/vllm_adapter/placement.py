@@ -59,44 +59,21 @@ def _cpu_list(text: str, spec: str) -> frozenset[int]:
 
 
 @contextlib.contextmanager
-def transport_threads(cpus: frozenset[int] | None, batch: bool = False) -> Iterator[None]:
-    """Threads started inside this block run on ``cpus`` (None: unchanged) and, with
-    ``batch``, under ``SCHED_BATCH`` (a thread inherits both from the one that starts it); the
-    calling thread's own affinity and policy are restored at the end."""
-    with _batch_policy(batch):
-        if cpus is None:
-            yield
-            return
-        before = os.sched_getaffinity(0)  # 0: the calling thread (Linux)
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError as exc:  # a cpuset without these CPUs: keep vLLM's placement
-            log.warning("lw: transport_cpus %s not usable here (%s); lw's threads stay on %s",
-                        sorted(cpus), exc, sorted(before))
-            yield
-            return
-        try:
-            yield
-        finally:
-            os.sched_setaffinity(0, before)
-
-
-@contextlib.contextmanager
-def _batch_policy(batch: bool) -> Iterator[None]:
-    """The calling thread under ``SCHED_BATCH`` inside the block (its wake-ups preempt no
-    running thread), its own policy restored after; unchanged where the policy is refused."""
-    if not batch:
+def transport_threads(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Threads started inside this block run on ``cpus`` (None: unchanged); the calling
+    thread's own affinity is restored at the end."""
+    if cpus is None:
         yield
         return
-    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    before = os.sched_getaffinity(0)  # 0: the calling thread (Linux)
     try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except OSError as exc:  # a real-time worker (its policy stays) or a seccomp filter
-        log.warning("lw: SCHED_BATCH refused for lw's threads (%s); they keep policy %d",
-                    exc, policy)
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:  # a cpuset without these CPUs: keep vLLM's placement
+        log.warning("lw: transport_cpus %s not usable here (%s); lw's threads stay on %s",
+                    sorted(cpus), exc, sorted(before))
         yield
         return
     try:
         yield
     finally:
-        os.sched_setscheduler(0, policy, param)
+        os.sched_setaffinity(0, before)

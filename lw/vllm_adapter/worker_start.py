@@ -94,8 +94,7 @@ def start_worker(shape: WorkerShape, kv_caches: dict[str, Any],
     # Mooncake's and ZMQ's IO threads start inside these constructors and the loop thread
     # at start(): all off the forward's pinned cores (lw.vllm_adapter.placement).
     cpus = parse_cpus(cfg.transport_cpus)
-    batch = cfg.is_producer and cfg.side_threads_batch and device_type(sample) == "cpu"
-    with transport_threads(cpus, batch):
+    with transport_threads(cpus):
         dp = data_plane(cfg)
         try:
             for addr, length in merged_regions(planes):
@@ -134,7 +133,7 @@ def start_worker(shape: WorkerShape, kv_caches: dict[str, Any],
         # config refuses retry_fresh_blocks), so D fences before a retry.
         loop = WorkerLoop(ep, side, dp, loop_cfg)
     loop.first_token = first_token  # what the scheduler said before, if anything
-    with transport_threads(cpus, batch):
+    with transport_threads(cpus):
         loop.start()  # the loop starts the data plane's sender and fence threads
     log.info("lw %s: side channel %s, transfer engine %s, %d planes x %d blocks of %d "
              "bytes, %d registered regions, %s%s", name, side.addr, dp.session,
