@@ -68,7 +68,7 @@ from lw.transport.dataplane.base import (
     split_batches,
 )
 from lw.transport.dataplane.fence import fence_inbound, listening_ports
-from lw.transport.dataplane.window import ByteWindow
+from lw.transport.dataplane.window import WINDOW_SPAN_AFTER_S, WINDOW_SPAN_S, ByteWindow
 
 __all__ = ["MooncakeDataPlane"]
 
@@ -96,18 +96,6 @@ _MAX_NAP_S = 0.002
 
 _BAD_BATCH_IDS = frozenset({0, -1, (1 << 64) - 1})
 """What Mooncake's transfer_submit_write returns when it could not submit."""
-
-WINDOW_SPAN_S = 0.010
-"""Poll mode keeps in flight to a peer at most what its link moves in this long (and at least
-twice a round trip) while that link has more than :data:`WINDOW_SPAN_AFTER_S` to carry: more
-only queues in the link's buffers, and P's first token, on the same link, waited behind them
-(docs/benchmarks.md)."""
-
-WINDOW_SPAN_AFTER_S = 0.030
-"""Below this backlog the span does not bind: a push that keeps pace with its link refills no
-narrow window on the forward's core (P's prefill lengthened at kv/prefill 1.0 with it always
-on), and its token finds little queued anyway."""
-
 
 class _Flight:
     """A transfer in the pipelined (poll mode) sender: its plan and the Mooncake ids in flight."""

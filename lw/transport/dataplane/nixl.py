@@ -82,7 +82,7 @@ from lw.transport.dataplane.base import (
     _QueuedDataPlane,
     coalesce,
 )
-from lw.transport.dataplane.window import ByteWindow
+from lw.transport.dataplane.window import WINDOW_SPAN_AFTER_S, WINDOW_SPAN_S, ByteWindow
 
 __all__ = ["NixlDataPlane", "nixl_missing"]
 
@@ -191,12 +191,13 @@ class _Req:
 class _Flight:
     """A transfer in a sender: its plan, how far it was posted, its requests in flight."""
 
-    __slots__ = ("job", "plan", "next", "reqs", "failure", "retried")
+    __slots__ = ("job", "plan", "next", "reqs", "failure", "retried", "unsent")
 
     def __init__(self, job: _Job, plan: list[Entry]) -> None:
         self.job = job
         self.plan = plan
         self.next = 0
+        self.unsent = sum(e[2] for e in plan)  # bytes of the plan not yet posted
         self.reqs: deque[_Req] = deque()
         self.failure = ""
         self.retried = False
@@ -207,7 +208,10 @@ class NixlDataPlane(_QueuedDataPlane):
 
     ``timeout_s`` bounds each request (plus 1 s per GiB; 30 s when not given); ``env`` sets
     environment variables (e.g. ``UCX_TLS``) in ``os.environ`` before the agent is created;
-    ``listen_port`` 0 picks a free port for the metadata listener.
+    ``listen_port`` 0 picks a free port for the metadata listener; ``window_span_s`` bounds the
+    bytes in flight to a peer by what its link moves in that long while it has more than
+    ``window_span_after_s`` to carry (as Mooncake's sender: :data:`WINDOW_SPAN_S`,
+    :data:`WINDOW_SPAN_AFTER_S`; 0: only by the transfer timeout).
     """
 
     can_fence = False  # lease-only: nothing of lw's to cut (see the module docstring)
@@ -224,11 +228,16 @@ class NixlDataPlane(_QueuedDataPlane):
         coalesce_entries: bool = True,
         poll_interval_s: float = 0.00025,
         progress_delay_us: int = 20_000,
+        window_span_s: float = WINDOW_SPAN_S,
+        window_span_after_s: float = WINDOW_SPAN_AFTER_S,
         join_timeout_s: float = 5.0,
     ) -> None:
         super().__init__(max_batch_entries=max_batch_entries, join_timeout_s=join_timeout_s)
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not window_span_s >= 0 or not window_span_after_s >= 0:
+            raise ValueError("window_span_s and window_span_after_s must be >= 0, got "
+                             f"{window_span_s!r} and {window_span_after_s!r}")
         for key, value in (env or {}).items():
             os.environ[key] = value
         self._api = _import_api()
@@ -236,6 +245,8 @@ class NixlDataPlane(_QueuedDataPlane):
         self._deadline_s = float(timeout_s) if timeout_s is not None else 30.0
         self.connect_timeout_s = connect_timeout_s
         self._poll_interval_s = poll_interval_s
+        self._window_span_s = window_span_s
+        self._window_span_after_s = window_span_after_s
         self._coalesce = coalesce_entries
         self._remote_bounds: dict[str, frozenset[int]] = {}
         self._regs: list[Any] = []
@@ -348,7 +359,8 @@ class NixlDataPlane(_QueuedDataPlane):
         submission order, each once NIXL has resolved every one of its requests."""
         session = peer.session
         name = parse_session(session)[0]
-        window = ByteWindow(self._deadline_s)
+        window = ByteWindow(self._deadline_s, span_s=self._window_span_s,
+                            span_after_s=self._window_span_after_s)
         inflight = 0
         nap = _MIN_NAP_S
         while True:
@@ -368,6 +380,7 @@ class NixlDataPlane(_QueuedDataPlane):
                     flights.append(self._new_flight(session, job))
             # 2. Post, oldest transfer first, while the window has room.
             progressed = False
+            window.queued = sum(f.unsent for f in flights if not f.failure)
             for f in flights:
                 if f.failure or f.next >= len(f.plan) or self._closed:
                     continue
@@ -434,6 +447,7 @@ class NixlDataPlane(_QueuedDataPlane):
                     # a merged entry may span two remote registrations: resend as submitted
                     self._count(uncoalesced_retries=1)
                     f.plan, f.failure, f.retried = f.job.entries, "", True
+                    f.unsent = sum(e[2] for e in f.plan)
                     progressed = True
                     break
                 if not f.failure and f.next < len(f.plan):
@@ -482,6 +496,7 @@ class NixlDataPlane(_QueuedDataPlane):
             state = f"ERR {exc!r}"
         self._count(batches=1, entries_sent=hi - lo)
         f.next = hi
+        f.unsent -= nbytes
         deadline = now + self._deadline_s + nbytes / (1 << 30)
         f.reqs.append(_Req(handle, lo, hi, nbytes, deadline if state != "DONE" else -math.inf))
         if state not in ("DONE", "PROC"):

@@ -8,9 +8,20 @@ same link, waits behind it (issue 59)."""
 
 from __future__ import annotations
 
-__all__ = ["ByteWindow"]
+__all__ = ["WINDOW_SPAN_AFTER_S", "WINDOW_SPAN_S", "ByteWindow"]
 
 _SAMPLE_S = 0.05  # a rate sample spans at least this much busy time
+
+WINDOW_SPAN_S = 0.010
+"""A sender keeps in flight to a peer at most what its link moves in this long (and at least
+twice a round trip) while that link has more than :data:`WINDOW_SPAN_AFTER_S` to carry: more
+only queues in the link's buffers, and P's first token, on the same link, waited behind them
+(docs/benchmarks.md)."""
+
+WINDOW_SPAN_AFTER_S = 0.030
+"""Below this backlog the span does not bind: a push that keeps pace with its link refills no
+narrow window on the forward's core (P's prefill lengthened at kv/prefill 1.0 with it always
+on), and its token finds little queued anyway."""
 
 MAX_DRAIN_NAP_S = 0.02
 """Longest sleep :meth:`ByteWindow.nap` asks for while the link has much more in flight than
