@@ -82,7 +82,7 @@ from lw.transport.dataplane.base import (
     _QueuedDataPlane,
     coalesce,
 )
-from lw.transport.dataplane.window import WINDOW_SPAN_AFTER_S, WINDOW_SPAN_S, ByteWindow
+from lw.transport.dataplane.window import WINDOW_SPAN_AFTER_S, ByteWindow
 
 __all__ = ["NixlDataPlane", "nixl_missing"]
 
@@ -208,10 +208,12 @@ class NixlDataPlane(_QueuedDataPlane):
 
     ``timeout_s`` bounds each request (plus 1 s per GiB; 30 s when not given); ``env`` sets
     environment variables (e.g. ``UCX_TLS``) in ``os.environ`` before the agent is created;
-    ``listen_port`` 0 picks a free port for the metadata listener; ``window_span_s`` bounds the
-    bytes in flight to a peer by what its link moves in that long while it has more than
-    ``window_span_after_s`` to carry (as Mooncake's sender: :data:`WINDOW_SPAN_S`,
-    :data:`WINDOW_SPAN_AFTER_S`; 0: only by the transfer timeout).
+    ``listen_port`` 0 picks a free port for the metadata listener; ``window_span_s`` > 0 bounds
+    the bytes in flight to a peer by what its link moves in that long while it has more than
+    ``window_span_after_s`` to carry, as Mooncake's sender does. Off by default: UCX queued
+    little ahead of P's first token without it (at kv/prefill 2.0, P sampled -> D received p50
+    2.1-2.3 ms, max 2.6-3.4, in three runs); with Mooncake's 10 ms span it was 2.8-4.7 / 6.4-9.1
+    ms, alternated with them (docs/benchmarks.md).
     """
 
     can_fence = False  # lease-only: nothing of lw's to cut (see the module docstring)
@@ -228,7 +230,7 @@ class NixlDataPlane(_QueuedDataPlane):
         coalesce_entries: bool = True,
         poll_interval_s: float = 0.00025,
         progress_delay_us: int = 20_000,
-        window_span_s: float = WINDOW_SPAN_S,
+        window_span_s: float = 0.0,
         window_span_after_s: float = WINDOW_SPAN_AFTER_S,
         join_timeout_s: float = 5.0,
     ) -> None:
