@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder-blocks", type=int, default=64, help="the decoder's block pool")
     p.add_argument("--layer-ms", type=float, default=2.0, help="simulated compute per layer")
     p.add_argument("--fault", default="none",
-                   help="one of: " + ", ".join(FAULTS) + "; or 'all' for the fault table")
+                   help="one of: " + ", ".join(FAULTS) + "; several, comma-separated, for "
+                        "those rows of the fault table in that order; or 'all' for the table")
     p.add_argument("--fault-table", action="store_true", help="same as --fault all")
     p.add_argument("--data-plane", choices=DATA_PLANES, default="mooncake",
                    help="mooncake or nixl (engines as processes; NIXL over UCX, TCP unless "
@@ -152,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             i = rows.index(("corrupt-write", args.decoders, 0))
             rows.insert(i + 1, ("corrupt-write", args.decoders, 1))
     else:
-        try:
-            rows = [(canonical_fault(args.fault), args.decoders, args.retry_prefill)]
+        try:  # several faults, comma-separated: those rows of the table, in that order
+            rows = [(canonical_fault(f.strip()), args.decoders, args.retry_prefill)
+                    for f in args.fault.split(",")]
         except ValueError as exc:
             print(f"lw demo: {exc}", file=sys.stderr)
             return 2

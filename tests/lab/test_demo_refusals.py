@@ -47,3 +47,20 @@ def test_the_vllm_demo_on_nixl_says_so_or_refuses_without_it(
     assert "--data-plane mooncake" in capsys.readouterr().err
     assert "NIXL" in vllm_demo.plane_label("nixl") and "lease-only" in vllm_demo.plane_label("nixl")
     assert vllm_demo.plane_label("mooncake") == "Mooncake over TCP"
+
+
+def test_an_unknown_fault_in_a_list_is_refused_naming_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--fault a,b`` runs those rows of the table; one unknown name refuses the whole list
+    before a worker starts."""
+    assert demo.main([*BASE, "--fault", "none,partition-lon"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown fault 'partition-lon'" in err and "partition-long" in err
+
+
+def test_a_list_of_faults_runs_those_rows_as_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main([*BASE, "--fault", "none,drop"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln.split()[0] for ln in out.splitlines() if ln.split()]
+    assert lines.index("none") < lines.index("drop-messages"), out
+    assert out.rstrip().splitlines()[-1].startswith("summary done=4 failed=0"), out

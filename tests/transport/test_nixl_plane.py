@@ -242,6 +242,7 @@ def test_unknown_sessions_fail_in_bounded_time(sender: DataPlane, src: np.ndarra
     assert dt < 2, f"{dt:.2f}s"  # timing: a refused connection is immediate
     c, dt = got["wrong"]
     assert not c.ok and not c.in_doubt and "no NIXL metadata of agent lw-nobody" in c.reason, c
+    assert "the listener answered" in c.reason, c
     assert dt < 3, f"{dt:.2f}s"  # timing: the 0.5 s connect timeout, not a hang
     assert sender.is_connected(ghost) is False  # type: ignore[attr-defined]
 

@@ -316,8 +316,17 @@ class NixlDataPlane(_QueuedDataPlane):
         deadline = time.monotonic() + wait
         while not agent.check_remote_metadata(name):
             if time.monotonic() > deadline or self._closed:
-                return (f"no NIXL metadata of agent {name} from {ip}:{port} within {wait:.2f}s"
-                        + (" (closed)" if self._closed else ""))
+                if self._closed:
+                    return f"no NIXL metadata of agent {name} from {ip}:{port} (closed)"
+                # The listener accepted a connection: either it is not agent ``name``'s, or
+                # NIXL fetched the metadata and UCX refused an endpoint to it (NIXL logs which
+                # on stderr). Measured: UCX's "Destination is unreachable" while lw's side
+                # channel reached the same host (docs/deployment.md, "NIXL").
+                return (f"no NIXL metadata of agent {name} from {ip}:{port} within {wait:.2f}s: "
+                        f"the listener answered, so either it is not {name}'s or UCX could not "
+                        f"open an endpoint to {ip} (NIXL's log on stderr says which; UCX checks "
+                        "its route against the routing table it read once, at its first "
+                        "connection in this process)")
             self._closed_event.wait(0.002)
         try:
             agent.make_connection(name, ["UCX"])
