@@ -403,3 +403,29 @@ def test_a_span_that_always_binds_still_lands_every_byte_in_order(
         assert peer.sha(0, block * per_layer * layers) == sha(expected)
     finally:
         plane.close()
+
+
+def test_a_writer_without_a_progress_thread_lands_every_byte_and_after_idling(
+        peer: Peer, src: np.ndarray) -> None:
+    """P's plane runs no UCX progress thread (its sender progresses UCX as it polls): 32
+    layers land exactly, in order, and a write after an idle spell still completes."""
+    plane = make_plane(progress_thread=False)
+    plane.register_memory(src.ctypes.data, src.nbytes)
+    try:
+        peer.ask("zero")
+        block, per_layer, layers = 4096, 64, 32
+        entries, expected = scattered(src, peer.addr, block, per_layer * layers, seed=9)
+        for k in range(layers):
+            plane.submit(("layer", k), peer.session, entries[k * per_layer:(k + 1) * per_layer])
+        got = collect(plane, layers)
+        assert [c.xfer_id for c in got] == [("layer", k) for k in range(layers)]
+        assert all(c.ok for c in got), [c for c in got if not c.ok]
+        assert peer.sha(0, block * per_layer * layers) == sha(expected)
+        time.sleep(1.5)  # nothing progresses UCX meanwhile
+        tail = (src.ctypes.data, peer.addr + (8 << 20), 1 << 20)
+        plane.submit("after-idle", peer.session, [tail])
+        [c] = collect(plane, 1, timeout=10.0)
+        assert c.ok, c.reason
+        assert peer.sha(8 << 20, 1 << 20) == sha(src[: 1 << 20])
+    finally:
+        plane.close()

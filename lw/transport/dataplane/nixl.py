@@ -23,7 +23,10 @@ NIXL facts this module relies on (measured with ``nixl-cu12==1.5.1`` on loopback
   it woke ~1,000 times a second on the engine's core, preempting P's forward ~550 times per
   1,024-token prefill against Mooncake's ~300 (benchmarks/push_cpu.py; at 20 ms 80 wake-ups and
   ~300 preemptions). TTFT on NIXL / on Mooncake, serving.py uncapped: 1.00 and 1.02 at 20 ms
-  (1.10 in a six-set-up race), 1.28 and 1.04 at 1 ms (docs/benchmarks.md).
+  (1.10 in a six-set-up race), 1.28 and 1.04 at 1 ms (docs/benchmarks.md). A writer needs
+  no such thread: its sender progresses UCX while polling. Without it on P (``progress_thread``
+  False), P's side threads took 18-35 ms of CPU per 1,024-token prompt against 38-70 ms, in
+  five alternated pairs (push_cpu.py, docs/benchmarks.md).
 * Nothing signals a request's completion to the sender: it polls ``check_xfer_state``,
   backing off from 50 µs to ``poll_interval_s`` (0.25 ms), so a transfer's report may be up to
   that late. At 0.5 ms, ``benchmarks/data_plane.py --data-plane nixl`` put the push's tail
@@ -143,10 +146,12 @@ def parse_session(session: str) -> tuple[str, str, int]:
     return m["name"], m["host"], int(m["port"])
 
 
-def _build_agent(api: Any, name: str, port: int, progress_delay_us: int) -> Any:
-    """A ``nixl_agent`` with only the UCX backend, a listener on ``port`` and a progress thread
-    that sleeps in poll(): the wrapper hard-codes its delay to 0 (a spinning core), so the
-    config class it instantiates is swapped for one that keeps ours."""
+def _build_agent(api: Any, name: str, port: int, progress_delay_us: int,
+                 progress_thread: bool = True) -> Any:
+    """A ``nixl_agent`` with only the UCX backend, a listener on ``port`` and (unless not
+    ``progress_thread``) a progress thread that sleeps in poll(): the wrapper hard-codes its
+    delay to 0 (a spinning core), so the config class it instantiates is swapped for one that
+    keeps ours."""
     bind = api.nixlBind
     real = bind.nixlAgentConfig
 
@@ -158,7 +163,7 @@ def _build_agent(api: Any, name: str, port: int, progress_delay_us: int) -> Any:
                 value = min(int(value), 10_000)  # listener wakes every 10 ms, not 100 ms
             super().__setattr__(key, value)
 
-    conf = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=True,
+    conf = api.nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=True,
                                  listen_port=port, backends=["UCX"])
     with _BUILD_LOCK:
         bind.nixlAgentConfig = _Config
@@ -213,7 +218,9 @@ class NixlDataPlane(_QueuedDataPlane):
     ``window_span_after_s`` to carry, as Mooncake's sender does. Off by default: UCX queued
     little ahead of P's first token without it (at kv/prefill 2.0, P sampled -> D received p50
     2.1-2.3 ms, max 2.6-3.4, in three runs); with Mooncake's 10 ms span it was 2.8-4.7 / 6.4-9.1
-    ms, alternated with them (docs/benchmarks.md).
+    ms, alternated with them (docs/benchmarks.md). ``progress_thread`` False (a plane that only
+    writes, as P's): no UCX progress thread; the sender thread progresses UCX as it polls its
+    requests. A plane others write into needs the thread (see the module docstring).
     """
 
     can_fence = False  # lease-only: nothing of lw's to cut (see the module docstring)
@@ -230,6 +237,7 @@ class NixlDataPlane(_QueuedDataPlane):
         coalesce_entries: bool = True,
         poll_interval_s: float = 0.00025,
         progress_delay_us: int = 20_000,
+        progress_thread: bool = True,
         window_span_s: float = 0.0,
         window_span_after_s: float = WINDOW_SPAN_AFTER_S,
         join_timeout_s: float = 5.0,
@@ -258,7 +266,8 @@ class NixlDataPlane(_QueuedDataPlane):
         for attempt in range(8):
             port = listen_port or _free_port()
             try:
-                self._agent: Any = _build_agent(self._api, self.name, port, progress_delay_us)
+                self._agent: Any = _build_agent(self._api, self.name, port, progress_delay_us,
+                                                progress_thread)
                 break
             except RuntimeError as exc:  # the port was taken meanwhile: try another
                 if listen_port or attempt == 7 or "bind" not in str(exc).lower():
