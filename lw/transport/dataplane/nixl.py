@@ -255,7 +255,6 @@ class NixlDataPlane(_QueuedDataPlane):
         self._deadline_s = float(timeout_s) if timeout_s is not None else 30.0
         self.connect_timeout_s = connect_timeout_s
         self._poll_interval_s = poll_interval_s
-        self._progress_thread = progress_thread
         self._window_span_s = window_span_s
         self._window_span_after_s = window_span_after_s
         self._coalesce = coalesce_entries
@@ -487,9 +486,6 @@ class NixlDataPlane(_QueuedDataPlane):
                     if not peer.queue:
                         peer.cond.wait(nap)
                 nap = window.nap(min(nap * 2, self._poll_interval_s))
-            if not self._progress_thread:
-                # these polls are what moves UCX's bytes on: no longer naps behind a backlog
-                nap = min(nap, self._poll_interval_s)
 
     def _new_flight(self, session: str, job: _Job) -> _Flight:
         """Plan a transfer (coalesce, check local ranges)."""
