@@ -634,8 +634,7 @@ def main() -> None:
             if name == "nixl":
                 from lw.transport.dataplane.nixl import NixlDataPlane
 
-                # as P's worker builds it: a writer, no UCX progress thread
-                plane: Any = NixlDataPlane("127.0.0.1", progress_thread=False)
+                plane: Any = NixlDataPlane("127.0.0.1")
                 session = peer.nixl_session
             else:
                 plane = MooncakeDataPlane("127.0.0.1", wait=name)  # type: ignore[arg-type]
