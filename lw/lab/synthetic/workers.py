@@ -108,10 +108,8 @@ def faults_for(cfg: ClusterConfig, salt: int) -> FaultInjection | None:
     return None
 
 
-def data_plane_for(cfg: ClusterConfig, name: str, host: str = "127.0.0.1",
-                   writer: bool = False) -> Any:
-    """A fresh data plane of the kind ``cfg`` names, for the TP worker ``name`` (``writer``: a
-    P worker's, which only writes)."""
+def data_plane_for(cfg: ClusterConfig, name: str, host: str = "127.0.0.1") -> Any:
+    """A fresh data plane of the kind ``cfg`` names, for the TP worker ``name``."""
     if cfg.data_plane == "mooncake":
         from lw.transport.dataplane import MooncakeDataPlane
 
@@ -119,8 +117,7 @@ def data_plane_for(cfg: ClusterConfig, name: str, host: str = "127.0.0.1",
     if cfg.data_plane == "nixl":
         from lw.transport.dataplane.nixl import NixlDataPlane
 
-        return NixlDataPlane(host, timeout_s=cfg.transfer_timeout_s, env=ucx_env(host),
-                             progress_thread=not writer)
+        return NixlDataPlane(host, timeout_s=cfg.transfer_timeout_s, env=ucx_env(host))
     from lw.transport.dataplane import InProcessDataPlane
 
     return InProcessDataPlane(f"{name}-{os.getpid()}-{time.monotonic_ns()}",
