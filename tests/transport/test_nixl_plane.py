@@ -384,43 +384,42 @@ def test_a_window_span_that_is_not_a_duration_is_refused(kw: dict[str, float]) -
         make_plane(**kw)
 
 
+def lands_32_layers(plane: DataPlane, peer: Peer, src: np.ndarray, seed: int) -> None:
+    """32 layers of 64 scattered 4 KiB blocks through ``plane`` (``src`` registered): each
+    reported once, in submission order, the bytes exact at ``peer``."""
+    peer.ask("zero")
+    block, per_layer, layers = 4096, 64, 32
+    entries, expected = scattered(src, peer.addr, block, per_layer * layers, seed=seed)
+    for k in range(layers):
+        plane.submit(("layer", k), peer.session, entries[k * per_layer:(k + 1) * per_layer])
+    got = collect(plane, layers)
+    assert [c.xfer_id for c in got] == [("layer", k) for k in range(layers)]
+    assert all(c.ok for c in got), [c for c in got if not c.ok]
+    assert peer.sha(0, block * per_layer * layers) == sha(expected)
+
+
 def test_a_span_that_always_binds_still_lands_every_byte_in_order(
         peer: Peer, src: np.ndarray) -> None:
     """The sender's window held to a millisecond of the link from the first rate sample on
-    (issue 59's bound on what queues ahead of P's token, on NIXL as on Mooncake): 32 layers of
+    (issue 59's bound on what queues ahead of P's token; off by default on NIXL): 32 layers of
     scattered blocks still land exactly, each reported once, in submission order."""
     plane = make_plane(window_span_s=0.001, window_span_after_s=0.0)
     plane.register_memory(src.ctypes.data, src.nbytes)
     try:
-        peer.ask("zero")
-        block, per_layer, layers = 4096, 64, 32
-        entries, expected = scattered(src, peer.addr, block, per_layer * layers, seed=7)
-        for k in range(layers):
-            plane.submit(("layer", k), peer.session, entries[k * per_layer:(k + 1) * per_layer])
-        got = collect(plane, layers)
-        assert [c.xfer_id for c in got] == [("layer", k) for k in range(layers)]
-        assert all(c.ok for c in got), [c for c in got if not c.ok]
-        assert peer.sha(0, block * per_layer * layers) == sha(expected)
+        lands_32_layers(plane, peer, src, seed=7)
     finally:
         plane.close()
 
 
 def test_a_writer_without_a_progress_thread_lands_every_byte_and_after_idling(
         peer: Peer, src: np.ndarray) -> None:
-    """P's plane runs no UCX progress thread (its sender progresses UCX as it polls): 32
-    layers land exactly, in order, and a write after an idle spell still completes."""
+    """A plane without UCX's progress thread (its sender's polls progress UCX; measured for P,
+    not used: see the module docstring): 32 layers land exactly, in order, and a write after
+    an idle spell still completes."""
     plane = make_plane(progress_thread=False)
     plane.register_memory(src.ctypes.data, src.nbytes)
     try:
-        peer.ask("zero")
-        block, per_layer, layers = 4096, 64, 32
-        entries, expected = scattered(src, peer.addr, block, per_layer * layers, seed=9)
-        for k in range(layers):
-            plane.submit(("layer", k), peer.session, entries[k * per_layer:(k + 1) * per_layer])
-        got = collect(plane, layers)
-        assert [c.xfer_id for c in got] == [("layer", k) for k in range(layers)]
-        assert all(c.ok for c in got), [c for c in got if not c.ok]
-        assert peer.sha(0, block * per_layer * layers) == sha(expected)
+        lands_32_layers(plane, peer, src, seed=9)
         time.sleep(1.5)  # nothing progresses UCX meanwhile
         tail = (src.ctypes.data, peer.addr + (8 << 20), 1 << 20)
         plane.submit("after-idle", peer.session, [tail])
