@@ -30,12 +30,13 @@ lw's details at the end of the message: ``[lw proxy: stage=..., server=..., requ
 the server named by role and place (``prefill#0``), its URL only in the proxy's log.
 A request D fails with a 5xx (vLLM's bare "Internal server error", or that error as a stream's
 event) is explained (lw.proxy.explain): the proxy asks D's workers, by transfer id and within
-0.5 s, why; a failed KV transfer is answered 502 (bad transfer: checksum mismatch, failed write),
-503 (prefill worker lost, no prefill server) or 504 (prefill deadline), ``stage=kv_transfer``,
-the message "KV transfer from prefill server prefill#0 to decode server decode#0 failed:
-<D's reason>", counted per reason (``kv_transfer_failures`` on ``/metrics-json``) and logged
-once per reason every 5 s; D is not avoided for it. Otherwise the answer is as before (502,
-``stage=decode``, failover) with "cause unknown: <why>" at the end of the message.
+``--why-timeout`` (0.5 s), why; a failed KV transfer is answered 502 (bad transfer: checksum
+mismatch, failed write), 503 (prefill worker lost, no prefill server) or 504 (prefill
+deadline), ``stage=kv_transfer``, the message "KV transfer from prefill server prefill#0 to
+decode server decode#0 failed: <D's reason>", counted per reason (``kv_transfer_failures`` on
+``/metrics-json``) and logged once per reason every 5 s; D is not avoided for it. Otherwise the
+answer is as before (502, ``stage=decode``, failover) with "cause unknown: <why>" at the end of
+the message.
 
 Sidecar mode (``--sidecar``, llm-d's decode-side routing sidecar; lw.proxy.sidecar): one
 local decode server; the prefill server of each request is the one its ``x-prefiller-host-port``
@@ -507,6 +508,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="admit-/compute-ahead: how long a prefill sent ahead waits for D's "
                          "call before it is cancelled and started D first (below the prefill "
                          "engines' metaserver_timeout_s)")
+    ap.add_argument("--why-timeout", type=seconds, default=Limits.why_timeout_s, metavar="S",
+                    help="how long a failed request's client waits while the proxy asks the "
+                         "decode server's workers why (past it the error says the cause is "
+                         "unknown); raise it where D's host is loaded")
     ap.add_argument("--max-body-mb", type=seconds, default=8.0, metavar="MB",
                     help="largest client body on the public port (413 above it)")
     ap.add_argument("--max-concurrent-requests", type=int, default=4096, metavar="N",
@@ -572,7 +577,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           ahead_d_backlog=args.ahead_d_backlog, ahead_p_busy=args.ahead_p_busy,
                           limits=Limits(max_body_bytes=int(args.max_body_mb * (1 << 20)),
                                         max_concurrent_requests=args.max_concurrent_requests,
-                                        ahead_wait_s=args.ahead_wait))
+                                        ahead_wait_s=args.ahead_wait,
+                                        why_timeout_s=args.why_timeout))
     except ValueError as exc:
         ap.error(str(exc))
     if key is None:

@@ -49,6 +49,8 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     (["--signature-window", "inf"], "argument --signature-window: invalid positive finite"),
     (["--max-body-mb", "inf"], "argument --max-body-mb: invalid positive finite"),
     (["--max-body-mb", "nan"], "argument --max-body-mb: invalid positive finite"),
+    (["--why-timeout", "0"], "argument --why-timeout: invalid positive finite"),
+    (["--why-timeout", "inf"], "argument --why-timeout: invalid positive finite"),
     (["--log-level", "bogus"], "argument --log-level: invalid choice: 'bogus'"),
     (["--prefill", "ftp://10.0.0.1:8100"], "--prefill: 'ftp://10.0.0.1:8100': scheme 'ftp'"),
     (["--prefill", "http://[::1"], "--prefill: 'http://[::1' is not a URL"),

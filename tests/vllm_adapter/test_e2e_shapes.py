@@ -97,6 +97,9 @@ WORDS = (12, 90, 300, 40, 150, 70)
 MAX_TOKENS = 12
 CHECKSUM = {"kv_checksum": True}  # D verifies every block P wrote, byte for byte
 RETRY = {"retry_prefill": 1, "retry_prefill_avoid": "none"}
+WHY_TIMEOUT = "5"
+"""The proxies' wait for D's workers to say why a request failed: 0.5 s (the default) was not
+enough for P TP 2 -> D TP 1's seven engine processes on two slow cores (a 502 "cause unknown")."""
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
@@ -113,6 +116,7 @@ def shaped(request: pytest.FixtureRequest,
     # took 139-184 s for both shapes so, 252 s with each server in an autogroup of its own; a
     # server in a session of its own beside the shared ones stalled 15 s at a time (the
     # ahead proxy of test_e2e.py's start-mode test, 4 of 5 runs), so the sidecar shares it too
+    shape["proxy_args"] = [*shape.get("proxy_args", []), "--why-timeout", WHY_TIMEOUT]
     c = LocalCluster(model=model, workdir=work / "logs", reference=True,
                      p_extra=dict(CHECKSUM), d_extra=d_extra, own_sessions=False, **shape)
     _truncate_flag[name] = work / "truncate-writes"  # P writes short while it exists
@@ -230,6 +234,7 @@ def test_a_persistently_corrupted_transfer_is_an_error_that_names_it(
         sys.executable, "-m", "lw.proxy.server", "--sidecar", "--decode", d_url,
         "--allow-prefiller", target, "--host", "127.0.0.1", "--port", str(port),
         "--control-host", "127.0.0.1", "--control-port", str(control), "--timeout", "120",
+        "--why-timeout", WHY_TIMEOUT,
         "--log-level", "warning"], dict(os.environ, PYTHONUNBUFFERED="1",
                                         LW_CLUSTER_KEY=c.cluster_key),
         f"http://127.0.0.1:{port}", tmp_path / "sidecar.log", own_session=False)
