@@ -509,9 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "call before it is cancelled and started D first (below the prefill "
                          "engines' metaserver_timeout_s)")
     ap.add_argument("--why-timeout", type=seconds, default=Limits.why_timeout_s, metavar="S",
-                    help="how long a failed request's client waits while the proxy asks the "
-                         "decode server's workers why (past it the error says the cause is "
-                         "unknown); raise it where D's host is loaded")
+                    help="how long a failed request's client waits while the proxy asks D's "
+                         "workers why (then: cause unknown); raise it where D's host is loaded")
     ap.add_argument("--max-body-mb", type=seconds, default=8.0, metavar="MB",
                     help="largest client body on the public port (413 above it)")
     ap.add_argument("--max-concurrent-requests", type=int, default=4096, metavar="N",
