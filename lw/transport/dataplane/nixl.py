@@ -402,7 +402,8 @@ class NixlDataPlane(_QueuedDataPlane):
                     flights.append(self._new_flight(session, job))
             # 2. Post, oldest transfer first, while the window has room.
             progressed = False
-            window.queued = sum(f.unsent for f in flights if not f.failure)
+            if self._window_span_s:  # what the span's threshold counts; nothing reads it else
+                window.queued = sum(f.unsent for f in flights if not f.failure)
             for f in flights:
                 if f.failure or f.next >= len(f.plan) or self._closed:
                     continue
