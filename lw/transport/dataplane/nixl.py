@@ -331,13 +331,15 @@ class NixlDataPlane(_QueuedDataPlane):
                     return f"no NIXL metadata of agent {name} from {ip}:{port} (closed)"
                 # The listener accepted a connection: either it is not agent ``name``'s, or
                 # NIXL fetched the metadata and UCX refused an endpoint to it (NIXL logs which
-                # on stderr). Measured: UCX's "Destination is unreachable" while lw's side
-                # channel reached the same host (docs/deployment.md, "NIXL").
+                # on stderr). Measured: UCX's "no route to" while lw's side channel reached
+                # the same host, a /32 PMTU exception via eth0 outranking the link's route
+                # (docs/deployment.md, "NIXL").
                 return (f"no NIXL metadata of agent {name} from {ip}:{port} within {wait:.2f}s: "
                         f"the listener answered, so either it is not {name}'s or UCX could not "
-                        f"open an endpoint to {ip} (NIXL's log on stderr says which; UCX checks "
-                        "its route against the routing table it read once, at its first "
-                        "connection in this process)")
+                        f"open an endpoint to {ip} (NIXL's log on stderr says which; UCX takes "
+                        "an interface only if its route has the longest prefix in the routing "
+                        "table it read once per process, PMTU exceptions included: see `ip "
+                        "route show cache`)")
             self._closed_event.wait(0.002)
         try:
             agent.make_connection(name, ["UCX"])
