@@ -87,6 +87,7 @@ from lw.transport.dataplane.base import (
     _QueuedDataPlane,
     coalesce,
 )
+from lw.transport.dataplane.routes import ucx_route_refusal
 from lw.transport.dataplane.window import WINDOW_SPAN_AFTER_S, ByteWindow
 
 __all__ = ["NixlDataPlane", "nixl_missing"]
@@ -333,13 +334,15 @@ class NixlDataPlane(_QueuedDataPlane):
                 # NIXL fetched the metadata and UCX refused an endpoint to it (NIXL logs which
                 # on stderr). Measured: UCX's "no route to" while lw's side channel reached
                 # the same host, a /32 PMTU exception via eth0 outranking the link's route
-                # (docs/deployment.md, "NIXL").
+                # (lw.transport.dataplane.routes names such routes).
+                why = ucx_route_refusal(ip, os.environ.get("UCX_NET_DEVICES"))
                 return (f"no NIXL metadata of agent {name} from {ip}:{port} within {wait:.2f}s: "
-                        f"the listener answered, so either it is not {name}'s or UCX could not "
-                        f"open an endpoint to {ip} (NIXL's log on stderr says which; UCX takes "
-                        "an interface only if its route has the longest prefix in the routing "
-                        "table it read once per process, PMTU exceptions included: see `ip "
-                        "route show cache`)")
+                        + (f"the listener answered, but UCX cannot reach {ip}: {why}" if why else
+                           f"the listener answered, so either it is not {name}'s or UCX could "
+                           f"not open an endpoint to {ip} (NIXL's log on stderr says which; "
+                           "UCX takes an interface only if its route has the longest prefix "
+                           "in the routing table it read once per process, PMTU exceptions "
+                           "included: see `ip route show cache`)"))
             self._closed_event.wait(0.002)
         try:
             agent.make_connection(name, ["UCX"])
