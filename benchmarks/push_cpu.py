@@ -56,6 +56,8 @@ CONFIGS = {  # name -> lw kv_connector_extra_config (P and D)
     # the default on lw's NIXL plane (UCX over TCP on the link's interface): what its agent's
     # threads cost P's core beside Mooncake's (issue 60: P's prefill was slower on NIXL)
     "auto-nixl": {"push_mode": "auto", "data_plane": "nixl"},
+    # D samples token 1 after the KV landed (issue 59's feature off): what the feature costs P
+    "auto-off": {"push_mode": "auto", "first_token_from_p": False},
 }
 OTHERS = {"peer": start_peer, "single": start_single, "single-stream": start_single}
 """Not lw: vLLM's MooncakeConnector P/D (its P sends a prompt's KV once the prefill is done, on
