@@ -18,7 +18,8 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Route", "dump_routes", "outranking_routes", "parse_routes", "pinned_devices"]
+__all__ = ["Route", "dump_routes", "outranking_routes", "parse_routes", "pinned_devices",
+           "ucx_route_refusal"]
 
 _NLMSG_DONE, _NLMSG_ERROR = 3, 2
 _RTM_NEWROUTE, _RTM_GETROUTE = 24, 26
@@ -96,7 +97,10 @@ def dump_routes(timeout_s: float = 1.0) -> list[Route]:
         routes: list[Route] = []
         done = False
         while not done:
-            got, done = parse_routes(s.recv(1 << 16))
+            data = s.recv(1 << 16)
+            if not data:
+                raise OSError("netlink route dump ended without NLMSG_DONE")
+            got, done = parse_routes(data)
             routes += got
         return routes
 
