@@ -110,12 +110,17 @@ def outranking_routes(ip: str, device: str, routes: Iterable[Route] | None = Non
     route to ``ip`` through ``device`` (each described as ``ip route`` would), or all routes to
     ``ip`` when ``device`` has none: why UCX pinned to ``device`` refuses ``ip``. [] when
     nothing outranks it or the interface is unknown here."""
+    return _outranking(ip, device, list(dump_routes() if routes is None else routes))[1]
+
+
+def _outranking(ip: str, device: str, table: list[Route]) -> tuple[bool, list[str]]:
+    """Whether ``device`` has a route to ``ip``, and the routes that outrank its best one
+    (False and [] when ``ip`` or ``device`` is not one here)."""
     try:
         index = socket.if_nametoindex(device)
         addr = ipaddress.IPv4Address(ip)
     except (OSError, ValueError):
-        return []
-    table = list(dump_routes() if routes is None else routes)
+        return False, []
     ours = max((r.dst.prefixlen for r in table if r.oif == index and addr in r.dst), default=-1)
     out = []
     for r in table:
@@ -127,7 +132,7 @@ def outranking_routes(ip: str, device: str, routes: Iterable[Route] | None = Non
             via = f" via {r.gateway}" if r.gateway else ""
             what = " (a PMTU exception: ip route show cache)" if r.cloned else ""
             out.append(f"{r.dst}{via} dev {name}{what}")
-    return out
+    return ours >= 0, out
 
 
 def pinned_devices(value: str | None) -> list[str]:
@@ -150,15 +155,10 @@ def ucx_route_refusal(ip: str, ucx_net_devices: str | None) -> str:
         return ""
     parts = []
     for dev in devices:
-        found = outranking_routes(ip, dev, table)
+        routed, found = _outranking(ip, dev, table)
         if not found:
             continue
-        try:
-            index = socket.if_nametoindex(dev)
-        except OSError:
-            continue
-        addr = ipaddress.IPv4Address(ip)
-        if any(r.oif == index and addr in r.dst for r in table):
+        if routed:
             parts.append(f"{', '.join(found)} outrank{'s' if len(found) == 1 else ''} "
                          f"{dev}'s route to {ip}")
         else:
