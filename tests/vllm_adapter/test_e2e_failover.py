@@ -11,8 +11,8 @@ let go. The flags are per server (``LocalCluster.server_env``), so the other P r
   from the token the client holds: the output equals the single engine's, greedy and seeded;
 - a transfer cut on every attempt -> the client gets an error after token 1, in-band;
 - the P holding the request killed -> prefilled again on the other P, output equal (greedy and
-  seeded; the killed server is started again between the cases);
-- both P killed -> the re-prefill has nowhere to go: an in-band error after token 1.
+  seeded; a killed server is started again before the next kill case, not after its own);
+- every P killed -> the re-prefill has nowhere to go: an in-band error after token 1.
 The held writes stand in for issue 59's kv/prefill 2.0 link: what the fault needs is that the KV
 has not landed when token 1 reaches the client, and holding makes that certain instead of likely.
 Each case ends with every block of D released and no live lw request left.
@@ -291,6 +291,15 @@ def _kill(c: LocalCluster, *names: str) -> None:
                         f"SIGKILL; its threads: {_threads(proc.pid)}")
 
 
+def _every_prefill_server_up(c: LocalCluster) -> None:
+    """Start again the prefill servers an earlier case killed: a kill case needs the other P
+    to fail over to. (Started here, not after each kill: the last case would kill it again.)"""
+    dead = [c.servers[n] for n in c.prefill_names if not c.servers[n].alive]
+    for server in dead:
+        server.start()
+    wait_ready(dead, 300)
+
+
 def _threads(pid: int) -> str:
     """Each thread's state and kernel wait channel, from /proc."""
     out = []
@@ -309,8 +318,9 @@ def test_the_prefill_server_killed_after_token_1_the_other_one_prefills_and_d_co
         cluster: LocalCluster, sampling: dict[str, Any]) -> None:
     """The client holds P's token 1, then the P holding the request's KV is killed: D finds it
     lost, asks for a new prefill, the proxy sends it to the other P, and D continues from the
-    token the client holds: the output equals the single engine's. The killed server is
-    started again afterwards."""
+    token the client holds: the output equals the single engine's. A server an earlier
+    case killed is started again first."""
+    _every_prefill_server_up(cluster)
     prompt = make_prompt(150, seed=920 + len(sampling))
     want = _reference(cluster, prompt, sampling)
     reprefills = _d_counter(cluster, "core.reprefills")
@@ -320,28 +330,25 @@ def test_the_prefill_server_killed_after_token_1_the_other_one_prefills_and_d_co
         if name != holding:
             f.release()
     _kill(cluster, holding)
-    _flags[holding].release()  # its writes died with it; the restarted server must not hold
-    try:
-        s.join()
-        assert not s.error, s.error
-        assert s.tokens == want, f"P/D {s.tokens} != single engine {want}"
-        assert _d_counter(cluster, "core.reprefills") == reprefills + 1
-        assert _wait_counts(cluster, from_p + 1) == (from_p + 1, recomputed)
-        _settled(cluster)
-    finally:
-        cluster.servers[holding].start()
-        wait_ready([cluster.servers[holding]], 300)
+    _flags[holding].release()  # its writes died with it; a restarted server must not hold
+    s.join()
+    assert not s.error, s.error
+    assert s.tokens == want, f"P/D {s.tokens} != single engine {want}"
+    assert _d_counter(cluster, "core.reprefills") == reprefills + 1
+    assert _wait_counts(cluster, from_p + 1) == (from_p + 1, recomputed)
+    _settled(cluster)
 
 
 def test_with_no_prefill_server_left_after_token_1_the_client_gets_an_in_band_error(
         cluster: LocalCluster) -> None:
-    """Both prefill servers killed once the client holds token 1: D's re-prefill has nowhere
-    to go, and the client gets an error in the stream after its token, not a hang; D's blocks
-    come back. (Last in the module: it leaves the cluster without a prefill server.)"""
+    """Every prefill server still up killed once the client holds token 1 (the case before
+    left one): D's re-prefill has nowhere to go, and the client gets an error in the stream
+    after its token, not a hang; D's blocks come back. (Last in the module: it leaves the
+    cluster without a prefill server.)"""
     prompt = make_prompt(150, seed=930)
     want = _reference(cluster, prompt, GREEDY)
     s, _ = _token_1_then_held(cluster, prompt, GREEDY)
-    _kill(cluster, *cluster.prefill_names)
+    _kill(cluster, *[n for n in cluster.prefill_names if cluster.servers[n].alive])
     for f in _flags.values():
         f.release()
     s.join()
