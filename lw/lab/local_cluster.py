@@ -281,6 +281,10 @@ class LocalCluster:
     # lw's data plane on P and D (``data_plane`` of their extra config): "mooncake" or "nixl"
     # (then UCX over TCP on each engine's own interface unless the environment sets UCX_*)
     data_plane: str = "mooncake"
+    # a reference engine of the same model that its owner started (``reference_engine`` of
+    # another cluster) and stops: this cluster waits for it and uses it, never stops it
+    # (test modules share one, an engine start less each); it stands in for ``reference``
+    shared_reference: Server | None = None
 
     @property
     def prefill_names(self) -> list[str]:
@@ -301,6 +305,10 @@ class LocalCluster:
         if ns is None:
             return ucx_env(host)
         return in_netns(ns, lambda: ucx_env(host))
+
+    def reference_engine(self) -> Server:
+        """The single engine outputs are compared with (no connector, core 0), not started."""
+        return self._engine("reference", 0, None)
 
     def _engine(self, name: str, first_core: int, kv: dict[str, Any] | None, tp: int = 1,
                 dp: int = 1) -> Server:
@@ -357,8 +365,10 @@ class LocalCluster:
         # Each side is told the other's TP: D counts its senders with it, P checks D's.
         d_extra = {"peer_tp_size": self.p_tp, "host": self.host("decode"),
                    "data_plane": self.data_plane, **self.d_extra}
-        if self.reference:
-            self.servers["reference"] = self._engine("reference", 0, None)
+        if self.shared_reference is not None:
+            self.servers["reference"] = self.shared_reference
+        elif self.reference:
+            self.servers["reference"] = self.reference_engine()
         for name in self.prefill_names:
             kv_p = self.kv_ports[name] = free_port_range(max(4, self.p_tp * self.p_dp))
             p_extra = {"peer_tp_size": self.d_tp, "host": self.host(name),
@@ -373,7 +383,8 @@ class LocalCluster:
         self.servers["decode"] = self._engine("decode", 1, kv_dc, self.d_tp, self.d_dp)
         engines = list(self.servers.values())
         for s in engines:
-            s.start()
+            if s is not self.shared_reference:
+                s.start()
         try:
             wait_ready(engines, timeout)
             self.warm_up(timeout)
@@ -440,7 +451,7 @@ class LocalCluster:
         """Stop everything this cluster started (proxy first)."""
         for name in ("proxy", "decode", *self.prefill_names, "reference"):
             s = self.servers.get(name)
-            if s is not None:
+            if s is not None and s is not self.shared_reference:
                 s.stop()
 
     def __enter__(self) -> LocalCluster:

@@ -33,7 +33,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -93,11 +93,12 @@ def otlp() -> Iterator[Receiver]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, otlp: Receiver) -> Iterator[LocalCluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, otlp: Receiver,
+            shared_reference: Callable[[str], Server]) -> Iterator[LocalCluster]:
     work = tmp_path_factory.mktemp("e2e")
     model = make_tiny_model(work / "model")
-    c = LocalCluster(model=model, workdir=work / "logs", reference=True, p_extra=P_EXTRA,
-                     d_extra=D_EXTRA, otlp_endpoint=otlp.url)
+    c = LocalCluster(model=model, workdir=work / "logs", shared_reference=shared_reference("llama"),
+                     p_extra=P_EXTRA, d_extra=D_EXTRA, otlp_endpoint=otlp.url)
     # P truncates its writes while this file exists (test_planted_truncated_writes_...)
     _truncate_flag[0] = work / "truncate-writes"
     os.environ[TRUNCATE_ENV] = str(_truncate_flag[0])

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ pytest.importorskip("httpx")
 import httpx  # noqa: E402
 
 from lw.lab.demo_client import wait_blocks_released  # noqa: E402
-from lw.lab.local_cluster import wait_ready  # noqa: E402
+from lw.lab.local_cluster import Server, wait_ready  # noqa: E402
 from lw.lab.tiny_model import make_tiny_model  # noqa: E402
 from lw.lab.vllm_demo import MODEL_NAME, LocalCluster, make_prompt, metrics  # noqa: E402
 from lw.ops.client import query  # noqa: E402
@@ -91,13 +91,15 @@ _flags: dict[str, Flags] = {}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory,
+            shared_reference: Callable[[str], Server]) -> Iterator[LocalCluster]:
     work = tmp_path_factory.mktemp("failover")
     names = ["prefill", "prefill2"]
     for name in names:
         _flags[name] = Flags(work / f"hold-{name}", work / f"cut-{name}")
     c = LocalCluster(model=make_tiny_model(work / "model"), workdir=work / "logs",
-                     reference=True, p_extra=P_EXTRA, d_extra=D_EXTRA, prefill_servers=2,
+                     shared_reference=shared_reference("llama"), p_extra=P_EXTRA,
+                     d_extra=D_EXTRA, prefill_servers=2,
                      server_env={n: {HOLD_ENV: str(f.hold), TRUNCATE_ENV: str(f.cut)}
                                  for n, f in _flags.items()})
     assert c.prefill_names == names

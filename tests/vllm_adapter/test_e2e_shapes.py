@@ -53,7 +53,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -103,8 +103,8 @@ enough for P TP 2 -> D TP 1's seven engine processes on two slow cores (a 502 "c
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
-def shaped(request: pytest.FixtureRequest,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, LocalCluster]]:
+def shaped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           shared_reference: Callable[[str], Server]) -> Iterator[tuple[str, LocalCluster]]:
     name = request.param
     shape = dict(SHAPES[name])
     kind = shape.pop("kind", "llama")
@@ -117,7 +117,7 @@ def shaped(request: pytest.FixtureRequest,
     # server in a session of its own beside the shared ones stalled 15 s at a time (the
     # ahead proxy of test_e2e.py's start-mode test, 4 of 5 runs), so the sidecar shares it too
     shape["proxy_args"] = [*shape.get("proxy_args", []), "--why-timeout", WHY_TIMEOUT]
-    c = LocalCluster(model=model, workdir=work / "logs", reference=True,
+    c = LocalCluster(model=model, workdir=work / "logs", shared_reference=shared_reference(kind),
                      p_extra=dict(CHECKSUM), d_extra=d_extra, own_sessions=False, **shape)
     _truncate_flag[name] = work / "truncate-writes"  # P writes short while it exists
     os.environ[TRUNCATE_ENV] = str(_truncate_flag[name])
