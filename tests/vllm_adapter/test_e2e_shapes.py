@@ -35,7 +35,8 @@ in-process instead (tests/vllm_adapter/test_connector_tp.py: real Scheduler, one
 per TP rank).
 
 One cluster per shape (module-scoped, parametrized: pytest runs them one after the other), each
-with a single-engine reference of the same model. P's data plane writes short while a flag file
+compared with the session's single-engine reference of its model kind (conftest.py: shared with
+test_e2e.py's llama cluster, its prefix cache emptied first). P's data plane writes short while a flag file
 exists (lw.transport.dataplane.planted): a persistent corruption that the checksums catch, and
 whose client error, through the proxy and a sidecar, must say so; and a corruption of a
 request's first attempt only, which D's prefill retry (``retry_prefill`` 1) must turn into the
