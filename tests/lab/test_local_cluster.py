@@ -131,3 +131,34 @@ def test_a_server_in_the_callers_session_is_still_killed_with_its_children(
             break
         time.sleep(0.05)
     assert left == ""
+
+
+
+def test_a_shared_reference_is_used_but_never_started_nor_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster given another's reference engine (the e2e modules' session one) serves it as
+    its "reference" and leaves starting and stopping it to its owner."""
+    from lw.lab import local_cluster
+
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(Server, "start", lambda self: calls.append(("start", self.name)))
+    monkeypatch.setattr(Server, "stop",
+                        lambda self, timeout=20.0: calls.append(("stop", self.name)))
+    monkeypatch.setattr(local_cluster, "wait_ready",
+                        lambda servers, timeout: calls.extend(("wait", s.name) for s in servers))
+    monkeypatch.setattr(LocalCluster, "warm_up", lambda self, timeout: None)
+    monkeypatch.setattr(LocalCluster, "start_proxy", lambda self, timeout=60.0: None)
+    shared = LocalCluster(model=tmp_path, workdir=tmp_path).reference_engine()
+    assert shared.name == "reference" and "--kv-transfer-config" not in shared.argv
+    cluster = LocalCluster(model=tmp_path, workdir=tmp_path, shared_reference=shared)
+    cluster.start()
+    cluster.stop()
+    assert cluster.servers["reference"] is shared and cluster.url("reference") == shared.url
+    assert ("wait", "reference") in calls  # ready before the cluster is
+    assert not {("start", "reference"), ("stop", "reference")} & set(calls), calls
+    assert {("start", "decode"), ("stop", "decode"), ("stop", "prefill")} <= set(calls)
+    calls.clear()
+    own = LocalCluster(model=tmp_path, workdir=tmp_path)
+    own.start()
+    own.stop()
+    assert {("start", "reference"), ("stop", "reference")} <= set(calls)
