@@ -36,15 +36,14 @@ per TP rank).
 
 One cluster per shape (module-scoped, parametrized: pytest runs them one after the other), each
 compared with the session's single-engine reference of its model kind (conftest.py: shared with
-test_e2e.py's llama cluster, its prefix cache emptied first). P's data plane writes short while a flag file
-exists (lw.transport.dataplane.planted): a persistent corruption that the checksums catch, and
-whose client error, through the proxy and a sidecar, must say so; and a corruption of a
+test_e2e.py's llama cluster, its prefix cache emptied first). P's data plane writes short while a
+flag file exists (lw.transport.dataplane.planted): a persistent corruption that the checksums
+catch, and whose client error, through the proxy and a sidecar, must say so; and a corruption of a
 request's first attempt only, which D's prefill retry (``retry_prefill`` 1) must turn into the
-single engine's output (the last two tests). Checked per
-shape: P/D outputs pass the oracle, sequential and concurrent, D verified every request's
-checksums, and nothing stays held on either side afterwards; then every worker's timeline is a
-behaviour of the checked model (``lw validate`` on the run's trace, each request in its own
-shape: trace_export).
+single engine's output (the last two tests). Checked per shape: P/D outputs pass the oracle,
+sequential and concurrent, D verified every request's checksums, and nothing stays held on either
+side afterwards; then every worker's timeline is a behaviour of the checked model (``lw validate``
+on the run's trace, each request in its own shape: trace_export).
 """
 
 from __future__ import annotations
