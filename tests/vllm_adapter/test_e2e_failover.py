@@ -66,6 +66,10 @@ MAX_TOKENS = 12
 GREEDY = {"temperature": 0.0}
 SEEDED = {"temperature": 0.8, "seed": 11}
 SETTLE_S = LEASE_S + D_EXTRA["prefill_timeout_s"] + 30  # the slowest fault path
+WHY_TIMEOUT = "5"
+"""The proxy's wait for D's workers to say why a request failed: with 0.5 s (the default) a
+rehearsal's cut-on-every-attempt case got "cause unknown: the decode server's workers did not
+answer within 0.5 s" instead of the checksum mismatch, as test_e2e_shapes.py's did before."""
 
 
 @dataclass
@@ -99,7 +103,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory,
         _flags[name] = Flags(work / f"hold-{name}", work / f"cut-{name}")
     c = LocalCluster(model=make_tiny_model(work / "model"), workdir=work / "logs",
                      shared_reference=shared_reference("llama"), p_extra=P_EXTRA,
-                     d_extra=D_EXTRA, prefill_servers=2,
+                     d_extra=D_EXTRA, prefill_servers=2, proxy_args=["--why-timeout", WHY_TIMEOUT],
                      server_env={n: {HOLD_ENV: str(f.hold), TRUNCATE_ENV: str(f.cut)}
                                  for n, f in _flags.items()})
     assert c.prefill_names == names
