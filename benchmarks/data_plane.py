@@ -2,16 +2,17 @@
 
 Run: ``.venv/bin/python benchmarks/data_plane.py [--mib 64] [--layers 32]``. Two processes over
 loopback (this one sends; a copy of this script started with ``--peer`` receives), same bytes for
-every section, all measured in one run, the sections interleaved round by round (medians
-reported) so that load from other processes hits them alike. Sections:
-(a) one ``batch_transfer_sync_write`` of large contiguous entries (own engine), (b) layerwise
-through MooncakeDataPlane with simulated compute per layer, (c) send-after-forward, (d) a raw
-Python TCP socket. (b) and (c) run for each ``--modes`` wait mode; the first mode gives the
-headline (unsuffixed) keys. With ``--data-plane nixl`` the same run also measures (a') NIXL's best
-batch (one prepped request of all blocks, and of one contiguous entry) and (b), (c) through
-NixlDataPlane (keys ``*_nixl``), under UCX_TLS=tcp unless the environment sets UCX_TLS. The
-last lines are ``key: value`` for machines; the 1-minute load
-average is printed too, because on a small shared machine it moves every figure.
+every section, all measured in one run, the sections interleaved round by round (medians reported)
+so that load from other processes hits them alike. Sections: (a) one ``batch_transfer_sync_write``
+of large contiguous entries (own engine), (b) layerwise through MooncakeDataPlane with simulated
+compute per layer, (c) send-after-forward, (d) a raw Python TCP socket. (b) and (c) run for each
+``--modes`` wait mode; the first mode gives the headline (unsuffixed) keys. Compute per layer is
+one layer's transfer alone through that plane (``--compute-ratio`` times it), or ``--compute-ms``
+for every plane alike. With ``--data-plane nixl`` the same run also measures (a') NIXL's best batch
+(one prepped request of all blocks, and of one contiguous entry) and (b), (c) through NixlDataPlane
+(keys ``*_nixl``), under UCX_TLS=tcp unless the environment sets UCX_TLS. The last lines are ``key:
+value`` for machines; the 1-minute load average is printed too, because on a small shared machine
+it moves every figure.
 """
 
 from __future__ import annotations
@@ -487,7 +488,8 @@ def prepare(ctx: Ctx) -> None:
                 done = mode.collector.wait([("cal", r, k)])
                 times.append(done[("cal", r, k)] - t0)
         mode.layer_transfer_s = statistics.median(times)
-        mode.compute_s = mode.layer_transfer_s * ctx.args.compute_ratio
+        mode.compute_s = (ctx.args.compute_ms / 1e3 if ctx.args.compute_ms
+                          else mode.layer_transfer_s * ctx.args.compute_ratio)
 
 
 def report(ctx: Ctx) -> None:
@@ -496,8 +498,9 @@ def report(ctx: Ctx) -> None:
     print(
         f"\n{a.mib} MiB, {a.layers} layers, blocks of {a.block_kib} KiB "
         f"({'scattered' if a.scatter else 'contiguous'} at the peer), {a.repeats} rounds, "
-        f"{os.cpu_count()} CPUs, simulated compute per layer = {a.compute_ratio} x one "
-        f"layer's transfer alone"
+        f"{os.cpu_count()} CPUs, simulated compute per layer = "
+        + (f"{a.compute_ms} ms for every plane" if a.compute_ms
+           else f"{a.compute_ratio} x one layer's transfer alone")
     )
     for mode in ctx.modes:
         print(
@@ -593,6 +596,13 @@ def main() -> None:
         help="simulated compute per layer, in units of one layer's transfer time",
     )
     p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=0.0,
+        help="simulated compute per layer in ms, the same for every plane (instead of "
+             "--compute-ratio): a faster plane then gets no tighter pace than a slower one",
+    )
+    p.add_argument(
         "--modes",
         default="poll,spin",
         help="MooncakeDataPlane wait modes to run; the first is the headline",
@@ -622,6 +632,9 @@ def main() -> None:
     block = args.block_kib * 1024
     if total % (args.layers * block):
         p.error("--mib must be a multiple of --layers x --block-kib")
+    if not args.compute_ms >= 0 or not args.compute_ratio > 0:
+        p.error(f"--compute-ms must be >= 0 and --compute-ratio > 0, got {args.compute_ms} "
+                f"and {args.compute_ratio}")
     nixl = args.data_plane == "nixl"
     peer = PeerProcess(total, nixl)
     modes: list[Mode] = []
@@ -634,7 +647,8 @@ def main() -> None:
             if name == "nixl":
                 from lw.transport.dataplane.nixl import NixlDataPlane
 
-                plane: Any = NixlDataPlane("127.0.0.1")
+                # built as P's worker builds it: a writer without UCX's progress thread
+                plane: Any = NixlDataPlane("127.0.0.1", progress_thread=False)
                 session = peer.nixl_session
             else:
                 plane = MooncakeDataPlane("127.0.0.1", wait=name)  # type: ignore[arg-type]

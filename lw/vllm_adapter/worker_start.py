@@ -180,7 +180,9 @@ def data_plane(cfg: LwConfig) -> Any:
         dp: Any = InProcessDataPlane()
     elif cfg.data_plane == "nixl":  # UCX's settings: its UCX_* environment variables
         from lw.transport.dataplane.nixl import NixlDataPlane
-        dp = NixlDataPlane(hostname=cfg.host, timeout_s=cfg.transfer_timeout_s)
+        # P only writes: its sender progresses UCX itself (no progress thread on its cores)
+        dp = NixlDataPlane(hostname=cfg.host, timeout_s=cfg.transfer_timeout_s,
+                           progress_thread=not cfg.is_producer)
     else:
         dp = MooncakeDataPlane(hostname=cfg.host, timeout_s=cfg.transfer_timeout_s,
                                metadata_server=cfg.mooncake_metadata_server,

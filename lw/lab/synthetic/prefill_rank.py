@@ -49,7 +49,7 @@ def _prefill_tp(cfg: ClusterConfig, rank: int, t: int, incarnation: int,
     (``epochs``: the claim epoch of each request the rank was asked to prefill again)."""
     fmt = cfg.p_format(t)
     kv = np.zeros((cfg.layers, cfg.p_blocks, cfg.rank_block_bytes(fmt)), dtype=np.uint8)
-    dp = data_plane_for(cfg, f"p{rank}t{t}", cfg.p_host)
+    dp = data_plane_for(cfg, f"p{rank}t{t}", cfg.p_host, writer=True)
     dp.register_memory(kv.ctypes.data, kv.nbytes)
     if cfg.fault in ("corrupt-write", "mix"):
         # With a retry budget the fault hits first attempts only: what a bad transfer's retry

@@ -108,8 +108,10 @@ def faults_for(cfg: ClusterConfig, salt: int) -> FaultInjection | None:
     return None
 
 
-def data_plane_for(cfg: ClusterConfig, name: str, host: str = "127.0.0.1") -> Any:
-    """A fresh data plane of the kind ``cfg`` names, for the TP worker ``name``."""
+def data_plane_for(cfg: ClusterConfig, name: str, host: str = "127.0.0.1",
+                   writer: bool = False) -> Any:
+    """A fresh data plane of the kind ``cfg`` names, for the TP worker ``name`` (``writer``: a
+    P worker's, which only writes)."""
     if cfg.data_plane == "mooncake":
         from lw.transport.dataplane import MooncakeDataPlane
 
@@ -117,7 +119,8 @@ def data_plane_for(cfg: ClusterConfig, name: str, host: str = "127.0.0.1") -> An
     if cfg.data_plane == "nixl":
         from lw.transport.dataplane.nixl import NixlDataPlane
 
-        return NixlDataPlane(host, timeout_s=cfg.transfer_timeout_s, env=ucx_env(host))
+        return NixlDataPlane(host, timeout_s=cfg.transfer_timeout_s, env=ucx_env(host),
+                             progress_thread=not writer)
     from lw.transport.dataplane import InProcessDataPlane
 
     return InProcessDataPlane(f"{name}-{os.getpid()}-{time.monotonic_ns()}",

@@ -23,12 +23,13 @@ NIXL facts this module relies on (measured with ``nixl-cu12==1.5.1`` on loopback
   it woke ~1,000 times a second on the engine's core, preempting P's forward ~550 times per
   1,024-token prefill against Mooncake's ~300 (benchmarks/push_cpu.py; at 20 ms 80 wake-ups and
   ~300 preemptions). TTFT on NIXL / on Mooncake, serving.py uncapped: 1.00 and 1.02 at 20 ms
-  (1.10 in a six-set-up race), 1.28 and 1.04 at 1 ms (docs/benchmarks.md). A writer can run
-  without it (``progress_thread`` False: its sender's polls progress UCX), and P's side threads
-  then took 18-35 ms of CPU per 1,024-token prompt against 38-70 ms; but in
-  ``benchmarks/data_plane.py --data-plane nixl`` its tail after the last layer was 4.8-8.8
-  layer-transfer times in 6 of 10 runs (0.8-1.3 with the thread, issue 60 asks <= 2), so P
-  keeps it.
+  (1.10 in a six-set-up race), 1.28 and 1.04 at 1 ms (docs/benchmarks.md). A writer runs
+  without it (``progress_thread`` False: its sender's polls progress UCX, as P's plane does):
+  P's side threads took 18-35 ms of CPU per 1,024-token prompt against 38-70 ms, and at the same
+  compute pace per layer (``benchmarks/data_plane.py --compute-ms``) it kept up where the
+  threaded sender fell behind: at 1.2 ms a layer 1,760 against 1,170-1,390 MB/s, tail after the
+  last layer 0.9-1.0 against 6-20 ms. Paced by its own faster lone layer it backs up (the tail
+  in lone-layer times is issue 60's bound; docs/benchmarks.md).
 * Nothing signals a request's completion to the sender: it polls ``check_xfer_state``,
   backing off from 50 µs to ``poll_interval_s`` (0.25 ms), so a transfer's report may be up to
   that late. At 0.5 ms, ``benchmarks/data_plane.py --data-plane nixl`` put the push's tail
@@ -221,9 +222,9 @@ class NixlDataPlane(_QueuedDataPlane):
     ``window_span_after_s`` to carry, as Mooncake's sender does. Off by default: UCX queued
     little ahead of P's first token without it (at kv/prefill 2.0, P sampled -> D received p50
     2.1-2.3 ms, max 2.6-3.4, in three runs); with Mooncake's 10 ms span it was 2.8-4.7 / 6.4-9.1
-    ms, alternated with them (docs/benchmarks.md). ``progress_thread`` False: no UCX progress
-    thread, the sender's polls progress UCX (measured, not used: see the module docstring); a
-    plane others write into needs the thread.
+    ms, alternated with them (docs/benchmarks.md). ``progress_thread`` False (a plane that only
+    writes, as P's): no UCX progress thread; the sender thread progresses UCX as it polls its
+    requests. A plane others write into needs the thread (see the module docstring).
     """
 
     can_fence = False  # lease-only: nothing of lw's to cut (see the module docstring)
