@@ -93,8 +93,9 @@ def test_write_complete_before_bytes_land_is_rejected(
         capsys: pytest.CaptureFixture[str]) -> None:
     real = prefill_rank.data_plane_for
 
-    def planted(cfg: ClusterConfig, name: str, host: str = "127.0.0.1") -> Any:
-        dp = real(cfg, name, host)
+    def planted(cfg: ClusterConfig, name: str, host: str = "127.0.0.1",
+                writer: bool = False) -> Any:
+        dp = real(cfg, name, host, writer=writer)
         return EarlyPlane(dp) if name.startswith("p") else dp
 
     monkeypatch.setattr(prefill_rank, "data_plane_for", planted)
